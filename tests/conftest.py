@@ -1,0 +1,5 @@
+"""Shared pytest configuration.
+
+Fixture plugins are listed in pytest_plugins so every test module sees them.
+"""
+pytest_plugins: list[str] = []
