@@ -1,0 +1,150 @@
+"""Desired vs observed tc state -> the operations that make them equal. Pure.
+
+Order matters and is encoded here, not in the executor: the IFB, its HTB root
+and every class exist before any uplink filter redirects traffic into them, so
+no packet ever meets an IFB without a shaper; deletions come last.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from . import sizing
+from .model import NODE_MINOR, HtbClassSpec, ObservedShaper, ShaperSpec
+
+# (rate bytes/s, size bytes) -> kernel ticks; the executor passes the kernel's clock.
+TickFn = Callable[[int, int], int]
+
+
+@dataclass(frozen=True)
+class ClassParams:
+    """An HTB class exactly as the kernel stores it, so specs and dumps compare."""
+
+    minor: int
+    parent_minor: int
+    rate_bytes: int
+    ceil_bytes: int
+    burst_bytes: int
+    cburst_bytes: int
+    quantum: int
+    buffer: int
+    cbuffer: int
+
+
+@dataclass(frozen=True)
+class Op:
+    action: str  # see Executor.apply for the list
+    device: str = ""
+    minor: int = 0
+    params: ClassParams | None = None
+    leaf_kind: str = ""
+    leaf_limit: int = 0
+    detail: str = ""
+
+    def __str__(self) -> str:
+        where = f" {self.device}" if self.device else ""
+        what = f" class {self.minor:#x}" if self.minor else ""
+        return f"{self.action}{where}{what}{(' ' + self.detail) if self.detail else ''}"
+
+
+def class_params(spec: HtbClassSpec | None, minor: int, parent: int, rate: int, ceil: int, ticks: TickFn) -> ClassParams:
+    rate_b, ceil_b = sizing.bytes_per_second(rate), sizing.bytes_per_second(ceil)
+    burst, cburst = sizing.burst_bytes(rate), sizing.burst_bytes(ceil)
+    return ClassParams(
+        minor=minor,
+        parent_minor=parent,
+        rate_bytes=rate_b,
+        ceil_bytes=ceil_b,
+        burst_bytes=burst,
+        cburst_bytes=cburst,
+        quantum=sizing.quantum_bytes(rate),
+        buffer=ticks(rate_b, burst),
+        cbuffer=ticks(ceil_b, cburst),
+    )
+
+
+def desired_classes(spec: ShaperSpec, ticks: TickFn) -> dict[int, ClassParams]:
+    out = {NODE_MINOR: class_params(None, NODE_MINOR, 0, spec.node_rate, spec.node_rate, ticks)}
+    for c in spec.classes:
+        out[c.minor] = class_params(c, c.minor, NODE_MINOR, c.rate, c.ceil, ticks)
+    return out
+
+
+def leaf_limit(spec: ShaperSpec, c: HtbClassSpec) -> int:
+    return sizing.leaf_limit_packets(c.ceil)
+
+
+def plan_ops(spec: ShaperSpec, obs: ObservedShaper, ticks: TickFn) -> list[Op]:
+    ops: list[Op] = []
+    ifb = spec.ifb
+
+    # 1. the IFB device
+    if obs.ifb_index is None:
+        ops.append(Op("create_ifb", ifb))
+    elif obs.ifb_txqueuelen != spec.ifb_txqueuelen or not obs.ifb_up:
+        ops.append(Op("set_ifb", ifb))
+
+    # 2. the HTB root: adopted when it is ours, never replaced in place
+    root_ok = obs.root_kind == "htb" and obs.root_handle_major == spec.major
+    if not root_ok:
+        if obs.root_kind not in (None, "noqueue", "pfifo_fast", "pfifo", "fq_codel", "mq"):
+            # our own IFB carries a qdisc we did not put there: replace it, say what it was
+            ops.append(Op("delete_root", ifb, detail=f"(was {obs.root_kind})"))
+        elif obs.root_kind == "htb":
+            ops.append(Op("delete_root", ifb, detail=f"(htb with foreign handle {obs.root_handle_major:#x})"))
+        ops.append(Op("add_root", ifb))
+    elif obs.root_default_minor != spec.default.minor:
+        ops.append(Op("change_root", ifb))
+    observed_classes = obs.classes if root_ok else {}
+    observed_leaves = obs.leaves if root_ok else {}
+
+    # 3. classes: node class first (parents before children), then leaves
+    want = desired_classes(spec, ticks)
+    for minor in sorted(want, key=lambda m: (m != NODE_MINOR, m)):
+        p = want[minor]
+        have = observed_classes.get(minor)
+        if have is None:
+            ops.append(Op("add_class", ifb, minor, p))
+        elif (
+            have.parent_minor != p.parent_minor
+            or have.rate_bytes != p.rate_bytes
+            or have.ceil_bytes != p.ceil_bytes
+            or have.quantum != p.quantum
+            or have.buffer != p.buffer
+            or have.cbuffer != p.cbuffer
+        ):
+            if have.parent_minor != p.parent_minor:
+                ops.append(Op("delete_class", ifb, minor, detail="(wrong parent)"))
+                ops.append(Op("add_class", ifb, minor, p))
+            else:
+                ops.append(Op("change_class", ifb, minor, p))
+    for c in spec.classes:
+        limit = leaf_limit(spec, c)
+        have_leaf = observed_leaves.get(c.minor)
+        if have_leaf is None or have_leaf.kind != spec.leaf or have_leaf.handle_major != c.minor:
+            ops.append(Op("replace_leaf", ifb, c.minor, leaf_kind=spec.leaf, leaf_limit=limit))
+        elif spec.leaf == "pfifo" and have_leaf.limit != limit:
+            ops.append(Op("replace_leaf", ifb, c.minor, leaf_kind=spec.leaf, leaf_limit=limit))
+
+    # 4. uplinks: clsact, then the redirect filter (only now is the IFB ready)
+    for up in spec.uplinks:
+        if obs.uplink_index.get(up) is None:
+            ops.append(Op("missing_uplink", up))
+            continue
+        if not obs.uplink_clsact.get(up):
+            ops.append(Op("add_clsact", up))
+        ours = [f for f in obs.filters.get(up, []) if f.pref == spec.filter_pref]
+        good = [
+            f
+            for f in ours
+            if f.kind == "bpf" and f.mark_bit == spec.mark_bit and f.redirect_ifindex == obs.ifb_index and obs.ifb_index
+        ]
+        if not good:
+            ops.append(Op("replace_filter" if ours else "add_filter", up))
+        elif len(ours) > 1:
+            ops.append(Op("replace_filter", up, detail="(duplicate handles)"))
+
+    # 5. deletions last: classes nobody wants (leaf qdisc goes with its class)
+    for minor in sorted(set(observed_classes) - set(want), reverse=True):
+        ops.append(Op("delete_class", ifb, minor))
+    return ops

@@ -1,0 +1,150 @@
+"""Desired and observed shaper state as plain, comparable data.
+
+The planner builds a `ShaperSpec`; `tc.diff` compares it with an `ObservedShaper`
+read from the kernel and yields the operations that make them equal. Rates are
+bits per second here, as users write them; the netlink layer converts to bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# HTB minors that the planner never hands to a pod.
+NODE_MINOR = 0x1
+DEFAULT_MINOR = 0xFFFE
+RESERVED_MINORS = frozenset({0x0, NODE_MINOR, DEFAULT_MINOR, 0xFFFF})
+
+# Largest rate we accept: HTB's 64-bit rate attribute holds bytes/s as u64.
+MAX_RATE_BPS = (1 << 64) - 1
+MIN_RATE_BPS = 8  # one byte per second: HTB cannot express less
+
+
+@dataclass(frozen=True, order=True)
+class HtbClassSpec:
+    """One HTB class under the node class: a pod, or the default class."""
+
+    minor: int
+    rate: int  # guaranteed, bit/s
+    ceil: int  # may borrow up to, bit/s
+    key: str = ""  # "namespace/pod" (or "default"): for messages and stats only
+
+    def __post_init__(self) -> None:
+        validate_rate(self.rate, f"class {self.key or hex(self.minor)} rate")
+        validate_rate(self.ceil, f"class {self.key or hex(self.minor)} ceil")
+        if self.ceil < self.rate:
+            raise ValueError(
+                f"class {self.key or hex(self.minor)}: ceil {self.ceil} bit/s is below rate {self.rate} bit/s"
+            )
+        if not 0 < self.minor < 0xFFFF:
+            raise ValueError(f"class {self.key}: HTB minor {self.minor:#x} out of range 1..0xfffe")
+
+
+@dataclass(frozen=True)
+class ShaperSpec:
+    """Everything netagent wants in tc on one node."""
+
+    ifb: str  # the IFB device that carries internet-bound pod traffic
+    uplinks: tuple[str, ...]  # devices whose egress is redirected into the IFB
+    mark_bit: int  # the firewall-mark bit iptables sets on internet traffic
+    node_rate: int  # node class rate = ceil, bit/s (the node's internet allocation)
+    default: HtbClassSpec  # unknown-source internet traffic: shaped at a floor
+    pods: tuple[HtbClassSpec, ...] = ()
+    major: int = 0x1  # HTB handle major on the IFB
+    leaf: str = "pfifo"  # leaf qdisc kind: "fq_codel" where the kernel has it
+    filter_pref: int = 0xC000  # clsact filter priority on the uplinks (ours alone)
+    ifb_txqueuelen: int = 5000
+
+    def __post_init__(self) -> None:
+        validate_rate(self.node_rate, "node rate")
+        if not self.ifb or len(self.ifb) > 15:
+            raise ValueError(f"IFB name {self.ifb!r} must be 1..15 characters")
+        if not self.uplinks:
+            raise ValueError("no uplink given: name the node's internet-facing device(s)")
+        if self.mark_bit <= 0 or self.mark_bit & (self.mark_bit - 1) or self.mark_bit >= 1 << 32:
+            raise ValueError(f"mark bit {self.mark_bit:#x} must be exactly one bit of a 32-bit mark")
+        minors = [p.minor for p in self.pods]
+        if len(set(minors)) != len(minors):
+            raise ValueError("two pod classes share one HTB minor")
+        if RESERVED_MINORS & set(minors):
+            raise ValueError(f"pod classes use reserved HTB minors {sorted(RESERVED_MINORS & set(minors))}")
+        if self.default.minor != DEFAULT_MINOR:
+            raise ValueError(f"the default class must use minor {DEFAULT_MINOR:#x}")
+        if not 0 < self.major < 0xFFFF:
+            raise ValueError(f"HTB major {self.major:#x} out of range")
+
+    @property
+    def classes(self) -> tuple[HtbClassSpec, ...]:
+        """Leaf classes (pods and default) in minor order."""
+        return tuple(sorted((*self.pods, self.default)))
+
+
+def validate_rate(bps: int, what: str) -> None:
+    if isinstance(bps, bool) or not isinstance(bps, int):
+        raise ValueError(f"{what}: rate must be an integer number of bit/s, got {bps!r}")
+    if bps < MIN_RATE_BPS:
+        raise ValueError(f"{what}: rate {bps} bit/s is too small; the least HTB can shape is {MIN_RATE_BPS} bit/s")
+    if bps > MAX_RATE_BPS:
+        raise ValueError(f"{what}: rate {bps} bit/s exceeds 2^64-1 bit/s")
+
+
+# ---- observed state -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ObservedClass:
+    minor: int
+    parent_minor: int
+    rate_bytes: int
+    ceil_bytes: int
+    buffer: int
+    cbuffer: int
+    quantum: int
+    prio: int
+
+
+@dataclass(frozen=True)
+class ObservedLeaf:
+    parent_minor: int
+    kind: str
+    handle_major: int
+    limit: int | None
+
+
+@dataclass(frozen=True)
+class ObservedFilter:
+    uplink: str
+    pref: int
+    handle: int
+    kind: str
+    mark_bit: int | None  # decoded from the classic-BPF program, None when not ours
+    redirect_ifindex: int | None
+
+
+@dataclass
+class ObservedShaper:
+    ifb_index: int | None = None
+    ifb_ours: bool = False
+    ifb_up: bool = False
+    ifb_txqueuelen: int = 0
+    root_kind: str | None = None
+    root_handle_major: int | None = None
+    root_default_minor: int | None = None
+    classes: dict[int, ObservedClass] = field(default_factory=dict)
+    leaves: dict[int, ObservedLeaf] = field(default_factory=dict)
+    uplink_index: dict[str, int | None] = field(default_factory=dict)
+    uplink_clsact: dict[str, bool] = field(default_factory=dict)
+    filters: dict[str, list[ObservedFilter]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClassStats:
+    """Counters of one HTB class, read in one dump per device."""
+
+    minor: int
+    bytes: int
+    packets: int
+    drops: int
+    overlimits: int
+    backlog_bytes: int
+    backlog_packets: int
+    rate_bytes: int
+    ceil_bytes: int

@@ -1,0 +1,35 @@
+"""How big HTB's buckets and quanta are: pure arithmetic, with the reasons.
+
+pyroute2's defaults are wrong for a shaper that sees GSO super-packets: its burst
+is rate/HZ + 1600 bytes (~1.6 KB at low rates), so a 64 KiB GSO segment exceeds
+the bucket and the class stalls or overshoots. The CNI bandwidth plugin hit the
+same trap. So every class gets an explicit burst, cburst and quantum.
+"""
+from __future__ import annotations
+
+GSO_MAX_BYTES = 64 * 1024
+MTU_BYTES = 1514
+R2Q = 100  # root r2q; quanta are always set explicitly, this only silences kernel warnings
+MAX_QUANTUM = 1 << 21
+
+
+def bytes_per_second(bps: int) -> int:
+    """bit/s -> byte/s, never 0 (HTB treats 0 as 'unset')."""
+    return max(1, bps // 8)
+
+
+def burst_bytes(bps: int) -> int:
+    """A bucket that holds one GSO segment and at least 1 ms of traffic at this rate."""
+    return max(GSO_MAX_BYTES + MTU_BYTES, bytes_per_second(bps) // 1000)
+
+
+def quantum_bytes(bps: int) -> int:
+    """DRR quantum: proportional to the rate so that borrowing is shared in
+    proportion to guarantees (HTB's own rule), never below one MTU."""
+    return min(MAX_QUANTUM, max(MTU_BYTES, bytes_per_second(bps) // R2Q))
+
+
+def leaf_limit_packets(bps: int) -> int:
+    """pfifo length: about 100 ms of full-size packets at the ceil, kept between
+    64 and 2000 so slow classes don't bloat and fast ones don't tail-drop bursts."""
+    return min(2000, max(64, bytes_per_second(bps) // 10 // MTU_BYTES))
