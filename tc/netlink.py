@@ -15,12 +15,18 @@ from dataclasses import dataclass
 from pyroute2 import IPRoute, NetNS
 from pyroute2.netlink import NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE, NLM_F_REQUEST, nla
 from pyroute2.netlink.exceptions import NetlinkError
-from pyroute2.netlink.rtnl import RTM_NEWTFILTER
-from pyroute2.netlink.rtnl.tcmsg import sched_bpf, tcmsg
+from pyroute2.netlink.rtnl import (
+    RTM_DELQDISC,
+    RTM_DELTCLASS,
+    RTM_NEWQDISC,
+    RTM_NEWTCLASS,
+    RTM_NEWTFILTER,
+)
+from pyroute2.netlink.rtnl.tcmsg import sched_bpf, sched_htb, tcmsg
 from pyroute2.netlink.rtnl.tcmsg.common import calc_xmittime
 from pyroute2.netlink.rtnl.tcmsg.common_act import get_tca_action
 
-from . import bpf, sizing
+from . import bpf, rawnl, sizing
 from .diff import ClassParams, Op, plan_ops
 from .errors import TcError
 from .model import ClassStats, ObservedClass, ObservedFilter, ObservedLeaf, ObservedShaper, ShaperSpec
@@ -79,6 +85,7 @@ class Shaper:
     def __init__(self, netns: str | None = None):
         self.netns = netns
         self._ipr: IPRoute | None = None
+        self._chan: rawnl.NetlinkChannel | None = None
 
     # -- connection ---------------------------------------------------------
     @property
@@ -90,10 +97,22 @@ class Shaper:
                 raise TcError(f"cannot open netlink in network namespace {self.netns!r}: {exc}") from exc
         return self._ipr
 
+    @property
+    def chan(self) -> rawnl.NetlinkChannel:
+        if self._chan is None:
+            try:
+                self._chan = rawnl.NetlinkChannel(self.netns)
+            except Exception as exc:
+                raise TcError(f"cannot open netlink in network namespace {self.netns!r}: {exc}") from exc
+        return self._chan
+
     def close(self) -> None:
         if self._ipr is not None:
             self._ipr.close()
             self._ipr = None
+        if self._chan is not None:
+            self._chan.close()
+            self._chan = None
 
     def __enter__(self) -> "Shaper":
         return self
@@ -132,44 +151,41 @@ class Shaper:
         return obs
 
     def _observe_ifb_qdiscs(self, ifb: int, spec: ShaperSpec, obs: ObservedShaper) -> None:
-        for q in self.ipr.get_qdiscs(ifb):
-            kind = q.get_attr("TCA_KIND")
-            if q["parent"] == 0xFFFFFFFF:
-                obs.root_kind = kind
-                obs.root_handle_major = q["handle"] >> 16
-                if kind == "htb":
-                    init = q.get_attr("TCA_OPTIONS").get_attr("TCA_HTB_INIT")
-                    obs.root_default_minor = init["defcls"] if init else None
-            elif (q["parent"] >> 16) == spec.major and kind:
-                limit = None
-                if kind == "pfifo":
-                    opts = q.get_attr("TCA_OPTIONS")
-                    limit = opts["limit"] if opts is not None and "limit" in opts else None
-                obs.leaves[q["parent"] & 0xFFFF] = ObservedLeaf(q["parent"] & 0xFFFF, kind, q["handle"] >> 16, limit)
+        for handle, parent, payload in self.chan.dump_qdiscs(ifb):
+            q = rawnl.parse_qdisc(handle, parent, payload)
+            if parent == 0xFFFFFFFF:
+                obs.root_kind = q.kind
+                obs.root_handle_major = handle >> 16
+                obs.root_default_minor = q.htb_default
+            elif (parent >> 16) == spec.major and q.kind:
+                obs.leaves[parent & 0xFFFF] = ObservedLeaf(parent & 0xFFFF, q.kind, handle >> 16, q.pfifo_limit)
         if obs.root_kind != "htb":
             return
-        for c in self.ipr.get_classes(ifb):
-            if c.get_attr("TCA_KIND") != "htb" or (c["handle"] >> 16) != spec.major:
-                continue
-            opts = c.get_attr("TCA_OPTIONS")
-            parms = opts.get_attr("TCA_HTB_PARMS")
-            rate64, ceil64 = opts.get_attr("TCA_HTB_RATE64"), opts.get_attr("TCA_HTB_CEIL64")
-            parent = c["parent"]
-            obs.classes[c["handle"] & 0xFFFF] = ObservedClass(
-                minor=c["handle"] & 0xFFFF,
-                parent_minor=0 if parent == ((spec.major << 16) | 0) or parent == 0xFFFFFFFF else parent & 0xFFFF,
-                rate_bytes=rate64 or parms["rate"],
-                ceil_bytes=ceil64 or parms["ceil"],
-                buffer=parms["buffer"],
-                cbuffer=parms["cbuffer"],
-                quantum=parms["quantum"],
-                prio=parms["prio"],
+        for c in self._htb_classes(ifb, spec.major):
+            parent = c.parent
+            obs.classes[c.handle & 0xFFFF] = ObservedClass(
+                minor=c.handle & 0xFFFF,
+                parent_minor=0 if parent in (spec.major << 16, 0xFFFFFFFF) else parent & 0xFFFF,
+                rate_bytes=c.rate_bytes,
+                ceil_bytes=c.ceil_bytes,
+                buffer=c.buffer,
+                cbuffer=c.cbuffer,
+                quantum=c.quantum,
+                prio=c.prio,
             )
 
+    def _htb_classes(self, ifindex: int, major: int) -> list[rawnl.RawClass]:
+        out = []
+        for handle, parent, payload in self.chan.dump_classes(ifindex):
+            if handle >> 16 != major:
+                continue
+            c = rawnl.parse_htb_class(handle, parent, payload)
+            if c is not None:
+                out.append(c)
+        return out
+
     def _observe_uplink(self, up: str, idx: int, spec: ShaperSpec, obs: ObservedShaper) -> None:
-        obs.uplink_clsact[up] = any(
-            q.get_attr("TCA_KIND") == "clsact" for q in self.ipr.get_qdiscs(idx) if q["parent"] == TC_H_CLSACT
-        )
+        obs.uplink_clsact[up] = self._has_clsact(idx)
         found: list[ObservedFilter] = []
         if obs.uplink_clsact[up]:
             for f in self.ipr.get_filters(index=idx, parent=CLSACT_EGRESS):
@@ -178,6 +194,12 @@ class Shaper:
                     continue  # the chain header, or somebody else's filter
                 found.append(self._decode_filter(up, f, pref))
         obs.filters[up] = found
+
+    def _has_clsact(self, ifindex: int) -> bool:
+        return any(
+            parent == TC_H_CLSACT and rawnl.parse_qdisc(h, parent, payload).kind == "clsact"
+            for h, parent, payload in self.chan.dump_qdiscs(ifindex)
+        )
 
     @staticmethod
     def _decode_filter(up: str, f, pref: int) -> ObservedFilter:
@@ -204,7 +226,13 @@ class Shaper:
         return plan_ops(spec, self.observe(spec), _ticks)
 
     def apply(self, spec: ShaperSpec) -> ApplyResult:
-        """Make the kernel match `spec`. A second call with the same spec makes no change."""
+        """Make the kernel match `spec`. A second call with the same spec makes no change.
+
+        Device changes go through pyroute2; every tc change of the reconcile is then
+        sent in one netlink batch, in the order `plan_ops` chose (IFB and classes
+        before the redirect filter, deletions last). On a failure the error names
+        the operation; everything before it is in force and consistent.
+        """
         ops = self.plan(spec)
         missing = [op.device for op in ops if op.action == "missing_uplink"]
         if missing:
@@ -212,93 +240,108 @@ class Shaper:
                 f"uplink device(s) {', '.join(missing)} not found; nothing was changed "
                 "(check --uplink, or the default-route device)"
             )
-        for op in ops:
-            try:
-                self._do(op, spec)
-            except NetlinkError as exc:
-                raise TcError(f"tc operation '{op}' failed: {exc} (errno {exc.code})") from exc
+        try:
+            for op in ops:
+                if op.action in ("create_ifb", "set_ifb"):
+                    self._link_op(op, spec)
+            index = {name: self._index(name) for name in (spec.ifb, *spec.uplinks)}
+            tc_ops = [op for op in ops if op.action not in ("create_ifb", "set_ifb")]
+            messages = [self._message(op, spec, index) for op in tc_ops]
+        except NetlinkError as exc:
+            raise TcError(f"tc: preparing the IFB {spec.ifb} failed: {exc}") from exc
+        if messages:
+            for op, err in zip(tc_ops, self.chan.batch(messages)):
+                if err:
+                    raise TcError(f"tc operation '{op}' failed: {rawnl.errno_name(err)}")
         if ops:
             log.info("tc: applied %d change(s): %s", len(ops), ", ".join(map(str, ops[:8])) + (" ..." if len(ops) > 8 else ""))
         return ApplyResult(ops)
 
-    def _do(self, op: Op, spec: ShaperSpec) -> None:
+    def _link_op(self, op: Op, spec: ShaperSpec) -> None:
         ipr = self.ipr
-        a = op.action
-        if a == "create_ifb":
+        if op.action == "create_ifb":
             ipr.link("add", ifname=spec.ifb, kind="ifb")
             idx = self._index(spec.ifb)
             # txqueuelen before any qdisc is attached (HTB sizes its direct queue from it)
             ipr.link("set", index=idx, ifalias=IFB_ALIAS, txqlen=spec.ifb_txqueuelen)
             ipr.link("set", index=idx, state="up")
-        elif a == "set_ifb":
-            ipr.link("set", index=self._index(spec.ifb), txqlen=spec.ifb_txqueuelen, state="up")
-        elif a == "delete_root":
-            ipr.tc("del", index=self._index(spec.ifb), parent=0xFFFFFFFF)
-        elif a == "add_root":
-            ipr.tc("add", "htb", self._index(spec.ifb), spec.major << 16, default=spec.default.minor, r2q=sizing.R2Q)
-        elif a == "change_root":
-            ipr.tc("change", "htb", self._index(spec.ifb), spec.major << 16, default=spec.default.minor, r2q=sizing.R2Q)
-        elif a in ("add_class", "change_class"):
-            self._class(a.replace("_class", "-class"), spec, op.params)
-        elif a == "delete_class":
-            # HTB destroys the class's leaf qdisc with it
-            ipr.tc("del-class", index=self._index(spec.ifb), handle=(spec.major << 16) | op.minor)
-        elif a == "replace_leaf":
-            idx = self._index(spec.ifb)
-            parent = (spec.major << 16) | op.minor
-            kw = {"limit": op.leaf_limit} if op.leaf_kind == "pfifo" else {}
-            ipr.tc("replace", op.leaf_kind, idx, op.minor << 16, parent=parent, **kw)
-        elif a == "add_clsact":
-            ipr.tc("add", "clsact", self._index(op.device))
-        elif a in ("add_filter", "replace_filter"):
-            self._redirect_filter(op.device, spec, replace=a == "replace_filter")
         else:
-            raise TcError(f"unknown tc operation {a!r}")
+            ipr.link("set", index=self._index(spec.ifb), txqlen=spec.ifb_txqueuelen, state="up")
 
-    def _class(self, command: str, spec: ShaperSpec, p: ClassParams) -> None:
-        parent = (spec.major << 16) | p.parent_minor if p.parent_minor else spec.major << 16
-        self.ipr.tc(
-            command,
-            "htb",
-            self._index(spec.ifb),
-            (spec.major << 16) | p.minor,
-            parent=parent,
-            rate=p.rate_bytes,
-            ceil=p.ceil_bytes,
-            burst=p.burst_bytes,
-            cburst=p.cburst_bytes,
-            quantum=p.quantum,
-            prio=0,
+    @staticmethod
+    def _tcmsg(msg_type: int, flags: int, index: int, handle: int, parent: int, kind: str | None = None,
+               options=None, cls=tcmsg):
+        msg = cls()
+        msg["family"] = socket.AF_UNSPEC
+        msg["index"] = index
+        msg["handle"] = handle
+        msg["parent"] = parent
+        msg["info"] = 0
+        msg["attrs"] = []
+        if kind:
+            msg["attrs"].append(["TCA_KIND", kind])
+        if options is not None:
+            msg["attrs"].append(["TCA_OPTIONS", options])
+        msg["header"]["type"] = msg_type
+        msg["header"]["flags"] = NLM_F_REQUEST | NLM_F_ACK | flags
+        return msg
+
+    def _message(self, op: Op, spec: ShaperSpec, index: dict[str, int | None]):
+        a = op.action
+        ifb = index[spec.ifb]
+        root = spec.major << 16
+        create = NLM_F_CREATE | NLM_F_EXCL
+        if a == "delete_root":
+            return self._tcmsg(RTM_DELQDISC, 0, ifb, 0, 0xFFFFFFFF)
+        if a in ("add_root", "change_root"):
+            opts = sched_htb.get_parameters({"default": spec.default.minor, "r2q": sizing.R2Q})
+            return self._tcmsg(RTM_NEWQDISC, create if a == "add_root" else NLM_F_REPLACE, ifb, root, 0xFFFFFFFF, "htb", opts)
+        if a in ("add_class", "change_class"):
+            p = op.params
+            parent = root | p.parent_minor if p.parent_minor else root
+            opts = sched_htb.get_class_parameters({
+                "rate": p.rate_bytes, "ceil": p.ceil_bytes, "burst": p.burst_bytes, "cburst": p.cburst_bytes,
+                "quantum": p.quantum, "prio": 0,
+            })
+            # rate tables are legacy (the kernel computes rates itself); skip their 2 KB per class
+            opts["attrs"] = [x for x in opts["attrs"] if x[0] not in ("TCA_HTB_RTAB", "TCA_HTB_CTAB")]
+            return self._tcmsg(RTM_NEWTCLASS, create if a == "add_class" else 0, ifb, root | p.minor, parent, "htb", opts)
+        if a == "delete_class":
+            # HTB destroys the class's leaf qdisc with it
+            return self._tcmsg(RTM_DELTCLASS, 0, ifb, root | op.minor, 0)
+        if a == "replace_leaf":
+            opts = {"limit": op.leaf_limit} if op.leaf_kind == "pfifo" else {"attrs": []}
+            return self._tcmsg(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, ifb, op.minor << 16, root | op.minor,
+                               op.leaf_kind, opts)
+        if a == "add_clsact":
+            return self._tcmsg(RTM_NEWQDISC, create, index[op.device], 0xFFFF0000, TC_H_CLSACT, "clsact")
+        if a in ("add_filter", "replace_filter"):
+            return self._filter_message(index[op.device], ifb, spec, replace=a == "replace_filter")
+        raise TcError(f"unknown tc operation {a!r}")
+
+    def _filter_message(self, uplink_index: int, ifb_index: int, spec: ShaperSpec, replace: bool):
+        program = bpf.encode(bpf.mark_test(spec.mark_bit))
+        action = get_tca_action(
+            {"action": {"kind": "mirred", "direction": "egress", "action": "redirect", "ifindex": ifb_index}}
         )
+        options = {
+            "attrs": [
+                ["TCA_BPF_OPS_LEN", len(program) // 8],
+                ["TCA_BPF_OPS", program],
+                ["TCA_BPF_NAME", f"netagent-mark-{spec.mark_bit:#x}"],
+                ["TCA_BPF_ACT", action],
+            ]
+        }
+        flags = NLM_F_CREATE | (NLM_F_REPLACE if replace else NLM_F_EXCL)
+        msg = self._tcmsg(RTM_NEWTFILTER, flags, uplink_index, FILTER_HANDLE, CLSACT_EGRESS, "bpf", options, _CbpfTcmsg)
+        msg["info"] = (spec.filter_pref << 16) | socket.htons(ETH_P_ALL)
+        return msg
 
     def _redirect_filter(self, uplink: str, spec: ShaperSpec, replace: bool) -> None:
-        idx, ifb = self._index(uplink), self._index(spec.ifb)
-        program = bpf.encode(bpf.mark_test(spec.mark_bit))
-        msg = _CbpfTcmsg()
-        msg["family"] = socket.AF_UNSPEC
-        msg["index"] = idx
-        msg["handle"] = FILTER_HANDLE
-        msg["parent"] = CLSACT_EGRESS
-        msg["info"] = (spec.filter_pref << 16) | socket.htons(ETH_P_ALL)
-        action = get_tca_action({"action": {"kind": "mirred", "direction": "egress", "action": "redirect", "ifindex": ifb}})
-        msg["attrs"] = [
-            ["TCA_KIND", "bpf"],
-            [
-                "TCA_OPTIONS",
-                {
-                    "attrs": [
-                        ["TCA_BPF_OPS_LEN", len(program) // 8],
-                        ["TCA_BPF_OPS", program],
-                        ["TCA_BPF_NAME", f"netagent-mark-{spec.mark_bit:#x}"],
-                        ["TCA_BPF_ACT", action],
-                    ]
-                },
-            ],
-        ]
-        msg["header"]["type"] = RTM_NEWTFILTER
-        flags = NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE
-        msg["header"]["flags"] = flags | (NLM_F_REPLACE if replace else NLM_F_EXCL)
-        self.ipr.nlm_request_batch([msg])
+        msg = self._filter_message(self._index(uplink), self._index(spec.ifb), spec, replace)
+        err = self.chan.batch([msg])[0]
+        if err:
+            raise TcError(f"installing the redirect filter on {uplink} failed: {rawnl.errno_name(err)}")
 
     # -- stats ----------------------------------------------------------------
     def stats(self, ifb: str, major: int = 0x1) -> dict[int, ClassStats]:
@@ -306,28 +349,20 @@ class Shaper:
         idx = self._index(ifb)
         if idx is None:
             return {}
-        out: dict[int, ClassStats] = {}
-        for c in self.ipr.get_classes(idx):
-            if c.get_attr("TCA_KIND") != "htb" or (c["handle"] >> 16) != major:
-                continue
-            s2 = c.get_attr("TCA_STATS2")
-            basic = s2.get_attr("TCA_STATS_BASIC") if s2 else None
-            queue = s2.get_attr("TCA_STATS_QUEUE") if s2 else None
-            opts = c.get_attr("TCA_OPTIONS")
-            parms = opts.get_attr("TCA_HTB_PARMS") if opts else None
-            minor = c["handle"] & 0xFFFF
-            out[minor] = ClassStats(
-                minor=minor,
-                bytes=basic["bytes"] if basic else 0,
-                packets=basic["packets"] if basic else 0,
-                drops=queue["drops"] if queue else 0,
-                overlimits=queue["overlimits"] if queue else 0,
-                backlog_bytes=queue["backlog"] if queue else 0,
-                backlog_packets=queue["qlen"] if queue else 0,
-                rate_bytes=(opts.get_attr("TCA_HTB_RATE64") or parms["rate"]) if parms else 0,
-                ceil_bytes=(opts.get_attr("TCA_HTB_CEIL64") or parms["ceil"]) if parms else 0,
+        return {
+            c.handle & 0xFFFF: ClassStats(
+                minor=c.handle & 0xFFFF,
+                bytes=c.bytes,
+                packets=c.packets,
+                drops=c.drops,
+                overlimits=c.overlimits,
+                backlog_bytes=c.backlog,
+                backlog_packets=c.qlen,
+                rate_bytes=c.rate_bytes,
+                ceil_bytes=c.ceil_bytes,
             )
-        return out
+            for c in self._htb_classes(idx, major)
+        }
 
     # -- cleanup --------------------------------------------------------------
     def cleanup(self, ifb: str, uplinks: tuple[str, ...], filter_pref: int = 0xC000) -> list[str]:
@@ -340,10 +375,7 @@ class Shaper:
             idx = self._index(up)
             if idx is None:
                 continue
-            has_clsact = any(
-                q.get_attr("TCA_KIND") == "clsact" for q in self.ipr.get_qdiscs(idx) if q["parent"] == TC_H_CLSACT
-            )
-            if not has_clsact:
+            if not self._has_clsact(idx):
                 continue
             for parent in (CLSACT_EGRESS,):
                 for f in self.ipr.get_filters(index=idx, parent=parent):

@@ -112,7 +112,7 @@ def _probe_in(ns: str) -> Capabilities:
 
             spec = ShaperSpec("probeifb", ("probe0",), 0x1, 1_000_000, HtbClassSpec(DEFAULT_MINOR, 8000, 8000))
             s = Shaper.__new__(Shaper)
-            s.netns, s._ipr = ns, ipr
+            s.netns, s._ipr, s._chan = ns, ipr, None
             try:
                 s._redirect_filter("probe0", spec, replace=False)
                 obs = s.observe(spec).filters.get("probe0", [])
@@ -123,7 +123,9 @@ def _probe_in(ns: str) -> Capabilities:
             except (NetlinkError, TcError) as exc:
                 log.info("probe: cls_bpf/mirred not available: %s", exc)
             finally:
-                s._ipr = None
+                if s._chan is not None:
+                    s._chan.close()
+                s._ipr, s._chan = None, None
             for kind, kw in (("u32", {"keys": ["0x0/0x0+0"], "target": 0x10001}), ("fw", {"classid": 0x10001}),
                              ("matchall", {"classid": 0x10001}), ("basic", {"classid": 0x10001})):
                 try:
