@@ -1,0 +1,126 @@
+"""`--from-file`: Pods, EgressClasses and EgressBudgets from YAML, reloaded when they change.
+
+This is how one machine with no cluster runs netagent (and how the demo runs). Files
+hold objects in exactly their Kubernetes form, several per file (`---`). A file that
+fails to parse keeps its last good content: a typo while editing never drops pods.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from ..model import PodRecord, Snapshot
+
+log = logging.getLogger(__name__)
+KINDS = {"Pod", "EgressClass", "EgressBudget"}
+
+
+def _files(paths: list[str]) -> list[Path]:
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out += sorted(q for q in p.iterdir() if q.suffix in (".yaml", ".yml", ".json") and q.is_file())
+        else:
+            out.append(p)
+    return out
+
+
+def parse_documents(text: str, origin: str) -> list[dict]:
+    docs = []
+    for i, doc in enumerate(yaml.safe_load_all(text)):
+        if doc is None:
+            continue
+        if not isinstance(doc, dict):
+            raise ValueError(f"{origin}: document {i + 1} is not a mapping")
+        if doc.get("kind") == "List":
+            docs += [d for d in doc.get("items") or [] if isinstance(d, dict)]
+        else:
+            docs.append(doc)
+    return docs
+
+
+class FileSource:
+    """Watches files by modification time (cheap: a stat per file per tick)."""
+
+    def __init__(self, paths: list[str], node: str | None = None, interval: float = 0.2):
+        if not paths:
+            raise ValueError("--from-file needs at least one path")
+        self.paths = paths
+        self.node = node
+        self.interval = interval
+        self._stamps: dict[Path, tuple[float, int]] = {}
+        self._docs: dict[Path, list[dict]] = {}
+        self._errors: dict[Path, str] = {}
+        self._generation = 0
+        self._stop = threading.Event()
+
+    def load(self) -> tuple[Snapshot, bool]:
+        """Re-read changed files; return the snapshot and whether anything changed."""
+        changed = False
+        files = _files(self.paths)
+        for gone in set(self._docs) - set(files):
+            del self._docs[gone]
+            self._stamps.pop(gone, None)
+            changed = True
+        for f in files:
+            try:
+                st = f.stat()
+            except FileNotFoundError:
+                if f in self._docs:
+                    del self._docs[f]
+                    changed = True
+                self._errors[f] = f"{f}: file not found"
+                continue
+            stamp = (st.st_mtime, st.st_size)
+            if self._stamps.get(f) == stamp:
+                continue
+            self._stamps[f] = stamp
+            try:
+                docs = parse_documents(f.read_text(), str(f))
+                self._docs[f] = docs
+                self._errors.pop(f, None)
+                changed = True
+            except (OSError, ValueError, yaml.YAMLError) as exc:
+                msg = f"{f}: cannot load ({exc}); keeping its last good content"
+                if self._errors.get(f) != msg:
+                    log.error("%s", msg)
+                self._errors[f] = msg
+        if changed:
+            self._generation += 1
+        return self.snapshot(), changed
+
+    def snapshot(self) -> Snapshot:
+        pods, classes, budgets, errors = [], [], [], list(self._errors.values())
+        for f in sorted(self._docs):
+            for doc in self._docs[f]:
+                kind = doc.get("kind")
+                if kind == "Pod":
+                    try:
+                        rec = PodRecord.from_object(doc)
+                    except ValueError as exc:
+                        errors.append(f"{f}: {exc}")
+                        continue
+                    if self.node and rec.node and rec.node != self.node:
+                        continue  # another node's pod: the same files can drive several agents
+                    pods.append(rec)
+                elif kind == "EgressClass":
+                    classes.append(doc)
+                elif kind == "EgressBudget":
+                    budgets.append(doc)
+        return Snapshot(tuple(pods), tuple(classes), tuple(budgets), self._generation, tuple(errors))
+
+    def run(self, on_change: Callable[[Snapshot], None]) -> None:
+        snap, _ = self.load()
+        on_change(snap)
+        while not self._stop.wait(self.interval):
+            snap, changed = self.load()
+            if changed:
+                on_change(snap)
+
+    def stop(self) -> None:
+        self._stop.set()

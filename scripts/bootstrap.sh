@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Install everything netagent's demo and tests need on a fresh Debian machine, idempotently:
+# kernel tools (apt), Python packages (pip), and the Kubernetes test assets built from Go modules.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ $(id -u) -ne 0 ]]; then
+  echo "bootstrap: run as root (netagent programs iptables and tc; the tests build network namespaces)" >&2
+  exit 1
+fi
+
+apt_packages=(iproute2 iptables ipset iperf3 conntrack iputils-ping kmod procps make openssl prometheus ca-certificates)
+missing=()
+for p in "${apt_packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "bootstrap: apt-get install ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+echo "bootstrap: pip install -e .[test]"
+python3 -m pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v "Running pip as the 'root' user" || true
+python3 -c "import netagent, tc, iptables, controller, pyroute2, prometheus_client" \
+  || { echo "bootstrap: the Python install failed" >&2; exit 1; }
+
+if [[ -f Makefile ]] && grep -q '^kube-assets:' Makefile; then
+  make --no-print-directory kube-assets
+fi
