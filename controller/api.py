@@ -1,0 +1,140 @@
+"""The agent API: HTTP/JSON, versioned paths (openapi: docs/agent-api.openapi.yaml).
+
+POST /v1/nodes/{node}/report   an agent's node report -> its pods' allocations + lease
+GET  /healthz /readyz          liveness; readiness = leader with a fresh allocation round
+
+Every request is bounded: body size, pods per report, field ranges (controller.wire),
+per-node rate. A follower answers 307 to the leader's address so agents, which reach
+any replica through the Service, end up at the leader. Nothing an agent sends reaches
+another node's allocations: a report only replaces its own node's entry.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import msgspec
+from aiohttp import web
+
+from .auth import AuthError, Identity, TokenAuthenticator
+from .wire import ErrorBody, NodeAnswer, NodeReport, encoder, report_decoder
+
+log = logging.getLogger(__name__)
+MAX_BODY = 1 << 20  # 1 MiB: 1,024 pods with long names fit with room to spare
+
+
+class ReportRejected(Exception):
+    def __init__(self, status: int, reason: str, message: str):
+        super().__init__(message)
+        self.status, self.reason = status, reason
+
+
+class ReportSink(Protocol):
+    def submit(self, identity: Identity | None, report: NodeReport) -> NodeAnswer: ...
+
+    def is_leader(self) -> bool: ...
+
+    def leader_address(self) -> str | None: ...
+
+    def ready(self) -> tuple[bool, str]: ...
+
+
+class TokenBucket:
+    def __init__(self, rate: float, burst: float):
+        self.rate, self.burst = rate, burst
+        self.buckets: dict[str, tuple[float, float]] = {}
+
+    def allow(self, key: str, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        tokens, last = self.buckets.get(key, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - last) * self.rate)
+        if tokens < 1:
+            self.buckets[key] = (tokens, now)
+            return False
+        self.buckets[key] = (tokens - 1, now)
+        if len(self.buckets) > 100_000:  # nodes come and go; forget the idle ones
+            self.buckets = {k: v for k, v in self.buckets.items() if now - v[1] < 60}
+        return True
+
+
+@dataclass
+class APIStats:
+    count_report: Callable[[], None] = lambda: None
+    count_rejected: Callable[[str], None] = lambda reason: None
+
+
+def _error(status: int, reason: str, message: str, headers: dict | None = None) -> web.Response:
+    return web.Response(status=status, body=encoder.encode(ErrorBody(message, reason)),
+                        content_type="application/json", headers=headers)
+
+
+def make_app(sink: ReportSink, auth: TokenAuthenticator | None, stats: APIStats | None = None,
+             per_node_rate: float = 2.0, per_node_burst: float = 6.0) -> web.Application:
+    """auth=None disables authentication: for the single-machine demo and tests only."""
+    stats = stats or APIStats()
+    limiter = TokenBucket(per_node_rate, per_node_burst)
+
+    async def report(request: web.Request) -> web.Response:
+        node = request.match_info["node"]
+
+        def reject(status: int, reason: str, message: str, **kw) -> web.Response:
+            stats.count_rejected(reason)
+            return _error(status, reason, message, **kw)
+
+        if not sink.is_leader():
+            leader = sink.leader_address()
+            if leader:
+                return web.Response(status=307, headers={"Location": f"http://{leader}{request.rel_url}"})
+            return reject(503, "NoLeader", "no controller is leading yet; retry shortly")
+        identity = None
+        if auth is not None:
+            try:
+                identity = await asyncio.get_running_loop().run_in_executor(
+                    None, auth.authenticate, request.headers.get("Authorization"))
+            except AuthError as exc:
+                return reject(401 if exc.reason == "Unauthenticated" else 403, exc.reason, str(exc))
+            except Exception as exc:  # the API server is unreachable: not the agent's fault
+                log.warning("TokenReview failed: %s", exc)
+                return reject(503, "AuthUnavailable", "cannot verify the token right now; retry")
+            if identity.node != node:
+                return reject(403, "WrongNode", f"token is bound to node {identity.node!r}, not {node!r}")
+        if not limiter.allow(node):
+            return reject(429, "RateLimited", f"node {node} reports too often", headers={"Retry-After": "1"})
+        if request.content_length is not None and request.content_length > MAX_BODY:
+            return reject(413, "TooLarge", f"report larger than {MAX_BODY} bytes")
+        try:
+            body = await request.content.read(MAX_BODY + 1)
+        except Exception:
+            return reject(400, "Malformed", "could not read the request body")
+        if len(body) > MAX_BODY:
+            return reject(413, "TooLarge", f"report larger than {MAX_BODY} bytes")
+        try:
+            rep = report_decoder.decode(body)
+        except msgspec.ValidationError as exc:
+            return reject(422, "Invalid", f"invalid report: {exc}")
+        except msgspec.DecodeError as exc:
+            return reject(400, "Malformed", f"malformed JSON: {exc}")
+        if rep.node != node:
+            return reject(422, "Invalid", f"report names node {rep.node!r} but was posted for {node!r}")
+        try:
+            answer = sink.submit(identity, rep)
+        except ReportRejected as exc:
+            return reject(exc.status, exc.reason, str(exc))
+        stats.count_report()
+        return web.Response(body=encoder.encode(answer), content_type="application/json")
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def readyz(request: web.Request) -> web.Response:
+        ok, why = sink.ready()
+        return web.Response(status=200 if ok else 503, text=why + "\n")
+
+    app = web.Application(client_max_size=MAX_BODY)
+    app.router.add_post("/v1/nodes/{node}/report", report)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    return app
