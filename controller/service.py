@@ -1,0 +1,133 @@
+"""The controller's state between HTTP and the allocation engine.
+
+Reports only *replace their own node's entry* in `latest`; one allocation round
+runs every `period` over the union of all nodes' pods (not one per report: the
+API server and the CPU see O(1) rounds per period, not O(nodes)), and each report
+is answered from the most recent round. Pods reported by a node they are not on
+are refused by the node-binding check before they reach the engine.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .auth import Identity
+from .api import ReportRejected
+from .wire import NodeAnswer, NodeReport, PodAllocation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundResult:
+    generation: int
+    by_node: dict[str, list[PodAllocation]]
+    node_rate: dict[str, float]
+    safe_floor_bps: float
+    computed_at: float  # monotonic
+    duration_s: float
+    summary: dict = field(default_factory=dict)  # per team/class totals, for status and metrics
+
+
+# (reports by node) -> RoundResult without generation/timing; the engine adapter provides it
+Allocate = Callable[[dict[str, NodeReport]], RoundResult]
+# (namespace, pod) -> node name or None if unknown
+PodLocator = Callable[[str, str], str | None]
+
+
+class ControllerState:
+    def __init__(self, allocate: Allocate, locate_pod: PodLocator | None = None, lease_seconds: float = 30.0,
+                 report_ttl: float = 60.0, leader: Callable[[], bool] = lambda: True,
+                 leader_address: Callable[[], str | None] = lambda: None):
+        self.allocate = allocate
+        self.locate_pod = locate_pod
+        self.lease_seconds = lease_seconds
+        self.report_ttl = report_ttl  # a node silent this long is dropped from the round
+        self._leader = leader
+        self._leader_address = leader_address
+        self.latest: dict[str, tuple[float, NodeReport]] = {}
+        self.result: RoundResult | None = None
+        self.generation = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.on_round: Callable[[RoundResult], None] = lambda r: None
+
+    # -- ReportSink ------------------------------------------------------------
+    def is_leader(self) -> bool:
+        return self._leader()
+
+    def leader_address(self) -> str | None:
+        return self._leader_address()
+
+    def ready(self) -> tuple[bool, str]:
+        if not self.is_leader():
+            return True, "follower (the leader serves agents)"
+        if self.result is None:
+            return True, "leader, waiting for the first reports"
+        return True, f"leader, round {self.result.generation}"
+
+    def submit(self, identity: Identity | None, report: NodeReport) -> NodeAnswer:
+        problems: list[str] = []
+        if self.locate_pod is not None:
+            keep = []
+            for p in report.pods:
+                where = self.locate_pod(p.namespace, p.name)
+                if where is None:
+                    problems.append(f"pod {p.namespace}/{p.name} is unknown to the controller yet; not allocated")
+                    continue
+                if where != report.node:
+                    raise ReportRejected(403, "PodNotOnNode",
+                                         f"pod {p.namespace}/{p.name} is on node {where!r}, not {report.node!r}")
+                keep.append(p)
+            if len(keep) != len(report.pods):
+                report = NodeReport(report.node, keep, report.seq, report.period_seconds,
+                                    report.node_internet_egress_bps)
+        with self._lock:
+            self.latest[report.node] = (time.monotonic(), report)
+            result = self.result
+        return self._answer(report.node, result, problems)
+
+    def _answer(self, node: str, result: RoundResult | None, problems: list[str]) -> NodeAnswer:
+        if result is None:
+            return NodeAnswer(node, 0, self.lease_seconds, 0.0, 0.0, [], problems + ["no allocation round yet"])
+        return NodeAnswer(node, result.generation, self.lease_seconds, result.safe_floor_bps,
+                          result.node_rate.get(node, 0.0), result.by_node.get(node, []), problems)
+
+    # -- the allocation loop -----------------------------------------------------
+    def run_round(self) -> RoundResult | None:
+        now = time.monotonic()
+        with self._lock:
+            self.latest = {n: v for n, v in self.latest.items() if now - v[0] <= self.report_ttl}
+            reports = {n: r for n, (_, r) in self.latest.items()}
+        if not reports:
+            return None
+        t0 = time.perf_counter()
+        result = self.allocate(reports)
+        self.generation += 1
+        result.generation = self.generation
+        result.duration_s = time.perf_counter() - t0
+        result.computed_at = time.monotonic()
+        with self._lock:
+            self.result = result
+        self.on_round(result)
+        return result
+
+    def start(self, period: float) -> None:
+        def loop():
+            while not self._stop.wait(period):
+                if not self.is_leader():
+                    continue
+                try:
+                    self.run_round()
+                except Exception:
+                    log.exception("allocation round failed; agents keep the previous round's answers")
+
+        self.thread = threading.Thread(target=loop, name="allocation", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
