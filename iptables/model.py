@@ -1,0 +1,28 @@
+"""Desired classifier state as plain, comparable data.
+
+The planner (`netagent.planner`) builds a `ClassifierState`; `iptables.render`
+turns it into iptables-restore text and ipset contents, and the applier diffs
+that against what the kernel holds. Nothing here touches the kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, order=True)
+class PodClassification:
+    """One pod: its addresses and the HTB class its internet egress is steered to."""
+
+    key: str  # "namespace/name": rule comments and counter keys
+    ips: tuple[str, ...]  # IPv4 and/or IPv6 addresses, canonical text
+    tc_class: tuple[int, int]  # (HTB major, minor) for CLASSIFY --set-class MAJ:MIN
+
+
+@dataclass(frozen=True)
+class ClassifierState:
+    """Everything netagent wants in iptables/ip6tables and ipset on one node."""
+
+    mark_bit: int  # our single firewall-mark bit; set as value/mask so other bits stay intact
+    internal_cidrs: tuple[str, ...]  # destinations that are never shaped (IPv4 and IPv6 mixed)
+    pods: tuple[PodClassification, ...]
+    uplinks: tuple[str, ...]  # internet-facing devices; node totals count traffic through them
