@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from iptables.model import ClassifierState, PodClassification
 from tc.model import DEFAULT_MINOR, MAX_RATE_BPS, MIN_RATE_BPS, RESERVED_MINORS, HtbClassSpec, ShaperSpec
 
-DEFAULT_MARK_BIT = 0x20000
+# Not used by kube-proxy (0x4000, 0x8000), portmap (0x2000), Calico (0xff000000),
+# Tailscale (0xff0000) or Cilium's magic marks (0xf00).
+DEFAULT_MARK_BIT = 0x1000
 
 
 class PlanError(ValueError):
