@@ -1,0 +1,188 @@
+"""Policy loading and per-pod resolution: pure, no cluster."""
+import pytest
+import yaml
+
+from controller.policy import (DEFAULT_CLASS, REASON_CLASS_NOT_ALLOWED, REASON_INVALID_BANDWIDTH,
+                               REASON_UNKNOWN_CLASS, PolicyError, load_policy, parse_class, resolve_pod)
+from controller.quantity import MAX_BPS
+
+POLICY = yaml.safe_load_all("""
+apiVersion: netagent.io/v1alpha1
+kind: EgressClass
+metadata: {name: gold}
+spec: {weight: 4, min: 10M, max: 1G}
+---
+apiVersion: netagent.io/v1alpha1
+kind: EgressClass
+metadata: {name: bronze}
+spec: {weight: 1, max: 100M}
+---
+apiVersion: netagent.io/v1alpha1
+kind: EgressBudget
+metadata: {name: default}
+spec:
+  total: 10G
+  defaultTeam: others
+  teams:
+  - {name: research, namespaces: [team-a, team-b], weight: 3, min: 1G, defaultClass: gold, allowedClasses: [gold, bronze]}
+  - {name: batch, namespaces: [jobs], weight: 1, max: 2G, defaultClass: bronze, allowedClasses: [bronze]}
+  - name: labelled
+    namespaceSelector: {matchLabels: {org: ml}, matchExpressions: [{key: tier, operator: NotIn, values: [dev]}]}
+""")
+
+
+def load(docs=None):
+    docs = list(POLICY if docs is None else docs)
+    classes = [d for d in docs if d["kind"] == "EgressClass"]
+    budgets = [d for d in docs if d["kind"] == "EgressBudget"]
+    return load_policy(classes, budgets)
+
+
+POLICY = list(POLICY)
+
+
+def test_loads_the_example():
+    policy, problems = load()
+    assert problems == []
+    assert policy.total_bps == 10**10 and policy.budget_name == "default"
+    assert set(policy.classes) == {"gold", "bronze", DEFAULT_CLASS}
+    assert policy.classes["bronze"].max_bps == 100_000_000 and policy.classes["bronze"].min_bps == 0
+    assert [t.name for t in policy.teams] == ["research", "batch", "labelled", "others"]  # implicit default team last
+    assert policy.team("research").min_bps == 10**9 and policy.team("research").max_bps == MAX_BPS
+    assert policy.team_for("team-b").name == "research"
+    assert policy.team_for("jobs").name == "batch"
+    assert policy.team_for("elsewhere").name == "others"
+    assert policy.team_for("x", {"org": "ml"}).name == "labelled"
+    assert policy.team_for("x", {"org": "ml", "tier": "dev"}).name == "others"
+
+
+def test_no_budget_gives_the_builtin_policy():
+    policy, problems = load_policy([], [])
+    assert problems == [] and policy.total_bps == MAX_BPS and policy.budget_name == ""
+    assert [t.name for t in policy.teams] == ["default"]
+    pod = resolve_pod(policy, "anything", None, "5M")
+    assert (pod.team, pod.egress_class, pod.max_bps, pod.min_bps) == ("default", DEFAULT_CLASS, 5_000_000, 0)
+
+
+def test_resolve_default_class_and_annotation_cap():
+    policy, _ = load()
+    pod = resolve_pod(policy, "team-a", None, None)
+    assert (pod.team, pod.egress_class, pod.weight, pod.min_bps, pod.max_bps, pod.problems) == \
+        ("research", "gold", 4.0, 10_000_000, 10**9, ())
+    # the bandwidth annotation tightens the cap and pulls the guarantee down with it
+    pod = resolve_pod(policy, "team-a", "gold", "5M")
+    assert (pod.min_bps, pod.max_bps) == (5_000_000, 5_000_000)
+    # ... but never loosens it
+    assert resolve_pod(policy, "team-a", "bronze", "10G").max_bps == 100_000_000
+
+
+@pytest.mark.parametrize("ns, cls, bw, reason, expect_class", [
+    ("team-a", "platinum", None, REASON_UNKNOWN_CLASS, "gold"),
+    ("jobs", "gold", None, REASON_CLASS_NOT_ALLOWED, "bronze"),
+    ("team-a", None, "10Mbit", REASON_INVALID_BANDWIDTH, "gold"),
+    ("team-a", None, "500m", REASON_INVALID_BANDWIDTH, "gold"),
+])
+def test_resolve_problems_fall_back_to_the_team_default(ns, cls, bw, reason, expect_class):
+    policy, _ = load()
+    pod = resolve_pod(policy, ns, cls, bw)
+    assert pod.egress_class == expect_class
+    assert [r for r, _ in pod.problems] == [reason]
+    message = pod.problems[0][1]
+    assert (cls or bw) in message
+    if reason == REASON_INVALID_BANDWIDTH:
+        assert pod.max_bps == policy.classes["gold"].max_bps  # annotation ignored, not half-applied
+
+
+def test_blank_annotations_mean_unset():
+    policy, _ = load()
+    pod = resolve_pod(policy, "jobs", "  ", " ")
+    assert pod.egress_class == "bronze" and pod.problems == ()
+
+
+def bad_class(spec, name="broken"):
+    return {"kind": "EgressClass", "metadata": {"name": name}, "spec": spec}
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ({"weight": 0}, "spec.weight: 0 is not an integer from 1"),
+    ({"weight": 1.5}, "spec.weight"),
+    ({"weight": True}, "spec.weight"),
+    ({"min": "20M", "max": "10M"}, "min (20M) is above max (10M)"),
+    ({"max": "fast"}, "spec: max: 'fast' is not a Kubernetes quantity"),
+    ({"max": "0"}, "zero"),
+    ("nonsense", "spec must be an object"),
+])
+def test_bad_class_is_skipped_and_described(spec, fragment):
+    with pytest.raises(PolicyError) as err:
+        parse_class(bad_class(spec))
+    assert str(err.value).startswith("EgressClass broken")
+    assert fragment in str(err.value)
+    policy, problems = load(POLICY + [bad_class(spec)])
+    assert "broken" not in policy.classes and "gold" in policy.classes
+    assert len(problems) == 1 and fragment in problems[0] and "ignored" in problems[0]
+
+
+def test_bad_names_and_duplicates():
+    _, problems = load_policy([{"metadata": {"name": "Bad_Name"}, "spec": {}}], [])
+    assert "must be a lower-case DNS name" in problems[0]
+    policy, problems = load_policy([bad_class({"weight": 2}, "a"), bad_class({"weight": 3}, "a")], [])
+    assert policy.classes["a"].weight == 2 and "defined twice" in problems[0]
+
+
+def budget(spec, name="default"):
+    return {"kind": "EgressBudget", "metadata": {"name": name}, "spec": spec}
+
+
+def test_budget_without_total_falls_back_to_builtin():
+    policy, problems = load(POLICY[:2] + [budget({"teams": []})])
+    assert policy.budget_name == "" and policy.total_bps == MAX_BPS
+    assert "spec.total is required" in problems[0]
+
+
+def test_bad_team_skipped_others_kept():
+    spec = {"total": "1G", "teams": [
+        {"name": "ok", "namespaces": ["a"], "weight": 2},
+        {"name": "bad", "namespaces": ["b"], "weight": -1},
+        {"name": "ok", "namespaces": ["c"]},
+        {"name": "clash", "namespaces": ["a", "d"]},
+        {"name": "ghost", "defaultClass": "nope"},
+        {"name": "restricted", "allowedClasses": ["gold", "missing"], "defaultClass": "bronze"},
+    ]}
+    policy, problems = load(POLICY[:2] + [budget(spec)])
+    names = [t.name for t in policy.teams]
+    assert names == ["ok", "clash", "ghost", "restricted", "default"]
+    text = "\n".join(problems)
+    assert "spec.teams[1] (bad).weight" in text and "team ok is defined twice" in text
+    assert "namespace a is listed by teams ok and clash; it belongs to ok" in text
+    assert policy.team_for("a").name == "ok" and policy.team_for("d").name == "clash"
+    assert "EgressClass nope does not exist" in text and policy.team("ghost").default_class == DEFAULT_CLASS
+    assert "EgressClass missing does not exist" in text
+    assert "bronze is not in allowedClasses" in text and policy.team("restricted").default_class == "gold"
+
+
+def test_guarantee_overflow_is_reported():
+    spec = {"total": "1G", "teams": [{"name": "a", "min": "800M"}, {"name": "b", "min": "800M"}]}
+    policy, problems = load(POLICY[:2] + [budget(spec)])
+    assert policy.total_bps == 10**9 and any("Oversubscribed" in p for p in problems)
+
+
+def test_several_budgets_prefer_default_then_name():
+    policy, problems = load(POLICY[:2] + [budget({"total": "1G"}, "zeta"), budget({"total": "2G"}, "alpha")])
+    assert policy.budget_name == "alpha" and policy.total_bps == 2 * 10**9
+    assert any("EgressBudget zeta: only one budget is used" in p for p in problems)
+    policy, _ = load(POLICY + [budget({"total": "1G"}, "alpha")])
+    assert policy.budget_name == "default"
+
+
+def test_selector_validation():
+    spec = {"total": "1G", "teams": [{"name": "s", "namespaceSelector": {"matchExpressions": [
+        {"key": "x", "operator": "Near", "values": ["y"]}]}}]}
+    _, problems = load(POLICY[:2] + [budget(spec)])
+    assert "operator 'Near' is not one of" in problems[0]
+    spec["teams"][0]["namespaceSelector"] = {"matchExpressions": [{"key": "x", "operator": "In"}]}
+    _, problems = load(POLICY[:2] + [budget(spec)])
+    assert "operator In needs values" in problems[0]
+    # without namespace labels a selector still sees the namespace's own name label
+    spec["teams"][0]["namespaceSelector"] = {"matchLabels": {"kubernetes.io/metadata.name": "web"}}
+    policy, _ = load(POLICY[:2] + [budget(spec)])
+    assert policy.team_for("web").name == "s" and policy.team_for("api").name == "default"
