@@ -14,6 +14,7 @@ Every name starts with a per-lab prefix, and `close()` removes all of it (also o
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import secrets
@@ -29,6 +30,9 @@ PEER_V4 = "10.0.0.100"
 PEER_V6 = "fd00::100"
 INTERNAL_CIDRS = ("10.0.0.0/8", "fd00::/8")
 UPLINK = "eth0"
+GATEWAY_V4 = "10.0.0.1"  # the fabric bridge: every node's default gateway
+GATEWAY_V6 = "fd00::1"
+FABRIC_V6 = "fd00::/64"
 
 
 class LabError(RuntimeError):
@@ -105,8 +109,8 @@ class Lab:
     def build(self) -> None:
         fab, inet, peer = self._netns(self.fabric), self._netns(self.internet), self._netns(self.peer)
         run("ip link add br0 type bridge", fab)
-        run("ip addr add 10.0.0.1/24 dev br0", fab)
-        run("ip -6 addr add fd00::1/64 dev br0 nodad", fab)
+        run(f"ip addr add {GATEWAY_V4}/24 dev br0", fab)
+        run(f"ip -6 addr add {GATEWAY_V6}/64 dev br0 nodad", fab)
         run("ip link set br0 up", fab)
         run("sysctl -qw net.ipv4.ip_forward=1", fab)
         run("sysctl -qw net.ipv6.conf.all.forwarding=1", fab)
@@ -122,8 +126,8 @@ class Lab:
         run("ip -6 route add fd00::/8 via 2001:db8:ffff::1", inet)
         # internal peer on the VPC bridge
         self._bridge_port(peer, "peer", f"{PEER_V4}/24", f"{PEER_V6}/64")
-        run("ip route add 10.244.0.0/16 via 10.0.0.1", peer)
-        run("ip -6 route add fd00:244::/32 via fd00::1", peer)
+        run(f"ip route add 10.244.0.0/16 via {GATEWAY_V4}", peer)
+        run(f"ip -6 route add fd00:244::/32 via {GATEWAY_V6}", peer)
         for n in range(self._n_nodes):
             self._add_node(n)
 
@@ -142,12 +146,20 @@ class Lab:
             ip4=f"10.0.0.{10 + n}",
             ip6=f"fd00::{10 + n:x}",
             pod_cidr4=f"10.244.{n}.0/24",
-            pod_cidr6=f"fd00:244:{n:x}::/64",
+            pod_cidr6=str(ipaddress.ip_network(f"fd00:244:{n:x}::/64")),  # canonical text, as the kernel prints it
         )
-        self._bridge_port(ns, f"n{n}", f"{node.ip4}/24", f"{node.ip6}/64")
+        # The node's IPv6 uplink address is a /128 plus an on-link route: a forwarding node
+        # with fd00::a/64 would own the subnet-router anycast fd00:: and swallow packets to
+        # the first address of the internal CIDR instead of sending them out of the uplink.
+        self._bridge_port(ns, f"n{n}", f"{node.ip4}/24", f"{node.ip6}/128")
+        run(f"ip -6 route add {FABRIC_V6} dev {UPLINK}", ns)
         # default route only towards the fabric, which itself has none: nothing leaves the sandbox
-        run("ip route add default via 10.0.0.1", ns)
-        run("ip -6 route add default via fd00::1", ns)
+        run(f"ip route add default via {GATEWAY_V4}", ns)
+        run(f"ip -6 route add default via {GATEWAY_V6}", ns)
+        # 10.0.0.0 is on the uplink's /24: without this it is never resolved (ARP) and never
+        # leaves; through the gateway it does, like every other internal destination
+        run(f"ip route add 10.0.0.0/32 via {GATEWAY_V4}", ns)
+        run(f"ip -6 route add fd00::/128 via {GATEWAY_V6}", ns)
         for knob in ("net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"):
             run(["sysctl", "-qw", knob], ns)
         # SNAT to the node address for anything leaving the VPC, as a cloud node does
@@ -169,7 +181,8 @@ class Lab:
         k = len(node.pods)
         n = self.nodes.index(node)
         pns = self._netns(f"{self.prefix}-n{n}p{k}")
-        pod = Pod(f"n{n}p{k}", pns, f"10.244.{n}.{10 + k}", f"fd00:244:{n:x}::{10 + k:x}", f"vp{k}")
+        ip6 = str(ipaddress.ip_address(f"fd00:244:{n:x}::{10 + k:x}"))
+        pod = Pod(f"n{n}p{k}", pns, f"10.244.{n}.{10 + k}", ip6, f"vp{k}")
         run(["ip", "link", "add", pod.node_veth, "netns", node.netns, "type", "veth", "peer", "name", "eth0", "netns", pns])
         run(f"ip addr add {pod.ip4}/32 dev eth0", pns)
         run(f"ip -6 addr add {pod.ip6}/128 dev eth0 nodad", pns)
