@@ -121,27 +121,30 @@ class Shaper:
         self.close()
 
     def _index(self, name: str) -> int | None:
-        found = self.ipr.link_lookup(ifname=name)
-        return found[0] if found else None
+        link = self._link(name)
+        return link.index if link else None
+
+    def _link(self, name: str) -> rawnl.RawLink | None:
+        try:
+            return self.chan.get_link(name)
+        except OSError as exc:
+            raise TcError(f"reading device {name!r} in network namespace {self.netns!r} failed: {exc}") from exc
 
     # -- observe ------------------------------------------------------------
     def observe(self, spec: ShaperSpec) -> ObservedShaper:
         obs = ObservedShaper()
-        ifb = self._index(spec.ifb)
-        if ifb is not None:
-            link = self.ipr.get_links(ifb)[0]
-            obs.ifb_index = ifb
-            info = link.get_attr("IFLA_LINKINFO")
-            kind = info.get_attr("IFLA_INFO_KIND") if info else None
-            obs.ifb_ours = kind == "ifb" and link.get_attr("IFLA_IFALIAS") == IFB_ALIAS
+        link = self._link(spec.ifb)
+        if link is not None:
+            ifb = obs.ifb_index = link.index
+            obs.ifb_ours = link.kind == "ifb" and link.alias == IFB_ALIAS
             if not obs.ifb_ours:
                 raise TcError(
                     f"a device named {spec.ifb!r} exists and is not netagent's IFB "
-                    f"(kind {kind!r}, alias {link.get_attr('IFLA_IFALIAS')!r}); "
+                    f"(kind {link.kind!r}, alias {link.alias!r}); "
                     "choose another --ifb name or remove that device"
                 )
-            obs.ifb_up = bool(link["flags"] & 1)
-            obs.ifb_txqueuelen = link.get_attr("IFLA_TXQLEN") or 0
+            obs.ifb_up = link.up
+            obs.ifb_txqueuelen = link.txqlen
             self._observe_ifb_qdiscs(ifb, spec, obs)
         for up in spec.uplinks:
             idx = self._index(up)

@@ -23,6 +23,7 @@ NLM_F_REQUEST = 0x1
 NLM_F_MULTI = 0x2
 NLM_F_ACK = 0x4
 NLM_F_DUMP = 0x300
+RTM_GETLINK = 18
 RTM_GETQDISC = 38
 RTM_GETTCLASS = 42
 NETLINK_ROUTE = 0
@@ -33,6 +34,9 @@ NETLINK_GET_STRICT_CHK = 12
 _HDR = struct.Struct("=IHHII")  # nlmsghdr
 _TCMSG = struct.Struct("=BxxxiIII")  # family, pad, ifindex, handle, parent, info
 _NLA = struct.Struct("=HH")
+_IFINFO = struct.Struct("=BxHiII")  # family, pad, type, ifindex, flags, change
+
+IFLA_IFNAME, IFLA_TXQLEN, IFLA_LINKINFO, IFLA_IFALIAS, IFLA_INFO_KIND = 3, 13, 18, 20, 1
 
 TCA_KIND, TCA_OPTIONS, TCA_STATS2 = 1, 2, 7
 TCA_STATS_BASIC, TCA_STATS_QUEUE = 1, 3
@@ -90,6 +94,34 @@ class NetlinkChannel:
                         results[pending.pop(seq)] = -err
         return results
 
+    def get_link(self, name: str) -> "RawLink | None":
+        """One device by name (RTM_GETLINK with IFLA_IFNAME), or None when it does not exist."""
+        seq = self._next()
+        ifname = name.encode() + b"\0"
+        nla = _NLA.pack(4 + len(ifname), IFLA_IFNAME) + ifname
+        nla += b"\0" * (-len(nla) % 4)
+        body = _IFINFO.pack(socket.AF_UNSPEC, 0, 0, 0, 0) + nla
+        self.sock.send(_HDR.pack(_HDR.size + len(body), RTM_GETLINK, NLM_F_REQUEST, seq, 0) + body)
+        while True:
+            for mtype, _flags, mseq, payload in _messages(self.sock.recv(1 << 16)):
+                if mseq != seq:
+                    continue
+                if mtype == NLMSG_ERROR:
+                    (err,) = struct.unpack_from("=i", payload, 0)
+                    if -err == errno.ENODEV:
+                        return None
+                    raise OSError(-err, f"looking up device {name!r} failed: {os.strerror(-err)}")
+                _, _, index, flags, _ = _IFINFO.unpack_from(payload, 0)
+                a = attrs(payload[_IFINFO.size :])
+                info = attrs(a.get(IFLA_LINKINFO, b""))
+                return RawLink(
+                    index=index,
+                    up=bool(flags & 1),
+                    txqlen=struct.unpack_from("=I", a[IFLA_TXQLEN], 0)[0] if IFLA_TXQLEN in a else 0,
+                    alias=_text(a[IFLA_IFALIAS]) if IFLA_IFALIAS in a else None,
+                    kind=_text(info[IFLA_INFO_KIND]) if IFLA_INFO_KIND in info else None,
+                )
+
     def dump_classes(self, ifindex: int) -> list[tuple[int, int, bytes]]:
         """RTM_GETTCLASS dump of one device: (handle, parent, attributes) per class."""
         return self._dump(RTM_GETTCLASS, ifindex)
@@ -140,6 +172,19 @@ def attrs(buf: bytes) -> dict[int, bytes]:
         out[atype & 0x3FFF] = buf[off + 4 : off + length]
         off += (length + 3) & ~3
     return out
+
+
+def _text(b: bytes) -> str:
+    return b.rstrip(b"\0").decode(errors="replace")
+
+
+@dataclass(frozen=True)
+class RawLink:
+    index: int
+    up: bool
+    txqlen: int
+    alias: str | None
+    kind: str | None
 
 
 @dataclass(frozen=True)
