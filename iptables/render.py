@@ -1,0 +1,312 @@
+"""Pure rendering: a `ClassifierState` becomes chains, rules and iptables-restore text.
+
+Nothing here runs a command. `build()` returns the desired ruleset of one family as
+plain data (chain -> rule texts, in the exact canonical form `iptables-save` prints,
+so a read-back compares token for token); `render()` is its full restore text;
+`render_update()` is the minimal transaction that turns what the kernel holds into it.
+
+Layout (per family, mangle table; see docs/iptables.md):
+
+    PREROUTING  -> P-PREROUTING:  -i <uplink> -j P-NODE-IN        node ingress by scope
+    POSTROUTING -> P-POSTROUTING: -o <uplink> -j P-NODE-OUT       node egress by scope
+                                  -j P-EGRESS    dispatch on source  -> P-E-<pod>: count, MARK, CLASSIFY
+                                  -o <uplink> -j RETURN             (nothing to a pod leaves by the uplink)
+                                  -j P-INGRESS   dispatch on destination -> P-I-<pod>: count
+
+Dispatch chains are a 16-way prefix tree over the pod addresses, entered with `-g`
+(goto), so a packet walks at most ~16 rules per level instead of one rule per pod.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import ipaddress
+import re
+from dataclasses import dataclass
+
+from iptables.errors import IptablesError
+from iptables.model import ClassifierState, PodClassification
+from iptables.parse import normalise
+
+TABLE = "mangle"
+FANOUT = 16  # rules per dispatch chain before it splits into sub-chains
+MAX_CHAIN_NAME = 28  # XT_EXTENSION_MAXNAMELEN - 1
+MAX_COMMENT = 255
+_PREFIX_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,11}$")
+_IFNAME_RE = re.compile(r"^[^\s/:\"']{1,15}$")
+_KEY_RE = re.compile(r"^[^\"\\\n\r\t]{1,}$")
+HOOKS = ("PREROUTING", "POSTROUTING")
+KINDS = ("egress_internal", "egress_internet", "ingress_internal", "ingress_internet")
+
+
+@dataclass(frozen=True)
+class Ruleset:
+    """The desired (or observed) state of our chains in one family's mangle table."""
+
+    family: int
+    chains: dict[str, tuple[str, ...]]  # our chain -> its rules, without "-A <chain> "
+    jumps: tuple[tuple[str, str], ...]  # (builtin chain, rule) hooks into our chains
+    pod_chains: dict[str, str]  # per-pod counting chain -> pod key
+
+
+def names(prefix: str) -> dict[str, str]:
+    """The fixed chain names for one prefix."""
+    return {
+        "PREROUTING": f"{prefix}-PREROUTING",
+        "POSTROUTING": f"{prefix}-POSTROUTING",
+        "NODE-IN": f"{prefix}-NODE-IN",
+        "NODE-OUT": f"{prefix}-NODE-OUT",
+        "EGRESS": f"{prefix}-EGRESS",
+        "INGRESS": f"{prefix}-INGRESS",
+    }
+
+
+def is_ours(chain: str, prefix: str) -> bool:
+    """The single ownership test: every cleanup and every diff goes through it."""
+    return chain.startswith(prefix + "-")
+
+
+def short_hash(text: str) -> str:
+    digest = hashlib.sha256(text.encode()).digest()
+    return base64.b32encode(digest).decode()[:10]
+
+
+def pod_chain(prefix: str, direction: str, key: str) -> str:
+    return f"{prefix}-{'E' if direction == 'egress' else 'I'}-{short_hash(key)}"
+
+
+def ipset_name(prefix: str, family: int) -> str:
+    return f"{prefix.lower()}-internal{family}"
+
+
+def xmark(bit: int) -> str:
+    return f"0x{bit:x}/0x{bit:x}"
+
+
+def classify_target(tc_class: tuple[int, int]) -> str:
+    major, minor = tc_class
+    return f"{major:04x}:{minor:04x}"  # the form iptables-save prints
+
+
+def comment(text: str) -> str:
+    return f'-m comment --comment "{text[:MAX_COMMENT - 20]}"'
+
+
+# -- validation -------------------------------------------------------------------------
+
+def validate_prefix(prefix: str) -> None:
+    if not _PREFIX_RE.match(prefix or ""):
+        raise IptablesError(
+            f"chain prefix {prefix!r} is not valid: use 1-12 letters, digits or '_', starting with a letter "
+            "(chain names are limited to 28 characters)")
+
+
+def validate_mark_bit(bit: object) -> int:
+    if isinstance(bit, bool) or not isinstance(bit, int) or bit <= 0 or bit > 0xFFFFFFFF or bit & (bit - 1):
+        shown = hex(bit) if isinstance(bit, int) and not isinstance(bit, bool) and bit >= 0 else repr(bit)
+        raise IptablesError(
+            f"mark bit {shown} is not a single bit of the 32-bit firewall mark: pick one power of two such as 0x1000 "
+            "that no other component (kube-proxy 0x4000/0x8000, portmap 0x2000, Calico 0xff000000, Tailscale 0xff0000) uses")
+    return bit
+
+
+def split_cidrs(cidrs: tuple[str, ...]) -> dict[int, tuple[str, ...]]:
+    """Internal CIDRs by family, canonical and sorted; refuses what hash:net cannot hold."""
+    out: dict[int, set] = {4: set(), 6: set()}
+    for text in cidrs:
+        try:
+            net = ipaddress.ip_network(str(text).strip(), strict=False)
+        except ValueError as exc:
+            raise IptablesError(f"internal CIDR {text!r} is malformed ({exc}): give networks such as 10.0.0.0/8 or fd00::/8") from None
+        if net.prefixlen == 0:
+            raise IptablesError(
+                f"internal CIDR {text!r} covers every address: an ipset hash:net cannot hold /0, and it would make "
+                "all traffic internal; list the real internal ranges instead")
+        out[net.version].add(net)
+    return {fam: tuple(str(n) for n in sorted(nets)) for fam, nets in out.items()}
+
+
+def _validate_pod(pod: PodClassification) -> None:
+    if not isinstance(pod.key, str) or not _KEY_RE.match(pod.key):
+        raise IptablesError(f"pod key {pod.key!r} must be non-empty text without quotes, backslashes or line breaks")
+    major, minor = pod.tc_class
+    if not (1 <= major <= 0xFFFF and 0 <= minor <= 0xFFFF):
+        raise IptablesError(f"pod {pod.key}: HTB class {major:#x}:{minor:#x} is out of range (major 1..0xffff, minor 0..0xffff)")
+    if not pod.ips:
+        raise IptablesError(f"pod {pod.key} has no IP address: leave it out of the state until it has one")
+
+
+def validate(state: ClassifierState) -> None:
+    """Every check that can be made without the kernel; raises IptablesError naming the input."""
+    validate_mark_bit(state.mark_bit)
+    split_cidrs(state.internal_cidrs)
+    if not state.uplinks:
+        raise IptablesError("no uplink: node totals and the egress layout need the internet-facing device(s)")
+    for dev in state.uplinks:
+        if not isinstance(dev, str) or not _IFNAME_RE.match(dev):
+            raise IptablesError(f"uplink {dev!r} is not a valid interface name")
+    seen: dict[str, str] = {}
+    keys: set[str] = set()
+    for pod in state.pods:
+        _validate_pod(pod)
+        if pod.key in keys:
+            raise IptablesError(f"pod {pod.key} appears twice in the classifier state")
+        keys.add(pod.key)
+        for ip in pod.ips:
+            try:
+                addr = str(ipaddress.ip_address(ip))
+            except ValueError:
+                raise IptablesError(f"pod {pod.key}: {ip!r} is not an IP address") from None
+            if addr in seen:
+                raise IptablesError(f"IP {addr} is claimed by both {seen[addr]} and {pod.key}: one IP, one pod")
+            seen[addr] = pod.key
+
+
+# -- building ---------------------------------------------------------------------------
+
+def _host(addr: ipaddress._BaseAddress) -> str:
+    return f"{addr}/{addr.max_prefixlen}"
+
+
+def _dispatch(chains: dict[str, tuple[str, ...]], root: str, sub_tag: str, flag: str,
+              entries: list[tuple[ipaddress._BaseAddress, str]]) -> None:
+    """Fill `root` (and sub-chains) with a prefix tree that sends each address to its pod chain by goto."""
+    bits = entries[0][0].max_prefixlen if entries else 32
+    net_type = ipaddress.IPv4Network if bits == 32 else ipaddress.IPv6Network
+
+    def fill(chain: str, items: list[tuple[ipaddress._BaseAddress, str]]) -> None:
+        if len(items) <= FANOUT:
+            chains[chain] = tuple(f"{flag} {_host(a)} -g {target}" for a, target in items)
+            return
+        ints = [int(a) for a, _ in items]
+        common = bits - (min(ints) ^ max(ints)).bit_length()  # sorted: first and last bound the common prefix
+        plen = min(bits, common + 4)
+        groups: dict[int, list] = {}
+        for a, target in items:
+            groups.setdefault(int(a) >> (bits - plen), []).append((a, target))
+        rules = []
+        for head, group in sorted(groups.items()):
+            if len(group) == 1:
+                a, target = group[0]
+                rules.append(f"{flag} {_host(a)} -g {target}")
+                continue
+            net = net_type((head << (bits - plen), plen))
+            child = f"{sub_tag}-{short_hash(str(net))}"
+            rules.append(f"{flag} {net} -g {child}")
+            fill(child, group)
+        chains[chain] = tuple(rules)
+
+    fill(root, sorted(entries, key=lambda e: int(e[0])))
+
+
+def build(state: ClassifierState, family: int, prefix: str = "NETAGENT") -> Ruleset:
+    """The desired ruleset of one family (4 or 6). Raises IptablesError on bad input."""
+    if family not in (4, 6):
+        raise IptablesError(f"family {family!r} must be 4 or 6")
+    validate_prefix(prefix)
+    validate(state)
+    n = names(prefix)
+    internal = ipset_name(prefix, family)
+    mark = xmark(state.mark_bit)
+    chains: dict[str, tuple[str, ...]] = {}
+
+    chains[n["NODE-OUT"]] = (
+        f"-m set --match-set {internal} dst {comment('node egress internal')} -j RETURN",
+        f"{comment('node egress internet')} -j RETURN",
+    )
+    chains[n["NODE-IN"]] = (
+        f"-m set --match-set {internal} src {comment('node ingress internal')} -j RETURN",
+        f"{comment('node ingress internet')} -j RETURN",
+    )
+    chains[n["PREROUTING"]] = tuple(f"-i {dev} -j {n['NODE-IN']}" for dev in state.uplinks)
+    chains[n["POSTROUTING"]] = (
+        *(f"-o {dev} -j {n['NODE-OUT']}" for dev in state.uplinks),
+        f"-j {n['EGRESS']}",
+        *(f"-o {dev} -j RETURN" for dev in state.uplinks),
+        f"-j {n['INGRESS']}",
+    )
+
+    egress: list[tuple[ipaddress._BaseAddress, str]] = []
+    ingress: list[tuple[ipaddress._BaseAddress, str]] = []
+    pod_chains: dict[str, str] = {}
+    for pod in sorted(state.pods, key=lambda p: p.key):
+        addrs = [ipaddress.ip_address(ip) for ip in pod.ips]
+        addrs = sorted(a for a in addrs if a.version == family)
+        if not addrs:
+            continue
+        e_chain, i_chain = pod_chain(prefix, "egress", pod.key), pod_chain(prefix, "ingress", pod.key)
+        chains[e_chain] = (
+            f"-m set --match-set {internal} dst {comment(pod.key + ' egress internal')} -j RETURN",
+            f"{comment(pod.key + ' egress internet')} -j MARK --set-xmark {mark}",
+            f"-j CLASSIFY --set-class {classify_target(pod.tc_class)}",
+        )
+        chains[i_chain] = (
+            f"-m set --match-set {internal} src {comment(pod.key + ' ingress internal')} -j RETURN",
+            f"{comment(pod.key + ' ingress internet')} -j RETURN",
+        )
+        pod_chains[e_chain] = pod.key
+        pod_chains[i_chain] = pod.key
+        egress += [(a, e_chain) for a in addrs]
+        ingress += [(a, i_chain) for a in addrs]
+    _dispatch(chains, n["EGRESS"], f"{prefix}-ES", "-s", egress)
+    _dispatch(chains, n["INGRESS"], f"{prefix}-IS", "-d", ingress)
+
+    for name in chains:
+        if len(name) > MAX_CHAIN_NAME:  # guarded by validate_prefix; kept as a hard stop
+            raise IptablesError(f"chain name {name} is longer than {MAX_CHAIN_NAME} characters: use a shorter prefix")
+    jumps = tuple((hook, f"-j {n[hook]}") for hook in HOOKS)
+    return Ruleset(family, chains, jumps, pod_chains)
+
+
+def render(state: ClassifierState, family: int, prefix: str = "NETAGENT") -> str:
+    """Full iptables-restore text (mangle, only our chains) that programs `state` from nothing."""
+    rs = build(state, family, prefix)
+    lines = [f"*{TABLE}"]
+    lines += [f":{c} - [0:0]" for c in rs.chains]
+    for c, rules in rs.chains.items():
+        lines += [f"-A {c} {r}" for r in rules]
+    lines += [f"-I {hook} 1 {rule}" for hook, rule in rs.jumps]
+    lines.append("COMMIT")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class Update:
+    text: str  # iptables-restore --noflush input; "" when the kernel already matches
+    changes: int  # chains written or deleted plus hook rules inserted or deleted
+    rewritten: tuple[str, ...]  # existing chains that get flushed and refilled (their counters restart)
+
+
+def render_update(desired: Ruleset, current_chains: dict[str, tuple[str, ...]],
+                  current_jumps: list[tuple[str, str]]) -> Update:
+    """The minimal transaction from the kernel's state of our chains to `desired`.
+
+    `current_chains` holds only our chains (already filtered by `is_ours`), rules normalised;
+    `current_jumps` the rules in builtin chains that jump to one of ours. Chains whose rules
+    already match are left out entirely, so their counters keep counting.
+    """
+    write = [c for c, rules in desired.chains.items()
+             if tuple(normalise(r) for r in rules) != current_chains.get(c)]
+    stale = sorted(c for c in current_chains if c not in desired.chains)
+    wanted_jumps = [(h, normalise(r)) for h, r in desired.jumps]
+    remove_jumps = []
+    kept: set[tuple[str, str]] = set()
+    for hook, rule in current_jumps:
+        if (hook, rule) in wanted_jumps and (hook, rule) not in kept:
+            kept.add((hook, rule))
+        else:
+            remove_jumps.append((hook, rule))  # a duplicate, or a hook into a chain we no longer want
+    add_jumps = [(h, r) for h, r in desired.jumps if (h, normalise(r)) not in kept]
+    changes = len(write) + len(stale) + len(remove_jumps) + len(add_jumps)
+    if not changes:
+        return Update("", 0, ())
+    lines = [f"*{TABLE}"]
+    lines += [f":{c} - [0:0]" for c in (*write, *stale)]  # declares new chains, flushes existing ones
+    for c in write:
+        lines += [f"-A {c} {r}" for r in desired.chains[c]]
+    lines += [f"-D {h} {r}" for h, r in remove_jumps]
+    lines += [f"-I {h} 1 {r}" for h, r in add_jumps]
+    lines += [f"-X {c}" for c in stale]
+    lines.append("COMMIT")
+    rewritten = tuple(c for c in write if c in current_chains)
+    return Update("\n".join(lines) + "\n", changes, rewritten)
