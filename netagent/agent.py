@@ -21,7 +21,9 @@ from typing import Callable, Protocol
 
 from .demand import PodDemand, Sample
 from .model import Snapshot
-from .planner import DesiredState, PlanError, PlanInputs, PlanOptions, PodShape, plan
+from tc.model import NODE_MINOR
+
+from .planner import DesiredState, PlanError, PlanInputs, PlanOptions, PodShape, assign_minors, plan
 from .view import SCOPES, NodeView, PodView
 
 log = logging.getLogger(__name__)
@@ -131,6 +133,7 @@ class Agent:
         self._lock = threading.RLock()
         self._threads: list[threading.Thread] = []
         self._adopted: dict[int, tuple[int, int]] = {}
+        self._allocated_policies: dict[str, tuple] | None = None  # pods the local engine last saw
 
     # -- inputs ---------------------------------------------------------------
     def on_snapshot(self, snap: Snapshot) -> None:
@@ -212,6 +215,7 @@ class Agent:
                     self.problems.report(p.namespace, p.name, p.uid, p.problems)
                 self.problems.forget({p.uid for p in pods})
             stage = "allocate"
+            self._allocate_locally_if_pods_changed(pods)
             allocs = self._effective_allocations(pods)
             stage = "plan"
             desired = plan(self._plan_inputs(pods, allocs))
@@ -235,6 +239,9 @@ class Agent:
         total = sum(changes.values())
         if self.metrics:
             self.metrics.reconcile_duration.observe(elapsed)
+            for kind, n in changes.items():
+                if n:
+                    self.metrics.kernel_changes.labels(kind).inc(n)
             if total and periodic and not inputs_changed:
                 # nothing we were told changed, yet the kernel differed: someone changed it
                 for kind, n in changes.items():
@@ -258,9 +265,36 @@ class Agent:
         for p in pods:
             a = allocs[p.key]
             shapes.append(PodShape(p.key, p.ips, max(1, int(a.allocation_bps)), max(1, int(a.limit_bps))))
-        node_rate = self.allocations.node_rate_bps or sum(a.limit_bps for a in allocs.values())
+        adopted_node = self._adopted.get(NODE_MINOR)
+        node_rate = (self.allocations.node_rate_bps or (adopted_node[1] if adopted_node else 0)
+                     or sum(a.limit_bps for a in allocs.values()))
         node_rate = max(int(node_rate), self.cfg.plan_options.default_rate, 8)
         return PlanInputs(self.cfg.uplinks, self.cfg.internal_cidrs, tuple(shapes), node_rate, self.cfg.plan_options)
+
+    def _allocate_locally_if_pods_changed(self, pods: list[ResolvedPod]) -> None:
+        """Single-node mode: a pod that appears or changes class gets its share in this
+        sync, not at the next allocation round. Right after a restart, pods whose class
+        the kernel already holds keep it (adoption) until the next round."""
+        if not self.local_allocate:
+            return
+        policies = {p.key: (p.team, p.egress_class, p.weight, p.min_bps, p.max_bps) for p in pods}
+        if policies == self._allocated_policies:
+            return
+        first = self._allocated_policies is None
+        self._allocated_policies = policies
+        if first and self._adopted and all(self._prospective_minor(p) in self._adopted for p in pods if p.ips):
+            return
+        with self._lock:
+            prev, budget = self.allocations, self.budget_bps
+        allocs = self.local_allocate(pods, self.demand, budget, prev)
+        with self._lock:
+            self.allocations = allocs
+
+    def _prospective_minor(self, p: ResolvedPod) -> int | None:
+        minor = self.minors.get(p.key)
+        if minor is None and p.ips:
+            minor = assign_minors([PodShape(p.key, p.ips, 1, 1)]).get(p.key)
+        return minor
 
     def _effective_allocations(self, pods: list[ResolvedPod]) -> dict[str, Allocation]:
         """Per pod: the controller's (or local engine's) allocation while its lease holds; after
@@ -275,7 +309,6 @@ class Agent:
             self.fail_static = expired
         floor = a.safe_floor_bps or self.cfg.default_floor_bps
         out: dict[str, Allocation] = {}
-        prospective = self.minors
         for p in pods:
             got = a.pods.get(p.key)
             if got is not None and not expired:
@@ -285,11 +318,7 @@ class Agent:
                 f = min(floor, p.max_bps)
                 out[p.key] = Allocation(f, f)
                 continue
-            minor = prospective.get(p.key)
-            if minor is None and self._adopted:
-                from .planner import assign_minors  # pods not planned yet: the minor they will get
-
-                minor = assign_minors([PodShape(p.key, p.ips, 1, 1)]).get(p.key) if p.ips else None
+            minor = self._prospective_minor(p) if self._adopted else None
             if minor is not None and minor in self._adopted:
                 rate, ceil = self._adopted[minor]
                 out[p.key] = Allocation(rate, ceil)

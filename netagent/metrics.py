@@ -104,6 +104,9 @@ class AgentMetrics:
         self.drift_repairs = Counter("netagent_drift_repairs",
                                      "Kernel state found changed by someone else and restored, by kind.",
                                      ["kind"], registry=r)
+        self.kernel_changes = Counter("netagent_datapath_changes",
+                                      "Changes made to the kernel (tc operations, iptables/ipset updates), by kind. "
+                                      "Flat while nothing changes: a restart adds none.", ["kind"], registry=r)
         self.report_failures = Counter("netagent_controller_report_failures",
                                        "Reports to the controller that failed.", registry=r)
         self.policy_problems = Counter("netagent_policy_problems",

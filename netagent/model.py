@@ -23,6 +23,7 @@ class PodRecord:
     phase: str
     annotations: tuple[tuple[str, str], ...]  # sorted (key, value) pairs: hashable and comparable
     resource_version: str = ""
+    deleting: bool = False  # deletionTimestamp set: its IP may already belong to a new pod
 
     @property
     def key(self) -> str:
@@ -57,6 +58,7 @@ class PodRecord:
             phase=status.get("phase") or "",
             annotations=tuple(sorted((str(k), str(v)) for k, v in annotations.items())),
             resource_version=str(meta.get("resourceVersion") or ""),
+            deleting=bool(meta.get("deletionTimestamp")),
         )
 
 

@@ -22,6 +22,9 @@ from ..model import PodRecord, Snapshot
 log = logging.getLogger(__name__)
 GROUP, VERSION = "netagent.io", "v1alpha1"
 WATCH_TIMEOUT_S = 300  # server-side watch timeout; the watch is resumed from its resourceVersion
+# (connect, read) client timeouts: a silently vanished apiserver is noticed, never waited on forever
+LIST_TIMEOUT = (10, 60)
+WATCH_READ_TIMEOUT = (10, WATCH_TIMEOUT_S + 30)
 
 
 def load_api_client(kubeconfig: str | None) -> client.ApiClient:
@@ -52,7 +55,7 @@ class Reflector:
     """list + watch of one resource into a dict keyed by uid; calls on_change after each change."""
 
     def __init__(self, name: str, list_fn: Callable, on_change: Callable[[], None], stop: threading.Event,
-                 metrics: Callable[[str], None] | None = None, **list_kwargs):
+                 metrics: Callable[[str], None] | None = None, optional: bool = False, **list_kwargs):
         self.name = name
         self.list_fn = list_fn
         self.list_kwargs = list_kwargs
@@ -64,14 +67,17 @@ class Reflector:
         self.relists = 0
         self.count_event = metrics or (lambda kind: None)
         self.lock = threading.Lock()
+        self.optional = optional  # a CRD that may not be installed yet: absent means empty
+        self.missing = False
 
     def relist(self) -> None:
-        resp = self.list_fn(_preload_content=False, **self.list_kwargs)
+        resp = self.list_fn(_preload_content=False, _request_timeout=LIST_TIMEOUT, **self.list_kwargs)
         body = json.loads(resp.data)
         with self.lock:
             self.items = {o["metadata"]["uid"]: o for o in body.get("items") or []}
             self.resource_version = body["metadata"]["resourceVersion"]
         self.relists += 1
+        self.missing = False
         self.count_event("relist")
         self.synced.set()
         self.on_change()
@@ -89,7 +95,13 @@ class Reflector:
             except ApiException as exc:
                 if exc.status == 410:
                     log.info("%s: watch expired (410 Gone); relisting", self.name)
+                    self.count_event("gone")
                     need_list = True
+                    continue
+                if exc.status == 404 and self.optional:
+                    self._absent()
+                    need_list = True
+                    self.stop.wait(backoff.next())
                     continue
                 delay = backoff.next()
                 log.warning("%s: API error %s; retrying in %.1fs", self.name, exc.status, delay)
@@ -101,6 +113,20 @@ class Reflector:
                 self.count_event("error")
                 self.stop.wait(delay)
 
+    def _absent(self) -> None:
+        """The resource type does not exist (CRDs not installed): no objects, which the policy
+        layer turns into its built-in defaults; said once, retried with backoff."""
+        if not self.missing:
+            log.warning("%s: the resource type is not installed (404); treating it as empty until it is "
+                        "(install netagent's CRDs)", self.name)
+        self.missing = True
+        with self.lock:
+            changed = bool(self.items)
+            self.items, self.resource_version = {}, ""
+        if changed or not self.synced.is_set():
+            self.synced.set()
+            self.on_change()
+
     def _watch(self) -> None:
         w = watch.Watch()
         stream = w.stream(
@@ -108,6 +134,7 @@ class Reflector:
             resource_version=self.resource_version,
             allow_watch_bookmarks=True,
             timeout_seconds=WATCH_TIMEOUT_S,
+            _request_timeout=WATCH_READ_TIMEOUT,
             **self.list_kwargs,
         )
         try:
@@ -158,11 +185,11 @@ class KubeSource:
         )
         self.classes = Reflector(
             "egressclasses", custom.list_cluster_custom_object, self._mark, self.stop_event,
-            lambda k: metric("egressclasses", k), group=GROUP, version=VERSION, plural="egressclasses",
+            lambda k: metric("egressclasses", k), optional=True, group=GROUP, version=VERSION, plural="egressclasses",
         )
         self.budgets = Reflector(
             "egressbudgets", custom.list_cluster_custom_object, self._mark, self.stop_event,
-            lambda k: metric("egressbudgets", k), group=GROUP, version=VERSION, plural="egressbudgets",
+            lambda k: metric("egressbudgets", k), optional=True, group=GROUP, version=VERSION, plural="egressbudgets",
         )
         self.reflectors = (self.pods, self.classes, self.budgets)
 

@@ -1,0 +1,95 @@
+"""The kernel data path of one node: tc (the shaper) and iptables (the classifier).
+
+`KernelDataPath` implements the agent's `DataPath` protocol. It applies a planned
+`DesiredState` tc first, then iptables: a new pod's class exists before its CLASSIFY
+rule steers packets to it. When a pod goes, its class is deleted a moment before its
+rule; a packet that names a missing class lands in the default class, which is shaped
+at a floor: never unshaped. Both appliers diff against the kernel, so an unchanged
+state costs reads only and changes nothing.
+
+The shaper and the classifier are used from three threads (sync loop, sampler,
+HTTP scrapes); each has its own lock, and counters are read on a second netlink
+socket so a scrape never waits for a reconcile's batch.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+from iptables.apply import Classifier
+from tc.model import ClassStats
+from tc.netlink import Shaper
+from tc.probe import Capabilities, probe, require
+
+from .planner import DesiredState, PlanOptions
+
+log = logging.getLogger(__name__)
+
+
+class DataPathError(RuntimeError):
+    """The node's kernel cannot carry netagent's data path as configured; the message says why and what to do."""
+
+
+def probe_leaf_qdisc() -> tuple[str, Capabilities | None]:
+    """Try the kernel once: the best leaf qdisc it offers. A kernel without what we need
+    is an error; a probe that cannot run at all (no scratch namespaces allowed) means
+    the safe choice, pfifo, which every kernel has."""
+    try:
+        caps = probe()
+    except Exception as exc:  # noqa: BLE001 - any failure to probe has the same safe answer
+        log.warning("tc capability probe could not run (%s); using the pfifo leaf qdisc", exc)
+        return "pfifo", None
+    try:
+        require(caps)
+    except Exception as exc:
+        raise DataPathError(str(exc)) from exc
+    return caps.leaf_qdisc, caps
+
+
+class KernelDataPath:
+    def __init__(self, options: PlanOptions, iptables_backend: str = "auto", netns: str | None = None):
+        self.options = options
+        self.leaf_qdisc = options.leaf_qdisc
+        self._shaper = Shaper(netns)
+        self._stats_shaper = Shaper(netns)
+        try:
+            self._classifier = Classifier(backend=iptables_backend, netns=netns)
+        except Exception as exc:
+            raise DataPathError(f"iptables: {exc}") from exc
+        self.iptables_backend = self._classifier.backend
+        self._tc_lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._ipt_lock = threading.Lock()
+
+    def check_conflicts(self) -> None:
+        """Refuse to start when someone else already uses our mark bit."""
+        try:
+            with self._ipt_lock:
+                self._classifier.check_conflicts(self.options.mark_bit)
+        except Exception as exc:
+            raise DataPathError(f"firewall mark bit {self.options.mark_bit:#x}: {exc} (choose another with --mark-bit)") from exc
+
+    def apply(self, desired: DesiredState) -> dict[str, int]:
+        """tc first, then iptables. Returns the number of changes by kind (tc, iptables, ipset); all 0: in sync."""
+        with self._tc_lock:
+            tc_result = self._shaper.apply(desired.shaper)
+        with self._ipt_lock:
+            ipt = self._classifier.apply(desired.classifier)
+        return {"tc": tc_result.changes, **{k: int(v) for k, v in ipt.items()}}
+
+    def class_stats(self) -> dict[int, ClassStats]:
+        with self._stats_lock:
+            return self._stats_shaper.stats(self.options.ifb, self.options.htb_major)
+
+    def counters(self) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+        with self._ipt_lock:
+            return self._classifier.counters()
+
+    def adopted_rates(self) -> dict[int, tuple[int, int]]:
+        """minor -> (rate, ceil) in bit/s of every HTB class the kernel holds now (the node
+        class included, as minor 1): a restarted agent starts from exactly these."""
+        return {minor: (st.rate_bytes * 8, st.ceil_bytes * 8) for minor, st in self.class_stats().items()}
+
+    def close(self) -> None:
+        for s in (self._shaper, self._stats_shaper):
+            s.close()
