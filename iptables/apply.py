@@ -68,7 +68,7 @@ class Classifier:
     # -- apply ------------------------------------------------------------------------
     def apply(self, state: ClassifierState) -> dict[str, int]:
         rulesets = {f: R.build(state, f, self.prefix) for f in FAMILIES}  # validates all input first
-        cidrs = R.split_cidrs(state.internal_cidrs)
+        cidrs = R.set_members(state.internal_cidrs)
         previous_sets = self._read_sets()
         set_changes = self._apply_sets(cidrs, previous_sets)
         done: list[tuple[int, dict, list]] = []

@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
+from typing import Callable
 
 from iptables.errors import IptablesError
 
@@ -79,22 +80,27 @@ def rule_count(save_text: str) -> int:
 def detect(runner: Runner, prefix: str) -> str:
     """'nft' or 'legacy' for this (network namespace's) host."""
     available = [b for b in BACKENDS if shutil.which(runner.tool(4, b, "save"))]
-    if len(available) < 2:
-        if not available:
-            raise IptablesError("neither iptables-nft-save nor iptables-legacy-save is in PATH: install the iptables package")
+    if not available:
+        raise IptablesError("neither iptables-nft-save nor iptables-legacy-save is in PATH: install the iptables package")
+    if len(available) == 1:
         return available[0]
+    return choose_backend(runner.save, prefix)
+
+
+def choose_backend(save: Callable[[int, str, str | None], str], prefix: str) -> str:
+    """The detection order of the module docstring; `save(family, backend, table)` returns a dump."""
     ours = re.compile(rf"^:{re.escape(prefix)}-", re.M)
-    nft = [runner.save(f, "nft", "mangle") for f in (4, 6)]
+    nft = [save(f, "nft", "mangle") for f in (4, 6)]
     if any(has_kubelet_hint(t) for t in nft):
         return "nft"
-    legacy = [runner.save(f, "legacy", None) for f in (4, 6)]
+    legacy = [save(f, "legacy", None) for f in (4, 6)]
     if any(has_kubelet_hint(t) for t in legacy):
         return "legacy"
     if any(ours.search(t) for t in nft):
         return "nft"
     if any(ours.search(t) for t in legacy):
         return "legacy"
-    nft_all = sum(rule_count(runner.save(f, "nft", None)) for f in (4, 6))
-    if sum(rule_count(t) for t in legacy) > nft_all:
+    nft_rules = sum(rule_count(save(f, "nft", None)) for f in (4, 6))
+    if sum(rule_count(t) for t in legacy) > nft_rules:
         return "legacy"
     return "nft"

@@ -36,6 +36,8 @@ _PREFIX_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,11}$")
 _IFNAME_RE = re.compile(r"^[^\s/:\"']{1,15}$")
 _KEY_RE = re.compile(r"^[^\"\\\n\r\t]{1,}$")
 HOOKS = ("PREROUTING", "POSTROUTING")
+# Link-local ranges (cloud metadata, IPv6 neighbour discovery) never reach the internet: always internal.
+LINK_LOCAL = {4: "169.254.0.0/16", 6: "fe80::/10"}
 KINDS = ("egress_internal", "egress_internet", "ingress_internal", "ingress_internet")
 
 
@@ -124,6 +126,12 @@ def split_cidrs(cidrs: tuple[str, ...]) -> dict[int, tuple[str, ...]]:
                 "all traffic internal; list the real internal ranges instead")
         out[net.version].add(net)
     return {fam: tuple(str(n) for n in sorted(nets)) for fam, nets in out.items()}
+
+
+def set_members(cidrs: tuple[str, ...]) -> dict[int, tuple[str, ...]]:
+    """The contents of the internal ipset of each family: the given CIDRs plus link-local."""
+    split = split_cidrs(cidrs)
+    return {fam: split_cidrs(split[fam] + (LINK_LOCAL[fam],))[fam] for fam in (4, 6)}
 
 
 def _validate_pod(pod: PodClassification) -> None:

@@ -1,0 +1,288 @@
+"""Pure tests of iptables/ rendering, diffing, parsing and detection: no root, no kernel."""
+from __future__ import annotations
+
+import ipaddress
+import shlex
+
+import pytest
+
+from iptables import render as R
+from iptables.backend import choose_backend, has_kubelet_hint, rule_count
+from iptables.errors import IptablesError
+from iptables.model import ClassifierState, PodClassification
+from iptables.parse import comment_of, mark_masks, normalise, parse_ipset_save, parse_save
+
+
+def pods(n: int, base4: str = "10.244.0.10", base6: str = "fd00:244::10") -> tuple[PodClassification, ...]:
+    a4, a6 = ipaddress.ip_address(base4), ipaddress.ip_address(base6)
+    return tuple(PodClassification(f"ns/p{i}", (str(a4 + i), str(a6 + i)), (1, 0x10 + i)) for i in range(n))
+
+
+def state(n: int = 3, **kw) -> ClassifierState:
+    args = dict(mark_bit=0x1000, internal_cidrs=("10.0.0.0/8", "fd00::/8"), pods=pods(n), uplinks=("eth0",))
+    args.update(kw)
+    return ClassifierState(**args)
+
+
+def parse_restore(text: str) -> dict[str, list[list[str]]]:
+    """A small fake of iptables-restore: chain -> rules as token lists (what the kernel would hold)."""
+    chains: dict[str, list[list[str]]] = {}
+    for line in text.splitlines():
+        if line.startswith(":"):
+            chains[line[1:].split()[0]] = []
+        elif line.startswith("-A "):
+            tokens = shlex.split(line)
+            chains[tokens[1]].append(tokens[2:])
+    return chains
+
+
+def walk(chains: dict[str, list[list[str]]], root: str, flag: str, addr: str) -> tuple[str | None, int]:
+    """Follow -s/-d matches and -g gotos from `root`; -> (pod chain reached, rules evaluated)."""
+    ip = ipaddress.ip_address(addr)
+    chain, evaluated = root, 0
+    while True:
+        for rule in chains[chain]:
+            evaluated += 1
+            net = ipaddress.ip_network(rule[rule.index(flag) + 1])
+            if ip in net:
+                chain = rule[rule.index("-g") + 1]
+                break
+        else:
+            return None, evaluated
+        if chain not in chains or not chains[chain] or flag not in chains[chain][0]:
+            return chain, evaluated
+
+
+# -- render -----------------------------------------------------------------------------
+
+def test_render_is_deterministic_and_family_specific():
+    st = state(3)
+    v4, v6 = R.render(st, 4), R.render(st, 6)
+    assert v4 == R.render(st, 4)
+    assert "10.244.0.10/32" in v4 and "fd00:244" not in v4
+    assert "fd00:244::10/128" in v6 and "10.244" not in v6
+    assert "--match-set netagent-internal4 dst" in v4 and "--match-set netagent-internal6 dst" in v6
+    assert "-j MARK --set-xmark 0x1000/0x1000" in v4
+    assert "-j CLASSIFY --set-class 0001:0010" in v4
+    assert "-I POSTROUTING 1 -j NETAGENT-POSTROUTING" in v4 and "-I PREROUTING 1 -j NETAGENT-PREROUTING" in v4
+    assert v4.startswith("*mangle\n") and v4.endswith("COMMIT\n")
+
+
+def test_every_chain_is_ours_and_short_enough():
+    rs = R.build(state(110), 4, prefix="ABCDEFGHIJKL")
+    for name in rs.chains:
+        assert R.is_ours(name, "ABCDEFGHIJKL") and len(name) <= R.MAX_CHAIN_NAME
+    assert not R.is_ours("ABCDEFGHIJKLM-X", "ABCDEFGHIJKL")
+
+
+def test_pod_chains_count_each_direction_and_scope():
+    rs = R.build(state(1), 4)
+    e = R.pod_chain("NETAGENT", "egress", "ns/p0")
+    i = R.pod_chain("NETAGENT", "ingress", "ns/p0")
+    assert [comment_of(r) for r in rs.chains[e][:2]] == ["ns/p0 egress internal", "ns/p0 egress internet"]
+    assert [comment_of(r) for r in rs.chains[i]] == ["ns/p0 ingress internal", "ns/p0 ingress internet"]
+    assert rs.pod_chains == {e: "ns/p0", i: "ns/p0"}
+
+
+@pytest.mark.parametrize("family", [4, 6])
+def test_dispatch_reaches_every_pod_in_few_rules(family):
+    st = state(110)
+    chains = parse_restore(R.render(st, family))
+    worst = 0
+    for pod in st.pods:
+        addr = [a for a in pod.ips if ipaddress.ip_address(a).version == family][0]
+        for root, flag, direction in (("NETAGENT-EGRESS", "-s", "egress"), ("NETAGENT-INGRESS", "-d", "ingress")):
+            reached, evaluated = walk(chains, root, flag, addr)
+            assert reached == R.pod_chain("NETAGENT", direction, pod.key)
+            worst = max(worst, evaluated)
+    assert worst <= 2 * R.FANOUT  # a flat list would be up to 110 rules
+    outsider = "10.9.9.9" if family == 4 else "fd00:9::9"
+    assert walk(chains, "NETAGENT-EGRESS", "-s", outsider)[0] is None
+
+
+def test_dispatch_of_scattered_addresses():
+    scattered = tuple(PodClassification(f"ns/s{i}", (f"10.{i}.{i * 7 % 256}.{i * 13 % 250 + 1}",), (1, i + 1))
+                      for i in range(60))
+    st = state(pods=scattered)
+    chains = parse_restore(R.render(st, 4))
+    for pod in scattered:
+        assert walk(chains, "NETAGENT-EGRESS", "-s", pod.ips[0])[0] == R.pod_chain("NETAGENT", "egress", pod.key)
+
+
+def test_node_counters_hook_every_uplink():
+    rs = R.build(state(0, uplinks=("eth0", "eth1")), 4)
+    post = rs.chains["NETAGENT-POSTROUTING"]
+    assert "-o eth0 -j NETAGENT-NODE-OUT" in post and "-o eth1 -j NETAGENT-NODE-OUT" in post
+    assert rs.chains["NETAGENT-PREROUTING"] == ("-i eth0 -j NETAGENT-NODE-IN", "-i eth1 -j NETAGENT-NODE-IN")
+
+
+def test_set_members_add_link_local_and_canonicalise():
+    members = R.set_members(("10.1.2.3/8", "fd00::/8", "169.254.169.254/32"))
+    assert members[4] == ("10.0.0.0/8", "169.254.0.0/16", "169.254.169.254/32")
+    assert members[6] == ("fd00::/8", "fe80::/10")
+
+
+# -- bad input --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bit", [0, 3, 0x3000, 2**32, -1, True, "0x1000"])
+def test_mark_bit_must_be_one_bit(bit):
+    with pytest.raises(IptablesError, match="mark bit .* single bit"):
+        R.build(state(mark_bit=bit), 4)
+
+
+@pytest.mark.parametrize("cidr,match", [("10.0.0.0/33", "malformed"), ("not-a-net", "malformed"),
+                                        ("0.0.0.0/0", "every address"), ("::/0", "every address")])
+def test_bad_cidr_names_it(cidr, match):
+    with pytest.raises(IptablesError, match=match) as err:
+        R.build(state(internal_cidrs=(cidr,)), 4)
+    assert cidr in str(err.value)
+
+
+def test_bad_pods_and_uplinks():
+    dup = (PodClassification("a/x", ("10.244.0.1",), (1, 2)), PodClassification("b/y", ("10.244.0.1",), (1, 3)))
+    with pytest.raises(IptablesError, match="10.244.0.1 is claimed by both a/x and b/y"):
+        R.build(state(pods=dup), 4)
+    with pytest.raises(IptablesError, match="not an IP address"):
+        R.build(state(pods=(PodClassification("a/x", ("10.244.0.300",), (1, 2)),)), 4)
+    with pytest.raises(IptablesError, match="out of range"):
+        R.build(state(pods=(PodClassification("a/x", ("10.244.0.3",), (0, 2)),)), 4)
+    with pytest.raises(IptablesError, match="quotes"):
+        R.build(state(pods=(PodClassification('a/"x', ("10.244.0.3",), (1, 2)),)), 4)
+    with pytest.raises(IptablesError, match="no uplink"):
+        R.build(state(uplinks=()), 4)
+    with pytest.raises(IptablesError, match="not a valid interface"):
+        R.build(state(uplinks=("eth 0",)), 4)
+    with pytest.raises(IptablesError, match="prefix"):
+        R.build(state(), 4, prefix="THIS-IS-WAY-TOO-LONG")
+
+
+# -- diff -------------------------------------------------------------------------------
+
+def kernel_view(rs: R.Ruleset) -> tuple[dict[str, tuple[str, ...]], list[tuple[str, str]]]:
+    return ({c: tuple(normalise(r) for r in rules) for c, rules in rs.chains.items()},
+            [(h, normalise(r)) for h, r in rs.jumps])
+
+
+def test_update_of_matching_kernel_is_empty():
+    rs = R.build(state(20), 4)
+    chains, jumps = kernel_view(rs)
+    assert R.render_update(rs, chains, jumps) == R.Update("", 0, ())
+
+
+def test_update_from_nothing_declares_everything_and_hooks():
+    rs = R.build(state(2), 6)
+    up = R.render_update(rs, {}, [])
+    assert up.changes == len(rs.chains) + 2 and up.rewritten == ()
+    assert parse_restore(up.text) == parse_restore(R.render(state(2), 6))
+
+
+def test_class_change_rewrites_only_that_pods_chain():
+    old = state(20)
+    changed = list(old.pods)
+    changed[5] = PodClassification(changed[5].key, changed[5].ips, (1, 0x999))
+    rs = R.build(ClassifierState(old.mark_bit, old.internal_cidrs, tuple(changed), old.uplinks), 4)
+    up = R.render_update(rs, *kernel_view(R.build(old, 4)))
+    e = R.pod_chain("NETAGENT", "egress", "ns/p5")
+    assert up.rewritten == (e,) and up.changes == 1
+    assert "--set-class 0001:0999" in up.text
+
+
+def test_pod_removal_deletes_its_chains_after_unhooking():
+    old = state(3)
+    rs = R.build(ClassifierState(old.mark_bit, old.internal_cidrs, old.pods[:2], old.uplinks), 4)
+    up = R.render_update(rs, *kernel_view(R.build(old, 4)))
+    lines = up.text.splitlines()
+    gone = {R.pod_chain("NETAGENT", d, "ns/p2") for d in ("egress", "ingress")}
+    assert {ln.split()[1] for ln in lines if ln.startswith("-X ")} == gone
+    # the dispatch chains that referenced them are refilled in the same transaction, before -X
+    assert max(i for i, ln in enumerate(lines) if ln.startswith("-A NETAGENT-EGRESS")) < lines.index(f"-X {sorted(gone)[0]}")
+
+
+def test_missing_hook_is_inserted_and_duplicate_removed():
+    rs = R.build(state(1), 4)
+    chains, jumps = kernel_view(rs)
+    up = R.render_update(rs, chains, [jumps[1], jumps[1]])
+    assert up.text.splitlines()[1:-1] == ["-D POSTROUTING -j NETAGENT-POSTROUTING",
+                                         "-I PREROUTING 1 -j NETAGENT-PREROUTING"]
+
+
+# -- parse ------------------------------------------------------------------------------
+
+SAVE = """# Generated by iptables-save v1.8.9 (nf_tables)
+*mangle
+:PREROUTING ACCEPT [0:0]
+:POSTROUTING ACCEPT [0:0]
+:NETAGENT-E-X - [0:0]
+[13:8764] -A POSTROUTING -j NETAGENT-POSTROUTING
+[3:1184] -A NETAGENT-E-X -m set --match-set netagent-internal4 dst -m comment --comment "ns/p egress internal" -j RETURN
+[0:0] -A NETAGENT-E-X -m comment --comment nospace -j MARK --set-xmark 0x1000/0x1000
+COMMIT
+*nat
+:KUBE-MARK-MASQ - [0:0]
+-A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000
+COMMIT
+"""
+
+
+def test_parse_save_with_and_without_counters():
+    tables = parse_save(SAVE)
+    assert set(tables) == {"mangle", "nat"}
+    mangle = tables["mangle"]
+    assert mangle.chains["PREROUTING"] == "ACCEPT" and mangle.chains["NETAGENT-E-X"] == "-"
+    first = mangle.chain_rules("NETAGENT-E-X")[0]
+    assert (first.packets, first.bytes) == (3, 1184)
+    assert comment_of(first.rule) == "ns/p egress internal"
+    assert tables["nat"].rules[0].bytes == 0
+
+
+def test_normalise_ignores_quoting():
+    assert normalise('-m comment --comment "a b" -j RETURN') == normalise("-m comment --comment 'a b'  -j RETURN")
+    assert normalise('-m comment --comment "nospace" -j RETURN') == "-m comment --comment nospace -j RETURN"
+
+
+@pytest.mark.parametrize("rule,mask", [
+    ("-j MARK --set-xmark 0x4000/0x4000", 0x4000),
+    ("-j MARK --set-xmark 0x1/0xffffffff", 0xFFFFFFFF),
+    ("-m mark --mark 0x1000/0x1000 -j RETURN", 0x1000),
+    ("-m mark --mark 0x7", 0xFFFFFFFF),
+    ("-j MARK --and-mark 0xffffefff", 0x1000),
+    ("-j MARK --or-mark 0x1000", 0x1000),
+    ("-j CONNMARK --restore-mark --nfmask 0xff00 --ctmask 0xff00", 0xFF00),
+    ("-j CONNMARK --save-mark", 0xFFFFFFFF),
+    ("-m connmark --mark 0x10000/0x10000 -j RETURN", 0x10000),
+])
+def test_mark_masks(rule, mask):
+    found = 0
+    for _, m in mark_masks(rule):
+        found |= m
+    assert found & mask == mask
+
+
+def test_mark_masks_ignores_unrelated_rules():
+    assert mark_masks("-s 10.0.0.0/8 -j ACCEPT") == []
+    assert mark_masks('-m comment --comment "--mark 0x1000" -j ACCEPT') == []
+
+
+def test_parse_ipset_save():
+    sets = parse_ipset_save("create s hash:net family inet hashsize 1024 maxelem 65536\nadd s 10.0.0.0/8\nadd s 10.1.2.3\n")
+    assert sets == {"s": ("hash:net family inet hashsize 1024 maxelem 65536", {"10.0.0.0/8", "10.1.2.3"})}
+
+
+# -- backend detection ----------------------------------------------------------------------
+
+def fake_save(dumps: dict[tuple[int, str, str | None], str]):
+    return lambda family, backend, table: dumps.get((family, backend, table), "")
+
+
+HINT = "*mangle\n:KUBE-IPTABLES-HINT - [0:0]\nCOMMIT\n"
+RULES = "*filter\n-A INPUT -j ACCEPT\n-A INPUT -j DROP\nCOMMIT\n"
+
+
+def test_detection_follows_kubelet_hint_then_ours_then_rule_count():
+    assert has_kubelet_hint(HINT) and not has_kubelet_hint(RULES) and rule_count(RULES) == 2
+    assert choose_backend(fake_save({(6, "nft", "mangle"): HINT, (4, "legacy", None): RULES}), "NETAGENT") == "nft"
+    assert choose_backend(fake_save({(4, "legacy", None): HINT, (4, "nft", None): RULES}), "NETAGENT") == "legacy"
+    assert choose_backend(fake_save({(4, "legacy", None): ":NETAGENT-EGRESS - [0:0]\n"}), "NETAGENT") == "legacy"
+    assert choose_backend(fake_save({(4, "legacy", None): RULES}), "NETAGENT") == "legacy"
+    assert choose_backend(fake_save({(4, "legacy", None): RULES, (4, "nft", None): RULES}), "NETAGENT") == "nft"
+    assert choose_backend(fake_save({}), "NETAGENT") == "nft"
