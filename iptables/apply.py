@@ -18,6 +18,7 @@ from iptables.model import ClassifierState
 from iptables.parse import SavedTable, comment_of, jump_target, mark_masks, parse_ipset_save, parse_save
 
 FAMILIES = (4, 6)
+BUILTIN = ("PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING")
 _SET_FAMILY = {4: "inet", 6: "inet6"}
 
 
@@ -30,7 +31,11 @@ def _canonical_members(members: set[str]) -> set[str]:
 
 
 def _our_state(table: SavedTable | None, prefix: str) -> tuple[dict[str, tuple[str, ...]], list[tuple[str, str]]]:
-    """(our chains -> normalised rules, [(builtin chain, rule) that jump into ours])."""
+    """(our chains -> normalised rules, [(builtin chain, rule) that jump into ours]).
+
+    Only rules in the builtin chains count as our hooks: a rule in another component's
+    chain that jumps to ours is theirs, and is never edited.
+    """
     if table is None:
         return {}, []
     chains: dict[str, list[str]] = {c: [] for c in table.chains if R.is_ours(c, prefix)}
@@ -38,9 +43,18 @@ def _our_state(table: SavedTable | None, prefix: str) -> tuple[dict[str, tuple[s
     for r in table.rules:
         if r.chain in chains:
             chains[r.chain].append(r.rule)
-        elif (target := jump_target(r.rule)) and R.is_ours(target, prefix):
+        elif r.chain in BUILTIN and (target := jump_target(r.rule)) and R.is_ours(target, prefix):
             jumps.append((r.chain, r.rule))
     return {c: tuple(rules) for c, rules in chains.items()}, jumps
+
+
+def _foreign_references(table: SavedTable | None, prefix: str) -> list[str]:
+    """Rules in other components' chains that jump to one of ours."""
+    if table is None:
+        return []
+    return [f"-A {r.chain} {r.rule}" for r in table.rules
+            if r.chain not in BUILTIN and not R.is_ours(r.chain, prefix)
+            and (target := jump_target(r.rule)) and R.is_ours(target, prefix)]
 
 
 class Classifier:
@@ -247,6 +261,10 @@ class Classifier:
                 chains, jumps = _our_state(table, self.prefix)
                 if not chains and not jumps:
                     continue
+                if foreign := _foreign_references(table, self.prefix):
+                    raise IptablesError(
+                        f"cannot remove netagent's chains: other rules jump to them ({'; '.join(foreign[:3])} in "
+                        f"{self.runner.tool(family, backend, 'cmd')} -t {R.TABLE}); remove those rules first")
                 lines = [f"*{R.TABLE}"]
                 lines += [f"-D {hook} {rule}" for hook, rule in jumps]
                 lines += [f":{c} - [0:0]" for c in chains]

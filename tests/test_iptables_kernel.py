@@ -1,0 +1,264 @@
+"""Kernel tests of iptables/: real iptables (nft and legacy), ip6tables and ipset in scratch namespaces.
+
+Needs root (CI runs as root); nothing here touches the root network namespace.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import subprocess
+
+import pytest
+
+from iptables import render as R
+from iptables.apply import Classifier
+from iptables.errors import IptablesError
+from iptables.model import ClassifierState, PodClassification
+from netagent.lab import INTERNAL_CIDRS, INTERNET_V4, INTERNET_V6, PEER_V4, PEER_V6, Lab
+from tests.netns import require_root, scratch_netns, sh
+
+BACKENDS = ("nft", "legacy")
+
+
+def pods(n: int) -> tuple[PodClassification, ...]:
+    a4, a6 = ipaddress.ip_address("10.244.0.10"), ipaddress.ip_address("fd00:244::10")
+    return tuple(PodClassification(f"ns/p{i}", (str(a4 + i), str(a6 + i)), (1, 0x10 + i)) for i in range(n))
+
+
+def state(n: int = 4, cidrs: tuple[str, ...] = ("10.0.0.0/8", "fd00::/8"), pod_list=None) -> ClassifierState:
+    return ClassifierState(0x1000, cidrs, pods(n) if pod_list is None else pod_list, ("eth0",))
+
+
+def count_restores(clf: Classifier) -> list:
+    """Record every iptables-restore the classifier runs (the real one still runs)."""
+    calls: list = []
+    real = clf.runner.restore
+
+    def recording(*args):
+        calls.append(args)
+        return real(*args)
+
+    clf.runner.restore = recording
+    return calls
+
+
+def dumps(netns: str) -> dict[str, str]:
+    """Everything cleanup must leave as it found it: rules of both backends and families, ipsets."""
+    out = {}
+    for backend in BACKENDS:
+        for tool in ("iptables", "ip6tables"):
+            text = sh(f"{tool}-{backend}-save", netns)
+            out[f"{tool}-{backend}"] = "\n".join(ln for ln in text.splitlines() if not ln.startswith("#"))
+    # a swapped-in set has a new hash seed (initval): compare type and members
+    out["ipset"] = "\n".join(sorted(re.sub(r" initval 0x[0-9a-f]+", "", ln) for ln in sh("ipset save", netns).splitlines()))
+    return out
+
+
+def our_dump(netns: str, backend: str, tool: str = "iptables") -> list[str]:
+    text = sh(f"{tool}-{backend}-save -t mangle", netns)
+    return sorted(ln for ln in text.splitlines() if "NETAGENT" in ln)
+
+
+def foreign_rules(netns: str, backend: str) -> None:
+    """A kube-proxy-like neighbour: its own chains and 0x4000 mark in nat and mangle, both families."""
+    for tool in ("iptables", "ip6tables"):
+        cmd = f"{tool}-{backend}"
+        sh(f"{cmd} -t nat -N KUBE-MARK-MASQ", netns)
+        sh(f"{cmd} -t nat -A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000", netns)
+        sh(f"{cmd} -t nat -A POSTROUTING -m mark --mark 0x4000/0x4000 -j RETURN", netns)
+        sh(f"{cmd} -t mangle -N KUBE-LIKE", netns)
+        sh(f"{cmd} -t mangle -A KUBE-LIKE -j MARK --set-xmark 0x4000/0x4000", netns)
+        sh(f"{cmd} -t mangle -A POSTROUTING -j KUBE-LIKE", netns)
+
+
+@pytest.fixture
+def netns():
+    with scratch_netns("ipt") as ns:  # rules may name an uplink that does not exist (yet)
+        yield ns
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_apply_is_idempotent_and_adopted_by_a_fresh_classifier(netns, backend):
+    clf = Classifier(backend=backend, netns=netns)
+    first = clf.apply(state(4))
+    assert first["iptables"] > 0 and first["ipset"] == 2
+    # the kernel holds exactly what we rendered: MARK and CLASSIFY work in this backend, both families
+    for family, tool in ((4, "iptables"), (6, "ip6tables")):
+        dump = sh(f"{tool}-{backend}-save -t mangle", netns)
+        assert "-j MARK --set-xmark 0x1000/0x1000" in dump and "-j CLASSIFY --set-class 0001:0010" in dump
+    calls = count_restores(clf)
+    assert clf.apply(state(4)) == {"iptables": 0, "ipset": 0}
+    assert calls == []
+    fresh = Classifier(backend="auto", netns=netns)  # a restarted agent
+    assert fresh.backend == backend
+    calls = count_restores(fresh)
+    assert fresh.apply(state(4)) == {"iptables": 0, "ipset": 0}
+    assert calls == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_change_one_pod_then_remove_one(netns, backend):
+    clf = Classifier(backend=backend, netns=netns)
+    clf.apply(state(4))
+    before = our_dump(netns, backend)
+    changed = list(pods(4))
+    changed[1] = PodClassification(changed[1].key, changed[1].ips, (1, 0xABC))
+    calls = count_restores(clf)
+    assert clf.apply(state(pod_list=tuple(changed))) == {"iptables": 2, "ipset": 0}  # one chain per family
+    assert len(calls) == 2  # one transaction per family
+    after = our_dump(netns, backend)
+    assert [ln for ln in after if ln not in before] == [ln for ln in after if "0001:0abc" in ln]
+    removed = clf.apply(state(pod_list=tuple(changed[:3])))
+    assert removed["iptables"] > 0
+    gone = R.pod_chain("NETAGENT", "egress", "ns/p3")
+    for tool in ("iptables", "ip6tables"):
+        assert not [ln for ln in our_dump(netns, backend, tool) if gone in ln or "10.244.0.13" in ln]
+    assert clf.apply(state(pod_list=tuple(changed[:3]))) == {"iptables": 0, "ipset": 0}
+
+
+def test_internal_cidrs_are_swapped_atomically(netns):
+    clf = Classifier(backend="nft", netns=netns)
+    clf.apply(state(2))
+    assert clf.apply(state(2, cidrs=("10.0.0.0/8", "172.16.0.0/12", "fd00::/8"))) == {"iptables": 0, "ipset": 1}
+    members = sh("ipset list netagent-internal4", netns)
+    assert "172.16.0.0/12" in members and "169.254.0.0/16" in members
+    assert "netagent-internal4-tmp" not in sh("ipset list -n", netns)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cleanup_leaves_no_residue_and_spares_neighbours(netns, backend):
+    foreign_rules(netns, backend)
+    before = dumps(netns)
+    clf = Classifier(backend=backend, netns=netns)
+    clf.apply(state(5))
+    assert dumps(netns) != before
+    removed = clf.cleanup()
+    assert "ipset netagent-internal4" in removed and any("NETAGENT-POSTROUTING" in r for r in removed)
+    assert dumps(netns) == before
+    assert clf.cleanup() == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_conflicting_mark_bit_is_named(netns, backend):
+    foreign_rules(netns, backend)
+    clf = Classifier(backend=backend, netns=netns)
+    clf.check_conflicts(0x1000)  # kube-proxy's 0x4000 is not ours
+    with pytest.raises(IptablesError, match=r"0x4000 is already used .*KUBE-MARK-MASQ"):
+        clf.check_conflicts(0x4000)
+    clf.apply(state(2))
+    clf.check_conflicts(0x1000)  # our own rules are no conflict
+    sh(f"ip6tables-{backend} -t filter -N OTHER-FW", netns)
+    sh(f"ip6tables-{backend} -t filter -A OTHER-FW -m mark --mark 0x1000/0x1000 -j ACCEPT", netns)
+    with pytest.raises(IptablesError, match=r"ip6tables-.* -t filter -A OTHER-FW -m mark --mark 0x1000/0x1000") as err:
+        clf.check_conflicts(0x1000)
+    assert "--mark-bit" in str(err.value)
+
+
+def test_failed_apply_leaves_previous_state_in_force(netns):
+    clf = Classifier(backend="nft", netns=netns)
+    clf.apply(state(3))
+    # someone else's ip6tables chain jumps to a pod chain of ours: deleting that pod must fail in IPv6
+    sh(f"ip6tables-nft -t mangle -N OTHER && ip6tables-nft -t mangle -A OTHER -j {R.pod_chain('NETAGENT', 'egress', 'ns/p2')}", netns)
+    before = dumps(netns)
+    with pytest.raises(IptablesError, match="previous rules stay in force"):
+        clf.apply(state(2, cidrs=("10.0.0.0/8", "192.168.0.0/16", "fd00::/8")))
+    assert dumps(netns) == before  # IPv4 rolled back, ipset contents restored
+
+
+def test_bad_input_changes_nothing(netns):
+    clf = Classifier(backend="nft", netns=netns)
+    before = dumps(netns)
+    with pytest.raises(IptablesError, match="internal CIDR '10.0.0.0/40' is malformed"):
+        clf.apply(state(2, cidrs=("10.0.0.0/40",)))
+    with pytest.raises(IptablesError, match="mark bit 0x3000 is not a single bit"):
+        clf.apply(ClassifierState(0x3000, ("10.0.0.0/8",), pods(1), ("eth0",)))
+    with pytest.raises(IptablesError, match="mark bit 0x3 is not a single bit"):
+        clf.check_conflicts(3)
+    with pytest.raises(IptablesError, match="backend 'iptables-ng'"):
+        Classifier(backend="iptables-ng", netns=netns)
+    assert dumps(netns) == before
+
+
+def test_missing_ipset_binary_is_named(netns, tmp_path, monkeypatch):
+    for tool in ("ip", "iptables-nft-save", "iptables-nft-restore", "ip6tables-nft-save", "ip6tables-nft-restore"):
+        for d in ("/usr/sbin", "/sbin", "/usr/bin", "/bin"):
+            if os.path.exists(f"{d}/{tool}"):
+                (tmp_path / tool).symlink_to(f"{d}/{tool}")
+                break
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(IptablesError, match="ipset not found in PATH: install the ipset package"):
+        Classifier(backend="nft", netns=netns)
+
+
+# -- real packets ---------------------------------------------------------------------------
+
+SEND = ("import socket,sys\n"
+        "for spec in sys.argv[1:]:\n"
+        "    addr, size = spec.rsplit(',', 1)\n"
+        "    fam = socket.AF_INET6 if ':' in addr else socket.AF_INET\n"
+        "    socket.socket(fam, socket.SOCK_DGRAM).sendto(b'x' * int(size), (addr, 9))\n")
+
+
+def send_udp(netns: str, targets: list[tuple[str, int]]) -> int:
+    """Send one UDP datagram per (address, payload size); -> the IP bytes they occupy."""
+    subprocess.run(["ip", "netns", "exec", netns, "python3", "-c", SEND, *(f"{a},{s}" for a, s in targets)], check=True)
+    return sum(s + (48 if ":" in a else 28) for a, s in targets)
+
+
+def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: after.get(k, 0) - before.get(k, 0) for k in R.KINDS}
+
+
+ND = 4 * 72  # the node's own neighbour solicitations to a pod's IPv6 address (internal source) may add a few
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_counters_move_with_real_packets(backend):
+    require_root()
+    with Lab(nodes=1, pods_per_node=2) as lab:
+        node = lab.nodes[0]
+        pod0, pod1 = node.pods
+        keys = [f"default/{p.name}" for p in node.pods]
+        st = ClassifierState(
+            0x1000, INTERNAL_CIDRS,
+            tuple(PodClassification(k, (p.ip4, p.ip6), (1, 0x10 + i)) for i, (k, p) in enumerate(zip(keys, node.pods))),
+            (node.uplink,))
+        clf = Classifier(backend=backend, netns=node.netns)
+        clf.apply(st)
+        # a neighbour's counting rule after our hook shows the mark on internet-bound packets only
+        sh(f"iptables-{backend} -t mangle -A POSTROUTING -o eth0 -m mark --mark 0x1000/0x1000", node.netns)
+        try:
+            for p in (pod0, pod1):  # resolve neighbours first, so no datagram waits in a queue while we read
+                sh(f"ping -c 1 {INTERNET_V4} && ping -6 -c 1 {INTERNET_V6}", p.netns)
+            pods0, node0 = clf.counters()
+            # classification edges: first and last address of each internal CIDR, and just outside
+            internal = send_udp(pod0.netns, [("10.0.0.0", 101), ("10.255.255.255", 102),
+                                             ("fd00::", 103), ("fdff:ffff:ffff:ffff:ffff:ffff:ffff:ffff", 104)])
+            internet = send_udp(pod0.netns, [("9.255.255.255", 201), ("11.0.0.0", 202),
+                                             ("fcff:ffff:ffff:ffff:ffff:ffff:ffff:ffff", 203), ("fe00::", 204)])
+            pods1, node1 = clf.counters()
+            d0 = delta(pods1[keys[0]], pods0[keys[0]])
+            assert (d0["egress_internal"], d0["egress_internet"]) == (internal, internet)
+            assert delta(node1, node0)["egress_internet"] == internet  # all of it left through the uplink
+            # round trips: ping carries the same bytes each way
+            sh(f"ping -c 2 -i 0.2 -s 1000 {INTERNET_V4} && ping -6 -c 2 -i 0.2 -s 1000 {INTERNET_V6}", pod0.netns)
+            sh(f"ping -c 1 -s 500 {PEER_V4} && ping -6 -c 1 -s 500 {PEER_V6}", pod1.netns)
+            pods2, node2 = clf.counters()
+            d0, d1 = delta(pods2[keys[0]], pods1[keys[0]]), delta(pods2[keys[1]], pods1[keys[1]])
+            assert d0["egress_internet"] == d0["ingress_internet"] == 2 * 1028 + 2 * 1048
+            assert d1["egress_internal"] == 528 + 548 and d1["egress_internet"] == d1["ingress_internet"] == 0
+            assert 528 + 548 <= d1["ingress_internal"] <= 528 + 548 + ND
+            # node totals: everything through the uplink, host traffic included
+            sh(f"ping -c 1 -s 300 {INTERNET_V4}", node.netns)
+            _, node3 = clf.counters()
+            assert delta(node3, node2)["egress_internet"] == delta(node3, node2)["ingress_internet"] == 328
+            assert delta(node2, node1)["egress_internal"] >= 528 + 548
+            marked = sh(f"iptables-{backend}-save -c -t mangle", node.netns)
+            line = [ln for ln in marked.splitlines() if ln.endswith("-m mark --mark 0x1000/0x1000")][0]
+            assert line.startswith("[6:")  # IPv4 internet-bound only: 2 datagrams, 2 echo requests, 2 warm-up pings
+            # counters survive adoption by a fresh classifier (no flush)
+            again, _ = Classifier(backend="auto", netns=node.netns).counters()
+            assert again[keys[0]] == pods2[keys[0]]
+        finally:
+            clf.cleanup()
