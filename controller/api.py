@@ -1,17 +1,19 @@
 """The agent API: HTTP/JSON, versioned paths (openapi: docs/agent-api.openapi.yaml).
 
 POST /v1/nodes/{node}/report   an agent's node report -> its pods' allocations + lease
-GET  /healthz /readyz          liveness; readiness = leader with a fresh allocation round
+GET  /healthz /readyz          liveness; readiness (see ReportSink.ready)
 
 Every request is bounded: body size, pods per report, field ranges (controller.wire),
-per-node rate. A follower answers 307 to the leader's address so agents, which reach
-any replica through the Service, end up at the leader. Nothing an agent sends reaches
-another node's allocations: a report only replaces its own node's entry.
+per-node rate, TokenReviews in flight. Only the leader answers reports; a follower
+answers 307 with the leader's address in Location and in the JSON body, so agents,
+which reach any replica through the Service, end up at the leader. Nothing an agent
+sends reaches another node's allocations: a report only replaces its own node's entry.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -24,6 +26,8 @@ from .wire import ErrorBody, NodeAnswer, NodeReport, encoder, report_decoder
 
 log = logging.getLogger(__name__)
 MAX_BODY = 1 << 20  # 1 MiB: 1,024 pods with long names fit with room to spare
+MAX_REVIEWS_IN_FLIGHT = 32  # TokenReviews of unknown tokens at once; more wait their turn
+NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
 
 class ReportRejected(Exception):
@@ -43,20 +47,24 @@ class ReportSink(Protocol):
 
 
 class TokenBucket:
+    """Per-key token buckets; keys idle for a minute are forgotten (nodes come and go)."""
+
     def __init__(self, rate: float, burst: float):
         self.rate, self.burst = rate, burst
         self.buckets: dict[str, tuple[float, float]] = {}
+        self._pruned = time.monotonic()
 
     def allow(self, key: str, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
         tokens, last = self.buckets.get(key, (self.burst, now))
         tokens = min(self.burst, tokens + (now - last) * self.rate)
+        if now - self._pruned > 60:
+            self._pruned = now
+            self.buckets = {k: v for k, v in self.buckets.items() if now - v[1] < 60}
         if tokens < 1:
             self.buckets[key] = (tokens, now)
             return False
         self.buckets[key] = (tokens - 1, now)
-        if len(self.buckets) > 100_000:  # nodes come and go; forget the idle ones
-            self.buckets = {k: v for k, v in self.buckets.items() if now - v[1] < 60}
         return True
 
 
@@ -66,16 +74,28 @@ class APIStats:
     count_rejected: Callable[[str], None] = lambda reason: None
 
 
-def _error(status: int, reason: str, message: str, headers: dict | None = None) -> web.Response:
-    return web.Response(status=status, body=encoder.encode(ErrorBody(message, reason)),
+def _error(status: int, reason: str, message: str, headers: dict | None = None,
+           leader: str | None = None) -> web.Response:
+    return web.Response(status=status, body=encoder.encode(ErrorBody(message, reason, leader)),
                         content_type="application/json", headers=headers)
 
 
 def make_app(sink: ReportSink, auth: TokenAuthenticator | None, stats: APIStats | None = None,
-             per_node_rate: float = 2.0, per_node_burst: float = 6.0) -> web.Application:
-    """auth=None disables authentication: for the single-machine demo and tests only."""
+             per_node_rate: float = 2.0, per_node_burst: float = 6.0,
+             self_address: str | None = None) -> web.Application:
+    """auth=None disables authentication: for the single-machine demo and tests only.
+    self_address is this replica's own host:port, so a stale lease naming us is never
+    turned into a redirect to ourselves."""
     stats = stats or APIStats()
     limiter = TokenBucket(per_node_rate, per_node_burst)
+    reviews = asyncio.Semaphore(MAX_REVIEWS_IN_FLIGHT)
+
+    async def authenticate(header: str | None) -> Identity:
+        identity = auth.cached(header)
+        if identity is not None:
+            return identity
+        async with reviews:
+            return await asyncio.get_running_loop().run_in_executor(None, auth.authenticate, header)
 
     async def report(request: web.Request) -> web.Response:
         node = request.match_info["node"]
@@ -84,33 +104,40 @@ def make_app(sink: ReportSink, auth: TokenAuthenticator | None, stats: APIStats 
             stats.count_rejected(reason)
             return _error(status, reason, message, **kw)
 
+        if not NODE_NAME.match(node):
+            return reject(404, "NotFound", "the path must name a node: /v1/nodes/<node name>/report")
+
         if not sink.is_leader():
             leader = sink.leader_address()
-            if leader:
-                return web.Response(status=307, headers={"Location": f"http://{leader}{request.rel_url}"})
-            return reject(503, "NoLeader", "no controller is leading yet; retry shortly")
+            if leader and leader != self_address:
+                stats.count_rejected("NotLeader")
+                return _error(307, "NotLeader", f"this replica is not the leader; report to {leader}",
+                              headers={"Location": f"http://{leader}{request.rel_url}"}, leader=leader)
+            return reject(503, "NoLeader", "no controller is leading yet; keep your allocations and retry shortly",
+                          headers={"Retry-After": "2"})
         identity = None
         if auth is not None:
             try:
-                identity = await asyncio.get_running_loop().run_in_executor(
-                    None, auth.authenticate, request.headers.get("Authorization"))
+                identity = await authenticate(request.headers.get("Authorization"))
             except AuthError as exc:
                 return reject(401 if exc.reason == "Unauthenticated" else 403, exc.reason, str(exc))
             except Exception as exc:  # the API server is unreachable: not the agent's fault
                 log.warning("TokenReview failed: %s", exc)
-                return reject(503, "AuthUnavailable", "cannot verify the token right now; retry")
+                return reject(503, "AuthUnavailable", "cannot verify the token right now; retry",
+                              headers={"Retry-After": "2"})
             if identity.node != node:
                 return reject(403, "WrongNode", f"token is bound to node {identity.node!r}, not {node!r}")
         if not limiter.allow(node):
-            return reject(429, "RateLimited", f"node {node} reports too often", headers={"Retry-After": "1"})
+            return reject(429, "RateLimited", f"node {node} reports too often (at most {per_node_rate:g}/s)",
+                          headers={"Retry-After": "1"})
         if request.content_length is not None and request.content_length > MAX_BODY:
             return reject(413, "TooLarge", f"report larger than {MAX_BODY} bytes")
         try:
-            body = await request.content.read(MAX_BODY + 1)
+            body = await request.read()  # bounded by client_max_size
+        except web.HTTPRequestEntityTooLarge:
+            return reject(413, "TooLarge", f"report larger than {MAX_BODY} bytes")
         except Exception:
             return reject(400, "Malformed", "could not read the request body")
-        if len(body) > MAX_BODY:
-            return reject(413, "TooLarge", f"report larger than {MAX_BODY} bytes")
         try:
             rep = report_decoder.decode(body)
         except msgspec.ValidationError as exc:
@@ -123,6 +150,9 @@ def make_app(sink: ReportSink, auth: TokenAuthenticator | None, stats: APIStats 
             answer = sink.submit(identity, rep)
         except ReportRejected as exc:
             return reject(exc.status, exc.reason, str(exc))
+        except Exception:  # a bug of ours must not take the server down, nor look like the agent's fault
+            log.exception("report from node %s failed", node)
+            return reject(500, "Internal", "the controller failed to process this report; it keeps running")
         stats.count_report()
         return web.Response(body=encoder.encode(answer), content_type="application/json")
 

@@ -55,12 +55,30 @@ class TokenAuthenticator:
         self._lock = threading.Lock()
         self.reviews = 0
 
-    def authenticate(self, header: str | None) -> Identity:
+    @staticmethod
+    def _token(header: str | None) -> str:
         if not header or not header.startswith("Bearer "):
-            raise AuthError("Unauthenticated", "missing bearer token")
+            raise AuthError("Unauthenticated", "missing bearer token (Authorization: Bearer <projected token>)")
         token = header[7:].strip()
         if not token or len(token) > 16384:
             raise AuthError("Unauthenticated", "malformed bearer token")
+        return token
+
+    def cached(self, header: str | None) -> Identity | None:
+        """The cached verdict without any API call: an Identity, None when unknown or
+        expired; raises AuthError for a malformed header or a cached refusal. Cheap
+        enough for the event loop, so steady-state reports never touch a thread pool."""
+        key = hashlib.sha256(self._token(header).encode()).digest()
+        hit = self._cache.get(key)
+        if hit is None or hit[0] <= time.monotonic():
+            return None
+        if isinstance(hit[1], AuthError):
+            raise hit[1]
+        return hit[1]
+
+    def authenticate(self, header: str | None) -> Identity:
+        """Cached verdict or one TokenReview (blocking: call it from a worker thread)."""
+        token = self._token(header)
         key = hashlib.sha256(token.encode()).digest()
         now = time.monotonic()
         with self._lock:
@@ -72,7 +90,8 @@ class TokenAuthenticator:
             try:
                 result = identity_from_review(self.review(token))
                 if not self.allowed_users(result.username):
-                    result = AuthError("Forbidden", f"{result.username} may not report to the controller")
+                    result = AuthError("Forbidden", f"{result.username} may not report to the controller "
+                                                    "(only the agent's ServiceAccount may; see --agent-service-account)")
             except AuthError as exc:
                 result = exc
             # failures are cached briefly too: a flood of bad tokens must not become a flood of reviews
@@ -86,6 +105,15 @@ class TokenAuthenticator:
         if isinstance(result, AuthError):
             raise result
         return result
+
+
+def service_account_user(spec: str) -> Callable[[str], bool]:
+    """`namespace:name` -> a check that the token belongs to that ServiceAccount."""
+    namespace, sep, name = spec.partition(":")
+    if not sep or not namespace or not name:
+        raise ValueError(f"agent service account {spec!r} must be NAMESPACE:NAME, for example netagent:netagent-agent")
+    expected = f"system:serviceaccount:{namespace}:{name}"
+    return lambda username: username == expected
 
 
 def kube_token_review(api_client, audience: str = AUDIENCE) -> Callable[[str], dict]:

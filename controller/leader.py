@@ -20,7 +20,9 @@ log = logging.getLogger(__name__)
 
 
 def _now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.timezone.utc)
+    # isoformat() drops a zero fraction, and the API server's MicroTime wants exactly six digits
+    return now.replace(microsecond=now.microsecond or 1)
 
 
 class LeaderElector:
@@ -46,7 +48,8 @@ class LeaderElector:
 
     def stop(self, release: bool = True) -> None:
         self._stop.set()
-        self.thread.join(timeout=self.retry_period * 3)
+        if self.thread.is_alive():
+            self.thread.join(timeout=self.retry_period * 3)
         if release and self.leading:
             self._release()
 

@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .auth import Identity
 from .api import ReportRejected
+from .auth import Identity
 from .wire import NodeAnswer, NodeReport, PodAllocation
 
 log = logging.getLogger(__name__)
@@ -23,38 +23,43 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RoundResult:
-    generation: int
     by_node: dict[str, list[PodAllocation]]
     node_rate: dict[str, float]
     safe_floor_bps: float
-    computed_at: float  # monotonic
-    duration_s: float
-    summary: dict = field(default_factory=dict)  # per team/class totals, for status and metrics
+    summary: dict = field(default_factory=dict)  # budget totals and per team/class figures (adapter.Summary)
+    generation: int = 0  # set by ControllerState
+    computed_at: float = 0.0  # monotonic, set by ControllerState
+    duration_s: float = 0.0  # set by ControllerState
+    wall_time: float = 0.0  # Unix time the round finished, set by ControllerState
 
 
-# (reports by node) -> RoundResult without generation/timing; the engine adapter provides it
+# (reports by node, newest first) -> RoundResult; the engine adapter provides it
 Allocate = Callable[[dict[str, NodeReport]], RoundResult]
-# (namespace, pod) -> node name or None if unknown
+# (namespace, pod) -> node name, or None if the pod is unknown
 PodLocator = Callable[[str, str], str | None]
 
 
 class ControllerState:
     def __init__(self, allocate: Allocate, locate_pod: PodLocator | None = None, lease_seconds: float = 30.0,
                  report_ttl: float = 60.0, leader: Callable[[], bool] = lambda: True,
-                 leader_address: Callable[[], str | None] = lambda: None):
+                 leader_address: Callable[[], str | None] = lambda: None,
+                 readiness: Callable[[], tuple[bool, str]] = lambda: (True, "")):
         self.allocate = allocate
         self.locate_pod = locate_pod
         self.lease_seconds = lease_seconds
         self.report_ttl = report_ttl  # a node silent this long is dropped from the round
         self._leader = leader
         self._leader_address = leader_address
+        self._readiness = readiness  # inputs ready (policy loaded, pod cache synced)
         self.latest: dict[str, tuple[float, NodeReport]] = {}
         self.result: RoundResult | None = None
         self.generation = 0
+        self.last_error = ""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.thread: threading.Thread | None = None
         self.on_round: Callable[[RoundResult], None] = lambda r: None
+        self.on_round_failure: Callable[[], None] = lambda: None
 
     # -- ReportSink ------------------------------------------------------------
     def is_leader(self) -> bool:
@@ -64,17 +69,31 @@ class ControllerState:
         return self._leader_address()
 
     def ready(self) -> tuple[bool, str]:
+        ok, why = self._readiness()
+        if not ok:
+            return False, why
         if not self.is_leader():
             return True, "follower (the leader serves agents)"
         if self.result is None:
             return True, "leader, waiting for the first reports"
         return True, f"leader, round {self.result.generation}"
 
+    def on_leadership(self, leading: bool) -> None:
+        """A new term starts from nothing: never answer with a round from an older term."""
+        with self._lock:
+            self.latest.clear()
+            self.result = None
+
     def submit(self, identity: Identity | None, report: NodeReport) -> NodeAnswer:
         problems: list[str] = []
-        if self.locate_pod is not None:
-            keep = []
-            for p in report.pods:
+        seen: set[tuple[str, str]] = set()
+        keep = []
+        for p in report.pods:
+            key = (p.namespace, p.name)
+            if key in seen:
+                raise ReportRejected(422, "Invalid", f"pod {p.namespace}/{p.name} appears twice in the report")
+            seen.add(key)
+            if self.locate_pod is not None:
                 where = self.locate_pod(p.namespace, p.name)
                 if where is None:
                     problems.append(f"pod {p.namespace}/{p.name} is unknown to the controller yet; not allocated")
@@ -82,10 +101,9 @@ class ControllerState:
                 if where != report.node:
                     raise ReportRejected(403, "PodNotOnNode",
                                          f"pod {p.namespace}/{p.name} is on node {where!r}, not {report.node!r}")
-                keep.append(p)
-            if len(keep) != len(report.pods):
-                report = NodeReport(report.node, keep, report.seq, report.period_seconds,
-                                    report.node_internet_egress_bps)
+            keep.append(p)
+        if len(keep) != len(report.pods):
+            report = NodeReport(report.node, keep, report.seq, report.period_seconds, report.node_internet_egress_bps)
         with self._lock:
             self.latest[report.node] = (time.monotonic(), report)
             result = self.result
@@ -93,16 +111,21 @@ class ControllerState:
 
     def _answer(self, node: str, result: RoundResult | None, problems: list[str]) -> NodeAnswer:
         if result is None:
-            return NodeAnswer(node, 0, self.lease_seconds, 0.0, 0.0, [], problems + ["no allocation round yet"])
+            return NodeAnswer(node, 0, self.lease_seconds, 0.0, 0.0, [],
+                              problems + ["no allocation round yet: keep the current allocations"])
         return NodeAnswer(node, result.generation, self.lease_seconds, result.safe_floor_bps,
                           result.node_rate.get(node, 0.0), result.by_node.get(node, []), problems)
 
     # -- the allocation loop -----------------------------------------------------
+    def nodes(self) -> int:
+        return len(self.latest)
+
     def run_round(self) -> RoundResult | None:
         now = time.monotonic()
         with self._lock:
             self.latest = {n: v for n, v in self.latest.items() if now - v[0] <= self.report_ttl}
-            reports = {n: r for n, (_, r) in self.latest.items()}
+            newest_first = sorted(self.latest.items(), key=lambda item: -item[1][0])
+        reports = {n: r for n, (_, r) in newest_first}
         if not reports:
             return None
         t0 = time.perf_counter()
@@ -111,6 +134,7 @@ class ControllerState:
         result.generation = self.generation
         result.duration_s = time.perf_counter() - t0
         result.computed_at = time.monotonic()
+        result.wall_time = time.time()
         with self._lock:
             self.result = result
         self.on_round(result)
@@ -123,7 +147,10 @@ class ControllerState:
                     continue
                 try:
                     self.run_round()
-                except Exception:
+                    self.last_error = ""
+                except Exception as exc:
+                    self.last_error = str(exc)
+                    self.on_round_failure()
                     log.exception("allocation round failed; agents keep the previous round's answers")
 
         self.thread = threading.Thread(target=loop, name="allocation", daemon=True)
@@ -131,3 +158,5 @@ class ControllerState:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=5)

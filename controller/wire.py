@@ -48,7 +48,9 @@ class PodAllocation(msgspec.Struct):
 
 class NodeAnswer(msgspec.Struct):
     node: str
-    generation: int  # allocation round these numbers come from
+    # allocation round these numbers come from; 0 = no round yet (a controller that just
+    # became leader): the agent keeps the allocations and lease it already has
+    generation: int
     lease_seconds: float  # keep these allocations this long without a fresh answer
     safe_floor_bps: float  # per pod, after the lease ran out (fail-static)
     node_rate_bps: float  # the node class rate
@@ -56,9 +58,10 @@ class NodeAnswer(msgspec.Struct):
     problems: list[str] = []  # pods refused (not on this node, unknown...), for the agent's log
 
 
-class ErrorBody(msgspec.Struct):
+class ErrorBody(msgspec.Struct, omit_defaults=True):
     error: str
     reason: str
+    leader: str | None = None  # with reason NotLeader: the leader's host:port, when known
 
 
 report_decoder = msgspec.json.Decoder(NodeReport)

@@ -1,0 +1,319 @@
+"""The controller's view of the API server: watched caches in, EgressBudget status out.
+
+Watches (one list + one resumable watch each, bookmarks on, relist only after 410 Gone,
+jittered backoff; never a poll):
+- EgressClass and EgressBudget objects -> the policy;
+- Namespaces -> their labels (teams chosen by namespaceSelector);
+- Pods, cluster-wide, one watch -> (namespace, name) -> spec.nodeName, the node-binding
+  check. Only that pair is kept per pod, not the object, so 300,000 pods cost a few tens
+  of MB; events are parsed from the raw stream, not into client models.
+
+Status: the leader writes the EgressBudget's status subresource at most once per
+`min_interval` seconds and only when what it would write changed (rates rounded as
+`format_bps` prints them), so the API server sees O(1) writes however many nodes report.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import random
+import threading
+from typing import Callable, Generic, TypeVar
+
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+from kubernetes.watch.watch import iter_resp_lines
+
+from .adapter import Summary
+
+log = logging.getLogger(__name__)
+GROUP, VERSION = "netagent.io", "v1alpha1"
+WATCH_TIMEOUT_S = 300  # server-side timeout; the watch resumes from its resourceVersion
+LIST_PAGE = 500
+V = TypeVar("V")
+
+
+class KubeError(Exception):
+    """The API server refused or could not be reached; the message says which call."""
+
+
+def load_api_client(kubeconfig: str | None) -> client.ApiClient:
+    try:
+        if kubeconfig:
+            return config.new_client_from_config(config_file=kubeconfig)
+        cfg = client.Configuration()
+        config.load_incluster_config(client_configuration=cfg)
+        return client.ApiClient(cfg)
+    except Exception as exc:
+        where = f"kubeconfig {kubeconfig}" if kubeconfig else "in-cluster config (no --kubeconfig given)"
+        raise KubeError(f"cannot load {where}: {exc}") from exc
+
+
+class Backoff:
+    """Exponential backoff with full jitter, reset on success."""
+
+    def __init__(self, base: float = 0.5, cap: float = 30.0):
+        self.base, self.cap, self.attempt = base, cap, 0
+
+    def next(self) -> float:
+        delay = random.uniform(0, min(self.cap, self.base * (2**self.attempt)))
+        self.attempt += 1
+        return delay
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+class Cache(Generic[V]):
+    """list + watch of one resource into {key: transform(object)}; `transform` returning None drops the object."""
+
+    def __init__(self, name: str, list_fn: Callable, key: Callable[[dict], object], transform: Callable[[dict], V | None],
+                 stop: threading.Event, on_change: Callable[[], None] = lambda: None,
+                 on_event: Callable[[str], None] = lambda kind: None, **list_kwargs):
+        self.name = name
+        self.list_fn, self.list_kwargs = list_fn, list_kwargs
+        self.key, self.transform = key, transform
+        self.stop = stop
+        self.on_change, self.on_event = on_change, on_event
+        self.items: dict[object, V] = {}
+        self.resource_version = ""
+        self.synced = threading.Event()
+        self.thread = threading.Thread(target=self.run, name=f"watch-{name}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _put(self, items: dict, obj: dict) -> None:
+        value = self.transform(obj)
+        k = self.key(obj)
+        if value is None:
+            items.pop(k, None)
+        else:
+            items[k] = value
+
+    def relist(self) -> None:
+        items: dict[object, V] = {}
+        token = None
+        while True:
+            kwargs = dict(self.list_kwargs, limit=LIST_PAGE, _preload_content=False, _request_timeout=60)
+            if token:
+                kwargs["_continue"] = token
+            body = json.loads(self.list_fn(**kwargs).data)
+            for obj in body.get("items") or []:
+                self._put(items, obj)
+            token = (body.get("metadata") or {}).get("continue")
+            if not token:
+                break
+        self.items = items  # one assignment: readers see the old or the new map, never half of one
+        self.resource_version = body["metadata"]["resourceVersion"]
+        self.on_event("relist")
+        self.synced.set()
+        self.on_change()
+
+    def run(self) -> None:
+        backoff = Backoff()
+        need_list = True
+        while not self.stop.is_set():
+            try:
+                if need_list:
+                    self.relist()
+                    need_list = False
+                self._watch()
+                backoff.reset()
+            except ApiException as exc:
+                if exc.status == 410:
+                    log.info("%s: watch expired (410 Gone); relisting", self.name)
+                    need_list = True
+                    continue
+                delay = backoff.next()
+                log.warning("%s: API error %s (%s); retrying in %.1fs", self.name, exc.status, exc.reason, delay)
+                self.on_event("error")
+                self.stop.wait(delay)
+            except Exception as exc:  # connection refused, apiserver restart, TLS errors...
+                delay = backoff.next()
+                log.warning("%s: watch failed (%s: %s); retrying in %.1fs", self.name, exc.__class__.__name__,
+                            exc, delay)
+                self.on_event("error")
+                self.stop.wait(delay)
+
+    def _watch(self) -> None:
+        resp = self.list_fn(watch=True, resource_version=self.resource_version, allow_watch_bookmarks=True,
+                            timeout_seconds=WATCH_TIMEOUT_S, _preload_content=False,
+                            _request_timeout=(10, WATCH_TIMEOUT_S + 30), **self.list_kwargs)
+        try:
+            for line in iter_resp_lines(resp):
+                if self.stop.is_set():
+                    return
+                if not line:
+                    continue
+                event = json.loads(line)
+                etype, obj = event.get("type"), event.get("object") or {}
+                if etype == "ERROR":
+                    raise ApiException(status=obj.get("code") or 500, reason=obj.get("message", "watch error"))
+                rv = (obj.get("metadata") or {}).get("resourceVersion")
+                if rv:
+                    self.resource_version = rv
+                if etype == "BOOKMARK":
+                    continue
+                if etype == "DELETED":
+                    self.items.pop(self.key(obj), None)
+                else:
+                    self._put(self.items, obj)
+                self.on_event(etype.lower())
+                self.on_change()
+        finally:
+            resp.release_conn()
+
+    def values(self) -> list[V]:
+        return list(self.items.values())
+
+
+def _meta_key(obj: dict) -> tuple[str, str]:
+    meta = obj.get("metadata") or {}
+    return meta.get("namespace") or "", meta.get("name") or ""
+
+
+def _pod_node(obj: dict) -> str | None:
+    return (obj.get("spec") or {}).get("nodeName") or None  # unscheduled pods are on no node yet
+
+
+class ClusterView:
+    """The watched caches the controller needs, and the callables the adapter and service take."""
+
+    def __init__(self, api: client.ApiClient, on_policy_change: Callable[[], None] = lambda: None,
+                 on_event: Callable[[str, str], None] = lambda resource, kind: None):
+        self.stop_event = threading.Event()
+        core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+
+        def cache(name, list_fn, key, transform, on_change=lambda: None, **kw) -> Cache:
+            return Cache(name, list_fn, key, transform, self.stop_event, on_change,
+                         lambda kind: on_event(name, kind), **kw)
+
+        self.pods = cache("pods", core.list_pod_for_all_namespaces, _meta_key, _pod_node)
+        self.namespaces = cache("namespaces", core.list_namespace, lambda o: o["metadata"]["name"],
+                                lambda o: dict(o["metadata"].get("labels") or {}))
+        crd = dict(group=GROUP, version=VERSION)
+        self.classes = cache("egressclasses", custom.list_cluster_custom_object, _meta_key, lambda o: o,
+                             on_policy_change, plural="egressclasses", **crd)
+        self.budgets = cache("egressbudgets", custom.list_cluster_custom_object, _meta_key, lambda o: o,
+                             on_policy_change, plural="egressbudgets", **crd)
+        self.caches = (self.pods, self.namespaces, self.classes, self.budgets)
+
+    def start(self) -> None:
+        for c in self.caches:
+            c.start()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def synced(self) -> tuple[bool, str]:
+        waiting = [c.name for c in self.caches if not c.synced.is_set()]
+        return (not waiting, f"waiting for the first list of {', '.join(waiting)}" if waiting else "caches synced")
+
+    def locate_pod(self, namespace: str, name: str) -> str | None:
+        return self.pods.items.get((namespace, name))
+
+    def namespace_labels(self, namespace: str) -> dict[str, str] | None:
+        return self.namespaces.items.get(namespace)
+
+    def policy_objects(self) -> tuple[list[dict], list[dict]]:
+        return self.classes.values(), self.budgets.values()
+
+
+def _rfc3339(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def budget_status(summary: Summary, computed_at: float, previous: dict | None) -> dict:
+    """The EgressBudget status for one round. Oversubscribed keeps its lastTransitionTime
+    while its status does not change."""
+    from .quantity import format_bps
+
+    over = "True" if summary.oversubscribed else "False"
+    old = next((c for c in (previous or {}).get("conditions") or [] if c.get("type") == "Oversubscribed"), None)
+    since = old["lastTransitionTime"] if old and old.get("status") == over else _rfc3339(computed_at)
+    unmet = sorted(t for t, v in summary.teams.items() if v.guarantee_unmet)
+    return {
+        "allocated": format_bps(summary.allocated_bps),
+        "demand": format_bps(summary.demand_bps),
+        "used": format_bps(summary.used_bps),
+        "pods": summary.pods,
+        "nodes": summary.nodes,
+        "teamsBelowGuarantee": unmet,
+        "lastComputed": _rfc3339(computed_at),
+        "conditions": [{
+            "type": "Oversubscribed",
+            "status": over,
+            "reason": "GuaranteesExceedTotal" if summary.oversubscribed else "GuaranteesFit",
+            "message": ("the teams' guarantees add up to more than spec.total; they are scaled down proportionally"
+                        if summary.oversubscribed else "every team's guarantee fits within spec.total"),
+            "lastTransitionTime": since,
+        }],
+    }
+
+
+def _comparable(status: dict | None) -> dict:
+    """What counts as a change: everything but the timestamps."""
+    if not status:
+        return {}
+    out = {k: v for k, v in status.items() if k != "lastComputed"}
+    out["conditions"] = [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in status.get("conditions") or []]
+    return out
+
+
+class StatusWriter:
+    """Writes the latest round's summary to EgressBudget/<name>/status, rate-bounded, from its own
+    thread: `offer` never blocks the allocation loop, and only the newest summary is written."""
+
+    def __init__(self, api: client.ApiClient, min_interval: float = 30.0,
+                 on_write: Callable[[str], None] = lambda result: None):
+        self.custom = client.CustomObjectsApi(api)
+        self.min_interval = min_interval
+        self.on_write = on_write
+        self.written: dict[str, dict] = {}  # budget name -> the status we last wrote
+        self._pending: tuple[Summary, float] | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="status-writer", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def offer(self, summary: Summary, computed_at: float) -> None:
+        if summary.budget_name:  # the built-in default policy has no object to write to
+            self._pending = (summary, computed_at)
+            self._wake.set()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait()
+            self._wake.clear()
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                self.write(*pending)
+            self._stop.wait(self.min_interval)  # the bound: at most one write per interval
+
+    def write(self, summary: Summary, computed_at: float) -> bool:
+        name = summary.budget_name
+        status = budget_status(summary, computed_at, self.written.get(name))
+        if _comparable(status) == _comparable(self.written.get(name)):
+            return False
+        try:
+            self.custom.patch_cluster_custom_object_status(GROUP, VERSION, "egressbudgets", name, {"status": status})
+        except ApiException as exc:
+            self.on_write("error")
+            log.warning("EgressBudget %s: status write failed (%s %s); next round retries", name, exc.status,
+                        exc.reason)
+            return False
+        except Exception as exc:
+            self.on_write("error")
+            log.warning("EgressBudget %s: status write failed (%s); next round retries", name, exc)
+            return False
+        self.written[name] = status
+        self.on_write("ok")
+        return True

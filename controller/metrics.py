@@ -1,0 +1,101 @@
+"""The controller's Prometheus metrics, in their own registry (docs/controller.md lists them).
+
+Event counts (reports, rejections, rounds, status writes) are counters updated as they
+happen; the budget view (by team and class) is yielded at scrape time from the latest
+allocation round, so a team or class that disappears takes its series with it. Rates
+are exported in bytes per second (Prometheus convention); the engine works in bit/s.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from .adapter import Summary
+from .service import ControllerState
+
+P = "netagent_controller_"
+
+
+class BudgetCollector:
+    """Yields the budget view of the latest round; the leader flag and agent count always."""
+
+    def __init__(self, state: ControllerState, is_leader: Callable[[], bool]):
+        self.state = state
+        self.is_leader = is_leader
+
+    def collect(self) -> Iterable[Metric]:
+        leader = self.is_leader()
+        yield GaugeMetricFamily(P + "is_leader", "1 on the replica that holds the Lease and serves agents",
+                                value=1.0 if leader else 0.0)
+        result = self.state.result if leader else None
+        summary: Summary | None = result.summary if result is not None else None
+        yield GaugeMetricFamily(P + "agents", "nodes whose agent reported within the report TTL",
+                                value=float(self.state.nodes() if leader else 0))
+        yield GaugeMetricFamily(P + "pods", "pods in the latest allocation round",
+                                value=float(summary.pods if summary else 0))
+        if result is not None:
+            yield GaugeMetricFamily(P + "last_round_timestamp_seconds",
+                                    "when the latest allocation round finished (Unix time)",
+                                    value=result.wall_time)
+            yield GaugeMetricFamily(P + "safe_floor_bytes_per_second",
+                                    "per-pod rate agents fall to when their lease runs out",
+                                    value=result.safe_floor_bps / 8)
+        if summary is None:
+            return
+        yield GaugeMetricFamily(P + "budget_bytes_per_second", "the EgressBudget's spec.total",
+                                value=summary.budget_bps / 8)
+        yield GaugeMetricFamily(P + "oversubscribed", "1 when the teams' guarantees add up to more than the budget",
+                                value=1.0 if summary.oversubscribed else 0.0)
+        yield GaugeMetricFamily(P + "feedback_gain", "the engine's gain on the budget (keeps the measured total at it)",
+                                value=summary.gain)
+        yield GaugeMetricFamily(P + "policy_problems", "EgressClass/EgressBudget problems (objects or teams ignored)",
+                                value=float(len(summary.policy_problems)))
+        families = {
+            "allocated": GaugeMetricFamily(P + "allocated_bytes_per_second", "sum of the pods' fair shares",
+                                           labels=["team", "class"]),
+            "demand": GaugeMetricFamily(P + "demand_bytes_per_second", "sum of the pods' estimated demand",
+                                        labels=["team", "class"]),
+            "used": GaugeMetricFamily(P + "used_bytes_per_second", "sum of the pods' measured internet egress",
+                                      labels=["team", "class"]),
+            "pods": GaugeMetricFamily(P + "group_pods", "pods by team and class", labels=["team", "class"]),
+        }
+        for (team, egress_class), g in sorted(summary.groups.items()):
+            labels = [team, egress_class]
+            families["allocated"].add_metric(labels, g.allocated_bps / 8)
+            families["demand"].add_metric(labels, g.demand_bps / 8)
+            families["used"].add_metric(labels, g.used_bps / 8)
+            families["pods"].add_metric(labels, float(g.pods))
+        yield from families.values()
+        guarantee = GaugeMetricFamily(P + "team_guarantee_bytes_per_second", "the team's guaranteed minimum",
+                                      labels=["team"])
+        unmet = GaugeMetricFamily(P + "guarantee_unmet",
+                                  "1 when a team is allocated less than its guarantee (up to its demand)", labels=["team"])
+        for team, t in sorted(summary.teams.items()):
+            guarantee.add_metric([team], t.guarantee_bps / 8)
+            unmet.add_metric([team], 1.0 if t.guarantee_unmet else 0.0)
+        yield guarantee
+        yield unmet
+
+
+class ControllerMetrics:
+    def __init__(self, state: ControllerState, is_leader: Callable[[], bool]):
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.reports = Counter(P + "reports", "node reports answered with allocations", registry=r)
+        self.rejected = Counter(P + "rejected_reports", "node reports refused, by reason", ["reason"], registry=r)
+        self.rounds = Counter(P + "allocation_rounds", "allocation rounds computed", registry=r)
+        self.round_failures = Counter(P + "allocation_failures", "allocation rounds that failed", registry=r)
+        self.duration = Histogram(P + "allocation_duration_seconds", "time to compute one allocation round",
+                                  buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5), registry=r)
+        self.status_writes = Counter(P + "status_writes", "EgressBudget status writes, by result", ["result"],
+                                     registry=r)
+        self.token_reviews = Counter(P + "token_reviews", "TokenReview calls (cache misses)", registry=r)
+        self.watch_events = Counter(P + "watch_events", "watch events by resource and type", ["resource", "type"],
+                                    registry=r)
+        r.register(BudgetCollector(state, is_leader))
+
+    def observe_round(self, result) -> None:
+        self.rounds.inc()
+        self.duration.observe(result.duration_s)

@@ -1,0 +1,307 @@
+"""The controller's agent API over real HTTP on loopback: a real aiohttp server, the real
+ControllerState, adapter and allocation engine. Only the API server's TokenReview is stood in
+for (by a function answering as TokenReview does); tests/test_controller_kube.py uses the real one."""
+from __future__ import annotations
+
+import contextlib
+import json
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from controller.adapter import Adapter
+from controller.api import MAX_BODY, make_app
+from controller.auth import NODE_CLAIM, POD_CLAIM, TokenAuthenticator, service_account_user
+from controller.service import ControllerState
+from controller.wire import MAX_PODS_PER_REPORT
+
+CLASSES = [
+    {"kind": "EgressClass", "metadata": {"name": "bulk"}, "spec": {"weight": 1, "max": "80M"}},
+    {"kind": "EgressClass", "metadata": {"name": "interactive"}, "spec": {"weight": 3, "min": "5M"}},
+]
+BUDGET = {"kind": "EgressBudget", "metadata": {"name": "default"}, "spec": {
+    "total": "100M",
+    "teams": [
+        {"name": "research", "namespaces": ["research"], "weight": 1, "defaultClass": "bulk"},
+        {"name": "web", "namespaces": ["web"], "weight": 2, "min": "10M"},
+    ],
+}}
+
+
+def policy_source(classes=CLASSES, budgets=(BUDGET,)):
+    from controller.policy import load_policy
+
+    value = load_policy(list(classes), list(budgets))
+    return lambda: value
+
+
+def pod(namespace: str, name: str, demand: float = 50e6, usage: float = 0.0, cls: str | None = None,
+        bandwidth: str | None = None) -> dict:
+    return {"namespace": namespace, "name": name, "usage_bps": usage, "demand_bps": demand, "throttled": False,
+            "egress_class": cls, "egress_bandwidth": bandwidth}
+
+
+def report(node: str, pods: list[dict], **extra) -> dict:
+    return {"node": node, "pods": pods, "seq": 1, "period_seconds": 5.0, **extra}
+
+
+def new_state(**kw) -> ControllerState:
+    kw.setdefault("lease_seconds", 30.0)
+    return ControllerState(Adapter(policy_source()), **kw)
+
+
+@contextlib.asynccontextmanager
+async def serve(state: ControllerState, auth=None, **kw):
+    server = TestServer(make_app(state, auth, **kw), host="127.0.0.1", port=0)
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as session:
+            yield session, f"http://127.0.0.1:{server.port}"
+    finally:
+        await server.close()
+
+
+async def post(session, base, node, body, headers=None, raw: bytes | None = None):
+    data = raw if raw is not None else json.dumps(body).encode()
+    async with session.post(f"{base}/v1/nodes/{node}/report", data=data, allow_redirects=False,
+                            headers={"Content-Type": "application/json", **(headers or {})}) as r:
+        text = await r.text()
+        return r.status, (json.loads(text) if text else None), r.headers
+
+
+# -- bad input: a clear 4xx, nothing stored ------------------------------------------------------
+
+BAD_REPORTS = [
+    ("malformed JSON", "node-a", b'{"node": "node-a", "pods": [', 400, "Malformed", "malformed JSON"),
+    ("not an object", "node-a", b"[1, 2, 3]", 422, "Invalid", "Expected `object`"),
+    ("unknown field", "node-a", json.dumps({**report("node-a", []), "surprise": 1}).encode(), 422, "Invalid",
+     "unknown field `surprise`"),
+    ("unknown pod field", "node-a", json.dumps(report("node-a", [{**pod("web", "p"), "x": 1}])).encode(), 422,
+     "Invalid", "unknown field `x`"),
+    ("missing field", "node-a", json.dumps({"pods": []}).encode(), 422, "Invalid", "missing required field `node`"),
+    ("negative rate", "node-a", json.dumps(report("node-a", [pod("web", "p", demand=-1)])).encode(), 422,
+     "Invalid", "demand_bps"),
+    ("infinite rate", "node-a", b'{"node":"node-a","pods":[{"namespace":"web","name":"p","usage_bps":1e999,'
+                                b'"demand_bps":1}]}', 422, "Invalid", "usage_bps"),
+    ("rate too large", "node-a", json.dumps(report("node-a", [pod("web", "p", demand=2.0**65)])).encode(), 422,
+     "Invalid", "demand_bps"),
+    ("bad pod name", "node-a", json.dumps(report("node-a", [pod("web", "Not_A_Name")])).encode(), 422, "Invalid",
+     "`$.pods[0].name`"),
+    ("too many pods", "node-a",
+     json.dumps(report("node-a", [pod("web", f"p{i}") for i in range(MAX_PODS_PER_REPORT + 1)])).encode(),
+     422, "Invalid", f"length <= {MAX_PODS_PER_REPORT}"),
+    ("path and body disagree", "node-a", json.dumps(report("node-b", [])).encode(), 422, "Invalid",
+     "names node 'node-b' but was posted for 'node-a'"),
+    ("duplicate pod", "node-a", json.dumps(report("node-a", [pod("web", "p"), pod("web", "p")])).encode(), 422,
+     "Invalid", "web/p appears twice"),
+    ("oversized body", "node-a", b'{"node": "node-a", "pods": [], "seq": 1' + b" " * MAX_BODY + b"}", 413,
+     "TooLarge", "larger than"),
+    ("not a node name", "Node_A", json.dumps(report("node-a", [])).encode(), 404, "NotFound", "must name a node"),
+]
+
+
+@pytest.mark.parametrize("what,node,body,status,reason,message", BAD_REPORTS, ids=[b[0] for b in BAD_REPORTS])
+async def test_bad_report_is_refused_clearly_and_changes_nothing(what, node, body, status, reason, message):
+    state = new_state()
+    async with serve(state) as (session, base):
+        assert (await post(session, base, "node-b", report("node-b", [pod("web", "w1")])))[0] == 200
+        state.run_round()
+        before = (dict(state.latest), state.result.by_node)
+        code, answer, _ = await post(session, base, node, None, raw=body)
+        assert (code, answer["reason"]) == (status, reason), answer
+        assert message in answer["error"]
+        assert (dict(state.latest), state.result.by_node) == before  # nothing stored, no other node touched
+        code, again, _ = await post(session, base, "node-b", report("node-b", [pod("web", "w1")]))
+        assert (code, again["generation"], [p["name"] for p in again["pods"]]) == (200, 1, ["w1"])
+
+
+async def test_chunked_body_is_read_whole():
+    """A body sent without Content-Length (chunked) is read to its end, not to the first chunk."""
+    state = new_state()
+    body = json.dumps(report("node-a", [pod("web", f"pod-{i}") for i in range(110)])).encode()
+
+    async def chunks():
+        for i in range(0, len(body), 1000):
+            yield body[i:i + 1000]
+
+    async with serve(state) as (session, base):
+        async with session.post(f"{base}/v1/nodes/node-a/report", data=chunks()) as r:
+            assert r.status == 200, await r.text()
+    assert len(state.latest["node-a"][1].pods) == 110
+
+
+# -- rate limiting -----------------------------------------------------------------------------
+
+async def test_rate_limit_is_per_node():
+    state = new_state()
+    async with serve(state, per_node_rate=0.01, per_node_burst=2) as (session, base):
+        codes = [(await post(session, base, "node-a", report("node-a", [])))[0] for _ in range(3)]
+        assert codes == [200, 200, 429]
+        code, answer, headers = await post(session, base, "node-a", report("node-a", []))
+        assert (code, answer["reason"], headers["Retry-After"]) == (429, "RateLimited", "1")
+        assert (await post(session, base, "node-b", report("node-b", [])))[0] == 200  # another node is not held back
+
+
+# -- node binding --------------------------------------------------------------------------------
+
+async def test_pod_of_another_node_is_refused():
+    where = {("web", "w1"): "node-a", ("web", "w2"): "node-b"}
+    state = new_state(locate_pod=lambda ns, name: where.get((ns, name)))
+    async with serve(state) as (session, base):
+        assert (await post(session, base, "node-a", report("node-a", [pod("web", "w1")])))[0] == 200
+        code, answer, _ = await post(session, base, "node-a", report("node-a", [pod("web", "w1"), pod("web", "w2")]))
+        assert (code, answer["reason"]) == (403, "PodNotOnNode")
+        assert "web/w2 is on node 'node-b', not 'node-a'" in answer["error"]
+        assert [p.name for p in state.latest["node-a"][1].pods] == ["w1"]  # the earlier report stands
+
+        code, answer, _ = await post(session, base, "node-a", report("node-a", [pod("web", "w1"), pod("web", "new")]))
+        assert code == 200 and any("web/new is unknown" in p for p in answer["problems"])
+        assert [p.name for p in state.latest["node-a"][1].pods] == ["w1"]  # unknown pods are not allocated
+
+
+# -- allocations -----------------------------------------------------------------------------------
+
+async def test_two_nodes_get_the_engine_allocation_split_per_node():
+    from controller.engine import PodDemandIn, allocate
+    from controller.policy import resolve_pod
+
+    state = new_state()
+    a_pods = [pod("web", "w1", 40e6, usage=30e6), pod("research", "r1", 90e6, usage=20e6),
+              pod("research", "r2", 3e6, cls="interactive", usage=3e6)]
+    b_pods = [pod("web", "w2", 40e6, usage=10e6, bandwidth="15M"), pod("other", "o1", 20e6, usage=5e6)]
+    async with serve(state) as (session, base):
+        assert (await post(session, base, "node-a", report("node-a", a_pods)))[1]["generation"] == 0
+        assert (await post(session, base, "node-b", report("node-b", b_pods)))[0] == 200
+        result = state.run_round()
+        _, ans_a, _ = await post(session, base, "node-a", report("node-a", a_pods))
+        _, ans_b, _ = await post(session, base, "node-b", report("node-b", b_pods))
+
+    policy, _ = policy_source()()
+    engine_in = []
+    for p in b_pods + a_pods:
+        pp = resolve_pod(policy, p["namespace"], p["egress_class"], p["egress_bandwidth"])
+        engine_in.append(PodDemandIn(f"{p['namespace']}/{p['name']}", pp.team, pp.egress_class, pp.weight,
+                                     pp.min_bps, pp.max_bps, p["demand_bps"]))
+    expected = allocate(policy, engine_in).pods
+    for answer, pods in ((ans_a, a_pods), (ans_b, b_pods)):
+        assert answer["generation"] == result.generation == 1
+        got = {f"{p['namespace']}/{p['name']}": p for p in answer["pods"]}
+        assert set(got) == {f"{p['namespace']}/{p['name']}" for p in pods}  # each node gets exactly its pods
+        for key, p in got.items():
+            assert p["allocation_bps"] == pytest.approx(expected[key].allocation_bps)
+            assert p["limit_bps"] == pytest.approx(expected[key].limit_bps)
+        assert answer["node_rate_bps"] == pytest.approx(min(100e6, sum(p["limit_bps"] for p in answer["pods"])))
+    assert {p["name"]: p["team"] for p in ans_a["pods"] + ans_b["pods"]} == {
+        "w1": "web", "w2": "web", "r1": "research", "r2": "research", "o1": "default"}
+    assert {p["name"]: p["egress_class"] for p in ans_a["pods"]} == {"w1": "default", "r1": "bulk",
+                                                                     "r2": "interactive"}
+    assert sum(p["allocation_bps"] for p in ans_a["pods"] + ans_b["pods"]) <= 100e6 * (1 + 1e-9)
+    summary = result.summary
+    assert (summary.pods, summary.nodes, summary.budget_bps) == (5, 2, 100e6)
+    assert summary.used_bps == pytest.approx(68e6)  # no node_internet_egress: the pods' usage
+    assert summary.groups[("research", "bulk")].pods == 1
+
+
+async def test_answer_carries_lease_and_safe_floor():
+    state = new_state(lease_seconds=42.0)
+    pods = [pod("web", f"w{i}") for i in range(4)]
+    async with serve(state) as (session, base):
+        _, first, _ = await post(session, base, "node-a", report("node-a", pods))
+        assert (first["generation"], first["lease_seconds"], first["pods"]) == (0, 42.0, [])
+        assert "no allocation round yet" in first["problems"][0]
+        await post(session, base, "node-b", report("node-b", [pod("web", "x")]))
+        state.run_round()
+        _, answer, _ = await post(session, base, "node-a", report("node-a", pods))
+    assert answer["lease_seconds"] == 42.0
+    assert answer["safe_floor_bps"] == pytest.approx(100e6 / 5)  # the budget over the round's pods
+    assert answer["generation"] == 1
+
+
+async def test_measured_total_is_the_sum_of_node_egress():
+    state = new_state()
+    async with serve(state) as (session, base):
+        await post(session, base, "node-a", report("node-a", [pod("web", "w1", usage=10e6)],
+                                                   node_internet_egress_bps=30e6))
+        await post(session, base, "node-b", report("node-b", [pod("web", "w2", usage=10e6)],
+                                                   node_internet_egress_bps=25e6))
+        result = state.run_round()
+    assert result.summary.used_bps == pytest.approx(55e6)
+
+
+async def test_new_term_never_answers_from_an_old_round():
+    state = new_state()
+    async with serve(state) as (session, base):
+        await post(session, base, "node-a", report("node-a", [pod("web", "w1")]))
+        state.run_round()
+        state.on_leadership(True)
+        _, answer, _ = await post(session, base, "node-a", report("node-a", [pod("web", "w1")]))
+    assert (answer["generation"], answer["pods"]) == (0, [])
+
+
+# -- followers ---------------------------------------------------------------------------------
+
+async def test_follower_redirects_to_the_leader():
+    state = new_state(leader=lambda: False, leader_address=lambda: "10.1.2.3:9561")
+    async with serve(state, self_address="10.9.9.9:9561") as (session, base):
+        code, answer, headers = await post(session, base, "node-a", report("node-a", []))
+    assert code == 307
+    assert headers["Location"] == "http://10.1.2.3:9561/v1/nodes/node-a/report"
+    assert (answer["reason"], answer["leader"]) == ("NotLeader", "10.1.2.3:9561")
+    assert not state.latest  # a follower stores nothing
+
+
+@pytest.mark.parametrize("leader_address", [None, "10.9.9.9:9561"], ids=["no leader", "stale lease naming us"])
+async def test_follower_without_a_leader_answers_503(leader_address):
+    state = new_state(leader=lambda: False, leader_address=lambda: leader_address)
+    async with serve(state, self_address="10.9.9.9:9561") as (session, base):
+        code, answer, headers = await post(session, base, "node-a", report("node-a", []))
+    assert (code, answer["reason"], headers["Retry-After"]) == (503, "NoLeader", "2")
+
+
+# -- authentication (TokenReview answered by a function; the real one in test_controller_kube) ----
+
+def review_for(tokens: dict[str, tuple[str, str]], calls: list):
+    """token -> (username, node), answering as the API server's TokenReview status does."""
+    def review(token: str) -> dict:
+        calls.append(token)
+        if token not in tokens:
+            return {"authenticated": False, "error": "invalid bearer token"}
+        user, node = tokens[token]
+        return {"authenticated": True, "user": {"username": user, "extra": {NODE_CLAIM: [node], POD_CLAIM: ["agent"]}}}
+    return review
+
+
+async def test_token_must_be_valid_bound_to_the_node_and_the_agents():
+    calls: list[str] = []
+    agent = "system:serviceaccount:netagent:netagent-agent"
+    review = review_for({"tok-a": (agent, "node-a"), "tok-other": ("system:serviceaccount:x:y", "node-a")}, calls)
+    auth = TokenAuthenticator(review, allowed_users=service_account_user("netagent:netagent-agent"))
+    state = new_state()
+    async with serve(state, auth) as (session, base):
+        def bearer(token):
+            return {"Authorization": f"Bearer {token}"}
+
+        code, answer, _ = await post(session, base, "node-a", report("node-a", []))
+        assert (code, answer["reason"]) == (401, "Unauthenticated") and "missing bearer token" in answer["error"]
+        code, answer, _ = await post(session, base, "node-a", report("node-a", []), bearer("forged"))
+        assert (code, answer["reason"]) == (401, "Unauthenticated") and "invalid bearer token" in answer["error"]
+        code, answer, _ = await post(session, base, "node-b", report("node-b", []), bearer("tok-a"))
+        assert (code, answer["reason"]) == (403, "WrongNode")
+        code, answer, _ = await post(session, base, "node-a", report("node-a", []), bearer("tok-other"))
+        assert (code, answer["reason"]) == (403, "Forbidden")
+        for _ in range(3):
+            code, _, _ = await post(session, base, "node-a", report("node-a", []), bearer("tok-a"))
+            assert code == 200
+        await post(session, base, "node-a", report("node-a", []), bearer("forged"))
+    assert sorted(calls) == ["forged", "tok-a", "tok-other"]  # verdicts, good and bad, are cached
+    assert set(state.latest) == {"node-a"}
+
+
+async def test_review_outage_is_503_not_the_agents_fault():
+    def review(token: str) -> dict:
+        raise ConnectionRefusedError("apiserver down")
+
+    async with serve(new_state(), TokenAuthenticator(review)) as (session, base):
+        code, answer, _ = await post(session, base, "node-a", report("node-a", []), {"Authorization": "Bearer t"})
+    assert (code, answer["reason"]) == (503, "AuthUnavailable")

@@ -1,0 +1,267 @@
+"""`netagent controller --from-file` as a real process on loopback, and the agent's reporter
+against it (following a follower's redirect to the leader, fail-static across a new term)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from netagent.agent import Agent, AgentConfig, Allocation, AllocationSet, ResolvedPod
+
+REPO = Path(__file__).resolve().parent.parent
+CLASSES = [
+    {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressClass", "metadata": {"name": "bulk"},
+     "spec": {"weight": 1}},
+    {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressClass", "metadata": {"name": "interactive"},
+     "spec": {"weight": 3, "min": "5M"}},
+]
+
+
+def budget(total: str) -> dict:
+    return {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressBudget", "metadata": {"name": "default"},
+            "spec": {"total": total, "teams": [{"name": "web", "namespaces": ["web"], "weight": 2},
+                                               {"name": "research", "namespaces": ["research"], "weight": 1}]}}
+
+
+def write_policy(path: Path, total: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump_all([*CLASSES, budget(total)]))
+    os.replace(tmp, path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body: dict | None = None, timeout: float = 5) -> tuple[int, str]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def wait_for(predicate, timeout: float = 20, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@contextlib.contextmanager
+def controller_process(tmp_path: Path, *extra: str):
+    port = free_port()
+    log = open(tmp_path / "controller.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "netagent.cli", "controller", "--listen", f"127.0.0.1:{port}",
+                             "--period", "0.2", "--lease-seconds", "5", "--report-rate", "1000", *extra],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def up():
+            if proc.poll() is not None:
+                raise AssertionError(f"controller exited {proc.returncode}: {(tmp_path / 'controller.log').read_text()}")
+            try:
+                return http("GET", base + "/healthz")[0] == 200
+            except OSError:
+                return False
+
+        wait_for(up, what="controller /healthz")
+        yield proc, base
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+
+
+def node_report(node: str, pods: list[tuple[str, str, float]], egress: float = 0.0) -> dict:
+    return {"node": node, "seq": 1, "period_seconds": 1.0, "node_internet_egress_bps": egress,
+            "pods": [{"namespace": ns, "name": name, "usage_bps": d / 2, "demand_bps": d} for ns, name, d in pods]}
+
+
+def allocated_generation(base: str, node: str, pods) -> dict:
+    code, text = http("POST", f"{base}/v1/nodes/{node}/report", node_report(node, pods))
+    assert code == 200, text
+    answer = json.loads(text)
+    return answer if answer["generation"] > 0 and answer["pods"] else None
+
+
+def test_controller_from_files_allocates_reloads_and_exports_metrics(tmp_path):
+    policy = tmp_path / "policy.yaml"
+    write_policy(policy, "100M")
+    pods_a = [("web", "w1", 80e6), ("research", "r1", 80e6)]
+    pods_b = [("web", "w2", 80e6)]
+    with controller_process(tmp_path, "--from-file", str(policy), "--no-auth") as (proc, base):
+        http("POST", f"{base}/v1/nodes/node-b/report", node_report("node-b", pods_b, egress=40e6))
+        answer = wait_for(lambda: allocated_generation(base, "node-a", pods_a), what="a round with node-a's pods")
+        assert sum(p["allocation_bps"] for p in answer["pods"]) <= 100e6
+        assert {p["name"]: p["team"] for p in answer["pods"]} == {"w1": "web", "r1": "research"}
+
+        write_policy(policy, "10M")  # reloaded while running
+        wait_for(lambda: (a := allocated_generation(base, "node-a", pods_a))
+                 and sum(p["allocation_bps"] for p in a["pods"]) <= 10e6, what="the new total to apply")
+
+        code, metrics = http("GET", base + "/metrics")
+        assert code == 200
+        for name in ("netagent_controller_budget_bytes_per_second 1.25e+06",
+                     'netagent_controller_allocated_bytes_per_second{class="default",team="research"}',
+                     'netagent_controller_demand_bytes_per_second{class="default",team="web"}',
+                     'netagent_controller_used_bytes_per_second{class="default",team="web"}',
+                     "netagent_controller_agents 2.0", "netagent_controller_pods 3.0",
+                     "netagent_controller_is_leader 1.0", "netagent_controller_allocation_duration_seconds_bucket",
+                     "netagent_controller_reports_total", 'netagent_controller_guarantee_unmet{team="web"}',
+                     "netagent_controller_safe_floor_bytes_per_second"):
+            assert name in metrics, name
+        assert http("POST", f"{base}/v1/nodes/node-a/report", {"node": "node-a"})[0] == 422
+        _, metrics = http("GET", base + "/metrics")
+        assert 'netagent_controller_rejected_reports_total{reason="Invalid"} 1.0' in metrics
+        assert http("GET", base + "/readyz")[0] == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--from-file", "{policy}"], "add --no-auth"),
+    (["--from-file", "{policy}", "--no-auth", "--period", "10", "--lease-seconds", "5"],
+     "--lease-seconds (5) must be longer than --period (10)"),
+    (["--from-file", "{policy}", "--no-auth", "--listen", "nonsense"], "must be HOST:PORT"),
+])
+def test_bad_flags_are_a_clear_error(tmp_path, argv, message):
+    policy = tmp_path / "policy.yaml"
+    write_policy(policy, "100M")
+    argv = [a.format(policy=policy) for a in argv]
+    out = subprocess.run([sys.executable, "-m", "netagent.cli", "controller", *argv], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert message in out.stderr
+
+
+# -- the agent's reporter ------------------------------------------------------------------------
+
+class CountingDataPath:
+    """Stands in for the kernel: only the node counter the reporter reads."""
+
+    leaf_qdisc, iptables_backend = "pfifo", "nft"
+
+    def __init__(self):
+        self.egress_bytes = 0
+
+    def counters(self):
+        self.egress_bytes += 1_000_000
+        return {}, {"egress_internet": self.egress_bytes}
+
+
+def make_agent(node: str, pods: list[tuple[str, str]]) -> Agent:
+    agent = Agent(AgentConfig(node=node, uplinks=("eth0",), internal_cidrs=()), CountingDataPath(),
+                  resolve=lambda snap: ([], 0), local_allocate=None)
+    agent.pods = [ResolvedPod(f"{ns}/{name}", ns, name, "uid", ("10.0.0.1",), "web", "default", 1.0, 0, 10**9)
+                  for ns, name in pods]
+    return agent
+
+
+def serve_follower(leader: str | None) -> tuple[str, callable]:
+    """A second replica that is not the leader: the real API app, answering 307/503."""
+    import asyncio
+
+    from aiohttp import web
+
+    from controller.api import make_app
+    from controller.service import ControllerState
+
+    state = ControllerState(lambda reports: None, leader=lambda: False, leader_address=lambda: leader)
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(make_app(state, None, self_address=f"127.0.0.1:{port}"))
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def stop():
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+
+    return f"http://127.0.0.1:{port}", stop
+
+
+def test_reporter_follows_the_follower_to_the_leader_and_stays_fail_static(tmp_path):
+    from netagent.reporter import Reporter
+
+    policy = tmp_path / "policy.yaml"
+    write_policy(policy, "100M")
+    with controller_process(tmp_path, "--from-file", str(policy), "--no-auth") as (proc, leader):
+        follower, stop_follower = serve_follower(leader.removeprefix("http://"))
+        try:
+            agent = make_agent("node-a", [("web", "w1"), ("research", "r1")])
+            reporter = Reporter(agent, follower, token_path=None, period=0.2)
+            reporter.report_once()
+            assert reporter.leader_url == leader  # sticky: the next report goes straight to the leader
+            assert agent.controller_reachable
+
+            def allocated():
+                reporter.report_once()
+                return agent.allocations.source == "controller" and len(agent.allocations.pods) == 2
+
+            wait_for(allocated, what="allocations from the controller")
+            first = agent.allocations
+            assert first.lease_expires - time.monotonic() == pytest.approx(5, abs=1)
+            assert first.safe_floor_bps == 50_000_000 and first.node_rate_bps > 0
+            report = reporter.build_report()
+            assert report["node_internet_egress_bps"] > 0  # from the node counter, as a rate
+
+            # the leader goes away: the reporter fails, the agent keeps its allocations and lease
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(10)
+            with pytest.raises(Exception, match="unreachable"):
+                reporter.report_once()
+            assert agent.allocations is first
+        finally:
+            stop_follower()
+
+    # a new leader without a round yet (generation 0) leaves the allocations and the lease alone
+    with controller_process(tmp_path, "--from-file", str(policy), "--no-auth", "--period", "30",
+                            "--lease-seconds", "60") as (proc, leader):
+        reporter = Reporter(agent, leader, token_path=None)
+        reporter.report_once()
+        assert agent.allocations is first and agent.controller_reachable
+
+
+def test_reporter_keeps_allocations_when_no_replica_leads():
+    from netagent.reporter import ControllerError, Reporter
+
+    follower, stop = serve_follower(None)
+    try:
+        agent = make_agent("node-a", [("web", "w1")])
+        held = AllocationSet(pods={"web/w1": Allocation(5, 6)}, lease_expires=time.monotonic() + 30,
+                             source="controller")
+        agent.allocations = held
+        with pytest.raises(ControllerError, match="503"):
+            Reporter(agent, follower, token_path=None).report_once()
+        assert agent.allocations is held
+    finally:
+        stop()
