@@ -1,0 +1,414 @@
+"""Generate netagent's Grafana dashboards and the PrometheusRule, as code.
+
+    python3 -m dashboards.build          # write dashboards/*.json and the PrometheusRule
+    python3 -m dashboards.build --check  # exit 1 if a committed file differs from what this produces
+
+Dashboards are built with grafana-foundation-sdk. Rates are shown in bit/s (the unit of the
+CRDs and of `kubernetes.io/egress-bandwidth`); the metrics are in bytes, hence the `* 8`.
+The heavy joins live in recording rules (dashboards/rules.yaml), which the PrometheusRule of
+the prometheus-operator overlay is generated from.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import yaml
+from grafana_foundation_sdk.builders import common as gcb
+from grafana_foundation_sdk.builders import dashboard as gd
+from grafana_foundation_sdk.builders import prometheus as gp
+from grafana_foundation_sdk.builders import stat as gstat
+from grafana_foundation_sdk.builders import table as gtable
+from grafana_foundation_sdk.builders import timeseries as gts
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common as gc
+from grafana_foundation_sdk.models import dashboard as gm
+from grafana_foundation_sdk.models import prometheus as gpm
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RULES = HERE / "rules.yaml"
+PROMETHEUS_RULE = REPO / "deploy" / "overlays" / "prometheus-operator" / "prometheusrule.yaml"
+
+DATASOURCE = gm.DataSourceRef(type_val="prometheus", uid="${datasource}")
+CLUSTER = 'cluster=~"$cluster"'
+NODE = f'{CLUSTER}, node=~"$node"'
+POD = f'{NODE}, namespace=~"$namespace", pod=~"$pod"'
+# a follower's view is stale by design: controller series count only from the Lease holder
+LEADER = "and on (cluster, job, instance) (netagent_controller_is_leader == 1)"
+# the variables a panel query may contain, each with what Grafana substitutes for "All"
+VARIABLES = ("datasource", "cluster", "node", "namespace", "pod")
+
+
+def query(expr: str, legend: str = "", instant: bool = False, ref: str = "A") -> gp.Dataquery:
+    q = gp.Dataquery().expr(expr).ref_id(ref).datasource(DATASOURCE)
+    if legend:
+        q = q.legend_format(legend)
+    if instant:
+        q = q.instant().format(gpm.PromQueryFormat.TABLE)
+    return q
+
+
+def timeseries(title: str, description: str, unit: str, *targets: gp.Dataquery, width: int = 12,
+               stacked: bool = False) -> gts.Panel:
+    p = (gts.Panel().title(title).description(description).unit(unit).span(width).height(8)
+         .datasource(DATASOURCE).fill_opacity(10).line_width(1)
+         .legend(gcb.VizLegendOptions().show_legend(True).display_mode(gc.LegendDisplayMode.TABLE)
+                 .placement(gc.LegendPlacement.BOTTOM).calcs(["lastNotNull", "max"]))
+         .tooltip(gcb.VizTooltipOptions().mode(gc.TooltipDisplayMode.MULTI).sort(gc.SortOrder.DESCENDING)))
+    if stacked:
+        p = p.stacking(gcb.StackingConfig().mode(gc.StackingMode.NORMAL))
+    for t in targets:
+        p = p.with_target(t)
+    return p
+
+
+def stat(title: str, description: str, unit: str, expr: str, width: int = 4,
+         thresholds: list[tuple[float | None, str]] | None = None) -> gstat.Panel:
+    steps = [gm.Threshold(value=v, color=c) for v, c in (thresholds or [(None, "green")])]
+    return (gstat.Panel().title(title).description(description).unit(unit).span(width).height(4)
+            .datasource(DATASOURCE).with_target(query(expr, instant=True))
+            .thresholds(gd.ThresholdsConfig().mode(gm.ThresholdsMode.ABSOLUTE).steps(steps))
+            .color_mode(gc.BigValueColorMode.BACKGROUND).graph_mode(gc.BigValueGraphMode.NONE)
+            .reduce_options(gcb.ReduceDataOptions().calcs(["lastNotNull"])))
+
+
+def table(title: str, description: str, unit: str, *targets: gp.Dataquery, width: int = 12) -> gtable.Panel:
+    p = (gtable.Panel().title(title).description(description).unit(unit).span(width).height(9)
+         .datasource(DATASOURCE)
+         .with_transformation(gm.DataTransformerConfig(id_val="merge", options={}))
+         .with_transformation(gm.DataTransformerConfig(
+             id_val="organize", options={"excludeByName": {"Time": True}})))
+    for t in targets:
+        p = p.with_target(t)
+    return p
+
+
+def variable(name: str, label: str, query_text: str) -> gd.QueryVariable:
+    return (gd.QueryVariable(name).label(label).datasource(DATASOURCE)
+            .query({"query": query_text, "refId": f"{name}-values"})
+            .refresh(gm.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(gm.VariableSort.ALPHABETICAL_ASC)
+            .multi(True).include_all(True).all_value(".*")
+            .current(gm.VariableOption(selected=True, text="All", value="$__all")))
+
+
+def datasource_variable() -> gd.DatasourceVariable:
+    return gd.DatasourceVariable("datasource").label("Data source").type("prometheus")
+
+
+def base(uid: str, title: str, description: str) -> gd.Dashboard:
+    return (gd.Dashboard(title).uid(uid).description(description).tags(["netagent", "network"])
+            .editable().refresh("30s").time("now-1h", "now").timezone("browser")
+            .tooltip(gm.DashboardCursorSync.CROSSHAIR)
+            .with_variable(datasource_variable())
+            .with_variable(variable("cluster", "Cluster", "label_values(netagent_build_info, cluster)")))
+
+
+def cluster_dashboard() -> gd.Dashboard:
+    d = base("netagent-cluster", "netagent / cluster",
+             "Internet egress of the cluster against its budget, by team and class; demand and fair "
+             "allocation; the pods that send, drop and are throttled most; health of agents and controller.")
+    d = d.with_row(gd.Row("Budget"))
+    d = d.with_panel(stat(
+        "Budget", "spec.total of the EgressBudget, as the leader controller holds it.", "bps",
+        f"sum(netagent:controller_budget_bytes_per_second:leader{{{CLUSTER}}}) * 8"))
+    d = d.with_panel(stat(
+        "Used / budget", "Internet egress the controller measures, as a share of the budget.", "percentunit",
+        f"sum(netagent:controller_budget_used:ratio{{{CLUSTER}}})",
+        thresholds=[(None, "green"), (0.8, "orange"), (0.95, "red")]))
+    d = d.with_panel(stat(
+        "Internet egress now", "Sum of the pods' internet egress measured by the agents.", "bps",
+        f"sum(netagent:cluster_internet_egress_bytes:rate1m{{{CLUSTER}}}) * 8"))
+    d = d.with_panel(stat(
+        "Demand", "Sum of the pods' estimated internet egress demand.", "bps",
+        f"sum(netagent:team_class_egress_demand_bytes_per_second:sum{{{CLUSTER}}}) * 8"))
+    d = d.with_panel(stat(
+        "Pods", "Pods the controller allocates for.", "short",
+        f"sum(netagent_controller_pods{{{CLUSTER}}} {LEADER})"))
+    d = d.with_panel(stat(
+        "Agents reporting", "Agents the controller heard from recently.", "short",
+        f"sum(netagent_controller_agents{{{CLUSTER}}} {LEADER})"))
+    d = d.with_panel(timeseries(
+        "Internet egress by team, against the budget",
+        "Stacked: each team's measured internet egress (agents' counters). Line: the budget.", "bps",
+        query(f"sum by (team) (netagent:team_class_internet_egress_bytes:rate1m{{{CLUSTER}}}) * 8", "{{team}}"),
+        query(f"sum(netagent:controller_budget_bytes_per_second:leader{{{CLUSTER}}}) * 8", "budget", ref="B"),
+        width=12, stacked=True)
+        .override_by_name("budget", [gm.DynamicConfigValue(id_val="custom.stacking", value={"mode": "none"}),
+                                     gm.DynamicConfigValue(id_val="custom.fillOpacity", value=0),
+                                     gm.DynamicConfigValue(id_val="custom.lineStyle",
+                                                           value={"fill": "dash", "dash": [10, 10]}),
+                                     gm.DynamicConfigValue(id_val="color",
+                                                           value={"mode": "fixed", "fixedColor": "red"})]))
+    d = d.with_panel(timeseries(
+        "Internet egress by team and class", "Measured internet egress per (team, class).", "bps",
+        query(f"netagent:team_class_internet_egress_bytes:rate1m{{{CLUSTER}}} * 8", "{{team}} / {{class}}"),
+        width=12))
+
+    d = d.with_row(gd.Row("Demand and allocation"))
+    d = d.with_panel(timeseries(
+        "Demand vs allocation by team",
+        "What each team's pods want (estimated demand) and the fair share the controller gives them.", "bps",
+        query(f"sum by (team) (netagent:controller_demand_bytes_per_second:leader{{{CLUSTER}}}) * 8",
+              "demand {{team}}"),
+        query(f"sum by (team) (netagent:controller_allocated_bytes_per_second:leader{{{CLUSTER}}}) * 8",
+              "allocated {{team}}", ref="B"),
+        width=12))
+    d = d.with_panel(table(
+        "Demand, allocation and use by team and class",
+        "The controller's view at the end of the range (leader only).", "bps",
+        query(f"netagent:controller_demand_bytes_per_second:leader{{{CLUSTER}}} * 8", "demand", True),
+        query(f"netagent:controller_allocated_bytes_per_second:leader{{{CLUSTER}}} * 8", "allocated", True, "B"),
+        query(f"netagent:controller_used_bytes_per_second:leader{{{CLUSTER}}} * 8", "used", True, "C"),
+        width=12))
+
+    d = d.with_panel(stat(
+        "Teams below guarantee", "Teams allocated less than min(guarantee, demand) (NetagentTeamStarved).", "short",
+        f"sum(netagent_controller_guarantee_unmet{{{CLUSTER}}} {LEADER}) or vector(0)",
+        thresholds=[(None, "green"), (1, "red")], width=6))
+    d = d.with_panel(stat(
+        "Oversubscribed", "1 when the teams' guarantees add up to more than the budget.", "short",
+        f"max(netagent_controller_oversubscribed{{{CLUSTER}}} {LEADER}) or vector(0)",
+        thresholds=[(None, "green"), (1, "orange")], width=6))
+    d = d.with_panel(timeseries(
+        "Guarantee vs allocation by team", "Each team's guaranteed minimum and its fair share now.", "bps",
+        query(f"max by (team) (netagent_controller_team_guarantee_bytes_per_second{{{CLUSTER}}} {LEADER}) * 8",
+              "guarantee {{team}}"),
+        query(f"sum by (team) (netagent:controller_allocated_bytes_per_second:leader{{{CLUSTER}}}) * 8",
+              "allocated {{team}}", ref="B"),
+        width=12))
+
+    d = d.with_row(gd.Row("Pods"))
+    d = d.with_panel(table(
+        "Top pods by internet egress", "The 15 pods sending most to the internet now.", "bps",
+        query(f"topk(15, netagent:pod_internet_egress_bytes:rate1m{{{CLUSTER}}}) * 8", "", True), width=8))
+    d = d.with_panel(table(
+        "Most throttled pods",
+        "Share of the last 5 minutes each pod spent held back by its limit (1 = always).", "percentunit",
+        query(f"topk(15, netagent:pod_egress_throttled:ratio_rate5m{{{CLUSTER}}})", "", True), width=8))
+    d = d.with_panel(timeseries(
+        "Shaper drops by team", "Internet-bound packets dropped at the pods' limits.", "pps",
+        query(f"sum by (team) (netagent:pod_egress_dropped_packets:rate5m{{{CLUSTER}}} "
+              f"* on (cluster, namespace, pod) group_left (team) netagent:pod_info:max)", "{{team}}"),
+        width=8))
+
+    d = d.with_row(gd.Row("Agents and controller"))
+    d = d.with_panel(stat(
+        "Agents ready", "Agents whose kernel data path matches their desired state.", "short",
+        f"count(netagent_ready{{{CLUSTER}}} == 1) or vector(0)"))
+    d = d.with_panel(stat(
+        "Agents not ready", "Agents whose data path does not match (see NetagentAgentNotReady).", "short",
+        f"count(netagent_ready{{{CLUSTER}}} == 0) or vector(0)", thresholds=[(None, "green"), (1, "red")]))
+    d = d.with_panel(stat(
+        "Agents at safe floor", "Agents whose controller lease ran out (fail-static).", "short",
+        f"count(netagent_fail_static{{{CLUSTER}}} == 1) or vector(0)", thresholds=[(None, "green"), (1, "red")]))
+    d = d.with_panel(stat(
+        "Pods with invalid annotations", "Pods running in their default class because of a policy problem.",
+        "short", f"count(netagent_pod_policy_problem{{{CLUSTER}}} == 1) or vector(0)",
+        thresholds=[(None, "green"), (1, "orange")]))
+    d = d.with_panel(stat(
+        "Allocation p99", "99th percentile of the leader's allocation round duration over 5 minutes.", "s",
+        f"max(netagent:controller_allocation_duration_seconds:p99_5m{{{CLUSTER}}})",
+        thresholds=[(None, "green"), (0.5, "orange"), (2, "red")]))
+    d = d.with_panel(stat(
+        "Drift repairs (1h)", "Kernel state changed by someone else and restored by the agents.", "short",
+        f"sum(increase(netagent_drift_repairs_total{{{CLUSTER}}}[1h])) or vector(0)",
+        thresholds=[(None, "green"), (1, "orange")]))
+    d = d.with_panel(timeseries(
+        "Controller leader", "1 for the replica holding the Lease; exactly one line should be at 1.", "short",
+        query(f"netagent_controller_is_leader{{{CLUSTER}}}", "{{instance}}"), width=8))
+    d = d.with_panel(timeseries(
+        "Reports", "Agent reports the controller accepts and rejects (by reason), per second.", "reqps",
+        query(f"sum(rate(netagent_controller_reports_total{{{CLUSTER}}}[5m]))", "accepted"),
+        query(f"sum by (reason) (rate(netagent_controller_rejected_reports_total{{{CLUSTER}}}[5m]))",
+              "rejected {{reason}}", ref="B"),
+        width=8))
+    d = d.with_panel(timeseries(
+        "Agents reaching the controller", "Agents whose last report succeeded, and those that failed.", "short",
+        query(f"count(netagent_controller_reachable{{{CLUSTER}}} == 1) or vector(0)", "reachable"),
+        query(f"count(netagent_controller_reachable{{{CLUSTER}}} == 0) or vector(0)", "unreachable", ref="B"),
+        width=8))
+    return d
+
+
+def node_pod_dashboard() -> gd.Dashboard:
+    d = base("netagent-node-pod", "netagent / node and pod",
+             "One node's uplink traffic, allocation and agent health, and its pods' internet egress against "
+             "their limits, fair shares and demand.")
+    d = (d.with_variable(variable("node", "Node", f"label_values(netagent_build_info{{{CLUSTER}}}, node)"))
+         .with_variable(variable("namespace", "Namespace",
+                                 f"label_values(netagent_pod_info{{{NODE}}}, namespace)"))
+         .with_variable(variable("pod", "Pod",
+                                 f'label_values(netagent_pod_info{{{NODE}, namespace=~"$namespace"}}, pod)')))
+    d = d.with_row(gd.Row("Node"))
+    d = d.with_panel(timeseries(
+        "Node egress by scope, against its allocation",
+        "All traffic leaving the node's uplinks (host traffic included), internal vs internet; the line is the "
+        "node class rate: this node's share of the budget.", "bps",
+        query(f"sum by (node, scope) (rate(netagent_node_egress_bytes_total{{{NODE}}}[1m])) * 8",
+              "{{node}} {{scope}}"),
+        query(f"sum by (node) (netagent_node_allocation_bytes_per_second{{{NODE}}}) * 8",
+              "{{node}} allocation", ref="B"),
+        width=12))
+    d = d.with_panel(timeseries(
+        "Node ingress by scope", "Traffic entering the node's uplinks, internal vs internet.", "bps",
+        query(f"sum by (node, scope) (rate(netagent_node_ingress_bytes_total{{{NODE}}}[1m])) * 8",
+              "{{node}} {{scope}}"),
+        width=12))
+    d = d.with_panel(timeseries(
+        "Reconcile duration p99", "Time to compute and apply the desired kernel state.", "s",
+        query(f"histogram_quantile(0.99, sum by (node, le) "
+              f"(rate(netagent_reconcile_duration_seconds_bucket{{{NODE}}}[5m])))", "{{node}}"),
+        width=8))
+    d = d.with_panel(timeseries(
+        "Reconciles, errors and drift repairs",
+        "Reconciles per second; failed ones by stage; kernel state someone else changed and the agent restored, "
+        "by kind.", "ops",
+        query(f"sum by (node) (rate(netagent_reconcile_duration_seconds_count{{{NODE}}}[5m]))", "{{node}} reconciles"),
+        query(f"sum by (node, stage) (rate(netagent_reconcile_errors_total{{{NODE}}}[5m]))",
+              "{{node}} errors {{stage}}", ref="B"),
+        query(f"sum by (node, kind) (rate(netagent_drift_repairs_total{{{NODE}}}[5m]))",
+              "{{node}} drift {{kind}}", ref="C"),
+        width=8))
+    d = d.with_panel(timeseries(
+        "Agent state", "Ready (data path as desired), controller reachable, at the safe floor.", "short",
+        query(f"netagent_ready{{{NODE}}}", "{{node}} ready"),
+        query(f"netagent_controller_reachable{{{NODE}}}", "{{node}} controller reachable", ref="B"),
+        query(f"netagent_fail_static{{{NODE}}}", "{{node}} at safe floor", ref="C"),
+        width=8))
+    d = d.with_panel(table(
+        "Pods on the node", "Class and team of each pod and its internet egress, limit and fair share now.", "bps",
+        query(f"max by (node, namespace, pod, team, class) (netagent_pod_info{{{POD}}})", "", True),
+        query(f"sum by (node, namespace, pod) (netagent:pod_internet_egress_bytes:rate1m{{{POD}}}) * 8", "", True, "B"),
+        query(f"sum by (node, namespace, pod) (netagent_pod_egress_limit_bytes_per_second{{{POD}}}) * 8", "", True, "C"),
+        query(f"sum by (node, namespace, pod) (netagent_pod_egress_allocation_bytes_per_second{{{POD}}}) * 8",
+              "", True, "D"),
+        width=24)
+        .override_by_name("Value #A", [gm.DynamicConfigValue(id_val="custom.hidden", value=True)]))
+
+    d = d.with_row(gd.Row("Pods"))
+    d = d.with_panel(timeseries(
+        "Pod internet egress against limit, fair share and demand",
+        "Measured internet egress; the limit the agent enforces (HTB ceil); the fair share (HTB rate); the "
+        "estimated demand.", "bps",
+        query(f"sum by (namespace, pod) (rate(netagent_pod_egress_bytes_total{{{POD}, scope=\"internet\"}}[1m])) * 8",
+              "{{namespace}}/{{pod}} sent"),
+        query(f"sum by (namespace, pod) (netagent_pod_egress_limit_bytes_per_second{{{POD}}}) * 8",
+              "{{namespace}}/{{pod}} limit", ref="B"),
+        query(f"sum by (namespace, pod) (netagent_pod_egress_allocation_bytes_per_second{{{POD}}}) * 8",
+              "{{namespace}}/{{pod}} fair share", ref="C"),
+        query(f"sum by (namespace, pod) (netagent_pod_egress_demand_bytes_per_second{{{POD}}}) * 8",
+              "{{namespace}}/{{pod}} demand", ref="D"),
+        width=24))
+    d = d.with_panel(timeseries(
+        "Pod egress by scope", "Internal traffic is never shaped; internet traffic is.", "bps",
+        query(f"sum by (namespace, pod, scope) (rate(netagent_pod_egress_bytes_total{{{POD}}}[1m])) * 8",
+              "{{namespace}}/{{pod}} {{scope}}"),
+        width=12))
+    d = d.with_panel(timeseries(
+        "Pod ingress by scope", "Received traffic, by source scope (not shaped).", "bps",
+        query(f"sum by (namespace, pod, scope) (rate(netagent_pod_ingress_bytes_total{{{POD}}}[1m])) * 8",
+              "{{namespace}}/{{pod}} {{scope}}"),
+        width=12))
+    d = d.with_panel(timeseries(
+        "Pod shaper drops", "Internet-bound packets of the pod dropped at its limit.", "pps",
+        query(f"sum by (namespace, pod) (rate(netagent_pod_egress_dropped_packets_total{{{POD}}}[5m]))",
+              "{{namespace}}/{{pod}}"),
+        width=12))
+    d = d.with_panel(timeseries(
+        "Pod throttled share", "Share of time the pod's internet egress was held back by its limit.", "percentunit",
+        query(f"sum by (namespace, pod) (rate(netagent_pod_egress_throttled_seconds_total{{{POD}}}[5m]))",
+              "{{namespace}}/{{pod}}"),
+        width=12))
+    return d
+
+
+DASHBOARDS = {
+    "cluster.json": cluster_dashboard,
+    "node-pod.json": node_pod_dashboard,
+}
+
+
+def render_dashboard(build) -> str:
+    model = json.loads(json.dumps(build().build(), cls=JSONEncoder))
+    panel_id = 0
+    for panel in model["panels"]:  # Grafana links and embeds panels by id: number them in order
+        for inner in [panel, *panel.get("panels", [])]:
+            panel_id += 1
+            inner["id"] = panel_id
+    return json.dumps(model, indent=2, sort_keys=True) + "\n"
+
+
+def render_prometheus_rule() -> str:
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    rule = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {"name": "netagent", "labels": {"app.kubernetes.io/part-of": "netagent"}},
+        "spec": {"groups": groups},
+    }
+    header = "# Generated from dashboards/rules.yaml by `python3 -m dashboards.build`: edit that file, not this one.\n"
+    return header + yaml.safe_dump(rule, sort_keys=False, width=120)
+
+
+def outputs() -> dict[Path, str]:
+    files = {HERE / name: render_dashboard(build) for name, build in DASHBOARDS.items()}
+    files[PROMETHEUS_RULE] = render_prometheus_rule()
+    return files
+
+
+def panel_queries(dashboard: dict) -> Iterator[tuple[str, str]]:
+    """(panel title, PromQL expression) for every target of every panel, rows included."""
+    for panel in dashboard.get("panels", []):
+        for inner in [panel, *panel.get("panels", [])]:
+            for target in inner.get("targets", []):
+                if target.get("expr"):
+                    yield inner.get("title", ""), target["expr"]
+
+
+def variable_queries(dashboard: dict) -> Iterator[tuple[str, str]]:
+    """(variable name, label_values(...) query) of every query variable."""
+    for v in dashboard.get("templating", {}).get("list", []):
+        if v.get("type") == "query":
+            q = v["query"]
+            yield v["name"], q["query"] if isinstance(q, dict) else q
+
+
+def fill_variables(expr: str, values: dict[str, str] | None = None) -> str:
+    """Substitute template variables as Grafana does; unset ones get "All" (the regex `.*`)."""
+    values = values or {}
+    for name in VARIABLES:
+        expr = expr.replace(f"${{{name}}}", values.get(name, ".*")).replace(f"${name}", values.get(name, ".*"))
+    return expr
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="compare with the committed files instead of writing")
+    args = ap.parse_args(argv)
+    stale = []
+    for path, text in outputs().items():
+        current = path.read_text() if path.exists() else ""
+        if current == text:
+            continue
+        if args.check:
+            stale.append(path)
+            sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), text.splitlines(True),
+                                                       str(path), "generated", n=1))
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            print(f"wrote {path.relative_to(REPO)}")
+    if stale:
+        print(f"stale: {', '.join(str(p.relative_to(REPO)) for p in stale)}; run `python3 -m dashboards.build`",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

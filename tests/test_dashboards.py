@@ -1,0 +1,299 @@
+"""Dashboards, recording rules and alerts (dashboards/).
+
+- the committed JSON and PrometheusRule are exactly what dashboards/build.py generates;
+- `promtool check rules` and the promtool unit tests (dashboards/rules_test.yaml) pass, with a
+  firing case for every alert, and a saturated budget fires NetagentBudgetSaturated;
+- every metric the dashboards and rules query is one the agent or controller defines;
+- a real Prometheus (loopback, empty TSDB, our rules loaded) accepts every panel query and
+  every template variable's selector, with the variables filled in as Grafana would.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import textwrap
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dashboards import build, contract
+
+REPO = Path(__file__).resolve().parent.parent
+DASHBOARDS = REPO / "dashboards"
+RULES = DASHBOARDS / "rules.yaml"
+RULES_TEST = DASHBOARDS / "rules_test.yaml"
+ALERTS_DOC = REPO / "docs" / "alerts.md"
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name)
+    assert path, f"{name} is not installed: install Debian's prometheus package (scripts/bootstrap.sh does)"
+    return path
+
+
+def rule_groups() -> list[dict]:
+    return yaml.safe_load(RULES.read_text())["groups"]
+
+
+def alerts() -> list[dict]:
+    return [r for g in rule_groups() for r in g["rules"] if "alert" in r]
+
+
+def dashboards() -> dict[str, dict]:
+    return {p.name: json.loads(p.read_text()) for p in contract.dashboard_files()}
+
+
+def github_anchor(heading: str) -> str:
+    return re.sub(r"[^a-z0-9 _-]", "", heading.strip().lower()).replace(" ", "-")
+
+
+# --- generated files -------------------------------------------------------------------------
+
+
+def test_committed_files_are_what_the_generator_produces():
+    stale = [str(p.relative_to(REPO)) for p, text in build.outputs().items() if not p.exists() or p.read_text() != text]
+    assert not stale, f"run `python3 -m dashboards.build` and commit: {stale} differ from the generator's output"
+
+
+def test_every_dashboard_is_generated_and_packaged():
+    generated = set(build.DASHBOARDS)
+    assert {p.name for p in contract.dashboard_files()} == generated
+    kustomization = yaml.safe_load((DASHBOARDS / "kustomization.yaml").read_text())
+    packaged = {f.split("=", 1)[1] for g in kustomization["configMapGenerator"] for f in g["files"]}
+    assert packaged == generated
+    assert kustomization["generatorOptions"]["labels"] == {"grafana_dashboard": "1"}
+
+
+# --- dashboard structure ---------------------------------------------------------------------
+
+
+def test_dashboards_are_well_formed():
+    uids = set()
+    for name, d in dashboards().items():
+        assert d["uid"] not in uids, f"{name}: duplicate uid {d['uid']}"
+        uids.add(d["uid"])
+        variables = {v["name"]: v for v in d["templating"]["list"]}
+        assert variables["datasource"]["type"] == "datasource"
+        assert "cluster" in variables, f"{name}: every dashboard selects a cluster"
+        ids = []
+        for panel in d["panels"]:
+            for inner in [panel, *panel.get("panels", [])]:
+                ids.append(inner["id"])
+                if inner["type"] == "row":
+                    continue
+                where = f"{name}: panel {inner['title']!r}"
+                assert inner.get("description"), f"{where} has no description"
+                assert inner["datasource"]["uid"] == "${datasource}", where
+                assert inner["fieldConfig"]["defaults"].get("unit"), f"{where} has no unit"
+                refs = [t["refId"] for t in inner["targets"]]
+                assert inner["targets"] and len(refs) == len(set(refs)), where
+                for t in inner["targets"]:
+                    assert '$cluster"' in t["expr"], f"{where}: query ignores the cluster variable: {t['expr']}"
+        assert len(ids) == len(set(ids)), f"{name}: panel ids repeat"
+
+
+def test_node_and_pod_drilldown_has_its_variables():
+    d = dashboards()["node-pod.json"]
+    variables = [v["name"] for v in d["templating"]["list"]]
+    assert variables == ["datasource", "cluster", "node", "namespace", "pod"]
+    pod_panels = [t["expr"] for title, t in ((p.get("title"), t) for p in d["panels"] for t in p.get("targets", []))
+                  if title and title.startswith("Pod ")]
+    assert pod_panels and all('pod=~"$pod"' in e and 'namespace=~"$namespace"' in e for e in pod_panels)
+
+
+def test_cluster_dashboard_covers_the_budget_view():
+    titles = {p["title"] for p in dashboards()["cluster.json"]["panels"]}
+    for wanted in ("Internet egress by team, against the budget", "Internet egress by team and class",
+                   "Demand vs allocation by team", "Top pods by internet egress", "Most throttled pods",
+                   "Shaper drops by team", "Agents ready", "Controller leader", "Allocation p99"):
+        assert wanted in titles
+
+
+# --- the metric contract ---------------------------------------------------------------------
+
+
+def test_every_metric_queried_is_defined_by_an_exporter():
+    defined = contract.defined_metrics()
+    recorded = contract.recording_rules()
+    unknown = {name: sorted(where) for name, where in contract.used_metrics().items()
+               if name not in defined and name not in recorded}
+    assert not unknown, f"queried but neither exported (netagent/metrics.py, controller/metrics.py) nor recorded: {unknown}"
+
+
+def test_the_contract_reads_both_exporters():
+    defined = contract.defined_metrics()
+    for name in ("netagent_pod_egress_bytes_total", "netagent_pod_policy_problem",
+                 "netagent_reconcile_duration_seconds_bucket", "netagent_controller_is_leader",
+                 "netagent_controller_budget_bytes_per_second", "netagent_controller_allocation_duration_seconds_bucket",
+                 "netagent_controller_rejected_reports_total"):
+        assert name in defined, name
+    with pytest.raises(ValueError, match="not a constant string"):
+        contract.exported_names("from prometheus_client import Gauge\nGauge(name_from_somewhere, 'help')\n")
+
+
+def test_every_recording_rule_is_used():
+    used = set(contract.used_metrics())
+    unused = contract.recording_rules() - used
+    assert not unused, f"recording rules nothing queries: {sorted(unused)}"
+
+
+# --- promtool --------------------------------------------------------------------------------
+
+
+def test_promtool_check_rules():
+    result = subprocess.run([tool("promtool"), "check", "rules", str(RULES)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_promtool_unit_tests_pass():
+    result = subprocess.run([tool("promtool"), "test", "rules", RULES_TEST.name], cwd=DASHBOARDS,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_alert_has_a_firing_unit_test():
+    tests = yaml.safe_load(RULES_TEST.read_text())["tests"]
+    fired = {case["alertname"] for t in tests for case in t.get("alert_rule_test", []) if case.get("exp_alerts")}
+    missing = {a["alert"] for a in alerts()} - fired
+    assert not missing, f"alerts without a promtool test in which they fire: {sorted(missing)}"
+
+
+def test_saturated_budget_fires_its_alert(tmp_path):
+    """A budget used at 99% for 15 minutes fires NetagentBudgetSaturated; at 50% it does not."""
+    shutil.copy(RULES, tmp_path / "rules.yaml")
+    series = "{job=\"netagent-controller\",instance=\"c1\"}"
+    used = "{job=\"netagent-controller\",instance=\"c1\",team=\"ml\",class=\"bulk\"}"
+    case = textwrap.dedent(f"""\
+        rule_files: [rules.yaml]
+        evaluation_interval: 1m
+        tests:
+          - interval: 1m
+            input_series:
+              - {{series: 'netagent_controller_is_leader{series}', values: '1x20'}}
+              - {{series: 'netagent_controller_budget_bytes_per_second{series}', values: '125000000x20'}}
+              - {{series: 'netagent_controller_used_bytes_per_second{used}', values: '62500000x4 123750000x16'}}
+            alert_rule_test:
+              - alertname: NetagentBudgetSaturated
+                eval_time: 4m
+                exp_alerts: []
+              - alertname: NetagentBudgetSaturated
+                eval_time: 20m
+                exp_alerts:
+                  - exp_labels: {{severity: warning}}
+                    exp_annotations:
+                      summary: Cluster internet egress is at 99% of the budget
+                      description: >-
+                        The measured internet egress of all pods has stayed above 95% of the EgressBudget total
+                        for 10 minutes: pods are being held to their fair shares and cannot grow.
+                      runbook_url: docs/alerts.md#netagentbudgetsaturated
+        """)
+    (tmp_path / "saturated_test.yaml").write_text(case)
+    result = subprocess.run([tool("promtool"), "test", "rules", "saturated_test.yaml"], cwd=tmp_path,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_alert_is_documented():
+    doc = ALERTS_DOC.read_text()
+    anchors = {github_anchor(line.lstrip("#")) for line in doc.splitlines() if line.startswith("## ")}
+    for alert in alerts():
+        name = alert["alert"]
+        assert alert["labels"]["severity"] in {"critical", "warning", "info"}, name
+        annotations = alert["annotations"]
+        assert annotations.get("summary") and annotations.get("description"), name
+        assert annotations["runbook_url"] == f"docs/alerts.md#{name.lower()}", name
+        assert name.lower() in anchors, f"docs/alerts.md has no '## {name}' runbook section"
+
+
+# --- a real Prometheus accepts every query -----------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> dict:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return json.load(r)
+    except urllib.error.HTTPError as e:
+        return json.load(e)
+
+
+@pytest.fixture(scope="module")
+def prometheus(tmp_path_factory):
+    """Debian's prometheus on loopback with an empty TSDB, no scrape targets, and our rules."""
+    workdir = tmp_path_factory.mktemp("prometheus")
+    shutil.copy(RULES, workdir / "rules.yaml")
+    (workdir / "prometheus.yml").write_text("global: {evaluation_interval: 1s}\nrule_files: [rules.yaml]\n")
+    port = _free_port()
+    log = (workdir / "prometheus.log").open("w")
+    proc = subprocess.Popen([tool("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"prometheus exited: {(workdir / 'prometheus.log').read_text()[-2000:]}"
+            try:
+                with urllib.request.urlopen(f"{url}/-/ready", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"prometheus not ready: {(workdir / 'prometheus.log').read_text()[-2000:]}"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def test_prometheus_loads_the_rules(prometheus):
+    groups = _get(f"{prometheus}/api/v1/rules")["data"]["groups"]
+    loaded = {r["name"] for g in groups for r in g["rules"]}
+    assert loaded == {r.get("record") or r["alert"] for g in rule_groups() for r in g["rules"]}
+
+
+def test_prometheus_accepts_every_panel_query(prometheus):
+    rejected = []
+    for where, expr in contract.dashboard_expressions():
+        if where.split(": ", 1)[1].startswith("variable"):
+            continue
+        for values in ({}, {"cluster": "prod", "node": "node-1", "namespace": "ml", "pod": "trainer-0"}):
+            q = build.fill_variables(expr, values)
+            answer = _get(f"{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": q}))
+            if answer.get("status") != "success":
+                rejected.append(f"{where}: {q}: {answer.get('error')}")
+    assert not rejected, "\n".join(rejected)
+
+
+def test_prometheus_accepts_every_variable_query(prometheus):
+    """Grafana's label_values(SELECTOR, LABEL) asks /api/v1/series for SELECTOR."""
+    rejected = []
+    for where, q in contract.dashboard_expressions():
+        if not where.split(": ", 1)[1].startswith("variable"):
+            continue
+        m = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", q)
+        assert m, f"{where}: not a label_values(selector, label) query: {q}"
+        selector = build.fill_variables(m.group(1))
+        answer = _get(f"{prometheus}/api/v1/series?" + urllib.parse.urlencode({"match[]": selector}))
+        if answer.get("status") != "success":
+            rejected.append(f"{where}: {selector}: {answer.get('error')}")
+    assert not rejected, "\n".join(rejected)
