@@ -399,6 +399,7 @@ class Agent:
             ready=self.ready, ready_reason=self.ready_reason, controller=self.cfg.controller or "",
             controller_reachable=self.controller_reachable, fail_static=self.fail_static,
             lease_expires_in=None if allocs.lease_expires == float("inf") else allocs.lease_expires - time.monotonic(),
+            safe_floor_bps=allocs.safe_floor_bps or self.cfg.default_floor_bps,
             last_reconcile_success=self.last_success, leaf_qdisc=self.datapath.leaf_qdisc,
             iptables_backend=self.datapath.iptables_backend,
             source_errors=self.snapshot.errors if self.snapshot else (),

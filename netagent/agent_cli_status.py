@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import urllib.request
 
 from rich.console import Console
@@ -26,7 +27,8 @@ def run(args: argparse.Namespace) -> int:
     if args.output == "json":
         print(json.dumps(state, indent=2))
         return 0
-    console = Console()
+    # piped into grep or a file: don't fold the table to 80 columns
+    console = Console() if sys.stdout.isatty() else Console(width=250)
     ready = "[green]ready[/]" if state["ready"] else f"[red]not ready[/]: {state['ready_reason']}"
     mode = f"controller {state['controller']}" if state["controller"] else "single-node (local allocation)"
     reach = "" if not state["controller"] else (" [green]reachable[/]" if state["controller_reachable"] else " [red]unreachable[/]")

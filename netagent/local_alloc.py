@@ -27,6 +27,8 @@ class LocalAllocator:
         inputs = []
         measured = 0.0
         for p in pods:
+            if not p.ips:
+                continue  # waiting for an IP (or gave it up): nothing to shape, no share to hold
             d = demand.get(p.key)
             measured += d.usage_bps if d else 0.0
             inputs.append(PodDemandIn(
@@ -34,7 +36,8 @@ class LocalAllocator:
                 min_bps=p.min_bps, max_bps=p.max_bps,
                 demand_bps=float(d.demand_bps) if d else float(max(p.min_bps, MIN_DEMAND_BPS)),
             ))
-        result = allocate(policy, inputs, measured_total_bps=measured if demand else None, previous=self._previous)
+        previous = self._previous if self._previous is not None and self._previous.keys else None
+        result = allocate(policy, inputs, measured_total_bps=measured if demand else None, previous=previous)
         self._previous = result
         self._generation += 1
         return AllocationSet(

@@ -44,6 +44,7 @@ class NodeView:
     controller_reachable: bool = False
     fail_static: bool = False
     lease_expires_in: float | None = None
+    safe_floor_bps: float = 0.0  # what every pod falls to when the controller's lease runs out
     last_reconcile_success: float = 0.0
     leaf_qdisc: str = ""
     iptables_backend: str = ""
