@@ -1,0 +1,200 @@
+"""`netagent plan`: the allocation a policy gives for given demands, without a cluster.
+
+    netagent plan --from-file POLICY.yaml --demand DEMAND.csv [-o table|json]
+
+POLICY.yaml holds EgressClass and EgressBudget objects (other kinds are ignored, so the
+agent's --from-file files work as they are). DEMAND.csv has the header
+`namespace,pod,class,demand` and optionally `bandwidth` (the pod's
+kubernetes.io/egress-bandwidth); rates are bit/s, Kubernetes quantities allowed; an
+empty class means the team's default. The engine is the controller's own.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import yaml
+
+from .engine import AllocationResult, EngineError, PodDemandIn, allocate
+from .policy import Policy, load_policy, resolve_pod
+from .quantity import format_bps, parse_bps
+
+REQUIRED_COLUMNS = ("namespace", "pod", "class", "demand")
+OPTIONAL_COLUMNS = ("bandwidth",)
+
+
+class PlanInputError(ValueError):
+    """A policy or demand file that cannot be used; the message names the file (and line)."""
+
+
+@dataclass(frozen=True)
+class DemandRow:
+    line: int
+    namespace: str
+    pod: str
+    egress_class: str | None
+    demand_bps: int
+    bandwidth: str | None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--from-file", "-f", dest="from_file", metavar="POLICY.yaml", action="append", required=True,
+                   help="YAML with EgressClass and EgressBudget objects (repeatable)")
+    p.add_argument("--demand", "-d", metavar="DEMAND.csv", required=True,
+                   help="CSV with columns namespace,pod,class,demand[,bandwidth]; '-' reads standard input")
+    p.add_argument("--output", "-o", choices=("table", "json"), default="table", help="output format (default: table)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        policy, problems = read_policy([Path(f) for f in args.from_file])
+        rows = read_demand(args.demand)
+        result, pods, warnings = plan(policy, rows, args.demand)
+    except (PlanInputError, EngineError) as exc:
+        print(f"netagent plan: error: {exc}", file=sys.stderr)
+        return 2
+    for message in problems + warnings:
+        print(f"netagent plan: warning: {message}", file=sys.stderr)
+    text = json.dumps(as_json(rows, pods, result), indent=1) + "\n" if args.output == "json" else \
+        as_table(policy, rows, pods, result)
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `| head`: the reader has what it wanted
+        sys.stdout = open("/dev/null", "w")
+    return 0
+
+
+def read_policy(paths: list[Path]) -> tuple[Policy, list[str]]:
+    classes, budgets = [], []
+    for path in paths:
+        try:
+            docs = list(yaml.safe_load_all(path.read_text()))
+        except OSError as exc:
+            raise PlanInputError(f"{path}: cannot read: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+            raise PlanInputError(f"{where}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from exc
+        for doc in _flatten(docs):
+            if not isinstance(doc, dict):
+                raise PlanInputError(f"{path}: every YAML document must be a Kubernetes object, got {doc!r:.60}")
+            if doc.get("kind") == "EgressClass":
+                classes.append(doc)
+            elif doc.get("kind") == "EgressBudget":
+                budgets.append(doc)
+    return load_policy(classes, budgets)  # no budget: the built-in default (no total, caps only)
+
+
+def _flatten(docs: list) -> list:
+    out = []
+    for doc in docs:
+        if doc is None:
+            continue
+        if isinstance(doc, dict) and doc.get("kind") == "List":
+            out.extend(d for d in doc.get("items") or [] if d is not None)
+        else:
+            out.append(doc)
+    return out
+
+
+def read_demand(name: str) -> list[DemandRow]:
+    if name == "-":
+        return parse_demand(sys.stdin, "<stdin>")
+    try:
+        with open(name, newline="") as f:
+            return parse_demand(f, name)
+    except OSError as exc:
+        raise PlanInputError(f"{name}: cannot read: {exc.strerror}") from exc
+
+
+def parse_demand(f: TextIO, name: str) -> list[DemandRow]:
+    lines = ((i, line) for i, line in enumerate(f, 1) if line.strip() and not line.lstrip().startswith("#"))
+    numbered = list(lines)
+    if not numbered:
+        raise PlanInputError(f"{name}: empty; expected a header line {','.join(REQUIRED_COLUMNS)}")
+    reader = csv.reader(line for _, line in numbered)
+    header = [h.strip().lower() for h in next(reader)]
+    unknown = [h for h in header if h not in REQUIRED_COLUMNS + OPTIONAL_COLUMNS]
+    missing = [c for c in REQUIRED_COLUMNS if c not in header]
+    header_line = numbered[0][0]
+    if unknown or missing or len(set(header)) != len(header):
+        raise PlanInputError(
+            f"{name}:{header_line}: header must name the columns {','.join(REQUIRED_COLUMNS)} (optionally "
+            f"{','.join(OPTIONAL_COLUMNS)}), each once; " +
+            "; ".join(filter(None, [f"unknown: {', '.join(unknown)}" if unknown else "",
+                                    f"missing: {', '.join(missing)}" if missing else ""])) or "a column is repeated")
+    rows: list[DemandRow] = []
+    seen: dict[tuple[str, str], int] = {}
+    for (line, _), values in zip(numbered[1:], reader):
+        where = f"{name}:{line}"
+        if len(values) != len(header):
+            raise PlanInputError(f"{where}: {len(values)} fields, the header has {len(header)}")
+        row = dict(zip(header, (v.strip() for v in values)))
+        if not row["namespace"] or not row["pod"]:
+            raise PlanInputError(f"{where}: namespace and pod must not be empty")
+        key = (row["namespace"], row["pod"])
+        if key in seen:
+            raise PlanInputError(f"{where}: pod {key[0]}/{key[1]} already given on line {seen[key]}")
+        seen[key] = line
+        try:
+            demand = parse_bps(row["demand"], f"{where}: demand", allow_zero=True)
+        except ValueError as exc:
+            raise PlanInputError(str(exc)) from exc
+        rows.append(DemandRow(line, row["namespace"], row["pod"], row["class"] or None, demand,
+                              row.get("bandwidth") or None))
+    return rows
+
+
+def plan(policy: Policy, rows: list[DemandRow], name: str
+         ) -> tuple[AllocationResult, list[PodDemandIn], list[str]]:
+    warnings: list[str] = []
+    pods: list[PodDemandIn] = []
+    for row in rows:
+        resolved = resolve_pod(policy, row.namespace, row.egress_class, row.bandwidth)
+        warnings.extend(f"{name}:{row.line}: {reason}: {message}" for reason, message in resolved.problems)
+        pods.append(PodDemandIn(f"{row.namespace}/{row.pod}", resolved.team, resolved.egress_class, resolved.weight,
+                                resolved.min_bps, resolved.max_bps, row.demand_bps))
+    return allocate(policy, pods), pods, warnings
+
+
+def as_json(rows: list[DemandRow], pods: list[PodDemandIn], result: AllocationResult) -> list[dict]:
+    return [{"namespace": row.namespace, "pod": row.pod, "team": p.team, "class": p.egress_class,
+             "demand": row.demand_bps, "allocation": _number(result.pods[p.key].allocation_bps),
+             "limit": _number(result.pods[p.key].limit_bps)} for row, p in zip(rows, pods)]
+
+
+def _number(bps: float) -> int | float:
+    """Whole bit/s print as integers; the engine's shares are exact to far below 1 bit/s."""
+    return int(round(bps)) if abs(bps - round(bps)) < 1e-6 else round(bps, 3)
+
+
+def as_table(policy: Policy, rows: list[DemandRow], pods: list[PodDemandIn], result: AllocationResult) -> str:
+    head = ("NAMESPACE", "POD", "TEAM", "CLASS", "DEMAND", "ALLOCATION", "LIMIT")
+    body = [(row.namespace, row.pod, p.team, p.egress_class, format_bps(row.demand_bps),
+             format_bps(result.pods[p.key].allocation_bps), format_bps(result.pods[p.key].limit_bps))
+            for row, p in zip(rows, pods)]
+    out = [_columns([head] + body), ""]
+    teams = [("TEAM", "WEIGHT", "PODS", "DEMAND", "GUARANTEE", "ALLOCATED", "LIMITS")]
+    for team in policy.teams:
+        t = result.teams[team.name]
+        if t.pods:
+            teams.append((team.name, str(team.weight), str(t.pods), format_bps(t.demand_bps), format_bps(t.min_bps),
+                          format_bps(t.allocated_bps), format_bps(t.limit_bps) + (" (guarantees scaled)" if t.scaled
+                                                                                  else "")))
+    out += [_columns(teams), ""]
+    budget = policy.budget_name or "none (built-in default: no total, caps only)"
+    out.append(f"budget {budget}: total {format_bps(result.total_bps)}, allocated {format_bps(result.allocated_bps)}, "
+               f"demand {format_bps(result.demand_bps)}, guarantees {format_bps(result.guaranteed_bps)}"
+               + (" (Oversubscribed: guarantees exceed the total)" if result.oversubscribed else ""))
+    return "\n".join(out) + "\n"
+
+
+def _columns(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("   ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)

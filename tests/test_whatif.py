@@ -1,0 +1,138 @@
+"""`netagent plan` end to end, as a user runs it (subprocess), on the example files and on bad input."""
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from controller import whatif
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "docs" / "examples"
+
+POLICY = """
+apiVersion: netagent.io/v1alpha1
+kind: EgressClass
+metadata: {name: gold}
+spec: {weight: 2, min: 10M, max: 100M}
+---
+apiVersion: netagent.io/v1alpha1
+kind: EgressBudget
+metadata: {name: default}
+spec:
+  total: 100M
+  teams:
+  - {name: a, namespaces: [a], weight: 3}
+  - {name: b, namespaces: [b], weight: 1, allowedClasses: [default]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: ignored}
+"""
+
+
+def plan(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "netagent.cli", "plan", *map(str, args)], cwd=ROOT, input=stdin,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def policy(tmp_path):
+    path = tmp_path / "policy.yaml"
+    path.write_text(POLICY)
+    return path
+
+
+def write(tmp_path, text, name="demand.csv"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_json_output_is_the_fair_allocation(tmp_path, policy):
+    demand = write(tmp_path, "namespace,pod,class,demand\na,p1,gold,1G\na,p2,,5M\nb,q1,,1G\n")
+    done = plan("--from-file", policy, "--demand", demand, "-o", "json")
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    assert [(r["namespace"], r["pod"], r["team"], r["class"]) for r in rows] == [
+        ("a", "p1", "a", "gold"), ("a", "p2", "a", "default"), ("b", "q1", "b", "default")]
+    by_pod = {r["pod"]: r for r in rows}
+    # a:b = 3:1 -> 75M/25M; inside a, p2 wants 5M, p1 (capped at 100M by gold) takes the other 70M
+    assert by_pod["p1"]["allocation"] == 70_000_000 and by_pod["p2"]["allocation"] == 5_000_000
+    assert by_pod["q1"]["allocation"] == 25_000_000 and by_pod["p1"]["demand"] == 1_000_000_000
+    assert all(r["limit"] >= r["allocation"] for r in rows)
+    assert sum(r["limit"] for r in rows) <= 100_000_000
+
+
+def test_table_is_the_default_and_problems_are_warnings(tmp_path, policy):
+    demand = write(tmp_path, "namespace,pod,class,demand,bandwidth\n# a comment\nb,q1,gold,1G,\na,p1,,10M,2M\n")
+    done = plan("-f", policy, "-d", demand)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split() == ["NAMESPACE", "POD", "TEAM", "CLASS", "DEMAND", "ALLOCATION", "LIMIT"]
+    assert lines[1].split()[:5] == ["b", "q1", "b", "default", "1G"]
+    assert lines[2].split()[4:6] == ["10M", "2M"]  # the bandwidth column caps p1
+    assert "budget default: total 100M" in done.stdout
+    assert f"{demand}:3: EgressClassNotAllowed" in done.stderr
+
+
+def test_the_shipped_examples_run(tmp_path):
+    done = plan("-f", EXAMPLES / "policy.yaml", "-d", EXAMPLES / "demand.csv", "-o", "json")
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    assert len(rows) == 8 and sum(r["allocation"] for r in rows) == pytest.approx(1e9)
+
+
+def test_demand_from_stdin_and_no_budget(tmp_path):
+    path = write(tmp_path, "apiVersion: netagent.io/v1alpha1\nkind: EgressClass\nmetadata: {name: slow}\n"
+                           "spec: {max: 1M}\n", "classes.yaml")
+    done = plan("-f", path, "-d", "-", "-o", "json", stdin="namespace,pod,class,demand\nx,y,slow,5M\n")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [{"namespace": "x", "pod": "y", "team": "default", "class": "slow",
+                                        "demand": 5_000_000, "allocation": 1_000_000, "limit": 1_000_000}]
+
+
+@pytest.mark.parametrize("csv_text, message", [
+    ("namespace,pod,class,demand\na,p1,,10Mbit\n", ":2: demand: '10Mbit' is not a Kubernetes quantity"),
+    ("namespace,pod,klass,demand\n", ":1: header must name the columns namespace,pod,class,demand"),
+    ("namespace,pod,class\n", "missing: demand"),
+    ("namespace,pod,class,demand,colour\n", "unknown: colour"),
+    ("namespace,pod,class,demand\n\na,p1,,1M\na,p1,,2M\n", ":4: pod a/p1 already given on line 3"),
+    ("namespace,pod,class,demand\na,p1,1M\n", ":2: 3 fields, the header has 4"),
+    ("namespace,pod,class,demand\n,p1,,1M\n", ":2: namespace and pod must not be empty"),
+    ("", "empty; expected a header line"),
+])
+def test_bad_csv_names_file_and_line(tmp_path, policy, csv_text, message, capsys):
+    demand = write(tmp_path, csv_text)
+    # in-process (the same run() the CLI calls): eight interpreter start-ups would dominate this file's time
+    assert whatif.run(argparse.Namespace(from_file=[str(policy)], demand=str(demand), output="table")) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("netagent plan: error: ")
+    assert message in err and str(demand) in err
+
+
+def test_bad_csv_through_the_cli(tmp_path, policy):
+    demand = write(tmp_path, "namespace,pod,class,demand\na,p1,,-5M\n")
+    done = plan("-f", policy, "-d", demand)
+    assert done.returncode == 2 and done.stdout == ""
+    assert f"netagent plan: error: {demand}:2: demand: '-5M' is negative" in done.stderr
+
+
+def test_bad_yaml_and_missing_files(tmp_path):
+    bad = write(tmp_path, "kind: EgressClass\nmetadata: {name: x\nspec: {}\n", "bad.yaml")
+    demand = write(tmp_path, "namespace,pod,class,demand\n")
+    done = plan("-f", bad, "-d", demand)
+    assert done.returncode == 2 and f"{bad}:" in done.stderr and "not valid YAML" in done.stderr
+    done = plan("-f", tmp_path / "nope.yaml", "-d", demand)
+    assert done.returncode == 2 and "nope.yaml: cannot read" in done.stderr
+    done = plan("-f", write(tmp_path, "- just\n- a list\n", "list.yaml"), "-d", demand)
+    assert done.returncode == 2 and "must be a Kubernetes object" in done.stderr
+
+
+def test_bad_policy_objects_are_warnings_not_errors(tmp_path, policy):
+    extra = write(tmp_path, "kind: EgressClass\nmetadata: {name: broken}\nspec: {weight: 0}\n", "extra.yaml")
+    done = plan("-f", policy, "-f", extra, "-d", write(tmp_path, "namespace,pod,class,demand\na,p,,1M\n"))
+    assert done.returncode == 0
+    assert "EgressClass broken: spec.weight: 0 is not an integer from 1" in done.stderr
