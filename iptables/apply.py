@@ -15,7 +15,8 @@ from iptables import render as R
 from iptables.backend import BACKENDS, Runner, detect
 from iptables.errors import IptablesError
 from iptables.model import ClassifierState
-from iptables.parse import SavedTable, comment_of, jump_target, mark_masks, parse_ipset_save, parse_save
+from iptables.parse import (SavedTable, comment_of, counted_comments, jump_target, mark_masks, parse_ipset_save,
+                            parse_save)
 
 FAMILIES = (4, 6)
 BUILTIN = ("PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING")
@@ -78,10 +79,16 @@ class Classifier:
         # bytes counted by rules we flushed and refilled (a class change): added back so counters never go down
         self._carried: dict[str, dict[str, int]] = {}
         self._node_carried = _empty_counts()
+        self._built: tuple[ClassifierState | None, dict[int, R.Ruleset]] = (None, {})
+
+    def _keep(self, chain: str) -> bool:
+        return chain in BUILTIN or R.is_ours(chain, self.prefix)
 
     # -- apply ------------------------------------------------------------------------
     def apply(self, state: ClassifierState) -> dict[str, int]:
-        rulesets = {f: R.build(state, f, self.prefix) for f in FAMILIES}  # validates all input first
+        if state != self._built[0]:
+            self._built = (state, {f: R.build(state, f, self.prefix) for f in FAMILIES})  # validates all input first
+        rulesets = self._built[1]
         cidrs = R.set_members(state.internal_cidrs)
         previous_sets = self._read_sets()
         set_changes = self._apply_sets(cidrs, previous_sets)
@@ -89,7 +96,7 @@ class Classifier:
         changes = 0
         try:
             for family in FAMILIES:
-                tables = parse_save(self.runner.save(family, self.backend, R.TABLE, counters=True))
+                tables = parse_save(self.runner.save(family, self.backend, R.TABLE, counters=True), self._keep)
                 current, jumps = _our_state(tables.get(R.TABLE), self.prefix)
                 update = R.render_update(rulesets[family], current, jumps)
                 if not update.text:
@@ -157,7 +164,7 @@ class Classifier:
             return
         for chain in rewritten:
             for rule in table.chain_rules(chain):
-                found = self._classify_counter(chain, rule.rule)
+                found = self._classify_counter(chain, comment_of(rule.rule))
                 if found is None:
                     continue
                 key, kind = found
@@ -185,9 +192,8 @@ class Classifier:
             pass
 
     # -- counters -----------------------------------------------------------------------
-    def _classify_counter(self, chain: str, rule: str) -> tuple[str | None, str] | None:
-        """(pod key or None for the node, kind) for one of our counting rules, else None."""
-        text = comment_of(rule)
+    def _classify_counter(self, chain: str, text: str | None) -> tuple[str | None, str] | None:
+        """(pod key or None for the node, kind) from a counting rule's chain and comment, else None."""
         if not text:
             return None
         head, _, scope = text.rpartition(" ")
@@ -208,20 +214,16 @@ class Classifier:
         pods: dict[str, dict[str, int]] = {k: dict(v) for k, v in self._carried.items()}
         node = dict(self._node_carried)
         for family in FAMILIES:
-            table = parse_save(self.runner.save(family, self.backend, R.TABLE, counters=True)).get(R.TABLE)
-            if table is None:
-                continue
-            for rule in table.rules:
-                if not R.is_ours(rule.chain, self.prefix):
-                    continue
-                found = self._classify_counter(rule.chain, rule.rule)
+            dump = self.runner.save(family, self.backend, R.TABLE, counters=True)
+            for chain, text, nbytes in counted_comments(dump, self.prefix):
+                found = self._classify_counter(chain, text)
                 if found is None:
                     continue
                 key, kind = found
                 if key is None:
-                    node[kind] += rule.bytes
+                    node[kind] += nbytes
                 else:
-                    pods.setdefault(key, _empty_counts())[kind] += rule.bytes
+                    pods.setdefault(key, _empty_counts())[kind] += nbytes
         return pods, node
 
     # -- coexistence ----------------------------------------------------------------------

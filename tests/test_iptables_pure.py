@@ -10,7 +10,7 @@ from iptables import render as R
 from iptables.backend import choose_backend, has_kubelet_hint, rule_count
 from iptables.errors import IptablesError
 from iptables.model import ClassifierState, PodClassification
-from iptables.parse import comment_of, mark_masks, normalise, parse_ipset_save, parse_save
+from iptables.parse import comment_of, counted_comments, mark_masks, normalise, parse_ipset_save, parse_save, tokens
 
 
 def pods(n: int, base4: str = "10.244.0.10", base6: str = "fd00:244::10") -> tuple[PodClassification, ...]:
@@ -235,8 +235,17 @@ def test_parse_save_with_and_without_counters():
     assert tables["nat"].rules[0].bytes == 0
 
 
-def test_normalise_ignores_quoting():
-    assert normalise('-m comment --comment "a b" -j RETURN') == normalise("-m comment --comment 'a b'  -j RETURN")
+def test_counted_comments_reads_only_our_commented_rules():
+    found = counted_comments(SAVE + '[4:40] -A NETAGENT-NODE-IN -m comment --comment "node ingress internet" -j RETURN\n'
+                             '[9:90] -A OTHER -m comment --comment "ns/p egress internal" -j RETURN\n', "NETAGENT")
+    assert found == [("NETAGENT-E-X", "ns/p egress internal", 1184), ("NETAGENT-E-X", "nospace", 0),
+                     ("NETAGENT-NODE-IN", "node ingress internet", 40)]
+
+
+def test_tokens_and_normalise_follow_iptables_quoting():
+    assert tokens('-m comment --comment "a b" -j RETURN') == ["-m", "comment", "--comment", "a b", "-j", "RETURN"]
+    assert tokens(r'--comment "say \"hi\"" -j RETURN') == ["--comment", 'say "hi"', "-j", "RETURN"]
+    assert normalise('-m  comment --comment "a b"   -j RETURN') == '-m comment --comment "a b" -j RETURN'
     assert normalise('-m comment --comment "nospace" -j RETURN') == "-m comment --comment nospace -j RETURN"
 
 

@@ -1,0 +1,211 @@
+"""Apply netagent's classifier rules for 110 pods: iptables-restore against python-iptables.
+
+Run as root:  python3 bench/iptables_apply.py [--pods 110] [--reps 5]
+
+It builds a throwaway network namespace, runs the measurements inside it (legacy
+backend: python-iptables drives only legacy), prints a table of median times and
+the ratio python-iptables / iptables-restore, and removes the namespace.
+
+Measured, for IPv4 and IPv6 together:
+  from nothing   all our chains and rules of 110 pods, hooks included
+  change 1 pod   one pod's HTB class changes (its egress chain is refilled)
+plus, for the agent's steady state, `Classifier.apply` when nothing changed (the
+read-back diff) and `Classifier.counters` (one iptables-save -c per family).
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import os
+import secrets
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from iptables import render as R  # noqa: E402
+from iptables.apply import Classifier  # noqa: E402
+from iptables.model import ClassifierState, PodClassification  # noqa: E402
+from iptables.parse import normalise  # noqa: E402
+
+PREFIX = "NABENCH"
+
+
+def make_state(n: int, changed: int | None = None) -> ClassifierState:
+    a4, a6 = ipaddress.ip_address("10.244.0.2"), ipaddress.ip_address("fd00:244::2")
+    pods = tuple(PodClassification(f"bench/pod-{i}", (str(a4 + i), str(a6 + i)),
+                                   (1, 0x900 if i == changed else 0x10 + i)) for i in range(n))
+    return ClassifierState(0x1000, ("10.0.0.0/8", "fd00::/8"), pods, ("eth0",))
+
+
+def restore(family: int, text: str) -> None:
+    tool = "iptables-legacy-restore" if family == 4 else "ip6tables-legacy-restore"
+    subprocess.run([tool, "--noflush", "-w", "5"], input=text, text=True, check=True, capture_output=True)
+
+
+def teardown(clf: Classifier, state: ClassifierState) -> None:
+    """Remove our chains but keep the ipsets (the python-iptables runs need them to exist)."""
+    for family in (4, 6):
+        rs = R.build(state, family, PREFIX)
+        lines = ["*mangle", *(f"-D {h} {r}" for h, r in rs.jumps), *(f":{c} - [0:0]" for c in rs.chains),
+                 *(f"-X {c}" for c in rs.chains), "COMMIT"]
+        restore(family, "\n".join(lines) + "\n")
+
+
+# -- python-iptables ------------------------------------------------------------------------
+
+def iptc_rule(iptc, family: int, text: str):
+    """Build a python-iptables rule from one rule of ours (the subset of options we render)."""
+    rule = iptc.Rule() if family == 4 else iptc.Rule6()
+    tokens = shlex.split(text)
+    i, match, target = 0, None, None
+    while i < len(tokens):
+        tok, arg = tokens[i], tokens[i + 1] if i + 1 < len(tokens) else None
+        if tok == "-s":
+            rule.src = arg
+        elif tok == "-d":
+            rule.dst = arg
+        elif tok == "-i":
+            rule.in_interface = arg
+        elif tok == "-o":
+            rule.out_interface = arg
+        elif tok == "-m":
+            match = rule.create_match(arg)
+        elif tok == "--match-set":
+            match.match_set = [arg, tokens[i + 2]]
+            i += 1
+        elif tok == "--comment":
+            match.comment = arg
+        elif tok in ("-j", "-g"):
+            target = rule.create_target(arg, goto=tok == "-g")
+        elif tok == "--set-xmark":
+            target.set_xmark = arg
+        elif tok == "--set-class":
+            target.set_class = arg
+        else:
+            raise ValueError(f"bench converter does not know {tok!r} in {text!r}")
+        i += 2
+    return rule
+
+
+def iptc_table(iptc, family: int):
+    table = iptc.Table(iptc.Table.MANGLE) if family == 4 else iptc.Table6(iptc.Table6.MANGLE)
+    table.autocommit = False
+    table.refresh()
+    return table
+
+
+def iptc_from_nothing(iptc, state: ClassifierState) -> None:
+    for family in (4, 6):
+        rs = R.build(state, family, PREFIX)
+        table = iptc_table(iptc, family)
+        chains = {name: table.create_chain(name) for name in rs.chains}
+        for name, rules in rs.chains.items():
+            for text in rules:
+                chains[name].append_rule(iptc_rule(iptc, family, text))
+        for hook, text in rs.jumps:
+            iptc.Chain(table, hook).insert_rule(iptc_rule(iptc, family, text))
+        table.commit()
+
+
+def iptc_change_one(iptc, state: ClassifierState, key: str) -> None:
+    for family in (4, 6):
+        rs = R.build(state, family, PREFIX)
+        name = R.pod_chain(PREFIX, "egress", key)
+        table = iptc_table(iptc, family)
+        chain = iptc.Chain(table, name)
+        chain.flush()
+        for text in rs.chains[name]:
+            chain.append_rule(iptc_rule(iptc, family, text))
+        table.commit()
+
+
+# -- the measurements (inside the namespace) ------------------------------------------------
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def worker(pods: int, reps: int) -> dict[str, list[float]]:
+    import iptc
+
+    base, changed = make_state(pods), make_state(pods, changed=pods // 2)
+    key = base.pods[pods // 2].key
+    clf = Classifier(backend="legacy", prefix=PREFIX)
+    clf.apply(base)  # ipsets and a warm table
+    teardown(clf, base)
+    out: dict[str, list[float]] = {k: [] for k in (
+        "restore_from_nothing", "restore_change_one", "classifier_change_one",
+        "iptc_from_nothing", "iptc_change_one", "classifier_apply_unchanged", "classifier_counters")}
+    texts = {f: R.render(base, f, PREFIX) for f in (4, 6)}
+    for _ in range(reps):
+        out["restore_from_nothing"].append(timed(lambda: [restore(f, texts[f]) for f in (4, 6)]))
+        current = {f: R.build(base, f, PREFIX) for f in (4, 6)}
+        updates = {f: R.render_update(R.build(changed, f, PREFIX),
+                                      {c: tuple(normalise(r) for r in rules) for c, rules in current[f].chains.items()},
+                                      [(h, normalise(r)) for h, r in current[f].jumps]).text for f in (4, 6)}
+        out["restore_change_one"].append(timed(lambda: [restore(f, updates[f]) for f in (4, 6)]))
+        out["classifier_change_one"].append(timed(lambda: clf.apply(base)))  # back, with read-back and diff
+        out["classifier_apply_unchanged"].append(timed(lambda: clf.apply(base)))
+        out["classifier_counters"].append(timed(clf.counters))
+        teardown(clf, base)
+
+        out["iptc_from_nothing"].append(timed(lambda: iptc_from_nothing(iptc, base)))
+        out["iptc_change_one"].append(timed(lambda: iptc_change_one(iptc, changed, key)))
+        teardown(clf, base)
+    clf.cleanup()
+    # the agent's steady state on the default backend of most nodes today
+    nft = Classifier(backend="nft", prefix=PREFIX)
+    nft.apply(base)
+    out["nft_apply_unchanged"] = [timed(lambda: nft.apply(base)) for _ in range(reps)]
+    out["nft_counters"] = [timed(nft.counters) for _ in range(reps)]
+    nft.cleanup()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pods", type=int, default=110)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.pods, args.reps)))
+        return 0
+    if os.geteuid() != 0:
+        print("bench/iptables_apply.py needs root: it creates a network namespace", file=sys.stderr)
+        return 2
+    ns = f"na-bench-ipt-{secrets.token_hex(3)}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        proc = subprocess.run(["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__), "--worker",
+                               "--pods", str(args.pods), "--reps", str(args.reps)],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            print(proc.stderr, file=sys.stderr)
+            return 1
+        res = {k: statistics.median(v) * 1000 for k, v in json.loads(proc.stdout).items()}
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    rules = sum(len(r) for f in (4, 6) for r in R.build(make_state(args.pods), f, PREFIX).chains.values())
+    print(f"iptables legacy backend, {args.pods} pods, IPv4+IPv6 ({rules} rules), median of {args.reps} runs, ms")
+    print(f"{'':24}{'iptables-restore':>18}{'python-iptables':>18}{'ratio':>8}")
+    for label, a, b in (("from nothing", "restore_from_nothing", "iptc_from_nothing"),
+                        ("change 1 pod", "restore_change_one", "iptc_change_one")):
+        print(f"{label:24}{res[a]:>18.1f}{res[b]:>18.1f}{res[b] / res[a]:>7.1f}x")
+    print(f"{'Classifier (ms)':40}{'legacy':>10}{'nft':>10}")
+    print(f"{'apply, change 1 pod (read, diff, restore)':40}{res['classifier_change_one']:>10.1f}{'':>10}")
+    print(f"{'apply, nothing to change (read-back)':40}{res['classifier_apply_unchanged']:>10.1f}"
+          f"{res['nft_apply_unchanged']:>10.1f}")
+    print(f"{'counters (one iptables-save -c/family)':40}{res['classifier_counters']:>10.1f}{res['nft_counters']:>10.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
