@@ -1,28 +1,38 @@
 """Node reports -> one engine run -> per-node answers. Pure apart from the engine call.
 
 One round takes the latest report of every node, resolves each pod's policy from the
-annotations the agent carried (team from the namespace, class, cap), runs the
+annotations the agent carried (team from the namespace, class, cap), runs the columnar
 allocation engine once over all of them, and splits the result back per node:
 
 - a pod's answer: allocation (HTB rate, its fair share) and limit (HTB ceil: share plus
   headroom, never above its cap);
-- node_rate: the sum of the node's pods' limits, capped at the budget total. The node
-  class therefore never holds a pod below what the engine gave it, and the cluster-wide
-  total is held by the engine (feedback on the measured total), not by node classes;
+- node_rate: the sum of the node's pods' limits, capped at the budget total. The engine
+  keeps the sum of all limits within the budget (times its feedback gain), so node classes
+  never hold a pod below its answer and the cluster total is held by the engine;
 - safe_floor: the budget total divided by the number of pods in the round, so that if
   every agent lost the controller at once and fell to the floor, the cluster would still
   stay within its budget (each agent also caps the floor at the pod's own max);
 - measured total (the engine's feedback input): the sum of the reports'
   node_internet_egress_bps, when agents report it.
+
+Cost: one Python step per pod to gather columns (the policy resolution is cached per
+distinct (namespace, class, bandwidth) triple), numpy for the rest; per-node answer
+lists are built when that node next reports, not for all nodes in the round.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Mapping
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator
+
+import msgspec
+import numpy as np
 
 from .service import RoundResult
-from .wire import NodeReport, PodAllocation
+from .wire import NodeReport, PodAllocation, PodReport, encoder
 
+log = logging.getLogger(__name__)
 MIN_SAFE_FLOOR_BPS = 8_000.0  # a pod always keeps a trickle: enough for DNS and a health check
 
 
@@ -56,6 +66,46 @@ class Summary:
     policy_problems: tuple[str, ...] = ()
 
 
+class NodeAllocations(Mapping):
+    """node -> list[PodAllocation], built on first access from the round's columns."""
+
+    def __init__(self, spans: dict[str, tuple[int, list[PodReport]]], team: np.ndarray, cls: np.ndarray,
+                 team_names: tuple[str, ...], class_names: tuple[str, ...], alloc: np.ndarray, limit: np.ndarray):
+        self._spans = spans
+        self._team, self._cls = team, cls
+        self._team_names, self._class_names = team_names, class_names
+        self._alloc, self._limit = alloc, limit
+        self._built: dict[str, list[PodAllocation]] = {}
+        self._encoded: dict[str, msgspec.Raw] = {}
+
+    def __getitem__(self, node: str) -> list[PodAllocation]:
+        built = self._built.get(node)
+        if built is None:
+            start, pods = self._spans[node]
+            end = start + len(pods)
+            teams, classes = self._team[start:end].tolist(), self._cls[start:end].tolist()
+            alloc, limit = self._alloc[start:end].tolist(), self._limit[start:end].tolist()
+            tn, cn = self._team_names, self._class_names
+            built = self._built[node] = [
+                PodAllocation(p.namespace, p.name, tn[t], cn[c], a, lim)
+                for p, t, c, a, lim in zip(pods, teams, classes, alloc, limit)
+            ]
+        return built
+
+    def encoded(self, node: str) -> msgspec.Raw:
+        """The node's list as JSON, encoded once per round: most reports are answered with it."""
+        raw = self._encoded.get(node)
+        if raw is None:
+            raw = self._encoded[node] = msgspec.Raw(encoder.encode(self[node] if node in self._spans else []))
+        return raw
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._spans)
+
+    def __len__(self) -> int:
+        return len(self._spans)
+
+
 class Adapter:
     """Callable for ControllerState: (reports by node) -> RoundResult.
 
@@ -67,89 +117,124 @@ class Adapter:
                  namespace_labels: Callable[[str], Mapping[str, str] | None] | None = None):
         self.policy = policy
         self.namespace_labels = namespace_labels or (lambda ns: None)
-        self.previous = None  # the engine's last result: hysteresis works across rounds
-        self._resolved: dict[tuple, object] = {}
-        self._resolved_for = None  # the Policy the resolution cache belongs to
+        self._previous = None  # (pod keys, ColumnarResult): hysteresis and the feedback gain across rounds
+        self._tables = None  # per Policy: team columns, name tuples, the resolution cache
 
-    def _resolver(self, policy) -> Callable:
+    def _policy_tables(self, policy):
+        from .engine import TeamColumns
+
+        if self._tables is None or self._tables[0] is not policy:
+            team_names = tuple(t.name for t in policy.teams)
+            class_names = tuple(policy.classes)
+            self._tables = (policy, TeamColumns.from_policy(policy), team_names, class_names, {})
+        return self._tables[1:]
+
+    def _resolve(self, policy, cache: dict, team_index: dict, class_index: dict,
+                 namespace: str, egress_class: str | None, bandwidth: str | None) -> tuple:
         from .policy import resolve_pod
 
-        if policy is not self._resolved_for:
-            self._resolved, self._resolved_for = {}, policy
-        cache = self._resolved
-        labels = self.namespace_labels
-
-        def resolve(namespace: str, egress_class: str | None, bandwidth: str | None):
-            key = (namespace, egress_class, bandwidth)
-            pp = cache.get(key)
-            if pp is None:
-                pp = cache[key] = resolve_pod(policy, namespace, egress_class, bandwidth, labels(namespace))
-            return pp
-
-        return resolve
+        pp = resolve_pod(policy, namespace, egress_class, bandwidth, self.namespace_labels(namespace))
+        row = cache[(namespace, egress_class, bandwidth)] = (
+            team_index[pp.team], class_index[pp.egress_class], float(pp.weight), float(pp.min_bps), float(pp.max_bps))
+        return row
 
     def __call__(self, reports: dict[str, NodeReport]) -> RoundResult:
-        from .engine import PodDemandIn, allocate
+        from .engine import PodColumns, allocate_columns
 
         policy, problems = self.policy()
-        resolve = self._resolver(policy)
-        pods_in = []
-        meta = []  # per engine row: (node, namespace, name, team, class, usage)
-        seen: set[str] = set()
+        team_cols, team_names, class_names, cache = self._policy_tables(policy)
+        team_index = {n: i for i, n in enumerate(team_names)}
+        class_index = {n: i for i, n in enumerate(class_names)}
+
+        keys: list[tuple[str, str]] = []
+        rows: list[tuple] = []
+        demand: list[float] = []
+        usage: list[float] = []
+        spans: dict[str, tuple[int, list[PodReport]]] = {}
+        seen: set[tuple[str, str]] = set()
         measured, any_measured = 0.0, False
-        for node, rep in reports.items():  # newest report first: a pod that moved counts where it is now
+        for node in sorted(reports):  # a stable order: unchanged pods keep their index between rounds
+            rep = reports[node]
             if rep.node_internet_egress_bps > 0:
                 any_measured = True
                 measured += rep.node_internet_egress_bps
+            start, kept = len(keys), []
             for p in rep.pods:
-                key = f"{p.namespace}/{p.name}"
-                if key in seen:
+                key = (p.namespace, p.name)
+                if key in seen:  # a pod that moved, still in its old node's last report: counted once
                     continue
                 seen.add(key)
-                pp = resolve(p.namespace, p.egress_class, p.egress_bandwidth)
-                pods_in.append(PodDemandIn(key, pp.team, pp.egress_class, pp.weight, pp.min_bps, pp.max_bps,
-                                           float(p.demand_bps)))
-                meta.append((node, p.namespace, p.name, key, pp.team, pp.egress_class, p.usage_bps, p.demand_bps))
-        result = allocate(policy, pods_in, measured_total_bps=measured if any_measured else None,
-                          previous=self.previous)
-        self.previous = result
-        total = float(policy.total_bps)
+                row = cache.get((p.namespace, p.egress_class, p.egress_bandwidth))
+                if row is None:
+                    row = self._resolve(policy, cache, team_index, class_index,
+                                        p.namespace, p.egress_class, p.egress_bandwidth)
+                keys.append(key)
+                rows.append(row)
+                demand.append(p.demand_bps)
+                usage.append(p.usage_bps)
+                kept.append(p)
+            spans[node] = (start, kept)
 
-        by_node: dict[str, list[PodAllocation]] = {node: [] for node in reports}
-        node_rate: dict[str, float] = dict.fromkeys(reports, 0.0)
-        groups: dict[tuple[str, str], GroupTotals] = {}
-        teams: dict[str, TeamTotals] = {}
-        used_total = demand_total = allocated_total = 0.0
-        for node, namespace, name, key, team, egress_class, usage, demand in meta:
-            r = result.pods[key]
-            by_node[node].append(PodAllocation(namespace, name, team, egress_class,
-                                               float(r.allocation_bps), float(r.limit_bps)))
-            node_rate[node] += r.limit_bps
-            group = groups.get((team, egress_class))
-            if group is None:
-                group = groups[(team, egress_class)] = GroupTotals()
-            team_totals = teams.get(team)
-            if team_totals is None:
-                team_totals = teams[team] = TeamTotals()
-            for g in (group, team_totals):
-                g.allocated_bps += r.allocation_bps
-                g.demand_bps += demand
-                g.used_bps += usage
-                g.pods += 1
-            allocated_total += r.allocation_bps
-            demand_total += demand
-            used_total += usage
-        for name, t in teams.items():
-            engine_team = result.teams.get(name)
-            # the engine's floor: the team's min (or its pods' mins) capped by what it wants
-            t.guarantee_bps = float(engine_team.min_bps) if engine_team else 0.0
-            t.guarantee_unmet = t.allocated_bps < t.guarantee_bps * (1 - 1e-6)
-        node_rate = {n: min(rate, total) for n, rate in node_rate.items()}
-        floor = max(MIN_SAFE_FLOOR_BPS, total / max(1, len(meta)))
-        summary = Summary(
-            budget_name=policy.budget_name, budget_bps=total, allocated_bps=allocated_total,
-            demand_bps=demand_total, used_bps=measured if any_measured else used_total,
-            pods=len(meta), nodes=len(reports), oversubscribed=bool(result.oversubscribed), gain=float(result.gain),
+        n = len(keys)
+        table = np.array(rows, dtype=np.float64).reshape(n, 5)
+        team = table[:, 0].astype(np.intp)
+        cls = table[:, 1].astype(np.intp)
+        demand_a = np.array(demand, dtype=np.float64)
+        usage_a = np.array(usage, dtype=np.float64)
+        pods = PodColumns(team=team, weight=table[:, 2].copy(), min_bps=table[:, 3].copy(),
+                          max_bps=table[:, 4].copy(), demand_bps=demand_a)
+        total = float(policy.total_bps)
+        result = allocate_columns(team_cols, pods, total, measured if any_measured else None,
+                                  self._aligned_previous(keys))
+        self._previous = (keys, result)
+        alloc, limit = result.allocation, result.limit
+
+        by_node = NodeAllocations(spans, team, cls, team_names, class_names, alloc, limit)
+        node_rate = {}
+        for node, (start, kept) in spans.items():
+            node_rate[node] = min(total, float(limit[start:start + len(kept)].sum()))
+        floor = max(MIN_SAFE_FLOOR_BPS, total / max(1, n))
+        summary = self._summary(policy, problems, result, team, cls, team_names, class_names, demand_a, usage_a,
+                                measured if any_measured else float(usage_a.sum()), len(reports))
+        return RoundResult(by_node, node_rate, floor, summary)
+
+    def _aligned_previous(self, keys: list[tuple[str, str]]):
+        """The previous round's per-pod numbers in this round's order (NaN for new pods)."""
+        if self._previous is None:
+            return None
+        old_keys, prev = self._previous
+        if old_keys == keys:
+            return prev
+        position = {k: i for i, k in enumerate(old_keys)}
+        at = np.fromiter((position.get(k, -1) for k in keys), dtype=np.intp, count=len(keys))
+        known = at >= 0
+        return replace(prev, allocation=np.where(known, prev.allocation[at], np.nan),
+                       limit=np.where(known, prev.limit[at], np.nan))
+
+    @staticmethod
+    def _summary(policy, problems, result, team, cls, team_names, class_names, demand, usage, used_total,
+                 nodes) -> Summary:
+        n_teams, n_classes = len(team_names), len(class_names)
+        group = team * n_classes + cls
+        size = n_teams * n_classes
+        g_alloc = np.bincount(group, result.allocation, size)
+        g_demand = np.bincount(group, demand, size)
+        g_used = np.bincount(group, usage, size)
+        g_pods = np.bincount(group, minlength=size)
+        groups = {}
+        for g in np.flatnonzero(g_pods).tolist():
+            groups[(team_names[g // n_classes], class_names[g % n_classes])] = GroupTotals(
+                float(g_alloc[g]), float(g_demand[g]), float(g_used[g]), int(g_pods[g]))
+        t_used = np.bincount(team, usage, n_teams)
+        teams = {}
+        for t in np.flatnonzero(result.team_pods).tolist():
+            allocated, guarantee = float(result.team_allocation[t]), float(result.team_guarantee[t])
+            teams[team_names[t]] = TeamTotals(allocated, float(result.team_demand[t]), float(t_used[t]),
+                                              int(result.team_pods[t]), guarantee,
+                                              allocated < guarantee * (1 - 1e-6))
+        return Summary(
+            budget_name=policy.budget_name, budget_bps=float(policy.total_bps),
+            allocated_bps=float(result.allocation.sum()), demand_bps=float(demand.sum()), used_bps=used_total,
+            pods=int(team.size), nodes=nodes, oversubscribed=bool(result.oversubscribed), gain=float(result.gain),
             groups=groups, teams=teams, policy_problems=tuple(problems),
         )
-        return RoundResult(by_node, node_rate, floor, summary)

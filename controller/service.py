@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 from .api import ReportRejected
 from .auth import Identity
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RoundResult:
-    by_node: dict[str, list[PodAllocation]]
+    by_node: Mapping[str, list[PodAllocation]]
     node_rate: dict[str, float]
     safe_floor_bps: float
     summary: dict = field(default_factory=dict)  # budget totals and per team/class figures (adapter.Summary)
@@ -33,7 +33,7 @@ class RoundResult:
     wall_time: float = 0.0  # Unix time the round finished, set by ControllerState
 
 
-# (reports by node, newest first) -> RoundResult; the engine adapter provides it
+# (reports by node) -> RoundResult; the engine adapter provides it
 Allocate = Callable[[dict[str, NodeReport]], RoundResult]
 # (namespace, pod) -> node name, or None if the pod is unknown
 PodLocator = Callable[[str, str], str | None]
@@ -113,8 +113,10 @@ class ControllerState:
         if result is None:
             return NodeAnswer(node, 0, self.lease_seconds, 0.0, 0.0, [],
                               problems + ["no allocation round yet: keep the current allocations"])
+        encoded = getattr(result.by_node, "encoded", None)
+        pods = encoded(node) if encoded is not None else result.by_node.get(node, [])
         return NodeAnswer(node, result.generation, self.lease_seconds, result.safe_floor_bps,
-                          result.node_rate.get(node, 0.0), result.by_node.get(node, []), problems)
+                          result.node_rate.get(node, 0.0), pods, problems)
 
     # -- the allocation loop -----------------------------------------------------
     def nodes(self) -> int:
@@ -124,8 +126,7 @@ class ControllerState:
         now = time.monotonic()
         with self._lock:
             self.latest = {n: v for n, v in self.latest.items() if now - v[0] <= self.report_ttl}
-            newest_first = sorted(self.latest.items(), key=lambda item: -item[1][0])
-        reports = {n: r for n, (_, r) in newest_first}
+            reports = {n: r for n, (_, r) in self.latest.items()}
         if not reports:
             return None
         t0 = time.perf_counter()

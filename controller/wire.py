@@ -7,6 +7,7 @@ make the controller allocate unbounded memory or compute with NaN.
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
 import msgspec
@@ -14,14 +15,18 @@ import msgspec
 MAX_PODS_PER_REPORT = 1024  # kubelet's max-pods tops out far below this
 MAX_RATE = 2.0**64  # bit/s
 Rate = Annotated[float, msgspec.Meta(ge=0, le=MAX_RATE)]
-Name = Annotated[str, msgspec.Meta(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")]
+NAME_PATTERN = r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?"
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=253, pattern=f"^{NAME_PATTERN}$")]
+# Pod and namespace names are checked all at once by `invalid_name` (one regex over the joined
+# names instead of 220 regex calls per report: a third of the decode time otherwise)
+PodName = Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
 Text = Annotated[str, msgspec.Meta(max_length=253)]
 AnnotationValue = Annotated[str, msgspec.Meta(max_length=1024)]
 
 
 class PodReport(msgspec.Struct, forbid_unknown_fields=True):
-    namespace: Name
-    name: Name
+    namespace: PodName
+    name: PodName
     usage_bps: Rate  # measured internet egress over the last period
     demand_bps: Rate  # the agent's estimate (probes above censored usage)
     throttled: bool = False
@@ -54,7 +59,7 @@ class NodeAnswer(msgspec.Struct):
     lease_seconds: float  # keep these allocations this long without a fresh answer
     safe_floor_bps: float  # per pod, after the lease ran out (fail-static)
     node_rate_bps: float  # the node class rate
-    pods: list[PodAllocation]
+    pods: list[PodAllocation] | msgspec.Raw  # Raw: the round's pre-encoded list for this node
     problems: list[str] = []  # pods refused (not on this node, unknown...), for the agent's log
 
 
@@ -62,6 +67,30 @@ class ErrorBody(msgspec.Struct, omit_defaults=True):
     error: str
     reason: str
     leader: str | None = None  # with reason NotLeader: the leader's host:port, when known
+
+
+_ONE_NAME = re.compile(NAME_PATTERN)
+_NAME_CHARS = re.compile("[-a-z0-9.\n]*")
+_BAD_EDGES = ("\n-", "\n.", "-\n", ".\n", "\n\n")
+
+
+def invalid_name(report: NodeReport) -> str | None:
+    """None when every pod and namespace name is a lower-case DNS name, else which is not.
+    Fast path: the allowed characters in one regex pass over all names joined by newlines,
+    and no name starting or ending with '-' or '.' (string searches around the newlines)."""
+    names = [n for p in report.pods for n in (p.namespace, p.name)]
+    if not names:
+        return None
+    joined = "\n".join(names) + "\n"
+    if (joined.count("\n") == len(names) and _NAME_CHARS.fullmatch(joined) and joined[0] not in "-.\n"
+            and not any(edge in joined for edge in _BAD_EDGES)):
+        return None
+    for i, p in enumerate(report.pods):
+        for field_name in ("namespace", "name"):
+            if not _ONE_NAME.fullmatch(getattr(p, field_name)):
+                return (f"`$.pods[{i}].{field_name}` {getattr(p, field_name)[:80]!r} is not a lower-case DNS name "
+                        f"(a-z, 0-9, '-', '.')")
+    return "a pod name is not a lower-case DNS name"
 
 
 report_decoder = msgspec.json.Decoder(NodeReport)
