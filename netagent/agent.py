@@ -29,6 +29,10 @@ from .view import SCOPES, NodeView, PodView
 log = logging.getLogger(__name__)
 
 
+# No pod class below a trickle (DNS, health checks); HTB's bucket timing also overflows far below it.
+MIN_POD_RATE_BPS = 8_000
+
+
 @dataclass(frozen=True)
 class ResolvedPod:
     """A pod with its policy applied (pure output of the policy layer)."""
@@ -264,7 +268,8 @@ class Agent:
         shapes = []
         for p in pods:
             a = allocs[p.key]
-            shapes.append(PodShape(p.key, p.ips, max(1, int(a.allocation_bps)), max(1, int(a.limit_bps))))
+            rate = max(MIN_POD_RATE_BPS, int(a.allocation_bps))
+            shapes.append(PodShape(p.key, p.ips, rate, max(rate, int(a.limit_bps))))
         adopted_node = self._adopted.get(NODE_MINOR)
         node_rate = (self.allocations.node_rate_bps or (adopted_node[1] if adopted_node else 0)
                      or sum(a.limit_bps for a in allocs.values()))
@@ -400,6 +405,7 @@ class Agent:
             controller_reachable=self.controller_reachable, fail_static=self.fail_static,
             lease_expires_in=None if allocs.lease_expires == float("inf") else allocs.lease_expires - time.monotonic(),
             safe_floor_bps=allocs.safe_floor_bps or self.cfg.default_floor_bps,
+            allocation_source="floor" if self.fail_static else allocs.source,
             last_reconcile_success=self.last_success, leaf_qdisc=self.datapath.leaf_qdisc,
             iptables_backend=self.datapath.iptables_backend,
             source_errors=self.snapshot.errors if self.snapshot else (),

@@ -45,6 +45,7 @@ class NodeView:
     fail_static: bool = False
     lease_expires_in: float | None = None
     safe_floor_bps: float = 0.0  # what every pod falls to when the controller's lease runs out
+    allocation_source: str = ""  # controller, local, adopted (after a restart, before an answer), none
     last_reconcile_success: float = 0.0
     leaf_qdisc: str = ""
     iptables_backend: str = ""

@@ -9,15 +9,14 @@ measured in bench/agent.py.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from netagent.lab import INTERNET_V4, PEER_V4, Lab, run
-from netagent.nsexec import NetnsWorker
 from netagent.planner import PodShape, assign_minors
 from tests.agentlab import (
     IFB,
@@ -223,85 +222,58 @@ def test_cleanup_removes_everything_and_is_idempotent(lab, files, agent):
     assert "MASQUERADE" in run(["iptables-save", "-t", "nat"], node.netns)
 
 
-class FakeController:
-    """A tiny HTTP server that answers agent reports like the controller does and can be
-    stopped on demand: the controller's loss is the fault under test, so this is the
-    'fault the real part cannot produce on demand' (the real controller's own tests cover
-    its answers). It lives in the node's namespace, on loopback."""
-
-    def __init__(self, netns: str, answer: dict):
-        self.answer = answer
-        self.reports: list[dict] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_POST(self):  # noqa: N802
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.reports.append(body)
-                data = json.dumps(outer.answer).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.worker = NetnsWorker(netns)
-        self.server = self.worker.call(ThreadingHTTPServer, ("127.0.0.1", 0), Handler)  # socket in the netns
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def stop(self):
-        self.server.shutdown()
-        self.server.server_close()
-        self.worker.close()
-
-
 def test_controller_loss_holds_for_the_lease_then_floor(lab, files, agent, tmp_path):
+    """The real controller (`netagent controller --from-file --no-auth`), killed with -9."""
     node = lab.nodes[0]
     if agent.alive():  # one agent per node: the file-mode agent makes way
         agent.terminate()
     pod = node.pods[2]
     minor = minor_of(pod)
-    granted = 30 * M
-    answer = {"node": node.name, "generation": 1, "lease_seconds": 4.0, "safe_floor_bps": FLOOR,
-              "node_rate_bps": 100 * M, "problems": [],
-              "pods": [{"namespace": "team-a", "name": pod.name, "team": "team-a", "egress_class": "silver",
-                        "allocation_bps": granted, "limit_bps": granted}]}
-    pods_file = tmp_path / "pods.yaml"
-    write_objects(pods_file, [pod_object(pod, node, annotations={"netagent.io/egress-class": "silver"})])
-    controller = FakeController(node.netns, answer)
-    agent = AgentProcess(lab, node, [files / "policy.yaml", pods_file], port=9571, log_dir=tmp_path,
-                         extra=["--controller", f"http://127.0.0.1:{controller.port}", "--report-period", "0.5",
+    policy = [dict(o) for o in POLICY]
+    policy[-1] = {**policy[-1], "spec": {**policy[-1]["spec"], "total": "40M"}}
+    write_objects(tmp_path / "policy.yaml", policy)
+    write_objects(tmp_path / "pods.yaml", [
+        pod_object(p, node, annotations={"netagent.io/egress-class": "silver" if p is pod else "bronze"})
+        for p in node.pods])
+    port = 9572
+    controller = lab.spawn(node.netns, [
+        sys.executable, "-m", "netagent.cli", "controller", "--from-file", str(tmp_path / "policy.yaml"),
+        "--from-file", str(tmp_path / "pods.yaml"), "--no-auth", "--listen", f"127.0.0.1:{port}",
+        "--period", "0.5", "--lease-seconds", "4"],
+        stdout=open(tmp_path / "controller.log", "w"), stderr=subprocess.STDOUT)
+    agent = AgentProcess(lab, node, [tmp_path], port=9571, log_dir=tmp_path,
+                         extra=["--controller", f"http://127.0.0.1:{port}", "--report-period", "0.5",
                                 "--token-path", str(tmp_path / "no-token")])
     agent.start()
     try:
-        wait_for(lambda: ceil_of(node.netns, minor) == granted, what="the controller's allocation in the kernel")
-        assert controller.reports and controller.reports[-1]["pods"][0]["name"] == pod.name
-        assert agent.metric("netagent_controller_reachable") == 1
-        controller.stop()
+        def allocated():
+            st = agent.state()
+            if not st or st["allocation_source"] != "controller":
+                return None
+            mine = next(p for p in st["pods"] if p["name"] == pod.name)
+            ceil = ceil_of(node.netns, minor)
+            return (ceil, st["safe_floor_bps"]) if ceil and ceil == mine["limit_bps"] else None
+        held, floor = wait_for(allocated, timeout=30, what="the controller's allocation in the kernel")
+        assert held != floor, (held, floor)  # else the test could not tell them apart
+        os.killpg(controller.pid, signal.SIGKILL)
+        controller.wait(timeout=10)
         seen: list[int | None] = []
 
         def fell_to_floor():
             seen.append(ceil_of(node.netns, minor))
-            return seen[-1] == FLOOR
+            return seen[-1] == floor
         wait_for(fell_to_floor, timeout=30, what="fall to the safe floor after the lease")
         # the allocation was held first, then the floor; the class never vanished (never unshaped)
-        assert seen[0] == granted and None not in seen and set(seen) <= {granted, FLOOR}, seen
+        assert seen[0] == held and set(seen) <= {held, floor}, seen
         assert agent.metric("netagent_fail_static") == 1
         assert agent.metric("netagent_controller_reachable") == 0
         assert agent.metric("netagent_controller_report_failures_total") >= 1
         rate = received_bps(lab.iperf(pod.netns, INTERNET_V4, IPERF_PORTS[2], seconds=2))
-        assert rate < 1.1 * FLOOR, rate
+        assert rate < 1.05 * floor, rate
         # SIGTERM: the agent stops, and the data path stays in force
         assert agent.terminate() == 0
-        assert ceil_of(node.netns, minor) == FLOOR
+        assert ceil_of(node.netns, minor) == floor
     finally:
-        if agent.alive():
-            print(agent.log())
+        print(agent.log())
+        print((tmp_path / "controller.log").read_text()[-3000:])
         agent.close()
-        if controller.thread.is_alive():
-            controller.stop()
