@@ -117,6 +117,19 @@ def test_change_one_pod_then_remove_one(netns, backend):
     assert clf.apply(state(pod_list=tuple(changed[:3]))) == {"iptables": 0, "ipset": 0}
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_drift_is_repaired(netns, backend):
+    clf = Classifier(backend=backend, netns=netns)
+    clf.apply(state(20))
+    good = {tool: our_dump(netns, backend, tool) for tool in ("iptables", "ip6tables")}
+    # someone flushes a dispatch chain and deletes our hook; someone else deletes a pod chain's rule
+    sh(f"iptables-{backend} -t mangle -F NETAGENT-EGRESS", netns)
+    sh(f"iptables-{backend} -t mangle -D POSTROUTING -j NETAGENT-POSTROUTING", netns)
+    sh(f"ip6tables-{backend} -t mangle -D {R.pod_chain('NETAGENT', 'ingress', 'ns/p7')} 2", netns)
+    assert clf.apply(state(20)) == {"iptables": 3, "ipset": 0}
+    assert {tool: our_dump(netns, backend, tool) for tool in ("iptables", "ip6tables")} == good
+
+
 def test_internal_cidrs_are_swapped_atomically(netns):
     clf = Classifier(backend="nft", netns=netns)
     clf.apply(state(2))
@@ -164,6 +177,11 @@ def test_failed_apply_leaves_previous_state_in_force(netns):
     with pytest.raises(IptablesError, match="previous rules stay in force"):
         clf.apply(state(2, cidrs=("10.0.0.0/8", "192.168.0.0/16", "fd00::/8")))
     assert dumps(netns) == before  # IPv4 rolled back, ipset contents restored
+    # cleanup never edits another component's rule: it refuses and names it
+    with pytest.raises(IptablesError, match="other rules jump to them .*-A OTHER -j NETAGENT-E-"):
+        clf.cleanup()
+    sh("ip6tables-nft -t mangle -F OTHER && ip6tables-nft -t mangle -X OTHER", netns)
+    assert clf.cleanup() and clf.cleanup() == []
 
 
 def test_bad_input_changes_nothing(netns):
@@ -260,5 +278,13 @@ def test_counters_move_with_real_packets(backend):
             # counters survive adoption by a fresh classifier (no flush)
             again, _ = Classifier(backend="auto", netns=node.netns).counters()
             assert again[keys[0]] == pods2[keys[0]]
+            # a class change refills the pod's egress chain: its counts are carried, never lost
+            moved = ClassifierState(st.mark_bit, st.internal_cidrs,
+                                    (PodClassification(keys[0], st.pods[0].ips, (1, 0x77)), st.pods[1]), st.uplinks)
+            assert clf.apply(moved)["iptables"] == 2
+            after, _ = clf.counters()
+            assert after[keys[0]] == pods2[keys[0]]
+            sh(f"ping -c 1 -s 1000 {INTERNET_V4}", pod0.netns)
+            assert clf.counters()[0][keys[0]]["egress_internet"] == pods2[keys[0]]["egress_internet"] + 1028
         finally:
             clf.cleanup()

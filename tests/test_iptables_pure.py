@@ -109,6 +109,14 @@ def test_dispatch_of_scattered_addresses():
         assert walk(chains, "NETAGENT-EGRESS", "-s", pod.ips[0])[0] == R.pod_chain("NETAGENT", "egress", pod.key)
 
 
+def test_single_stack_pods_appear_only_in_their_family():
+    v4_only = PodClassification("ns/four", ("10.244.0.5",), (1, 5))
+    v6_only = PodClassification("ns/six", ("fd00:244::6",), (1, 6))
+    st = state(pods=(v4_only, v6_only))
+    assert set(R.build(st, 4).pod_chains.values()) == {"ns/four"}
+    assert set(R.build(st, 6).pod_chains.values()) == {"ns/six"}
+
+
 def test_node_counters_hook_every_uplink():
     rs = R.build(state(0, uplinks=("eth0", "eth1")), 4)
     post = rs.chains["NETAGENT-POSTROUTING"]
