@@ -193,19 +193,19 @@ class Agent:
                 continue
             if periodic:
                 next_resync = now + self.cfg.resync_seconds
-            if self.sync(periodic=periodic):
+            if self.sync():
                 backoff, retry_at = 0.0, None
             else:
                 backoff = min(max(backoff * 2, 0.5), 10.0)
                 retry_at = time.monotonic() + backoff
             time.sleep(self.cfg.min_sync_interval)  # coalesce bursts of changes
 
-    def sync(self, periodic: bool = False) -> bool:
+    def sync(self) -> bool:
         """One level-triggered reconcile. Returns True when the kernel matches the desired state."""
         with self._lock:
             snap = self.snapshot
-            inputs_changed = self._inputs_changed
             self._inputs_changed = False
+            applied_before = self.desired
         if snap is None:
             return True
         t0 = time.perf_counter()
@@ -241,19 +241,18 @@ class Agent:
             self.last_success = time.time()
             self.sync_count += 1
         total = sum(changes.values())
+        # the same plan as the last good sync, yet the kernel differed: someone else changed it
+        drift = bool(total) and applied_before is not None and desired == applied_before
         if self.metrics:
             self.metrics.reconcile_duration.observe(elapsed)
             for kind, n in changes.items():
                 if n:
                     self.metrics.kernel_changes.labels(kind).inc(n)
-            if total and periodic and not inputs_changed:
-                # nothing we were told changed, yet the kernel differed: someone changed it
-                for kind, n in changes.items():
-                    if n:
+                    if drift:
                         self.metrics.drift_repairs.labels(kind).inc(n)
         if total:
-            level = logging.WARNING if periodic and not inputs_changed else logging.INFO
-            log.log(level, "%s: applied %s in %.1f ms", "drift repaired" if level == logging.WARNING else "reconciled",
+            log.log(logging.WARNING if drift else logging.INFO, "%s: applied %s in %.1f ms",
+                    "drift repaired" if drift else "reconciled",
                     ", ".join(f"{n} {k}" for k, n in changes.items() if n), elapsed * 1000)
         return True
 

@@ -158,13 +158,23 @@ def test_waiting_pods_hostnetwork_and_reused_ip(lab, files, agent):
     wait_for(lambda: minor_of(a) not in tc_classes(node.netns), what="classes removed")
 
 
-def test_status_table(lab, files, agent):
+def test_status_table_and_drift_repair(lab, files, agent):
     node = lab.nodes[0]
     pod = node.pods[3]
     write_objects(files / "pods.yaml", [pod_object(pod, node, annotations={"netagent.io/egress-class": "silver"})])
     wait_for(lambda: ceil_of(node.netns, minor_of(pod)) == SILVER, what="silver class")
+    wait_for(lambda: pod.ip4 in iptables_text(node.netns), what="the pod's rules")
     out = run([sys.executable, "-m", "netagent.cli", "status", "--agent", f"127.0.0.1:{agent.port}"], node.netns)
     assert pod.name in out and "silver" in out and "team-a" in out and "ready" in out
+
+    # someone deletes the pod's class and unhooks our chain: the periodic resync puts both back
+    run(["tc", "class", "del", "dev", IFB, "classid", f"1:{minor_of(pod):x}"], node.netns)
+    run(["iptables", "-t", "mangle", "-D", "POSTROUTING", "-j", "NETAGENT-POSTROUTING"], node.netns)
+    wait_for(lambda: ceil_of(node.netns, minor_of(pod)) == SILVER, what="the class restored")
+    wait_for(lambda: "-A POSTROUTING -j NETAGENT-POSTROUTING" in iptables_text(node.netns), what="the hook restored")
+    assert agent.metric("netagent_drift_repairs_total", 'kind="tc"') >= 1
+    assert agent.metric("netagent_drift_repairs_total", 'kind="iptables"') >= 1
+    assert "drift repaired" in agent.log()
     write_objects(files / "pods.yaml", [])
     wait_for(lambda: minor_of(pod) not in tc_classes(node.netns), what="class removed")
 
