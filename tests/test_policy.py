@@ -186,3 +186,93 @@ def test_selector_validation():
     spec["teams"][0]["namespaceSelector"] = {"matchLabels": {"kubernetes.io/metadata.name": "web"}}
     policy, _ = load(POLICY[:2] + [budget(spec)])
     assert policy.team_for("web").name == "s" and policy.team_for("api").name == "default"
+
+
+# -- the CRDs (deploy/crds): parse, structural sanity, and agreement with this loader ----------
+
+import re  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from controller.quantity import parse_bps  # noqa: E402
+
+CRDS = Path(__file__).resolve().parent.parent / "deploy" / "crds"
+
+
+def crd(name):
+    return yaml.safe_load((CRDS / f"{name}.yaml").read_text())
+
+
+def walk(schema, path=""):
+    yield path, schema
+    for key, sub in (schema.get("properties") or {}).items():
+        yield from walk(sub, f"{path}.{key}")
+    if "items" in schema:
+        yield from walk(schema["items"], f"{path}[]")
+
+
+@pytest.mark.parametrize("name, kind", [("egressclasses", "EgressClass"), ("egressbudgets", "EgressBudget")])
+def test_crd_is_structural_and_named(name, kind):
+    doc = crd(name)
+    assert doc["kind"] == "CustomResourceDefinition" and doc["metadata"]["name"] == f"{name}.netagent.io"
+    spec = doc["spec"]
+    assert (spec["group"], spec["scope"], spec["names"]["kind"], spec["names"]["plural"]) == \
+        ("netagent.io", "Cluster", kind, name)
+    (version,) = spec["versions"]
+    assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
+    for path, node in walk(version["schema"]["openAPIV3Schema"]):
+        # structural: every node has a type, except int-or-string with exactly the allowed anyOf
+        if node.get("x-kubernetes-int-or-string"):
+            assert node["anyOf"] == [{"type": "integer"}, {"type": "string"}], path
+            assert "pattern" in node and node.get("maxLength"), path
+        else:
+            assert "type" in node, f"{path} has no type"
+        for rule in node.get("x-kubernetes-validations", []):
+            assert rule["rule"] and rule["message"], path
+    for column in version["additionalPrinterColumns"]:
+        assert column["jsonPath"].startswith((".spec", ".status", ".metadata")), column
+
+
+def test_crd_fields_match_what_the_loader_reads():
+    cls = crd("egressclasses")["spec"]["versions"][0]
+    assert set(cls["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]) == {"weight", "min", "max"}
+    assert [c["name"] for c in cls["additionalPrinterColumns"]] == ["Weight", "Min", "Max", "Age"]
+    budget = crd("egressbudgets")["spec"]["versions"][0]
+    assert budget["subresources"] == {"status": {}}
+    spec = budget["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert spec["required"] == ["total"] and set(spec["properties"]) == {"total", "defaultTeam", "teams"}
+    team = spec["properties"]["teams"]
+    assert team["x-kubernetes-list-map-keys"] == ["name"]  # team names unique, by the apiserver
+    assert set(team["items"]["properties"]) == {"name", "namespaces", "namespaceSelector", "weight", "min", "max",
+                                                "defaultClass", "allowedClasses"}
+    columns = [c["name"] for c in budget["additionalPrinterColumns"]]
+    assert columns[:3] == ["Total", "Allocated", "Used"]
+    status = budget["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert {"allocated", "demand", "used", "pods", "nodes", "conditions", "lastComputed"} <= set(status)
+
+
+def test_crd_quantity_pattern_agrees_with_the_parser():
+    node = crd("egressclasses")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "properties"]["max"]
+    pattern = re.compile(node["pattern"])
+    for text in ("500k", "10M", "1.5G", "100Mi", "2e9", "1E3", ".5k", "7"):
+        assert pattern.match(text) and parse_bps(text, "x") > 0, text
+    for text in ("500m", "10Mbit", "-1", "1 G", "", "5u", "1e-3"):
+        assert not pattern.match(text), text
+
+
+def test_status_written_by_the_controller_is_declared():
+    """Fields missing from the schema would be pruned by the apiserver without a word."""
+    from controller.adapter import Summary
+    from controller.kube import budget_status
+
+    status = budget_status(Summary("default", 1e9, 5e8, 6e8, 4e8, 3, 2, True), 0.0, None)
+    declared = crd("egressbudgets")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    assert set(status) <= set(declared["properties"])
+    assert set(status["conditions"][0]) <= set(declared["properties"]["conditions"]["items"]["properties"])
+
+
+def test_example_policy_loads_cleanly():
+    docs = list(yaml.safe_load_all((CRDS.parent.parent / "docs" / "examples" / "policy.yaml").read_text()))
+    policy, problems = load_policy([d for d in docs if d["kind"] == "EgressClass"],
+                                   [d for d in docs if d["kind"] == "EgressBudget"])
+    assert problems == [] and policy.total_bps == 10**9 and policy.default_team == "shared"
