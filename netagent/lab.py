@@ -21,6 +21,7 @@ import secrets
 import shlex
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -248,6 +249,13 @@ class Lab:
             argv += ["-u", "-b", udp_bitrate, "-l", "1400"]
         argv += extra or []
         return self.spawn(netns, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+    def udp_flood(self, netns: str, dst: str, port: int, bitrate: float, seconds: float = 5) -> subprocess.Popen:
+        """A paced UDP GSO flood (netagent.udpflood) of 1400-byte datagrams; its stdout is one JSON line."""
+        argv = [sys.executable, "-m", "netagent.udpflood", dst, str(port), str(bitrate), str(seconds)]
+        return self.spawn(netns, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _wait_listening(netns: str, port: int, timeout: float = 10) -> None:

@@ -109,7 +109,9 @@ def plan_ops(spec: ShaperSpec, obs: ObservedShaper, ticks: TickFn) -> list[Op]:
             have.parent_minor != p.parent_minor
             or have.rate_bytes != p.rate_bytes
             or have.ceil_bytes != p.ceil_bytes
-            or have.quantum != p.quantum
+            # HTB sets an inner class's quantum only while it is a leaf and ignores it after
+            # (htb_change_class): the node class keeps its creation-time value, unused
+            or (minor != NODE_MINOR and have.quantum != p.quantum)
             or have.buffer != p.buffer
             or have.cbuffer != p.cbuffer
         ):

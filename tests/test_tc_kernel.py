@@ -113,3 +113,14 @@ def test_probe_finds_what_the_data_path_needs():
     require(caps)  # raises with the missing features named
     assert {"htb", "clsact", "pfifo"} <= caps.qdiscs
     assert caps.leaf_qdisc in ("fq_codel", "pfifo")
+
+
+def test_node_rate_change_then_restart_changes_nothing(node):
+    """HTB keeps an inner class's creation-time quantum (it only sets quanta of leaves): a
+    changed node rate must not make every later reconcile, or a restart, 'fix' it again."""
+    with Shaper(node) as s:
+        s.apply(make_spec(node_rate=10_000_000_000))
+        assert [o.action for o in s.apply(make_spec(node_rate=100_000_000)).ops] == ["change_class"]
+        assert s.apply(make_spec(node_rate=100_000_000)).changes == 0
+    with Shaper(node) as fresh:
+        assert fresh.plan(make_spec(node_rate=100_000_000)) == []
