@@ -91,10 +91,10 @@ class Classifier:
         rulesets = self._built[1]
         cidrs = R.set_members(state.internal_cidrs)
         previous_sets = self._read_sets()
-        set_changes = self._apply_sets(cidrs, previous_sets)
         done: list[tuple[int, dict, list]] = []
         changes = 0
         try:
+            set_changes = self._apply_sets(cidrs, previous_sets)
             for family in FAMILIES:
                 tables = parse_save(self.runner.save(family, self.backend, R.TABLE, counters=True), self._keep)
                 current, jumps = _our_state(tables.get(R.TABLE), self.prefix)
@@ -106,7 +106,7 @@ class Classifier:
                 done.append((family, current, jumps))
                 changes += update.changes
         except IptablesError as exc:
-            self._roll_back(done, previous_sets, cidrs)
+            self._roll_back(done, previous_sets)
             raise IptablesError(f"applying the classifier rules failed; the previous rules stay in force: {exc}") from exc
         keys = {p.key for p in state.pods}
         self._chain_keys = {c: k for rs in rulesets.values() for c, k in rs.pod_chains.items()}
@@ -129,7 +129,8 @@ class Classifier:
                 continue
             sets = parse_ipset_save(proc.stdout)
             opts, members = sets.get(name, ("", set()))
-            if "hash:net" not in opts or f"family {_SET_FAMILY[family]}" not in opts:
+            words = opts.split()
+            if words[:3] != ["hash:net", "family", _SET_FAMILY[family]]:
                 raise IptablesError(
                     f"ipset {name} exists but is not a hash:net set of family {_SET_FAMILY[family]} ({opts}): "
                     "another program owns that name; remove it or choose another prefix")
@@ -139,9 +140,9 @@ class Classifier:
     def _apply_sets(self, cidrs: dict[int, tuple[str, ...]], current: dict[str, set[str] | None]) -> int:
         lines: list[str] = []
         changed = 0
-        for family in FAMILIES:
+        for family, members in cidrs.items():
             name, tmp = self._set_names(family)
-            want = set(cidrs[family])
+            want = set(members)
             have = current.get(name)
             if have == want:
                 continue
@@ -173,7 +174,7 @@ class Classifier:
                 else:
                     self._carried.setdefault(key, _empty_counts())[kind] += rule.bytes
 
-    def _roll_back(self, done: list[tuple[int, dict, list]], previous_sets: dict, cidrs: dict) -> None:
+    def _roll_back(self, done: list[tuple[int, dict, list]], previous_sets: dict[str, set[str] | None]) -> None:
         """Best effort: put back the rules of families already changed, then the old ipset contents."""
         for family, chains, jumps in done:
             try:
@@ -186,8 +187,16 @@ class Classifier:
             except IptablesError:
                 pass  # the error that started the roll-back is the one reported
         try:
-            old = {f: tuple(sorted(previous_sets.get(self._set_names(f)[0]) or ())) for f in FAMILIES}
-            self._apply_sets(old, self._read_sets())
+            now = self._read_sets()
+            restore: dict[int, tuple[str, ...]] = {}
+            for family in FAMILIES:
+                name = self._set_names(family)[0]
+                before = previous_sets[name]
+                if before is None and now[name] is not None:
+                    self.runner.run(["ipset", "destroy", name], check=False)  # created by this apply
+                elif before is not None and now[name] != before:
+                    restore[family] = tuple(sorted(before))
+            self._apply_sets(restore, now)
         except IptablesError:
             pass
 

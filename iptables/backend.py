@@ -47,7 +47,8 @@ class Runner:
         except subprocess.TimeoutExpired as exc:
             raise IptablesError(f"{' '.join(argv)} did not finish within {TIMEOUT}s (is the xtables lock held?)") from exc
         if check and proc.returncode != 0:
-            raise IptablesError(f"{' '.join(argv)} failed (exit {proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
+            detail = " ".join((proc.stderr.strip() or proc.stdout.strip()).split())  # one line for logs
+            raise IptablesError(f"{' '.join(argv)} failed (exit {proc.returncode}): {detail}")
         return proc
 
     def save(self, family: int, backend: str, table: str | None = "mangle", counters: bool = False) -> str:

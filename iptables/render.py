@@ -36,8 +36,9 @@ _PREFIX_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,11}$")
 _IFNAME_RE = re.compile(r"^[^\s/:\"']{1,15}$")
 _KEY_RE = re.compile(r"^[^\"\\\n\r\t]{1,}$")
 HOOKS = ("PREROUTING", "POSTROUTING")
-# Link-local ranges (cloud metadata, IPv6 neighbour discovery) never reach the internet: always internal.
-LINK_LOCAL = {4: "169.254.0.0/16", 6: "fe80::/10"}
+# Never internet, whatever the configuration: link-local (cloud metadata, neighbour discovery),
+# multicast (MLD reports, mDNS) and the limited broadcast. Always in the internal sets.
+ALWAYS_INTERNAL = {4: ("169.254.0.0/16", "224.0.0.0/4", "255.255.255.255/32"), 6: ("fe80::/10", "ff00::/8")}
 KINDS = ("egress_internal", "egress_internet", "ingress_internal", "ingress_internet")
 
 
@@ -129,9 +130,9 @@ def split_cidrs(cidrs: tuple[str, ...]) -> dict[int, tuple[str, ...]]:
 
 
 def set_members(cidrs: tuple[str, ...]) -> dict[int, tuple[str, ...]]:
-    """The contents of the internal ipset of each family: the given CIDRs plus link-local."""
+    """The contents of the internal ipset of each family: the given CIDRs plus ALWAYS_INTERNAL."""
     split = split_cidrs(cidrs)
-    return {fam: split_cidrs(split[fam] + (LINK_LOCAL[fam],))[fam] for fam in (4, 6)}
+    return {fam: split_cidrs(split[fam] + ALWAYS_INTERNAL[fam])[fam] for fam in (4, 6)}
 
 
 def _validate_pod(pod: PodClassification) -> None:

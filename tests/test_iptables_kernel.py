@@ -184,6 +184,18 @@ def test_failed_apply_leaves_previous_state_in_force(netns):
     assert clf.cleanup() and clf.cleanup() == []
 
 
+def test_failed_first_apply_leaves_nothing_behind(netns):
+    foreign_rules(netns, "nft")  # the mangle tables exist, as on any real node
+    # a stale chain of ours that another component's IPv6 rule still references: deleting it fails
+    sh("ip6tables-nft -t mangle -N NETAGENT-OLD && ip6tables-nft -t mangle -N OTHER"
+       " && ip6tables-nft -t mangle -A OTHER -j NETAGENT-OLD", netns)
+    before = dumps(netns)
+    clf = Classifier(backend="nft", netns=netns)
+    with pytest.raises(IptablesError, match="previous rules stay in force.*NETAGENT-OLD"):
+        clf.apply(state(3))
+    assert dumps(netns) == before  # IPv4 chains removed again, the new ipsets destroyed
+
+
 def test_bad_input_changes_nothing(netns):
     clf = Classifier(backend="nft", netns=netns)
     before = dumps(netns)

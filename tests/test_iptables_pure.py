@@ -124,10 +124,10 @@ def test_node_counters_hook_every_uplink():
     assert rs.chains["NETAGENT-PREROUTING"] == ("-i eth0 -j NETAGENT-NODE-IN", "-i eth1 -j NETAGENT-NODE-IN")
 
 
-def test_set_members_add_link_local_and_canonicalise():
+def test_set_members_add_link_local_and_multicast_and_canonicalise():
     members = R.set_members(("10.1.2.3/8", "fd00::/8", "169.254.169.254/32"))
-    assert members[4] == ("10.0.0.0/8", "169.254.0.0/16", "169.254.169.254/32")
-    assert members[6] == ("fd00::/8", "fe80::/10")
+    assert members[4] == ("10.0.0.0/8", "169.254.0.0/16", "169.254.169.254/32", "224.0.0.0/4", "255.255.255.255/32")
+    assert members[6] == ("fd00::/8", "fe80::/10", "ff00::/8")
 
 
 # -- bad input --------------------------------------------------------------------------
