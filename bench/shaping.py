@@ -1,0 +1,157 @@
+"""Shaping accuracy: a pod's internet egress against its configured rate, TCP and a UDP flood.
+
+Builds the namespace lab (one node, one pod, an internet host, an internal peer), programs
+the node as the agent does (planner -> Shaper.apply + Classifier.apply), and for each rate
+runs iperf3 TCP and a UDP flood at twice the rate from the pod to the internet host.
+
+Measured rate = the pod's HTB class byte counter (L2 bytes, what HTB enforces), read
+after a warm-up and again at the end of a window, divided by the time between the reads.
+The unshaped path (no netagent) is measured first in the same run: it says what this
+machine can carry at all. Exits 1 when any error exceeds 5%.
+
+    sudo python3 bench/shaping.py [--rates 10M,100M,1G] [--runs 1] [--window 2.4]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from iptables.apply import Classifier  # noqa: E402
+from netagent.lab import INTERNAL_CIDRS, INTERNET_V4, PEER_V4, UPLINK, Lab  # noqa: E402
+from netagent.planner import PlanInputs, PlanOptions, PodShape, plan  # noqa: E402
+from tc.netlink import Shaper  # noqa: E402
+from tc.probe import probe  # noqa: E402
+
+TOLERANCE = 0.05
+UNITS = {"k": 1_000, "M": 1_000_000, "G": 1_000_000_000}
+IPERF_UDP_LIMIT = 500_000_000  # above this, iperf3 3.12 cannot offer 2x the rate here: the GSO flood does
+
+
+def parse_rate(text: str) -> int:
+    text = text.strip()
+    return int(float(text[:-1]) * UNITS[text[-1]]) if text[-1] in UNITS else int(text)
+
+
+def fmt(bps: float) -> str:
+    return f"{bps / 1e9:.3f} G" if bps >= 1e9 else f"{bps / 1e6:.2f} M"
+
+
+class Bench:
+    def __init__(self, lab: Lab, window: float, warmup: float):
+        self.lab, self.window, self.warmup = lab, window, warmup
+        self.node = lab.nodes[0]
+        self.pod = self.node.pods[0]
+        self.key = f"default/{self.pod.name}"
+        self.shaper = Shaper(self.node.netns)
+        self.classifier = Classifier(netns=self.node.netns)
+        self.options = PlanOptions(leaf_qdisc=probe().leaf_qdisc)
+        self.state = None
+
+    def program(self, rate: int) -> None:
+        shape = PodShape(self.key, (self.pod.ip4, self.pod.ip6), rate, rate)
+        self.state = plan(PlanInputs((UPLINK,), INTERNAL_CIDRS, (shape,), 10 * rate, self.options))
+        self.shaper.apply(self.state.shaper)
+        self.classifier.apply(self.state.classifier)
+
+    def remove(self) -> None:
+        if self.state:
+            s = self.state.shaper
+            self.shaper.cleanup(s.ifb, s.uplinks, s.filter_pref)
+        self.classifier.cleanup()
+        self.state = None
+
+    def class_bytes(self) -> tuple[int, int]:
+        st = self.shaper.stats(self.state.shaper.ifb)[self.state.minors[self.key]]
+        return st.bytes, st.drops
+
+    def senders(self, proto: str, rate: int, seconds: float):
+        if proto == "tcp":
+            return [self.lab.iperf_async(self.pod.netns, INTERNET_V4, 5201, seconds=seconds)], "iperf3"
+        if rate <= IPERF_UDP_LIMIT:
+            return [self.lab.iperf_async(self.pod.netns, INTERNET_V4, 5201, seconds=seconds,
+                                         udp_bitrate=str(2 * rate))], "iperf3"
+        return [self.lab.udp_flood(self.pod.netns, INTERNET_V4, 9, 2 * rate, seconds=seconds)], "udp-gso"
+
+    def run(self, proto: str, rate: int) -> dict:
+        procs, tool = self.senders(proto, rate, self.warmup + self.window + 0.8)
+        try:
+            time.sleep(self.warmup)
+            b1, d1 = self.class_bytes()
+            t1 = time.monotonic()
+            time.sleep(self.window)
+            b2, d2 = self.class_bytes()
+            t2 = time.monotonic()
+            outs = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        sent = sum(o["end"]["sum_sent"]["bits_per_second"] if "end" in o else o["bits_per_second"] for o in outs)
+        measured = (b2 - b1) * 8 / (t2 - t1)
+        return {"measured": measured, "error": (measured - rate) / rate, "drops": d2 - d1, "sender": sent, "tool": tool}
+
+    def unshaped(self) -> dict[str, float]:
+        self.remove()
+        tcp = self.lab.iperf(self.pod.netns, INTERNET_V4, 5201, seconds=2)["end"]["sum_sent"]["bits_per_second"]
+        udp = self.lab.iperf(self.pod.netns, INTERNET_V4, 5201, seconds=2, udp_bitrate="5G")["end"]["sum"]["bits_per_second"]
+        flood = self.lab.udp_flood(self.pod.netns, INTERNET_V4, 9, 10e9, seconds=2)
+        gso = json.loads(flood.communicate(timeout=60)[0])["bits_per_second"]
+        internal = self.lab.iperf(self.pod.netns, PEER_V4, 5202, seconds=2)["end"]["sum_sent"]["bits_per_second"]
+        return {"tcp (iperf3)": tcp, "udp 1400 B (iperf3)": udp, "udp 1400 B (udp-gso)": gso, "tcp to peer": internal}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rates", default="10M,100M,1G")
+    ap.add_argument("--runs", type=int, default=1, help="runs per rate and protocol; the median is shown")
+    ap.add_argument("--window", type=float, default=2.4, help="measurement window, seconds")
+    ap.add_argument("--warmup", type=float, default=0.8, help="seconds before the window opens")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("bench/shaping.py needs root (it builds network namespaces)", file=sys.stderr)
+        return 2
+    rates = [parse_rate(r) for r in args.rates.split(",")]
+    failed = []
+    with Lab(nodes=1, pods_per_node=1, prefix=f"nash{os.getpid() % 10000}") as lab:
+        lab.iperf_server(lab.internet, 5201)
+        lab.iperf_server(lab.peer, 5202)
+        bench = Bench(lab, args.window, args.warmup)
+        try:
+            base = bench.unshaped()
+            print("unshaped path on this machine, same run (pod -> internet host, no netagent):")
+            for label, bps in base.items():
+                print(f"  {label:24}{fmt(bps):>12}bit/s")
+            print()
+            print(f"shaping accuracy: measured = HTB class bytes (L2) over a {args.window:g} s window "
+                  f"after {args.warmup:g} s; median of {args.runs} run(s)")
+            print(f"{'configured':>12}{'proto':>6}{'sender':>9}{'offered':>14}{'measured':>14}{'error':>9}{'drops':>9}")
+            for rate in rates:
+                bench.program(rate)
+                for proto in ("tcp", "udp"):
+                    runs = [bench.run(proto, rate) for _ in range(args.runs)]
+                    mid = sorted(runs, key=lambda r: r["measured"])[len(runs) // 2]
+                    err = statistics.median(r["error"] for r in runs)
+                    print(f"{fmt(rate):>12}{proto:>6}{mid['tool']:>9}{fmt(mid['sender']):>14}{fmt(mid['measured']):>14}"
+                          f"{err * 100:+8.2f}%{mid['drops']:9d}")
+                    if abs(err) > TOLERANCE:
+                        failed.append(f"{proto} at {fmt(rate)}bit/s: {err:+.2%}")
+        finally:
+            bench.remove()
+            bench.shaper.close()
+    print()
+    print("offered: the sender's own rate over its whole run (TCP: goodput, the payload that got through).")
+    if failed:
+        print("FAIL: error above 5%: " + "; ".join(failed))
+        return 1
+    print("all within ±5%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
