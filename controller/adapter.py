@@ -13,7 +13,8 @@ allocation engine once over all of them, and splits the result back per node:
   every agent lost the controller at once and fell to the floor, the cluster would still
   stay within its budget (each agent also caps the floor at the pod's own max);
 - measured total (the engine's feedback input): the sum of the reports'
-  node_internet_egress_bps, when agents report it.
+  node_internet_egress_bps, when agents report it, fed to the engine at most once per
+  report period (the longest period_seconds among the reports).
 
 Cost: one Python step per pod to gather columns (the policy resolution is cached per
 distinct (namespace, class, bandwidth) triple), numpy for the rest; per-node answer
@@ -22,6 +23,7 @@ lists are built when that node next reports, not for all nodes in the round.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
@@ -114,9 +116,12 @@ class Adapter:
     namespaceSelector."""
 
     def __init__(self, policy: Callable[[], tuple[object, list[str]]],
-                 namespace_labels: Callable[[str], Mapping[str, str] | None] | None = None):
+                 namespace_labels: Callable[[str], Mapping[str, str] | None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.policy = policy
         self.namespace_labels = namespace_labels or (lambda ns: None)
+        self.clock = clock
+        self._last_feedback = float("-inf")
         self._previous = None  # (pod keys, ColumnarResult): hysteresis and the feedback gain across rounds
         self._tables = None  # per Policy: team columns, name tuples, the resolution cache
 
@@ -152,9 +157,10 @@ class Adapter:
         usage: list[float] = []
         spans: dict[str, tuple[int, list[PodReport]]] = {}
         seen: set[tuple[str, str]] = set()
-        measured, any_measured = 0.0, False
+        measured, any_measured, report_period = 0.0, False, 0.0
         for node in sorted(reports):  # a stable order: unchanged pods keep their index between rounds
             rep = reports[node]
+            report_period = max(report_period, rep.period_seconds)
             if rep.node_internet_egress_bps > 0:
                 any_measured = True
                 measured += rep.node_internet_egress_bps
@@ -184,8 +190,13 @@ class Adapter:
         pods = PodColumns(team=team, weight=table[:, 2].copy(), min_bps=table[:, 3].copy(),
                           max_bps=table[:, 4].copy(), demand_bps=demand_a)
         total = float(policy.total_bps)
-        result = allocate_columns(team_cols, pods, total, measured if any_measured else None,
-                                  self._aligned_previous(keys))
+        # the measured total changes once per report period: feeding it to the gain in every
+        # round of a shorter allocation period would apply the same correction several times
+        feedback = None
+        now = self.clock()
+        if any_measured and now - self._last_feedback >= report_period * 0.9:
+            feedback, self._last_feedback = measured, now
+        result = allocate_columns(team_cols, pods, total, feedback, self._aligned_previous(keys))
         self._previous = (keys, result)
         alloc, limit = result.allocation, result.limit
 

@@ -45,6 +45,8 @@ class ReportSink(Protocol):
 
     def ready(self) -> tuple[bool, str]: ...
 
+    async def settle(self, answer: NodeAnswer) -> NodeAnswer: ...
+
 
 class TokenBucket:
     """Per-key token buckets; keys idle for a minute are forgotten (nodes come and go)."""
@@ -150,7 +152,7 @@ def make_app(sink: ReportSink, auth: TokenAuthenticator | None, stats: APIStats 
         if rep.node != node:
             return reject(422, "Invalid", f"report names node {rep.node!r} but was posted for {node!r}")
         try:
-            answer = sink.submit(identity, rep)
+            answer = await sink.settle(sink.submit(identity, rep))
         except ReportRejected as exc:
             return reject(exc.status, exc.reason, str(exc))
         except Exception:  # a bug of ours must not take the server down, nor look like the agent's fault

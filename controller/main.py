@@ -45,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--advertise", help="host:port agents use to reach this replica when it leads "
                                        "(default: $POD_IP, else this host's address, with the --listen port)")
     p.add_argument("--period", type=float, default=5.0, help="seconds between allocation rounds")
+    p.add_argument("--answer-wait", type=float, default=0.0, metavar="SECONDS",
+                   help="hold each report's answer until the next round, at most this long, so it reflects that "
+                        "report (one report period less of reaction time; use with a short --period, e.g. "
+                        "--period 0.5 --answer-wait 0.7); 0 answers at once from the latest round")
     p.add_argument("--lease-seconds", type=float, default=30.0,
                    help="how long agents keep an answer's allocations without a fresh one (then the safe floor)")
     p.add_argument("--report-rate", type=float, default=2.0, help="reports per second allowed per node (burst 3x)")
@@ -211,7 +215,7 @@ class Controller:
             Adapter(policy, namespace_labels), locate_pod=locate_pod, lease_seconds=args.lease_seconds,
             report_ttl=args.report_ttl, leader=leading,
             leader_address=(lambda: self.elector.leader_address()) if self.elector else (lambda: None),
-            readiness=readiness,
+            readiness=readiness, answer_wait=args.answer_wait,
         )
         from .metrics import ControllerMetrics
 

@@ -8,6 +8,7 @@ are refused by the node-binding check before they reach the engine.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -19,6 +20,11 @@ from .auth import Identity
 from .wire import NodeAnswer, NodeReport, PodAllocation
 
 log = logging.getLogger(__name__)
+
+
+def _resolve(fut: asyncio.Future, result: "RoundResult") -> None:
+    if not fut.done():
+        fut.set_result(result)
 
 
 @dataclass
@@ -43,7 +49,7 @@ class ControllerState:
     def __init__(self, allocate: Allocate, locate_pod: PodLocator | None = None, lease_seconds: float = 30.0,
                  report_ttl: float = 60.0, leader: Callable[[], bool] = lambda: True,
                  leader_address: Callable[[], str | None] = lambda: None,
-                 readiness: Callable[[], tuple[bool, str]] = lambda: (True, "")):
+                 readiness: Callable[[], tuple[bool, str]] = lambda: (True, ""), answer_wait: float = 0.0):
         self.allocate = allocate
         self.locate_pod = locate_pod
         self.lease_seconds = lease_seconds
@@ -51,6 +57,10 @@ class ControllerState:
         self._leader = leader
         self._leader_address = leader_address
         self._readiness = readiness  # inputs ready (policy loaded, pod cache synced)
+        # > 0: hold each answer until the next round (at most this long), so it reflects the report
+        # it answers: one report period less of control-loop delay (see docs/controller.md)
+        self.answer_wait = answer_wait
+        self._round_waiters: list[asyncio.Future] = []
         self.latest: dict[str, tuple[float, NodeReport]] = {}
         self.result: RoundResult | None = None
         self.generation = 0
@@ -138,8 +148,28 @@ class ControllerState:
         result.wall_time = time.time()
         with self._lock:
             self.result = result
+            waiters, self._round_waiters = self._round_waiters, []
+        for fut in waiters:
+            fut.get_loop().call_soon_threadsafe(_resolve, fut, result)
         self.on_round(result)
         return result
+
+    async def settle(self, answer: NodeAnswer) -> NodeAnswer:
+        """With answer_wait: the answer again after the next round, which includes the report
+        just submitted; the given answer if no round completes in time."""
+        if self.answer_wait <= 0:
+            return answer
+        fut = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._round_waiters.append(fut)
+        try:
+            result = await asyncio.wait_for(fut, self.answer_wait)
+        except asyncio.TimeoutError:
+            with self._lock:
+                if fut in self._round_waiters:
+                    self._round_waiters.remove(fut)
+            return answer
+        return self._answer(answer.node, result, answer.problems)
 
     def start(self, period: float) -> None:
         def loop():

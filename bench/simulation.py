@@ -1,0 +1,276 @@
+"""Convergence of the whole loop: N simulated nodes against the real controller over HTTP.
+
+    python3 bench/simulation.py [--nodes 20] [--pods 10] [--period 0.5]
+
+Starts `netagent controller --from-file` (the real service: HTTP API, adapter, engine,
+rounds every period/5) and simulates each node's agent faithfully: every report period a
+pod sends min(its true demand, the limit the controller gave it), its class counters
+(bytes, overlimits) feed the agent's own demand estimator (netagent.demand.PodDemand, which
+probes above censored usage), and the node posts its report with the node's measured
+internet egress. The "fair allocation" is the engine's answer for the *true* demands.
+
+Scenario: steady demands above the budget; at SHIFT half the pods change demand; at JUMP
+one small pod's demand jumps 10x; from BURST some pods burst on and off. Printed: per
+period the worst pod error against the fair allocation, the measured total against the
+budget, the jumping pod's allocation against its fair share; then the periods each
+convergence took against the aims (within 5% of fair within 2 periods of a shift; the 10x
+pod at its fair share within 4 periods; measured total within 5% of the budget).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from netagent.demand import PodDemand, Sample  # noqa: E402
+
+BUDGET_BPS = 1e9
+SHIFT, JUMP, BURST, END = 12, 24, 36, 48
+TOLERANCE = 0.05
+STEADY = [range(6, SHIFT), range(SHIFT + 6, JUMP), range(JUMP + 6, BURST)]  # periods to judge the total in
+
+
+def policy_objects() -> list[dict]:
+    return [
+        {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressClass", "metadata": {"name": "bulk"},
+         "spec": {"weight": 1, "max": "200M"}},
+        {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressClass", "metadata": {"name": "interactive"},
+         "spec": {"weight": 3, "min": "2M"}},
+        {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressBudget", "metadata": {"name": "default"},
+         "spec": {"total": "1G", "teams": [
+             {"name": "research", "namespaces": ["research"], "weight": 1, "defaultClass": "bulk"},
+             {"name": "data", "namespaces": ["data"], "weight": 2, "defaultClass": "bulk", "min": "100M"},
+             {"name": "web", "namespaces": ["web"], "weight": 3, "defaultClass": "interactive"},
+         ]}},
+    ]
+
+
+@dataclass
+class SimPod:
+    node: str
+    namespace: str
+    name: str
+    egress_class: str | None
+    demand: float  # the true appetite, bit/s
+    bursty: bool = False
+    limit: float = 1e6  # what the agent enforces (HTB ceil); the floor until the first answer
+    allocation: float = 0.0
+    bytes: int = 0
+    overlimits: int = 0
+    estimator: PodDemand = field(default_factory=PodDemand)
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+def build_pods(nodes: int, per_node: int, rng: random.Random) -> list[SimPod]:
+    pods = []
+    namespaces = ["research", "data", "web"]
+    for n in range(nodes):
+        for j in range(per_node):
+            ns = namespaces[(n + j) % 3]
+            cls = "interactive" if ns == "research" and j % 4 == 0 else None
+            pods.append(SimPod(f"sim-node-{n:03d}", ns, f"pod-{n:03d}-{j:02d}", cls,
+                               demand=rng.lognormvariate(0, 0.6) * 1.6 * BUDGET_BPS / (nodes * per_node),
+                               bursty=(n * per_node + j) % 10 == 3))
+    return pods
+
+
+def fair_allocation(pods: list[SimPod]) -> dict[str, float]:
+    from controller.engine import PodDemandIn, allocate
+    from controller.policy import load_policy, resolve_pod
+
+    objs = policy_objects()
+    policy, _ = load_policy([o for o in objs if o["kind"] == "EgressClass"],
+                            [o for o in objs if o["kind"] == "EgressBudget"])
+    rows = []
+    for p in pods:
+        pp = resolve_pod(policy, p.namespace, p.egress_class, None)
+        rows.append(PodDemandIn(p.key, pp.team, pp.egress_class, pp.weight, pp.min_bps, pp.max_bps, p.demand))
+    return {k: r.allocation_bps for k, r in allocate(policy, rows).pods.items()}
+
+
+def advance(pods: list[SimPod], t: float, dt: float) -> float:
+    """One report period of traffic under the current limits; returns the cluster's egress (bit/s)."""
+    total = 0.0
+    for p in pods:
+        sent = min(p.demand, p.limit)
+        total += sent
+        p.bytes += int(sent * dt / 8)
+        if p.demand > p.limit * 1.001:
+            p.overlimits += 1
+        p.estimator.update(Sample(t, p.bytes, 0, p.overlimits, 0), int(p.limit), 2**62)
+    return total
+
+
+async def post_reports(session, base: str, pods: list[SimPod], period: float, egress: dict[str, float]) -> int:
+    by_node: dict[str, list[SimPod]] = {}
+    for p in pods:
+        by_node.setdefault(p.node, []).append(p)
+
+    async def one(node: str, members: list[SimPod]) -> int:
+        body = {"node": node, "seq": 1, "period_seconds": period, "node_internet_egress_bps": egress.get(node, 0.0),
+                "pods": [{"namespace": p.namespace, "name": p.name, "usage_bps": p.estimator.usage_bps,
+                          "demand_bps": p.estimator.demand_bps, "throttled": p.estimator.throttled,
+                          "egress_class": p.egress_class} for p in members]}
+        async with session.post(f"{base}/v1/nodes/{node}/report", json=body) as r:
+            answer = await r.json()
+            if r.status != 200:
+                raise RuntimeError(f"{node}: {r.status} {answer}")
+        if answer["generation"] == 0:
+            return 0
+        got = {f"{a['namespace']}/{a['name']}": a for a in answer["pods"]}
+        for p in members:
+            a = got.get(p.key)
+            if a is not None:
+                p.limit, p.allocation = max(a["limit_bps"], 1.0), a["allocation_bps"]
+        return answer["generation"]
+
+    gens = await asyncio.gather(*(one(n, m) for n, m in by_node.items()))
+    return max(gens)
+
+
+def worst_error(pods: list[SimPod], fair: dict[str, float], rate: bool) -> float:
+    """The worst pod's distance from its fair share, relative to it (shares under 5% of the mean
+    share count as 5% of it: a pod wanting almost nothing is not a 1000% error). rate=True
+    judges what the pod can send, min(its demand, its limit); False the allocation itself."""
+    mean_share = BUDGET_BPS / len(pods)
+    return max(abs((min(p.demand, p.limit) if rate else p.allocation) - fair[p.key])
+               / max(fair[p.key], 0.05 * mean_share) for p in pods)
+
+
+async def simulate(base: str, args, pods: list[SimPod], rng: random.Random) -> list[dict]:
+    import aiohttp
+
+    jumper = min((p for p in pods if not p.bursty and p.namespace == "data"), key=lambda p: p.demand)
+    rows = []
+    base_demand = {p.key: p.demand for p in pods}
+    async with aiohttp.ClientSession() as session:
+        start = time.monotonic()
+        for step in range(END):
+            if step == SHIFT:
+                for p in pods[::2]:
+                    p.demand *= rng.choice((0.3, 2.0))
+            if step == JUMP:
+                jumper.demand *= 10
+            if step >= BURST:
+                for p in pods:
+                    if p.bursty:
+                        p.demand = base_demand[p.key] * (3.0 if (step // 2) % 2 == 0 else 0.1)
+            t = step * args.period
+            egress: dict[str, float] = {}
+            cluster = 0.0
+            for node in {p.node for p in pods}:
+                sent = advance([p for p in pods if p.node == node], t, args.period)
+                egress[node] = sent
+                cluster += sent
+            generation = await post_reports(session, base, pods, args.period, egress)
+            fair = fair_allocation(pods)
+            rows.append({"step": step, "generation": generation, "error": worst_error(pods, fair, rate=True),
+                         "alloc_error": worst_error(pods, fair, rate=False),
+                         "total": cluster / BUDGET_BPS, "demand": sum(p.demand for p in pods) / BUDGET_BPS,
+                         "jumper": jumper.allocation / fair[jumper.key] if fair[jumper.key] else 1.0})
+            await asyncio.sleep(max(0.0, start + (step + 1) * args.period - time.monotonic()))
+    return rows
+
+
+def periods_until(rows: list[dict], start: int, ok) -> int | None:
+    for r in rows[start:]:
+        if ok(r):
+            return r["step"] - start
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=20)
+    ap.add_argument("--pods", type=int, default=10, help="pods per node")
+    ap.add_argument("--period", type=float, default=0.5, help="report period (s); controller rounds every period/5")
+    ap.add_argument("--seed", type=int, default=7)
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    pods = build_pods(args.nodes, args.pods, rng)
+
+    import yaml
+
+    workdir = Path(tempfile.mkdtemp(prefix="netagent-sim-"))
+    policy = workdir / "policy.yaml"
+    policy.write_text(yaml.safe_dump_all(policy_objects()))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(workdir / "controller.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "netagent.cli", "controller", "--from-file", str(policy),
+                             "--no-auth", "--listen", f"127.0.0.1:{port}", "--period", f"{args.period / 5:g}",
+                             "--answer-wait", f"{args.period / 5 * 1.5:g}",
+                             "--lease-seconds", f"{args.period * 10:g}", "--report-rate", f"{4 / args.period:g}"],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        import urllib.request
+
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(base + "/healthz", timeout=1).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    print(f"controller did not start; log: {workdir / 'controller.log'}", file=sys.stderr)
+                    return 1
+                time.sleep(0.1)
+        rows = asyncio.run(simulate(base, args, pods, rng))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+    print(f"simulation: {args.nodes} nodes x {args.pods} pods against the real controller over HTTP; "
+          f"budget {BUDGET_BPS / 1e6:.0f} Mbit/s; report period {args.period:g} s, rounds every {args.period / 5:g} s")
+    print(f"{'period':>6} {'event':>6} {'round':>5} {'worst rate error':>17} {'worst alloc error':>18} "
+          f"{'total/budget':>13} {'demand/budget':>14} {'10x pod/fair':>13}")
+    events = {SHIFT: "shift", JUMP: "10x", BURST: "burst"}
+    for r in rows:
+        print(f"{r['step']:6d} {events.get(r['step'], ''):>6} {r['generation']:5d} {r['error'] * 100:16.1f}% "
+              f"{r['alloc_error'] * 100:17.1f}% "
+              f"{r['total']:13.3f} {r['demand']:14.2f} {r['jumper']:13.2f}")
+    shift = periods_until(rows, SHIFT, lambda r: r["error"] <= TOLERANCE)
+    initial = periods_until(rows, 0, lambda r: r["error"] <= TOLERANCE)
+    jump = periods_until(rows, JUMP, lambda r: r["jumper"] >= 1 - TOLERANCE)
+    steady = [rows[i]["total"] for span in STEADY for i in span if i < len(rows)]
+    worst_total = max(abs(x - 1) for x in steady)
+    burst_totals = [r["total"] for r in rows[BURST:]]
+
+    def verdict(value, aim) -> str:
+        return "n/a (never)" if value is None else f"{value} periods (aim <= {aim}: {'met' if value <= aim else 'MISSED'})"
+
+    print(f"from a cold start, every pod within {TOLERANCE:.0%} of fair:  {verdict(initial, 4)}")
+    print(f"after the demand shift, every pod within {TOLERANCE:.0%} of fair:  {verdict(shift, 2)}")
+    print(f"the 10x pod at {1 - TOLERANCE:.0%} of its fair share:            {verdict(jump, 4)}")
+    print(f"measured total in steady periods: worst {worst_total:.1%} from the budget "
+          f"(aim <= 5%: {'met' if worst_total <= 0.05 else 'MISSED'}); during bursts "
+          f"{min(burst_totals):.3f}..{max(burst_totals):.3f} of the budget")
+    print(f"controller log: {workdir / 'controller.log'}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
