@@ -5,7 +5,10 @@
   firing case for every alert, and a saturated budget fires NetagentBudgetSaturated;
 - every metric the dashboards and rules query is one the agent or controller defines;
 - a real Prometheus (loopback, empty TSDB, our rules loaded) accepts every panel query and
-  every template variable's selector, with the variables filled in as Grafana would.
+  every template variable's selector, with the variables filled in as Grafana would;
+- scraping the agent's real collector (synthetic node views of two nodes) and a real controller
+  (`netagent controller --from-file`, fed reports over HTTP), every panel query returns data,
+  with the variables at "All" and at one node, namespace and pod.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import textwrap
 import time
 import urllib.error
@@ -230,6 +234,20 @@ def _get(url: str) -> dict:
         return json.load(e)
 
 
+def _wait_ready(url: str, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, f"prometheus exited: {log.read_text()[-2000:]}"
+        try:
+            with urllib.request.urlopen(f"{url}/-/ready", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"prometheus not ready: {log.read_text()[-2000:]}"
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory):
     """Debian's prometheus on loopback with an empty TSDB, no scrape targets, and our rules."""
@@ -243,17 +261,7 @@ def prometheus(tmp_path_factory):
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"prometheus exited: {(workdir / 'prometheus.log').read_text()[-2000:]}"
-            try:
-                with urllib.request.urlopen(f"{url}/-/ready", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"prometheus not ready: {(workdir / 'prometheus.log').read_text()[-2000:]}"
-            time.sleep(0.2)
+        _wait_ready(url, proc, workdir / "prometheus.log")
         yield url
     finally:
         proc.terminate()
@@ -297,3 +305,173 @@ def test_prometheus_accepts_every_variable_query(prometheus):
         if answer.get("status") != "success":
             rejected.append(f"{where}: {selector}: {answer.get('error')}")
     assert not rejected, "\n".join(rejected)
+
+
+# --- every panel returns data from the real exporters ----------------------------------------
+
+# two nodes' pods: (namespace, name, team, class, internet egress bit/s, policy problem)
+LIVE_PODS = {
+    "node-a": [("research", "r1", "research", "gold", 400e6, None), ("batch", "b1", "batch", "bulk", 300e6, None)],
+    "node-b": [("research-eval", "r2", "research", "standard", 200e6, None),
+               ("default", "s1", "shared", "standard", 100e6, "UnknownEgressClass")],
+}
+LIVE_CHOICE = {"node": "node-a", "namespace": "research", "pod": "r1"}
+
+
+def _node_view(node: str, started: float):
+    """What an agent of `node` would expose `elapsed` seconds into steady traffic."""
+    from netagent.view import NodeView, PodView
+
+    elapsed = time.monotonic() - started + 1
+    pods = []
+    for namespace, name, team, egress_class, rate, problem in LIVE_PODS[node]:
+        internet = int(rate / 8 * elapsed)
+        pods.append(PodView(
+            namespace=namespace, name=name, team=team, egress_class=egress_class, ips=("10.1.0.1",), minor=10,
+            allocation_bps=rate, limit_bps=rate * 1.1, demand_bps=rate * 1.5, usage_bps=rate, throttled=True,
+            throttled_seconds=elapsed / 2, egress_bytes={"internal": internet * 3, "internet": internet},
+            ingress_bytes={"internal": internet, "internet": internet // 10}, dropped_packets=int(elapsed * 5),
+            problems=((problem, "unknown class"),) if problem else ()))
+    total = sum(p.egress_bytes["internet"] for p in pods)
+    return NodeView(node=node, pods=pods, egress_bytes={"internal": total * 3, "internet": total},
+                    ingress_bytes={"internal": total, "internet": total // 10}, allocation_bps=1e9, ready=True,
+                    controller="http://controller", controller_reachable=True, last_reconcile_success=time.time(),
+                    leaf_qdisc="pfifo", iptables_backend="nft")
+
+
+@pytest.fixture(scope="module")
+def live_prometheus(tmp_path_factory):
+    """Prometheus scraping two agents' real collectors (synthetic node views, in-process) and a
+    real controller (`netagent controller --from-file`, fed reports over its HTTP API)."""
+    import threading
+
+    from prometheus_client import start_http_server
+
+    from netagent.metrics import AgentMetrics
+
+    workdir = tmp_path_factory.mktemp("live")
+    started = time.monotonic()
+    stop = threading.Event()
+    servers, threads, procs = [], [], []
+    try:
+        agents = {}
+        for node in LIVE_PODS:
+            metrics = AgentMetrics(lambda node=node: _node_view(node, started))
+            for seconds in (0.002, 0.004, 0.03):
+                metrics.reconcile_duration.observe(seconds)
+            port = _free_port()
+            server, thread = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
+            servers.append(server)
+            agents[node] = (port, metrics)
+
+        controller_port = _free_port()
+        controller_log = (workdir / "controller.log").open("w")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "netagent.cli", "controller", "--from-file", str(REPO / "docs/examples/policy.yaml"),
+             "--no-auth", "--listen", f"127.0.0.1:{controller_port}", "--period", "1"],
+            stdout=controller_log, stderr=subprocess.STDOUT, cwd=REPO))
+
+        def report_loop():
+            while not stop.wait(1.0):
+                for node, pods in LIVE_PODS.items():
+                    body = {"node": node, "period_seconds": 1.0, "pods": [
+                        {"namespace": ns, "name": name, "usage_bps": rate, "demand_bps": rate * 1.5,
+                         "throttled": True, "egress_class": egress_class}
+                        for ns, name, _, egress_class, rate, _ in pods]}
+                    request = urllib.request.Request(f"http://127.0.0.1:{controller_port}/v1/nodes/{node}/report",
+                                                     data=json.dumps(body).encode(),
+                                                     headers={"Content-Type": "application/json"})
+                    try:
+                        urllib.request.urlopen(request, timeout=5).read()
+                        agents[node][1].reconcile_duration.observe(0.005)
+                    except OSError:
+                        pass  # the controller is still starting: the next round reports again
+
+        threads.append(threading.Thread(target=report_loop, daemon=True))
+        threads[-1].start()
+
+        rules = yaml.safe_load(RULES.read_text())
+        for group in rules["groups"]:
+            group.pop("interval", None)  # evaluate every second, like the scrapes
+        (workdir / "rules.yaml").write_text(yaml.safe_dump(rules))
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": ["rules.yaml"],
+            "scrape_configs": [
+                {"job_name": "netagent-agent", "honor_labels": True,
+                 "static_configs": [{"targets": [f"127.0.0.1:{port}"], "labels": {"node": node}}
+                                    for node, (port, _) in agents.items()]},
+                {"job_name": "netagent-controller", "static_configs": [{"targets": [f"127.0.0.1:{controller_port}"]}]},
+            ],
+        }
+        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        port = _free_port()
+        prom_log = (workdir / "prometheus.log").open("w")
+        procs.append(subprocess.Popen(
+            [tool("prometheus"), f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
+             f"--web.listen-address=127.0.0.1:{port}"], stdout=prom_log, stderr=subprocess.STDOUT))
+        _wait_ready(f"http://127.0.0.1:{port}", procs[-1], workdir / "prometheus.log")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=10)
+        for proc in procs:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+
+
+# counters with labels have no series until their event first happens
+RARE_EVENTS = ("netagent_controller_rejected_reports_total", "netagent_reconcile_errors_total",
+               "netagent_drift_repairs_total")
+
+
+def _queries_without_data(url: str, values: dict[str, str]) -> list[str]:
+    """Every panel query that returns no series, except rare-event ones in a panel that has other data."""
+    empty = []
+    for name, model in dashboards().items():
+        panels: dict[str, list[tuple[str, bool]]] = {}
+        for title, expr in build.panel_queries(model):
+            answer = _get(f"{url}/api/v1/query?" + urllib.parse.urlencode({"query": build.fill_variables(expr, values)}))
+            has_data = answer.get("status") == "success" and bool(answer["data"]["result"])
+            panels.setdefault(title, []).append((expr, has_data))
+        for title, queries in panels.items():
+            for expr, has_data in queries:
+                rare = any(metric in expr for metric in RARE_EVENTS) and any(d for _, d in queries)
+                if not has_data and not rare:
+                    empty.append(f"{name}: {title!r}: {expr}")
+    return empty
+
+
+def test_every_panel_query_returns_data_from_the_exporters(live_prometheus):
+    deadline = time.monotonic() + 120
+    for values in ({}, LIVE_CHOICE):
+        while empty := _queries_without_data(live_prometheus, values):
+            assert time.monotonic() < deadline, f"queries without data (variables {values or 'All'}):\n" + "\n".join(empty)
+            time.sleep(2)
+
+
+def test_template_variables_list_the_exporters_values(live_prometheus):
+    def values(variable: str) -> set[str]:
+        for name, model in dashboards().items():
+            for v, q in build.variable_queries(model):
+                if v == variable:
+                    selector, label = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", q).groups()
+                    answer = _get(f"{live_prometheus}/api/v1/series?" +
+                                  urllib.parse.urlencode({"match[]": build.fill_variables(selector)}))
+                    return {s.get(label) for s in answer["data"]}
+        raise AssertionError(f"no variable {variable}")
+
+    deadline = time.monotonic() + 60
+    while values("node") != set(LIVE_PODS):
+        assert time.monotonic() < deadline, values("node")
+        time.sleep(1)
+    assert values("namespace") == {ns for pods in LIVE_PODS.values() for ns, *_ in pods}
+    assert values("pod") == {name for pods in LIVE_PODS.values() for _, name, *_ in pods}
