@@ -1,6 +1,6 @@
 """Apply netagent's classifier rules for 110 pods: iptables-restore against python-iptables.
 
-Run as root:  python3 bench/iptables_apply.py [--pods 110] [--reps 5]
+Run as root:  python3 bench/iptables_apply.py [--pods 110] [--reps 5] [--throughput-seconds 3]
 
 It builds a throwaway network namespace, runs the measurements inside it (legacy
 backend: python-iptables drives only legacy), prints a table of median times and
@@ -10,7 +10,9 @@ Measured, for IPv4 and IPv6 together:
   from nothing   all our chains and rules of 110 pods, hooks included
   change 1 pod   one pod's HTB class changes (its egress chain is refilled)
 plus, for the agent's steady state, `Classifier.apply` when nothing changed (the
-read-back diff) and `Classifier.counters` (one iptables-save -c per family).
+read-back diff) and `Classifier.counters` (one iptables-save -c per family), and
+the per-packet cost: a pod's TCP goodput to an internal peer in the lab with no
+rules and with the rules of 110 pods (nft, legacy).
 """
 from __future__ import annotations
 
@@ -35,8 +37,8 @@ from iptables.parse import normalise  # noqa: E402
 PREFIX = "NABENCH"
 
 
-def make_state(n: int, changed: int | None = None) -> ClassifierState:
-    a4, a6 = ipaddress.ip_address("10.244.0.2"), ipaddress.ip_address("fd00:244::2")
+def make_state(n: int, changed: int | None = None, first4: str = "10.244.0.2", first6: str = "fd00:244::2") -> ClassifierState:
+    a4, a6 = ipaddress.ip_address(first4), ipaddress.ip_address(first6)
     pods = tuple(PodClassification(f"bench/pod-{i}", (str(a4 + i), str(a6 + i)),
                                    (1, 0x900 if i == changed else 0x10 + i)) for i in range(n))
     return ClassifierState(0x1000, ("10.0.0.0/8", "fd00::/8"), pods, ("eth0",))
@@ -169,10 +171,34 @@ def worker(pods: int, reps: int) -> dict[str, list[float]]:
     return out
 
 
+def throughput(pods: int, seconds: float) -> dict[str, float]:
+    """Pod -> internal peer TCP goodput (Gbit/s) in the lab: no rules, then our rules for `pods` pods."""
+    from netagent.lab import INTERNAL_CIDRS, PEER_V4, Lab
+
+    out: dict[str, float] = {}
+    with Lab(nodes=1, pods_per_node=1) as lab:
+        node, pod = lab.nodes[0], lab.nodes[0].pods[0]
+        others = make_state(pods - 1, first4="10.244.0.11", first6="fd00:244::11").pods  # the lab's pod is .10
+        st = ClassifierState(0x1000, INTERNAL_CIDRS,
+                             (*others, PodClassification("bench/real", (pod.ip4, pod.ip6), (1, 0xF00))), (node.uplink,))
+        lab.iperf_server(lab.peer, 5201)
+        for label, backend in (("no rules", None), ("nft", "nft"), ("legacy", "legacy")):
+            clf = Classifier(backend=backend, netns=node.netns, prefix=PREFIX) if backend else None
+            if clf:
+                clf.apply(st)
+            result = lab.iperf(pod.netns, PEER_V4, 5201, seconds=seconds)
+            out[label] = result["end"]["sum_received"]["bits_per_second"] / 1e9
+            if clf:
+                clf.cleanup()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pods", type=int, default=110)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--throughput-seconds", type=float, default=3,
+                    help="iperf3 run per configuration for the per-packet cost (0: skip)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -204,6 +230,11 @@ def main() -> int:
     print(f"{'apply, nothing to change (read-back)':40}{res['classifier_apply_unchanged']:>10.1f}"
           f"{res['nft_apply_unchanged']:>10.1f}")
     print(f"{'counters (one iptables-save -c/family)':40}{res['classifier_counters']:>10.1f}{res['nft_counters']:>10.1f}")
+    if args.throughput_seconds > 0:
+        gbit = throughput(args.pods, args.throughput_seconds)
+        print(f"per-packet cost: pod -> internal peer TCP, {args.throughput_seconds:g} s iperf3 each, Gbit/s")
+        for label, value in gbit.items():
+            print(f"  {label:10}{value:8.2f}   {value / gbit['no rules']:6.1%} of no rules")
     return 0
 
 
