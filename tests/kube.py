@@ -371,6 +371,20 @@ class ControlPlane:
         self.processes.clear()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
+    def restart_apiserver(self) -> None:
+        """Stop kube-apiserver and start it again on the same port and etcd, as an upgrade or a
+        crash does: clients must reconnect, and its watch cache starts afresh, so a watch resumed
+        from a resourceVersion older than the restart gets 410 Gone."""
+        old = self._process("kube-apiserver")
+        old.stop()
+        self.processes.remove(old)
+        self.spawn("kube-apiserver", old.argv)
+        try:
+            self._wait_ready("kube-apiserver", self._apiserver_ready)
+        except KubeHarnessError:
+            self._preserve_logs()
+            raise
+
     def spawn(self, name: str, argv: list[str]) -> Process:
         """Start a binary whose lifetime this control plane owns (stopped by stop())."""
         process = Process(name, argv, self.workdir / f"{name}.log")

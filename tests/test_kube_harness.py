@@ -126,6 +126,21 @@ def test_watch_from_compacted_resource_version_gets_410_and_relists(uncached_api
         raise AssertionError("the watch resumed from the relisted resourceVersion missed a new pod")
 
 
+def test_watch_resumed_across_apiserver_restart_gets_410(kube_api, kube_namespace):
+    core = client.CoreV1Api(kube_api.admin)
+    core.create_namespaced_pod(kube_namespace, pod_manifest("survivor", node="node-a"))
+    old_version = core.list_namespaced_pod(kube_namespace).metadata.resource_version
+    core.create_namespaced_pod(kube_namespace, pod_manifest("later", node="node-a"))
+
+    kube_api.restart_apiserver()
+    with pytest.raises(ApiException) as gone:
+        for _ in watch.Watch().stream(core.list_namespaced_pod, kube_namespace, resource_version=old_version,
+                                      timeout_seconds=5):
+            pass
+    assert gone.value.status == 410
+    assert {p.metadata.name for p in core.list_namespaced_pod(kube_namespace).items} == {"survivor", "later"}
+
+
 # ---------------------------------------------------------------------------------------------
 # Service-account tokens
 

@@ -49,7 +49,7 @@ if [[ $(printf '%s\n%s\n' "$required_go" "$go_version" | sort -V | head -n1) != 
   exit 1
 fi
 
-export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS="${GOFLAGS:-} -mod=mod"
+export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS="${GOFLAGS:-} -mod=mod -buildvcs=false"
 mkdir -p "$bin_dir"
 log_dir="$(dirname "$bin_dir")/logs"
 mkdir -p "$log_dir"
