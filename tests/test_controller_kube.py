@@ -1,0 +1,266 @@
+"""`netagent controller` against the real kube-apiserver (tests/kube.py): TokenReview of real
+bound tokens, the node binding from the cluster-wide pod watch, EgressBudget status writes at a
+bounded rate with printer columns, and two controllers with the leader killed while an agent's
+reporter keeps its allocations and then finds the new leader."""
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from tests.test_controller_service import free_port, make_agent, wait_for
+
+REPO = Path(__file__).resolve().parent.parent
+AUDIENCE = "netagent-controller"
+GROUP, VERSION = "netagent.io", "v1alpha1"
+
+
+@pytest.fixture(scope="module")
+def crds(kube_api):
+    for name in ("egressclasses", "egressbudgets"):
+        kube_api.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "deploy" / "crds" / f"{name}.yaml"))
+        kube_api.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{name}.netagent.io")
+    return kube_api
+
+
+@pytest.fixture
+def budget(crds):
+    custom = client.CustomObjectsApi(crds.admin)
+    objects = [
+        ("egressclasses", {"apiVersion": f"{GROUP}/{VERSION}", "kind": "EgressClass", "metadata": {"name": "ctl-bulk"},
+                           "spec": {"weight": 1, "max": "80M"}}),
+        ("egressbudgets", {"apiVersion": f"{GROUP}/{VERSION}", "kind": "EgressBudget", "metadata": {"name": "default"},
+                           "spec": {"total": "100M", "teams": [{"name": "web", "namespaces": ["web"], "weight": 2,
+                                                                 "min": "150M"}]}}),
+    ]
+    for plural, obj in objects:
+        with contextlib.suppress(ApiException):
+            custom.delete_cluster_custom_object(GROUP, VERSION, plural, obj["metadata"]["name"])
+        custom.create_cluster_custom_object(GROUP, VERSION, plural, obj)
+    yield custom
+    for plural, obj in objects:
+        with contextlib.suppress(ApiException):
+            custom.delete_cluster_custom_object(GROUP, VERSION, plural, obj["metadata"]["name"])
+
+
+@pytest.fixture
+def nodes_and_pods(kube_api, kube_namespace):
+    """Two nodes, an agent pod (ServiceAccount `agent`) and a workload pod on each, and a pod of
+    another ServiceAccount on node a."""
+    core = client.CoreV1Api(kube_api.admin)
+    suffix = uuid.uuid4().hex[:6]
+    nodes = {"a": f"ctl-a-{suffix}", "b": f"ctl-b-{suffix}"}
+    for node in nodes.values():
+        core.create_node(client.V1Node(metadata=client.V1ObjectMeta(name=node)))
+    core.create_namespaced_service_account(kube_namespace, client.V1ServiceAccount(
+        metadata=client.V1ObjectMeta(name="agent")))
+
+    def pod(name: str, node: str, sa: str = "default") -> None:
+        core.create_namespaced_pod(kube_namespace, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+                                                    "spec": {"nodeName": node, "serviceAccountName": sa,
+                                                             "containers": [{"name": "c", "image": "x.invalid/p:1"}]}})
+
+    for key, node in nodes.items():
+        pod(f"agent-{key}", node, "agent")
+        pod(f"work-{key}", node)
+    pod("intruder", nodes["a"])
+    yield kube_namespace, nodes
+    for node in nodes.values():
+        with contextlib.suppress(ApiException):
+            core.delete_node(node)
+
+
+def post(base: str, node: str, pods: list[dict], token: str | None) -> tuple[int, dict]:
+    body = json.dumps({"node": node, "pods": pods, "node_internet_egress_bps": 1e6}).encode()
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(f"{base}/v1/nodes/{node}/report", data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def workload(namespace: str, name: str, demand: float = 50e6) -> dict:
+    return {"namespace": namespace, "name": name, "usage_bps": demand / 2, "demand_bps": demand}
+
+
+@contextlib.contextmanager
+def controller(kube_api, tmp_path: Path, lease_namespace: str, *extra: str, name: str = "ctl"):
+    port = free_port()
+    log_path = tmp_path / f"{name}.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "netagent.cli", "controller", "--kubeconfig", str(kube_api.kubeconfig),
+         "--listen", f"127.0.0.1:{port}", "--advertise", f"127.0.0.1:{port}", "--identity", f"{name}@127.0.0.1:{port}",
+         "--namespace", lease_namespace, "--lease-name", "netagent-controller-test", "--period", "0.5",
+         "--report-rate", "100", "--election-lease-seconds", "3", *extra],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def up():
+            if proc.poll() is not None:
+                raise AssertionError(f"controller exited {proc.returncode}:\n{log_path.read_text()}")
+            try:
+                with urllib.request.urlopen(base + "/readyz", timeout=2) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        wait_for(up, timeout=60, what=f"{name} ready (caches synced)")
+        yield proc, base, log_path
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+
+
+def leading(base: str) -> bool:
+    with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
+        return "netagent_controller_is_leader 1.0" in r.read().decode()
+
+
+def test_tokens_and_node_binding_against_the_real_apiserver(kube_api, budget, nodes_and_pods, tmp_path):
+    namespace, nodes = nodes_and_pods
+    agent_a = kube_api.token_for_pod(namespace, "agent", "agent-a", audiences=[AUDIENCE])
+    other_sa = kube_api.token_for_pod(namespace, "default", "intruder", audiences=[AUDIENCE])
+    wrong_audience = kube_api.token_for_pod(namespace, "agent", "agent-a")
+    with controller(kube_api, tmp_path, namespace, "--agent-service-account", f"{namespace}:agent") as (_, base, _):
+        wait_for(lambda: leading(base), what="the only replica to lead")
+        a, b = nodes["a"], nodes["b"]
+        code, answer = post(base, a, [workload(namespace, "work-a")], agent_a)
+        assert code == 200, answer
+
+        forged = agent_a[:-8] + ("A" * 8 if not agent_a.endswith("A" * 8) else "B" * 8)
+        for token, want in ((None, (401, "Unauthenticated")), (forged, (401, "Unauthenticated")),
+                            (wrong_audience, (401, "Unauthenticated")), (other_sa, (403, "Forbidden"))):
+            code, answer = post(base, a, [], token)
+            assert (code, answer["reason"]) == want, answer
+        code, answer = post(base, b, [], agent_a)  # node a's agent speaking for node b
+        assert (code, answer["reason"]) == (403, "WrongNode")
+        assert b in answer["error"] or a in answer["error"]
+        code, answer = post(base, a, [workload(namespace, "work-a"), workload(namespace, "work-b")], agent_a)
+        assert (code, answer["reason"]) == (403, "PodNotOnNode")
+        assert f"{namespace}/work-b is on node '{b}'" in answer["error"]
+
+        # the pod watch follows the cluster: a pod created now is allocated once the watch sees it
+        client.CoreV1Api(kube_api.admin).create_namespaced_pod(namespace, {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "late"},
+            "spec": {"nodeName": a, "containers": [{"name": "c", "image": "x.invalid/p:1"}]}})
+
+        def allocated_late():
+            code, answer = post(base, a, [workload(namespace, "work-a"), workload(namespace, "late")], agent_a)
+            assert code == 200, answer
+            return {p["name"] for p in answer["pods"]} == {"work-a", "late"}
+
+        wait_for(allocated_late, timeout=30, what="the new pod to be allocated")
+
+
+def test_budget_status_written_on_change_at_a_bounded_rate(kube_api, budget, nodes_and_pods, tmp_path):
+    namespace, nodes = nodes_and_pods
+    with controller(kube_api, tmp_path, namespace, "--no-auth", "--status-interval", "1") as (_, base, _):
+        wait_for(lambda: leading(base), what="the only replica to lead")
+
+        def status():
+            code, _ = post(base, nodes["a"], [workload(namespace, "work-a", 40e6)], None)
+            assert code == 200
+            post(base, nodes["b"], [workload(namespace, "work-b", 30e6)], None)
+            return budget.get_cluster_custom_object(GROUP, VERSION, "egressbudgets", "default").get("status")
+
+        st = wait_for(lambda: (s := status()) and s.get("pods") == 2 and s, timeout=30, what="the budget status")
+        assert (st["nodes"], st["demand"]) == (2, "70M")
+        assert st["used"] == "2M"  # the nodes' measured internet egress
+        over = next(c for c in st["conditions"] if c["type"] == "Oversubscribed")
+        assert (over["status"], over["reason"]) == ("True", "GuaranteesExceedTotal")  # web's min 150M > 100M
+        assert st["lastComputed"]
+
+        # the same reports again and again: nothing changes, so nothing is written
+        version = budget.get_cluster_custom_object(GROUP, VERSION, "egressbudgets", "default")["metadata"][
+            "resourceVersion"]
+        for _ in range(10):
+            status()
+            time.sleep(0.3)
+        assert budget.get_cluster_custom_object(GROUP, VERSION, "egressbudgets", "default")["metadata"][
+            "resourceVersion"] == version
+
+        # a change is written, and writes never come faster than --status-interval
+        start = time.monotonic()
+        for demand in (10e6, 20e6, 30e6, 40e6, 50e6, 60e6):
+            post(base, nodes["a"], [workload(namespace, "work-a", demand)], None)
+            time.sleep(0.25)
+        wait_for(lambda: budget.get_cluster_custom_object(GROUP, VERSION, "egressbudgets", "default")["status"][
+            "demand"] == "90M", timeout=15, what="the last demand in the status")
+        elapsed = time.monotonic() - start
+        with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
+            metrics = r.read().decode()
+        writes = float(next(line.split()[-1] for line in metrics.splitlines()
+                            if line.startswith('netagent_controller_status_writes_total{result="ok"}')))
+        assert writes <= 1 + (elapsed + 3) / 1.0 + 1  # the first write, then at most one per interval
+        columns = kube_api.kubectl("get", "egressbudgets", "default").stdout
+        header, row = columns.splitlines()[:2]
+        assert header.split()[:6] == ["NAME", "TOTAL", "ALLOCATED", "USED", "DEMAND", "OVERSUBSCRIBED"]
+        assert row.split()[1] == "100M" and row.split()[4] == "90M" and row.split()[5] == "True"
+
+
+def test_leader_killed_the_other_takes_over_while_the_agent_keeps_its_allocations(
+        kube_api, budget, nodes_and_pods, tmp_path):
+    from netagent.reporter import Reporter
+
+    namespace, nodes = nodes_and_pods
+    token_file = tmp_path / "token"
+    token_file.write_text(kube_api.token_for_pod(namespace, "agent", "agent-a", audiences=[AUDIENCE]))
+    agent = make_agent(nodes["a"], [(namespace, "work-a")])
+    with contextlib.ExitStack() as stack:
+        first = stack.enter_context(controller(kube_api, tmp_path, namespace, name="one"))
+        wait_for(lambda: leading(first[1]), what="the first replica to lead")
+        second = stack.enter_context(controller(kube_api, tmp_path, namespace, name="two"))
+        time.sleep(2)
+        assert not leading(second[1])
+        reporter = Reporter(agent, second[1], token_path=str(token_file), period=0.5)  # agents reach any replica
+
+        def allocated():
+            reporter.report_once()
+            return agent.allocations.source == "controller" and "%s/work-a" % namespace in agent.allocations.pods
+
+        wait_for(allocated, timeout=30, what="allocations through the follower's redirect")
+        assert reporter.leader_url == first[1]
+        held = agent.allocations
+        assert held.lease_expires - time.monotonic() > 20  # --lease-seconds 30
+
+        first[0].kill()  # the leader dies without releasing the Lease
+        first[0].wait()
+        failures = 0
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                reporter.report_once()
+            except Exception:
+                failures += 1
+                assert agent.allocations is held  # fail-static: nothing changes while no one leads
+            if agent.allocations is not held and agent.allocations.source == "controller":
+                break
+            time.sleep(0.3)
+        assert agent.allocations is not held, "the second replica never took over"
+        assert leading(second[1])
+        assert f"{namespace}/work-a" in agent.allocations.pods
+        assert failures > 0  # the agent did see the gap
+        lease = client.CoordinationV1Api(kube_api.admin).read_namespaced_lease("netagent-controller-test", namespace)
+        assert lease.spec.holder_identity.startswith("two@") and lease.spec.lease_transitions >= 1
