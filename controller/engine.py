@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -45,9 +45,15 @@ class EngineConfig:
 _REL_TOL = 1e-12  # the water level is accepted once a group's total is this close below its capacity
 
 
+class Fill(NamedTuple):
+    allocation: np.ndarray  # per member
+    scaled: np.ndarray  # per group: its floors exceeded its capacity and were scaled down
+    level: np.ndarray  # per group: the water level (NaN where no water-fill was needed)
+
+
 def waterfill(group: np.ndarray, n_groups: int, capacity: np.ndarray, weight: np.ndarray,
-              floor: np.ndarray, upper: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Share capacity[g] among the members of each group g -> (allocation per member, scaled per group).
+              floor: np.ndarray, upper: np.ndarray, start: np.ndarray | None = None) -> Fill:
+    """Share capacity[g] among the members of each group g.
 
     Requires weight > 0 and 0 <= floor <= upper. A group whose floors alone exceed its capacity
     gets floor x capacity/sum(floors) (`scaled`); one whose uppers fit gets the uppers; the
@@ -57,6 +63,8 @@ def waterfill(group: np.ndarray, n_groups: int, capacity: np.ndarray, weight: np
     upper) = capacity with safeguarded Newton steps, vectorised over all groups: each step is a
     few passes over the members (bincount per group), and a Newton step taken inside the linear
     piece that holds the root lands on it, so a handful of steps suffice without sorting.
+    `start` (per group, e.g. the previous round's levels) is the first guess where usable:
+    after a small change the search ends in one or two steps.
     """
     capacity = np.asarray(capacity, dtype=np.float64)
     floors = np.bincount(group, floor, n_groups)
@@ -66,28 +74,34 @@ def waterfill(group: np.ndarray, n_groups: int, capacity: np.ndarray, weight: np
     fill = ~scaled & ~satisfied
     ratio = np.where(scaled, capacity / np.where(scaled, floors, 1.0), 1.0)
     alloc = np.where(scaled[group], floor * ratio[group], upper)
+    level = np.full(n_groups, np.nan)
     if fill.any():
-        members = np.flatnonzero(fill[group])
-        level = _water_level(group[members], n_groups, capacity, fill, weight[members], floor[members],
-                             upper[members], floors)
-        alloc[members] = np.clip(level[group[members]] * weight[members], floor[members], upper[members])
-    return alloc, scaled
+        members = slice(None) if fill.all() else np.flatnonzero(fill[group])  # a slice copies nothing
+        found = _water_level(group[members], n_groups, capacity, fill, weight[members], floor[members],
+                             upper[members], floors, start)
+        level = np.where(fill, found, np.nan)
+        alloc[members] = np.minimum(np.maximum(found[group[members]] * weight[members], floor[members]),
+                                    upper[members])
+    return Fill(alloc, scaled, level)
 
 
 def _water_level(gi: np.ndarray, n: int, capacity: np.ndarray, open_: np.ndarray, w: np.ndarray,
-                 lo_b: np.ndarray, up_b: np.ndarray, floors: np.ndarray) -> np.ndarray:
-    """Per group: the largest level with sum clamp(level*w, floor, upper) <= capacity, to _REL_TOL."""
+                 fl: np.ndarray, up: np.ndarray, floors: np.ndarray, start: np.ndarray | None) -> np.ndarray:
+    """Per group: the largest level with sum clamp(level*w, floor, upper) <= capacity, to _REL_TOL.
+    `start` (e.g. the previous round's levels) replaces the first guess where it is usable."""
     weights = np.bincount(gi, w, n)
     lo = np.zeros(n)  # f(lo) <= capacity: the answer if the search stops early
-    hi = np.full(n, float(np.max(up_b / w)))  # f(hi) = sum of uppers > capacity
+    hi = np.full(n, float(np.max(up / w)))  # f(hi) = sum of uppers > capacity
     level = np.where(weights > 0, (capacity - floors) / np.where(weights > 0, weights, 1.0), 0.0)
-    level = np.clip(level, lo, hi)
+    if start is not None and start.shape == level.shape:
+        level = np.where(np.isfinite(start) & (start > 0), start, level)
+    level = np.minimum(np.maximum(level, lo), hi)
     tol = _REL_TOL * np.maximum(capacity, 1.0)
     open_ = open_.copy()
     for _ in range(EngineConfig.max_iterations):
         x = level[gi] * w
-        f = np.bincount(gi, np.clip(x, lo_b, up_b), n)
-        slope = np.bincount(gi, w * ((x > lo_b) & (x < up_b)), n)
+        f = np.bincount(gi, np.minimum(np.maximum(x, fl), up), n)
+        slope = np.bincount(gi, w * ((x > fl) & (x < up)), n)
         err = capacity - f
         below = err >= 0
         lo = np.where(open_ & below, level, lo)
@@ -99,9 +113,9 @@ def _water_level(gi: np.ndarray, n: int, capacity: np.ndarray, open_: np.ndarray
         newton = level + err / np.where(slope > 0, slope, 1.0)
         step = np.where((slope > 0) & (newton > lo) & (newton < hi), newton, 0.5 * (lo + hi))
         level = np.where(open_, step, level)
-        if np.count_nonzero(open_[gi]) * 2 < gi.size:  # most groups settled: work only on the rest
+        if np.count_nonzero(open_[gi]) < 0.8 * gi.size:  # enough groups settled: work only on the rest
             keep = open_[gi]
-            gi, w, lo_b, up_b = gi[keep], w[keep], lo_b[keep], up_b[keep]
+            gi, w, fl, up = gi[keep], w[keep], fl[keep], up[keep]
     return lo
 
 
@@ -144,6 +158,7 @@ class ColumnarResult:
     team_guarantee: np.ndarray  # the floor the team got at the top level (before scaling)
     team_pods: np.ndarray
     team_scaled: np.ndarray  # its pods' guarantees exceeded the team's share and were scaled down
+    team_level: np.ndarray  # the pods' water level in each team (NaN: none needed); next round's first guess
     total_bps: float  # the budget
     capacity_bps: float  # the budget x the feedback gain: what was shared this round
     gain: float
@@ -213,8 +228,9 @@ def allocate_columns(teams: TeamColumns, pods: PodColumns, total_bps: float,
     capacity = min(total_bps * gain, float(MAX_BPS))
 
     one = np.zeros(n_teams, dtype=np.intp)
-    team_alloc, top_scaled = waterfill(one, 1, np.array([capacity]), teams.weight, team_floor, team_upper)
-    alloc, team_scaled = waterfill(team, n_teams, team_alloc, pods.weight, floor, upper)
+    team_alloc, top_scaled, _ = waterfill(one, 1, np.array([capacity]), teams.weight, team_floor, team_upper)
+    start = previous.team_level if previous is not None else None
+    alloc, team_scaled, team_level = waterfill(team, n_teams, team_alloc, pods.weight, floor, upper, start)
 
     limit, team_limit = _headroom(team, n_teams, teams, pods, alloc, team_alloc, capacity)
 
@@ -231,7 +247,7 @@ def allocate_columns(teams: TeamColumns, pods: PodColumns, total_bps: float,
         allocation=alloc, limit=limit,
         team_allocation=np.bincount(team, alloc, n_teams), team_limit=team_limit,
         team_demand=np.bincount(team, pods.demand_bps, n_teams), team_guarantee=team_floor,
-        team_pods=np.bincount(team, minlength=n_teams), team_scaled=team_scaled,
+        team_pods=np.bincount(team, minlength=n_teams), team_scaled=team_scaled, team_level=team_level,
         total_bps=float(total_bps), capacity_bps=capacity, gain=gain, guaranteed_bps=guaranteed,
         oversubscribed=guaranteed > total_bps, scaled=bool(top_scaled[0]), held=held)
 
@@ -248,7 +264,7 @@ def _headroom(team: np.ndarray, n_teams: int, teams: TeamColumns, pods: PodColum
     team_cap = np.minimum(teams.max_bps, np.minimum(np.bincount(team, pods.max_bps, n_teams), capacity))
     team_cap = np.maximum(team_cap, team_alloc)
     one = np.zeros(n_teams, dtype=np.intp)
-    team_limit, _ = waterfill(one, 1, np.array([capacity]), teams.weight, team_alloc, team_cap)
+    team_limit = waterfill(one, 1, np.array([capacity]), teams.weight, team_alloc, team_cap).allocation
     spare = np.maximum(team_limit - np.bincount(team, alloc, n_teams), 0.0)
     open_weight = np.bincount(team, pods.weight * has_room, n_teams)
     share = np.where(open_weight > 0, spare / np.where(open_weight > 0, open_weight, 1.0), 0.0)
@@ -290,7 +306,7 @@ def _hold(team: np.ndarray, n_teams: int, team_max: np.ndarray, capacity: float,
     if push.any():
         held &= ~push
         kept = np.where(held, before, after)
-    return kept, held
+    return kept, held & (before != after)
 
 
 # -- the object form -------------------------------------------------------------------------
@@ -387,7 +403,7 @@ def _realign(previous: AllocationResult, keys: tuple[str, ...]) -> ColumnarResul
     alloc = np.where(known, prev.allocation[at], np.nan) if len(keys) else np.zeros(0)
     limit = np.where(known, prev.limit[at], np.nan) if len(keys) else np.zeros(0)
     return ColumnarResult(alloc, limit, prev.team_allocation, prev.team_limit, prev.team_demand, prev.team_guarantee,
-                          prev.team_pods, prev.team_scaled, prev.total_bps, prev.capacity_bps, prev.gain,
+                          prev.team_pods, prev.team_scaled, prev.team_level, prev.total_bps, prev.capacity_bps, prev.gain,
                           prev.guaranteed_bps, prev.oversubscribed, prev.scaled, prev.held)
 
 

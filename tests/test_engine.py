@@ -23,8 +23,8 @@ def policy_from(text):
 
 def flat(capacity, weights, floors, uppers):
     n = len(weights)
-    alloc, scaled = waterfill(np.zeros(n, dtype=np.intp), 1, np.array([float(capacity)]), np.array(weights, float),
-                              np.array(floors, float), np.array(uppers, float))
+    alloc, scaled, _ = waterfill(np.zeros(n, dtype=np.intp), 1, np.array([float(capacity)]),
+                                 np.array(weights, float), np.array(floors, float), np.array(uppers, float))
     return list(np.round(alloc, 6)), bool(scaled[0])
 
 
@@ -396,6 +396,19 @@ def test_hysteresis_never_breaks_capacity_or_caps(case, data):
     assert (np.bincount(pods.team, second.allocation, len(teams.names)) <= teams.max_bps + EPS).all()
 
 
+@PROPS
+@given(scenarios(), st.data())
+def test_warm_start_from_the_previous_round_gives_the_same_answer(case, data):
+    teams, pods, total = case
+    first = allocate_columns(teams, pods, total)
+    factor = data.draw(st.sampled_from([0.5, 0.99, 1.0, 1.01, 3.0]))
+    moved = PodColumns(pods.team, pods.weight, pods.min_bps, pods.max_bps, pods.demand_bps * factor)
+    no_hysteresis = EngineConfig(hysteresis=0.0)
+    warm = allocate_columns(teams, moved, total, previous=first, config=no_hysteresis)
+    cold = allocate_columns(teams, moved, total, config=no_hysteresis)
+    np.testing.assert_allclose(warm.allocation, cold.allocation, rtol=1e-9, atol=1e-6)
+
+
 def test_many_groups_at_once_match_one_at_a_time():
     """The vectorised water level over 200 groups equals solving each group alone."""
     rng = np.random.default_rng(7)
@@ -405,10 +418,10 @@ def test_many_groups_at_once_match_one_at_a_time():
     upper = rng.lognormal(10, 2, n)
     floor = np.where(rng.random(n) < 0.2, np.minimum(upper, 5e4), 0.0)
     capacity = rng.uniform(0, 1, groups) * np.bincount(group, upper, groups)
-    together, _ = waterfill(group, groups, capacity, weight, floor, upper)
+    together = waterfill(group, groups, capacity, weight, floor, upper).allocation
     for g in range(0, groups, 17):
         members = group == g
-        alone, _ = waterfill(np.zeros(members.sum(), np.intp), 1, capacity[g:g + 1], weight[members], floor[members],
-                             upper[members])
+        alone = waterfill(np.zeros(members.sum(), np.intp), 1, capacity[g:g + 1], weight[members], floor[members],
+                          upper[members]).allocation
         np.testing.assert_allclose(together[members], alone, rtol=1e-9)
         assert together[members].sum() <= capacity[g] * (1 + 1e-12)
