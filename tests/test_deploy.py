@@ -368,17 +368,25 @@ def test_image_build_stage_makes_a_wheel_with_the_cli(tmp_path):
 
 @pytest.fixture(scope="module")
 def installed(kube_api):
-    """deploy/base applied for real (kubectl apply -k), as an admin would; removed afterwards.
+    """deploy/base applied for real (kubectl apply -k), as an admin would; afterwards, what this
+    created is removed and what other tests had installed (the CRDs, say) is left as it was.
 
     The netagent-system namespace is left in place: deleting a namespace needs the namespace
     controller, which a bare API server does not run, and other tests may share it."""
+    rendered = [d for d in kustomize(DEPLOY / "base") if d["kind"] != "Namespace"]
+    manifest = yaml.safe_dump_all(rendered)
+    # `kubectl get -o name` prints kind.group/name, e.g. deployment.apps/netagent-controller
+    existing = {(kind.split(".")[0], name) for kind, name in (
+        line.split("/", 1) for line in kube_api.kubectl("get", "--ignore-not-found", "-o", "name", "-f", "-",
+                                                        input=manifest, check=False).stdout.split())}
     kube_api.kubectl("apply", "--server-side", "-k", str(DEPLOY / "base"))
     try:
         yield kube_api
     finally:
-        rendered = [d for d in kustomize(DEPLOY / "base") if d["kind"] != "Namespace"]
-        kube_api.kubectl("delete", "--ignore-not-found", "--wait=false", "-f", "-",
-                         input=yaml.safe_dump_all(rendered), check=False)
+        created = [d for d in rendered if (d["kind"].lower(), d["metadata"]["name"]) not in existing]
+        if created:
+            kube_api.kubectl("delete", "--ignore-not-found", "--wait=false", "-f", "-",
+                             input=yaml.safe_dump_all(created), check=False)
 
 
 def can_i(api, who: str, *what: str) -> bool:
