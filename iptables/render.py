@@ -39,6 +39,7 @@ HOOKS = ("PREROUTING", "POSTROUTING")
 # Never internet, whatever the configuration: link-local (cloud metadata, neighbour discovery),
 # multicast (MLD reports, mDNS) and the limited broadcast. Always in the internal sets.
 ALWAYS_INTERNAL = {4: ("169.254.0.0/16", "224.0.0.0/4", "255.255.255.255/32"), 6: ("fe80::/10", "ff00::/8")}
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 KINDS = ("egress_internal", "egress_internet", "ingress_internal", "ingress_internet")
 
 
@@ -173,17 +174,17 @@ def validate(state: ClassifierState) -> None:
 
 # -- building ---------------------------------------------------------------------------
 
-def _host(addr: ipaddress._BaseAddress) -> str:
+def _host(addr: Address) -> str:
     return f"{addr}/{addr.max_prefixlen}"
 
 
 def _dispatch(chains: dict[str, tuple[str, ...]], root: str, sub_tag: str, flag: str,
-              entries: list[tuple[ipaddress._BaseAddress, str]]) -> None:
+              entries: list[tuple[Address, str]]) -> None:
     """Fill `root` (and sub-chains) with a prefix tree that sends each address to its pod chain by goto."""
     bits = entries[0][0].max_prefixlen if entries else 32
     net_type = ipaddress.IPv4Network if bits == 32 else ipaddress.IPv6Network
 
-    def fill(chain: str, items: list[tuple[ipaddress._BaseAddress, str]]) -> None:
+    def fill(chain: str, items: list[tuple[Address, str]]) -> None:
         if len(items) <= FANOUT:
             chains[chain] = tuple(f"{flag} {_host(a)} -g {target}" for a, target in items)
             return
@@ -235,8 +236,8 @@ def build(state: ClassifierState, family: int, prefix: str = "NETAGENT") -> Rule
         f"-j {n['INGRESS']}",
     )
 
-    egress: list[tuple[ipaddress._BaseAddress, str]] = []
-    ingress: list[tuple[ipaddress._BaseAddress, str]] = []
+    egress: list[tuple[Address, str]] = []
+    ingress: list[tuple[Address, str]] = []
     pod_chains: dict[str, str] = {}
     for pod in sorted(state.pods, key=lambda p: p.key):
         addrs = [ipaddress.ip_address(ip) for ip in pod.ips]
