@@ -247,6 +247,15 @@ def write_kubeconfig(path: Path, server: str, ca_file: Path, user: dict, name: s
 # Processes
 
 
+def _die_with_parent() -> None:
+    """Runs in the child before exec: a pytest killed outright (SIGKILL, OOM) takes its control
+    plane along instead of leaving it running."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class Process:
     """One control-plane binary in its own process group, logging to a file."""
 
@@ -260,7 +269,8 @@ class Process:
         with open(self.log_file, "ab") as log:
             try:
                 self.popen = subprocess.Popen(
-                    self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+                    self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True, preexec_fn=_die_with_parent,
                 )
             except OSError as e:
                 raise KubeHarnessError(f"cannot start {self.name} ({self.argv[0]}): {e}") from e
@@ -734,8 +744,19 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def kube_api() -> Iterator[ControlPlane]:
     assets = require_assets(CONTROL_PLANE_BINARIES)
-    with ControlPlane(assets) as control_plane:
+    control_plane = ControlPlane(assets)
+    try:
+        control_plane.start()
+    except KubeHarnessError as e:
+        # Free ports are picked by binding and releasing them; another process can win the race.
+        if "address already in use" not in str(e):
+            raise
+        control_plane = ControlPlane(assets)
+        control_plane.start()
+    try:
         yield control_plane
+    finally:
+        control_plane.stop()
 
 
 @pytest.fixture

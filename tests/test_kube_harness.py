@@ -453,6 +453,18 @@ def test_apiserver_that_never_becomes_ready_times_out_with_cleanup():
     assert_start_fails_cleanly(control_plane, "kube-apiserver")
 
 
+def test_missing_assets_skip_with_build_hint_or_fail_when_required(tmp_path, monkeypatch):
+    monkeypatch.setenv("NETAGENT_KUBE_ASSETS", str(tmp_path))
+    monkeypatch.delenv("NETAGENT_REQUIRE_KUBE", raising=False)
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        require_assets(CONTROL_PLANE_BINARIES)
+    assert "make kube-assets" in str(skipped.value) and str(tmp_path) in str(skipped.value)
+    monkeypatch.setenv("NETAGENT_REQUIRE_KUBE", "1")
+    with pytest.raises(pytest.fail.Exception) as failed:
+        require_assets(CONTROL_PLANE_BINARIES)
+    assert "make kube-assets" in str(failed.value)
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input: building the assets
 
