@@ -98,6 +98,14 @@ def test_apply_is_idempotent_and_adopted_by_a_fresh_classifier(netns, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_backend_follows_kubelets_hint_chain(netns, backend):
+    assert Classifier(netns=netns).backend == "nft"  # an empty node
+    sh(f"ip6tables-{backend} -t mangle -N KUBE-IPTABLES-HINT", netns)
+    assert Classifier(netns=netns).backend == backend
+    assert Classifier(backend="legacy" if backend == "nft" else "nft", netns=netns).backend != backend  # override
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_change_one_pod_then_remove_one(netns, backend):
     clf = Classifier(backend=backend, netns=netns)
     clf.apply(state(4))
@@ -145,7 +153,11 @@ def test_cleanup_leaves_no_residue_and_spares_neighbours(netns, backend):
     before = dumps(netns)
     clf = Classifier(backend=backend, netns=netns)
     clf.apply(state(5))
-    assert dumps(netns) != before
+    applied = dumps(netns)
+    assert applied != before
+    for name, text in applied.items():  # while we are in place, every other line is as it was
+        if name != "ipset":
+            assert [ln for ln in text.splitlines() if "NETAGENT" not in ln] == before[name].splitlines()
     removed = clf.cleanup()
     assert "ipset netagent-internal4" in removed and any("NETAGENT-POSTROUTING" in r for r in removed)
     assert dumps(netns) == before
