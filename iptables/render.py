@@ -31,7 +31,7 @@ from iptables.parse import normalise
 TABLE = "mangle"
 FANOUT = 16  # rules per dispatch chain before it splits into sub-chains
 MAX_CHAIN_NAME = 28  # XT_EXTENSION_MAXNAMELEN - 1
-MAX_COMMENT = 255
+MAX_KEY_IN_COMMENT = 200  # xt_comment holds 255 bytes; the kind ("egress internet") must always fit
 _PREFIX_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,11}$")
 _IFNAME_RE = re.compile(r"^[^\s/:\"']{1,15}$")
 _KEY_RE = re.compile(r"^[^\"\\\n\r\t]{1,}$")
@@ -93,7 +93,15 @@ def classify_target(tc_class: tuple[int, int]) -> str:
 
 
 def comment(text: str) -> str:
-    return f'-m comment --comment "{text[:MAX_COMMENT - 20]}"'
+    return f'-m comment --comment "{text}"'
+
+
+def counting_comment(key: str, direction: str, scope: str) -> str:
+    """`<pod key> <direction> <scope>`; a key too long for xt_comment is cut and tagged with its hash
+    (counters then take the key from the chain name, which `apply` maps back)."""
+    if len(key.encode()) > MAX_KEY_IN_COMMENT:
+        key = key.encode()[:MAX_KEY_IN_COMMENT - 12].decode(errors="ignore") + "~" + short_hash(key)
+    return comment(f"{key} {direction} {scope}")
 
 
 # -- validation -------------------------------------------------------------------------
@@ -246,13 +254,13 @@ def build(state: ClassifierState, family: int, prefix: str = "NETAGENT") -> Rule
             continue
         e_chain, i_chain = pod_chain(prefix, "egress", pod.key), pod_chain(prefix, "ingress", pod.key)
         chains[e_chain] = (
-            f"-m set --match-set {internal} dst {comment(pod.key + ' egress internal')} -j RETURN",
-            f"{comment(pod.key + ' egress internet')} -j MARK --set-xmark {mark}",
+            f"-m set --match-set {internal} dst {counting_comment(pod.key, 'egress', 'internal')} -j RETURN",
+            f"{counting_comment(pod.key, 'egress', 'internet')} -j MARK --set-xmark {mark}",
             f"-j CLASSIFY --set-class {classify_target(pod.tc_class)}",
         )
         chains[i_chain] = (
-            f"-m set --match-set {internal} src {comment(pod.key + ' ingress internal')} -j RETURN",
-            f"{comment(pod.key + ' ingress internet')} -j RETURN",
+            f"-m set --match-set {internal} src {counting_comment(pod.key, 'ingress', 'internal')} -j RETURN",
+            f"{counting_comment(pod.key, 'ingress', 'internet')} -j RETURN",
         )
         pod_chains[e_chain] = pod.key
         pod_chains[i_chain] = pod.key

@@ -138,6 +138,14 @@ def test_drift_is_repaired(netns, backend):
     assert {tool: our_dump(netns, backend, tool) for tool in ("iptables", "ip6tables")} == good
 
 
+def test_longest_pod_key_fits_and_counts(netns):
+    key = "n" * 63 + "/" + "p" * 253
+    clf = Classifier(backend="nft", netns=netns)
+    clf.apply(state(pod_list=(PodClassification(key, ("10.244.0.9", "fd00:244::9"), (1, 9)),)))
+    assert clf.apply(state(pod_list=(PodClassification(key, ("10.244.0.9", "fd00:244::9"), (1, 9)),)))["iptables"] == 0
+    assert list(clf.counters()[0]) == [key]
+
+
 def test_internal_cidrs_are_swapped_atomically(netns):
     clf = Classifier(backend="nft", netns=netns)
     clf.apply(state(2))

@@ -84,6 +84,15 @@ def test_pod_chains_count_each_direction_and_scope():
     assert rs.pod_chains == {e: "ns/p0", i: "ns/p0"}
 
 
+def test_long_pod_keys_keep_the_counted_kind_in_the_comment():
+    key = "n" * 63 + "/" + "p" * 253  # the longest Kubernetes namespace/name
+    rs = R.build(state(pods=(PodClassification(key, ("10.244.0.9",), (1, 9)),)), 4)
+    texts = [comment_of(r) for r in rs.chains[R.pod_chain("NETAGENT", "egress", key)][:2]]
+    assert all(len(t.encode()) < 255 for t in texts)
+    assert texts[0].endswith(" egress internal") and texts[1].endswith(" egress internet")
+    assert rs.pod_chains[R.pod_chain("NETAGENT", "egress", key)] == key
+
+
 @pytest.mark.parametrize("family", [4, 6])
 def test_dispatch_reaches_every_pod_in_few_rules(family):
     st = state(110)
