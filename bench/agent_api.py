@@ -81,7 +81,7 @@ def serve(port: int, nodes: int, period: float, cpu: int, ready, stats_pipe) -> 
         return {"authenticated": True, "user": {"username": "system:serviceaccount:netagent:agent",
                                                 "extra": {NODE_CLAIM: [token.removeprefix("token-")]}}}
 
-    state = ControllerState(Adapter(lambda: policy), locate_pod=lambda ns, name: where.get((ns, name)),
+    state = ControllerState(Adapter(lambda: policy), locate_pods=lambda keys: [where.get(k) for k in keys],
                             report_ttl=3600)
 
     def on_round(result):

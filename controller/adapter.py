@@ -16,9 +16,12 @@ allocation engine once over all of them, and splits the result back per node:
   node_internet_egress_bps, when agents report it, fed to the engine at most once per
   report period (the longest period_seconds among the reports).
 
-Cost: one Python step per pod to gather columns (the policy resolution is cached per
-distinct (namespace, class, bandwidth) triple), numpy for the rest; per-node answer
-lists are built when that node next reports, not for all nodes in the round.
+Cost: each report's pods are resolved into columns when it arrives (`prepare`; the policy
+resolution is cached per distinct (namespace, class, bandwidth) triple), so a round only
+concatenates columns and runs the engine, with no Python step per pod; per-node answer
+lists are built and encoded when that node next reports, not for all nodes in the round.
+A pod that moved between nodes counts in both nodes' reports until the old node's next
+report (with the node binding, the old node can no longer report it).
 """
 from __future__ import annotations
 
@@ -108,8 +111,21 @@ class NodeAllocations(Mapping):
         return len(self._spans)
 
 
+@dataclass
+class PreparedReport:
+    """A node report with its pods' policy resolved into columns (done at submit time)."""
+
+    report: NodeReport
+    policy: object  # the Policy the rows were resolved against
+    keys: tuple[tuple[str, str], ...]  # (namespace, name) per pod
+    rows: np.ndarray  # (pods, 5): team index, class index, weight, min, max
+    demand: np.ndarray
+    usage: np.ndarray
+
+
 class Adapter:
-    """Callable for ControllerState: (reports by node) -> RoundResult.
+    """Callable for ControllerState: (prepared reports by node) -> RoundResult; `prepare` runs
+    per report at submit time, so a round only concatenates columns and runs the engine.
 
     `policy` returns the current (Policy, problems) from the watched or loaded CRDs;
     `namespace_labels` (optional) returns a namespace's labels for teams chosen by
@@ -122,105 +138,120 @@ class Adapter:
         self.namespace_labels = namespace_labels or (lambda ns: None)
         self.clock = clock
         self._last_feedback = float("-inf")
-        self._previous = None  # (pod keys, ColumnarResult): hysteresis and the feedback gain across rounds
-        self._tables = None  # per Policy: team columns, name tuples, the resolution cache
+        self._previous: dict[str, tuple[tuple, np.ndarray, np.ndarray]] = {}  # node -> (keys, allocation, limit)
+        self._gain_carrier = None  # the last ColumnarResult: carries the feedback gain
+        self._tables = None  # per Policy: team columns, name tuples and indexes, the resolution cache
 
-    def _policy_tables(self, policy):
+    def _policy_tables(self, policy) -> tuple:
         from .engine import TeamColumns
 
         if self._tables is None or self._tables[0] is not policy:
             team_names = tuple(t.name for t in policy.teams)
             class_names = tuple(policy.classes)
-            self._tables = (policy, TeamColumns.from_policy(policy), team_names, class_names, {})
+            self._tables = (policy, TeamColumns.from_policy(policy), team_names, class_names,
+                            {n: i for i, n in enumerate(team_names)}, {n: i for i, n in enumerate(class_names)}, {})
         return self._tables[1:]
 
-    def _resolve(self, policy, cache: dict, team_index: dict, class_index: dict,
-                 namespace: str, egress_class: str | None, bandwidth: str | None) -> tuple:
+    def prepare(self, report: NodeReport) -> PreparedReport:
         from .policy import resolve_pod
 
-        pp = resolve_pod(policy, namespace, egress_class, bandwidth, self.namespace_labels(namespace))
-        row = cache[(namespace, egress_class, bandwidth)] = (
-            team_index[pp.team], class_index[pp.egress_class], float(pp.weight), float(pp.min_bps), float(pp.max_bps))
-        return row
+        policy, _ = self.policy()
+        _, _, _, team_index, class_index, cache = self._policy_tables(policy)
+        pods = report.pods
+        rows = []
+        for p in pods:
+            triple = (p.namespace, p.egress_class, p.egress_bandwidth)
+            row = cache.get(triple)
+            if row is None:
+                pp = resolve_pod(policy, p.namespace, p.egress_class, p.egress_bandwidth,
+                                 self.namespace_labels(p.namespace))
+                row = cache[triple] = (team_index[pp.team], class_index[pp.egress_class], float(pp.weight),
+                                       float(pp.min_bps), float(pp.max_bps))
+            rows.append(row)
+        n = len(pods)
+        return PreparedReport(
+            report, policy, tuple(zip([p.namespace for p in pods], [p.name for p in pods])),
+            np.array(rows, dtype=np.float64).reshape(n, 5),
+            np.fromiter([p.demand_bps for p in pods], dtype=np.float64, count=n),
+            np.fromiter([p.usage_bps for p in pods], dtype=np.float64, count=n),
+        )
 
-    def __call__(self, reports: dict[str, NodeReport]) -> RoundResult:
+    def __call__(self, reports: dict[str, PreparedReport | NodeReport]) -> RoundResult:
         from .engine import PodColumns, allocate_columns
 
         policy, problems = self.policy()
-        team_cols, team_names, class_names, cache = self._policy_tables(policy)
-        team_index = {n: i for i, n in enumerate(team_names)}
-        class_index = {n: i for i, n in enumerate(class_names)}
-
-        keys: list[tuple[str, str]] = []
-        rows: list[tuple] = []
-        demand: list[float] = []
-        usage: list[float] = []
-        spans: dict[str, tuple[int, list[PodReport]]] = {}
-        seen: set[tuple[str, str]] = set()
-        measured, any_measured, report_period = 0.0, False, 0.0
-        for node in sorted(reports):  # a stable order: unchanged pods keep their index between rounds
-            rep = reports[node]
-            report_period = max(report_period, rep.period_seconds)
-            if rep.node_internet_egress_bps > 0:
-                any_measured = True
-                measured += rep.node_internet_egress_bps
-            start, kept = len(keys), []
-            for p in rep.pods:
-                key = (p.namespace, p.name)
-                if key in seen:  # a pod that moved, still in its old node's last report: counted once
-                    continue
-                seen.add(key)
-                row = cache.get((p.namespace, p.egress_class, p.egress_bandwidth))
-                if row is None:
-                    row = self._resolve(policy, cache, team_index, class_index,
-                                        p.namespace, p.egress_class, p.egress_bandwidth)
-                keys.append(key)
-                rows.append(row)
-                demand.append(p.demand_bps)
-                usage.append(p.usage_bps)
-                kept.append(p)
-            spans[node] = (start, kept)
-
-        n = len(keys)
-        table = np.array(rows, dtype=np.float64).reshape(n, 5)
+        team_cols, team_names, class_names, _, _, _ = self._policy_tables(policy)
+        nodes = sorted(reports)  # a stable order: unchanged pods keep their index between rounds
+        prepared = []
+        for node in nodes:
+            item = reports[node]
+            if not isinstance(item, PreparedReport) or item.policy is not policy:  # the policy changed since
+                item = self.prepare(item if isinstance(item, NodeReport) else item.report)
+            prepared.append(item)
+        n = sum(len(item.keys) for item in prepared)
+        table = np.concatenate([item.rows for item in prepared]) if prepared else np.zeros((0, 5))
+        demand = np.concatenate([item.demand for item in prepared]) if prepared else np.zeros(0)
+        usage = np.concatenate([item.usage for item in prepared]) if prepared else np.zeros(0)
         team = table[:, 0].astype(np.intp)
         cls = table[:, 1].astype(np.intp)
-        demand_a = np.array(demand, dtype=np.float64)
-        usage_a = np.array(usage, dtype=np.float64)
         pods = PodColumns(team=team, weight=table[:, 2].copy(), min_bps=table[:, 3].copy(),
-                          max_bps=table[:, 4].copy(), demand_bps=demand_a)
-        total = float(policy.total_bps)
+                          max_bps=table[:, 4].copy(), demand_bps=demand)
+
+        measured = sum(item.report.node_internet_egress_bps for item in prepared)
+        any_measured = any(item.report.node_internet_egress_bps > 0 for item in prepared)
+        report_period = max((item.report.period_seconds for item in prepared), default=0.0)
         # the measured total changes once per report period: feeding it to the gain in every
         # round of a shorter allocation period would apply the same correction several times
         feedback = None
         now = self.clock()
         if any_measured and now - self._last_feedback >= report_period * 0.9:
             feedback, self._last_feedback = measured, now
-        result = allocate_columns(team_cols, pods, total, feedback, self._aligned_previous(keys))
-        self._previous = (keys, result)
+        total = float(policy.total_bps)
+        result = allocate_columns(team_cols, pods, total, feedback, self._aligned_previous(nodes, prepared))
         alloc, limit = result.allocation, result.limit
 
+        spans: dict[str, tuple[int, list[PodReport]]] = {}
+        node_rate: dict[str, float] = {}
+        previous: dict[str, tuple[tuple, np.ndarray, np.ndarray]] = {}
+        start = 0
+        for node, item in zip(nodes, prepared):
+            end = start + len(item.keys)
+            spans[node] = (start, item.report.pods)
+            node_rate[node] = min(total, float(limit[start:end].sum()))
+            previous[node] = (item.keys, alloc[start:end], limit[start:end])
+            start = end
+        self._previous, self._gain_carrier = previous, result
         by_node = NodeAllocations(spans, team, cls, team_names, class_names, alloc, limit)
-        node_rate = {}
-        for node, (start, kept) in spans.items():
-            node_rate[node] = min(total, float(limit[start:start + len(kept)].sum()))
         floor = max(MIN_SAFE_FLOOR_BPS, total / max(1, n))
-        summary = self._summary(policy, problems, result, team, cls, team_names, class_names, demand_a, usage_a,
-                                measured if any_measured else float(usage_a.sum()), len(reports))
+        summary = self._summary(policy, problems, result, team, cls, team_names, class_names, demand, usage,
+                                measured if any_measured else float(usage.sum()), len(reports))
         return RoundResult(by_node, node_rate, floor, summary)
 
-    def _aligned_previous(self, keys: list[tuple[str, str]]):
-        """The previous round's per-pod numbers in this round's order (NaN for new pods)."""
-        if self._previous is None:
+    def _aligned_previous(self, nodes: list[str], prepared: list[PreparedReport]):
+        """The previous round's per-pod numbers in this round's order (NaN for pods it did not
+        have), node by node: a node whose pod list did not change costs one tuple comparison."""
+        if self._gain_carrier is None:
             return None
-        old_keys, prev = self._previous
-        if old_keys == keys:
-            return prev
-        position = {k: i for i, k in enumerate(old_keys)}
-        at = np.fromiter((position.get(k, -1) for k in keys), dtype=np.intp, count=len(keys))
-        known = at >= 0
-        return replace(prev, allocation=np.where(known, prev.allocation[at], np.nan),
-                       limit=np.where(known, prev.limit[at], np.nan))
+        allocs, limits = [], []
+        for node, item in zip(nodes, prepared):
+            old = self._previous.get(node)
+            if old is not None and old[0] == item.keys:
+                allocs.append(old[1])
+                limits.append(old[2])
+                continue
+            a = np.full(len(item.keys), np.nan)
+            lim = np.full(len(item.keys), np.nan)
+            if old is not None:
+                position = {k: i for i, k in enumerate(old[0])}
+                for i, k in enumerate(item.keys):
+                    j = position.get(k)
+                    if j is not None:
+                        a[i], lim[i] = old[1][j], old[2][j]
+            allocs.append(a)
+            limits.append(lim)
+        empty = np.zeros(0)
+        return replace(self._gain_carrier, allocation=np.concatenate(allocs) if allocs else empty,
+                       limit=np.concatenate(limits) if limits else empty)
 
     @staticmethod
     def _summary(policy, problems, result, team, cls, team_names, class_names, demand, usage, used_total,

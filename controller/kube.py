@@ -211,8 +211,9 @@ class ClusterView:
         waiting = [c.name for c in self.caches if not c.synced.is_set()]
         return (not waiting, f"waiting for the first list of {', '.join(waiting)}" if waiting else "caches synced")
 
-    def locate_pod(self, namespace: str, name: str) -> str | None:
-        return self.pods.items.get((namespace, name))
+    def locate_pods(self, keys: list[tuple[str, str]]) -> list[str | None]:
+        where = self.pods.items.get
+        return [where(k) for k in keys]
 
     def namespace_labels(self, namespace: str) -> dict[str, str] | None:
         return self.namespaces.items.get(namespace)

@@ -116,8 +116,9 @@ class FilePolicy:
     def policy_objects(self) -> tuple[list[dict], list[dict]]:
         return list(self.snapshot.classes), list(self.snapshot.budgets)
 
-    def locate_pod(self, namespace: str, name: str) -> str | None:
-        return self._where.get((namespace, name))
+    def locate_pods(self, keys: list[tuple[str, str]]) -> list[str | None]:
+        where = self._where.get
+        return [where(k) for k in keys]
 
     def has_pods(self) -> bool:
         return bool(self.snapshot.pods)
@@ -167,14 +168,14 @@ class Controller:
         self.files: FilePolicy | None = None
         self.cluster = None
         auth = None
-        locate_pod = None
+        locate_pods = None
         namespace_labels = None
         if args.from_file:
             self.files = FilePolicy(args.from_file)
             policy = PolicyCache(self.files.policy_objects)
             self.files.on_change = policy.invalidate
             if self.files.has_pods():
-                locate_pod = self.files.locate_pod
+                locate_pods = self.files.locate_pods
             if not args.no_auth:
                 raise ValueError("--from-file runs without a cluster, so agents cannot be authenticated: add --no-auth")
             readiness = lambda: (True, "policy from files")  # noqa: E731
@@ -187,7 +188,7 @@ class Controller:
             self.cluster = ClusterView(api, on_policy_change=policy.invalidate,
                                        on_event=lambda resource, kind: self.metrics.watch_events.labels(
                                            resource, kind).inc())
-            locate_pod, namespace_labels, readiness = (self.cluster.locate_pod, self.cluster.namespace_labels,
+            locate_pods, namespace_labels, readiness = (self.cluster.locate_pods, self.cluster.namespace_labels,
                                                       self.cluster.synced)
             identity = args.identity or f"{socket.gethostname()}@{self.advertise}"
             self.elector = LeaderElector(api, args.namespace, args.lease_name, identity,
@@ -212,7 +213,7 @@ class Controller:
         self.auth = auth
         leading = (lambda: self.elector.leading) if self.elector else (lambda: True)
         self.state = ControllerState(
-            Adapter(policy, namespace_labels), locate_pod=locate_pod, lease_seconds=args.lease_seconds,
+            Adapter(policy, namespace_labels), locate_pods=locate_pods, lease_seconds=args.lease_seconds,
             report_ttl=args.report_ttl, leader=leading,
             leader_address=(lambda: self.elector.leader_address()) if self.elector else (lambda: None),
             readiness=readiness, answer_wait=args.answer_wait,

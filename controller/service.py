@@ -39,19 +39,21 @@ class RoundResult:
     wall_time: float = 0.0  # Unix time the round finished, set by ControllerState
 
 
-# (reports by node) -> RoundResult; the engine adapter provides it
-Allocate = Callable[[dict[str, NodeReport]], RoundResult]
-# (namespace, pod) -> node name, or None if the pod is unknown
-PodLocator = Callable[[str, str], str | None]
+# (prepared reports by node) -> RoundResult; the engine adapter provides it
+Allocate = Callable[[dict[str, object]], RoundResult]
+# [(namespace, pod), ...] -> [node name, or None for a pod unknown, ...]
+PodLocator = Callable[[list[tuple[str, str]]], list[str | None]]
 
 
 class ControllerState:
-    def __init__(self, allocate: Allocate, locate_pod: PodLocator | None = None, lease_seconds: float = 30.0,
+    def __init__(self, allocate: Allocate, locate_pods: PodLocator | None = None, lease_seconds: float = 30.0,
                  report_ttl: float = 60.0, leader: Callable[[], bool] = lambda: True,
                  leader_address: Callable[[], str | None] = lambda: None,
                  readiness: Callable[[], tuple[bool, str]] = lambda: (True, ""), answer_wait: float = 0.0):
         self.allocate = allocate
-        self.locate_pod = locate_pod
+        # per report, at submit time: the work a round would otherwise do per pod (adapter.prepare)
+        self.prepare: Callable[[NodeReport], object] = getattr(allocate, "prepare", lambda report: report)
+        self.locate_pods = locate_pods
         self.lease_seconds = lease_seconds
         self.report_ttl = report_ttl  # a node silent this long is dropped from the round
         self._leader = leader
@@ -61,7 +63,7 @@ class ControllerState:
         # it answers: one report period less of control-loop delay (see docs/controller.md)
         self.answer_wait = answer_wait
         self._round_waiters: list[asyncio.Future] = []
-        self.latest: dict[str, tuple[float, NodeReport]] = {}
+        self.latest: dict[str, tuple[float, object]] = {}  # node -> (monotonic, prepared report)
         self.result: RoundResult | None = None
         self.generation = 0
         self.last_error = ""
@@ -96,26 +98,28 @@ class ControllerState:
 
     def submit(self, identity: Identity | None, report: NodeReport) -> NodeAnswer:
         problems: list[str] = []
-        seen: set[tuple[str, str]] = set()
-        keep = []
-        for p in report.pods:
-            key = (p.namespace, p.name)
-            if key in seen:
-                raise ReportRejected(422, "Invalid", f"pod {p.namespace}/{p.name} appears twice in the report")
-            seen.add(key)
-            if self.locate_pod is not None:
-                where = self.locate_pod(p.namespace, p.name)
-                if where is None:
-                    problems.append(f"pod {p.namespace}/{p.name} is unknown to the controller yet; not allocated")
-                    continue
-                if where != report.node:
-                    raise ReportRejected(403, "PodNotOnNode",
-                                         f"pod {p.namespace}/{p.name} is on node {where!r}, not {report.node!r}")
-            keep.append(p)
-        if len(keep) != len(report.pods):
-            report = NodeReport(report.node, keep, report.seq, report.period_seconds, report.node_internet_egress_bps)
+        keys = list(zip([p.namespace for p in report.pods], [p.name for p in report.pods]))
+        if len(set(keys)) != len(keys):
+            seen: set[tuple[str, str]] = set()
+            twice = next(k for k in keys if k in seen or seen.add(k))
+            raise ReportRejected(422, "Invalid", f"pod {twice[0]}/{twice[1]} appears twice in the report")
+        if self.locate_pods is not None:
+            where = self.locate_pods(keys)
+            if where.count(report.node) != len(where):  # the fast path: every pod is where it says
+                keep = []
+                for p, key, node in zip(report.pods, keys, where):
+                    if node is None:
+                        problems.append(f"pod {p.namespace}/{p.name} is unknown to the controller yet; not allocated")
+                    elif node != report.node:
+                        raise ReportRejected(403, "PodNotOnNode",
+                                             f"pod {p.namespace}/{p.name} is on node {node!r}, not {report.node!r}")
+                    else:
+                        keep.append(p)
+                report = NodeReport(report.node, keep, report.seq, report.period_seconds,
+                                    report.node_internet_egress_bps)
+        prepared = self.prepare(report)
         with self._lock:
-            self.latest[report.node] = (time.monotonic(), report)
+            self.latest[report.node] = (time.monotonic(), prepared)
             result = self.result
         return self._answer(report.node, result, problems)
 
@@ -136,7 +140,7 @@ class ControllerState:
         now = time.monotonic()
         with self._lock:
             self.latest = {n: v for n, v in self.latest.items() if now - v[0] <= self.report_ttl}
-            reports = {n: r for n, (_, r) in self.latest.items()}
+            reports = {n: prepared for n, (_, prepared) in self.latest.items()}
         if not reports:
             return None
         t0 = time.perf_counter()

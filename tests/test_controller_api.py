@@ -128,7 +128,7 @@ async def test_chunked_body_is_read_whole():
     async with serve(state) as (session, base):
         async with session.post(f"{base}/v1/nodes/node-a/report", data=chunks()) as r:
             assert r.status == 200, await r.text()
-    assert len(state.latest["node-a"][1].pods) == 110
+    assert len(state.latest["node-a"][1].report.pods) == 110
 
 
 # -- rate limiting -----------------------------------------------------------------------------
@@ -147,17 +147,17 @@ async def test_rate_limit_is_per_node():
 
 async def test_pod_of_another_node_is_refused():
     where = {("web", "w1"): "node-a", ("web", "w2"): "node-b"}
-    state = new_state(locate_pod=lambda ns, name: where.get((ns, name)))
+    state = new_state(locate_pods=lambda keys: [where.get(k) for k in keys])
     async with serve(state) as (session, base):
         assert (await post(session, base, "node-a", report("node-a", [pod("web", "w1")])))[0] == 200
         code, answer, _ = await post(session, base, "node-a", report("node-a", [pod("web", "w1"), pod("web", "w2")]))
         assert (code, answer["reason"]) == (403, "PodNotOnNode")
         assert "web/w2 is on node 'node-b', not 'node-a'" in answer["error"]
-        assert [p.name for p in state.latest["node-a"][1].pods] == ["w1"]  # the earlier report stands
+        assert [p.name for p in state.latest["node-a"][1].report.pods] == ["w1"]  # the earlier report stands
 
         code, answer, _ = await post(session, base, "node-a", report("node-a", [pod("web", "w1"), pod("web", "new")]))
         assert code == 200 and any("web/new is unknown" in p for p in answer["problems"])
-        assert [p.name for p in state.latest["node-a"][1].pods] == ["w1"]  # unknown pods are not allocated
+        assert [p.name for p in state.latest["node-a"][1].report.pods] == ["w1"]  # unknown pods are not allocated
 
 
 # -- allocations -----------------------------------------------------------------------------------
