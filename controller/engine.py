@@ -16,7 +16,7 @@ exactly (or every member is satisfied).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -400,11 +400,8 @@ def _realign(previous: AllocationResult, keys: tuple[str, ...]) -> ColumnarResul
     position: Mapping[str, int] = {k: i for i, k in enumerate(previous.keys)}
     at = np.fromiter((position.get(k, -1) for k in keys), dtype=np.intp, count=len(keys))
     known = at >= 0
-    alloc = np.where(known, prev.allocation[at], np.nan) if len(keys) else np.zeros(0)
-    limit = np.where(known, prev.limit[at], np.nan) if len(keys) else np.zeros(0)
-    return ColumnarResult(alloc, limit, prev.team_allocation, prev.team_limit, prev.team_demand, prev.team_guarantee,
-                          prev.team_pods, prev.team_scaled, prev.team_level, prev.total_bps, prev.capacity_bps, prev.gain,
-                          prev.guaranteed_bps, prev.oversubscribed, prev.scaled, prev.held)
+    return replace(prev, allocation=np.where(known, prev.allocation[at], np.nan),
+                   limit=np.where(known, prev.limit[at], np.nan))
 
 
 def _class_totals(pods: Sequence[PodDemandIn], columns: PodColumns, result: ColumnarResult) -> dict[str, Totals]:
