@@ -80,6 +80,7 @@ class Classifier:
         self._carried: dict[str, dict[str, int]] = {}
         self._node_carried = _empty_counts()
         self._built: tuple[ClassifierState | None, dict[int, R.Ruleset]] = (None, {})
+        self._other_backend_clear = False  # our chains in the other backend are removed by the first apply
 
     def _keep(self, chain: str) -> bool:
         return chain in BUILTIN or R.is_ours(chain, self.prefix)
@@ -108,6 +109,10 @@ class Classifier:
         except IptablesError as exc:
             self._roll_back(done, previous_sets)
             raise IptablesError(f"applying the classifier rules failed; the previous rules stay in force: {exc}") from exc
+        if not self._other_backend_clear:
+            # a node that switched backends: our old rules there would still mark packets
+            changes += len(self._remove_chains(next(b for b in BACKENDS if b != self.backend)))
+            self._other_backend_clear = True
         keys = {p.key for p in state.pods}
         self._chain_keys = {c: k for rs in rulesets.values() for c, k in rs.pod_chains.items()}
         self._carried = {k: v for k, v in self._carried.items() if k in keys}
@@ -264,27 +269,7 @@ class Classifier:
         """Remove exactly what netagent created (chains, hook rules, ipsets), in both backends; idempotent."""
         removed: list[str] = []
         for backend in BACKENDS:
-            if shutil.which(self.runner.tool(4, backend, "save")) is None:
-                continue
-            for family in FAMILIES:
-                # the whole dump, never `-t mangle`: on legacy that would create the table
-                table = parse_save(self.runner.save(family, backend, None)).get(R.TABLE)
-                chains, jumps = _our_state(table, self.prefix)
-                if not chains and not jumps:
-                    continue
-                if foreign := _foreign_references(table, self.prefix):
-                    raise IptablesError(
-                        f"cannot remove netagent's chains: other rules jump to them ({'; '.join(foreign[:3])} in "
-                        f"{self.runner.tool(family, backend, 'cmd')} -t {R.TABLE}); remove those rules first")
-                lines = [f"*{R.TABLE}"]
-                lines += [f"-D {hook} {rule}" for hook, rule in jumps]
-                lines += [f":{c} - [0:0]" for c in chains]
-                lines += [f"-X {c}" for c in chains]
-                lines.append("COMMIT")
-                self.runner.restore(family, backend, "\n".join(lines) + "\n")
-                tool = self.runner.tool(family, backend, "cmd")
-                removed += [f"{tool} -t {R.TABLE} -D {hook} {rule}" for hook, rule in jumps]
-                removed += [f"{tool} -t {R.TABLE} chain {c}" for c in sorted(chains)]
+            removed += self._remove_chains(backend)
         existing = set(self.runner.run(["ipset", "list", "-n"]).stdout.split())
         for family in FAMILIES:
             for name in self._set_names(family):
@@ -294,4 +279,30 @@ class Classifier:
         self._chain_keys.clear()
         self._carried.clear()
         self._node_carried = _empty_counts()
+        return removed
+
+    def _remove_chains(self, backend: str) -> list[str]:
+        """Delete our hooks and chains from one backend, both families; -> what was removed."""
+        removed: list[str] = []
+        if shutil.which(self.runner.tool(4, backend, "save")) is None:
+            return removed
+        for family in FAMILIES:
+            # the whole dump, never `-t mangle`: on legacy that would create the table
+            table = parse_save(self.runner.save(family, backend, None)).get(R.TABLE)
+            chains, jumps = _our_state(table, self.prefix)
+            if not chains and not jumps:
+                continue
+            if foreign := _foreign_references(table, self.prefix):
+                raise IptablesError(
+                    f"cannot remove netagent's chains: other rules jump to them ({'; '.join(foreign[:3])} in "
+                    f"{self.runner.tool(family, backend, 'cmd')} -t {R.TABLE}); remove those rules first")
+            lines = [f"*{R.TABLE}"]
+            lines += [f"-D {hook} {rule}" for hook, rule in jumps]
+            lines += [f":{c} - [0:0]" for c in chains]
+            lines += [f"-X {c}" for c in chains]
+            lines.append("COMMIT")
+            self.runner.restore(family, backend, "\n".join(lines) + "\n")
+            tool = self.runner.tool(family, backend, "cmd")
+            removed += [f"{tool} -t {R.TABLE} -D {hook} {rule}" for hook, rule in jumps]
+            removed += [f"{tool} -t {R.TABLE} chain {c}" for c in sorted(chains)]
         return removed

@@ -138,6 +138,14 @@ def test_drift_is_repaired(netns, backend):
     assert {tool: our_dump(netns, backend, tool) for tool in ("iptables", "ip6tables")} == good
 
 
+def test_switching_backend_removes_our_rules_from_the_old_one(netns):
+    Classifier(backend="legacy", netns=netns).apply(state(3))
+    assert our_dump(netns, "legacy")
+    result = Classifier(backend="nft", netns=netns).apply(state(3))
+    assert result["iptables"] > 0 and our_dump(netns, "nft")
+    assert our_dump(netns, "legacy") == [] and our_dump(netns, "legacy", "ip6tables") == []
+
+
 def test_longest_pod_key_fits_and_counts(netns):
     key = "n" * 63 + "/" + "p" * 253
     clf = Classifier(backend="nft", netns=netns)
