@@ -305,17 +305,6 @@ class Process:
             pass
 
 
-def _wait_until(predicate, timeout: float, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(interval)
-
-
 # ---------------------------------------------------------------------------------------------
 # The control plane
 

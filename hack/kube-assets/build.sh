@@ -28,9 +28,15 @@ declare -A package=(
 )
 declare -A module_dir=([kwok]="$here/kwok")
 
+# A binary is rebuilt when its module's go.mod/go.sum changed since it was built (a stamp next
+# to it records them); binaries without a stamp (put there by hand) are used as they are.
+module_stamp() { cat "$1/go.mod" "$1/go.sum" | sha256sum | cut -c1-16; }
 missing=()
 for b in "${binaries[@]}"; do
-  [[ -x $bin_dir/$b ]] || missing+=("$b")
+  stamp_file="$bin_dir/.$b.stamp"
+  if [[ ! -x $bin_dir/$b ]] || { [[ -f $stamp_file ]] && [[ $(<"$stamp_file") != $(module_stamp "${module_dir[$b]:-$here}") ]]; }; then
+    missing+=("$b")
+  fi
 done
 if ((${#missing[@]} == 0)); then
   echo "kube-assets: Kubernetes $kube_version test binaries are up to date in:"
@@ -85,6 +91,7 @@ for b in "${missing[@]}"; do
     exit 1
   fi
   mv "$bin_dir/$b.tmp" "$bin_dir/$b"
+  module_stamp "$dir" >"$bin_dir/.$b.stamp"
   echo "kube-assets: built $b in $((SECONDS - start)) s"
 done
 echo "kube-assets: Kubernetes $kube_version test binaries are in:"
