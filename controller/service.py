@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Callable, Mapping
 
 from .api import ReportRejected
@@ -20,6 +21,7 @@ from .auth import Identity
 from .wire import NodeAnswer, NodeReport, PodAllocation
 
 log = logging.getLogger(__name__)
+_KEY = attrgetter("namespace", "name")
 
 
 def _resolve(fut: asyncio.Future, result: "RoundResult") -> None:
@@ -98,7 +100,7 @@ class ControllerState:
 
     def submit(self, identity: Identity | None, report: NodeReport) -> NodeAnswer:
         problems: list[str] = []
-        keys = list(zip([p.namespace for p in report.pods], [p.name for p in report.pods]))
+        keys = list(map(_KEY, report.pods))
         if len(set(keys)) != len(keys):
             seen: set[tuple[str, str]] = set()
             twice = next(k for k in keys if k in seen or seen.add(k))

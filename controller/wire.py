@@ -8,6 +8,8 @@ make the controller allocate unbounded memory or compute with NaN.
 from __future__ import annotations
 
 import re
+from itertools import chain
+from operator import attrgetter
 from typing import Annotated
 
 import msgspec
@@ -70,6 +72,7 @@ class ErrorBody(msgspec.Struct, omit_defaults=True):
 
 
 _ONE_NAME = re.compile(NAME_PATTERN)
+_NAMES_OF = attrgetter("namespace", "name")
 _NAME_CHARS = re.compile("[-a-z0-9.\n]*")
 _BAD_EDGES = ("\n-", "\n.", "-\n", ".\n", "\n\n")
 
@@ -78,9 +81,9 @@ def invalid_name(report: NodeReport) -> str | None:
     """None when every pod and namespace name is a lower-case DNS name, else which is not.
     Fast path: the allowed characters in one regex pass over all names joined by newlines,
     and no name starting or ending with '-' or '.' (string searches around the newlines)."""
-    names = [n for p in report.pods for n in (p.namespace, p.name)]
-    if not names:
+    if not report.pods:
         return None
+    names = list(chain.from_iterable(map(_NAMES_OF, report.pods)))
     joined = "\n".join(names) + "\n"
     if (joined.count("\n") == len(names) and _NAME_CHARS.fullmatch(joined) and joined[0] not in "-.\n"
             and not any(edge in joined for edge in _BAD_EDGES)):
