@@ -100,6 +100,7 @@ def test_teams_by_weight_then_pods_inside():
     # a:b = 3:1 -> 75/25; inside a, a/2 wants only 5
     assert shares(r) == {"a/1": 70, "a/2": 5, "b/1": 25}
     assert r.teams["a"].allocated_bps == 75 * M and r.teams["b"].pods == 1
+    assert r.classes["default"].pods == 3 and r.classes["default"].allocated_bps == 100 * M
     assert r.allocated_bps == 100 * M and not r.oversubscribed and not r.scaled
 
 
