@@ -1,13 +1,15 @@
 """Shaping accuracy: a pod's internet egress against its configured rate, TCP and a UDP flood.
 
-Builds the namespace lab (one node, one pod, an internet host, an internal peer), programs
+Builds the namespace lab (one node, two pods, an internet host, an internal peer), programs
 the node as the agent does (planner -> Shaper.apply + Classifier.apply), and for each rate
 runs iperf3 TCP and a UDP flood at twice the rate from the pod to the internet host.
 
 Measured rate = the pod's HTB class byte counter (L2 bytes, what HTB enforces), read
 after a warm-up and again at the end of a window, divided by the time between the reads.
 The unshaped path (no netagent) is measured first in the same run: it says what this
-machine can carry at all. Exits 1 when any error exceeds 5%.
+machine can carry at all. Then: the pod's internal traffic while it is shaped, against
+that unshaped baseline, and two pods sharing a node class (HTB's expected split).
+Exits 1 when any rate error exceeds 5%.
 
     sudo python3 bench/shaping.py [--rates 10M,100M,1G] [--runs 1] [--window 2.4]
 """
@@ -25,11 +27,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from iptables.apply import Classifier  # noqa: E402
 from netagent.lab import INTERNAL_CIDRS, INTERNET_V4, PEER_V4, UPLINK, Lab  # noqa: E402
 from netagent.planner import PlanInputs, PlanOptions, PodShape, plan  # noqa: E402
+from tc import sizing  # noqa: E402
 from tc.netlink import Shaper  # noqa: E402
 from tc.probe import probe  # noqa: E402
 
 TOLERANCE = 0.05
+M = 1_000_000
 UNITS = {"k": 1_000, "M": 1_000_000, "G": 1_000_000_000}
+# (node rate, pod a (rate, ceil), pod b (rate, ceil)); the second is the one tests/test_datapath_traffic.py checks
+SHARING = ((100 * M, (20 * M, 100 * M), (60 * M, 100 * M)), (400 * M, (40 * M, 400 * M), (120 * M, 400 * M)))
 IPERF_UDP_LIMIT = 500_000_000  # above this, iperf3 3.12 cannot offer 2x the rate here: the GSO flood does
 
 
@@ -48,16 +54,44 @@ class Bench:
         self.node = lab.nodes[0]
         self.pod = self.node.pods[0]
         self.key = f"default/{self.pod.name}"
+        self.other = self.node.pods[1]
         self.shaper = Shaper(self.node.netns)
         self.classifier = Classifier(netns=self.node.netns)
         self.options = PlanOptions(leaf_qdisc=probe().leaf_qdisc)
         self.state = None
 
-    def program(self, rate: int) -> None:
-        shape = PodShape(self.key, (self.pod.ip4, self.pod.ip6), rate, rate)
-        self.state = plan(PlanInputs((UPLINK,), INTERNAL_CIDRS, (shape,), 10 * rate, self.options))
+    def program(self, rate: int, ceil: int | None = None, node_rate: int | None = None,
+                other: tuple[int, int] | None = None) -> None:
+        shapes = [PodShape(self.key, (self.pod.ip4, self.pod.ip6), rate, ceil or rate)]
+        if other:
+            shapes.append(PodShape(f"default/{self.other.name}", (self.other.ip4, self.other.ip6), *other))
+        self.state = plan(PlanInputs((UPLINK,), INTERNAL_CIDRS, tuple(shapes), node_rate or 10 * rate, self.options))
         self.shaper.apply(self.state.shaper)
         self.classifier.apply(self.state.classifier)
+
+    def sharing(self, node_rate: int, a: tuple[int, int], b: tuple[int, int]) -> list[tuple[str, float, float]]:
+        """Two pods flood one node class: (pod, HTB's expected share, measured)."""
+        self.program(*a, node_rate=node_rate, other=b)
+        pods = (self.pod, self.other)
+        minors = [self.state.minors[f"default/{p.name}"] for p in pods]
+        procs = [self.lab.iperf_async(p.netns, INTERNET_V4, port, seconds=self.warmup + self.window + 0.8)
+                 for p, port in zip(pods, (5201, 5203))]
+        try:
+            time.sleep(self.warmup)
+            s1, t1 = self.shaper.stats(self.state.shaper.ifb), time.monotonic()
+            time.sleep(self.window)
+            s2, t2 = self.shaper.stats(self.state.shaper.ifb), time.monotonic()
+            for p in procs:
+                p.communicate(timeout=60)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        spare = node_rate - a[0] - b[0]
+        # HTB: each gets its rate; the spare goes in proportion to quantum (rate/100 here)
+        want = [r + spare * r / (a[0] + b[0]) for r in (a[0], b[0])]
+        return [(f"rate {fmt(r)} ceil {fmt(c)}", w, (s2[m].bytes - s1[m].bytes) * 8 / (t2 - t1))
+                for (r, c), w, m in zip((a, b), want, minors)]
 
     def remove(self) -> None:
         if self.state:
@@ -102,8 +136,18 @@ class Bench:
         udp = self.lab.iperf(self.pod.netns, INTERNET_V4, 5201, seconds=2, udp_bitrate="5G")["end"]["sum"]["bits_per_second"]
         flood = self.lab.udp_flood(self.pod.netns, INTERNET_V4, 9, 10e9, seconds=2)
         gso = json.loads(flood.communicate(timeout=60)[0])["bits_per_second"]
-        internal = self.lab.iperf(self.pod.netns, PEER_V4, 5202, seconds=2)["end"]["sum_sent"]["bits_per_second"]
-        return {"tcp (iperf3)": tcp, "udp 1400 B (iperf3)": udp, "udp 1400 B (udp-gso)": gso, "tcp to peer": internal}
+        return {"tcp (iperf3)": tcp, "udp 1400 B (iperf3)": udp, "udp 1400 B (udp-gso)": gso}
+
+    def internal(self, rate: int, pairs: int = 3) -> tuple[float, float]:
+        """Pod -> peer TCP (median of `pairs`), without netagent and with the pod shaped at
+        `rate`, alternated so both see the same machine load."""
+        unshaped, shaped = [], []
+        for _ in range(pairs):
+            self.remove()
+            unshaped.append(self.lab.iperf(self.pod.netns, PEER_V4, 5202, seconds=2)["end"]["sum_sent"]["bits_per_second"])
+            self.program(rate)
+            shaped.append(self.lab.iperf(self.pod.netns, PEER_V4, 5202, seconds=2)["end"]["sum_sent"]["bits_per_second"])
+        return statistics.median(unshaped), statistics.median(shaped)
 
 
 def main() -> int:
@@ -118,8 +162,9 @@ def main() -> int:
         return 2
     rates = [parse_rate(r) for r in args.rates.split(",")]
     failed = []
-    with Lab(nodes=1, pods_per_node=1, prefix=f"nash{os.getpid() % 10000}") as lab:
-        lab.iperf_server(lab.internet, 5201)
+    with Lab(nodes=1, pods_per_node=2, prefix=f"nash{os.getpid() % 10000}") as lab:
+        for port in (5201, 5203):
+            lab.iperf_server(lab.internet, port)
         lab.iperf_server(lab.peer, 5202)
         bench = Bench(lab, args.window, args.warmup)
         try:
@@ -133,6 +178,7 @@ def main() -> int:
             print(f"{'configured':>12}{'proto':>6}{'sender':>9}{'offered':>14}{'measured':>14}{'error':>9}{'drops':>9}")
             for rate in rates:
                 bench.program(rate)
+
                 for proto in ("tcp", "udp"):
                     runs = [bench.run(proto, rate) for _ in range(args.runs)]
                     mid = sorted(runs, key=lambda r: r["measured"])[len(runs) // 2]
@@ -141,6 +187,18 @@ def main() -> int:
                           f"{err * 100:+8.2f}%{mid['drops']:9d}")
                     if abs(err) > TOLERANCE:
                         failed.append(f"{proto} at {fmt(rate)}bit/s: {err:+.2%}")
+            print()
+            unshaped, shaped = bench.internal(rates[0])
+            print(f"internal traffic (pod -> peer, same uplink, TCP, median of 3 alternated pairs): "
+                  f"{fmt(shaped)}bit/s with the pod's internet egress shaped at {fmt(rates[0])}bit/s, "
+                  f"{fmt(unshaped)}bit/s without netagent: {shaped / unshaped:.2f}x")
+            print()
+            for node_rate, a, b in SHARING:
+                print(f"two pods sharing a {fmt(node_rate)}bit/s node class (both flooding, TCP):")
+                print(f"{'pod':>32}{'quantum':>10}{'HTB share':>12}{'measured':>12}{'error':>9}")
+                for (label, want, got), (rate, _) in zip(bench.sharing(node_rate, a, b), (a, b)):
+                    print(f"{label:>32}{sizing.quantum_bytes(rate):>9}B{fmt(want):>12}{fmt(got):>12}"
+                          f"{(got - want) / want * 100:+8.2f}%")
         finally:
             bench.remove()
             bench.shaper.close()

@@ -232,27 +232,35 @@ def test_internal_traffic_is_not_shaped(lab, node):
 
 def test_two_pods_share_the_node_class(lab, node):
     """HTB: each class gets its rate; the parent's spare goes to the classes that want
-    more in proportion to their quantum (here rate/100), up to each ceil."""
+    more in proportion to their quantum (rate/100 here), up to each ceil. Two TCP flows
+    competing in one tree wobble by a few % of the node rate over a short window, so the
+    split is checked to ±5% of the node rate: enough to tell HTB's 1:3 split of the spare
+    (100/300) from an equal one (160/240) or none (40/120)."""
     a, b = node.pods
-    node_rate = 100 * M
-    node.program({a.name: (20 * M, 100 * M), b.name: (60 * M, 100 * M)}, node_rate)
+    node_rate, rate_a, rate_b = 400 * M, 40 * M, 120 * M
+    node.program({a.name: (rate_a, node_rate), b.name: (rate_b, node_rate)}, node_rate)
     clients = [lab.iperf_async(p.netns, INTERNET_V4, port, seconds=RUN_S) for p, port in zip((a, b), PORTS)]
-    time.sleep(WARMUP_S)
-    s1, t1 = {p.name: node.class_stats(p).bytes for p in (a, b)}, time.monotonic()
-    time.sleep(WINDOW_S)
-    s2, t2 = {p.name: node.class_stats(p).bytes for p in (a, b)}, time.monotonic()
-    for c in clients:
-        c.communicate(timeout=RUN_S + 30)
+    try:
+        time.sleep(WARMUP_S)
+        s1, t1 = {p.name: node.class_stats(p).bytes for p in (a, b)}, time.monotonic()
+        time.sleep(WINDOW_S)
+        s2, t2 = {p.name: node.class_stats(p).bytes for p in (a, b)}, time.monotonic()
+        for c in clients:
+            c.communicate(timeout=RUN_S + 30)
+    finally:
+        for c in clients:
+            if c.poll() is None:
+                c.kill()
     got = {name: (s2[name] - s1[name]) * 8 / (t2 - t1) for name in s1}
-    spare = node_rate - 80 * M
-    want = {a.name: 20 * M + spare * 20 / 80, b.name: 60 * M + spare * 60 / 80}
+    spare = node_rate - rate_a - rate_b
+    want = {a.name: rate_a + spare * rate_a / (rate_a + rate_b), b.name: rate_b + spare * rate_b / (rate_a + rate_b)}
     assert abs(rate_error(sum(got.values()), node_rate)) <= TOLERANCE, got
-    for name in got:
-        assert got[name] >= 0.95 * (20 * M if name == a.name else 60 * M), f"{name} below its guarantee: {got}"
-        assert abs(got[name] - want[name]) <= TOLERANCE * node_rate, f"borrowing not as HTB shares it: {got} vs {want}"
+    for name, guaranteed in ((a.name, rate_a), (b.name, rate_b)):
+        assert got[name] >= (1 - TOLERANCE) * guaranteed, f"{name} below its guaranteed rate: {got}"
+        assert abs(got[name] - want[name]) <= TOLERANCE * node_rate, f"not HTB's split: got {got}, want {want}"
 
     # alone, a pod borrows the idle capacity up to its own ceil
-    node.program({a.name: (20 * M, 50 * M), b.name: (60 * M, 100 * M)}, node_rate)
+    node.program({a.name: (20 * M, 50 * M), b.name: (60 * M, 100 * M)}, 100 * M)
     measured, _, _ = measure(node, a, [lab.iperf_async(a.netns, INTERNET_V4, PORTS[0], seconds=RUN_S)])
     assert abs(rate_error(measured, 50 * M)) <= TOLERANCE, f"alone with ceil 50 Mbit/s: {measured / M:.2f}"
 
