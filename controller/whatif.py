@@ -44,7 +44,7 @@ class DemandRow:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from-file", "-f", dest="from_file", metavar="POLICY.yaml", action="append", required=True,
-                   help="YAML with EgressClass and EgressBudget objects (repeatable)")
+                   help="YAML file (or directory of them) with EgressClass and EgressBudget objects; repeatable")
     p.add_argument("--demand", "-d", metavar="DEMAND.csv", required=True,
                    help="CSV with columns namespace,pod,class,demand[,bandwidth]; '-' reads standard input")
     p.add_argument("--output", "-o", choices=("table", "json"), default="table", help="output format (default: table)")
@@ -71,8 +71,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def read_policy(paths: list[Path]) -> tuple[Policy, list[str]]:
+    """EgressClass and EgressBudget objects from YAML files, or directories of *.yaml / *.yml."""
     classes, budgets = [], []
+    files = []
     for path in paths:
+        if path.is_dir():
+            files.extend(sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file()))
+        else:
+            files.append(path)
+    for path in files:
         try:
             docs = list(yaml.safe_load_all(path.read_text()))
         except OSError as exc:

@@ -131,6 +131,12 @@ def test_bad_yaml_and_missing_files(tmp_path):
     assert done.returncode == 2 and "must be a Kubernetes object" in done.stderr
 
 
+def test_policy_from_a_directory(tmp_path, policy, capsys):
+    demand = write(tmp_path, "namespace,pod,class,demand\na,p1,gold,1G\n")
+    assert whatif.run(argparse.Namespace(from_file=[str(tmp_path)], demand=str(demand), output="json")) == 0
+    assert json.loads(capsys.readouterr().out)[0]["allocation"] == 100_000_000  # gold's max, within a's 100M
+
+
 def test_bad_policy_objects_are_warnings_not_errors(tmp_path, policy):
     extra = write(tmp_path, "kind: EgressClass\nmetadata: {name: broken}\nspec: {weight: 0}\n", "extra.yaml")
     done = plan("-f", policy, "-f", extra, "-d", write(tmp_path, "namespace,pod,class,demand\na,p,,1M\n"))
