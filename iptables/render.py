@@ -30,7 +30,7 @@ from iptables.parse import normalise
 
 TABLE = "mangle"
 FANOUT = 16  # rules per dispatch chain before it splits into sub-chains
-MAX_CHAIN_NAME = 28  # XT_EXTENSION_MAXNAMELEN - 1
+MAX_CHAIN_NAME = 28  # XT_EXTENSION_MAXNAMELEN - 1: a 12-character prefix + "-POSTROUTING" or "-ES-<10>" fits
 MAX_KEY_IN_COMMENT = 200  # xt_comment holds 255 bytes; the kind ("egress internet") must always fit
 _PREFIX_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,11}$")
 _IFNAME_RE = re.compile(r"^[^\s/:\"']{1,15}$")
@@ -269,9 +269,6 @@ def build(state: ClassifierState, family: int, prefix: str = "NETAGENT") -> Rule
     _dispatch(chains, n["EGRESS"], f"{prefix}-ES", "-s", egress)
     _dispatch(chains, n["INGRESS"], f"{prefix}-IS", "-d", ingress)
 
-    for name in chains:
-        if len(name) > MAX_CHAIN_NAME:  # guarded by validate_prefix; kept as a hard stop
-            raise IptablesError(f"chain name {name} is longer than {MAX_CHAIN_NAME} characters: use a shorter prefix")
     jumps = tuple((hook, f"-j {n[hook]}") for hook in HOOKS)
     return Ruleset(family, chains, jumps, pod_chains)
 
