@@ -232,7 +232,7 @@ def allocate_columns(teams: TeamColumns, pods: PodColumns, total_bps: float,
     start = previous.team_level if previous is not None else None
     alloc, team_scaled, team_level = waterfill(team, n_teams, team_alloc, pods.weight, floor, upper, start)
 
-    limit, team_limit = _headroom(team, n_teams, teams, pods, alloc, team_alloc, capacity)
+    limit = _headroom(team, n_teams, teams, pods, alloc, team_alloc, capacity)
 
     held = 0
     if previous is not None and previous.allocation.shape == alloc.shape:
@@ -245,7 +245,7 @@ def allocate_columns(teams: TeamColumns, pods: PodColumns, total_bps: float,
 
     return ColumnarResult(
         allocation=alloc, limit=limit,
-        team_allocation=np.bincount(team, alloc, n_teams), team_limit=team_limit,
+        team_allocation=np.bincount(team, alloc, n_teams), team_limit=np.bincount(team, limit, n_teams),
         team_demand=np.bincount(team, pods.demand_bps, n_teams), team_guarantee=team_floor,
         team_pods=np.bincount(team, minlength=n_teams), team_scaled=team_scaled, team_level=team_level,
         total_bps=float(total_bps), capacity_bps=capacity, gain=gain, guaranteed_bps=guaranteed,
@@ -253,7 +253,7 @@ def allocate_columns(teams: TeamColumns, pods: PodColumns, total_bps: float,
 
 
 def _headroom(team: np.ndarray, n_teams: int, teams: TeamColumns, pods: PodColumns, alloc: np.ndarray,
-              team_alloc: np.ndarray, capacity: float) -> tuple[np.ndarray, np.ndarray]:
+              team_alloc: np.ndarray, capacity: float) -> np.ndarray:
     """Limits: each pod's allocation plus a share of what nobody uses, such that the limits of all
     pods together never exceed the capacity (so everyone growing at once cannot blow the budget).
 
@@ -268,8 +268,7 @@ def _headroom(team: np.ndarray, n_teams: int, teams: TeamColumns, pods: PodColum
     spare = np.maximum(team_limit - np.bincount(team, alloc, n_teams), 0.0)
     open_weight = np.bincount(team, pods.weight * has_room, n_teams)
     share = np.where(open_weight > 0, spare / np.where(open_weight > 0, open_weight, 1.0), 0.0)
-    limit = np.where(has_room, np.minimum(pods.max_bps, alloc + share[team] * pods.weight), alloc)
-    return limit, team_limit
+    return np.where(has_room, np.minimum(pods.max_bps, alloc + share[team] * pods.weight), alloc)
 
 
 def _fit_headroom(team: np.ndarray, n_teams: int, team_max: np.ndarray, capacity: float, alloc: np.ndarray,
