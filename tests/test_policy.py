@@ -1,12 +1,15 @@
-"""Policy loading and per-pod resolution: pure, no cluster."""
+"""Policy loading and per-pod resolution, and the CRDs' schemas: pure, no cluster."""
+import re
+from pathlib import Path
+
 import pytest
 import yaml
 
 from controller.policy import (DEFAULT_CLASS, REASON_CLASS_NOT_ALLOWED, REASON_INVALID_BANDWIDTH,
                                REASON_UNKNOWN_CLASS, PolicyError, load_policy, parse_class, resolve_pod)
-from controller.quantity import MAX_BPS
+from controller.quantity import MAX_BPS, parse_bps
 
-POLICY = yaml.safe_load_all("""
+POLICY = list(yaml.safe_load_all("""
 apiVersion: netagent.io/v1alpha1
 kind: EgressClass
 metadata: {name: gold}
@@ -28,7 +31,7 @@ spec:
   - {name: batch, namespaces: [jobs], weight: 1, max: 2G, defaultClass: bronze, allowedClasses: [bronze]}
   - name: labelled
     namespaceSelector: {matchLabels: {org: ml}, matchExpressions: [{key: tier, operator: NotIn, values: [dev]}]}
-""")
+"""))
 
 
 def load(docs=None):
@@ -36,9 +39,6 @@ def load(docs=None):
     classes = [d for d in docs if d["kind"] == "EgressClass"]
     budgets = [d for d in docs if d["kind"] == "EgressBudget"]
     return load_policy(classes, budgets)
-
-
-POLICY = list(POLICY)
 
 
 def test_loads_the_example():
@@ -189,11 +189,6 @@ def test_selector_validation():
 
 
 # -- the CRDs (deploy/crds): parse, structural sanity, and agreement with this loader ----------
-
-import re  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from controller.quantity import parse_bps  # noqa: E402
 
 CRDS = Path(__file__).resolve().parent.parent / "deploy" / "crds"
 
