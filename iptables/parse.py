@@ -128,7 +128,8 @@ def mark_masks(rule: str) -> list[tuple[str, int]]:
 
     Covers the MARK and CONNMARK targets and the mark and connmark matches, in every
     spelling iptables-save prints (--set-xmark v/m, --set-mark, --or/--and/--xor-mark,
-    --mark v[/m], --save-mark/--restore-mark with --nfmask/--ctmask/--mask).
+    --mark v[/m], --save-mark/--restore-mark with --nfmask/--ctmask/--mask), and the
+    TPROXY target's --tproxy-mark (Istio's transparent proxying).
     """
     if "mark" not in rule:
         return []
@@ -140,7 +141,7 @@ def mark_masks(rule: str) -> list[tuple[str, int]]:
         tok = words[i]
         arg = words[i + 1] if i + 1 < len(words) else ""
         try:
-            if tok in ("--set-xmark", "--set-mark", "--mark"):
+            if tok in ("--set-xmark", "--set-mark", "--mark", "--tproxy-mark"):
                 out.append((f"{tok} {arg}", _value_mask(arg)[1]))
             elif tok in ("--or-mark", "--xor-mark"):
                 out.append((f"{tok} {arg}", int(arg, 0)))

@@ -276,6 +276,7 @@ def test_tokens_and_normalise_follow_iptables_quoting():
     ("-j CONNMARK --restore-mark --nfmask 0xff00 --ctmask 0xff00", 0xFF00),
     ("-j CONNMARK --save-mark", 0xFFFFFFFF),
     ("-m connmark --mark 0x10000/0x10000 -j RETURN", 0x10000),
+    ("-p tcp -j TPROXY --on-port 15006 --on-ip 0.0.0.0 --tproxy-mark 0x1/0x1", 0x1),
 ])
 def test_mark_masks(rule, mask):
     found = 0
