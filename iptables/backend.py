@@ -61,7 +61,7 @@ class Runner:
         if proc.returncode != 0:
             # iptables-save exits non-zero when the table does not exist yet: treat as empty,
             # but a missing kernel module or tool is an error worth naming
-            if "does not exist" in proc.stderr or "Table does not exist" in proc.stderr:
+            if "does not exist" in proc.stderr:
                 return ""
             raise IptablesError(f"{argv[0]} failed (exit {proc.returncode}): {proc.stderr.strip()}")
         return proc.stdout
