@@ -183,22 +183,26 @@ def measure(node: NodeUnderTest, pod, clients: list[subprocess.Popen]) -> tuple[
 
 # -- rates -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("rate", [10 * M, 100 * M, 1 * G], ids=["10M", "100M", "1G"])
-@pytest.mark.parametrize("proto", ["tcp", "udp"])
-def test_internet_egress_held_to_its_rate(lab, node, rate, proto):
+RATE_CASES = [(rate, proto, INTERNET_V4) for rate in (10 * M, 100 * M, 1 * G) for proto in ("tcp", "udp")]
+RATE_CASES += [(100 * M, proto, INTERNET_V6) for proto in ("tcp", "udp")]
+
+
+@pytest.mark.parametrize("rate,proto,dst", RATE_CASES,
+                         ids=[f"{p}-{r // M}M-ipv{6 if ':' in d else 4}" for r, p, d in RATE_CASES])
+def test_internet_egress_held_to_its_rate(lab, node, rate, proto, dst):
     pod = node.pods[0]
     node.program({pod.name: (rate, rate)})
     if proto == "tcp":
-        clients = [lab.iperf_async(pod.netns, INTERNET_V4, PORTS[0], seconds=RUN_S)]
+        clients = [lab.iperf_async(pod.netns, dst, PORTS[0], seconds=RUN_S)]
     elif rate < G:
-        clients = [lab.iperf_async(pod.netns, INTERNET_V4, PORTS[0], seconds=RUN_S, udp_bitrate=str(2 * rate))]
+        clients = [lab.iperf_async(pod.netns, dst, PORTS[0], seconds=RUN_S, udp_bitrate=str(2 * rate))]
     else:
         # iperf3 3.12 sends one 1400-byte datagram per syscall, ~0.7 Gbit/s on this machine:
         # the 2 Gbit/s flood comes from a UDP GSO sender of the same datagrams
-        clients = [lab.udp_flood(pod.netns, INTERNET_V4, 9, 2 * rate, seconds=RUN_S)]
+        clients = [lab.udp_flood(pod.netns, dst, 9, 2 * rate, seconds=RUN_S)]
     measured, drops, results = measure(node, pod, clients)
     err = rate_error(measured, rate)
-    assert abs(err) <= TOLERANCE, f"{proto} at {rate / M:g} Mbit/s: measured {measured / M:.2f} Mbit/s ({err:+.2%})"
+    assert abs(err) <= TOLERANCE, f"{proto} to {dst} at {rate / M:g} Mbit/s: measured {measured / M:.2f} Mbit/s ({err:+.2%})"
     if proto == "udp":
         offered = sum(r["end"]["sum"]["bits_per_second"] if "end" in r else r["bits_per_second"] for r in results)
         assert offered >= 1.9 * rate, f"the flood offered only {offered / M:.0f} Mbit/s"
