@@ -268,6 +268,12 @@ def baseline(n: int = 2000) -> tuple[float, float]:
     return fast, slow
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """user + system CPU time of a process (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=2000)
@@ -304,7 +310,9 @@ def main() -> int:
         client(base, args.nodes, max(2.0, args.nodes / 1500), args.connections, client_cpu)
         time.sleep(1.0)  # let per-node rate-limit buckets refill
         call("POST", "/bench/reset")
+        cpu_before = process_cpu_seconds(server.pid)
         result = client(base, args.nodes, args.seconds, args.connections, client_cpu)
+        server_cpu_s = process_cpu_seconds(server.pid) - cpu_before
         stats = call("GET", "/bench/stats")
     finally:
         server.terminate()
@@ -316,6 +324,8 @@ def main() -> int:
           f"client {args.client} ({args.connections} connections) on CPU {client_cpu}, {args.seconds:g} s")
     print(f"  reports/s             {result['rps']:10.0f}   (aim >= 2,000)")
     print(f"  latency p50 / p99     {result['p50_ms']:7.2f} ms / {result['p99_ms']:.2f} ms")
+    print(f"  server CPU            {server_cpu_s:10.2f} s  -> {stats['reports'] / max(server_cpu_s, 1e-9):.0f} reports "
+          f"per CPU-second (what one whole core would answer; load average now {os.getloadavg()[0]:.1f})")
     print(f"  answered 200          {stats['reports']:10d}   non-200: {result['non_2xx']} {stats['rejected'] or ''}"
           f"  socket errors: {result['socket_errors']}")
     print(f"  allocation rounds     {stats['rounds']:10d}   ({stats['rounds'] / args.seconds:.2f}/s at period "

@@ -26,6 +26,7 @@ report (with the node binding, the old node can no longer report it).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -123,7 +124,7 @@ class PreparedReport:
     report: NodeReport
     policy: object  # the Policy the rows were resolved against
     keys: tuple[tuple[str, str], ...]  # (namespace, name) per pod
-    rows: np.ndarray  # (pods, 5): team index, class index, weight, min, max
+    rows: np.ndarray  # per pod: its row in the policy's table (team index, class index, weight, min, max)
     demand: np.ndarray
     usage: np.ndarray
 
@@ -145,39 +146,49 @@ class Adapter:
         self._last_feedback = float("-inf")
         self._previous: dict[str, tuple[tuple, np.ndarray, np.ndarray]] = {}  # node -> (keys, allocation, limit)
         self._gain_carrier = None  # the last ColumnarResult: carries the feedback gain
-        self._tables = None  # per Policy: team columns, name tuples and indexes, the resolution cache
+        self._tables = None  # per Policy: team columns, name tuples and indexes, the resolution cache and rows
+        self._resolving = threading.Lock()
 
     def _policy_tables(self, policy) -> tuple:
         from .engine import TeamColumns
 
-        if self._tables is None or self._tables[0] is not policy:
-            team_names = tuple(t.name for t in policy.teams)
-            class_names = tuple(policy.classes)
-            self._tables = (policy, TeamColumns.from_policy(policy), team_names, class_names,
-                            {n: i for i, n in enumerate(team_names)}, {n: i for i, n in enumerate(class_names)}, {})
-        return self._tables[1:]
+        tables = self._tables
+        if tables is None or tables[0] is not policy:
+            with self._resolving:
+                tables = self._tables
+                if tables is None or tables[0] is not policy:
+                    team_names = tuple(t.name for t in policy.teams)
+                    class_names = tuple(policy.classes)
+                    tables = self._tables = (
+                        policy, TeamColumns.from_policy(policy), team_names, class_names,
+                        {n: i for i, n in enumerate(team_names)}, {n: i for i, n in enumerate(class_names)}, {}, [])
+        return tables[1:]
 
-    def prepare(self, report: NodeReport) -> PreparedReport:
+    def prepare(self, report: NodeReport, policy=None) -> PreparedReport:
         from .policy import resolve_pod
 
-        policy, _ = self.policy()
-        _, _, _, team_index, class_index, cache = self._policy_tables(policy)
+        if policy is None:
+            policy, _ = self.policy()
+        _, _, _, team_index, class_index, cache, table = self._policy_tables(policy)
         pods = report.pods
         triples = list(map(_TRIPLE, pods))  # map/attrgetter: the per-pod steps run in C
         rows = list(map(cache.get, triples))
         if None in rows:
-            for i, (row, triple) in enumerate(zip(rows, triples)):
-                if row is None:
-                    row = cache.get(triple)
-                if row is None:
-                    namespace, egress_class, bandwidth = triple
-                    pp = resolve_pod(policy, namespace, egress_class, bandwidth, self.namespace_labels(namespace))
-                    row = cache[triple] = (team_index[pp.team], class_index[pp.egress_class], float(pp.weight),
-                                           float(pp.min_bps), float(pp.max_bps))
-                rows[i] = row
+            with self._resolving:  # the event loop and the round thread (after a policy change) both come here
+                for i, (row, triple) in enumerate(zip(rows, triples)):
+                    if row is None:
+                        row = cache.get(triple)
+                    if row is None:
+                        namespace, egress_class, bandwidth = triple
+                        pp = resolve_pod(policy, namespace, egress_class, bandwidth,
+                                         self.namespace_labels(namespace))
+                        table.append((team_index[pp.team], class_index[pp.egress_class], float(pp.weight),
+                                      float(pp.min_bps), float(pp.max_bps)))
+                        row = cache[triple] = len(table) - 1
+                    rows[i] = row
         n = len(pods)
         return PreparedReport(
-            report, policy, tuple(map(_KEY, pods)), np.array(rows, dtype=np.float64).reshape(n, 5),
+            report, policy, tuple(map(_KEY, pods)), np.array(rows, dtype=np.intp),
             np.fromiter(map(_DEMAND, pods), dtype=np.float64, count=n),
             np.fromiter(map(_USAGE, pods), dtype=np.float64, count=n),
         )
@@ -186,16 +197,18 @@ class Adapter:
         from .engine import PodColumns, allocate_columns
 
         policy, problems = self.policy()
-        team_cols, team_names, class_names, _, _, _ = self._policy_tables(policy)
+        team_cols, team_names, class_names, _, _, _, rows = self._policy_tables(policy)
         nodes = sorted(reports)  # a stable order: unchanged pods keep their index between rounds
         prepared = []
         for node in nodes:
             item = reports[node]
             if not isinstance(item, PreparedReport) or item.policy is not policy:  # the policy changed since
-                item = self.prepare(item if isinstance(item, NodeReport) else item.report)
+                item = self.prepare(item if isinstance(item, NodeReport) else item.report, policy)
             prepared.append(item)
         n = sum(len(item.keys) for item in prepared)
-        table = np.concatenate([item.rows for item in prepared]) if prepared else np.zeros((0, 5))
+        # `rows` is read after preparing: a pod resolved just now has its row
+        ids = np.concatenate([item.rows for item in prepared]) if prepared else np.zeros(0, dtype=np.intp)
+        table = np.array(rows, dtype=np.float64).reshape(len(rows), 5)[ids]
         demand = np.concatenate([item.demand for item in prepared]) if prepared else np.zeros(0)
         usage = np.concatenate([item.usage for item in prepared]) if prepared else np.zeros(0)
         team = table[:, 0].astype(np.intp)

@@ -305,3 +305,21 @@ async def test_review_outage_is_503_not_the_agents_fault():
     async with serve(new_state(), TokenAuthenticator(review)) as (session, base):
         code, answer, _ = await post(session, base, "node-a", report("node-a", []), {"Authorization": "Bearer t"})
     assert (code, answer["reason"]) == (503, "AuthUnavailable")
+
+
+async def test_policy_change_between_report_and_round_uses_the_new_policy():
+    from controller.policy import load_policy
+
+    current = {"value": load_policy(CLASSES, [BUDGET])}
+    state = ControllerState(Adapter(lambda: current["value"]))
+    async with serve(state) as (session, base):
+        await post(session, base, "node-a", report("node-a", [pod("web", "w1", 90e6), pod("research", "r1", 90e6)]))
+        smaller = {**BUDGET, "spec": {**BUDGET["spec"], "total": "10M", "teams": [
+            {"name": "research", "namespaces": ["research"], "weight": 1, "defaultClass": "interactive"}]}}
+        current["value"] = load_policy(CLASSES, [smaller])  # resolved at submit against the old one
+        result = state.run_round()
+        _, answer, _ = await post(session, base, "node-a", report("node-a", []))
+    got = {p["name"]: p for p in answer["pods"]}
+    assert (got["w1"]["team"], got["r1"]["team"], got["r1"]["egress_class"]) == ("default", "research", "interactive")
+    assert sum(p["allocation_bps"] for p in answer["pods"]) <= 10e6 * (1 + 1e-9)
+    assert result.summary.budget_bps == 10e6

@@ -143,6 +143,20 @@ def test_controller_from_files_allocates_reloads_and_exports_metrics(tmp_path):
         assert proc.wait(10) == 0
 
 
+def test_pods_in_the_policy_files_bind_pods_to_nodes(tmp_path):
+    policy = tmp_path / "policy.yaml"
+    pods = [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "web"},
+             "spec": {"nodeName": node, "containers": [{"name": "c", "image": "x"}]}}
+            for name, node in (("w1", "node-a"), ("w2", "node-b"))]
+    policy.write_text(yaml.safe_dump_all([*CLASSES, budget("100M"), *pods]))
+    with controller_process(tmp_path, "--from-file", str(policy), "--no-auth") as (_, base):
+        code, text = http("POST", f"{base}/v1/nodes/node-a/report",
+                          node_report("node-a", [("web", "w1", 1e6), ("web", "w2", 1e6)]))
+        assert code == 403 and "web/w2 is on node 'node-b'" in text
+        code, text = http("POST", f"{base}/v1/nodes/node-a/report", node_report("node-a", [("web", "w1", 1e6)]))
+        assert code == 200
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--from-file", "{policy}"], "add --no-auth"),
     (["--from-file", "{policy}", "--no-auth", "--period", "10", "--lease-seconds", "5"],
