@@ -191,6 +191,7 @@ def test_selector_validation():
 # -- the CRDs (deploy/crds): parse, structural sanity, and agreement with this loader ----------
 
 CRDS = Path(__file__).resolve().parent.parent / "deploy" / "crds"
+QUANTITY_RULE = re.compile(r"^string\(self\)\.matches\('(.*)'\)$")  # CEL, for a message users can act on
 
 
 def crd(name):
@@ -218,7 +219,7 @@ def test_crd_is_structural_and_named(name, kind):
         # structural: every node has a type, except int-or-string with exactly the allowed anyOf
         if node.get("x-kubernetes-int-or-string"):
             assert node["anyOf"] == [{"type": "integer"}, {"type": "string"}], path
-            assert "pattern" in node and node.get("maxLength"), path
+            assert QUANTITY_RULE.match(node["x-kubernetes-validations"][0]["rule"]) and node.get("maxLength"), path
         else:
             assert "type" in node, f"{path} has no type"
         for rule in node.get("x-kubernetes-validations", []):
@@ -245,10 +246,10 @@ def test_crd_fields_match_what_the_loader_reads():
     assert {"allocated", "demand", "used", "pods", "nodes", "conditions", "lastComputed"} <= set(status)
 
 
-def test_crd_quantity_pattern_agrees_with_the_parser():
+def test_crd_quantity_rule_agrees_with_the_parser():
     node = crd("egressclasses")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
         "properties"]["max"]
-    pattern = re.compile(node["pattern"])
+    pattern = re.compile(QUANTITY_RULE.match(node["x-kubernetes-validations"][0]["rule"])[1])
     for text in ("500k", "10M", "1.5G", "100Mi", "2e9", "1E3", ".5k", "7"):
         assert pattern.match(text) and parse_bps(text, "x") > 0, text
     for text in ("500m", "10Mbit", "-1", "1 G", "", "5u", "1e-3"):
