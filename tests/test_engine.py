@@ -426,3 +426,38 @@ def test_many_groups_at_once_match_one_at_a_time():
                           upper[members]).allocation
         np.testing.assert_allclose(together[members], alone, rtol=1e-9)
         assert together[members].sum() <= capacity[g] * (1 + 1e-12)
+
+
+def test_closed_loop_with_the_agents_demand_estimator_settles_at_the_fair_share():
+    """Engine + netagent.demand.PodDemand in a loop, as agents and controller run it: pods send
+    min(true demand, limit), the estimator (which probes above censored usage and adds headroom
+    over the rest) reports demand, the measured total feeds the gain. The rates settle within 5%
+    of the allocation the true demands would get, and the total at the budget."""
+    from netagent.demand import PodDemand, Sample
+
+    policy = budget(total="200M", b=", min: 60M")
+    rng = np.random.default_rng(5)
+    true = {f"{t}/{i}": float(rng.lognormal(0, 0.6) * 5 * M) for t in ("a", "b") for i in range(30)}
+    estimators = {k: PodDemand() for k in true}
+    sent_bytes = {k: 0 for k in true}
+    limits_now = {k: 1 * M for k in true}
+    result, measured = None, None
+
+    def pods_with(demand):
+        return [pod(k, k.split("/")[0], demand[k]) for k in true]
+
+    for step in range(20):
+        measured = 0.0
+        for k, est in estimators.items():
+            rate = min(true[k], limits_now[k])
+            measured += rate
+            sent_bytes[k] += int(rate / 8)
+            est.update(Sample(float(step), sent_bytes[k], 0, step if true[k] > limits_now[k] else 0, 0),
+                       int(limits_now[k]), 2**62)
+        result = allocate(policy, pods_with({k: e.demand_bps for k, e in estimators.items()}),
+                          measured_total_bps=measured if step else None, previous=result)
+        limits_now = {k: max(p.limit_bps, 1.0) for k, p in result.pods.items()}
+    fair = allocate(policy, pods_with(true)).pods
+    worst = max(abs(min(true[k], limits_now[k]) - fair[k].allocation_bps) / fair[k].allocation_bps for k in true)
+    assert worst <= 0.05, worst
+    assert measured == pytest.approx(200 * M, rel=0.02)
