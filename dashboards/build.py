@@ -117,8 +117,8 @@ def cluster_dashboard() -> gd.Dashboard:
         "Budget", "spec.total of the EgressBudget, as the leader controller holds it.", "bps",
         f"sum(netagent:controller_budget_bytes_per_second:leader{{{CLUSTER}}}) * 8"))
     d = d.with_panel(stat(
-        "Used / budget", "Internet egress the controller measures, as a share of the budget.", "percentunit",
-        f"sum(netagent:controller_budget_used:ratio{{{CLUSTER}}})",
+        "Used / budget", "Internet egress the controller measures, as a share of the budget (per cluster).",
+        "percentunit", f"netagent:controller_budget_used:ratio{{{CLUSTER}}}",
         thresholds=[(None, "green"), (0.8, "orange"), (0.95, "red")]))
     d = d.with_panel(stat(
         "Internet egress now", "Sum of the pods' internet egress measured by the agents.", "bps",

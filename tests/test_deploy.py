@@ -52,6 +52,12 @@ def find(docs: list[dict], kind: str, name: str | None = None) -> dict:
     return found[0]
 
 
+def project_version() -> str:
+    import tomllib
+
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+
+
 def pod_spec(docs, kind, name) -> dict:
     return find(docs, kind, name)["spec"]["template"]["spec"]
 
@@ -142,7 +148,7 @@ def test_every_container_is_hardened(base):
             assert {"cpu", "memory"} <= set(c["resources"][kind]), f"{where}: {kind}"
         assert c["livenessProbe"]["httpGet"]["path"] == "/healthz", where
         assert c["readinessProbe"]["httpGet"]["path"] == "/readyz", where
-        assert c["image"] == "netagent:0.1.0", where
+        assert c["image"] == f"netagent:{project_version()}", f"{where}: the image tag is the project's version"
         assert spec["serviceAccountName"] == workload["metadata"]["name"], where
 
 
@@ -229,6 +235,7 @@ def test_uninstall_cleans_every_node_with_the_agents_privileges_only():
         assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
         assert sc["readOnlyRootFilesystem"] is True and sc["capabilities"]["drop"] == ["ALL"]
         assert {"requests", "limits"} <= set(c["resources"])
+        assert c["image"] == f"netagent:{project_version()}"
 
 
 # --- RBAC ------------------------------------------------------------------------------------
@@ -323,10 +330,9 @@ def test_dockerfile_builds_one_image_for_both_parts():
     user, = [c for c in final if c.cmd == "USER"]
     assert not user.value[0].startswith(("0", "root"))
     # every package the distribution declares is copied in, and .dockerignore lets it through
-    pyproject = (REPO / "pyproject.toml").read_text()
     import tomllib
 
-    packages = tomllib.loads(pyproject)["tool"]["setuptools"]["packages"]
+    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
     copied = {src for c in commands if c.cmd == "COPY" and not c.flags for src in c.value[:-1]}
     assert set(packages) <= copied
     for src in copied:
