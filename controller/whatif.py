@@ -1,6 +1,6 @@
 """`netagent plan`: the allocation a policy gives for given demands, without a cluster.
 
-    netagent plan --from-file POLICY.yaml --demand DEMAND.csv [-o table|json]
+    netagent plan --from-file POLICY.yaml --demand DEMAND.csv [-o table|wide|json]
 
 POLICY.yaml holds EgressClass and EgressBudget objects (other kinds are ignored, so the
 agent's --from-file files work as they are). DEMAND.csv has the header
@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="YAML file (or directory of them) with EgressClass and EgressBudget objects; repeatable")
     p.add_argument("--demand", "-d", metavar="DEMAND.csv", required=True,
                    help="CSV with columns namespace,pod,class,demand[,bandwidth]; '-' reads standard input")
-    p.add_argument("--output", "-o", choices=("table", "json"), default="table", help="output format (default: table)")
+    p.add_argument("--output", "-o", choices=("table", "wide", "json"), default="table",
+                   help="output format (default: table; wide adds each pod's weight, guarantee and cap)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     for message in problems + warnings:
         print(f"netagent plan: warning: {message}", file=sys.stderr)
     text = json.dumps(as_json(rows, pods, result), indent=1) + "\n" if args.output == "json" else \
-        as_table(policy, rows, pods, result)
+        as_table(policy, rows, pods, result, wide=args.output == "wide")
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
@@ -181,11 +182,18 @@ def _number(bps: float) -> int | float:
     return int(round(bps)) if abs(bps - round(bps)) < 1e-6 else round(bps, 3)
 
 
-def as_table(policy: Policy, rows: list[DemandRow], pods: list[PodDemandIn], result: AllocationResult) -> str:
+def as_table(policy: Policy, rows: list[DemandRow], pods: list[PodDemandIn], result: AllocationResult,
+             wide: bool = False) -> str:
     head = ("NAMESPACE", "POD", "TEAM", "CLASS", "DEMAND", "ALLOCATION", "LIMIT")
-    body = [(row.namespace, row.pod, p.team, p.egress_class, format_bps(row.demand_bps),
-             format_bps(result.pods[p.key].allocation_bps), format_bps(result.pods[p.key].limit_bps))
-            for row, p in zip(rows, pods)]
+    if wide:
+        head += ("WEIGHT", "GUARANTEE", "CAP")
+    body = []
+    for row, p in zip(rows, pods):
+        cells = (row.namespace, row.pod, p.team, p.egress_class, format_bps(row.demand_bps),
+                 format_bps(result.pods[p.key].allocation_bps), format_bps(result.pods[p.key].limit_bps))
+        if wide:
+            cells += (f"{p.weight:g}", format_bps(p.min_bps), format_bps(p.max_bps))
+        body.append(cells)
     out = [_columns([head] + body), ""]
     teams = [("TEAM", "WEIGHT", "PODS", "DEMAND", "GUARANTEE", "ALLOCATED", "LIMITS")]
     for team in policy.teams:

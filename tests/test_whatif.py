@@ -78,6 +78,15 @@ def test_table_is_the_default_and_problems_are_warnings(tmp_path, policy):
     assert f"{demand}:3: EgressClassNotAllowed" in done.stderr
 
 
+
+def test_wide_table_explains_each_pod(tmp_path, policy, capsys):
+    demand = write(tmp_path, "namespace,pod,class,demand,bandwidth\na,p1,gold,1G,50M\n")
+    assert whatif.run(argparse.Namespace(from_file=[str(policy)], demand=str(demand), output="wide")) == 0
+    head, row = capsys.readouterr().out.splitlines()[:2]
+    assert head.split()[-3:] == ["WEIGHT", "GUARANTEE", "CAP"]
+    assert row.split()[-3:] == ["2", "10M", "50M"]  # gold's weight and min; the bandwidth column's cap
+
+
 def test_the_shipped_examples_run(tmp_path):
     done = plan("-f", EXAMPLES / "policy.yaml", "-d", EXAMPLES / "demand.csv", "-o", "json")
     assert done.returncode == 0, done.stderr
