@@ -8,7 +8,8 @@ Measured rate = the pod's HTB class byte counter (L2 bytes, what HTB enforces), 
 after a warm-up and again at the end of a window, divided by the time between the reads.
 The unshaped path (no netagent) is measured first in the same run: it says what this
 machine can carry at all. Then: the pod's internal traffic while it is shaped, against
-that unshaped baseline, and two pods sharing a node class (HTB's expected split).
+that unshaped baseline and against the CNI bandwidth plugin's TBF (which shapes every
+destination), and two pods sharing a node class (HTB's expected split).
 Exits 1 when any rate error exceeds 5%.
 
     sudo python3 bench/shaping.py [--rates 10M,100M,1G] [--runs 1] [--window 2.4]
@@ -25,7 +26,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from iptables.apply import Classifier  # noqa: E402
-from netagent.lab import INTERNAL_CIDRS, INTERNET_V4, PEER_V4, UPLINK, Lab  # noqa: E402
+from netagent.lab import INTERNAL_CIDRS, INTERNET_V4, PEER_V4, UPLINK, Lab, run  # noqa: E402
 from netagent.planner import PlanInputs, PlanOptions, PodShape, plan  # noqa: E402
 from tc import sizing  # noqa: E402
 from tc.netlink import Shaper  # noqa: E402
@@ -138,6 +139,37 @@ class Bench:
         gso = json.loads(flood.communicate(timeout=60)[0])["bits_per_second"]
         return {"tcp (iperf3)": tcp, "udp 1400 B (iperf3)": udp, "udp 1400 B (udp-gso)": gso}
 
+    def cni_plugin(self, rate: int) -> tuple[float, float]:
+        """The CNI bandwidth plugin's egress shaping, rebuilt with tc as it does it: the pod's
+        host-side veth ingress redirected (u32 match-all, mirred) into an IFB with a TBF
+        (latency 25 ms; the same 64 KB + 1 MTU burst as netagent's classes). Every
+        destination goes through it. Returns (internet L2 rate, internal TCP goodput)."""
+        self.remove()
+        ns, veth, ifb = self.node.netns, self.pod.node_veth, "bwp0"
+        cmds = [f"ip link add {ifb} type ifb", f"ip link set {ifb} up",
+                f"tc qdisc add dev {veth} ingress",
+                f"tc filter add dev {veth} parent ffff: protocol all u32 match u32 0 0 "
+                f"action mirred egress redirect dev {ifb}",
+                f"tc qdisc add dev {ifb} root tbf rate {rate}bit burst {sizing.burst_bytes(rate)} latency 25ms"]
+        try:
+            for cmd in cmds:
+                run(cmd, ns)
+
+            def sent() -> int:
+                return json.loads(run(f"tc -s -j qdisc show dev {ifb}", ns))[0]["bytes"]
+
+            procs = [self.lab.iperf_async(self.pod.netns, INTERNET_V4, 5201, seconds=self.warmup + self.window + 0.8)]
+            time.sleep(self.warmup)
+            b1, t1 = sent(), time.monotonic()
+            time.sleep(self.window)
+            b2, t2 = sent(), time.monotonic()
+            procs[0].communicate(timeout=60)
+            internal = self.lab.iperf(self.pod.netns, PEER_V4, 5202, seconds=2)["end"]["sum_sent"]["bits_per_second"]
+        finally:
+            run(f"ip link del {ifb}", ns, check=False)
+            run(f"tc qdisc del dev {veth} ingress", ns, check=False)
+        return (b2 - b1) * 8 / (t2 - t1), internal
+
     def internal(self, rate: int, pairs: int = 3) -> tuple[float, float]:
         """Pod -> peer TCP (median of `pairs`), without netagent and with the pod shaped at
         `rate`, alternated so both see the same machine load."""
@@ -192,6 +224,12 @@ def main() -> int:
             print(f"internal traffic (pod -> peer, same uplink, TCP, median of 3 alternated pairs): "
                   f"{fmt(shaped)}bit/s with the pod's internet egress shaped at {fmt(rates[0])}bit/s, "
                   f"{fmt(unshaped)}bit/s without netagent: {shaped / unshaped:.2f}x")
+            cni_rate = rates[0]
+            cni_internet, cni_internal = bench.cni_plugin(cni_rate)
+            print(f"CNI bandwidth plugin's way (TBF on an IFB for all of the pod's egress) at {fmt(cni_rate)}bit/s, "
+                  f"same run: internet {fmt(cni_internet)}bit/s ({(cni_internet - cni_rate) / cni_rate * 100:+.2f}%), "
+                  f"internal {fmt(cni_internal)}bit/s = {cni_internal / unshaped:.4f}x the unshaped path "
+                  f"(netagent: {shaped / unshaped:.2f}x)")
             print()
             for node_rate, a, b in SHARING:
                 print(f"two pods sharing a {fmt(node_rate)}bit/s node class (both flooding, TCP):")
