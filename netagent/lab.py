@@ -55,7 +55,7 @@ class Pod:
     name: str  # "namespace/name"-free short name, e.g. "n0p1"
     netns: str
     ip4: str
-    ip6: str
+    ip6: str  # "" in an IPv4-only lab (Lab(ipv6=False))
     node_veth: str
 
 
@@ -111,32 +111,36 @@ class Lab:
         fab, inet, peer = self._netns(self.fabric), self._netns(self.internet), self._netns(self.peer)
         run("ip link add br0 type bridge", fab)
         run(f"ip addr add {GATEWAY_V4}/24 dev br0", fab)
-        run(f"ip -6 addr add {GATEWAY_V6}/64 dev br0 nodad", fab)
+        self._run6(f"ip -6 addr add {GATEWAY_V6}/64 dev br0 nodad", fab)
         run("ip link set br0 up", fab)
         run("sysctl -qw net.ipv4.ip_forward=1", fab)
         run("sysctl -qw net.ipv6.conf.all.forwarding=1", fab)
         # internet host behind the fabric's "gateway"
         run(["ip", "link", "add", "inet0", "netns", fab, "type", "veth", "peer", "name", "eth0", "netns", inet])
         run("ip addr add 203.0.113.1/24 dev inet0", fab)
-        run("ip -6 addr add 2001:db8:ffff::1/64 dev inet0 nodad", fab)
+        self._run6("ip -6 addr add 2001:db8:ffff::1/64 dev inet0 nodad", fab)
         run("ip link set inet0 up", fab)
         run(f"ip addr add {INTERNET_V4}/24 dev eth0", inet)
-        run(f"ip -6 addr add {INTERNET_V6}/64 dev eth0 nodad", inet)
+        self._run6(f"ip -6 addr add {INTERNET_V6}/64 dev eth0 nodad", inet)
         run("ip link set eth0 up", inet)
         run("ip route add 10.0.0.0/8 via 203.0.113.1", inet)
-        run("ip -6 route add fd00::/8 via 2001:db8:ffff::1", inet)
+        self._run6("ip -6 route add fd00::/8 via 2001:db8:ffff::1", inet)
         # internal peer on the VPC bridge
         self._bridge_port(peer, "peer", f"{PEER_V4}/24", f"{PEER_V6}/64")
         run(f"ip route add 10.244.0.0/16 via {GATEWAY_V4}", peer)
-        run(f"ip -6 route add fd00:244::/32 via {GATEWAY_V6}", peer)
+        self._run6(f"ip -6 route add fd00:244::/32 via {GATEWAY_V6}", peer)
         for n in range(self._n_nodes):
             self._add_node(n)
+
+    def _run6(self, cmd: str, netns: str) -> None:
+        if self.ipv6:
+            run(cmd, netns)
 
     def _bridge_port(self, ns: str, port: str, ip4: str, ip6: str) -> None:
         run(["ip", "link", "add", port, "netns", self.fabric, "type", "veth", "peer", "name", UPLINK, "netns", ns])
         run(f"ip link set {port} master br0 up", self.fabric)
         run(f"ip addr add {ip4} dev {UPLINK}", ns)
-        run(f"ip -6 addr add {ip6} dev {UPLINK} nodad", ns)
+        self._run6(f"ip -6 addr add {ip6} dev {UPLINK} nodad", ns)
         run(f"ip link set {UPLINK} up", ns)
 
     def _add_node(self, n: int) -> None:
@@ -145,7 +149,7 @@ class Lab:
             name=f"node{n}",
             netns=ns,
             ip4=f"10.0.0.{10 + n}",
-            ip6=f"fd00::{10 + n:x}",
+            ip6=f"fd00::{10 + n:x}" if self.ipv6 else "",
             pod_cidr4=f"10.244.{n}.0/24",
             pod_cidr6=str(ipaddress.ip_network(f"fd00:244:{n:x}::/64")),  # canonical text, as the kernel prints it
         )
@@ -153,27 +157,27 @@ class Lab:
         # with fd00::a/64 would own the subnet-router anycast fd00:: and swallow packets to
         # the first address of the internal CIDR instead of sending them out of the uplink.
         self._bridge_port(ns, f"n{n}", f"{node.ip4}/24", f"{node.ip6}/128")
-        run(f"ip -6 route add {FABRIC_V6} dev {UPLINK}", ns)
+        self._run6(f"ip -6 route add {FABRIC_V6} dev {UPLINK}", ns)
         # default route only towards the fabric, which itself has none: nothing leaves the sandbox
         run(f"ip route add default via {GATEWAY_V4}", ns)
-        run(f"ip -6 route add default via {GATEWAY_V6}", ns)
+        self._run6(f"ip -6 route add default via {GATEWAY_V6}", ns)
         # 10.0.0.0 is on the uplink's /24: without this it is never resolved (ARP) and never
         # leaves; through the gateway it does, like every other internal destination
         run(f"ip route add 10.0.0.0/32 via {GATEWAY_V4}", ns)
-        run(f"ip -6 route add fd00::/128 via {GATEWAY_V6}", ns)
+        self._run6(f"ip -6 route add fd00::/128 via {GATEWAY_V6}", ns)
         for knob in ("net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"):
             run(["sysctl", "-qw", knob], ns)
         # SNAT to the node address for anything leaving the VPC, as a cloud node does
         run(f"iptables -t nat -A POSTROUTING -s {node.pod_cidr4} ! -d 10.0.0.0/8 -o {UPLINK} -j MASQUERADE", ns)
-        run(f"ip6tables -t nat -A POSTROUTING -s {node.pod_cidr6} ! -d fd00::/8 -o {UPLINK} -j MASQUERADE", ns)
+        self._run6(f"ip6tables -t nat -A POSTROUTING -s {node.pod_cidr6} ! -d fd00::/8 -o {UPLINK} -j MASQUERADE", ns)
         # the fabric routes each node's pod CIDR to it (native routing, no overlay)
         run(f"ip route add {node.pod_cidr4} via {node.ip4}", self.fabric)
-        run(f"ip -6 route add {node.pod_cidr6} via {node.ip6}", self.fabric)
+        self._run6(f"ip -6 route add {node.pod_cidr6} via {node.ip6}", self.fabric)
         for other in self.nodes:
             run(f"ip route add {other.pod_cidr4} via {other.ip4}", ns)
             run(f"ip route add {node.pod_cidr4} via {node.ip4}", other.netns)
-            run(f"ip -6 route add {other.pod_cidr6} via {other.ip6}", ns)
-            run(f"ip -6 route add {node.pod_cidr6} via {node.ip6}", other.netns)
+            self._run6(f"ip -6 route add {other.pod_cidr6} via {other.ip6}", ns)
+            self._run6(f"ip -6 route add {node.pod_cidr6} via {node.ip6}", other.netns)
         self.nodes.append(node)
         for k in range(self._n_pods):
             self.add_pod(node)
@@ -182,20 +186,20 @@ class Lab:
         k = len(node.pods)
         n = self.nodes.index(node)
         pns = self._netns(f"{self.prefix}-n{n}p{k}")
-        ip6 = str(ipaddress.ip_address(f"fd00:244:{n:x}::{10 + k:x}"))
+        ip6 = str(ipaddress.ip_address(f"fd00:244:{n:x}::{10 + k:x}")) if self.ipv6 else ""
         pod = Pod(f"n{n}p{k}", pns, f"10.244.{n}.{10 + k}", ip6, f"vp{k}")
         run(["ip", "link", "add", pod.node_veth, "netns", node.netns, "type", "veth", "peer", "name", "eth0", "netns", pns])
         run(f"ip addr add {pod.ip4}/32 dev eth0", pns)
-        run(f"ip -6 addr add {pod.ip6}/128 dev eth0 nodad", pns)
+        self._run6(f"ip -6 addr add {pod.ip6}/128 dev eth0 nodad", pns)
         run("ip link set eth0 up", pns)
         run("ip route add 169.254.1.1 dev eth0 scope link", pns)
         run("ip route add default via 169.254.1.1 dev eth0", pns)
         run(f"sysctl -qw net.ipv4.conf.{pod.node_veth}.proxy_arp=1", node.netns)
-        run(f"ip -6 addr add fe80::1/64 dev {pod.node_veth} nodad", node.netns)
+        self._run6(f"ip -6 addr add fe80::1/64 dev {pod.node_veth} nodad", node.netns)
         run(f"ip link set {pod.node_veth} up", node.netns)
         run(f"ip route add {pod.ip4}/32 dev {pod.node_veth}", node.netns)
-        run(f"ip -6 route add {pod.ip6}/128 dev {pod.node_veth}", node.netns)
-        run(f"ip -6 route add default via fe80::1 dev eth0", pns)
+        self._run6(f"ip -6 route add {pod.ip6}/128 dev {pod.node_veth}", node.netns)
+        self._run6(f"ip -6 route add default via fe80::1 dev eth0", pns)
         node.pods.append(pod)
         return pod
 

@@ -148,6 +148,15 @@ def test_failed_build_leaves_nothing(monkeypatch):
     assert lab_namespaces(lab.prefix) == set()
 
 
+def test_ipv4_only_lab():
+    require_root()
+    with Lab(nodes=1, pods_per_node=1, ipv6=False) as lab:
+        pod = lab.nodes[0].pods[0]
+        assert pod.ip6 == "" and lab.nodes[0].ip6 == ""
+        assert "inet6" not in run("ip -o addr show scope global", pod.netns)
+        assert ping(pod.netns, INTERNET_V4) and ping(pod.netns, PEER_V4)
+
+
 def test_bad_size_is_refused():
     with pytest.raises(LabError, match="lab size"):
         Lab(nodes=0)
