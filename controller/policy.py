@@ -200,6 +200,9 @@ def load_policy(classes: Iterable[dict], budgets: Iterable[dict]) -> tuple[Polic
     class_specs.setdefault(DEFAULT_CLASS, BUILTIN_DEFAULT_CLASS)
     frozen_classes = MappingProxyType(dict(sorted(class_specs.items())))
 
+    budgets = list(budgets)
+    problems.extend(f"EgressBudget: expected an object, got {type(b).__name__}; ignored"
+                    for b in budgets if not isinstance(b, dict))
     candidates = sorted((b for b in budgets if isinstance(b, dict)), key=lambda b: (_name_of(b) != "default", _name_of(b)))
     for budget in candidates:
         try:

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings, strategies as st
 
 from controller.policy import (DEFAULT_CLASS, REASON_CLASS_NOT_ALLOWED, REASON_INVALID_BANDWIDTH,
                                REASON_UNKNOWN_CLASS, PolicyError, load_policy, parse_class, resolve_pod)
@@ -272,3 +273,33 @@ def test_example_policy_loads_cleanly():
     policy, problems = load_policy([d for d in docs if d["kind"] == "EgressClass"],
                                    [d for d in docs if d["kind"] == "EgressBudget"])
     assert problems == [] and policy.total_bps == 10**9 and policy.default_team == "shared"
+
+
+JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**20, 10**20) | st.floats(allow_nan=True) |
+    st.sampled_from(["", "10M", "gold", "default", "500m", "-1", "a", "In", "Exists"]),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+        st.sampled_from(["metadata", "name", "spec", "weight", "min", "max", "total", "teams", "namespaces",
+                         "defaultClass", "allowedClasses", "defaultTeam", "namespaceSelector", "matchLabels",
+                         "matchExpressions", "key", "operator", "values"]), inner, max_size=5),
+    max_leaves=25)
+
+
+CLASS_SHAPED = st.fixed_dictionaries({"metadata": st.fixed_dictionaries({"name": st.sampled_from(["gold", "x", ""])}),
+                                      "spec": st.dictionaries(st.sampled_from(["weight", "min", "max"]), JSONISH)})
+TEAM_SHAPED = st.dictionaries(st.sampled_from(["name", "namespaces", "namespaceSelector", "weight", "min", "max",
+                                               "defaultClass", "allowedClasses"]), JSONISH)
+BUDGET_SHAPED = st.fixed_dictionaries({
+    "metadata": st.fixed_dictionaries({"name": st.sampled_from(["default", "b"])}),
+    "spec": st.fixed_dictionaries({"total": JSONISH, "teams": st.lists(TEAM_SHAPED, max_size=4),
+                                   "defaultTeam": JSONISH})})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(JSONISH | CLASS_SHAPED, max_size=3), st.lists(JSONISH | BUDGET_SHAPED, max_size=3),
+       st.text(max_size=8), st.none() | st.text(max_size=8))
+def test_any_input_loads_or_is_described_never_crashes(classes, budgets, namespace, annotation):
+    policy, problems = load_policy(classes, budgets)
+    assert all(isinstance(p, str) and p for p in problems)
+    pod = resolve_pod(policy, namespace, annotation, annotation)
+    assert pod.egress_class in policy.classes and 0 <= pod.min_bps <= pod.max_bps
