@@ -61,3 +61,13 @@ def test_format(bps, text):
 def test_format_round_trips_within_its_precision(bps):
     back = parse_bps(format_bps(bps), "x")
     assert abs(back - bps) <= max(0.005 * bps, 1)
+
+
+@given(st.text(max_size=20) | st.floats() | st.integers())
+def test_anything_parses_or_raises_value_error(value):
+    try:
+        bps = parse_bps(value, "x", allow_zero=True)
+    except ValueError as exc:
+        assert str(exc).startswith("x: ")
+    else:
+        assert 0 <= bps <= MAX_BPS and isinstance(bps, int)
