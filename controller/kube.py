@@ -84,13 +84,16 @@ class Cache(Generic[V]):
     def start(self) -> None:
         self.thread.start()
 
-    def _put(self, items: dict, obj: dict) -> None:
+    def _put(self, items: dict, obj: dict) -> bool:
+        """Store what `transform` keeps of obj; whether that changed anything."""
         value = self.transform(obj)
         k = self.key(obj)
         if value is None:
-            items.pop(k, None)
-        else:
-            items[k] = value
+            return items.pop(k, None) is not None
+        if items.get(k) == value:
+            return False
+        items[k] = value
+        return True
 
     def relist(self) -> None:
         items: dict[object, V] = {}
@@ -157,11 +160,12 @@ class Cache(Generic[V]):
                 if etype == "BOOKMARK":
                     continue
                 if etype == "DELETED":
-                    self.items.pop(self.key(obj), None)
+                    changed = self.items.pop(self.key(obj), None) is not None
                 else:
-                    self._put(self.items, obj)
+                    changed = self._put(self.items, obj)
                 self.on_event(etype.lower())
-                self.on_change()
+                if changed:  # e.g. a pod's status update does not move it to another node
+                    self.on_change()
         finally:
             resp.release_conn()
 
@@ -172,6 +176,14 @@ class Cache(Generic[V]):
 def _meta_key(obj: dict) -> tuple[str, str]:
     meta = obj.get("metadata") or {}
     return meta.get("namespace") or "", meta.get("name") or ""
+
+
+def _policy_part(obj: dict) -> dict:
+    """What the policy reads of an EgressClass/EgressBudget: its name and spec. Our own status
+    writes (and other metadata churn) then do not count as policy changes."""
+    meta = obj.get("metadata") or {}
+    return {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"),
+            "metadata": {"name": meta.get("name"), "generation": meta.get("generation")}, "spec": obj.get("spec")}
 
 
 def _pod_node(obj: dict) -> str | None:
@@ -191,12 +203,13 @@ class ClusterView:
                          lambda kind: on_event(name, kind), **kw)
 
         self.pods = cache("pods", core.list_pod_for_all_namespaces, _meta_key, _pod_node)
+        # labels decide teams chosen by namespaceSelector: a change re-resolves pods like a policy change
         self.namespaces = cache("namespaces", core.list_namespace, lambda o: o["metadata"]["name"],
-                                lambda o: dict(o["metadata"].get("labels") or {}))
+                                lambda o: dict(o["metadata"].get("labels") or {}), on_policy_change)
         crd = dict(group=GROUP, version=VERSION)
-        self.classes = cache("egressclasses", custom.list_cluster_custom_object, _meta_key, lambda o: o,
+        self.classes = cache("egressclasses", custom.list_cluster_custom_object, _meta_key, _policy_part,
                              on_policy_change, plural="egressclasses", **crd)
-        self.budgets = cache("egressbudgets", custom.list_cluster_custom_object, _meta_key, lambda o: o,
+        self.budgets = cache("egressbudgets", custom.list_cluster_custom_object, _meta_key, _policy_part,
                              on_policy_change, plural="egressbudgets", **crd)
         self.caches = (self.pods, self.namespaces, self.classes, self.budgets)
 

@@ -219,6 +219,16 @@ def test_budget_status_written_on_change_at_a_bounded_rate(kube_api, budget, nod
         assert header.split()[:6] == ["NAME", "TOTAL", "ALLOCATED", "USED", "DEMAND", "OVERSUBSCRIBED"]
         assert row.split()[1] == "100M" and row.split()[4] == "90M" and row.split()[5] == "True"
 
+        # the budget edited in the cluster: the watch brings the new total into the next rounds
+        budget.patch_cluster_custom_object(GROUP, VERSION, "egressbudgets", "default", {"spec": {"total": "20M"}})
+
+        def capped():
+            code, answer = post(base, nodes["a"], [workload(namespace, "work-a", 60e6)], None)
+            return code == 200 and answer["generation"] > 0 and sum(
+                p["allocation_bps"] for p in answer["pods"]) <= 20e6 * (1 + 1e-9)
+
+        wait_for(capped, timeout=30, what="allocations under the edited total")
+
 
 def test_leader_killed_the_other_takes_over_while_the_agent_keeps_its_allocations(
         kube_api, budget, nodes_and_pods, tmp_path):
