@@ -239,6 +239,76 @@ def test_uninstall_cleans_every_node_with_the_agents_privileges_only():
         assert c["image"] == f"netagent:{project_version()}"
 
 
+# --- the agent in a node lab, confined as its pod spec says (root) ---------------------------
+
+CAPABILITY_BITS = {"NET_ADMIN": 12, "NET_RAW": 13}  # linux/capability.h
+
+
+def confined(container: dict) -> list[str]:
+    """argv prefix that runs a command the way the container's securityContext says: only its
+    added capabilities (bounding set, no new privileges) and, if asked, a read-only root
+    filesystem with /tmp and the xtables lock writable (the pod's emptyDir and hostPath)."""
+    sc = container["securityContext"]
+    caps = ",".join(f"+{c.lower()}" for c in sc["capabilities"]["add"])
+    setpriv = f"setpriv --bounding-set=-all,{caps} --inh-caps=-all --no-new-privs --"
+    mounts = ""
+    if sc.get("readOnlyRootFilesystem"):
+        # a private mount namespace: `remount,bind` changes only this namespace's view of /
+        mounts = ("mount --bind /tmp /tmp && mount --bind /run/xtables.lock /run/xtables.lock && "
+                  "mount -o remount,bind,ro / && ")
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{mounts}exec {setpriv} "$@"', "confined"]
+
+
+def effective_capabilities(pid: int) -> set[str]:
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("CapEff:")), 16)
+    unknown = mask & ~sum(1 << bit for bit in CAPABILITY_BITS.values())
+    assert not unknown, f"capabilities beyond {sorted(CAPABILITY_BITS)}: {unknown:#x}"
+    return {name for name, bit in CAPABILITY_BITS.items() if mask >> bit & 1}
+
+
+@pytest.mark.root
+def test_agent_and_cleanup_work_with_exactly_their_pod_privileges(base, tmp_path):
+    """The DaemonSet's claim: NET_ADMIN and NET_RAW and a read-only root filesystem suffice."""
+    from netagent.lab import Lab, run
+    from tests.agentlab import IFB, AgentProcess, pod_object, write_objects
+    from tests.netns import require_root
+
+    require_root()
+    agent_container, = pod_spec(base, "DaemonSet", "netagent-agent")["containers"]
+    cleanup_container, = pod_spec(kustomize(DEPLOY / "uninstall"), "DaemonSet", "netagent-cleanup")["initContainers"]
+
+    class ConfinedAgent(AgentProcess):
+        @property
+        def argv(self) -> list[str]:
+            return confined(agent_container) + super().argv
+
+    with Lab(nodes=1, pods_per_node=1) as lab:
+        node = lab.nodes[0]
+        write_objects(tmp_path / "policy.yaml", [
+            {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressClass", "metadata": {"name": "bronze"},
+             "spec": {"weight": 1, "max": "20M"}},
+            {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressBudget", "metadata": {"name": "default"},
+             "spec": {"total": "1G", "teams": [{"name": "team-a", "namespaces": ["team-a"],
+                                                 "defaultClass": "bronze", "allowedClasses": ["bronze"]}]}},
+        ])
+        write_objects(tmp_path / "pods.yaml", [pod_object(node.pods[0], node)])
+        agent = ConfinedAgent(lab, node, [tmp_path], port=9579, log_dir=tmp_path)
+        try:
+            agent.start()
+            state = agent.wait_ready()
+            pod, = state["pods"]
+            assert pod["minor"] is not None and pod["limit_bps"] > 0, pod
+            assert effective_capabilities(agent.proc.pid) == {"NET_ADMIN", "NET_RAW"}
+            assert agent.terminate() == 0, agent.log()
+        finally:
+            agent.close()
+        cleaned = run([*confined(cleanup_container), sys.executable, "-m", "netagent.cli", "cleanup"], node.netns)
+        assert "removed" in cleaned
+        assert IFB not in run(["ip", "link"], node.netns)
+        assert "NETAGENT" not in run(["iptables-save"], node.netns)
+
+
 # --- RBAC ------------------------------------------------------------------------------------
 
 
