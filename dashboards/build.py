@@ -40,7 +40,7 @@ NODE = f'{CLUSTER}, node=~"$node"'
 POD = f'{NODE}, namespace=~"$namespace", pod=~"$pod"'
 # a follower's view is stale by design: controller series count only from the Lease holder
 LEADER = "and on (cluster, job, instance) (netagent_controller_is_leader == 1)"
-# the variables a panel query may contain, each with what Grafana substitutes for "All"
+# template variables a query may reference (fill_variables substitutes them as Grafana would)
 VARIABLES = ("datasource", "cluster", "node", "namespace", "pod")
 
 
