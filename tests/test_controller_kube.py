@@ -99,12 +99,13 @@ def workload(namespace: str, name: str, demand: float = 50e6) -> dict:
 
 
 @contextlib.contextmanager
-def controller(kube_api, tmp_path: Path, lease_namespace: str, *extra: str, name: str = "ctl"):
+def controller(kube_api, tmp_path: Path, lease_namespace: str, *extra: str, name: str = "ctl",
+               kubeconfig: Path | None = None):
     port = free_port()
     log_path = tmp_path / f"{name}.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "netagent.cli", "controller", "--kubeconfig", str(kube_api.kubeconfig),
+        [sys.executable, "-m", "netagent.cli", "controller", "--kubeconfig", str(kubeconfig or kube_api.kubeconfig),
          "--listen", f"127.0.0.1:{port}", "--advertise", f"127.0.0.1:{port}", "--identity", f"{name}@127.0.0.1:{port}",
          "--namespace", lease_namespace, "--lease-name", "netagent-controller-test", "--period", "0.5",
          "--report-rate", "100", "--election-lease-seconds", "3", *extra],
@@ -172,6 +173,55 @@ def test_tokens_and_node_binding_against_the_real_apiserver(kube_api, budget, no
             return {p["name"] for p in answer["pods"]} == {"work-a", "late"}
 
         wait_for(allocated_late, timeout=30, what="the new pod to be allocated")
+
+
+@pytest.fixture
+def controller_rbac(kube_api, kube_namespace):
+    """deploy/base/rbac-controller.yaml applied for a ServiceAccount in the test namespace (its
+    cluster-scoped objects renamed so tests never collide), and a kubeconfig with that
+    ServiceAccount's token: the controller runs with exactly the permissions it ships with."""
+    import yaml
+
+    suffix = kube_namespace
+    docs = [d for d in yaml.safe_load_all((REPO / "deploy" / "base" / "rbac-controller.yaml").read_text()) if d]
+    for d in docs:
+        if d["kind"] in ("ClusterRole", "ClusterRoleBinding"):
+            d["metadata"]["name"] += f"-{suffix}"
+        if d["kind"] in ("ClusterRoleBinding", "RoleBinding"):
+            if d["roleRef"]["kind"] == "ClusterRole":
+                d["roleRef"]["name"] += f"-{suffix}"
+            for subject in d["subjects"]:
+                subject["namespace"] = kube_namespace
+    kube_api.kubectl("apply", "-n", kube_namespace, "-f", "-", input=yaml.safe_dump_all(docs))
+    request = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(expiration_seconds=3600))
+    token = client.CoreV1Api(kube_api.admin).create_namespaced_service_account_token(
+        "netagent-controller", kube_namespace, request).status.token
+    yield kube_api.kubeconfig_for_token(token)
+    rbac = client.RbacAuthorizationV1Api(kube_api.admin)
+    with contextlib.suppress(ApiException):
+        rbac.delete_cluster_role_binding(f"netagent-controller-{suffix}")
+    with contextlib.suppress(ApiException):
+        rbac.delete_cluster_role(f"netagent-controller-{suffix}")
+
+
+def test_controller_works_under_exactly_its_deployed_rbac(kube_api, budget, nodes_and_pods, controller_rbac,
+                                                           tmp_path):
+    namespace, nodes = nodes_and_pods
+    agent_a = kube_api.token_for_pod(namespace, "agent", "agent-a", audiences=[AUDIENCE])
+    with controller(kube_api, tmp_path, namespace, "--agent-service-account", f"{namespace}:agent",
+                    "--status-interval", "1", kubeconfig=controller_rbac) as (_, base, log_path):
+        wait_for(lambda: leading(base), what="the replica to lead with its own Lease permissions")
+        code, answer = post(base, nodes["b"], [], agent_a)
+        assert (code, answer["reason"]) == (403, "WrongNode")  # TokenReview allowed
+
+        def written():
+            code, answer = post(base, nodes["a"], [workload(namespace, "work-a")], agent_a)
+            assert code == 200, answer
+            return (budget.get_cluster_custom_object(GROUP, VERSION, "egressbudgets", "default").get("status")
+                    or {}).get("pods") == 1
+
+        wait_for(written, timeout=30, what="the status written with the controller's own permissions")
+        assert "403" not in log_path.read_text() and "Forbidden" not in log_path.read_text()
 
 
 def test_budget_status_written_on_change_at_a_bounded_rate(kube_api, budget, nodes_and_pods, tmp_path):
