@@ -3,6 +3,8 @@ ControllerState, adapter and allocation engine. Only the API server's TokenRevie
 for (by a function answering as TokenReview does); tests/test_controller_kube.py uses the real one."""
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import json
 
@@ -323,3 +325,54 @@ async def test_policy_change_between_report_and_round_uses_the_new_policy():
     assert (got["w1"]["team"], got["r1"]["team"], got["r1"]["egress_class"]) == ("default", "research", "interactive")
     assert sum(p["allocation_bps"] for p in answer["pods"]) <= 10e6 * (1 + 1e-9)
     assert result.summary.budget_bps == 10e6
+
+
+def _json_values():
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                        st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=30))
+    return st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                         st.dictionaries(st.text(max_size=12), inner, max_size=4)),
+                        max_leaves=12)
+
+
+async def test_arbitrary_input_never_crashes_or_corrupts():
+    """Random JSON, and valid reports with one field replaced by a random value: always a 200 or
+    a clear 4xx, never a 500, and the other node's allocation is untouched."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    state = new_state()
+    fields = ["node", "pods", "seq", "period_seconds", "node_internet_egress_bps"]
+    pod_fields = ["namespace", "name", "usage_bps", "demand_bps", "throttled", "egress_class", "egress_bandwidth"]
+    async with serve(state, per_node_rate=1e6, per_node_burst=1e6) as (session, base):
+        assert (await post(session, base, "node-b", report("node-b", [pod("web", "w1")])))[0] == 200
+        state.run_round()
+        before = state.result.by_node["node-b"]
+        seen: list[int] = []
+
+        @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(st.one_of(
+            _json_values().map(lambda v: ("whole", None, v)),
+            st.tuples(st.just("field"), st.sampled_from(fields), _json_values()),
+            st.tuples(st.just("pod"), st.sampled_from(pod_fields), _json_values()),
+        ))
+        def check(case):
+            kind, name, value = case
+            if kind == "whole":
+                body = value
+            elif kind == "field":
+                body = {**report("node-a", [pod("web", "a1")]), name: value}
+            else:
+                body = report("node-a", [{**pod("web", "a1"), name: value}])
+            seen.append(asyncio.run_coroutine_threadsafe(post(session, base, "node-a", body), loop).result()[0])
+
+        loop = asyncio.get_running_loop()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            await loop.run_in_executor(pool, check)
+        assert set(seen) <= {200, 400, 422}, sorted(set(seen))
+        assert 422 in seen and 200 in seen
+        assert state.result.by_node["node-b"] == before
+        async with session.get(f"{base}/healthz") as r:
+            assert r.status == 200
