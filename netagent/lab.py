@@ -195,6 +195,8 @@ class Lab:
         run("ip route add 169.254.1.1 dev eth0 scope link", pns)
         run("ip route add default via 169.254.1.1 dev eth0", pns)
         run(f"sysctl -qw net.ipv4.conf.{pod.node_veth}.proxy_arp=1", node.netns)
+        # answer at once: proxy ARP replies are otherwise delayed up to 0.8 s (neigh proxy_delay)
+        run(f"sysctl -qw net.ipv4.neigh.{pod.node_veth}.proxy_delay=0", node.netns)
         self._run6(f"ip -6 addr add fe80::1/64 dev {pod.node_veth} nodad", node.netns)
         run(f"ip link set {pod.node_veth} up", node.netns)
         run(f"ip route add {pod.ip4}/32 dev {pod.node_veth}", node.netns)

@@ -349,8 +349,13 @@ def test_classification_edges(lab, node):
             sender.stdin.write(f"{dst} {src} 100 {count}\n")
             sender.stdin.flush()
             size = int(sender.stdout.readline().split()[1])
-            time.sleep(0.2)
-            after_counts = node.classifier.counters()[0][key]
+            deadline = time.monotonic() + 3  # a packet may wait for the gateway's neighbour entry
+            while True:
+                time.sleep(0.1)
+                after_counts = node.classifier.counters()[0][key]
+                moved = sum(after_counts[f"egress_{s}"] - before_counts.get(f"egress_{s}", 0) for s in ("internal", "internet"))
+                if moved >= count * size or time.monotonic() > deadline:
+                    break
             shaped = node.class_stats(pod).packets - before_class
             delta = {s: after_counts[f"egress_{s}"] - before_counts.get(f"egress_{s}", 0) for s in ("internal", "internet")}
             other = "internet" if scope == "internal" else "internal"
