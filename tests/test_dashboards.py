@@ -501,7 +501,8 @@ def test_alerts_fire_on_what_the_exporters_say(live_prometheus):
     alerts fire from the real exporters' series; the health alerts stay quiet."""
     must_fire = {"NetagentBudgetSaturated", "NetagentPodPolicyProblem"}
     must_not = {"NetagentAgentNotReady", "NetagentControllerUnreachable", "NetagentFailStatic",
-                "NetagentControllerNoLeader", "NetagentAgentDrifting", "NetagentReconcileFailing", "NetagentDropsHigh"}
+                "NetagentControllerNoLeader", "NetagentAgentDrifting", "NetagentReconcileFailing", "NetagentDropsHigh",
+                "NetagentAllocationFailing", "NetagentTeamStarved"}
     deadline = time.monotonic() + 120
     while True:
         firing = {a["labels"]["alertname"] for a in _get(f"{live_prometheus.url}/api/v1/alerts")["data"]["alerts"]
