@@ -228,6 +228,16 @@ def cluster_dashboard() -> gd.Dashboard:
               "rejected {{reason}}", ref="B"),
         width=8))
     d = d.with_panel(timeseries(
+        "Allocation rounds and feedback gain",
+        "Rounds per second of the leader (and failed ones); the feedback gain: what the engine shares is the "
+        "budget times this, so that the measured total stays at the budget (1 = no correction; above 1 when "
+        "the pods, fully loaded, measure short of it; below 1 when they overshoot).", "short",
+        query(f"sum(rate(netagent_controller_allocation_rounds_total{{{CLUSTER}}}[5m]) {LEADER})", "rounds/s"),
+        query(f"sum(rate(netagent_controller_allocation_failures_total{{{CLUSTER}}}[5m]) {LEADER})",
+              "failed rounds/s", ref="B"),
+        query(f"max(netagent_controller_feedback_gain{{{CLUSTER}}} {LEADER})", "feedback gain", ref="C"),
+        width=8))
+    d = d.with_panel(timeseries(
         "Agents reaching the controller", "Agents whose last report succeeded, and those that failed.", "short",
         query(f"count(netagent_controller_reachable{{{CLUSTER}}} == 1) or vector(0)", "reachable"),
         query(f"count(netagent_controller_reachable{{{CLUSTER}}} == 0) or vector(0)", "unreachable", ref="B"),
