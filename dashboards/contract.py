@@ -11,6 +11,9 @@ from __future__ import annotations
 import ast
 import json
 import re
+import urllib.error
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import yaml
@@ -35,6 +38,10 @@ SUFFIXES = {
     "Info": ("_info",),
     "InfoMetricFamily": ("_info",),
 }
+# counters with labels have no series until their event first happens: a panel query of
+# these may be empty in a healthy cluster, as long as another query of its panel has data
+RARE_EVENTS = ("netagent_controller_rejected_reports_total", "netagent_reconcile_errors_total",
+               "netagent_drift_repairs_total")
 # names a query mentions: exporter metrics (netagent_...) and recording rules (netagent:...)
 NAME = re.compile(r"(?<![\w:])netagent[_:][a-zA-Z0-9_:]*")
 
@@ -117,3 +124,31 @@ def used_metrics() -> dict[str, set[str]]:
         for name in NAME.findall(expr):
             used.setdefault(name, set()).add(where)
     return used
+
+
+def queries_without_data(prometheus_url: str, values: dict[str, str] | None = None) -> list[str]:
+    """Every panel query that returns no series from a live Prometheus, with the template
+    variables filled in (unset ones as "All"), except rare-event queries in a panel that has
+    other data. An empty list means every panel shows something."""
+    from .build import fill_variables, panel_queries
+
+    def has_data(expr: str) -> bool:
+        url = f"{prometheus_url}/api/v1/query?" + urllib.parse.urlencode({"query": fill_variables(expr, values)})
+        try:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                answer = json.load(r)
+        except urllib.error.HTTPError as e:
+            answer = json.load(e)
+        return answer.get("status") == "success" and bool(answer["data"]["result"])
+
+    empty = []
+    for path in dashboard_files():
+        panels: dict[str, list[tuple[str, bool]]] = {}
+        for title, expr in panel_queries(json.loads(path.read_text())):
+            panels.setdefault(title, []).append((expr, has_data(expr)))
+        for title, queries in panels.items():
+            panel_has_data = any(ok for _, ok in queries)
+            for expr, ok in queries:
+                if not ok and not (panel_has_data and any(m in expr for m in RARE_EVENTS)):
+                    empty.append(f"{path.name}: {title!r}: {expr}")
+    return empty

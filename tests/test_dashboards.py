@@ -446,32 +446,10 @@ def live_prometheus(tmp_path_factory):
             server.server_close()
 
 
-# counters with labels have no series until their event first happens
-RARE_EVENTS = ("netagent_controller_rejected_reports_total", "netagent_reconcile_errors_total",
-               "netagent_drift_repairs_total")
-
-
-def _queries_without_data(url: str, values: dict[str, str]) -> list[str]:
-    """Every panel query that returns no series, except rare-event ones in a panel that has other data."""
-    empty = []
-    for name, model in dashboards().items():
-        panels: dict[str, list[tuple[str, bool]]] = {}
-        for title, expr in build.panel_queries(model):
-            answer = _get(f"{url}/api/v1/query?" + urllib.parse.urlencode({"query": build.fill_variables(expr, values)}))
-            has_data = answer.get("status") == "success" and bool(answer["data"]["result"])
-            panels.setdefault(title, []).append((expr, has_data))
-        for title, queries in panels.items():
-            for expr, has_data in queries:
-                rare = any(metric in expr for metric in RARE_EVENTS) and any(d for _, d in queries)
-                if not has_data and not rare:
-                    empty.append(f"{name}: {title!r}: {expr}")
-    return empty
-
-
 def test_every_panel_query_returns_data_from_the_exporters(live_prometheus):
     deadline = time.monotonic() + 120
     for values in ({}, LIVE_CHOICE):
-        while empty := _queries_without_data(live_prometheus.url, values):
+        while empty := contract.queries_without_data(live_prometheus.url, values):
             assert time.monotonic() < deadline, (f"queries without data (variables {values or 'All'}):\n"
                                                  + "\n".join(empty) + "\n" + live_prometheus.diagnosis())
             time.sleep(2)
