@@ -6,7 +6,6 @@ what netagent created (cleanup). No `tc` subprocess anywhere.
 """
 from __future__ import annotations
 
-import errno
 import logging
 import socket
 from contextlib import contextmanager
@@ -27,7 +26,7 @@ from pyroute2.netlink.rtnl.tcmsg.common import calc_xmittime
 from pyroute2.netlink.rtnl.tcmsg.common_act import get_tca_action
 
 from . import bpf, rawnl, sizing
-from .diff import ClassParams, Op, plan_ops
+from .diff import Op, plan_ops
 from .errors import TcError
 from .model import ClassStats, ObservedClass, ObservedFilter, ObservedLeaf, ObservedShaper, ShaperSpec
 
