@@ -22,7 +22,7 @@ import msgspec
 from aiohttp import web
 
 from .auth import AuthError, Identity, TokenAuthenticator
-from .wire import ErrorBody, NodeAnswer, NodeReport, encoder, invalid_name, report_decoder
+from .wire import ErrorBody, NodeAnswer, NodeReport, encoder, report_decoder
 
 log = logging.getLogger(__name__)
 MAX_BODY = 1 << 20  # 1 MiB: 1,024 pods with long names fit with room to spare
@@ -146,9 +146,6 @@ def make_app(sink: ReportSink, auth: TokenAuthenticator | None, stats: APIStats 
             return reject(422, "Invalid", f"invalid report: {exc}")
         except msgspec.DecodeError as exc:
             return reject(400, "Malformed", f"malformed JSON: {exc}")
-        bad_name = invalid_name(rep)
-        if bad_name:
-            return reject(422, "Invalid", f"invalid report: {bad_name}")
         if rep.node != node:
             return reject(422, "Invalid", f"report names node {rep.node!r} but was posted for {node!r}")
         try:

@@ -234,12 +234,17 @@ class ClusterView:
     def policy_objects(self) -> tuple[list[dict], list[dict]]:
         return self.classes.values(), self.budgets.values()
 
+    def budget_generation(self, name: str) -> int | None:
+        obj = self.budgets.items.get(("", name))
+        return obj["metadata"].get("generation") if obj else None
+
 
 def _rfc3339(t: float) -> str:
     return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def budget_status(summary: Summary, computed_at: float, previous: dict | None) -> dict:
+def budget_status(summary: Summary, computed_at: float, previous: dict | None,
+                  observed_generation: int | None = None) -> dict:
     """The EgressBudget status for one round. Oversubscribed keeps its lastTransitionTime
     while its status does not change."""
     from .quantity import format_bps
@@ -248,7 +253,9 @@ def budget_status(summary: Summary, computed_at: float, previous: dict | None) -
     old = next((c for c in (previous or {}).get("conditions") or [] if c.get("type") == "Oversubscribed"), None)
     since = old["lastTransitionTime"] if old and old.get("status") == over else _rfc3339(computed_at)
     unmet = sorted(t for t, v in summary.teams.items() if v.guarantee_unmet)
+    generation = {} if observed_generation is None else {"observedGeneration": observed_generation}
     return {
+        **generation,
         "allocated": format_bps(summary.allocated_bps),
         "demand": format_bps(summary.demand_bps),
         "used": format_bps(summary.used_bps),
@@ -263,6 +270,7 @@ def budget_status(summary: Summary, computed_at: float, previous: dict | None) -
             "message": ("the teams' guarantees add up to more than spec.total; they are scaled down proportionally"
                         if summary.oversubscribed else "every team's guarantee fits within spec.total"),
             "lastTransitionTime": since,
+            **generation,
         }],
     }
 
@@ -281,8 +289,10 @@ class StatusWriter:
     thread: `offer` never blocks the allocation loop, and only the newest summary is written."""
 
     def __init__(self, api: client.ApiClient, min_interval: float = 30.0,
-                 on_write: Callable[[str], None] = lambda result: None):
+                 on_write: Callable[[str], None] = lambda result: None,
+                 generation_of: Callable[[str], int | None] = lambda name: None):
         self.custom = client.CustomObjectsApi(api)
+        self.generation_of = generation_of  # the budget's metadata.generation the round used
         self.min_interval = min_interval
         self.on_write = on_write
         self.written: dict[str, dict] = {}  # budget name -> the status we last wrote
@@ -314,7 +324,7 @@ class StatusWriter:
 
     def write(self, summary: Summary, computed_at: float) -> bool:
         name = summary.budget_name
-        status = budget_status(summary, computed_at, self.written.get(name))
+        status = budget_status(summary, computed_at, self.written.get(name), self.generation_of(name))
         if _comparable(status) == _comparable(self.written.get(name)):
             return False
         try:

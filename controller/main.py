@@ -197,7 +197,8 @@ class Controller:
                                          retry_period=max(0.5, args.election_lease_seconds / 7.5),
                                          on_change=self._leadership)
             self.status_writer = StatusWriter(api, args.status_interval,
-                                              on_write=lambda result: self.metrics.status_writes.labels(result).inc())
+                                              on_write=lambda result: self.metrics.status_writes.labels(result).inc(),
+                                              generation_of=self.cluster.budget_generation)
             if not args.no_auth:
                 from .auth import TokenAuthenticator, kube_token_review, service_account_user
 

@@ -18,7 +18,7 @@ from typing import Callable, Mapping
 
 from .api import ReportRejected
 from .auth import Identity
-from .wire import NodeAnswer, NodeReport, PodAllocation
+from .wire import NodeAnswer, NodeReport, PodAllocation, invalid_name
 
 log = logging.getLogger(__name__)
 _KEY = attrgetter("namespace", "name")
@@ -105,7 +105,11 @@ class ControllerState:
             seen: set[tuple[str, str]] = set()
             twice = next(k for k in keys if k in seen or seen.add(k))
             raise ReportRejected(422, "Invalid", f"pod {twice[0]}/{twice[1]} appears twice in the report")
-        if self.locate_pods is not None:
+        if self.locate_pods is None:
+            bad_name = invalid_name(report)  # with a locator, a bad name is simply a pod it does not know
+            if bad_name:
+                raise ReportRejected(422, "Invalid", f"invalid report: {bad_name}")
+        else:
             where = self.locate_pods(keys)
             if where.count(report.node) != len(where):  # the fast path: every pod is where it says
                 keep = []

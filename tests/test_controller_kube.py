@@ -241,6 +241,8 @@ def test_budget_status_written_on_change_at_a_bounded_rate(kube_api, budget, nod
         over = next(c for c in st["conditions"] if c["type"] == "Oversubscribed")
         assert (over["status"], over["reason"]) == ("True", "GuaranteesExceedTotal")  # web's min 150M > 100M
         assert st["lastComputed"]
+        assert st["observedGeneration"] == budget.get_cluster_custom_object(
+            GROUP, VERSION, "egressbudgets", "default")["metadata"]["generation"]
 
         # the same reports again and again: nothing changes, so nothing is written
         version = budget.get_cluster_custom_object(GROUP, VERSION, "egressbudgets", "default")["metadata"][
