@@ -12,13 +12,16 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import attrgetter
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from .api import ReportRejected
 from .auth import Identity
 from .wire import NodeAnswer, NodeReport, PodAllocation, invalid_name
+
+if TYPE_CHECKING:
+    from .adapter import Summary
 
 log = logging.getLogger(__name__)
 _KEY = attrgetter("namespace", "name")
@@ -34,7 +37,7 @@ class RoundResult:
     by_node: Mapping[str, list[PodAllocation]]
     node_rate: dict[str, float]
     safe_floor_bps: float
-    summary: dict = field(default_factory=dict)  # budget totals and per team/class figures (adapter.Summary)
+    summary: Summary | None = None  # budget totals and per team/class figures
     generation: int = 0  # set by ControllerState
     computed_at: float = 0.0  # monotonic, set by ControllerState
     duration_s: float = 0.0  # set by ControllerState
