@@ -77,7 +77,7 @@ class DataPath(Protocol):
     leaf_qdisc: str
     iptables_backend: str
 
-    def apply(self, desired: DesiredState) -> dict[str, int]: ...
+    def apply(self, desired: DesiredState, full: bool = True) -> dict[str, int]: ...
 
     def class_stats(self) -> dict[int, object]: ...
 
@@ -193,15 +193,18 @@ class Agent:
                 continue
             if periodic:
                 next_resync = now + self.cfg.resync_seconds
-            if self.sync():
+            if self.sync(full=periodic or retry_at is not None):
                 backoff, retry_at = 0.0, None
             else:
                 backoff = min(max(backoff * 2, 0.5), 10.0)
                 retry_at = time.monotonic() + backoff
             time.sleep(self.cfg.min_sync_interval)  # coalesce bursts of changes
 
-    def sync(self) -> bool:
-        """One level-triggered reconcile. Returns True when the kernel matches the desired state."""
+    def sync(self, full: bool = True) -> bool:
+        """One level-triggered reconcile. Returns True when the kernel matches the desired state.
+
+        `full` re-reads every part of the kernel state; otherwise parts whose desired state did
+        not change since the last good sync are trusted (the periodic resync re-reads them)."""
         with self._lock:
             snap = self.snapshot
             self._inputs_changed = False
@@ -224,7 +227,7 @@ class Agent:
             stage = "plan"
             desired = plan(self._plan_inputs(pods, allocs))
             stage = "apply"
-            changes = self.datapath.apply(desired)
+            changes = self.datapath.apply(desired, full=full or applied_before is None)
         except (PlanError, ValueError) as exc:
             self._failed(stage, f"{stage}: {exc}")
             return False

@@ -60,6 +60,7 @@ class KernelDataPath:
         self._tc_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._ipt_lock = threading.Lock()
+        self._applied_classifier = None  # the classifier state the kernel was last made to match
 
     def check_conflicts(self) -> None:
         """Refuse to start when someone else already uses our mark bit."""
@@ -69,13 +70,21 @@ class KernelDataPath:
         except Exception as exc:
             raise DataPathError(f"firewall mark bit {self.options.mark_bit:#x}: {exc} (choose another with --mark-bit)") from exc
 
-    def apply(self, desired: DesiredState) -> dict[str, int]:
-        """tc first, then iptables. Returns the number of changes by kind (tc, iptables, ipset); all 0: in sync."""
+    def apply(self, desired: DesiredState, full: bool = True) -> dict[str, int]:
+        """tc first, then iptables. Returns the number of changes by kind (tc, iptables, ipset); all 0: in sync.
+
+        tc is always diffed against the kernel (a netlink dump: about a millisecond). iptables is
+        read back only when `full` or when its desired state changed: reading it costs two
+        iptables-save runs, and a rate change, the common case, leaves it as it was."""
         with self._tc_lock:
             tc_result = self._shaper.apply(desired.shaper)
+        changes = {"tc": tc_result.changes}
         with self._ipt_lock:
-            ipt = self._classifier.apply(desired.classifier)
-        return {"tc": tc_result.changes, **{k: int(v) for k, v in ipt.items()}}
+            if full or desired.classifier != self._applied_classifier:
+                self._applied_classifier = None  # unknown until this apply succeeds
+                changes.update({k: int(v) for k, v in self._classifier.apply(desired.classifier).items()})
+                self._applied_classifier = desired.classifier
+        return changes
 
     def class_stats(self) -> dict[int, ClassStats]:
         with self._stats_lock:

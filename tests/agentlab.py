@@ -61,16 +61,18 @@ def write_objects(path: Path, objects: list[dict]) -> None:
 
 class AgentProcess:
     def __init__(self, lab: Lab, node: Node, files: list[Path], port: int, extra: list[str] = (),
-                 log_dir: Path | None = None):
+                 log_dir: Path | None = None, resync: float = 2.0, node_name: str | None = None):
         self.lab, self.node, self.files, self.port, self.extra = lab, node, files, port, list(extra)
+        self.resync = resync
+        self.node_name = node_name or node.name  # the name the agent is told (--node)
         self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="netagent-agent-")) / f"agent-{node.name}.log"
         self.proc: subprocess.Popen | None = None
         self.worker = NetnsWorker(node.netns)
 
     @property
     def argv(self) -> list[str]:
-        argv = [sys.executable, "-m", "netagent.cli", "run", "--node", self.node.name,
-                "--uplink", self.node.uplink, "--listen", f"127.0.0.1:{self.port}", "--resync-period", "2"]
+        argv = [sys.executable, "-m", "netagent.cli", "run", "--node", self.node_name,
+                "--uplink", self.node.uplink, "--listen", f"127.0.0.1:{self.port}", "--resync-period", str(self.resync)]
         for f in self.files:
             argv += ["--from-file", str(f)]
         for c in INTERNAL_CIDRS:

@@ -216,9 +216,13 @@ class KubeSource:
             t.start()
         # coalesce bursts of events: one snapshot per wakeup, after all three lists arrived
         while not self.stop_event.is_set():
-            if self._changed.wait(0.5) and self.synced():
-                self._changed.clear()
-                on_change(self.snapshot())
+            if not self._changed.wait(0.5):
+                continue
+            if not self.synced():
+                self.stop_event.wait(0.1)  # a list is still failing: look again soon, without spinning
+                continue
+            self._changed.clear()
+            on_change(self.snapshot())
 
     def stop(self) -> None:
         self.stop_event.set()
