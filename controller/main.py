@@ -155,7 +155,11 @@ class PolicyCache:
 class Controller:
     def __init__(self, args: argparse.Namespace):
         self.args = args
-        self.stop_event = threading.Event()
+        if args.from_file and args.kubeconfig:
+            raise ValueError("give either --from-file (no cluster) or --kubeconfig, not both")
+        from .auth import service_account_user
+
+        allowed = service_account_user(args.agent_service_account) if args.agent_service_account else None
         listen_host, listen_port = split_host_port(args.listen, "--listen")
         self.listen = (listen_host, listen_port)
         self.metrics_listen = split_host_port(args.metrics_listen, "--metrics-listen") if args.metrics_listen else None
@@ -200,7 +204,7 @@ class Controller:
                                               on_write=lambda result: self.metrics.status_writes.labels(result).inc(),
                                               generation_of=self.cluster.budget_generation)
             if not args.no_auth:
-                from .auth import TokenAuthenticator, kube_token_review, service_account_user
+                from .auth import TokenAuthenticator, kube_token_review
 
                 review = kube_token_review(api)
 
@@ -208,7 +212,6 @@ class Controller:
                     self.metrics.token_reviews.inc()
                     return review(token)
 
-                allowed = service_account_user(args.agent_service_account) if args.agent_service_account else None
                 auth = TokenAuthenticator(counted_review, ttl=args.token_cache_seconds, allowed_users=allowed)
         self.policy = policy
         self.auth = auth

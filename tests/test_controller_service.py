@@ -162,6 +162,9 @@ def test_pods_in_the_policy_files_bind_pods_to_nodes(tmp_path):
     (["--from-file", "{policy}", "--no-auth", "--period", "10", "--lease-seconds", "5"],
      "--lease-seconds (5) must be longer than --period (10)"),
     (["--from-file", "{policy}", "--no-auth", "--listen", "nonsense"], "must be HOST:PORT"),
+    (["--from-file", "{policy}", "--no-auth", "--kubeconfig", "{policy}"], "not both"),
+    (["--kubeconfig", "{policy}.missing"], "cannot load kubeconfig"),
+    (["--from-file", "{policy}", "--no-auth", "--agent-service-account", "nocolon"], "must be NAMESPACE:NAME"),
 ])
 def test_bad_flags_are_a_clear_error(tmp_path, argv, message):
     policy = tmp_path / "policy.yaml"
