@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _KEY = attrgetter("namespace", "name")
+NO_ROUND = "no allocation round yet: keep the current allocations"
 
 
 def _resolve(fut: asyncio.Future, result: "RoundResult") -> None:
@@ -134,8 +135,7 @@ class ControllerState:
 
     def _answer(self, node: str, result: RoundResult | None, problems: list[str]) -> NodeAnswer:
         if result is None:
-            return NodeAnswer(node, 0, self.lease_seconds, 0.0, 0.0, [],
-                              problems + ["no allocation round yet: keep the current allocations"])
+            return NodeAnswer(node, 0, self.lease_seconds, 0.0, 0.0, [], problems + [NO_ROUND])
         encoded = getattr(result.by_node, "encoded", None)
         pods = encoded(node) if encoded is not None else result.by_node.get(node, [])
         return NodeAnswer(node, result.generation, self.lease_seconds, result.safe_floor_bps,
@@ -182,7 +182,7 @@ class ControllerState:
                 if fut in self._round_waiters:
                     self._round_waiters.remove(fut)
             return answer
-        return self._answer(answer.node, result, answer.problems)
+        return self._answer(answer.node, result, [p for p in answer.problems if p != NO_ROUND])
 
     def start(self, period: float) -> None:
         def loop():

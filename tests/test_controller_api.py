@@ -377,3 +377,25 @@ async def test_arbitrary_input_never_crashes_or_corrupts():
         assert (await post(session, base, "node-a", report("node-a", [pod("web", "a1")])))[0] == 200
         async with session.get(f"{base}/healthz") as r:
             assert r.status == 200
+
+
+async def test_answer_wait_answers_from_the_round_that_includes_the_report():
+    state = new_state(answer_wait=10.0)
+    async with serve(state) as (session, base):
+        loop = asyncio.get_running_loop()
+        posted = asyncio.ensure_future(post(session, base, "node-a", report("node-a", [pod("web", "w1")])))
+        while "node-a" not in state.latest:  # the report is stored; its answer waits for the round
+            await asyncio.sleep(0.01)
+        assert not posted.done()
+        await loop.run_in_executor(None, state.run_round)
+        code, answer, _ = await posted
+    assert (code, answer["generation"], [p["name"] for p in answer["pods"]]) == (200, 1, ["w1"])
+    assert answer["problems"] == []
+
+
+async def test_answer_wait_gives_up_after_its_bound():
+    state = new_state(answer_wait=0.2)
+    async with serve(state) as (session, base):
+        code, answer, _ = await post(session, base, "node-a", report("node-a", [pod("web", "w1")]))
+    assert (code, answer["generation"]) == (200, 0)  # no round came: the answer it had
+    assert not state._round_waiters
