@@ -44,6 +44,7 @@ _TRIPLE = attrgetter("namespace", "egress_class", "egress_bandwidth")
 _KEY = attrgetter("namespace", "name")
 _DEMAND = attrgetter("demand_bps")
 _USAGE = attrgetter("usage_bps")
+_EMPTY_LIST = msgspec.Raw(b"[]")
 MIN_SAFE_FLOOR_BPS = 8_000.0  # a pod always keeps a trickle: enough for DNS and a health check
 
 
@@ -105,9 +106,11 @@ class NodeAllocations(Mapping):
 
     def encoded(self, node: str) -> msgspec.Raw:
         """The node's list as JSON, encoded once per round: most reports are answered with it."""
+        if node not in self._spans:
+            return _EMPTY_LIST  # a node new since the round: nothing cached for it (names are the caller's)
         raw = self._encoded.get(node)
         if raw is None:
-            raw = self._encoded[node] = msgspec.Raw(encoder.encode(self[node] if node in self._spans else []))
+            raw = self._encoded[node] = msgspec.Raw(encoder.encode(self[node]))
         return raw
 
     def __iter__(self) -> Iterator[str]:
