@@ -479,3 +479,32 @@ def test_cleanup_leaves_no_residue(lab, node, before):
     assert {k: v for k, v in after.items() if v != before.get(k)} == {}
     node.remove()  # idempotent
     assert residue_snapshot(node.node.netns) == after
+
+
+def test_legacy_backend_end_to_end(lab, node):
+    """The same data path with the rules in iptables-legacy (nodes that never moved to nft):
+    shaped to ±5%, counted to 2%, and removed again. Runs last: a legacy table, once used,
+    stays registered in the namespace (the kernel never unregisters it), so only our chains
+    and sets are compared."""
+    node.remove()
+    pod = node.pods[1]
+    legacy = Classifier(backend="legacy", netns=node.node.netns)
+    state = plan(node.inputs({pod.name: (100 * M, 100 * M)}, 10 * G))
+    node.shaper.apply(state.shaper)
+    legacy.apply(state.classifier)
+    try:
+        assert "NETAGENT" not in run("iptables-save", node.node.netns)  # nothing of ours in nft
+        node.state = state
+        measured, _, _ = measure(node, pod, [lab.iperf_async(pod.netns, INTERNET_V4, PORTS[1], seconds=RUN_S)])
+        assert abs(rate_error(measured, 100 * M)) <= TOLERANCE, f"legacy: {measured / M:.2f} Mbit/s"
+        before = legacy.counters()[0][pod_key(pod)]["egress_internet"]
+        result = lab.iperf(pod.netns, INTERNET_V4, PORTS[1], seconds=2, udp_bitrate="50M")
+        _, l3 = udp_l3_bytes(result, 4, reverse=False)
+        counted = legacy.counters()[0][pod_key(pod)]["egress_internet"] - before
+        assert abs(counted - l3) <= 0.02 * l3, f"legacy counted {counted} B, iperf3 moved {l3} B"
+    finally:
+        legacy.cleanup()
+        node.remove()
+    for tool in ("iptables-legacy-save", "ip6tables-legacy-save"):
+        assert "NETAGENT" not in run(tool, node.node.netns)
+    assert "netagent" not in run("ipset list -n", node.node.netns)
