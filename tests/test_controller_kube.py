@@ -221,7 +221,7 @@ def test_controller_works_under_exactly_its_deployed_rbac(kube_api, budget, node
                     or {}).get("pods") == 1
 
         wait_for(written, timeout=30, what="the status written with the controller's own permissions")
-        assert "403" not in log_path.read_text() and "Forbidden" not in log_path.read_text()
+        assert "Forbidden" not in log_path.read_text()  # no watch, review, Lease or status call was refused
 
 
 def test_budget_status_written_on_change_at_a_bounded_rate(kube_api, budget, nodes_and_pods, tmp_path):
