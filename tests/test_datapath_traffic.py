@@ -24,7 +24,7 @@ import pytest
 
 from iptables.apply import Classifier
 from iptables.errors import IptablesError
-from netagent.lab import INTERNAL_CIDRS, INTERNET_V4, INTERNET_V6, PEER_V4, UPLINK, Lab, run
+from netagent.lab import INTERNAL_CIDRS, INTERNET_V4, INTERNET_V6, PEER_V4, PEER_V6, UPLINK, Lab, run
 from netagent.planner import DesiredState, PlanInputs, PlanOptions, PodShape, plan
 from tc.netlink import Shaper
 from tc.probe import probe
@@ -399,7 +399,10 @@ def udp_l3_bytes(result: dict, family: int, reverse: bool) -> tuple[int, int]:
     ("ingress", "internet", INTERNET_V4, True),
     ("ingress", "internal", PEER_V4, True),
     ("egress", "internet", INTERNET_V6, False),
-], ids=["egress-internet", "egress-internal", "ingress-internet", "ingress-internal", "egress-internet-v6"])
+    ("ingress", "internet", INTERNET_V6, True),
+    ("egress", "internal", PEER_V6, False),
+], ids=["egress-internet", "egress-internal", "ingress-internet", "ingress-internal", "egress-internet-v6",
+        "ingress-internet-v6", "egress-internal-v6"])
 def test_accounting_agrees_with_iperf(lab, node, direction, scope, dst, reverse):
     pod = node.pods[1]
     node.program({pod.name: (1 * G, 1 * G)})

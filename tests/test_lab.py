@@ -1,5 +1,6 @@
 """The namespace lab itself: it builds, it connects, it stays sealed, and it leaves nothing behind."""
 import json
+import re
 import subprocess
 import textwrap
 
@@ -29,6 +30,9 @@ RECEIVER = textwrap.dedent("""
     s.settimeout(10)
     print(s.recvfrom(100)[1][0], flush=True)
 """)
+
+
+LAB_LINK = re.compile(r"^(inet0|peer|eth0|n\d+|vp\d+)$")  # the names the lab gives its links
 
 
 def lab_namespaces(prefix: str) -> set[str]:
@@ -122,16 +126,22 @@ def test_first_and_last_internal_addresses_leave_through_the_uplink(lab):
         assert f"dev {UPLINK}" in route and "anycast" not in route and "local" not in route, route
 
 
+def root_links() -> set[str]:
+    return {link["ifname"] for link in json.loads(run("ip -j link show"))}
+
+
 def test_close_removes_everything_and_kills_processes():
     require_root()
-    links_before = run("ip -o link show")
+    links_before = root_links()
     lab = Lab(nodes=1, pods_per_node=1)
     with lab:
         proc = lab.spawn(lab.nodes[0].pods[0].netns, ["sleep", "600"])
         assert lab_namespaces(lab.prefix)
+        # every link lives in a lab namespace: none was created in (or moved to) this one
+        assert not {name for name in root_links() - links_before if LAB_LINK.match(name)}
     assert proc.poll() is not None
     assert lab_namespaces(lab.prefix) == set()
-    assert run("ip -o link show") == links_before
+    assert not {name for name in root_links() - links_before if LAB_LINK.match(name)}
 
 
 def test_failed_build_leaves_nothing(monkeypatch):
