@@ -58,6 +58,8 @@ class FileSource:
         self._docs: dict[Path, list[dict]] = {}
         self._errors: dict[Path, str] = {}
         self._generation = 0
+        self._last: Snapshot | None = None
+        self._errors_in_last: dict[Path, str] = {}
         self._stop = threading.Event()
 
     def load(self) -> tuple[Snapshot, bool]:
@@ -91,9 +93,12 @@ class FileSource:
                 if self._errors.get(f) != msg:
                     log.error("%s", msg)
                 self._errors[f] = msg
-        if changed:
-            self._generation += 1
-        return self.snapshot(), changed
+        if changed or self._last is None or self._errors != self._errors_in_last:
+            if changed:
+                self._generation += 1
+            self._last = self.snapshot()  # built only when something changed: 10 polls a second stay cheap
+            self._errors_in_last = dict(self._errors)
+        return self._last, changed
 
     def snapshot(self) -> Snapshot:
         pods, classes, budgets, errors = [], [], [], list(self._errors.values())
