@@ -26,6 +26,7 @@ from iptables.apply import Classifier
 from iptables.errors import IptablesError
 from netagent.lab import INTERNAL_CIDRS, INTERNET_V4, INTERNET_V6, PEER_V4, PEER_V6, UPLINK, Lab, run
 from netagent.planner import DesiredState, PlanInputs, PlanOptions, PodShape, plan
+from tc.model import DEFAULT_MINOR
 from tc.netlink import Shaper
 from tc.probe import probe
 from tests.netns import require_root
@@ -226,6 +227,31 @@ def test_internet_egress_held_to_its_rate(lab, node, capacity, rate, proto, dst)
         assert offered >= 1.9 * rate, f"the flood offered only {offered / M:.0f} Mbit/s"
         # drops prove the flood arrived faster than the class lets out: it was held, not merely under the rate
         assert drops > 0, f"UDP offered {offered / M:.0f} Mbit/s never exceeded {rate / M:g} Mbit/s"
+
+
+def test_marked_traffic_of_no_pod_class_is_held_at_the_floor(lab, node):
+    """The tc half of "unknown sources are shaped at a floor": a packet carrying our mark
+    whose priority names no pod class falls into HTB's default class 1:fffe at the floor.
+    (Which packets get the mark is the classifier's side; docs/datapath.md, Known limits.)"""
+    known, unknown = node.pods
+    floor = 5 * M
+    node.options = PlanOptions(leaf_qdisc=node.options.leaf_qdisc, default_rate=floor)
+    mark = f"-s {unknown.ip4} ! -d 10.0.0.0/8 -j MARK --set-xmark {OUR_BIT:#x}/{OUR_BIT:#x}"
+    try:
+        node.program({known.name: (100 * M, 100 * M)})
+        run(f"iptables -t mangle -A FORWARD {mark}", node.node.netns)  # stands in for a catch-all rule
+        client = lab.iperf_async(unknown.netns, INTERNET_V4, PORTS[1], seconds=RUN_S)
+        ifb = node.state.shaper.ifb
+        time.sleep(WARMUP_S)
+        s1, t1 = node.shaper.stats(ifb)[DEFAULT_MINOR].bytes, time.monotonic()
+        time.sleep(WINDOW_S)
+        s2, t2 = node.shaper.stats(ifb)[DEFAULT_MINOR].bytes, time.monotonic()
+        client.communicate(timeout=RUN_S + 30)
+    finally:
+        run(f"iptables -t mangle -D FORWARD {mark}", node.node.netns, check=False)
+        node.options = PlanOptions(leaf_qdisc=node.options.leaf_qdisc)
+    measured = (s2 - s1) * 8 / (t2 - t1)
+    assert abs(rate_error(measured, floor)) <= TOLERANCE, f"default class: {measured / M:.2f} Mbit/s"
 
 
 def iperf_rate(result: dict) -> float:
