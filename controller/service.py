@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _KEY = attrgetter("namespace", "name")
-NO_ROUND = "no allocation round yet: keep the current allocations"
+NO_ROUND = "no allocation round with this node yet: keep the current allocations"
 
 
 def _resolve(fut: asyncio.Future, result: "RoundResult") -> None:
@@ -134,7 +134,7 @@ class ControllerState:
         return self._answer(report.node, result, problems)
 
     def _answer(self, node: str, result: RoundResult | None, problems: list[str]) -> NodeAnswer:
-        if result is None:
+        if result is None or node not in result.node_rate:  # a node the round has not seen: the agent keeps what it has
             return NodeAnswer(node, 0, self.lease_seconds, 0.0, 0.0, [], problems + [NO_ROUND])
         encoded = getattr(result.by_node, "encoded", None)
         pods = encoded(node) if encoded is not None else result.by_node.get(node, [])

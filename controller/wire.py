@@ -55,8 +55,8 @@ class PodAllocation(msgspec.Struct):
 
 class NodeAnswer(msgspec.Struct):
     node: str
-    # allocation round these numbers come from; 0 = no round yet (a controller that just
-    # became leader): the agent keeps the allocations and lease it already has
+    # allocation round these numbers come from; 0 = no round with this node yet (a controller
+    # that just became leader): the agent keeps the allocations and lease it already has
     generation: int
     lease_seconds: float  # keep these allocations this long without a fresh answer
     safe_floor_bps: float  # per pod, after the lease ran out (fail-static)

@@ -211,10 +211,14 @@ async def test_answer_carries_lease_and_safe_floor():
     async with serve(state) as (session, base):
         _, first, _ = await post(session, base, "node-a", report("node-a", pods))
         assert (first["generation"], first["lease_seconds"], first["pods"]) == (0, 42.0, [])
-        assert "no allocation round yet" in first["problems"][0]
+        assert "no allocation round with this node yet" in first["problems"][0]
         await post(session, base, "node-b", report("node-b", [pod("web", "x")]))
         state.run_round()
         _, answer, _ = await post(session, base, "node-a", report("node-a", pods))
+        # a node that first reports after the round (a new leader's first rounds) is told to keep what it has,
+        # not given an empty set of allocations
+        _, newcomer, _ = await post(session, base, "node-c", report("node-c", [pod("web", "c1")]))
+        assert (newcomer["generation"], newcomer["pods"]) == (0, [])
     assert answer["lease_seconds"] == 42.0
     assert answer["safe_floor_bps"] == pytest.approx(100e6 / 5)  # the budget over the round's pods
     assert answer["generation"] == 1
