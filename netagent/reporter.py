@@ -8,7 +8,7 @@ Finding the leader: the agent posts to --controller (the Service, which reaches 
 replica). A follower answers 307 with the leader's address; the agent follows it and
 keeps posting to the leader directly until that fails (connection error, a 307 or a
 503), then goes back to the Service. An answer with generation 0 comes from a leader
-that has not computed a round yet (just elected): the agent keeps what it has.
+that has no round with this node yet (just elected): the agent keeps what it has.
 """
 from __future__ import annotations
 
