@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 
 from .planner import PlanOptions
 
@@ -22,10 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _all_devices() -> tuple[str, ...]:
-    from pyroute2 import IPRoute
-
-    with IPRoute() as ipr:
-        return tuple(link.get_attr("IFLA_IFNAME") for link in ipr.get_links())
+    return tuple(name for _, name in socket.if_nameindex())
 
 
 def run(args: argparse.Namespace) -> int:

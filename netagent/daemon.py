@@ -58,6 +58,12 @@ class Daemon:
         except ValueError as exc:
             raise StartupError(str(exc)) from exc
         uplinks = tuple(args.uplink) or _default_uplinks()
+        for dev in uplinks:
+            try:
+                socket.if_nametoindex(dev)
+            except OSError:
+                raise StartupError(f"uplink {dev!r} does not exist on this node: check --uplink "
+                                   f"(devices here: {', '.join(n for _, n in socket.if_nameindex())})") from None
         from .netinfo import connected_networks
 
         try:
