@@ -279,12 +279,12 @@ class Agent:
         return PlanInputs(self.cfg.uplinks, self.cfg.internal_cidrs, tuple(shapes), node_rate, self.cfg.plan_options)
 
     def _allocate_locally_if_pods_changed(self, pods: list[ResolvedPod]) -> None:
-        """Single-node mode: a pod that appears or changes class gets its share in this
-        sync, not at the next allocation round. Right after a restart, pods whose class
+        """Single-node mode: a pod that appears, gets its IP or changes class gets its share
+        in this sync, not at the next allocation round. Right after a restart, pods whose class
         the kernel already holds keep it (adoption) until the next round."""
         if not self.local_allocate:
             return
-        policies = {p.key: (p.team, p.egress_class, p.weight, p.min_bps, p.max_bps) for p in pods}
+        policies = {p.key: (p.team, p.egress_class, p.weight, p.min_bps, p.max_bps, bool(p.ips)) for p in pods}
         if policies == self._allocated_policies:
             return
         first = self._allocated_policies is None

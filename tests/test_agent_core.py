@@ -1,0 +1,122 @@
+"""The agent's decisions without a kernel: which pods get a class, adoption after a restart,
+the fail-static lease, drift accounting. The data path here is an in-memory recorder of
+what the agent asked for (the real one is exercised in tests/test_agent_lab.py)."""
+from __future__ import annotations
+
+import time
+
+from netagent.agent import Agent, AgentConfig, Allocation, AllocationSet
+from netagent.local_alloc import LocalAllocator
+from netagent.metrics import AgentMetrics
+from netagent.model import PodRecord, Snapshot
+from netagent.planner import PodShape, assign_minors
+from netagent.policy_resolver import PolicyResolver, shaped_pods
+
+M = 1_000_000
+CLASSES = ({"kind": "EgressClass", "metadata": {"name": "bronze"}, "spec": {"max": "20M"}},)
+BUDGETS = ({"kind": "EgressBudget", "metadata": {"name": "default"},
+            "spec": {"total": "1G", "teams": [{"name": "a", "namespaces": ["ns"], "defaultClass": "bronze"}]}},)
+
+
+def pod(name: str, ip: str | None, host_network=False, phase="Running", deleting=False, **ann) -> PodRecord:
+    return PodRecord("ns", name, f"uid-{name}", "n1", (ip,) if ip else (), host_network, phase,
+                     tuple(sorted(ann.items())), deleting=deleting)
+
+
+class Recorder:
+    """Stands in for KernelDataPath: keeps the last desired state, returns scripted change counts."""
+    leaf_qdisc, iptables_backend = "pfifo", "nft"
+
+    def __init__(self, adopted=None):
+        self.applied = []
+        self.next_changes = {"tc": 0}
+        self.adopted = adopted or {}
+
+    def apply(self, desired, full=True):
+        self.applied.append(desired)
+        return dict(self.next_changes)
+
+    def class_stats(self):
+        return {}
+
+    def counters(self):
+        return {}, {}
+
+    def adopted_rates(self):
+        return dict(self.adopted)
+
+
+def make_agent(dp, controller=None):
+    resolver = PolicyResolver()
+    holder = {}
+    metrics = AgentMetrics(lambda: holder["a"].view())
+    agent = Agent(AgentConfig("n1", ("eth0",), ("10.0.0.0/8",), controller=controller), dp, resolver,
+                  None if controller else LocalAllocator(resolver, 1 * M), metrics=metrics)
+    holder["a"] = agent
+    return agent, metrics
+
+
+def sample(metrics, name, **labels):
+    return metrics.registry.get_sample_value(name, labels) or 0
+
+
+def test_which_pods_get_a_class():
+    pods = shaped_pods([
+        pod("host", "10.0.0.5", host_network=True),  # node traffic
+        pod("done", "10.244.0.9", phase="Succeeded"),  # its IP is free again
+        pod("waiting", None),
+        pod("old", "10.244.0.10", deleting=True),  # being deleted; its IP went to "new"
+        pod("new", "10.244.0.10"),
+    ])
+    got = {p.name: p.ips for p in pods}
+    assert got == {"waiting": (), "old": (), "new": ("10.244.0.10",)}
+
+
+def test_local_mode_shapes_a_new_pod_in_the_same_sync_and_tells_about_bad_annotations():
+    dp = Recorder()
+    agent, metrics = make_agent(dp)
+    agent.on_snapshot(Snapshot((pod("p", "10.244.0.10", **{"netagent.io/egress-class": "gold"}),), CLASSES, BUDGETS))
+    assert agent.sync()
+    classes = {c.key: c for c in dp.applied[-1].shaper.pods}
+    assert classes["ns/p"].ceil == 20 * M  # the team's default class, bronze
+    assert dp.applied[-1].shaper.node_rate == 1000 * M  # the budget's total caps the node
+    assert agent.pods[0].problems[0][0] == "UnknownEgressClass"
+
+
+def test_restart_adopts_what_the_kernel_holds():
+    minor = assign_minors([PodShape("ns/p", ("10.244.0.10",), 1, 1)])["ns/p"]
+    dp = Recorder(adopted={1: (700 * M, 700 * M), minor: (3 * M, 17 * M), 0xFFFE: (M, M)})
+    agent, metrics = make_agent(dp)
+    agent.start()
+    try:
+        agent.on_snapshot(Snapshot((pod("p", "10.244.0.10"),), CLASSES, BUDGETS))
+        deadline = time.monotonic() + 10
+        while not dp.applied and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        agent.stop()
+    desired = dp.applied[0]
+    assert desired.shaper.node_rate == 700 * M
+    assert [(c.rate, c.ceil) for c in desired.shaper.pods] == [(3 * M, 17 * M)]
+
+
+def test_controller_lease_then_floor_and_drift_accounting():
+    dp = Recorder()
+    agent, metrics = make_agent(dp, controller="http://controller")
+    agent.on_snapshot(Snapshot((pod("p", "10.244.0.10"),), CLASSES, BUDGETS))
+    agent.set_allocations(AllocationSet(pods={"ns/p": Allocation(5 * M, 9 * M)}, node_rate_bps=50 * M,
+                                        safe_floor_bps=2 * M, lease_expires=time.monotonic() + 60, source="controller"))
+    assert agent.sync()
+    assert [(c.rate, c.ceil) for c in dp.applied[-1].shaper.pods] == [(5 * M, 9 * M)]
+    # the same plan again, yet the kernel needed changes: someone else changed it
+    dp.next_changes = {"tc": 2, "iptables": 1}
+    assert agent.sync()
+    assert sample(metrics, "netagent_drift_repairs_total", kind="tc") == 2
+    assert sample(metrics, "netagent_drift_repairs_total", kind="iptables") == 1
+    # the lease runs out: the floor, never nothing
+    dp.next_changes = {"tc": 1}
+    agent.allocations.lease_expires = time.monotonic() - 1
+    assert agent.sync()
+    assert [(c.rate, c.ceil) for c in dp.applied[-1].shaper.pods] == [(2 * M, 2 * M)]
+    assert agent.fail_static and agent.view().allocation_source == "floor"
+    assert sample(metrics, "netagent_drift_repairs_total", kind="tc") == 2  # a planned change is not drift
