@@ -68,10 +68,12 @@ def serve(port: int, nodes: int, period: float, cpu: int, ready, stats_pipe) -> 
     from controller.adapter import Adapter
     from controller.api import APIStats, make_app
     from controller.auth import NODE_CLAIM, TokenAuthenticator
+    from controller.main import configure_gc
     from controller.policy import load_policy
     from controller.service import ControllerState
 
     logging.basicConfig(level=logging.WARNING)
+    configure_gc()  # as `netagent controller` does
     policy = load_policy(CLASSES, [BUDGET])
     where = {(p["namespace"], p["name"]): node_name(i) for i in range(nodes) for p in node_pods(i)}
     counts = {"reports": 0, "rejected": {}, "reviews": 0, "rounds": 0, "round_s": []}
@@ -117,9 +119,6 @@ local nodes = %(nodes)d
 local pods = %(pods)d
 local bodies, paths, headers = {}, {}, {}
 local counter = 0
-function init(args)
-  counter = tonumber(args[1]) or 0
-end
 local function body(i)
   local name = string.format("node-%%05d", i)
   local parts = {}
@@ -131,15 +130,18 @@ local function body(i)
   end
   return name, '{"node":"' .. name .. '","pods":[' .. table.concat(parts, ",") .. '],"seq":1,"period_seconds":5.0,"node_internet_egress_bps":1e7}'
 end
-request = function()
-  local i = counter %% nodes
-  counter = counter + 1
-  if bodies[i] == nil then
+-- every body is built in init, which wrk runs before its clock starts
+function init(args)
+  for i = 0, nodes - 1 do
     local name, b = body(i)
     bodies[i] = b
     paths[i] = "/v1/nodes/" .. name .. "/report"
     headers[i] = {["Content-Type"] = "application/json", ["Authorization"] = "Bearer token-" .. name}
   end
+end
+request = function()
+  local i = counter %% nodes
+  counter = counter + 1
   return wrk.format("POST", paths[i], headers[i], bodies[i])
 end
 """
