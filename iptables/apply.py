@@ -23,8 +23,8 @@ BUILTIN = ("PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING")
 _SET_FAMILY = {4: "inet", 6: "inet6"}
 
 
-def _empty_counts() -> dict[str, int]:
-    return {k: 0 for k in R.KINDS}
+def _empty_counts(kinds: tuple[str, ...] = R.KINDS) -> dict[str, int]:
+    return {k: 0 for k in kinds}
 
 
 def _canonical_members(members: set[str]) -> set[str]:
@@ -78,7 +78,7 @@ class Classifier:
         self._chain_keys: dict[str, str] = {}  # per-pod chain -> pod key, from the last apply
         # bytes counted by rules we flushed and refilled (a class change): added back so counters never go down
         self._carried: dict[str, dict[str, int]] = {}
-        self._node_carried = _empty_counts()
+        self._node_carried = _empty_counts(R.NODE_KINDS)
         self._built: tuple[ClassifierState | None, dict[int, R.Ruleset]] = (None, {})
         self._other_backend_clear = False  # our chains in the other backend are removed by the first apply
 
@@ -102,7 +102,10 @@ class Classifier:
                 update = R.render_update(rulesets[family], current, jumps)
                 if not update.text:
                     continue
-                self._carry_counts(tables.get(R.TABLE), update.rewritten)
+                # node counters never go down: a removed catch-all's bytes are kept too
+                unknown = R.names(self.prefix)["UNKNOWN"]
+                dropped = (unknown,) if unknown in current and unknown not in rulesets[family].chains else ()
+                self._carry_counts(tables.get(R.TABLE), update.rewritten + dropped)
                 self.runner.restore(family, self.backend, update.text)
                 done.append((family, current, jumps))
                 changes += update.changes
@@ -210,6 +213,8 @@ class Classifier:
         """(pod key or None for the node, kind) from a counting rule's chain and comment, else None."""
         if not text:
             return None
+        if chain == f"{self.prefix}-UNKNOWN":
+            return None, R.UNKNOWN_KIND
         head, _, scope = text.rpartition(" ")
         who, _, direction = head.rpartition(" ")
         kind = f"{direction}_{scope}"
@@ -223,7 +228,9 @@ class Classifier:
         """Bytes per pod and for the node by direction and scope, IPv4 and IPv6 summed.
 
         One `iptables-save -c -t mangle` per family. Node totals count everything through
-        the uplinks, host traffic included.
+        the uplinks, host traffic included; the node's `egress_unknown_internet` is the part of
+        its internet egress that it forwarded from no known pod (shaped in the default class;
+        0 without one).
         """
         pods: dict[str, dict[str, int]] = {k: dict(v) for k, v in self._carried.items()}
         node = dict(self._node_carried)
@@ -278,7 +285,7 @@ class Classifier:
                     removed.append(f"ipset {name}")
         self._chain_keys.clear()
         self._carried.clear()
-        self._node_carried = _empty_counts()
+        self._node_carried = _empty_counts(R.NODE_KINDS)
         return removed
 
     def _remove_chains(self, backend: str) -> list[str]:

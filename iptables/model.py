@@ -26,3 +26,7 @@ class ClassifierState:
     internal_cidrs: tuple[str, ...]  # destinations that are never shaped (IPv4 and IPv6 mixed)
     pods: tuple[PodClassification, ...]
     uplinks: tuple[str, ...]  # internet-facing devices; node totals count traffic through them
+    # HTB (major, minor) for internet traffic the node forwards from a source that is none of `pods`
+    # (a pod the agent does not know yet): marked and classified there, so it is shaped at the
+    # default class's floor, never unshaped. None: such traffic is left alone.
+    default_class: tuple[int, int] | None = None

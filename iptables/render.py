@@ -10,6 +10,9 @@ Layout (per family, mangle table; see docs/iptables.md):
     PREROUTING  -> P-PREROUTING:  -i <uplink> -j P-NODE-IN        node ingress by scope
     POSTROUTING -> P-POSTROUTING: -o <uplink> -j P-NODE-OUT       node egress by scope
                                   -j P-EGRESS    dispatch on source  -> P-E-<pod>: count, MARK, CLASSIFY
+                                  -o <uplink> <not marked> <dst not internal> <src not local> -j P-UNKNOWN
+                                                 (with a default class: forwarded internet traffic no pod
+                                                  chain marked -> count, MARK, CLASSIFY to the default class)
                                   -o <uplink> -j RETURN             (nothing to a pod leaves by the uplink)
                                   -j P-INGRESS   dispatch on destination -> P-I-<pod>: count
 
@@ -41,6 +44,9 @@ HOOKS = ("PREROUTING", "POSTROUTING")
 ALWAYS_INTERNAL = {4: ("169.254.0.0/16", "224.0.0.0/4", "255.255.255.255/32"), 6: ("fe80::/10", "ff00::/8")}
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 KINDS = ("egress_internal", "egress_internet", "ingress_internal", "ingress_internet")
+# the node also counts internet egress it forwarded from sources that are no known pod (P-UNKNOWN)
+UNKNOWN_KIND = "egress_unknown_internet"
+NODE_KINDS = (*KINDS, UNKNOWN_KIND)
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,7 @@ def names(prefix: str) -> dict[str, str]:
         "NODE-OUT": f"{prefix}-NODE-OUT",
         "EGRESS": f"{prefix}-EGRESS",
         "INGRESS": f"{prefix}-INGRESS",
+        "UNKNOWN": f"{prefix}-UNKNOWN",
     }
 
 
@@ -144,12 +151,19 @@ def set_members(cidrs: tuple[str, ...]) -> dict[int, tuple[str, ...]]:
     return {fam: split_cidrs(split[fam] + ALWAYS_INTERNAL[fam])[fam] for fam in (4, 6)}
 
 
+def _validate_class(tc_class: object, what: str) -> None:
+    if (not isinstance(tc_class, tuple) or len(tc_class) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in tc_class)):
+        raise IptablesError(f"{what}: HTB class {tc_class!r} must be a (major, minor) pair of integers")
+    major, minor = tc_class
+    if not (1 <= major <= 0xFFFF and 0 <= minor <= 0xFFFF):
+        raise IptablesError(f"{what}: HTB class {major:#x}:{minor:#x} is out of range (major 1..0xffff, minor 0..0xffff)")
+
+
 def _validate_pod(pod: PodClassification) -> None:
     if not isinstance(pod.key, str) or not _KEY_RE.match(pod.key):
         raise IptablesError(f"pod key {pod.key!r} must be non-empty text without quotes, backslashes or line breaks")
-    major, minor = pod.tc_class
-    if not (1 <= major <= 0xFFFF and 0 <= minor <= 0xFFFF):
-        raise IptablesError(f"pod {pod.key}: HTB class {major:#x}:{minor:#x} is out of range (major 1..0xffff, minor 0..0xffff)")
+    _validate_class(pod.tc_class, f"pod {pod.key}")
     if not pod.ips:
         raise IptablesError(f"pod {pod.key} has no IP address: leave it out of the state until it has one")
 
@@ -163,6 +177,8 @@ def validate(state: ClassifierState) -> None:
     for dev in state.uplinks:
         if not isinstance(dev, str) or not _IFNAME_RE.match(dev):
             raise IptablesError(f"uplink {dev!r} is not a valid interface name")
+    if state.default_class is not None:
+        _validate_class(state.default_class, "default class for unknown sources")
     seen: dict[str, str] = {}
     keys: set[str] = set()
     for pod in state.pods:
@@ -237,9 +253,20 @@ def build(state: ClassifierState, family: int, prefix: str = "NETAGENT") -> Rule
         f"{comment('node ingress internet')} -j RETURN",
     )
     chains[n["PREROUTING"]] = tuple(f"-i {dev} -j {n['NODE-IN']}" for dev in state.uplinks)
+    unknown: tuple[str, ...] = ()
+    if state.default_class is not None:
+        # After the pod dispatch, so a known pod's packet already carries our mark and its own class.
+        # Forwarded only: a source that is one of the node's addresses is host (or hostNetwork) traffic.
+        unknown = tuple(f"-o {dev} -m mark ! --mark {mark} -m set ! --match-set {internal} dst "
+                        f"-m addrtype ! --src-type LOCAL -j {n['UNKNOWN']}" for dev in state.uplinks)
+        chains[n["UNKNOWN"]] = (
+            f"{comment('unknown source egress internet')} -j MARK --set-xmark {mark}",
+            f"-j CLASSIFY --set-class {classify_target(state.default_class)}",
+        )
     chains[n["POSTROUTING"]] = (
         *(f"-o {dev} -j {n['NODE-OUT']}" for dev in state.uplinks),
         f"-j {n['EGRESS']}",
+        *unknown,
         *(f"-o {dev} -j RETURN" for dev in state.uplinks),
         f"-j {n['INGRESS']}",
     )

@@ -157,5 +157,6 @@ def plan(inputs: PlanInputs) -> DesiredState:
         internal_cidrs=internal,
         pods=tuple(classify),
         uplinks=tuple(inputs.uplinks),
+        default_class=(opts.htb_major, DEFAULT_MINOR),  # unknown sources: shaped at the floor, never unshaped
     )
     return DesiredState(shaper, classifier, minors, skipped)

@@ -28,8 +28,11 @@ def pods(n: int) -> tuple[PodClassification, ...]:
     return tuple(PodClassification(f"ns/p{i}", (str(a4 + i), str(a6 + i)), (1, 0x10 + i)) for i in range(n))
 
 
+DEFAULT_CLASS = (1, 0xFFFE)
+
+
 def state(n: int = 4, cidrs: tuple[str, ...] = ("10.0.0.0/8", "fd00::/8"), pod_list=None) -> ClassifierState:
-    return ClassifierState(0x1000, cidrs, pods(n) if pod_list is None else pod_list, ("eth0",))
+    return ClassifierState(0x1000, cidrs, pods(n) if pod_list is None else pod_list, ("eth0",), DEFAULT_CLASS)
 
 
 def count_restores(clf: Classifier) -> list:
@@ -328,5 +331,61 @@ def test_counters_move_with_real_packets(backend):
             assert after[keys[0]] == pods2[keys[0]]
             sh(f"ping -c 1 -s 1000 {INTERNET_V4}", pod0.netns)
             assert clf.counters()[0][keys[0]]["egress_internet"] == pods2[keys[0]]["egress_internet"] + 1028
+        finally:
+            clf.cleanup()
+
+
+def marked_packets(netns: str, backend: str) -> int:
+    """Packets of both families that left by the uplink carrying our bit (a neighbour's counting rule)."""
+    total = 0
+    for tool in ("iptables", "ip6tables"):
+        for line in sh(f"{tool}-{backend}-save -c -t mangle", netns).splitlines():
+            if "seen-marked" in line:
+                total += int(line[1:].split(":")[0])
+    return total
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unknown_sources_are_marked_and_counted(backend):
+    """A pod missing from the state (pod1) sending to the internet is marked and counted as
+    unknown-source egress; its internal traffic, the node's own traffic and a known pod's are not."""
+    require_root()
+    with Lab(nodes=1, pods_per_node=2) as lab:
+        node = lab.nodes[0]
+        known, stranger = node.pods
+        key = f"default/{known.name}"
+        st = ClassifierState(0x1000, INTERNAL_CIDRS, (PodClassification(key, (known.ip4, known.ip6), (1, 0x10)),),
+                             (node.uplink,), DEFAULT_CLASS)
+        clf = Classifier(backend=backend, netns=node.netns)
+        assert clf.apply(st)["iptables"] > 0 and clf.apply(st) == {"iptables": 0, "ipset": 0}
+        for tool in ("iptables", "ip6tables"):
+            sh(f"{tool}-{backend} -t mangle -A POSTROUTING -o {node.uplink} -m mark --mark 0x1000/0x1000 "
+               "-m comment --comment seen-marked", node.netns)
+        try:
+            for p in (known, stranger):  # resolve neighbours first
+                sh(f"ping -c 1 {INTERNET_V4} && ping -6 -c 1 {INTERNET_V6} && ping -c 1 {PEER_V4}", p.netns)
+            pods0, node0 = clf.counters()
+            marked0 = marked_packets(node.netns, backend)
+            unknown = send_udp(stranger.netns, [(INTERNET_V4, 301), ("11.0.0.0", 302), (INTERNET_V6, 303)])
+            send_udp(stranger.netns, [(PEER_V4, 401), ("10.255.255.255", 402), (PEER_V6, 403)])  # internal
+            pod_bytes = send_udp(known.netns, [(INTERNET_V4, 501), (INTERNET_V6, 502)])
+            sh(f"ping -c 1 -s 600 {INTERNET_V4} && ping -6 -c 1 -s 600 {INTERNET_V6}", node.netns)  # host traffic
+            pods1, node1 = clf.counters()
+            moved = {k: node1[k] - node0[k] for k in node1}
+            assert moved["egress_unknown_internet"] == unknown
+            assert moved["egress_internet"] == unknown + pod_bytes + 628 + 648
+            assert delta(pods1[key], pods0[key])["egress_internet"] == pod_bytes
+            assert set(pods1) == {key}  # the stranger is node traffic, never a pod of its own
+            # marked: the stranger's 3 internet datagrams and the known pod's 2; never internal or host packets
+            assert marked_packets(node.netns, backend) - marked0 == 5
+            # without a default class the catch-all goes (one chain and the dispatch chain per family),
+            # and the node's unknown-source bytes are kept, not lost
+            plain = ClassifierState(st.mark_bit, st.internal_cidrs, st.pods, st.uplinks)
+            assert clf.apply(plain) == {"iptables": 4, "ipset": 0}
+            assert "UNKNOWN" not in sh(f"iptables-{backend}-save -t mangle", node.netns)
+            assert clf.counters()[1]["egress_unknown_internet"] == node1["egress_unknown_internet"]
+            send_udp(stranger.netns, [(INTERNET_V4, 301)])
+            assert clf.counters()[1]["egress_unknown_internet"] == node1["egress_unknown_internet"]
+            assert marked_packets(node.netns, backend) - marked0 == 5
         finally:
             clf.cleanup()

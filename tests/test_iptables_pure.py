@@ -313,3 +313,124 @@ def test_detection_follows_kubelet_hint_then_ours_then_rule_count():
     assert choose_backend(fake_save({(4, "legacy", None): RULES}), "NETAGENT") == "legacy"
     assert choose_backend(fake_save({(4, "legacy", None): RULES, (4, "nft", None): RULES}), "NETAGENT") == "nft"
     assert choose_backend(fake_save({}), "NETAGENT") == "nft"
+
+
+# -- unknown sources: the default-class catch-all ----------------------------------------------
+
+DEFAULT = (1, 0xFFFE)
+
+
+def evaluate(state: ClassifierState, family: int, src: str, dst: str, oif: str, local_src: bool = False) -> dict:
+    """Run one packet through a parse of the rendered POSTROUTING rules, as the kernel would.
+
+    -> {"mark": skb mark, "priority": (major, minor) or None, "counted": comments of the rules it matched}.
+    """
+    chains = parse_restore(R.render(state, family))
+    internal = [ipaddress.ip_network(c) for c in R.set_members(state.internal_cidrs)[family]]
+    pkt = {"mark": 0, "priority": None, "counted": []}
+
+    def matches(rule: list[str]) -> bool:
+        i, negate, ok = 0, False, True
+        while i < len(rule) and rule[i] not in ("-j", "-g"):
+            tok, arg = rule[i], rule[i + 1] if i + 1 < len(rule) else ""
+            result = None
+            if tok == "!":
+                negate, i = True, i + 1
+                continue
+            if tok == "-o":
+                result = arg == oif
+            elif tok in ("-s", "-d"):
+                result = ipaddress.ip_address(src if tok == "-s" else dst) in ipaddress.ip_network(arg)
+            elif tok == "--mark":
+                value, mask = (int(v, 16) for v in arg.split("/"))
+                result = pkt["mark"] & mask == value
+            elif tok == "--match-set":
+                addr = ipaddress.ip_address(src if rule[i + 2] == "src" else dst)
+                result = any(addr in net for net in internal)
+            elif tok == "--src-type" and arg == "LOCAL":
+                result = local_src
+            elif tok not in ("-m", "--comment"):
+                raise AssertionError(f"this fake does not know {tok} {arg}")
+            if result is not None:
+                ok = ok and (result != negate)
+            negate, i = False, i + (3 if tok == "--match-set" else 2)  # option, argument(s)
+        return ok
+
+    def run(chain: str) -> None:
+        for rule in chains[chain]:
+            if not matches(rule):
+                continue
+            if "--comment" in rule:
+                pkt["counted"].append(rule[rule.index("--comment") + 1])
+            where = rule.index("-j") if "-j" in rule else rule.index("-g") if "-g" in rule else None
+            if where is None:
+                continue
+            verb, target = rule[where], rule[where + 1]
+            if target == "RETURN":
+                return
+            if target == "MARK":
+                value, mask = (int(v, 16) for v in rule[where + 3].split("/"))
+                pkt["mark"] = (pkt["mark"] & ~mask) | value
+            elif target == "CLASSIFY":
+                pkt["priority"] = tuple(int(v, 16) for v in rule[where + 3].split(":"))
+            else:
+                run(target)
+                if verb == "-g":
+                    return
+
+    run("NETAGENT-POSTROUTING")
+    return pkt
+
+
+@pytest.mark.parametrize("family", [4, 6])
+def test_unknown_sources_go_to_the_default_class_and_known_pods_keep_theirs(family):
+    st = state(3, default_class=DEFAULT)
+    known, stranger = ("10.244.0.11", "10.244.0.99") if family == 4 else ("fd00:244::11", "fd00:244::99")
+    internet, peer = ("192.0.2.1", "10.0.0.2") if family == 4 else ("2001:db8::1", "fd00::2")
+    node_ip = "10.0.0.1" if family == 4 else "fd00::1"
+
+    pod = evaluate(st, family, known, internet, "eth0")
+    assert (pod["mark"], pod["priority"]) == (0x1000, (1, 0x11))
+    assert "unknown source egress internet" not in pod["counted"]
+
+    unknown = evaluate(st, family, stranger, internet, "eth0")
+    assert (unknown["mark"], unknown["priority"]) == (0x1000, DEFAULT)
+    assert unknown["counted"] == ["node egress internet", "unknown source egress internet"]
+
+    for quiet in (evaluate(st, family, stranger, peer, "eth0"),            # internal destination
+                  evaluate(st, family, node_ip, internet, "eth0", True),   # the node's own traffic
+                  evaluate(st, family, stranger, internet, "veth9"),       # not leaving by an uplink
+                  evaluate(state(3), family, stranger, internet, "eth0")):  # no default class: as before
+        assert (quiet["mark"], quiet["priority"]) == (0, None)
+        assert "unknown source egress internet" not in quiet["counted"]
+
+
+def test_catch_all_sits_between_the_pod_dispatch_and_the_uplink_return():
+    rs = R.build(state(2, default_class=DEFAULT, uplinks=("eth0", "eth1")), 6)
+    assert rs.chains["NETAGENT-POSTROUTING"] == (
+        "-o eth0 -j NETAGENT-NODE-OUT", "-o eth1 -j NETAGENT-NODE-OUT", "-j NETAGENT-EGRESS",
+        "-o eth0 -m mark ! --mark 0x1000/0x1000 -m set ! --match-set netagent-internal6 dst "
+        "-m addrtype ! --src-type LOCAL -j NETAGENT-UNKNOWN",
+        "-o eth1 -m mark ! --mark 0x1000/0x1000 -m set ! --match-set netagent-internal6 dst "
+        "-m addrtype ! --src-type LOCAL -j NETAGENT-UNKNOWN",
+        "-o eth0 -j RETURN", "-o eth1 -j RETURN", "-j NETAGENT-INGRESS")
+    assert rs.chains["NETAGENT-UNKNOWN"] == (
+        '-m comment --comment "unknown source egress internet" -j MARK --set-xmark 0x1000/0x1000',
+        "-j CLASSIFY --set-class 0001:fffe")
+    assert "NETAGENT-UNKNOWN" not in R.build(state(2), 6).chains
+
+
+def test_turning_the_default_class_on_touches_no_pod_chain():
+    old = R.build(state(20), 4)
+    new = R.build(state(20, default_class=DEFAULT), 4)
+    up = R.render_update(new, *kernel_view(old))
+    assert up.changes == 2 and up.rewritten == ("NETAGENT-POSTROUTING",)
+    assert {ln[1:].split()[0] for ln in up.text.splitlines() if ln.startswith(":")} == {"NETAGENT-POSTROUTING", "NETAGENT-UNKNOWN"}
+    back = R.render_update(old, *kernel_view(new))
+    assert back.changes == 2 and "-X NETAGENT-UNKNOWN" in back.text
+
+
+@pytest.mark.parametrize("bad", [(0, 0xFFFE), (1, 0x10000), (1,), "1:fffe", (1, True)])
+def test_bad_default_class_is_named(bad):
+    with pytest.raises(IptablesError, match="default class for unknown sources"):
+        R.build(state(default_class=bad), 4)

@@ -37,6 +37,11 @@ def test_pod_rates_are_clamped_to_the_node_and_default_class_floor():
     assert d.shaper.default.minor == DEFAULT_MINOR and d.shaper.default.rate == d.shaper.default.ceil
 
 
+def test_unknown_sources_are_classified_to_the_default_class():
+    d = plan(inputs([pod("ns/a", "10.244.0.11")], options=PlanOptions(htb_major=0x7)))
+    assert d.classifier.default_class == (0x7, DEFAULT_MINOR) == (d.shaper.major, d.shaper.default.minor)
+
+
 def test_pod_without_ip_waits_and_reused_ip_goes_to_one_pod():
     d = plan(inputs([pod("ns/new"), pod("ns/old", "10.244.0.11"), pod("ns/reuse", "10.244.0.11")]))
     assert d.skipped["ns/new"] == "no IP yet"
