@@ -19,7 +19,7 @@ allocation engine once over all of them, and splits the result back per node:
 Cost: each report's pods are resolved into columns when it arrives (`prepare`; the policy
 resolution is cached per distinct (namespace, class, bandwidth) triple), so a round only
 concatenates columns and runs the engine, with no Python step per pod; per-node answer
-lists are built and encoded when that node next reports, not for all nodes in the round.
+lists are built when that node next reports, not for all nodes in the round.
 A pod that moved between nodes counts in both nodes' reports until the old node's next
 report (with the node binding, the old node can no longer report it).
 """
@@ -33,18 +33,16 @@ from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from typing import Callable, Iterator
 
-import msgspec
 import numpy as np
 
 from .service import RoundResult
-from .wire import NodeReport, PodAllocation, PodReport, encoder
+from .wire import NodeReport, PodAllocation, PodReport
 
 log = logging.getLogger(__name__)
 _TRIPLE = attrgetter("namespace", "egress_class", "egress_bandwidth")
 _KEY = attrgetter("namespace", "name")
 _DEMAND = attrgetter("demand_bps")
 _USAGE = attrgetter("usage_bps")
-_EMPTY_LIST = msgspec.Raw(b"[]")
 MIN_SAFE_FLOOR_BPS = 8_000.0  # a pod always keeps a trickle: enough for DNS and a health check
 
 
@@ -79,7 +77,8 @@ class Summary:
 
 
 class NodeAllocations(Mapping):
-    """node -> list[PodAllocation], built on first access from the round's columns."""
+    """node -> list[PodAllocation], built from the round's columns when the node asks (nodes
+    report about once per round, so nothing is kept: 825,000 pods' answers would be ~280 MiB)."""
 
     def __init__(self, spans: dict[str, tuple[int, list[PodReport]]], team: np.ndarray, cls: np.ndarray,
                  team_names: tuple[str, ...], class_names: tuple[str, ...], alloc: np.ndarray, limit: np.ndarray):
@@ -87,31 +86,15 @@ class NodeAllocations(Mapping):
         self._team, self._cls = team, cls
         self._team_names, self._class_names = team_names, class_names
         self._alloc, self._limit = alloc, limit
-        self._built: dict[str, list[PodAllocation]] = {}
-        self._encoded: dict[str, msgspec.Raw] = {}
 
     def __getitem__(self, node: str) -> list[PodAllocation]:
-        built = self._built.get(node)
-        if built is None:
-            start, pods = self._spans[node]
-            end = start + len(pods)
-            teams, classes = self._team[start:end].tolist(), self._cls[start:end].tolist()
-            alloc, limit = self._alloc[start:end].tolist(), self._limit[start:end].tolist()
-            tn, cn = self._team_names, self._class_names
-            built = self._built[node] = [
-                PodAllocation(p.namespace, p.name, tn[t], cn[c], a, lim)
-                for p, t, c, a, lim in zip(pods, teams, classes, alloc, limit)
-            ]
-        return built
-
-    def encoded(self, node: str) -> msgspec.Raw:
-        """The node's list as JSON, encoded once per round: most reports are answered with it."""
-        if node not in self._spans:
-            return _EMPTY_LIST  # a node new since the round: nothing cached for it (names are the caller's)
-        raw = self._encoded.get(node)
-        if raw is None:
-            raw = self._encoded[node] = msgspec.Raw(encoder.encode(self[node]))
-        return raw
+        start, pods = self._spans[node]
+        end = start + len(pods)
+        teams, classes = self._team[start:end].tolist(), self._cls[start:end].tolist()
+        alloc, limit = self._alloc[start:end].tolist(), self._limit[start:end].tolist()
+        tn, cn = self._team_names, self._class_names
+        return [PodAllocation(p.namespace, p.name, tn[t], cn[c], a, lim)
+                for p, t, c, a, lim in zip(pods, teams, classes, alloc, limit)]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._spans)

@@ -18,6 +18,7 @@ import datetime as dt
 import json
 import logging
 import random
+import sys
 import threading
 from typing import Callable, Generic, TypeVar
 
@@ -175,7 +176,7 @@ class Cache(Generic[V]):
 
 def _meta_key(obj: dict) -> tuple[str, str]:
     meta = obj.get("metadata") or {}
-    return meta.get("namespace") or "", meta.get("name") or ""
+    return sys.intern(meta.get("namespace") or ""), meta.get("name") or ""  # few namespaces, many pods
 
 
 def _policy_part(obj: dict) -> dict:
@@ -187,7 +188,8 @@ def _policy_part(obj: dict) -> dict:
 
 
 def _pod_node(obj: dict) -> str | None:
-    return (obj.get("spec") or {}).get("nodeName") or None  # unscheduled pods are on no node yet
+    node = (obj.get("spec") or {}).get("nodeName")
+    return sys.intern(node) if node else None  # unscheduled pods are on no node yet; one string per node
 
 
 class ClusterView:

@@ -136,10 +136,8 @@ class ControllerState:
     def _answer(self, node: str, result: RoundResult | None, problems: list[str]) -> NodeAnswer:
         if result is None or node not in result.node_rate:  # a node the round has not seen: the agent keeps what it has
             return NodeAnswer(node, 0, self.lease_seconds, 0.0, 0.0, [], problems + [NO_ROUND])
-        encoded = getattr(result.by_node, "encoded", None)
-        pods = encoded(node) if encoded is not None else result.by_node.get(node, [])
         return NodeAnswer(node, result.generation, self.lease_seconds, result.safe_floor_bps,
-                          result.node_rate.get(node, 0.0), pods, problems)
+                          result.node_rate[node], result.by_node[node], problems)
 
     # -- the allocation loop -----------------------------------------------------
     def nodes(self) -> int:

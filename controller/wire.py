@@ -63,7 +63,7 @@ class NodeAnswer(msgspec.Struct):
     lease_seconds: float  # keep these allocations this long without a fresh answer
     safe_floor_bps: float  # per pod, after the lease ran out (fail-static)
     node_rate_bps: float  # the node class rate
-    pods: list[PodAllocation] | msgspec.Raw  # Raw: the round's pre-encoded list for this node
+    pods: list[PodAllocation]
     problems: list[str] = []  # pods refused (not on this node, unknown...), for the agent's log
 
 
