@@ -292,8 +292,10 @@ class StatusWriter:
 
     def __init__(self, api: client.ApiClient, min_interval: float = 30.0,
                  on_write: Callable[[str], None] = lambda result: None,
-                 generation_of: Callable[[str], int | None] = lambda name: None):
+                 generation_of: Callable[[str], int | None] = lambda name: None,
+                 leading: Callable[[], bool] = lambda: True):
         self.custom = client.CustomObjectsApi(api)
+        self.leading = leading  # a replica that lost the Lease since the round writes nothing
         self.generation_of = generation_of  # the budget's metadata.generation the round used
         self.min_interval = min_interval
         self.on_write = on_write
@@ -320,7 +322,7 @@ class StatusWriter:
             self._wake.wait()
             self._wake.clear()
             pending, self._pending = self._pending, None
-            if pending is not None:
+            if pending is not None and self.leading():
                 self.write(*pending)
             self._stop.wait(self.min_interval)  # the bound: at most one write per interval
 

@@ -211,7 +211,8 @@ class Controller:
                                          on_change=self._leadership)
             self.status_writer = StatusWriter(api, args.status_interval,
                                               on_write=lambda result: self.metrics.status_writes.labels(result).inc(),
-                                              generation_of=self.cluster.budget_generation)
+                                              generation_of=self.cluster.budget_generation,
+                                              leading=lambda: self.elector.leading)
             if not args.no_auth:
                 from .auth import TokenAuthenticator, kube_token_review
 
