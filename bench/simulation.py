@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -213,6 +214,7 @@ def main() -> int:
     ap.add_argument("--pods", type=int, default=10, help="pods per node")
     ap.add_argument("--period", type=float, default=0.5, help="report period (s); controller rounds every period/5")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--keep", action="store_true", help="keep the controller's log (its path is printed)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     pods = build_pods(args.nodes, args.pods, rng)
@@ -285,7 +287,10 @@ def main() -> int:
     print(f"measured total in steady periods: worst {worst_total:.1%} from the budget "
           f"(aim <= 5%: {'met' if worst_total <= 0.05 else 'MISSED'}); during bursts "
           f"{min(burst_totals):.3f}..{max(burst_totals):.3f} of the budget")
-    print(f"controller log: {workdir / 'controller.log'}")
+    if args.keep:
+        print(f"controller log: {workdir / 'controller.log'}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 
