@@ -6,7 +6,7 @@ Figures (all in the same run, same node):
   that one class change directly with `tc class change` (the kernel's own cost). The file
   source checks modification times every 0.1 s, which bounds the mean;
 - agent CPU (% of one core, the iptables/ipset tools it runs included) and RSS over a steady window with a /metrics scrape every 10 s,
-  local allocation every 2 s, sampling every 1 s and the default 10 s resync; then the same with
+  local allocation every 2 s, sampling every 1 s and the default 30 s resync; then the same with
   the real controller (`netagent controller --no-auth`) and reports every 5 s;
 - scrape duration of /metrics and /state (110 pods), p50/p99; against the baseline of exec'ing
   `iptables-save -c -t mangle` twice (IPv4, IPv6) and `tc -s class show`, what a shell-out
@@ -115,7 +115,7 @@ def main() -> int:
         write_objects(work / "policy.yaml", POLICY)
         write()
         agent = AgentProcess(lab, node, [work / "policy.yaml", work / "pods.yaml"], port=9590, log_dir=work,
-                             resync=10.0).start()
+                             resync=30.0).start()
         shaper = Shaper(node.netns)
         try:
             agent.wait_ready(60)
@@ -183,7 +183,7 @@ def main() -> int:
                                "--no-auth", "--listen", "127.0.0.1:9591"], stdout=controller_log,
                   stderr=subprocess.STDOUT)
         agent = AgentProcess(lab, node, [work / "policy.yaml", work / "pods.yaml"], port=9592, log_dir=work,
-                             resync=10.0, extra=["--controller", "http://127.0.0.1:9591", "--report-period", "5",
+                             resync=30.0, extra=["--controller", "http://127.0.0.1:9591", "--report-period", "5",
                                                  "--token-path", str(work / "no-token")]).start()
         try:
             agent.wait_ready(60)

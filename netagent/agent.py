@@ -94,7 +94,7 @@ class AgentConfig:
     plan_options: PlanOptions = field(default_factory=PlanOptions)
     controller: str | None = None
     min_sync_interval: float = 0.05
-    resync_seconds: float = 10.0
+    resync_seconds: float = 30.0
     sample_seconds: float = 1.0
     allocate_seconds: float = 2.0
     default_floor_bps: int = 1_000_000  # per pod when nothing better is known

@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ifb", default="netagent0", help="name of the IFB device netagent owns")
     p.add_argument("--default-rate", default="1M", help="floor for internet traffic from unknown sources (bit/s quantity)")
     p.add_argument("--report-period", type=float, default=5.0, help="seconds between controller reports")
-    p.add_argument("--resync-period", type=float, default=10.0, help="seconds between drift-repairing resyncs")
+    p.add_argument("--resync-period", type=float, default=30.0,
+                   help="seconds between resyncs that re-read the whole kernel state and repair drift")
     p.add_argument("--iptables-backend", choices=("auto", "nft", "legacy"), default="auto")
 
 
