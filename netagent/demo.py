@@ -150,7 +150,7 @@ class Demo:
         netagent = [sys.executable, "-m", "netagent.cli"]
         self.lab.spawn(self.lab.fabric, [
             *netagent, "controller", "--from-file", str(self.policy_file), "--no-auth",
-            "--listen", f"{CONTROLLER_IP}:{CONTROLLER_PORT}", "--period", "1", "--lease-seconds", "15",
+            "--listen", f"{CONTROLLER_IP}:{CONTROLLER_PORT}", "--period", "1", "--answer-wait", "1.5", "--lease-seconds", "15",
         ], stdout=open(logs / "controller.log", "w"), stderr=subprocess.STDOUT)
         for node in self.lab.nodes:
             self.lab.spawn(node.netns, [
@@ -305,8 +305,10 @@ class Demo:
                 if live:
                     live.update(self.table(rows, t, note))
                 else:
-                    console.print(f"t={t:4.0f}s " + "  ".join(f"{r['key']}={_mbit(r['rate']).strip()}/"
-                                                             f"{_mbit(r['fair']).strip()}" for r in rows))
+                    total = sum(r["rate"] for r in rows)
+                    console.print(f"t={t:4.0f}s total={_mbit(total).strip()}M  " + "  ".join(
+                        f"{r['key']}={_mbit(r['rate']).strip()}/{_mbit(r['fair']).strip()}" for r in rows),
+                        soft_wrap=True, highlight=False)
                 time.sleep(1.0)
         finally:
             if live:

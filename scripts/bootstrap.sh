@@ -9,7 +9,7 @@ if [[ $(id -u) -ne 0 ]]; then
   exit 1
 fi
 
-apt_packages=(iproute2 iptables ipset iperf3 conntrack iputils-ping kmod procps make openssl prometheus ca-certificates)
+apt_packages=(iproute2 iptables ipset iperf3 conntrack iputils-ping kmod procps make openssl prometheus wrk ca-certificates)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -26,6 +26,10 @@ python3 -m pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -
 python3 -c "import netagent, tc, iptables, controller, pyroute2, prometheus_client" \
   || { echo "bootstrap: the Python install failed" >&2; exit 1; }
 
+# Go for the Kubernetes test assets: the machines ship it in /usr/local/go, not always on PATH
+if ! command -v go >/dev/null 2>&1 && [[ -x /usr/local/go/bin/go ]]; then
+  export PATH="$PATH:/usr/local/go/bin"
+fi
 if [[ -f Makefile ]] && grep -q '^kube-assets:' Makefile; then
   make --no-print-directory kube-assets
 fi
