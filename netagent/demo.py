@@ -65,6 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=60.0, help="seconds of traffic (default 60)")
     p.add_argument("--png", default="netagent-demo.png", help="where to write the chart of rates over time")
     p.add_argument("--plain", action="store_true", help="print lines instead of a live table (default when not a TTY)")
+    p.add_argument("--summary-json", metavar="PATH", help="also write the measured series and fair shares as JSON")
 
 
 def policy_objects(team_weights: dict[str, int]) -> list[dict]:
@@ -284,8 +285,7 @@ class Demo:
                       f"files and logs in {self.dir}")
         self.start()
         self.start_traffic(self.args.duration)
-        policy = policy_objects(self.team_weights)
-        fair = fair_shares(policy, self.classes)
+        fair = fair_before = fair_shares(policy_objects(self.team_weights), self.classes)
         note = ""
         t0 = time.monotonic()
         changed = False
@@ -315,6 +315,11 @@ class Demo:
                 live.stop()
         png = Path(self.args.png).resolve()
         self.chart(png)
+        if self.args.summary_json:
+            Path(self.args.summary_json).write_text(json.dumps({
+                "budget_bps": float(BUDGET_TOTAL.rstrip("M")) * 1e6, "events": self.events, "t": self.series.t,
+                "rate_mbps": self.series.rate, "limit_mbps": self.series.limit,
+                "fair_before_bps": fair_before, "fair_after_bps": fair}, indent=1))
         console.print(f"chart of rates over time: {png}")
         fab = self.lab.fabric
         console.print("metrics (inside the lab; they go away with it):")

@@ -1,0 +1,60 @@
+"""The README's first command, run as a user would: it finishes, shapes, moves, and leaves nothing behind."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+from tests.netns import require_root
+
+DURATION = 30  # the change lands at 15 s; the second half shows allocations moving
+
+
+def _netns() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _mean(seq: list[float]) -> float:
+    vals = [v for v in seq if v == v]  # NaN while a pod was not yet visible
+    return sum(vals) / len(vals) if vals else 0.0
+
+
+def test_demo_runs_shapes_to_the_budget_moves_allocations_and_cleans_up(tmp_path):
+    require_root()
+    before = _netns()  # other suites may create namespaces meanwhile: only the demo's own prefix is checked
+    png, summary = tmp_path / "demo.png", tmp_path / "demo.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "netagent.cli", "demo", "--duration", str(DURATION), "--plain",
+         "--png", str(png), "--summary-json", str(summary)],
+        capture_output=True, text=True, timeout=DURATION + 120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "chart of rates over time" in proc.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    prefix = re.search(r"ip netns exec (\S+)-fab ", proc.stdout).group(1)
+    assert prefix not in {n.split("-")[0] for n in before}
+    left = {n for n in _netns() if n.startswith(prefix + "-")}
+    assert not left, f"the demo left network namespaces behind: {sorted(left)}"
+    leftovers = subprocess.run(["pgrep", "-f", "netagent.cli (run|controller) .*netagent-demo-"],
+                               capture_output=True, text=True).stdout
+    assert not leftovers.strip(), f"demo processes survived: {leftovers}"
+
+    s = json.loads(summary.read_text())
+    t = s["t"]
+    rates = s["rate_mbps"]
+    budget = s["budget_bps"] / 1e6
+    assert len(rates) == 6, f"expected six pods in the table, saw {sorted(rates)}"
+    (change_t, what), = s["events"]
+    late_first = [i for i, x in enumerate(t) if change_t - 6 <= x < change_t]  # settled, before the change
+    late_second = [i for i, x in enumerate(t) if x >= t[-1] - 5]  # the end
+    for window in (late_first, late_second):
+        total = sum(_mean([rates[k][i] for i in window if i < len(rates[k])]) for k in rates)
+        # the six pods together offer Gbit/s: without shaping the total would be far above the budget
+        assert 0.75 * budget <= total <= 1.15 * budget, f"total {total:.1f} Mbit/s against a {budget:.0f} Mbit/s budget"
+    crawl = rates["data/crawl"]
+    before_change = _mean([crawl[i] for i in late_first])
+    after_change = _mean([crawl[i] for i in late_second])
+    # data/crawl moved from bronze to gold and its team's weight tripled: its share must grow a lot
+    assert s["fair_after_bps"]["data/crawl"] > 2 * s["fair_before_bps"]["data/crawl"]
+    assert after_change > 1.5 * before_change, f"data/crawl {before_change:.1f} -> {after_change:.1f} Mbit/s"
