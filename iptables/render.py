@@ -8,11 +8,10 @@ so a read-back compares token for token); `render()` is its full restore text;
 Layout (per family, mangle table; see docs/iptables.md):
 
     PREROUTING  -> P-PREROUTING:  -i <uplink> -j P-NODE-IN        node ingress by scope
-    POSTROUTING -> P-POSTROUTING: -o <uplink> -j P-NODE-OUT       node egress by scope
-                                  -j P-EGRESS    dispatch on source  -> P-E-<pod>: count, MARK, CLASSIFY
-                                  -o <uplink> <not marked> <dst not internal> <src not local> -j P-UNKNOWN
-                                                 (with a default class: forwarded internet traffic no pod
-                                                  chain marked -> count, MARK, CLASSIFY to the default class)
+    POSTROUTING -> P-POSTROUTING: -j P-EGRESS    dispatch on source  -> P-E-<pod>: count, MARK, CLASSIFY
+                                  -o <uplink> -j P-NODE-OUT       node egress by scope; with a default class,
+                                                 internet packets no pod chain marked, from a source that is
+                                                 not the node's own -> P-UNKNOWN: count, MARK, CLASSIFY default
                                   -o <uplink> -j RETURN             (nothing to a pod leaves by the uplink)
                                   -j P-INGRESS   dispatch on destination -> P-I-<pod>: count
 
@@ -244,8 +243,18 @@ def build(state: ClassifierState, family: int, prefix: str = "NETAGENT") -> Rule
     mark = xmark(state.mark_bit)
     chains: dict[str, tuple[str, ...]] = {}
 
+    unknown: tuple[str, ...] = ()
+    if state.default_class is not None:
+        # NODE-OUT runs after the pod dispatch: a known pod's internet packet already carries our mark
+        # (and its own class). Forwarded only: a source that is one of the node's addresses is host traffic.
+        unknown = (f"-m mark ! --mark {mark} -m addrtype ! --src-type LOCAL -j {n['UNKNOWN']}",)
+        chains[n["UNKNOWN"]] = (
+            f"{comment('unknown source egress internet')} -j MARK --set-xmark {mark}",
+            f"-j CLASSIFY --set-class {classify_target(state.default_class)}",
+        )
     chains[n["NODE-OUT"]] = (
         f"-m set --match-set {internal} dst {comment('node egress internal')} -j RETURN",
+        *unknown,
         f"{comment('node egress internet')} -j RETURN",
     )
     chains[n["NODE-IN"]] = (
@@ -253,20 +262,9 @@ def build(state: ClassifierState, family: int, prefix: str = "NETAGENT") -> Rule
         f"{comment('node ingress internet')} -j RETURN",
     )
     chains[n["PREROUTING"]] = tuple(f"-i {dev} -j {n['NODE-IN']}" for dev in state.uplinks)
-    unknown: tuple[str, ...] = ()
-    if state.default_class is not None:
-        # After the pod dispatch, so a known pod's packet already carries our mark and its own class.
-        # Forwarded only: a source that is one of the node's addresses is host (or hostNetwork) traffic.
-        unknown = tuple(f"-o {dev} -m mark ! --mark {mark} -m set ! --match-set {internal} dst "
-                        f"-m addrtype ! --src-type LOCAL -j {n['UNKNOWN']}" for dev in state.uplinks)
-        chains[n["UNKNOWN"]] = (
-            f"{comment('unknown source egress internet')} -j MARK --set-xmark {mark}",
-            f"-j CLASSIFY --set-class {classify_target(state.default_class)}",
-        )
     chains[n["POSTROUTING"]] = (
-        *(f"-o {dev} -j {n['NODE-OUT']}" for dev in state.uplinks),
         f"-j {n['EGRESS']}",
-        *unknown,
+        *(f"-o {dev} -j {n['NODE-OUT']}" for dev in state.uplinks),
         *(f"-o {dev} -j RETURN" for dev in state.uplinks),
         f"-j {n['INGRESS']}",
     )

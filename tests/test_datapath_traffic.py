@@ -229,29 +229,43 @@ def test_internet_egress_held_to_its_rate(lab, node, capacity, rate, proto, dst)
         assert drops > 0, f"UDP offered {offered / M:.0f} Mbit/s never exceeded {rate / M:g} Mbit/s"
 
 
-def test_marked_traffic_of_no_pod_class_is_held_at_the_floor(lab, node):
-    """The tc half of "unknown sources are shaped at a floor": a packet carrying our mark
-    whose priority names no pod class falls into HTB's default class 1:fffe at the floor.
-    (Which packets get the mark is the classifier's side; docs/datapath.md, Known limits.)"""
+def test_unknown_pod_is_held_at_the_floor(lab, node):
+    """A pod missing from the desired state (just created, or an IP the agent has not learnt)
+    is never unshaped: the classifier's catch-all marks its forwarded internet traffic and
+    classifies it to HTB's default class 1:fffe, held at the floor, while a known pod sending
+    at the same time keeps its own class and rate. Its internal traffic is not shaped at all."""
     known, unknown = node.pods
-    floor = 5 * M
+    floor, rate = 5 * M, 100 * M
     node.options = PlanOptions(leaf_qdisc=node.options.leaf_qdisc, default_rate=floor)
-    mark = f"-s {unknown.ip4} ! -d 10.0.0.0/8 -j MARK --set-xmark {OUR_BIT:#x}/{OUR_BIT:#x}"
     try:
-        node.program({known.name: (100 * M, 100 * M)})
-        run(f"iptables -t mangle -A FORWARD {mark}", node.node.netns)  # stands in for a catch-all rule
-        client = lab.iperf_async(unknown.netns, INTERNET_V4, PORTS[1], seconds=RUN_S)
+        node.program({known.name: (rate, rate)})
         ifb = node.state.shaper.ifb
-        time.sleep(WARMUP_S)
-        s1, t1 = node.shaper.stats(ifb)[DEFAULT_MINOR].bytes, time.monotonic()
-        time.sleep(WINDOW_S)
-        s2, t2 = node.shaper.stats(ifb)[DEFAULT_MINOR].bytes, time.monotonic()
-        client.communicate(timeout=RUN_S + 30)
+        counted0 = node.classifier.counters()[1]["egress_unknown_internet"]
+        clients = [lab.iperf_async(known.netns, INTERNET_V4, PORTS[0], seconds=RUN_S),
+                   lab.iperf_async(unknown.netns, INTERNET_V4, PORTS[1], seconds=RUN_S)]
+        try:
+            time.sleep(WARMUP_S)
+            s1, t1 = node.shaper.stats(ifb), time.monotonic()
+            time.sleep(WINDOW_S)
+            s2, t2 = node.shaper.stats(ifb), time.monotonic()
+            for c in clients:
+                out, err = c.communicate(timeout=RUN_S + 30)
+                assert c.returncode == 0, f"iperf3 failed: {err or out}"
+        finally:
+            for c in clients:
+                if c.poll() is None:
+                    c.kill()
+        got = {minor: (s2[minor].bytes - s1[minor].bytes) * 8 / (t2 - t1) for minor in (DEFAULT_MINOR, node.minor(known))}
+        assert abs(rate_error(got[DEFAULT_MINOR], floor)) <= TOLERANCE, f"unknown pod: {got[DEFAULT_MINOR] / M:.2f} Mbit/s"
+        assert abs(rate_error(got[node.minor(known)], rate)) <= TOLERANCE, f"known pod: {got[node.minor(known)] / M:.2f} Mbit/s"
+        assert node.classifier.counters()[1]["egress_unknown_internet"] - counted0 > floor / 8 * WINDOW_S
+
+        before = node.shaper.stats(ifb)[DEFAULT_MINOR].bytes
+        internal = iperf_rate(lab.iperf(unknown.netns, PEER_V4, PORTS[1], seconds=2))
+        assert node.shaper.stats(ifb)[DEFAULT_MINOR].bytes == before, "the unknown pod's internal traffic entered HTB"
+        assert internal >= 20 * floor, f"the unknown pod's internal traffic: {internal / M:.0f} Mbit/s"
     finally:
-        run(f"iptables -t mangle -D FORWARD {mark}", node.node.netns, check=False)
         node.options = PlanOptions(leaf_qdisc=node.options.leaf_qdisc)
-    measured = (s2 - s1) * 8 / (t2 - t1)
-    assert abs(rate_error(measured, floor)) <= TOLERANCE, f"default class: {measured / M:.2f} Mbit/s"
 
 
 def iperf_rate(result: dict) -> float:

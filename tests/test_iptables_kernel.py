@@ -378,7 +378,7 @@ def test_unknown_sources_are_marked_and_counted(backend):
             assert set(pods1) == {key}  # the stranger is node traffic, never a pod of its own
             # marked: the stranger's 3 internet datagrams and the known pod's 2; never internal or host packets
             assert marked_packets(node.netns, backend) - marked0 == 5
-            # without a default class the catch-all goes (one chain and the dispatch chain per family),
+            # without a default class the catch-all goes (it and the node egress chain, per family),
             # and the node's unknown-source bytes are kept, not lost
             plain = ClassifierState(st.mark_bit, st.internal_cidrs, st.pods, st.uplinks)
             assert clf.apply(plain) == {"iptables": 4, "ipset": 0}

@@ -395,7 +395,7 @@ def test_unknown_sources_go_to_the_default_class_and_known_pods_keep_theirs(fami
 
     unknown = evaluate(st, family, stranger, internet, "eth0")
     assert (unknown["mark"], unknown["priority"]) == (0x1000, DEFAULT)
-    assert unknown["counted"] == ["node egress internet", "unknown source egress internet"]
+    assert unknown["counted"] == ["unknown source egress internet", "node egress internet"]
 
     for quiet in (evaluate(st, family, stranger, peer, "eth0"),            # internal destination
                   evaluate(st, family, node_ip, internet, "eth0", True),   # the node's own traffic
@@ -405,15 +405,15 @@ def test_unknown_sources_go_to_the_default_class_and_known_pods_keep_theirs(fami
         assert "unknown source egress internet" not in quiet["counted"]
 
 
-def test_catch_all_sits_between_the_pod_dispatch_and_the_uplink_return():
+def test_catch_all_is_in_the_node_egress_chain_after_the_pod_dispatch():
     rs = R.build(state(2, default_class=DEFAULT, uplinks=("eth0", "eth1")), 6)
     assert rs.chains["NETAGENT-POSTROUTING"] == (
-        "-o eth0 -j NETAGENT-NODE-OUT", "-o eth1 -j NETAGENT-NODE-OUT", "-j NETAGENT-EGRESS",
-        "-o eth0 -m mark ! --mark 0x1000/0x1000 -m set ! --match-set netagent-internal6 dst "
-        "-m addrtype ! --src-type LOCAL -j NETAGENT-UNKNOWN",
-        "-o eth1 -m mark ! --mark 0x1000/0x1000 -m set ! --match-set netagent-internal6 dst "
-        "-m addrtype ! --src-type LOCAL -j NETAGENT-UNKNOWN",
+        "-j NETAGENT-EGRESS", "-o eth0 -j NETAGENT-NODE-OUT", "-o eth1 -j NETAGENT-NODE-OUT",
         "-o eth0 -j RETURN", "-o eth1 -j RETURN", "-j NETAGENT-INGRESS")
+    assert rs.chains["NETAGENT-NODE-OUT"] == (
+        '-m set --match-set netagent-internal6 dst -m comment --comment "node egress internal" -j RETURN',
+        "-m mark ! --mark 0x1000/0x1000 -m addrtype ! --src-type LOCAL -j NETAGENT-UNKNOWN",
+        '-m comment --comment "node egress internet" -j RETURN')
     assert rs.chains["NETAGENT-UNKNOWN"] == (
         '-m comment --comment "unknown source egress internet" -j MARK --set-xmark 0x1000/0x1000',
         "-j CLASSIFY --set-class 0001:fffe")
@@ -424,8 +424,8 @@ def test_turning_the_default_class_on_touches_no_pod_chain():
     old = R.build(state(20), 4)
     new = R.build(state(20, default_class=DEFAULT), 4)
     up = R.render_update(new, *kernel_view(old))
-    assert up.changes == 2 and up.rewritten == ("NETAGENT-POSTROUTING",)
-    assert {ln[1:].split()[0] for ln in up.text.splitlines() if ln.startswith(":")} == {"NETAGENT-POSTROUTING", "NETAGENT-UNKNOWN"}
+    assert up.changes == 2 and up.rewritten == ("NETAGENT-NODE-OUT",)
+    assert {ln[1:].split()[0] for ln in up.text.splitlines() if ln.startswith(":")} == {"NETAGENT-NODE-OUT", "NETAGENT-UNKNOWN"}
     back = R.render_update(old, *kernel_view(new))
     assert back.changes == 2 and "-X NETAGENT-UNKNOWN" in back.text
 
