@@ -402,6 +402,7 @@ class Agent:
             node=self.cfg.node, pods=out,
             egress_bytes={s: node_counters.get(f"egress_{s}", 0) for s in SCOPES},
             ingress_bytes={s: node_counters.get(f"ingress_{s}", 0) for s in SCOPES},
+            unknown_source_egress_bytes=node_counters.get("egress_unknown_internet", 0),
             allocation_bps=desired.shaper.node_rate if desired else 0,
             ready=self.ready, ready_reason=self.ready_reason, controller=self.cfg.controller or "",
             controller_reachable=self.controller_reachable, fail_static=self.fail_static,

@@ -71,6 +71,10 @@ class AgentCollector(Collector):
             node_ingress.add_metric([scope], v.ingress_bytes.get(scope, 0))
         yield node_egress
         yield node_ingress
+        yield CounterMetricFamily("netagent_node_unknown_source_egress_bytes",
+                                  "Internet egress the node forwarded from sources that are no known pod "
+                                  "(not yet learnt by the agent), shaped in the default class at the floor.",
+                                  value=v.unknown_source_egress_bytes)
         yield GaugeMetricFamily("netagent_node_allocation_bytes_per_second",
                                 "The node class rate: this node's share of the internet budget.",
                                 value=v.allocation_bps * BYTES_PER_BIT)

@@ -37,6 +37,8 @@ class NodeView:
     pods: list[PodView]
     egress_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SCOPES, 0))
     ingress_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SCOPES, 0))
+    # internet egress the node forwarded from sources that are no known pod (shaped in the default class)
+    unknown_source_egress_bytes: int = 0
     allocation_bps: float = 0.0
     ready: bool = False
     ready_reason: str = ""
