@@ -244,19 +244,23 @@ class Agent:
             self.last_success = time.time()
             self.sync_count += 1
         total = sum(changes.values())
-        # the same plan as the last good sync, yet the kernel differed: someone else changed it
-        drift = bool(total) and applied_before is not None and desired == applied_before
+        # a part (tc, or iptables with its ipsets) planned exactly as in the last good sync, yet the
+        # kernel needed changes there: someone else changed it
+        drift = {kind: n for kind, n in changes.items() if n and applied_before is not None and (
+            desired.shaper == applied_before.shaper if kind == "tc" else desired.classifier == applied_before.classifier)}
         if self.metrics:
             self.metrics.reconcile_duration.observe(elapsed)
             for kind, n in changes.items():
                 if n:
                     self.metrics.kernel_changes.labels(kind).inc(n)
-                    if drift:
-                        self.metrics.drift_repairs.labels(kind).inc(n)
-        if total:
-            log.log(logging.WARNING if drift else logging.INFO, "%s: applied %s in %.1f ms",
-                    "drift repaired" if drift else "reconciled",
-                    ", ".join(f"{n} {k}" for k, n in changes.items() if n), elapsed * 1000)
+            for kind, n in drift.items():
+                self.metrics.drift_repairs.labels(kind).inc(n)
+        if drift:
+            log.warning("drift repaired: %s changed by someone else, restored in %.1f ms",
+                        ", ".join(f"{n} {k}" for k, n in drift.items()), elapsed * 1000)
+        if total > sum(drift.values()):
+            log.info("reconciled: applied %s in %.1f ms",
+                     ", ".join(f"{n} {k}" for k, n in changes.items() if n and k not in drift), elapsed * 1000)
         return True
 
     def _failed(self, stage: str, reason: str) -> None:

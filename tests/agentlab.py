@@ -113,17 +113,14 @@ class AgentProcess:
         st = self.state()
         return next((p for p in st["pods"] if p["name"] == name), None) if st else None
 
-    def metric(self, name: str, labels: str = "") -> float | None:
-        """Sum of the samples of `name` whose label set contains `labels` (e.g. 'kind="tc"')."""
+    def metric(self, name: str, labels: str = "") -> float:
+        """Sum of the samples of `name` whose label set contains `labels` (e.g. 'kind="tc"');
+        0 when there is no such series (a counter never incremented)."""
         code, body = self.get("/metrics")
         if code != 200:
-            return None
-        total, found = 0.0, False
-        for line in body.decode().splitlines():
-            if line.startswith(name) and (line[len(name)] in "{ ") and labels in line:
-                total += float(line.rsplit(" ", 1)[1])
-                found = True
-        return total if found else None
+            raise AssertionError(f"/metrics answered {code}: {body[:200]!r}")
+        return sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines()
+                   if line.startswith(name) and line[len(name)] in "{ " and labels in line)
 
     def wait_ready(self, timeout: float = 30) -> dict:
         def ready():

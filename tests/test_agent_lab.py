@@ -172,8 +172,8 @@ def test_status_table_and_drift_repair(lab, files, agent):
     run(["iptables", "-t", "mangle", "-D", "POSTROUTING", "-j", "NETAGENT-POSTROUTING"], node.netns)
     wait_for(lambda: ceil_of(node.netns, minor_of(pod)) == SILVER, what="the class restored")
     wait_for(lambda: "-A POSTROUTING -j NETAGENT-POSTROUTING" in iptables_text(node.netns), what="the hook restored")
-    assert agent.metric("netagent_drift_repairs_total", 'kind="tc"') >= 1
-    assert agent.metric("netagent_drift_repairs_total", 'kind="iptables"') >= 1
+    wait_for(lambda: agent.metric("netagent_drift_repairs_total", 'kind="tc"') >= 1, what="tc drift counted")
+    wait_for(lambda: agent.metric("netagent_drift_repairs_total", 'kind="iptables"') >= 1, what="iptables drift counted")
     assert "drift repaired" in agent.log()
     write_objects(files / "pods.yaml", [])
     wait_for(lambda: minor_of(pod) not in tc_classes(node.netns), what="class removed")
