@@ -137,7 +137,7 @@ class Agent:
         self._lock = threading.RLock()
         self._threads: list[threading.Thread] = []
         self._adopted: dict[int, tuple[int, int]] = {}
-        self._allocated_policies: dict[str, tuple] | None = None  # pods the local engine last saw
+        self._allocated_policies: dict[str, object] | None = None  # pods (and budget) the local engine last saw
 
     # -- inputs ---------------------------------------------------------------
     def on_snapshot(self, snap: Snapshot) -> None:
@@ -283,12 +283,15 @@ class Agent:
         return PlanInputs(self.cfg.uplinks, self.cfg.internal_cidrs, tuple(shapes), node_rate, self.cfg.plan_options)
 
     def _allocate_locally_if_pods_changed(self, pods: list[ResolvedPod]) -> None:
-        """Single-node mode: a pod that appears, gets its IP or changes class gets its share
-        in this sync, not at the next allocation round. Right after a restart, pods whose class
-        the kernel already holds keep it (adoption) until the next round."""
+        """Single-node mode: a pod that appears, gets its IP or changes class (or a new budget
+        total) gets its share in this sync, not at the next allocation round. Right after a
+        restart, pods whose class the kernel already holds keep it (adoption) until the next round."""
         if not self.local_allocate:
             return
+        with self._lock:
+            budget = self.budget_bps
         policies = {p.key: (p.team, p.egress_class, p.weight, p.min_bps, p.max_bps, bool(p.ips)) for p in pods}
+        policies[""] = budget  # a new budget total is a change too
         if policies == self._allocated_policies:
             return
         first = self._allocated_policies is None
@@ -296,7 +299,7 @@ class Agent:
         if first and self._adopted and all(self._prospective_minor(p) in self._adopted for p in pods if p.ips):
             return
         with self._lock:
-            prev, budget = self.allocations, self.budget_bps
+            prev = self.allocations
         allocs = self.local_allocate(pods, self.demand, budget, prev)
         with self._lock:
             self.allocations = allocs

@@ -61,10 +61,12 @@ def write_objects(path: Path, objects: list[dict]) -> None:
 
 class AgentProcess:
     def __init__(self, lab: Lab, node: Node, files: list[Path], port: int, extra: list[str] = (),
-                 log_dir: Path | None = None, resync: float = 2.0, node_name: str | None = None):
+                 log_dir: Path | None = None, resync: float = 2.0, node_name: str | None = None,
+                 learn_uplink: bool = False):
         self.lab, self.node, self.files, self.port, self.extra = lab, node, files, port, list(extra)
         self.resync = resync
         self.node_name = node_name or node.name  # the name the agent is told (--node)
+        self.learn_uplink = learn_uplink  # no --uplink: the agent finds the default-route device
         self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="netagent-agent-")) / f"agent-{node.name}.log"
         self.proc: subprocess.Popen | None = None
         self.worker = NetnsWorker(node.netns)
@@ -72,7 +74,9 @@ class AgentProcess:
     @property
     def argv(self) -> list[str]:
         argv = [sys.executable, "-m", "netagent.cli", "run", "--node", self.node_name,
-                "--uplink", self.node.uplink, "--listen", f"127.0.0.1:{self.port}", "--resync-period", str(self.resync)]
+                "--listen", f"127.0.0.1:{self.port}", "--resync-period", str(self.resync)]
+        if not self.learn_uplink:
+            argv += ["--uplink", self.node.uplink]
         for f in self.files:
             argv += ["--from-file", str(f)]
         for c in INTERNAL_CIDRS:

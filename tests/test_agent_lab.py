@@ -251,7 +251,7 @@ def test_controller_loss_holds_for_the_lease_then_floor(lab, files, agent, tmp_p
         "--from-file", str(tmp_path / "pods.yaml"), "--no-auth", "--listen", f"127.0.0.1:{port}",
         "--period", "0.5", "--lease-seconds", "4"],
         stdout=open(tmp_path / "controller.log", "w"), stderr=subprocess.STDOUT)
-    agent = AgentProcess(lab, node, [tmp_path], port=9571, log_dir=tmp_path,
+    agent = AgentProcess(lab, node, [tmp_path], port=9571, log_dir=tmp_path, learn_uplink=True,
                          extra=["--controller", f"http://127.0.0.1:{port}", "--report-period", "0.5",
                                 "--token-path", str(tmp_path / "no-token")])
     agent.start()
@@ -264,6 +264,7 @@ def test_controller_loss_holds_for_the_lease_then_floor(lab, files, agent, tmp_p
             ceil = ceil_of(node.netns, minor)
             return (ceil, st["safe_floor_bps"]) if ceil and ceil == mine["limit_bps"] else None
         held, floor = wait_for(allocated, timeout=30, what="the controller's allocation in the kernel")
+        assert f"uplinks {node.uplink};" in agent.log()  # learned from the default route
         assert held != floor, (held, floor)  # else the test could not tell them apart
         os.killpg(controller.pid, signal.SIGKILL)
         controller.wait(timeout=10)
