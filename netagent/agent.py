@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from .demand import PodDemand, Sample
@@ -132,7 +132,6 @@ class Agent:
         self.fail_static = False
         self.sync_count = 0
         self._dirty = threading.Event()
-        self._inputs_changed = True
         self._stop = threading.Event()
         self._lock = threading.RLock()
         self._threads: list[threading.Thread] = []
@@ -143,7 +142,6 @@ class Agent:
     def on_snapshot(self, snap: Snapshot) -> None:
         with self._lock:
             self.snapshot = snap
-            self._inputs_changed = True
         self._dirty.set()
 
     def set_allocations(self, allocs: AllocationSet) -> None:
@@ -151,8 +149,6 @@ class Agent:
             changed = (allocs.pods != self.allocations.pods or allocs.node_rate_bps != self.allocations.node_rate_bps
                        or self.fail_static)
             self.allocations = allocs
-            if changed:
-                self._inputs_changed = True
         if changed:
             self._dirty.set()
 
@@ -207,7 +203,6 @@ class Agent:
         not change since the last good sync are trusted (the periodic resync re-reads them)."""
         with self._lock:
             snap = self.snapshot
-            self._inputs_changed = False
             applied_before = self.desired
         if snap is None:
             return True
@@ -347,7 +342,6 @@ class Agent:
         while not self._stop.wait(self.cfg.sample_seconds):
             try:
                 if not self.fail_static and time.monotonic() >= self.allocations.lease_expires:
-                    self._inputs_changed = True
                     self._dirty.set()  # the lease just ran out: fall to the floor now, not at the next resync
                 self.sample()
                 if self.local_allocate and time.monotonic() >= next_alloc:

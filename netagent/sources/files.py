@@ -7,7 +7,6 @@ fails to parse keeps its last good content: a typo while editing never drops pod
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import Callable
