@@ -229,7 +229,8 @@ def test_internet_egress_held_to_its_rate(lab, node, capacity, rate, proto, dst)
         assert drops > 0, f"UDP offered {offered / M:.0f} Mbit/s never exceeded {rate / M:g} Mbit/s"
 
 
-def test_unknown_pod_is_held_at_the_floor(lab, node):
+@pytest.mark.parametrize("dst,peer", [(INTERNET_V4, PEER_V4), (INTERNET_V6, PEER_V6)], ids=["ipv4", "ipv6"])
+def test_unknown_pod_is_held_at_the_floor(lab, node, dst, peer):
     """A pod missing from the desired state (just created, or an IP the agent has not learnt)
     is never unshaped: the classifier's catch-all marks its forwarded internet traffic and
     classifies it to HTB's default class 1:fffe, held at the floor, while a known pod sending
@@ -241,8 +242,8 @@ def test_unknown_pod_is_held_at_the_floor(lab, node):
         node.program({known.name: (rate, rate)})
         ifb = node.state.shaper.ifb
         counted0 = node.classifier.counters()[1]["egress_unknown_internet"]
-        clients = [lab.iperf_async(known.netns, INTERNET_V4, PORTS[0], seconds=RUN_S),
-                   lab.iperf_async(unknown.netns, INTERNET_V4, PORTS[1], seconds=RUN_S)]
+        clients = [lab.iperf_async(known.netns, dst, PORTS[0], seconds=RUN_S),
+                   lab.iperf_async(unknown.netns, dst, PORTS[1], seconds=RUN_S)]
         try:
             time.sleep(WARMUP_S)
             s1, t1 = node.shaper.stats(ifb), time.monotonic()
@@ -255,13 +256,13 @@ def test_unknown_pod_is_held_at_the_floor(lab, node):
             for c in clients:
                 if c.poll() is None:
                     c.kill()
-        got = {minor: (s2[minor].bytes - s1[minor].bytes) * 8 / (t2 - t1) for minor in (DEFAULT_MINOR, node.minor(known))}
-        assert abs(rate_error(got[DEFAULT_MINOR], floor)) <= TOLERANCE, f"unknown pod: {got[DEFAULT_MINOR] / M:.2f} Mbit/s"
-        assert abs(rate_error(got[node.minor(known)], rate)) <= TOLERANCE, f"known pod: {got[node.minor(known)] / M:.2f} Mbit/s"
+        held, own = ((s2[m].bytes - s1[m].bytes) * 8 / (t2 - t1) for m in (DEFAULT_MINOR, node.minor(known)))
+        assert abs(rate_error(held, floor)) <= TOLERANCE, f"unknown pod in the default class: {held / M:.2f} Mbit/s"
+        assert abs(rate_error(own, rate)) <= TOLERANCE, f"known pod in its own class: {own / M:.2f} Mbit/s"
         assert node.classifier.counters()[1]["egress_unknown_internet"] - counted0 > floor / 8 * WINDOW_S
 
         before = node.shaper.stats(ifb)[DEFAULT_MINOR].bytes
-        internal = iperf_rate(lab.iperf(unknown.netns, PEER_V4, PORTS[1], seconds=2))
+        internal = iperf_rate(lab.iperf(unknown.netns, peer, PORTS[1], seconds=2))
         assert node.shaper.stats(ifb)[DEFAULT_MINOR].bytes == before, "the unknown pod's internal traffic entered HTB"
         assert internal >= 20 * floor, f"the unknown pod's internal traffic: {internal / M:.0f} Mbit/s"
     finally:
