@@ -12,9 +12,10 @@ allocation engine once over all of them, and splits the result back per node:
 - safe_floor: the budget total divided by the number of pods in the round, so that if
   every agent lost the controller at once and fell to the floor, the cluster would still
   stay within its budget (each agent also caps the floor at the pod's own max);
-- measured total (the engine's feedback input): the sum of the reports'
-  node_internet_egress_bps, when agents report it, fed to the engine at most once per
-  report period (the longest period_seconds among the reports).
+- feedback (the engine's gain): the sum of the reports' node_internet_egress_bps (the
+  measured total) and of their pods' usage_bps (what the pod classes sent), when agents
+  report them, fed to the engine at most once per report period (the longest
+  period_seconds among the reports).
 
 Cost: each report's pods are resolved into columns when it arrives (`prepare`; the policy
 resolution is cached per distinct (namespace, class, bandwidth) triple), so a round only
@@ -212,7 +213,10 @@ class Adapter:
         if any_measured and now - self._last_feedback >= report_period * 0.9:
             feedback, self._last_feedback = measured, now
         total = float(policy.total_bps)
-        result = allocate_columns(team_cols, pods, total, feedback, self._aligned_previous(nodes, prepared))
+        # the gain is the ratio of what the pods' classes sent to the measured total (other byte
+        # counts, unshaped host traffic): both from the same reports
+        result = allocate_columns(team_cols, pods, total, feedback, self._aligned_previous(nodes, prepared),
+                                  shaped_usage_bps=float(usage.sum()) if feedback is not None else None)
         alloc, limit = result.allocation, result.limit
 
         spans: dict[str, tuple[int, list[PodReport]]] = {}

@@ -31,12 +31,12 @@ class EngineError(ValueError):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    hysteresis: float = 0.05  # relative change below which the previous number is kept
+    hysteresis: float = 0.02  # relative change below which the previous number is kept (well inside the 5% convergence aim)
     gain_min: float = 0.5  # bounds of the feedback gain on the budget
     gain_max: float = 1.5
-    gain_smoothing: float = 0.5  # share of the measured error corrected per round
-    gain_deadband: float = 0.005  # |measured/total - 1| below this leaves the gain alone
-    saturation: float = 0.95  # demand >= this share of the capacity: the budget is in use, gain may exceed 1
+    gain_smoothing: float = 0.5  # share of the distance to the measured ratio moved per round
+    gain_deadband: float = 0.005  # the gain stays when the measured ratio is this close to it
+    gain_min_usage: float = 0.05  # the pods' usage must be this share of the budget for a ratio to mean anything
 
 
 # -- the water-fill: one level, many groups at once ------------------------------------------
@@ -183,34 +183,35 @@ def _check(pods: PodColumns, n_teams: int) -> None:
         raise EngineError(f"pod team index out of range 0..{n_teams - 1}")
 
 
-def feedback_gain(previous_gain: float, total_bps: float, measured_total_bps: float | None, saturated: bool,
-                  config: EngineConfig = EngineConfig()) -> float:
-    """The next gain on the budget, so that measured egress settles at the budget.
+def feedback_gain(previous_gain: float, total_bps: float, measured_total_bps: float | None,
+                  shaped_usage_bps: float | None, config: EngineConfig = EngineConfig()) -> float:
+    """The next gain on the budget: the ratio of what the pods' classes sent (`shaped_usage_bps`,
+    what allocations govern) to the measured internet egress (`measured_total_bps`: other
+    byte counts, unshaped host traffic), smoothed and bounded. Sharing budget x that ratio
+    makes the measured total land on the budget when the pods use their shares.
 
-    Measured above the budget (unshaped host traffic, shaping overhead the other way) always
-    pulls the gain down; measured below it raises the gain above 1 only while demand fills the
-    capacity (otherwise pods simply want less, and the gain relaxes back towards 1). Each round
-    corrects `gain_smoothing` of the error, within [gain_min, gain_max]."""
-    gain = previous_gain
-    if measured_total_bps is None or total_bps >= MAX_BPS or not math.isfinite(measured_total_bps):
-        return gain
-    ratio = total_bps / max(measured_total_bps, 1.0)
-    if abs(1.0 / ratio - 1.0) <= config.gain_deadband and (saturated or gain <= 1.0):
-        return gain
-    target = gain * ratio
-    if ratio > 1.0 and not saturated:
-        target = min(target, 1.0)
-    gain += config.gain_smoothing * (target - gain)
-    return float(min(max(gain, config.gain_min), config.gain_max))
+    It is a property of the plant, not of demand: pods that use less than they were given
+    lower both numbers alike, so the gain never pushes more share out while pods catch up
+    with a new allocation (that fought the water-fill and overshot after every shift)."""
+    if (measured_total_bps is None or shaped_usage_bps is None or total_bps >= MAX_BPS
+            or not math.isfinite(measured_total_bps) or not math.isfinite(shaped_usage_bps)
+            or measured_total_bps <= 0 or shaped_usage_bps < config.gain_min_usage * total_bps):
+        return previous_gain
+    ratio = min(max(shaped_usage_bps / measured_total_bps, config.gain_min), config.gain_max)
+    if abs(ratio / previous_gain - 1.0) <= config.gain_deadband:
+        return previous_gain
+    return float(previous_gain + config.gain_smoothing * (ratio - previous_gain))
 
 
 def allocate_columns(teams: TeamColumns, pods: PodColumns, total_bps: float,
                      measured_total_bps: float | None = None,
                      previous: ColumnarResult | None = None,
-                     config: EngineConfig = EngineConfig()) -> ColumnarResult:
+                     config: EngineConfig = EngineConfig(),
+                     shaped_usage_bps: float | None = None) -> ColumnarResult:
     """Allocate `total_bps` across teams and pods. `previous`, if given, must be aligned with
     `pods` (same pod at the same index; NaN for a pod it did not have) for hysteresis, and
-    carries the feedback gain."""
+    carries the feedback gain, which moves only when both the measured total and the pods'
+    usage behind it are given (see `feedback_gain`)."""
     n_teams = len(teams.names)
     _check(pods, n_teams)
     team = pods.team.astype(np.intp, copy=False)
@@ -222,9 +223,8 @@ def allocate_columns(teams: TeamColumns, pods: PodColumns, total_bps: float,
     configured = np.minimum(teams.max_bps, np.maximum(teams.min_bps, np.bincount(team, pods.min_bps, n_teams)))
     guaranteed = float(configured.sum())
 
-    gain = previous.gain if previous is not None else 1.0
-    saturated = float(team_upper.sum()) >= config.saturation * total_bps * gain
-    gain = feedback_gain(gain, total_bps, measured_total_bps, saturated, config)
+    gain = feedback_gain(previous.gain if previous is not None else 1.0, total_bps, measured_total_bps,
+                         shaped_usage_bps, config)
     capacity = min(total_bps * gain, float(MAX_BPS))
 
     one = np.zeros(n_teams, dtype=np.intp)
@@ -356,7 +356,8 @@ class AllocationResult:
 
 
 def allocate(policy: Policy, pods: Sequence[PodDemandIn], measured_total_bps: float | None = None,
-             previous: AllocationResult | None = None, config: EngineConfig = EngineConfig()) -> AllocationResult:
+             previous: AllocationResult | None = None, config: EngineConfig = EngineConfig(),
+             shaped_usage_bps: float | None = None) -> AllocationResult:
     """Allocate the policy's budget to `pods`. A pod naming a team the policy does not have is
     counted in the default team (the policy changed since it was resolved)."""
     teams = TeamColumns.from_policy(policy)
@@ -375,7 +376,8 @@ def allocate(policy: Policy, pods: Sequence[PodDemandIn], measured_total_bps: fl
     prev_columns = None
     if previous is not None:
         prev_columns = _realign(previous, keys)
-    result = allocate_columns(teams, columns, float(policy.total_bps), measured_total_bps, prev_columns, config)
+    result = allocate_columns(teams, columns, float(policy.total_bps), measured_total_bps, prev_columns, config,
+                              shaped_usage_bps)
 
     pod_results = {k: PodResult(float(a), float(l)) for k, a, l in zip(keys, result.allocation, result.limit)}
     team_totals = {

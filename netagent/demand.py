@@ -1,21 +1,34 @@
 """Per-pod usage, throttling and demand, from successive kernel counter samples. Pure.
 
-Usage seen under a limit is censored: a pod held at 10 Mbit/s might want 100. So
-when a pod is throttled (its class went over its limit, dropped packets, or ran
-within 5% of its ceil) the estimate probes above what it used, multiplying by
-PROBE_GAIN each period until the pod stops being throttled; the allocator then
-offers more if the budget allows, and the pod's real appetite shows. Unthrottled,
-demand is the recent peak of usage plus a little headroom, decaying slowly so a
-bursty pod isn't cut between bursts.
+The estimate must follow a pod's real appetite within a period or two both ways
+(docs/allocation.md, "Demand estimation"):
+
+- Not throttled, the pod sent what it wanted: demand is the larger of its last
+  RECENT_PERIODS periods' usage. It falls as soon as usage falls (one period late, so
+  a pod that pauses for one period keeps its share), and a pod that wants less gives
+  its share back instead of holding a slowly decaying peak.
+- Throttled (the kernel says so: the class dropped packets, went over its ceil, or
+  kept a backlog), usage is censored: the pod might want ten times its limit. The
+  estimate then asks PROBE_GAIN times its limit (or what it sent, if more), and at
+  least its peak usage of the last PEAK_PERIODS periods: a bursty pod that comes
+  back asks for its last burst at once instead of climbing back step by step; a
+  steadily growing pod doubles its ask each period until it is no longer throttled
+  (or its fair share stops it).
+
+Usage near the limit alone is not throttling: a pod whose limit is exactly what it
+asked for (the budget saturated, no headroom) runs at its limit unthrottled, and
+probing it would take share from pods that need it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
-PROBE_GAIN = 1.5  # per period while throttled
-HEADROOM = 1.1  # over observed usage when not throttled
-DECAY = 0.7  # how fast the remembered peak fades per period
-NEAR_LIMIT = 0.95
+PROBE_GAIN = 2.0  # ask this multiple of the censored usage while throttled
+RECENT_PERIODS = 2  # unthrottled demand: the max usage of this many periods
+CLEAR_DROP = 0.8  # usage under this share of that max is a real drop, not jitter: demand follows at once
+MARGIN = 1.005  # over that max: a pod limited to exactly what it used is throttled by any jitter, and probes
+PEAK_PERIODS = 12  # throttled: ask at least the peak usage of this many periods (1 min at 5 s)
 MIN_DEMAND_BPS = 8_000  # a pod that sends nothing still asks for a trickle
 
 
@@ -32,10 +45,10 @@ class Sample:
 class PodDemand:
     usage_bps: float = 0.0
     demand_bps: float = float(MIN_DEMAND_BPS)
-    peak_bps: float = 0.0
     throttled: bool = False
     throttled_seconds: float = 0.0
     last: Sample | None = None
+    history: deque = field(default_factory=lambda: deque(maxlen=PEAK_PERIODS))  # usage per period, newest last
 
     def update(self, s: Sample, limit_bps: int, cap_bps: int) -> None:
         prev, self.last = self.last, s
@@ -43,17 +56,12 @@ class PodDemand:
             return  # first sample, clock oddity, or a class recreated: start over from here
         dt = s.t - prev.t
         self.usage_bps = (s.bytes - prev.bytes) * 8 / dt
-        self.throttled = (
-            s.drops > prev.drops
-            or s.overlimits > prev.overlimits
-            or s.backlog > 0
-            or (limit_bps > 0 and self.usage_bps >= NEAR_LIMIT * limit_bps)
-        )
+        self.history.append(self.usage_bps)
+        self.throttled = s.drops > prev.drops or s.overlimits > prev.overlimits or s.backlog > 0
         if self.throttled:
             self.throttled_seconds += dt
-        self.peak_bps = max(self.usage_bps, self.peak_bps * DECAY)
-        if self.throttled:
-            want = max(self.usage_bps, limit_bps) * PROBE_GAIN
+            want = max(max(self.usage_bps, limit_bps) * PROBE_GAIN, max(self.history))
         else:
-            want = self.peak_bps * HEADROOM
+            recent = max(list(self.history)[-RECENT_PERIODS:])
+            want = (self.usage_bps if self.usage_bps < CLEAR_DROP * recent else recent) * MARGIN
         self.demand_bps = float(min(max(want, MIN_DEMAND_BPS), cap_bps))

@@ -3,7 +3,7 @@ import os
 import random
 import time
 
-from netagent.demand import MIN_DEMAND_BPS, PROBE_GAIN, PodDemand, Sample
+from netagent.demand import MARGIN, MIN_DEMAND_BPS, PEAK_PERIODS, PROBE_GAIN, PodDemand, Sample
 from netagent.sources.files import FileSource
 from netagent.sources.kube import Backoff
 
@@ -16,19 +16,56 @@ status: {phase: Running, podIP: %(ip)s, podIPs: [{ip: %(ip)s}]}
 """
 
 
-def test_demand_probes_above_censored_usage_and_decays():
+def _second(d: PodDemand, t: int, rate_bps: float, limit_bps: float, throttled: bool = False, cap=10**9):
+    """One second of traffic at `rate_bps` under `limit_bps`; throttled: the class went over its ceil."""
+    last = d.last or Sample(t - 1, 0, 0, 0, 0)
+    d.update(Sample(t, last.bytes + int(rate_bps / 8), 0, last.overlimits + throttled, 0), int(limit_bps), cap)
+
+
+def test_demand_probes_above_censored_usage():
     d = PodDemand()
     d.update(Sample(0.0, 0, 0, 0, 0), limit_bps=10_000_000, cap_bps=10**9)
-    # one second at the limit: throttled, the estimate probes above it
-    d.update(Sample(1.0, 10_000_000 // 8, 0, 5, 0), limit_bps=10_000_000, cap_bps=10**9)
-    assert d.throttled and d.demand_bps == 10_000_000 * PROBE_GAIN
+    _second(d, 1, 10e6, 10e6, throttled=True)
+    assert d.throttled and d.demand_bps == 10e6 * PROBE_GAIN
     assert d.throttled_seconds == 1.0
-    # idle afterwards: no longer throttled, the remembered peak fades
-    d.update(Sample(2.0, 10_000_000 // 8, 5 * 0, 5, 0), limit_bps=10_000_000, cap_bps=10**9)
-    first_idle = d.demand_bps
-    d.update(Sample(3.0, 10_000_000 // 8, 0, 5, 0), limit_bps=10_000_000, cap_bps=10**9)
-    assert not d.throttled and d.demand_bps < first_idle
-    assert d.demand_bps >= MIN_DEMAND_BPS
+    _second(d, 2, 20e6, 20e6, throttled=True)  # still held: the ask doubles again
+    assert d.demand_bps == 40e6
+
+
+def test_running_at_the_limit_unthrottled_is_not_throttling():
+    """A pod that got exactly what it asked for (no headroom left) and sent exactly that: no
+    drops, no overlimits, no backlog. Probing it would take share from pods that need it."""
+    d = PodDemand()
+    for t in range(4):
+        _second(d, t, 10e6, 10e6)
+    assert not d.throttled and d.demand_bps == 10e6 * MARGIN
+
+
+def test_demand_falls_at_once_on_a_clear_drop_and_absorbs_jitter():
+    d = PodDemand()
+    for t in range(5):
+        _second(d, t, 50e6, 100e6)
+    _second(d, 5, 45e6, 100e6)
+    assert d.demand_bps == 50e6 * MARGIN  # a dip of 10%: jitter, the recent max holds
+    _second(d, 6, 45e6, 100e6)
+    assert d.demand_bps == 45e6 * MARGIN  # two periods at the lower rate: that is the demand now
+    _second(d, 7, 5e6, 100e6)
+    assert d.demand_bps == 5e6 * MARGIN  # a clear drop gives the share back in the same period
+
+
+def test_a_bursty_pod_throttled_again_asks_for_its_last_burst_at_once():
+    d = PodDemand()
+    for t in range(3):
+        _second(d, t, 80e6, 100e6)  # a burst at 80M
+    for t in range(3, 7):
+        _second(d, t, 1e6, 100e6)  # idle: demand falls, its share is lent to others
+    assert d.demand_bps == 1e6 * MARGIN
+    _second(d, 7, 2e6, 2e6, throttled=True)  # back, held at the small limit it had meanwhile
+    assert d.demand_bps == 80e6  # not 4M, 8M, 16M...: its burst of a minute ago
+    for t in range(8, 8 + PEAK_PERIODS):  # a minute (at 5 s periods) later the old burst is forgotten
+        _second(d, t, 1e6, 100e6)
+    _second(d, 8 + PEAK_PERIODS, 2e6, 2e6, throttled=True)
+    assert d.demand_bps == 2e6 * PROBE_GAIN
 
 
 def test_demand_is_capped_and_survives_counter_reset():
@@ -38,6 +75,9 @@ def test_demand_is_capped_and_survives_counter_reset():
     assert d.demand_bps == 1_200_000
     d.update(Sample(2, 0, 0, 0, 0), 10**6, cap_bps=1_200_000)  # class recreated: counters restart
     assert d.demand_bps == 1_200_000
+    for t in (3, 4):
+        d.update(Sample(t, 0, 0, 0, 0), 10**6, cap_bps=1_200_000)
+    assert d.demand_bps == MIN_DEMAND_BPS  # idle: a trickle, never zero
 
 
 def test_file_source_reloads_and_keeps_last_good(tmp_path):

@@ -207,33 +207,41 @@ def test_hysteresis_keeps_limits_within_the_budget():
 
 # -- feedback gain ----------------------------------------------------------------------------
 
-def test_gain_pulls_an_overshoot_down_smoothly_and_within_bounds():
+def test_gain_moves_towards_the_ratio_of_shaped_usage_to_measured_egress_within_bounds():
     cfg = EngineConfig()
-    g = feedback_gain(1.0, 100e6, 120e6, saturated=True)
+    # the pods' classes sent 100M, 120M left the nodes (unshaped host traffic): share less
+    g = feedback_gain(1.0, 1e9, 120e6, 100e6)
     assert g == pytest.approx(1 + cfg.gain_smoothing * (100 / 120 - 1))
     for _ in range(50):
-        g = feedback_gain(g, 100e6, 1e12, saturated=True)
-    assert g == cfg.gain_min
+        g = feedback_gain(g, 1e9, 1e12, 100e6)
+    assert g == pytest.approx(cfg.gain_min, rel=cfg.gain_deadband)
+    for _ in range(50):
+        g = feedback_gain(g, 1e9, 100e6, 1e12)
+    assert g == pytest.approx(cfg.gain_max, rel=cfg.gain_deadband)
 
 
-def test_gain_rises_only_while_the_budget_is_in_use():
-    assert feedback_gain(1.0, 100e6, 80e6, saturated=True) > 1.0
-    assert feedback_gain(1.0, 100e6, 80e6, saturated=False) == 1.0
-    assert feedback_gain(1.2, 100e6, 80e6, saturated=False) < 1.2  # relaxes back towards 1
-    assert feedback_gain(1.1, 100e6, 100.2e6, saturated=True) == 1.1  # deadband
-    assert feedback_gain(1.1, 100e6, None, saturated=True) == 1.1
+def test_gain_ignores_pods_that_use_less_than_their_share():
+    """Under-use after a shift lowers the pods' usage and the measured total alike: no change
+    (the old rule raised the gain then and overshot once the pods caught up)."""
+    assert feedback_gain(1.0, 1e9, 400e6, 400e6) == 1.0
+    assert feedback_gain(1.1, 1e9, 500e6, 549e6) == 1.1  # deadband: 1.098 is within 0.5% of 1.1
+    assert feedback_gain(1.1, 1e9, None, 100e6) == 1.1
+    assert feedback_gain(1.1, 1e9, 100e6, None) == 1.1
+    assert feedback_gain(1.1, 1e9, 10e6, 10e6 * 0.9) == 1.1  # usage under 5% of the budget: no ratio to trust
 
 
 def test_gain_converges_measured_total_to_the_budget():
-    """A plant that loses 10% to overhead: measured = 0.9 x capacity; the loop settles at the budget."""
+    """A plant whose measured egress is the pods' usage / 0.9 (L3 vs L2 counts) plus 5M of
+    unshaped host traffic: the loop settles with the measured total at the budget."""
     policy = budget()
     pods = [pod("a/1", "a", 1e9), pod("b/1", "b", 1e9)]
-    result, measured = None, None
+    result, measured, used = None, None, None
     for _ in range(12):
-        result = allocate(policy, pods, measured_total_bps=measured, previous=result)
-        measured = 0.9 * result.allocated_bps
+        result = allocate(policy, pods, measured_total_bps=measured, previous=result, shaped_usage_bps=used)
+        used = result.allocated_bps
+        measured = used / 0.9 + 5 * M
     assert measured == pytest.approx(100 * M, rel=0.01)
-    assert result.gain == pytest.approx(1 / 0.9, rel=0.01)
+    assert result.gain == pytest.approx(0.95 * 0.9, rel=0.01)
 
 
 # -- errors -----------------------------------------------------------------------------------
@@ -455,7 +463,8 @@ def test_closed_loop_with_the_agents_demand_estimator_settles_at_the_fair_share(
             est.update(Sample(float(step), sent_bytes[k], 0, step if true[k] > limits_now[k] else 0, 0),
                        int(limits_now[k]), 2**62)
         result = allocate(policy, pods_with({k: e.demand_bps for k, e in estimators.items()}),
-                          measured_total_bps=measured if step else None, previous=result)
+                          measured_total_bps=measured if step else None, previous=result,
+                          shaped_usage_bps=measured if step else None)
         limits_now = {k: max(p.limit_bps, 1.0) for k, p in result.pods.items()}
     fair = allocate(policy, pods_with(true)).pods
     worst = max(abs(min(true[k], limits_now[k]) - fair[k].allocation_bps) / fair[k].allocation_bps for k in true)
