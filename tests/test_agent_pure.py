@@ -3,7 +3,7 @@ import os
 import random
 import time
 
-from netagent.demand import MARGIN, MIN_DEMAND_BPS, PEAK_PERIODS, PROBE_GAIN, PodDemand, Sample
+from netagent.demand import MIN_DEMAND_BPS, PEAK_PERIODS, PROBE_GAIN, PodDemand, Sample
 from netagent.sources.files import FileSource
 from netagent.sources.kube import Backoff
 
@@ -38,7 +38,7 @@ def test_running_at_the_limit_unthrottled_is_not_throttling():
     d = PodDemand()
     for t in range(4):
         _second(d, t, 10e6, 10e6)
-    assert not d.throttled and d.demand_bps == 10e6 * MARGIN
+    assert not d.throttled and d.demand_bps == 10e6
 
 
 def test_demand_falls_at_once_on_a_clear_drop_and_absorbs_jitter():
@@ -46,11 +46,11 @@ def test_demand_falls_at_once_on_a_clear_drop_and_absorbs_jitter():
     for t in range(5):
         _second(d, t, 50e6, 100e6)
     _second(d, 5, 45e6, 100e6)
-    assert d.demand_bps == 50e6 * MARGIN  # a dip of 10%: jitter, the recent max holds
+    assert d.demand_bps == 50e6  # a dip of 10%: jitter, the recent max holds
     _second(d, 6, 45e6, 100e6)
-    assert d.demand_bps == 45e6 * MARGIN  # two periods at the lower rate: that is the demand now
+    assert d.demand_bps == 45e6  # two periods at the lower rate: that is the demand now
     _second(d, 7, 5e6, 100e6)
-    assert d.demand_bps == 5e6 * MARGIN  # a clear drop gives the share back in the same period
+    assert d.demand_bps == 5e6  # a clear drop gives the share back in the same period
 
 
 def test_a_bursty_pod_throttled_again_asks_for_its_last_burst_at_once():
@@ -59,7 +59,7 @@ def test_a_bursty_pod_throttled_again_asks_for_its_last_burst_at_once():
         _second(d, t, 80e6, 100e6)  # a burst at 80M
     for t in range(3, 7):
         _second(d, t, 1e6, 100e6)  # idle: demand falls, its share is lent to others
-    assert d.demand_bps == 1e6 * MARGIN
+    assert d.demand_bps == 1e6
     _second(d, 7, 2e6, 2e6, throttled=True)  # back, held at the small limit it had meanwhile
     assert d.demand_bps == 80e6  # not 4M, 8M, 16M...: its burst of a minute ago
     for t in range(8, 8 + PEAK_PERIODS):  # a minute (at 5 s periods) later the old burst is forgotten
