@@ -1,20 +1,23 @@
 """Per-pod usage, throttling and demand, from successive kernel counter samples. Pure.
 
 The estimate must follow a pod's real appetite within a period or two both ways
-(docs/allocation.md, "Demand estimation"):
+(docs/allocation.md, "Demand estimation" has the measurements behind every constant):
 
 - Not throttled, the pod sent what it wanted: demand is the larger of its last
   RECENT_PERIODS periods' usage (one period of jitter does not move it), except
-  that usage clearly below that (under CLEAR_DROP of it) is the demand at once: a
-  pod that wants less gives its share back in the same period instead of holding a
-  slowly decaying peak.
+  that usage clearly below that (under CLEAR_DROP of it) is followed at once, down
+  to half of it per sample (FALL_FLOOR): a pod that wants less gives its share back
+  within a period or two instead of holding a slowly decaying peak, and a pod whose
+  connection stalled for one sample does not drop to a trickle and have to climb
+  back from there.
 - Throttled (the kernel says so: the class dropped packets, went over its ceil, or
   kept a backlog), usage is censored: the pod might want ten times its limit. The
-  estimate then asks PROBE_GAIN times its limit (or what it sent, if more), and at
-  least the largest demand it had in the last PEAK_PERIODS periods: a bursty pod
-  that comes back asks for its last burst at once instead of climbing back step by
-  step; a steadily growing pod doubles its ask each period until it is no longer
-  throttled (or its fair share stops it).
+  first probe asks FIRST_PROBE_GAIN times the limit (or what it sent, if more); once
+  an answer raised the limit and the pod is still throttled, PROBE_GAIN times the
+  new limit: a pod that only jittered over its limit costs others little, a pod that
+  really grew doubles its ask with every answer until it is no longer throttled (or
+  its fair share stops it). Samples (every second) come faster than answers (every
+  report period): repeated samples under the same limit do not escalate.
 
 Usage near the limit alone is not throttling: a pod whose limit is exactly what it
 asked for (the budget saturated, no headroom) runs at its limit unthrottled, and
@@ -25,10 +28,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-PROBE_GAIN = 2.0  # ask this multiple of the censored usage while throttled
+FIRST_PROBE_GAIN = 1.25  # the first throttled period asks this multiple of the censored usage...
+PROBE_GAIN = 2.0  # ...and every further one this multiple
 RECENT_PERIODS = 2  # unthrottled demand: the max usage of this many periods
 CLEAR_DROP = 0.8  # usage under this share of that max is a real drop, not jitter: demand follows at once
-PEAK_PERIODS = 12  # throttled: ask at least the largest demand of this many periods (1 min at 5 s)
+FALL_FLOOR = 0.5  # ...but it at most halves per sample: one stalled sample must not cost the pod its share
 MIN_DEMAND_BPS = 8_000  # a pod that sends nothing still asks for a trickle
 
 
@@ -49,7 +53,8 @@ class PodDemand:
     throttled_seconds: float = 0.0
     last: Sample | None = None
     recent_usage: deque = field(default_factory=lambda: deque(maxlen=RECENT_PERIODS))
-    recent_demand: deque = field(default_factory=lambda: deque(maxlen=PEAK_PERIODS))
+    probe_gain: float = 0.0  # while throttled: the multiple of the limit asked (0: not probing)
+    probed_limit: float = 0.0  # the limit that multiple was first asked at
 
     def update(self, s: Sample, limit_bps: int, cap_bps: int) -> None:
         prev, self.last = self.last, s
@@ -61,9 +66,15 @@ class PodDemand:
         self.throttled = s.drops > prev.drops or s.overlimits > prev.overlimits or s.backlog > 0
         if self.throttled:
             self.throttled_seconds += dt
-            want = max(max(self.usage_bps, limit_bps) * PROBE_GAIN, max(self.recent_demand, default=0.0))
+            # escalate only once an answer raised the limit and the pod is still held: samples
+            # come faster than answers, and the same limit asked about twice is no new evidence
+            if not self.probe_gain:
+                self.probe_gain, self.probed_limit = FIRST_PROBE_GAIN, limit_bps
+            elif limit_bps > self.probed_limit:
+                self.probe_gain, self.probed_limit = PROBE_GAIN, limit_bps
+            want = max(self.usage_bps, limit_bps) * self.probe_gain
         else:
+            self.probe_gain = 0.0
             recent = max(self.recent_usage)
-            want = self.usage_bps if self.usage_bps < CLEAR_DROP * recent else recent
+            want = max(self.usage_bps, FALL_FLOOR * recent) if self.usage_bps < CLEAR_DROP * recent else recent
         self.demand_bps = float(min(max(want, MIN_DEMAND_BPS), cap_bps))
-        self.recent_demand.append(self.demand_bps)

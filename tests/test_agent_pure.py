@@ -3,7 +3,7 @@ import os
 import random
 import time
 
-from netagent.demand import MIN_DEMAND_BPS, PEAK_PERIODS, PROBE_GAIN, PodDemand, Sample
+from netagent.demand import FIRST_PROBE_GAIN, MIN_DEMAND_BPS, PROBE_GAIN, PodDemand, Sample
 from netagent.sources.files import FileSource
 from netagent.sources.kube import Backoff
 
@@ -22,14 +22,30 @@ def _second(d: PodDemand, t: int, rate_bps: float, limit_bps: float, throttled: 
     d.update(Sample(t, last.bytes + int(rate_bps / 8), 0, last.overlimits + throttled, 0), int(limit_bps), cap)
 
 
-def test_demand_probes_above_censored_usage():
+def test_demand_probes_above_censored_usage_gently_first_then_doubling():
     d = PodDemand()
     d.update(Sample(0.0, 0, 0, 0, 0), limit_bps=10_000_000, cap_bps=10**9)
     _second(d, 1, 10e6, 10e6, throttled=True)
-    assert d.throttled and d.demand_bps == 10e6 * PROBE_GAIN
+    assert d.throttled and d.demand_bps == 10e6 * FIRST_PROBE_GAIN  # maybe it only jittered over its limit
     assert d.throttled_seconds == 1.0
-    _second(d, 2, 20e6, 20e6, throttled=True)  # still held: the ask doubles again
-    assert d.demand_bps == 40e6
+    _second(d, 2, 12.5e6, 12.5e6, throttled=True)  # still held: it really wants more
+    assert d.demand_bps == 12.5e6 * PROBE_GAIN
+    _second(d, 3, 25e6, 25e6, throttled=True)
+    assert d.demand_bps == 50e6
+    _second(d, 4, 30e6, 50e6)  # it wanted 30M: no longer throttled, the demand is what it sent
+    assert not d.throttled and d.demand_bps == 30e6
+
+
+def test_samples_under_the_same_limit_do_not_escalate_the_probe():
+    """The agent samples every second and reports every few: five throttled samples before the
+    answer are one piece of evidence, not five doublings."""
+    d = PodDemand()
+    for t in range(1, 6):
+        _second(d, t, 10e6, 10e6, throttled=True)
+    assert d.demand_bps == 10e6 * FIRST_PROBE_GAIN
+    for t in range(6, 11):  # the answer raised the limit and it is still held
+        _second(d, t, 12.5e6, 12.5e6, throttled=True)
+    assert d.demand_bps == 12.5e6 * PROBE_GAIN
 
 
 def test_running_at_the_limit_unthrottled_is_not_throttling():
@@ -41,7 +57,7 @@ def test_running_at_the_limit_unthrottled_is_not_throttling():
     assert not d.throttled and d.demand_bps == 10e6
 
 
-def test_demand_falls_at_once_on_a_clear_drop_and_absorbs_jitter():
+def test_demand_follows_a_clear_drop_at_once_halving_per_sample_and_absorbs_jitter():
     d = PodDemand()
     for t in range(5):
         _second(d, t, 50e6, 100e6)
@@ -49,23 +65,18 @@ def test_demand_falls_at_once_on_a_clear_drop_and_absorbs_jitter():
     assert d.demand_bps == 50e6  # a dip of 10%: jitter, the recent max holds
     _second(d, 6, 45e6, 100e6)
     assert d.demand_bps == 45e6  # two periods at the lower rate: that is the demand now
-    _second(d, 7, 5e6, 100e6)
-    assert d.demand_bps == 5e6  # a clear drop gives the share back in the same period
+    _second(d, 7, 15e6, 100e6)
+    assert d.demand_bps == 22.5e6  # a clear drop: followed at once, but at most halved per sample
+    _second(d, 8, 15e6, 100e6)
+    assert d.demand_bps == 15e6
 
 
-def test_a_bursty_pod_throttled_again_asks_for_its_last_burst_at_once():
+def test_one_stalled_sample_does_not_drop_a_pod_to_a_trickle():
     d = PodDemand()
-    for t in range(3):
-        _second(d, t, 80e6, 100e6)  # a burst at 80M
-    for t in range(3, 7):
-        _second(d, t, 1e6, 100e6)  # idle: demand falls, its share is lent to others
-    assert d.demand_bps == 1e6
-    _second(d, 7, 2e6, 2e6, throttled=True)  # back, held at the small limit it had meanwhile
-    assert d.demand_bps == 80e6  # not 4M, 8M, 16M...: its burst of a minute ago
-    for t in range(8, 8 + PEAK_PERIODS):  # a minute (at 5 s periods) later the old burst is forgotten
-        _second(d, t, 1e6, 100e6)
-    _second(d, 8 + PEAK_PERIODS, 2e6, 2e6, throttled=True)
-    assert d.demand_bps == 2e6 * PROBE_GAIN
+    for t in range(5):
+        _second(d, t, 40e6, 100e6)
+    _second(d, 5, 0, 100e6)  # a TCP stall (or the app paused) for one sample
+    assert d.demand_bps == 20e6  # its next answer keeps half, not 8 kbit/s it would climb back from
 
 
 def test_demand_is_capped_and_survives_counter_reset():
