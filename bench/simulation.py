@@ -1,6 +1,7 @@
 """Convergence of the whole loop: N simulated nodes against the real controller over HTTP.
 
     python3 bench/simulation.py [--nodes 20] [--pods 10] [--period 0.5] [--l3-per-l2 0.955] [--host 1.5e6]
+                                [--jitter 0.03]
 
 Starts `netagent controller --from-file` (the real service: HTTP API, adapter, engine,
 rounds every period/5) and simulates each node's agent faithfully: every report period a
@@ -113,16 +114,18 @@ def fair_allocation(pods: list[SimPod], capacity_bps: float) -> dict[str, float]
     return {k: r.allocation_bps for k, r in allocate(policy, rows).pods.items()}
 
 
-def advance(pods: list[SimPod], t: float, dt: float) -> float:
+def advance(pods: list[SimPod], t: float, dt: float, jitter: float, rng: random.Random) -> float:
     """One report period of traffic under the current limits; returns what the pods' classes sent
-    (bit/s). A class is marked over its ceil (HTB's overlimits) when the pod wants more than its
+    (bit/s). Each pod wants its demand times a uniform factor in [1 - jitter, 1 + jitter] this
+    period. A class is marked over its ceil (HTB's overlimits) when the pod wants more than its
     limit by more than HTB's burst absorbs over a period (0.1%)."""
     total = 0.0
     for p in pods:
-        sent = min(p.demand, p.limit)
+        want = p.demand * (1 + rng.uniform(-jitter, jitter)) if jitter else p.demand
+        sent = min(want, p.limit)
         total += sent
         p.bytes += int(sent * dt / 8)
-        if p.demand > p.limit * 1.001:
+        if want > p.limit * 1.001:
             p.overlimits += 1
         p.estimator.update(Sample(t, p.bytes, 0, p.overlimits, 0), int(p.limit), 2**62)
     return total
@@ -204,7 +207,7 @@ async def simulate(base: str, args, pods: list[SimPod], rng: random.Random) -> l
             egress: dict[str, float] = {}
             cluster = 0.0
             for node in {p.node for p in pods}:
-                sent = advance([p for p in pods if p.node == node], t, args.period)
+                sent = advance([p for p in pods if p.node == node], t, args.period, args.jitter, rng)
                 egress[node] = sent * args.l3_per_l2 + args.host
                 cluster += egress[node]
             generation = await post_reports(session, base, pods, args.period, egress)
@@ -239,6 +242,8 @@ def main() -> int:
     ap.add_argument("--l3-per-l2", type=float, default=0.955,
                     help="measured (IP bytes, GSO) per byte the pod classes sent (frames)")
     ap.add_argument("--host", type=float, default=1.5e6, help="unshaped host traffic per node (bit/s)")
+    ap.add_argument("--jitter", type=float, default=0.0,
+                    help="each period a pod wants its demand x U(1-j, 1+j); the fair share is judged on the demand")
     ap.add_argument("--keep", action="store_true", help="keep the controller's log (its path is printed)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
@@ -283,7 +288,8 @@ def main() -> int:
 
     print(f"simulation: {args.nodes} nodes x {args.pods} pods against the real controller over HTTP; "
           f"budget {BUDGET_BPS / 1e6:.0f} Mbit/s; report period {args.period:g} s, rounds every {args.period / 5:g} s; "
-          f"measured = {args.l3_per_l2:g} x pods' usage + {args.host / 1e6:g} Mbit/s host traffic per node")
+          f"measured = {args.l3_per_l2:g} x pods' usage + {args.host / 1e6:g} Mbit/s host traffic per node; "
+          f"jitter {args.jitter:.0%}")
     print(f"{'period':>6} {'event':>6} {'round':>5} {'pods within 5%':>15} {'worst rate error':>17} "
           f"{'worst alloc error':>18} "
           f"{'total/budget':>13} {'demand/budget':>14} {'gain':>6} {'10x pod/fair':>13} {'bursting pods':>14}")
