@@ -540,7 +540,8 @@ def test_daemonset_runs_one_pod_on_every_node(installed, kube_cluster):
         deadline = time.monotonic() + 90
         while True:
             pods = core.list_namespaced_pod(NAMESPACE, label_selector="app.kubernetes.io/name=netagent-agent").items
-            placed = [p.spec.node_name for p in pods if p.metadata.deletion_timestamp is None]
+            # a pod the scheduler has not bound yet has no node: not placed (yet)
+            placed = [p.spec.node_name for p in pods if p.metadata.deletion_timestamp is None and p.spec.node_name]
             status = apps.read_namespaced_daemon_set("netagent-agent", NAMESPACE).status
             if sorted(placed) == sorted(nodes) and status.desired_number_scheduled == len(nodes):
                 break
