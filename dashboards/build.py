@@ -257,12 +257,15 @@ def node_pod_dashboard() -> gd.Dashboard:
     d = d.with_row(gd.Row("Node"))
     d = d.with_panel(timeseries(
         "Node egress by scope, against its allocation",
-        "All traffic leaving the node's uplinks (host traffic included), internal vs internet; the line is the "
-        "node class rate: this node's share of the budget.", "bps",
+        "All traffic leaving the node's uplinks (host traffic included), internal vs internet; the node class "
+        "rate (this node's share of the budget); internet egress forwarded from sources that are no known pod "
+        "(pods the agent has not learnt yet), held at the default-class floor.", "bps",
         query(f"sum by (node, scope) (rate(netagent_node_egress_bytes_total{{{NODE}}}[1m])) * 8",
               "{{node}} {{scope}}"),
         query(f"sum by (node) (netagent_node_allocation_bytes_per_second{{{NODE}}}) * 8",
               "{{node}} allocation", ref="B"),
+        query(f"sum by (node) (rate(netagent_node_unknown_source_egress_bytes_total{{{NODE}}}[1m])) * 8",
+              "{{node}} internet from unknown sources", ref="C"),
         width=12))
     d = d.with_panel(timeseries(
         "Node ingress by scope", "Traffic entering the node's uplinks, internal vs internet.", "bps",

@@ -337,7 +337,7 @@ def _node_view(node: str, started: float):
     return NodeView(node=node, pods=pods, egress_bytes={"internal": total * 3, "internet": total},
                     ingress_bytes={"internal": total, "internet": total // 10}, allocation_bps=1e9, ready=True,
                     controller="http://controller", controller_reachable=True, last_reconcile_success=time.time(),
-                    leaf_qdisc="pfifo", iptables_backend="nft")
+                    leaf_qdisc="pfifo", iptables_backend="nft", unknown_source_egress_bytes=int(1000 * elapsed))
 
 
 @dataclass
