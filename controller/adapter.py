@@ -214,9 +214,12 @@ class Adapter:
             feedback, self._last_feedback = measured, now
         total = float(policy.total_bps)
         # the gain is the ratio of what the pods' classes sent to the measured total (other byte
-        # counts, unshaped host traffic): both from the same reports
+        # counts, unshaped host traffic), both from the nodes that measure their egress
+        shaped = None
+        if feedback is not None:
+            shaped = float(sum(item.usage.sum() for item in prepared if item.report.node_internet_egress_bps > 0))
         result = allocate_columns(team_cols, pods, total, feedback, self._aligned_previous(nodes, prepared),
-                                  shaped_usage_bps=float(usage.sum()) if feedback is not None else None)
+                                  shaped_usage_bps=shaped)
         alloc, limit = result.allocation, result.limit
 
         spans: dict[str, tuple[int, list[PodReport]]] = {}
