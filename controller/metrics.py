@@ -48,7 +48,7 @@ class BudgetCollector:
                                 value=summary.budget_bps / 8)
         yield GaugeMetricFamily(P + "oversubscribed", "1 when the teams' guarantees add up to more than the budget",
                                 value=1.0 if summary.oversubscribed else 0.0)
-        yield GaugeMetricFamily(P + "feedback_gain", "the engine's gain on the budget (keeps the measured total at it)",
+        yield GaugeMetricFamily(P + "feedback_gain", "the engine's gain on the budget: pods' shaped usage / measured egress, so the measured total settles at the budget",
                                 value=summary.gain)
         yield GaugeMetricFamily(P + "policy_problems", "EgressClass/EgressBudget problems (objects or teams ignored)",
                                 value=float(len(summary.policy_problems)))
