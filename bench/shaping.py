@@ -58,7 +58,7 @@ class Bench:
         self.other = self.node.pods[1]
         self.shaper = Shaper(self.node.netns)
         self.classifier = Classifier(netns=self.node.netns)
-        self.options = PlanOptions(leaf_qdisc=probe().leaf_qdisc)
+        self.options = PlanOptions(leaf_qdisc=probe(self.node.netns).leaf_qdisc)
         self.state = None
 
     def program(self, rate: int, ceil: int | None = None, node_rate: int | None = None,

@@ -17,6 +17,7 @@ import logging
 import threading
 
 from iptables.apply import Classifier
+from tc.errors import TcError
 from tc.model import ClassStats
 from tc.netlink import Shaper
 from tc.probe import Capabilities, probe, require
@@ -30,19 +31,17 @@ class DataPathError(RuntimeError):
     """The node's kernel cannot carry netagent's data path as configured; the message says why and what to do."""
 
 
-def probe_leaf_qdisc() -> tuple[str, Capabilities | None]:
-    """Try the kernel once: the best leaf qdisc it offers. A kernel without what we need
-    is an error; a probe that cannot run at all (no scratch namespaces allowed) means
-    the safe choice, pfifo, which every kernel has."""
+def probe_leaf_qdisc() -> tuple[str, Capabilities]:
+    """Try the kernel once, in this process's network namespace (the node's): the best leaf
+    qdisc it offers. The probe needs only CAP_NET_ADMIN, which the agent needs anyway; a
+    probe that cannot run, or a kernel without what we need, is an error naming the fix."""
     try:
         caps = probe()
-    except Exception as exc:  # noqa: BLE001 - any failure to probe has the same safe answer
-        log.warning("tc capability probe could not run (%s); using the pfifo leaf qdisc", exc)
-        return "pfifo", None
-    try:
         require(caps)
-    except Exception as exc:
+    except TcError as exc:
         raise DataPathError(str(exc)) from exc
+    log.info("tc probe: qdiscs %s; classifiers %s; actions %s; leaf qdisc %s", ",".join(sorted(caps.qdiscs)),
+             ",".join(sorted(caps.classifiers)), ",".join(sorted(caps.actions)), caps.leaf_qdisc)
     return caps.leaf_qdisc, caps
 
 

@@ -1,4 +1,11 @@
-"""What this kernel's traffic control offers, found by trying it in a scratch namespace.
+"""What this kernel's traffic control offers, found by trying it on a device of our own.
+
+The probe needs CAP_NET_ADMIN and nothing more (the agent's pod has no CAP_SYS_ADMIN, so
+no scratch namespace): in the namespace it is pointed at (the agent's own: the node's)
+it creates a short-lived IFB named `nap-<8 hex digits>`, left down and without
+addresses so no packet can reach it, tries every feature on it and deletes it again,
+also when a step fails. A probe device left by a probe that died half-way is removed
+by the next probe (ours: that exact name pattern and kind ifb).
 
 Every feature is created, then read back; a feature counts only if the kernel shows
 it as created. (An option the kernel accepts and ignores, like u32 `match mark`
@@ -9,20 +16,33 @@ missing fq_codel only means a pfifo leaf).
 """
 from __future__ import annotations
 
+import errno
 import logging
+import re
 import secrets
-import subprocess
 from dataclasses import dataclass, field
 
-from pyroute2 import NetNS
 from pyroute2.netlink.exceptions import NetlinkError
 
+from . import rawnl
 from .errors import TcError
+from .model import DEFAULT_MINOR, HtbClassSpec, ObservedShaper, ShaperSpec
+from .netlink import CLSACT_EGRESS, ETH_P_ALL, Shaper
 
 log = logging.getLogger(__name__)
 
 QDISCS = ("htb", "tbf", "fq_codel", "fq", "sfq", "cake", "pfifo", "bfifo", "netem", "prio")
 REQUIRED_QDISCS = ("htb", "clsact")
+PROBE_DEVICE = re.compile(r"nap-[0-9a-f]{8}")  # the one "is ours" test for probe devices
+PROBE_ALIAS = "netagent: tc capability probe (short-lived)"  # for whoever sees it in `ip link`
+ROOT = 0xFFFFFFFF
+PFIFO_LIMIT = 100
+# options a qdisc needs to be created at all; pfifo's limit is read back (the leaf must be bounded)
+QDISC_OPTIONS = {"htb": {"default": 0x10}, "tbf": {"rate": 125000, "burst": 10000, "latency": 50000},
+                 "pfifo": {"limit": PFIFO_LIMIT}, "bfifo": {"limit": 100000}}
+# classifiers netagent does not use, listed for the operator; a match-all key or a classid suffices
+OTHER_CLASSIFIERS = (("u32", {"keys": ["0x0/0x0+0"], "target": 0x10001}), ("fw", {"classid": 0x10001}),
+                     ("matchall", {"classid": 0x10001}), ("basic", {"classid": 0x10001}))
 
 
 @dataclass(frozen=True)
@@ -38,10 +58,12 @@ class Capabilities:
 
     def missing(self) -> list[str]:
         """What netagent needs and this kernel lacks (empty: we can run)."""
+        if not self.ifb:
+            # the probe tries everything else on an IFB: without one, nothing else is known
+            return ["IFB device (ifb module); the other tc features could not be tried without it"]
         need = [f"qdisc {q}" for q in REQUIRED_QDISCS if q not in self.qdiscs]
         need += [] if "bpf" in self.classifiers else ["classifier bpf (cls_bpf)"]
         need += [] if "mirred" in self.actions else ["action mirred (act_mirred)"]
-        need += [] if self.ifb else ["IFB device (ifb module)"]
         return need
 
     def as_dict(self) -> dict:
@@ -55,86 +77,102 @@ class Capabilities:
         }
 
 
-def _kinds(ipr, index: int, parent: int | None = None) -> set[str]:
-    return {q.get_attr("TCA_KIND") for q in ipr.get_qdiscs(index) if parent is None or q["parent"] == parent}
+def probe(netns: str | None = None) -> Capabilities:
+    """Try each feature on a probe IFB in `netns` (a namespace name; None: this process's own).
 
-
-def probe() -> Capabilities:
-    """Try each feature in a throwaway namespace (removed afterwards, also on error)."""
-    ns = f"na-probe-{secrets.token_hex(3)}"
-    subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+    Raises TcError when the probe cannot run at all (e.g. no CAP_NET_ADMIN); a kernel
+    without IFB is an answer (ifb=False), not an error."""
+    shaper = Shaper(netns)
+    where = f"network namespace {netns!r}" if netns else "this network namespace"
     try:
-        return _probe_in(ns)
-    except NetlinkError as exc:
-        raise TcError(f"the tc capability probe failed unexpectedly: {exc}") from exc
+        _remove_leftovers(shaper)
+        device = f"nap-{secrets.token_hex(4)}"
+        try:
+            shaper.ipr.link("add", ifname=device, kind="ifb")
+        except NetlinkError as exc:
+            if exc.code != errno.EOPNOTSUPP:
+                raise
+            log.warning("tc probe: this kernel cannot create IFB devices (%s)", exc)
+            return Capabilities()
+        try:
+            return _try_features(shaper, device)
+        finally:
+            _delete(shaper, device)
+    except (NetlinkError, OSError) as exc:
+        raise TcError(f"the tc capability probe could not run in {where}: {exc} (it needs CAP_NET_ADMIN)") from exc
     finally:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        shaper.close()
 
 
-def _probe_in(ns: str) -> Capabilities:
-    from .bpf import encode, mark_test  # local: keeps import of probe cheap
-    from .netlink import CLSACT_EGRESS, Shaper
+def _remove_leftovers(shaper: Shaper) -> None:
+    for link in shaper.ipr.get_links():
+        name = link.get_attr("IFLA_IFNAME")
+        info = link.get_attr("IFLA_LINKINFO")
+        kind = info.get_attr("IFLA_INFO_KIND") if info else None
+        if PROBE_DEVICE.fullmatch(name or "") and kind == "ifb":
+            log.info("tc probe: removing %s, left by an earlier probe", name)
+            _delete(shaper, name)
 
-    qdiscs: set[str] = set()
+
+def _delete(shaper: Shaper, device: str) -> None:
+    try:
+        shaper.ipr.link("del", ifname=device)
+    except NetlinkError as exc:  # the next probe removes it; the answer stays valid
+        log.warning("tc probe: could not delete its device %s: %s", device, exc)
+
+
+def _try_features(shaper: Shaper, device: str) -> Capabilities:
+    ipr = shaper.ipr
+    idx = ipr.link_lookup(ifname=device)[0]
+    ipr.link("set", index=idx, ifalias=PROBE_ALIAS)
+    qdiscs = {kind for kind in QDISCS if _root_qdisc_works(shaper, idx, kind)}
     classifiers: set[str] = set()
     actions: set[str] = set()
-    with NetNS(ns) as ipr:
-        ipr.link("add", ifname="probe0", kind="veth", peer="probe1")
-        idx = ipr.link_lookup(ifname="probe0")[0]
-        ipr.link("set", index=idx, state="up")
-        ifb = True
+    try:
+        ipr.tc("add", "clsact", idx)
+    except NetlinkError as exc:
+        log.info("tc probe: qdisc clsact not available: %s", exc)
+    if not shaper._has_clsact(idx):
+        return Capabilities(frozenset(qdiscs), frozenset(), frozenset(), ifb=True)
+    qdiscs.add("clsact")
+    # cls_bpf + mirred: exactly the filter netagent installs (redirecting to the probe device
+    # itself), read back and decoded the way the agent reads its own
+    spec = ShaperSpec(device, (device,), 0x1, 1_000_000, HtbClassSpec(DEFAULT_MINOR, 8000, 8000))
+    try:
+        shaper._redirect_filter(device, spec, replace=False)
+    except TcError as exc:
+        log.info("tc probe: cls_bpf/mirred not available: %s", exc)
+    obs = ObservedShaper()
+    shaper._observe_uplink(device, idx, spec, obs)
+    for f in obs.filters[device]:
+        if f.kind == "bpf" and f.mark_bit == spec.mark_bit:
+            classifiers.add("bpf")
+        if f.redirect_ifindex == idx:
+            actions.add("mirred")
+    for pref, (kind, options) in enumerate(OTHER_CLASSIFIERS, start=100):
         try:
-            ipr.link("add", ifname="probeifb", kind="ifb")
-            from .netlink import IFB_ALIAS
+            ipr.tc("add-filter", kind, idx, parent=CLSACT_EGRESS, prio=pref, protocol=ETH_P_ALL, **options)
+        except (NetlinkError, KeyError, TypeError, ValueError) as exc:  # pyroute2 lacks encoders for some
+            log.debug("tc probe: classifier %s not available: %s", kind, exc)
+            continue
+        if any(f.get_attr("TCA_KIND") == kind and f["info"] >> 16 == pref
+               for f in ipr.get_filters(index=idx, parent=CLSACT_EGRESS)):
+            classifiers.add(kind)
+    return Capabilities(frozenset(qdiscs), frozenset(classifiers), frozenset(actions), ifb=True)
 
-            ipr.link("set", index=ipr.link_lookup(ifname="probeifb")[0], ifalias=IFB_ALIAS)
-        except NetlinkError:
-            ifb = False
-        for kind in QDISCS:
-            kw = {"htb": {"default": 0x10}, "tbf": {"rate": 125000, "burst": 10000, "latency": 50000},
-                  "pfifo": {"limit": 100}, "bfifo": {"limit": 100000}}.get(kind, {})
-            try:
-                ipr.tc("add", kind, idx, 0x10000, **kw)
-                if kind in _kinds(ipr, idx):
-                    qdiscs.add(kind)
-                ipr.tc("del", index=idx, parent=0xFFFFFFFF)
-            except (NetlinkError, KeyError, TypeError, ValueError):
-                pass
-        try:
-            ipr.tc("add", "clsact", idx)
-            if "clsact" in _kinds(ipr, idx):
-                qdiscs.add("clsact")
-        except NetlinkError:
-            pass
-        if "clsact" in qdiscs and ifb:
-            # cls_bpf + mirred: exactly the filter netagent installs, read back and decoded
-            from .model import DEFAULT_MINOR, HtbClassSpec, ShaperSpec
 
-            spec = ShaperSpec("probeifb", ("probe0",), 0x1, 1_000_000, HtbClassSpec(DEFAULT_MINOR, 8000, 8000))
-            s = Shaper.__new__(Shaper)
-            s.netns, s._ipr, s._chan = ns, ipr, None
-            try:
-                s._redirect_filter("probe0", spec, replace=False)
-                obs = s.observe(spec).filters.get("probe0", [])
-                if obs and obs[0].kind == "bpf":
-                    classifiers.add("bpf")
-                if obs and obs[0].mark_bit == 0x1 and obs[0].redirect_ifindex:
-                    actions.add("mirred")
-            except (NetlinkError, TcError) as exc:
-                log.info("probe: cls_bpf/mirred not available: %s", exc)
-            finally:
-                if s._chan is not None:
-                    s._chan.close()
-                s._ipr, s._chan = None, None
-            for kind, kw in (("u32", {"keys": ["0x0/0x0+0"], "target": 0x10001}), ("fw", {"classid": 0x10001}),
-                             ("matchall", {"classid": 0x10001}), ("basic", {"classid": 0x10001})):
-                try:
-                    ipr.tc("add-filter", kind, idx, parent=CLSACT_EGRESS, prio=100 + len(classifiers), **kw)
-                    if any(f.get_attr("TCA_KIND") == kind for f in ipr.get_filters(index=idx, parent=CLSACT_EGRESS)):
-                        classifiers.add(kind)
-                except (NetlinkError, KeyError, TypeError, ValueError):
-                    pass
-    return Capabilities(frozenset(qdiscs), frozenset(classifiers), frozenset(actions), ifb)
+def _root_qdisc_works(shaper: Shaper, idx: int, kind: str) -> bool:
+    try:
+        shaper.ipr.tc("add", kind, idx, 0x10000, **QDISC_OPTIONS.get(kind, {}))
+    except (NetlinkError, KeyError, TypeError, ValueError) as exc:  # pyroute2 lacks encoders for some
+        log.debug("tc probe: qdisc %s not available: %s", kind, exc)
+        return False
+    try:
+        root = [rawnl.parse_qdisc(h, parent, payload) for h, parent, payload in shaper.chan.dump_qdiscs(idx)
+                if parent == ROOT]
+        return any(q.kind == kind and (kind != "pfifo" or q.pfifo_limit == PFIFO_LIMIT) for q in root)
+    finally:
+        shaper.ipr.tc("del", index=idx, parent=ROOT)
 
 
 def require(caps: Capabilities) -> None:

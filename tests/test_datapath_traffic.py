@@ -167,7 +167,7 @@ def capacity(lab, before) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def node(lab, before):
-    n = NodeUnderTest(lab, probe().leaf_qdisc)
+    n = NodeUnderTest(lab, probe(lab.nodes[0].netns).leaf_qdisc)
     try:
         yield n
     finally:

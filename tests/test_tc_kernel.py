@@ -1,4 +1,8 @@
-"""tc executor against the real kernel, in scratch namespaces."""
+"""tc executor and capability probe against the real kernel, in scratch namespaces."""
+import json
+import subprocess
+import sys
+
 import pytest
 
 from tc.errors import TcError
@@ -108,11 +112,84 @@ def test_cleanup_keeps_a_clsact_someone_else_uses(node):
     assert snapshot(node) == before
 
 
-def test_probe_finds_what_the_data_path_needs():
-    caps = probe()
+def kernel_has_fq_codel() -> bool:
+    """The answer from tc(8), independent of the probe's code."""
+    with scratch_netns("fqc") as ns:
+        sh("ip link add fqc0 type veth peer name fqc1", ns)
+        return not subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "fqc0", "root", "fq_codel"],
+                                  capture_output=True).returncode
+
+
+def links(ns):
+    return sorted(line.split(":")[1].strip().split("@")[0] for line in sh("ip -o link", ns).splitlines())
+
+
+def test_probe_finds_what_the_data_path_needs_and_leaves_nothing():
+    expected_leaf = "fq_codel" if kernel_has_fq_codel() else "pfifo"
+    with scratch_netns("probe") as ns:
+        sh("ip link add eth0 type veth peer name eth1", ns)
+        before = snapshot(ns)
+        caps = probe(ns)
+        assert snapshot(ns) == before
     require(caps)  # raises with the missing features named
     assert {"htb", "clsact", "pfifo"} <= caps.qdiscs
-    assert caps.leaf_qdisc in ("fq_codel", "pfifo")
+    assert "bpf" in caps.classifiers and "mirred" in caps.actions and caps.ifb
+    assert caps.leaf_qdisc == expected_leaf
+
+
+def test_probe_removes_only_its_own_leftovers():
+    with scratch_netns("probe") as ns:
+        # a probe device left by a crash, and two that only look alike (wrong kind, wrong name)
+        sh("ip link add nap-0badcafe type ifb && ip link add nap-00000001 type veth peer name peer1 "
+           "&& ip link add nap-mine type ifb", ns)
+        probe(ns)
+        assert links(ns) == ["lo", "nap-00000001", "nap-mine", "peer1"]
+
+
+# the agent's container: exactly these capabilities (tests/test_deploy.py checks the DaemonSet says so)
+AGENT_POD_CAPABILITIES = {"net_admin": 12, "net_raw": 13}
+CONFINED_PROBE = """
+import json
+from tc.probe import probe
+status = open("/proc/self/status").read()
+print(json.dumps({"caps": probe().as_dict(), "cap_eff": int(status.split("CapEff:")[1].split()[0], 16)}))
+"""
+
+
+def test_probe_works_with_only_the_agent_pods_capabilities():
+    """The agent's pod has NET_ADMIN and NET_RAW, no SYS_ADMIN: no namespace of its own, so the
+    probe runs on a device of its own in the namespace it is in, and says what the kernel has."""
+    expected_leaf = "fq_codel" if kernel_has_fq_codel() else "pfifo"
+    setpriv = ["setpriv", f"--bounding-set=-all,{','.join('+' + c for c in AGENT_POD_CAPABILITIES)}",
+               "--inh-caps=-all", "--no-new-privs", "--"]
+    with scratch_netns("probe") as ns:
+        sh("ip link add eth0 type veth peer name eth1 && ip link set eth0 up && ip link set eth1 up", ns)
+        before = snapshot(ns)
+        confined = ["ip", "netns", "exec", ns, *setpriv]
+        refused = subprocess.run([*confined, "ip", "netns", "add", f"{ns}-x"], capture_output=True, text=True)
+        assert refused.returncode != 0, "the confinement must refuse what needs CAP_SYS_ADMIN"
+        run = subprocess.run([*confined, sys.executable, "-c", CONFINED_PROBE], capture_output=True, text=True,
+                             timeout=60)
+        assert run.returncode == 0, run.stderr
+        assert snapshot(ns) == before
+    out = json.loads(run.stdout)
+    assert out["cap_eff"] == sum(1 << bit for bit in AGENT_POD_CAPABILITIES.values())
+    caps = out["caps"]
+    assert caps["missing"] == [] and caps["ifb"]
+    assert {"htb", "clsact", "pfifo"} <= set(caps["qdiscs"])
+    assert "bpf" in caps["classifiers"] and "mirred" in caps["actions"]
+    assert caps["leaf_qdisc"] == expected_leaf
+
+
+def test_a_probe_that_cannot_run_says_what_it_needs():
+    """Without CAP_NET_ADMIN the probe fails with the reason (the agent then refuses to start)."""
+    code = "from tc.probe import probe\ntry:\n    probe()\nexcept Exception as exc:\n    print(type(exc).__name__, exc)"
+    with scratch_netns("probe") as ns:
+        run = subprocess.run(["ip", "netns", "exec", ns, "setpriv", "--bounding-set=-all", "--inh-caps=-all",
+                              "--no-new-privs", "--", sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=60)
+        assert links(ns) == ["lo"]
+    assert run.stdout.startswith("TcError") and "CAP_NET_ADMIN" in run.stdout, run.stdout + run.stderr
 
 
 def test_node_rate_change_then_restart_changes_nothing(node):

@@ -124,3 +124,14 @@ def test_bad_ifb_name_and_empty_uplinks():
         spec(ifb="x" * 16)
     with pytest.raises(ValueError, match="no uplink"):
         spec(uplinks=())
+
+
+def test_probe_without_ifb_names_only_the_ifb():
+    """The probe tries every other feature on an IFB: without one it knows nothing else, and must
+    not send the operator loading modules the kernel may well have."""
+    from tc.probe import Capabilities
+
+    assert Capabilities().missing() == ["IFB device (ifb module); the other tc features could not be tried without it"]
+    caps = Capabilities(frozenset({"htb", "clsact", "pfifo"}), frozenset({"bpf"}), frozenset(), ifb=True)
+    assert caps.missing() == ["action mirred (act_mirred)"] and caps.leaf_qdisc == "pfifo"
+    assert Capabilities(frozenset({"fq_codel"}), ifb=True).leaf_qdisc == "fq_codel"
