@@ -208,8 +208,13 @@ def test_kill9_under_load_then_restart_changes_nothing(lab, files, agent):
     result = json.loads(out)
     intervals = server_intervals_bps(result)
     assert len(intervals) >= 9, result.get("server_output_text") or result.get("error")
-    # shaped throughout: no second, before, during or after the restart, above the class
-    assert max(intervals[1:]) < 1.15 * BRONZE, intervals
+    # shaped throughout: no stretch, before, during or after the restart, above the class. Judged
+    # over two-second windows: on a loaded machine the receiver can stall for a moment and then
+    # read what HTB already let through at the class rate, so one receive-side second may show a
+    # catch-up burst while its neighbour shows the gap. An unshaped moment cannot hide that way:
+    # 50 ms unshaped at this lab's Gbit/s rates would lift a two-second window far above the class.
+    windows = [(a + b) / 2 for a, b in zip(intervals[1:], intervals[2:])]
+    assert max(windows) < 1.15 * BRONZE, intervals
     write_objects(files / "pods.yaml", [])
     wait_for(lambda: minor not in tc_classes(node.netns), what="class removed")
 
