@@ -15,24 +15,20 @@ Status: the leader writes the EgressBudget's status subresource at most once per
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
-import random
 import sys
 import threading
-from typing import Callable, Generic, TypeVar
+from typing import Callable
 
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
-from kubernetes.watch.watch import iter_resp_lines
+
+from netagent.sources.reflector import Reflector
 
 from .adapter import Summary
 
 log = logging.getLogger(__name__)
 GROUP, VERSION = "netagent.io", "v1alpha1"
-WATCH_TIMEOUT_S = 300  # server-side timeout; the watch resumes from its resourceVersion
-LIST_PAGE = 500
-V = TypeVar("V")
 
 
 class KubeError(Exception):
@@ -49,129 +45,6 @@ def load_api_client(kubeconfig: str | None) -> client.ApiClient:
     except Exception as exc:
         where = f"kubeconfig {kubeconfig}" if kubeconfig else "in-cluster config (no --kubeconfig given)"
         raise KubeError(f"cannot load {where}: {exc}") from exc
-
-
-class Backoff:
-    """Exponential backoff with full jitter, reset on success."""
-
-    def __init__(self, base: float = 0.5, cap: float = 30.0):
-        self.base, self.cap, self.attempt = base, cap, 0
-
-    def next(self) -> float:
-        delay = random.uniform(0, min(self.cap, self.base * (2**self.attempt)))
-        self.attempt += 1
-        return delay
-
-    def reset(self) -> None:
-        self.attempt = 0
-
-
-class Cache(Generic[V]):
-    """list + watch of one resource into {key: transform(object)}; `transform` returning None drops the object."""
-
-    def __init__(self, name: str, list_fn: Callable, key: Callable[[dict], object], transform: Callable[[dict], V | None],
-                 stop: threading.Event, on_change: Callable[[], None] = lambda: None,
-                 on_event: Callable[[str], None] = lambda kind: None, **list_kwargs):
-        self.name = name
-        self.list_fn, self.list_kwargs = list_fn, list_kwargs
-        self.key, self.transform = key, transform
-        self.stop = stop
-        self.on_change, self.on_event = on_change, on_event
-        self.items: dict[object, V] = {}
-        self.resource_version = ""
-        self.synced = threading.Event()
-        self.thread = threading.Thread(target=self.run, name=f"watch-{name}", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def _put(self, items: dict, obj: dict) -> bool:
-        """Store what `transform` keeps of obj; whether that changed anything."""
-        value = self.transform(obj)
-        k = self.key(obj)
-        if value is None:
-            return items.pop(k, None) is not None
-        if items.get(k) == value:
-            return False
-        items[k] = value
-        return True
-
-    def relist(self) -> None:
-        items: dict[object, V] = {}
-        token = None
-        while True:
-            kwargs = dict(self.list_kwargs, limit=LIST_PAGE, _preload_content=False, _request_timeout=60)
-            if token:
-                kwargs["_continue"] = token
-            body = json.loads(self.list_fn(**kwargs).data)
-            for obj in body.get("items") or []:
-                self._put(items, obj)
-            token = (body.get("metadata") or {}).get("continue")
-            if not token:
-                break
-        self.items = items  # one assignment: readers see the old or the new map, never half of one
-        self.resource_version = body["metadata"]["resourceVersion"]
-        self.on_event("relist")
-        self.synced.set()
-        self.on_change()
-
-    def run(self) -> None:
-        backoff = Backoff()
-        need_list = True
-        while not self.stop.is_set():
-            try:
-                if need_list:
-                    self.relist()
-                    need_list = False
-                self._watch()
-                backoff.reset()
-            except ApiException as exc:
-                if exc.status == 410:
-                    log.info("%s: watch expired (410 Gone); relisting", self.name)
-                    need_list = True
-                    continue
-                delay = backoff.next()
-                log.warning("%s: API error %s (%s); retrying in %.1fs", self.name, exc.status, exc.reason, delay)
-                self.on_event("error")
-                self.stop.wait(delay)
-            except Exception as exc:  # connection refused, apiserver restart, TLS errors...
-                delay = backoff.next()
-                log.warning("%s: watch failed (%s: %s); retrying in %.1fs", self.name, exc.__class__.__name__,
-                            exc, delay)
-                self.on_event("error")
-                self.stop.wait(delay)
-
-    def _watch(self) -> None:
-        resp = self.list_fn(watch=True, resource_version=self.resource_version, allow_watch_bookmarks=True,
-                            timeout_seconds=WATCH_TIMEOUT_S, _preload_content=False,
-                            _request_timeout=(10, WATCH_TIMEOUT_S + 30), **self.list_kwargs)
-        try:
-            for line in iter_resp_lines(resp):
-                if self.stop.is_set():
-                    return
-                if not line:
-                    continue
-                event = json.loads(line)
-                etype, obj = event.get("type"), event.get("object") or {}
-                if etype == "ERROR":
-                    raise ApiException(status=obj.get("code") or 500, reason=obj.get("message", "watch error"))
-                rv = (obj.get("metadata") or {}).get("resourceVersion")
-                if rv:
-                    self.resource_version = rv
-                if etype == "BOOKMARK":
-                    continue
-                if etype == "DELETED":
-                    changed = self.items.pop(self.key(obj), None) is not None
-                else:
-                    changed = self._put(self.items, obj)
-                self.on_event(etype.lower())
-                if changed:  # e.g. a pod's status update does not move it to another node
-                    self.on_change()
-        finally:
-            resp.release_conn()
-
-    def values(self) -> list[V]:
-        return list(self.items.values())
 
 
 def _meta_key(obj: dict) -> tuple[str, str]:
@@ -200,9 +73,9 @@ class ClusterView:
         self.stop_event = threading.Event()
         core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
 
-        def cache(name, list_fn, key, transform, on_change=lambda: None, **kw) -> Cache:
-            return Cache(name, list_fn, key, transform, self.stop_event, on_change,
-                         lambda kind: on_event(name, kind), **kw)
+        def cache(name, list_fn, key, transform, on_change=lambda: None, **kw) -> Reflector:
+            return Reflector(name, list_fn, self.stop_event, on_change, lambda kind: on_event(name, kind),
+                             key=key, transform=transform, **kw)
 
         self.pods = cache("pods", core.list_pod_for_all_namespaces, _meta_key, _pod_node)
         # labels decide teams chosen by namespaceSelector: a change re-resolves pods like a policy change
@@ -227,17 +100,17 @@ class ClusterView:
         return (not waiting, f"waiting for the first list of {', '.join(waiting)}" if waiting else "caches synced")
 
     def locate_pods(self, keys: list[tuple[str, str]]) -> list[str | None]:
-        where = self.pods.items.get
+        where = self.pods.get
         return [where(k) for k in keys]
 
     def namespace_labels(self, namespace: str) -> dict[str, str] | None:
-        return self.namespaces.items.get(namespace)
+        return self.namespaces.get(namespace)
 
     def policy_objects(self) -> tuple[list[dict], list[dict]]:
         return self.classes.values(), self.budgets.values()
 
     def budget_generation(self, name: str) -> int | None:
-        obj = self.budgets.items.get(("", name))
+        obj = self.budgets.get(("", name))
         return obj["metadata"].get("generation") if obj else None
 
 

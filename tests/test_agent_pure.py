@@ -5,7 +5,7 @@ import time
 
 from netagent.demand import FIRST_PROBE_GAIN, MIN_DEMAND_BPS, PROBE_GAIN, PodDemand, Sample
 from netagent.sources.files import FileSource
-from netagent.sources.kube import Backoff
+from netagent.sources.reflector import Backoff
 
 POD = """
 apiVersion: v1
