@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from netagent.lab import Lab  # noqa: E402
 from netagent.planner import PodShape, assign_minors  # noqa: E402
 from tc.netlink import Shaper  # noqa: E402
+from bench.timing import pct, timed_ms  # noqa: E402
 from tests.agentlab import IFB, AgentProcess, pod_object, wait_for, write_objects  # noqa: E402
 
 M = 1_000_000
@@ -42,11 +43,6 @@ POLICY = [
     {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressBudget", "metadata": {"name": "default"},
      "spec": {"total": "100G", "teams": [{"name": "team-a", "namespaces": ["team-a"], "defaultClass": "bronze"}]}},
 ]
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -74,15 +70,6 @@ def steady_cpu(agent: AgentProcess, window: float, scrape_every: float = 10.0) -
         time.sleep(0.2)
     c1, t1 = cpu_seconds(pid), time.monotonic()
     return 100 * (c1 - c0) / (t1 - t0), rss_mib(pid)
-
-
-def timed_ms(fn, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t) * 1000)
-    return out
 
 
 def main() -> int:

@@ -30,7 +30,6 @@ import asyncio
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -43,6 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from netagent.demand import PodDemand, Sample  # noqa: E402
+from tests.procs import stop_process  # noqa: E402
 
 BUDGET_BPS = 1e9
 SHIFT, JUMP, BURST, END = 12, 24, 36, 48
@@ -279,11 +279,7 @@ def main() -> int:
                 time.sleep(0.1)
         rows = asyncio.run(simulate(base, args, pods, rng))
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, 10)
         log.close()
 
     print(f"simulation: {args.nodes} nodes x {args.pods} pods against the real controller over HTTP; "

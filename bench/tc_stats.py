@@ -16,10 +16,10 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.timing import pct, timed_ms  # noqa: E402
 from tc.model import DEFAULT_MINOR, HtbClassSpec, ShaperSpec  # noqa: E402
 from tc.netlink import Shaper  # noqa: E402
 
@@ -40,19 +40,6 @@ def tc_counters(block: str) -> tuple[int, ...]:
     if m is None:
         raise RuntimeError(f"cannot parse tc class output: {block[:200]!r}")
     return tuple(int(x) for x in m.groups())
-
-
-def samples(fn, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t) * 1000)
-    return out
-
-
-def pct(xs: list[float], q: float) -> float:
-    return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1] if len(xs) > 1 else xs[0]
 
 
 def main() -> int:
@@ -89,9 +76,9 @@ def main() -> int:
             netagent()  # warm up both paths once
             exec_tc()
             results = {
-                "netagent Shaper.stats (raw dump)": samples(netagent, args.samples),
-                "pyroute2 get_classes (full decode)": samples(pyroute2_decoder, max(20, args.samples // 10)),
-                "exec tc -s -j class show + parse": samples(exec_tc, max(20, args.samples // 5)),
+                "netagent Shaper.stats (raw dump)": timed_ms(netagent, args.samples),
+                "pyroute2 get_classes (full decode)": timed_ms(pyroute2_decoder, max(20, args.samples // 10)),
+                "exec tc -s -j class show + parse": timed_ms(exec_tc, max(20, args.samples // 5)),
             }
     finally:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)

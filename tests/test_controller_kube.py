@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from tests.procs import stop_process
 from tests.test_controller_service import free_port, make_agent, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -124,13 +124,7 @@ def controller(kube_api, tmp_path: Path, lease_namespace: str, *extra: str, name
         wait_for(up, timeout=60, what=f"{name} ready (caches synced)")
         yield proc, base, log_path
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, 15)
         log.close()
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.procs import stop_process
 from netagent.agent import Agent, AgentConfig, Allocation, AllocationSet, ResolvedPod
 
 REPO = Path(__file__).resolve().parent.parent
@@ -87,13 +88,7 @@ def controller_process(tmp_path: Path, *extra: str):
         wait_for(up, what="controller /healthz")
         yield proc, base
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, 10)
         log.close()
 
 

@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from dashboards import build, contract
+from tests.procs import stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARDS = REPO / "dashboards"
@@ -265,12 +266,7 @@ def prometheus(tmp_path_factory):
         _wait_ready(url, proc, workdir / "prometheus.log")
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 20)
         log.close()
 
 
@@ -435,12 +431,7 @@ def live_prometheus(tmp_path_factory):
         for thread in threads:
             thread.join(timeout=10)
         for proc in procs:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, 20)
         for server in servers:
             server.shutdown()
             server.server_close()
