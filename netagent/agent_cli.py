@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
+import os
 import signal
 import sys
 import threading
@@ -65,8 +67,25 @@ def run(args: argparse.Namespace) -> int:
     daemon.start()
     log.info("netagent running on node %r; endpoints at http://%s", daemon.cfg.node, daemon.http.address)
     stop.wait()
+    # Stopping changes nothing in the kernel, so a stop that hangs (a tool blocked on the
+    # xtables lock, a netlink socket) must not keep the pod past its grace period: after
+    # SHUTDOWN_GRACE_S say where every thread stands and exit; the data path stays in force.
+    watchdog = threading.Timer(SHUTDOWN_GRACE_S, _exit_stuck)
+    watchdog.daemon = True
+    watchdog.start()
     daemon.stop()
+    watchdog.cancel()
     return 0
+
+
+SHUTDOWN_GRACE_S = 10.0
+
+
+def _exit_stuck() -> None:
+    log.error("stopping took over %.0f s; exiting now (the data path stays in force). Threads:", SHUTDOWN_GRACE_S)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    logging.shutdown()
+    os._exit(0)
 
 
 __all__ = ["add_arguments", "run", "PlanOptions"]

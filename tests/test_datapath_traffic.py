@@ -15,6 +15,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+import statistics
 import subprocess
 import textwrap
 import time
@@ -278,7 +279,7 @@ def test_internal_traffic_is_not_shaped(lab, node):
     against the same path with no netagent at all, alternated to share the machine's noise."""
     pod = node.pods[0]
     unshaped, shaped = [], []
-    for _ in range(2):
+    for _ in range(5):
         node.remove()
         unshaped.append(iperf_rate(lab.iperf(pod.netns, PEER_V4, PORTS[0], seconds=2)))
         node.program({pod.name: (10 * M, 10 * M)})
@@ -287,8 +288,11 @@ def test_internal_traffic_is_not_shaped(lab, node):
         shaped.append(iperf_rate(lab.iperf(pod.netns, PEER_V4, PORTS[0], seconds=2)))
         assert node.class_stats(pod).bytes == before, "internal traffic entered the shaper"
         assert node.classifier.counters()[0][pod_key(pod)]["egress_internal"] - counted > 10 * M
-    ratio = sum(shaped) / sum(unshaped)
-    assert ratio >= 0.9, f"internal {sum(shaped) / 2 / G:.2f} Gbit/s vs unshaped {sum(unshaped) / 2 / G:.2f} Gbit/s"
+    # medians of five alternated runs: one run slowed by the shared machine's noise
+    # (these are ~15 Gbit/s CPU-bound veth flows) must not decide either side
+    ratio = statistics.median(shaped) / statistics.median(unshaped)
+    assert ratio >= 0.9, (f"internal {statistics.median(shaped) / G:.2f} Gbit/s vs unshaped "
+                          f"{statistics.median(unshaped) / G:.2f} Gbit/s (runs {shaped} vs {unshaped})")
 
 
 # -- sharing -----------------------------------------------------------------------------
