@@ -3,14 +3,17 @@
 #   docker build -t netagent:0.1.0 .
 # The agent needs the userspace tools it drives: iptables (both the nft and the legacy
 # backends; the agent picks the node's), ipset, and iproute2 (tc, for debugging on the node).
+# The image carries the product only: no lab, no demo, no matplotlib (pyproject's packages).
 
 FROM python:3.11-slim AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY cli ./cli
 COPY netagent ./netagent
+COPY controller ./controller
+COPY core ./core
 COPY tc ./tc
 COPY iptables ./iptables
-COPY controller ./controller
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 FROM python:3.11-slim

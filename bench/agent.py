@@ -28,11 +28,11 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from netagent.lab import Lab  # noqa: E402
-from netagent.planner import PodShape, assign_minors  # noqa: E402
+from lab.topology import Lab  # noqa: E402
+from netagent.desired import PodShape, assign_minors  # noqa: E402
 from tc.netlink import Shaper  # noqa: E402
 from bench.timing import pct, timed_ms  # noqa: E402
-from tests.agentlab import IFB, AgentProcess, pod_object, wait_for, write_objects  # noqa: E402
+from lab.agentproc import IFB, AgentProcess, pod_object, wait_for, write_objects  # noqa: E402
 
 M = 1_000_000
 CLASSES = {"bronze": 20 * M, "silver": 60 * M}
@@ -165,7 +165,7 @@ def main() -> int:
 
         # -- the same node reporting to the real controller every 5 s ---------------------------
         controller_log = open(work / "controller.log", "w")
-        lab.spawn(node.netns, [sys.executable, "-m", "netagent.cli", "controller", "--from-file", str(work / "policy.yaml"),
+        lab.spawn(node.netns, [sys.executable, "-m", "cli.main", "controller", "--from-file", str(work / "policy.yaml"),
                                "--no-auth", "--listen", "127.0.0.1:9591"], stdout=controller_log,
                   stderr=subprocess.STDOUT)
         agent = AgentProcess(lab, node, [work / "policy.yaml", work / "pods.yaml"], port=9592, log_dir=work,

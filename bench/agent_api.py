@@ -65,12 +65,12 @@ def serve(port: int, nodes: int, period: float, cpu: int, ready, stats_pipe) -> 
 
     from aiohttp import web
 
-    from controller.adapter import Adapter
+    from controller.allocator import Allocator
     from controller.api import APIStats, make_app
     from controller.auth import NODE_CLAIM, TokenAuthenticator
-    from controller.main import configure_gc
-    from controller.policy import load_policy
-    from controller.service import ControllerState
+    from controller.app import configure_gc
+    from core.policy import load_policy
+    from controller.state import ControllerState
 
     logging.basicConfig(level=logging.WARNING)
     configure_gc()  # as `netagent controller` does
@@ -83,7 +83,7 @@ def serve(port: int, nodes: int, period: float, cpu: int, ready, stats_pipe) -> 
         return {"authenticated": True, "user": {"username": "system:serviceaccount:netagent:agent",
                                                 "extra": {NODE_CLAIM: [token.removeprefix("token-")]}}}
 
-    state = ControllerState(Adapter(lambda: policy), locate_pods=lambda keys: [where.get(k) for k in keys],
+    state = ControllerState(Allocator(lambda: policy), locate_pods=lambda keys: [where.get(k) for k in keys],
                             report_ttl=3600)
 
     def on_round(result):
@@ -250,7 +250,7 @@ def stdlib_decode_validate(body: bytes) -> dict:
 def baseline(n: int = 500, repeats: int = 5) -> tuple[float, float]:
     """Per-report seconds of each decoder, the best of `repeats` runs (the least disturbed by
     other work on a shared machine)."""
-    from controller.wire import invalid_name, report_decoder
+    from core.wire import invalid_name, report_decoder
 
     def msgspec_decode_validate(body: bytes):
         report = report_decoder.decode(body)

@@ -18,8 +18,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from controller.engine import PodColumns, TeamColumns, allocate_columns  # noqa: E402
-from controller.quantity import MAX_BPS, format_bps  # noqa: E402
+from core.engine import PodColumns, TeamColumns, allocate_columns  # noqa: E402
+from core.quantity import MAX_BPS, format_bps  # noqa: E402
 
 CLASS_WEIGHT = np.array([1.0, 2.0, 4.0])  # bulk, standard, gold
 CLASS_MIN = np.array([0.0, 0.0, 5e6])

@@ -174,7 +174,7 @@ def worker(pods: int, reps: int) -> dict[str, list[float]]:
 def throughput(pods: int, seconds: float, rounds: int = 3) -> dict[str, float]:
     """Pod -> internal peer TCP goodput (Gbit/s, median of interleaved rounds) in the lab:
     no rules, then our rules for `pods` pods on each backend."""
-    from netagent.lab import INTERNAL_CIDRS, PEER_V4, Lab
+    from lab.topology import INTERNAL_CIDRS, PEER_V4, Lab
 
     runs: dict[str, list[float]] = {"no rules": [], "nft": [], "legacy": []}
     with Lab(nodes=1, pods_per_node=1) as lab:

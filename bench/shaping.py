@@ -1,7 +1,7 @@
 """Shaping accuracy: a pod's internet egress against its configured rate, TCP and a UDP flood.
 
 Builds the namespace lab (one node, two pods, an internet host, an internal peer), programs
-the node as the agent does (planner -> Shaper.apply + Classifier.apply), and for each rate
+the node as the agent does (desired_state -> Shaper.apply + Classifier.apply), and for each rate
 runs iperf3 TCP and a UDP flood at twice the rate from the pod to the internet host.
 
 Measured rate = the pod's HTB class byte counter (L2 bytes, what HTB enforces), read
@@ -26,8 +26,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from iptables.apply import Classifier  # noqa: E402
-from netagent.lab import INTERNAL_CIDRS, INTERNET_V4, PEER_V4, UPLINK, Lab, run  # noqa: E402
-from netagent.planner import PlanInputs, PlanOptions, PodShape, plan  # noqa: E402
+from lab.topology import INTERNAL_CIDRS, INTERNET_V4, PEER_V4, UPLINK, Lab, run  # noqa: E402
+from netagent.desired import NodeInputs, DataPathOptions, PodShape, desired_state  # noqa: E402
 from tc import sizing  # noqa: E402
 from tc.netlink import Shaper  # noqa: E402
 from tc.probe import probe  # noqa: E402
@@ -58,7 +58,7 @@ class Bench:
         self.other = self.node.pods[1]
         self.shaper = Shaper(self.node.netns)
         self.classifier = Classifier(netns=self.node.netns)
-        self.options = PlanOptions(leaf_qdisc=probe(self.node.netns).leaf_qdisc)
+        self.options = DataPathOptions(leaf_qdisc=probe(self.node.netns).leaf_qdisc)
         self.state = None
 
     def program(self, rate: int, ceil: int | None = None, node_rate: int | None = None,
@@ -66,7 +66,7 @@ class Bench:
         shapes = [PodShape(self.key, (self.pod.ip4, self.pod.ip6), rate, ceil or rate)]
         if other:
             shapes.append(PodShape(f"default/{self.other.name}", (self.other.ip4, self.other.ip6), *other))
-        self.state = plan(PlanInputs((UPLINK,), INTERNAL_CIDRS, tuple(shapes), node_rate or 10 * rate, self.options))
+        self.state = desired_state(NodeInputs((UPLINK,), INTERNAL_CIDRS, tuple(shapes), node_rate or 10 * rate, self.options))
         self.shaper.apply(self.state.shaper)
         self.classifier.apply(self.state.classifier)
 

@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from netagent.demand import PodDemand, Sample  # noqa: E402
-from tests.procs import stop_process  # noqa: E402
+from lab.procs import stop_process  # noqa: E402
 
 BUDGET_BPS = 1e9
 SHIFT, JUMP, BURST, END = 12, 24, 36, 48
@@ -100,8 +100,8 @@ def build_pods(nodes: int, per_node: int, rng: random.Random) -> list[SimPod]:
 def fair_allocation(pods: list[SimPod], capacity_bps: float) -> dict[str, float]:
     from dataclasses import replace
 
-    from controller.engine import PodDemandIn, allocate
-    from controller.policy import load_policy, resolve_pod
+    from core.engine import PodDemandIn, allocate
+    from core.policy import load_policy, resolve_pod
 
     objs = policy_objects()
     policy, _ = load_policy([o for o in objs if o["kind"] == "EgressClass"],
@@ -258,7 +258,7 @@ def main() -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(workdir / "controller.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "netagent.cli", "controller", "--from-file", str(policy),
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "controller", "--from-file", str(policy),
                              "--no-auth", "--listen", f"127.0.0.1:{port}", "--period", f"{args.period / 5:g}",
                              "--answer-wait", f"{args.period / 5 * 1.5:g}",
                              "--lease-seconds", f"{args.period * 10:g}", "--report-rate", f"{4 / args.period:g}"],

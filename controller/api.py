@@ -3,7 +3,7 @@
 POST /v1/nodes/{node}/report   an agent's node report -> its pods' allocations + lease
 GET  /healthz /readyz          liveness; readiness (see ReportSink.ready)
 
-Every request is bounded: body size, pods per report, field ranges (controller.wire),
+Every request is bounded: body size, pods per report, field ranges (core.wire),
 per-node rate, TokenReviews in flight. Only the leader answers reports; a follower
 answers 307 with the leader's address in Location and in the JSON body, so agents,
 which reach any replica through the Service, end up at the leader. Nothing an agent
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -21,19 +20,16 @@ from typing import Callable, Protocol
 import msgspec
 from aiohttp import web
 
+from core.objects import DNS_NAME
+from core.wire import ErrorBody, NodeAnswer, NodeReport, encoder, report_decoder
+
 from .auth import AuthError, Identity, TokenAuthenticator
-from .wire import ErrorBody, NodeAnswer, NodeReport, encoder, report_decoder
+from .state import ReportRejected
 
 log = logging.getLogger(__name__)
 MAX_BODY = 1 << 20  # 1 MiB: 1,024 pods with long names fit with room to spare
 MAX_REVIEWS_IN_FLIGHT = 32  # TokenReviews of unknown tokens at once; more wait their turn
-NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
-
-
-class ReportRejected(Exception):
-    def __init__(self, status: int, reason: str, message: str):
-        super().__init__(message)
-        self.status, self.reason = status, reason
+NODE_NAME = DNS_NAME
 
 
 class ReportSink(Protocol):

@@ -14,12 +14,17 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from kubernetes import client
+
+from core.errors import NetagentError
+from core.kubeapi import TIMEOUT
+
 NODE_CLAIM = "authentication.kubernetes.io/node-name"
 POD_CLAIM = "authentication.kubernetes.io/pod-name"
 AUDIENCE = "netagent-controller"
 
 
-class AuthError(Exception):
+class AuthError(NetagentError):
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason = reason
@@ -117,13 +122,12 @@ def service_account_user(spec: str) -> Callable[[str], bool]:
 
 
 def kube_token_review(api_client, audience: str = AUDIENCE) -> Callable[[str], dict]:
-    from kubernetes import client
-
+    """token -> TokenReview status (one API call, bounded by TIMEOUT)."""
     auth = client.AuthenticationV1Api(api_client)
 
     def review(token: str) -> dict:
         body = client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token, audiences=[audience]))
-        resp = auth.create_token_review(body)
+        resp = auth.create_token_review(body, _request_timeout=TIMEOUT)
         return api_client.sanitize_for_serialization(resp.status) or {}
 
     return review

@@ -12,8 +12,8 @@ from typing import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from .adapter import Summary
-from .service import ControllerState
+from .allocator import Summary
+from .state import ControllerState
 
 P = "netagent_controller_"
 

@@ -10,7 +10,6 @@ empty class means the team's default. The engine is the controller's own.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import sys
@@ -18,11 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-import yaml
-
-from .engine import AllocationResult, EngineError, PodDemandIn, allocate
-from .policy import Policy, load_policy, resolve_pod
-from .quantity import format_bps, parse_bps
+from core.engine import AllocationResult, EngineError, PodDemandIn, allocate
+from core.files import load_objects
+from core.policy import Policy, load_policy, resolve_pod
+from core.quantity import format_bps, parse_bps
 
 REQUIRED_COLUMNS = ("namespace", "pod", "class", "demand")
 OPTIONAL_COLUMNS = ("bandwidth",)
@@ -42,27 +40,19 @@ class DemandRow:
     bandwidth: str | None
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--from-file", "-f", dest="from_file", metavar="POLICY.yaml", action="append", required=True,
-                   help="YAML file (or directory of them) with EgressClass and EgressBudget objects; repeatable")
-    p.add_argument("--demand", "-d", metavar="DEMAND.csv", required=True,
-                   help="CSV with columns namespace,pod,class,demand[,bandwidth]; '-' reads standard input")
-    p.add_argument("--output", "-o", choices=("table", "wide", "json"), default="table",
-                   help="output format (default: table; wide adds each pod's weight, guarantee and cap)")
-
-
-def run(args: argparse.Namespace) -> int:
+def run(from_file: list[str], demand: str, output: str) -> int:
+    """`netagent plan`: print the allocation the policy in `from_file` gives for the demand CSV."""
     try:
-        policy, problems = read_policy([Path(f) for f in args.from_file])
-        rows = read_demand(args.demand)
-        result, pods, warnings = plan(policy, rows, args.demand)
+        policy, problems = read_policy([Path(f) for f in from_file])
+        rows = read_demand(demand)
+        result, pods, warnings = what_if(policy, rows, demand)
     except (PlanInputError, EngineError) as exc:
         print(f"netagent plan: error: {exc}", file=sys.stderr)
         return 2
     for message in problems + warnings:
         print(f"netagent plan: warning: {message}", file=sys.stderr)
-    text = json.dumps(as_json(rows, pods, result), indent=1) + "\n" if args.output == "json" else \
-        as_table(policy, rows, pods, result, wide=args.output == "wide")
+    text = json.dumps(as_json(rows, pods, result), indent=1) + "\n" if output == "json" else \
+        as_table(policy, rows, pods, result, wide=output == "wide")
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
@@ -72,43 +62,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def read_policy(paths: list[Path]) -> tuple[Policy, list[str]]:
-    """EgressClass and EgressBudget objects from YAML files, or directories of *.yaml / *.yml."""
-    classes, budgets = [], []
-    files = []
-    for path in paths:
-        if path.is_dir():
-            files.extend(sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file()))
-        else:
-            files.append(path)
-    for path in files:
-        try:
-            docs = list(yaml.safe_load_all(path.read_text()))
-        except OSError as exc:
-            raise PlanInputError(f"{path}: cannot read: {exc.strerror}") from exc
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-            raise PlanInputError(f"{where}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from exc
-        for doc in _flatten(docs):
-            if not isinstance(doc, dict):
-                raise PlanInputError(f"{path}: every YAML document must be a Kubernetes object, got {doc!r:.60}")
-            if doc.get("kind") == "EgressClass":
-                classes.append(doc)
-            elif doc.get("kind") == "EgressBudget":
-                budgets.append(doc)
+    """EgressClass and EgressBudget objects from YAML files, or directories of them."""
+    try:
+        objects = load_objects(paths)
+    except ValueError as exc:
+        raise PlanInputError(str(exc)) from None
+    classes = [o for o in objects if o.get("kind") == "EgressClass"]
+    budgets = [o for o in objects if o.get("kind") == "EgressBudget"]
     return load_policy(classes, budgets)  # no budget: the built-in default (no total, caps only)
-
-
-def _flatten(docs: list) -> list:
-    out = []
-    for doc in docs:
-        if doc is None:
-            continue
-        if isinstance(doc, dict) and doc.get("kind") == "List":
-            out.extend(d for d in doc.get("items") or [] if d is not None)
-        else:
-            out.append(doc)
-    return out
 
 
 def read_demand(name: str) -> list[DemandRow]:
@@ -159,7 +120,7 @@ def parse_demand(f: TextIO, name: str) -> list[DemandRow]:
     return rows
 
 
-def plan(policy: Policy, rows: list[DemandRow], name: str
+def what_if(policy: Policy, rows: list[DemandRow], name: str
          ) -> tuple[AllocationResult, list[PodDemandIn], list[str]]:
     warnings: list[str] = []
     pods: list[PodDemandIn] = []

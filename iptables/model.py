@@ -1,6 +1,6 @@
 """Desired classifier state as plain, comparable data.
 
-The planner (`netagent.planner`) builds a `ClassifierState`; `iptables.render`
+The agent (`netagent.desired`) builds a `ClassifierState`; `iptables.render`
 turns it into iptables-restore text and ipset contents, and the applier diffs
 that against what the kernel holds. Nothing here touches the kernel.
 """

@@ -15,19 +15,47 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Protocol
 
+from core.errors import NetagentError
 from iptables.apply import Classifier
 from tc.errors import TcError
 from tc.model import ClassStats
 from tc.netlink import Shaper
 from tc.probe import Capabilities, probe, require
 
-from .planner import DesiredState, PlanOptions
+from .desired import DataPathOptions, DesiredState
 
 log = logging.getLogger(__name__)
 
+# Counters as the classifier reads them: per pod key {egress_internal, egress_internet,
+# ingress_internal, ingress_internet} bytes, and the node's totals (same keys, plus
+# egress_unknown_internet).
+PodCounters = dict[str, dict[str, int]]
+NodeCounters = dict[str, int]
 
-class DataPathError(RuntimeError):
+
+class DataPath(Protocol):
+    """The kernel seam of the agent. `KernelDataPath` is the real one; `netagent.datapath_fake`
+    holds an in-memory one for fast tests of the agent's loop."""
+
+    leaf_qdisc: str
+    iptables_backend: str
+
+    def apply(self, desired: DesiredState, full: bool = True) -> dict[str, int]:
+        """Make the kernel match `desired`; the number of changes by kind ("tc", "iptables", "ipset")."""
+
+    def class_stats(self) -> dict[int, ClassStats]:
+        """HTB minor -> counters of the pod classes (and the node and default classes)."""
+
+    def counters(self) -> tuple[PodCounters, NodeCounters]:
+        """Bytes by direction and scope, per pod and for the node."""
+
+    def adopted_rates(self) -> dict[int, tuple[int, int]]:
+        """HTB minor -> (rate, ceil) bit/s the kernel holds now: what a restarted agent keeps."""
+
+
+class DataPathError(NetagentError, RuntimeError):
     """The node's kernel cannot carry netagent's data path as configured; the message says why and what to do."""
 
 
@@ -46,7 +74,7 @@ def probe_leaf_qdisc() -> tuple[str, Capabilities]:
 
 
 class KernelDataPath:
-    def __init__(self, options: PlanOptions, iptables_backend: str = "auto", netns: str | None = None):
+    def __init__(self, options: DataPathOptions, iptables_backend: str = "auto", netns: str | None = None):
         self.options = options
         self.leaf_qdisc = options.leaf_qdisc
         self._shaper = Shaper(netns)
@@ -89,7 +117,7 @@ class KernelDataPath:
         with self._stats_lock:
             return self._stats_shaper.stats(self.options.ifb, self.options.htb_major)
 
-    def counters(self) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+    def counters(self) -> tuple[PodCounters, NodeCounters]:
         with self._ipt_lock:
             return self._classifier.counters()
 

@@ -28,12 +28,14 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from core.quantity import TRICKLE_BPS
+
 FIRST_PROBE_GAIN = 1.25  # the first throttled period asks this multiple of the censored usage...
 PROBE_GAIN = 2.0  # ...and every further one this multiple
 RECENT_PERIODS = 2  # unthrottled demand: the max usage of this many periods
 CLEAR_DROP = 0.8  # usage under this share of that max is a real drop, not jitter: demand follows at once
 FALL_FLOOR = 0.5  # ...but it at most halves per sample: one stalled sample must not cost the pod its share
-MIN_DEMAND_BPS = 8_000  # a pod that sends nothing still asks for a trickle
+MIN_DEMAND_BPS = TRICKLE_BPS  # a pod that sends nothing still asks for a trickle
 
 
 @dataclass(frozen=True)

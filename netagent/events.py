@@ -7,6 +7,10 @@ import logging
 import threading
 from typing import Callable
 
+from kubernetes import client
+
+from core.kubeapi import TIMEOUT
+
 log = logging.getLogger(__name__)
 
 
@@ -40,8 +44,6 @@ class ProblemReporter:
 
 
 def kube_event_emitter(api_client, node: str) -> Callable[[str, str, str, str, str], None]:
-    from kubernetes import client
-
     core = client.CoreV1Api(api_client)
 
     def emit(namespace: str, name: str, uid: str, reason: str, message: str) -> None:
@@ -60,6 +62,6 @@ def kube_event_emitter(api_client, node: str) -> Callable[[str, str, str, str, s
             last_timestamp=now,
             count=1,
         )
-        core.create_namespaced_event(namespace, body)
+        core.create_namespaced_event(namespace, body, _request_timeout=TIMEOUT)
 
     return emit

@@ -13,20 +13,15 @@ from typing import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from core.address import join_host_port
+
 log = logging.getLogger(__name__)
 
 
-def parse_listen(addr: str) -> tuple[str, int]:
-    host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"--listen {addr!r}: expected HOST:PORT, e.g. 127.0.0.1:9560")
-    return host.strip("[]") or "0.0.0.0", int(port)
-
-
 class AgentHTTP:
-    def __init__(self, listen: str, registry, health: Callable[[], tuple[bool, str]],
+    def __init__(self, listen: tuple[str, int], registry, health: Callable[[], tuple[bool, str]],
                  ready: Callable[[], tuple[bool, str]], state: Callable[[], dict]):
-        host, port = parse_listen(listen)
+        host, port = listen
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -60,9 +55,9 @@ class AgentHTTP:
         try:
             self.server = ThreadingHTTPServer((host, port), Handler)
         except OSError as exc:
-            raise OSError(exc.errno, f"cannot listen on {listen}: {exc.strerror}") from exc
+            raise OSError(exc.errno, f"cannot listen on {join_host_port(host, port)}: {exc.strerror}") from exc
         self.server.daemon_threads = True
-        self.address = f"{host}:{self.server.server_address[1]}"
+        self.address = join_host_port(host, self.server.server_address[1])
         self.thread = threading.Thread(target=self.server.serve_forever, name="http", daemon=True)
 
     def start(self) -> None:

@@ -5,7 +5,14 @@ collector, the JSON endpoint and the status table all say the same thing.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
+
+from .allocations import Allocations
+from .config import AgentConfig
+from .datapath import DataPath
+from .demand import PodDemand
+from .sync import SyncState
 
 SCOPES = ("internal", "internet")
 
@@ -55,3 +62,44 @@ class NodeView:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def node_view(cfg: AgentConfig, state: SyncState, allocations: Allocations, demand: dict[str, PodDemand],
+              datapath: DataPath, controller_reachable: bool) -> NodeView:
+    """The node as the agent sees it now: its last decisions plus the kernel's counters, read once."""
+    pod_counters, node_counters = datapath.counters()
+    stats = datapath.class_stats()
+    desired = state.desired
+    shapes = {c.minor: c for c in desired.shaper.pods} if desired is not None else {}
+    out = []
+    for p in state.pods:
+        minor = state.minors.get(p.key)
+        shape = shapes.get(minor) if minor is not None else None
+        d = demand.get(p.key) or PodDemand()
+        c = pod_counters.get(p.key, {})
+        st = stats.get(minor) if minor is not None else None
+        out.append(PodView(
+            namespace=p.namespace, name=p.name, team=p.team, egress_class=p.egress_class, ips=p.ips,
+            minor=minor, waiting=state.skipped.get(p.key, ""),
+            allocation_bps=shape.rate if shape else 0, limit_bps=shape.ceil if shape else 0,
+            demand_bps=d.demand_bps, usage_bps=d.usage_bps, throttled=d.throttled,
+            throttled_seconds=d.throttled_seconds,
+            egress_bytes={s: c.get(f"egress_{s}", 0) for s in SCOPES},
+            ingress_bytes={s: c.get(f"ingress_{s}", 0) for s in SCOPES},
+            dropped_packets=st.drops if st else 0, problems=p.problems,
+        ))
+    allocs = allocations.current
+    return NodeView(
+        node=cfg.node, pods=out,
+        egress_bytes={s: node_counters.get(f"egress_{s}", 0) for s in SCOPES},
+        ingress_bytes={s: node_counters.get(f"ingress_{s}", 0) for s in SCOPES},
+        unknown_source_egress_bytes=node_counters.get("egress_unknown_internet", 0),
+        allocation_bps=desired.shaper.node_rate if desired else 0,
+        ready=state.ready, ready_reason=state.ready_reason, controller=cfg.controller or "",
+        controller_reachable=controller_reachable, fail_static=allocations.fail_static,
+        lease_expires_in=None if allocs.lease_expires == float("inf") else allocs.lease_expires - time.monotonic(),
+        safe_floor_bps=allocations.floor_bps,
+        allocation_source="floor" if allocations.fail_static else allocs.source,
+        last_reconcile_success=state.last_success, leaf_qdisc=datapath.leaf_qdisc,
+        iptables_backend=datapath.iptables_backend, source_errors=state.source_errors,
+    )

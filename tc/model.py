@@ -1,6 +1,6 @@
 """Desired and observed shaper state as plain, comparable data.
 
-The planner builds a `ShaperSpec`; `tc.diff` compares it with an `ObservedShaper`
+The agent (`netagent.desired`) builds a `ShaperSpec`; `tc.diff` compares it with an `ObservedShaper`
 read from the kernel and yields the operations that make them equal. Rates are
 bits per second here, as users write them; the netlink layer converts to bytes.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# HTB minors that the planner never hands to a pod.
+# HTB minors that are never handed to a pod.
 NODE_MINOR = 0x1
 DEFAULT_MINOR = 0xFFFE
 RESERVED_MINORS = frozenset({0x0, NODE_MINOR, DEFAULT_MINOR, 0xFFFF})

@@ -1,16 +1,18 @@
 """The agent's decisions without a kernel: which pods get a class, adoption after a restart,
-the fail-static lease, drift accounting. The data path here is an in-memory recorder of
-what the agent asked for (the real one is exercised in tests/test_agent_lab.py)."""
+the fail-static lease, drift accounting. The data path here is the in-memory fake that
+lives beside the DataPath protocol (the real one is exercised in tests/test_agent_lab.py)."""
 from __future__ import annotations
 
 import time
 
-from netagent.agent import Agent, AgentConfig, Allocation, AllocationSet
-from netagent.local_alloc import LocalAllocator
+from core.objects import PodRecord, Snapshot
+from core.policy import shaped_pods
+from netagent.agent import Agent
+from netagent.allocations import Allocation, AllocationSet
+from netagent.config import AgentConfig
+from netagent.datapath_fake import FakeDataPath
+from netagent.desired import PodShape, assign_minors
 from netagent.metrics import AgentMetrics
-from netagent.model import PodRecord, Snapshot
-from netagent.planner import PodShape, assign_minors
-from netagent.policy_resolver import PolicyResolver, shaped_pods
 
 M = 1_000_000
 CLASSES = ({"kind": "EgressClass", "metadata": {"name": "bronze"}, "spec": {"max": "20M"}},)
@@ -23,35 +25,11 @@ def pod(name: str, ip: str | None, host_network=False, phase="Running", deleting
                      tuple(sorted(ann.items())), deleting=deleting)
 
 
-class Recorder:
-    """Stands in for KernelDataPath: keeps the last desired state, returns scripted change counts."""
-    leaf_qdisc, iptables_backend = "pfifo", "nft"
-
-    def __init__(self, adopted=None):
-        self.applied = []
-        self.next_changes = {"tc": 0}
-        self.adopted = adopted or {}
-
-    def apply(self, desired, full=True):
-        self.applied.append(desired)
-        return dict(self.next_changes)
-
-    def class_stats(self):
-        return {}
-
-    def counters(self):
-        return {}, {}
-
-    def adopted_rates(self):
-        return dict(self.adopted)
-
-
 def make_agent(dp, controller=None):
-    resolver = PolicyResolver()
     holder = {}
     metrics = AgentMetrics(lambda: holder["a"].view())
-    agent = Agent(AgentConfig("n1", ("eth0",), ("10.0.0.0/8",), controller=controller), dp, resolver,
-                  None if controller else LocalAllocator(resolver, 1 * M), metrics=metrics)
+    agent = Agent(AgentConfig("n1", ("eth0",), ("10.0.0.0/8",), controller=controller, default_floor_bps=1 * M),
+                  dp, metrics=metrics)
     holder["a"] = agent
     return agent, metrics
 
@@ -73,7 +51,7 @@ def test_which_pods_get_a_class():
 
 
 def test_local_mode_shapes_a_new_pod_in_the_same_sync_and_tells_about_bad_annotations():
-    dp = Recorder()
+    dp = FakeDataPath()
     agent, metrics = make_agent(dp)
     agent.on_snapshot(Snapshot((pod("p", "10.244.0.10", **{"netagent.io/egress-class": "gold"}),), CLASSES, BUDGETS))
     assert agent.sync()
@@ -85,7 +63,7 @@ def test_local_mode_shapes_a_new_pod_in_the_same_sync_and_tells_about_bad_annota
 
 def test_restart_adopts_what_the_kernel_holds():
     minor = assign_minors([PodShape("ns/p", ("10.244.0.10",), 1, 1)])["ns/p"]
-    dp = Recorder(adopted={1: (700 * M, 700 * M), minor: (3 * M, 17 * M), 0xFFFE: (M, M)})
+    dp = FakeDataPath(adopted={1: (700 * M, 700 * M), minor: (3 * M, 17 * M), 0xFFFE: (M, M)})
     agent, metrics = make_agent(dp)
     agent.start()
     try:
@@ -101,7 +79,7 @@ def test_restart_adopts_what_the_kernel_holds():
 
 
 def test_controller_lease_then_floor_and_drift_accounting():
-    dp = Recorder()
+    dp = FakeDataPath()
     agent, metrics = make_agent(dp, controller="http://controller")
     agent.on_snapshot(Snapshot((pod("p", "10.244.0.10"),), CLASSES, BUDGETS))
     agent.set_allocations(AllocationSet(pods={"ns/p": Allocation(5 * M, 9 * M)}, node_rate_bps=50 * M,
@@ -115,7 +93,7 @@ def test_controller_lease_then_floor_and_drift_accounting():
     assert sample(metrics, "netagent_drift_repairs_total", kind="iptables") == 1
     # the lease runs out: the floor, never nothing
     dp.next_changes = {"tc": 1}
-    agent.allocations.lease_expires = time.monotonic() - 1
+    agent.allocations.current.lease_expires = time.monotonic() - 1
     assert agent.sync()
     assert [(c.rate, c.ceil) for c in dp.applied[-1].shaper.pods] == [(2 * M, 2 * M)]
     assert agent.fail_static and agent.view().allocation_source == "floor"

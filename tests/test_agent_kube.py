@@ -13,11 +13,11 @@ import pytest
 import yaml
 from kubernetes import client
 
-from netagent.lab import Lab
-from netagent.planner import PodShape, assign_minors
-from tests.agentlab import AgentProcess, NetnsPortForward, tc_classes, wait_for
+from lab.topology import Lab
+from netagent.desired import PodShape, assign_minors
+from lab.agentproc import AgentProcess, NetnsPortForward, tc_classes, wait_for
 from tests.kube import CONTROL_PLANE_BINARIES, REPO, ControlPlane, free_port, require_assets, write_kubeconfig
-from tests.netns import require_root
+from lab.netns import require_root
 
 pytestmark = [pytest.mark.root]
 

@@ -1,7 +1,7 @@
 """The real agent in the namespace lab, with real traffic (root; runs in CI).
 
 One lab (one node, four pods, an internet host, an internal peer) is shared by the
-module. The agent runs as `python3 -m netagent.cli run` inside the node namespace,
+module. The agent runs as `python3 -m netagent run` inside the node namespace,
 fed by YAML files the tests edit. Behaviour is asserted by polling the kernel (tc
 classes over netlink, iptables-save), never by wall-clock time; reaction times are
 measured in bench/agent.py.
@@ -16,9 +16,9 @@ import sys
 
 import pytest
 
-from netagent.lab import INTERNET_V4, PEER_V4, Lab, run
-from netagent.planner import PodShape, assign_minors
-from tests.agentlab import (
+from lab.topology import INTERNET_V4, PEER_V4, Lab, run
+from netagent.desired import PodShape, assign_minors
+from lab.agentproc import (
     IFB,
     AgentProcess,
     iptables_text,
@@ -30,7 +30,7 @@ from tests.agentlab import (
     wait_for,
     write_objects,
 )
-from tests.netns import require_root
+from lab.netns import require_root
 
 pytestmark = [pytest.mark.root, pytest.mark.traffic]
 
@@ -164,7 +164,7 @@ def test_status_table_and_drift_repair(lab, files, agent):
     write_objects(files / "pods.yaml", [pod_object(pod, node, annotations={"netagent.io/egress-class": "silver"})])
     wait_for(lambda: ceil_of(node.netns, minor_of(pod)) == SILVER, what="silver class")
     wait_for(lambda: pod.ip4 in iptables_text(node.netns), what="the pod's rules")
-    out = run([sys.executable, "-m", "netagent.cli", "status", "--agent", f"127.0.0.1:{agent.port}"], node.netns)
+    out = run([sys.executable, "-m", "netagent", "status", "--agent", f"127.0.0.1:{agent.port}"], node.netns)
     assert pod.name in out and "silver" in out and "team-a" in out and "ready" in out
 
     # someone deletes the pod's class and unhooks our chain: the periodic resync puts both back
@@ -224,7 +224,7 @@ def test_cleanup_removes_everything_and_is_idempotent(lab, files, agent):
     write_objects(files / "pods.yaml", [pod_object(node.pods[0], node)])
     wait_for(lambda: ceil_of(node.netns, minor_of(node.pods[0])) is not None, what="a class")
     assert agent.terminate() == 0
-    cmd = [sys.executable, "-m", "netagent.cli", "cleanup"]
+    cmd = [sys.executable, "-m", "netagent", "cleanup"]
     first = run(cmd, node.netns)
     assert "removed" in first
     second = run(cmd, node.netns)
@@ -252,7 +252,7 @@ def test_controller_loss_holds_for_the_lease_then_floor(lab, files, agent, tmp_p
         for p in node.pods])
     port = 9572
     controller = lab.spawn(node.netns, [
-        sys.executable, "-m", "netagent.cli", "controller", "--from-file", str(tmp_path / "policy.yaml"),
+        sys.executable, "-m", "netagent", "controller", "--from-file", str(tmp_path / "policy.yaml"),
         "--from-file", str(tmp_path / "pods.yaml"), "--no-auth", "--listen", f"127.0.0.1:{port}",
         "--period", "0.5", "--lease-seconds", "4"],
         stdout=open(tmp_path / "controller.log", "w"), stderr=subprocess.STDOUT)

@@ -4,8 +4,8 @@ import random
 import time
 
 from netagent.demand import FIRST_PROBE_GAIN, MIN_DEMAND_BPS, PROBE_GAIN, PodDemand, Sample
-from netagent.sources.files import FileSource
-from netagent.sources.reflector import Backoff
+from core.files import FileSource
+from core.reflector import Backoff
 
 POD = """
 apiVersion: v1

@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from controller.engine import PodDemandIn, allocate
-from controller.policy import load_policy
+from core.engine import PodDemandIn, allocate
+from core.policy import load_policy
 from netagent.demand import PodDemand, Sample
 
 M = 1e6

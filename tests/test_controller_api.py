@@ -12,11 +12,11 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from controller.adapter import Adapter
+from controller.allocator import Allocator
 from controller.api import MAX_BODY, make_app
 from controller.auth import NODE_CLAIM, POD_CLAIM, TokenAuthenticator, service_account_user
-from controller.service import ControllerState
-from controller.wire import MAX_PODS_PER_REPORT
+from controller.state import ControllerState
+from core.wire import MAX_PODS_PER_REPORT
 
 CLASSES = [
     {"kind": "EgressClass", "metadata": {"name": "bulk"}, "spec": {"weight": 1, "max": "80M"}},
@@ -32,7 +32,7 @@ BUDGET = {"kind": "EgressBudget", "metadata": {"name": "default"}, "spec": {
 
 
 def policy_source(classes=CLASSES, budgets=(BUDGET,)):
-    from controller.policy import load_policy
+    from core.policy import load_policy
 
     value = load_policy(list(classes), list(budgets))
     return lambda: value
@@ -50,7 +50,7 @@ def report(node: str, pods: list[dict], **extra) -> dict:
 
 def new_state(**kw) -> ControllerState:
     kw.setdefault("lease_seconds", 30.0)
-    return ControllerState(Adapter(policy_source()), **kw)
+    return ControllerState(Allocator(policy_source()), **kw)
 
 
 @contextlib.asynccontextmanager
@@ -165,8 +165,8 @@ async def test_pod_of_another_node_is_refused():
 # -- allocations -----------------------------------------------------------------------------------
 
 async def test_two_nodes_get_the_engine_allocation_split_per_node():
-    from controller.engine import PodDemandIn, allocate
-    from controller.policy import resolve_pod
+    from core.engine import PodDemandIn, allocate
+    from core.policy import resolve_pod
 
     state = new_state()
     a_pods = [pod("web", "w1", 40e6, usage=30e6), pod("research", "r1", 90e6, usage=20e6),
@@ -314,10 +314,10 @@ async def test_review_outage_is_503_not_the_agents_fault():
 
 
 async def test_policy_change_between_report_and_round_uses_the_new_policy():
-    from controller.policy import load_policy
+    from core.policy import load_policy
 
     current = {"value": load_policy(CLASSES, [BUDGET])}
-    state = ControllerState(Adapter(lambda: current["value"]))
+    state = ControllerState(Allocator(lambda: current["value"]))
     async with serve(state) as (session, base):
         await post(session, base, "node-a", report("node-a", [pod("web", "w1", 90e6), pod("research", "r1", 90e6)]))
         smaller = {**BUDGET, "spec": {**BUDGET["spec"], "total": "10M", "teams": [

@@ -18,7 +18,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from tests.procs import stop_process
+from lab.procs import stop_process
 from tests.test_controller_service import free_port, make_agent, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -105,7 +105,7 @@ def controller(kube_api, tmp_path: Path, lease_namespace: str, *extra: str, name
     log_path = tmp_path / f"{name}.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "netagent.cli", "controller", "--kubeconfig", str(kubeconfig or kube_api.kubeconfig),
+        [sys.executable, "-m", "netagent", "controller", "--kubeconfig", str(kubeconfig or kube_api.kubeconfig),
          "--listen", f"127.0.0.1:{port}", "--advertise", f"127.0.0.1:{port}", "--identity", f"{name}@127.0.0.1:{port}",
          "--namespace", lease_namespace, "--lease-name", "netagent-controller-test", "--period", "0.5",
          "--report-rate", "100", "--election-lease-seconds", "3", *extra],
@@ -294,11 +294,12 @@ def test_leader_killed_the_other_takes_over_while_the_agent_keeps_its_allocation
 
         def allocated():
             reporter.report_once()
-            return agent.allocations.source == "controller" and "%s/work-a" % namespace in agent.allocations.pods
+            current = agent.allocations.current
+            return current.source == "controller" and "%s/work-a" % namespace in current.pods
 
         wait_for(allocated, timeout=30, what="allocations through the follower's redirect")
         assert reporter.leader_url == first[1]
-        held = agent.allocations
+        held = agent.allocations.current
         assert held.lease_expires - time.monotonic() > 20  # --lease-seconds 30
 
         first[0].kill()  # the leader dies without releasing the Lease
@@ -310,13 +311,13 @@ def test_leader_killed_the_other_takes_over_while_the_agent_keeps_its_allocation
                 reporter.report_once()
             except Exception:
                 failures += 1
-                assert agent.allocations is held  # fail-static: nothing changes while no one leads
-            if agent.allocations is not held and agent.allocations.source == "controller":
+                assert agent.allocations.current is held  # fail-static: nothing changes while no one leads
+            if agent.allocations.current is not held and agent.allocations.current.source == "controller":
                 break
             time.sleep(0.3)
-        assert agent.allocations is not held, "the second replica never took over"
+        assert agent.allocations.current is not held, "the second replica never took over"
         assert leading(second[1])
-        assert f"{namespace}/work-a" in agent.allocations.pods
+        assert f"{namespace}/work-a" in agent.allocations.current.pods
         assert failures > 0  # the agent did see the gap
         lease = client.CoordinationV1Api(kube_api.admin).read_namespaced_lease("netagent-controller-test", namespace)
         assert lease.spec.holder_identity.startswith("two@") and lease.spec.lease_transitions >= 1

@@ -18,8 +18,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.procs import stop_process
-from netagent.agent import Agent, AgentConfig, Allocation, AllocationSet, ResolvedPod
+from lab.procs import stop_process
+from core.policy import ResolvedPod
+from netagent.agent import Agent
+from netagent.allocations import Allocation, AllocationSet
+from netagent.config import AgentConfig
+from netagent.datapath_fake import FakeDataPath
+from netagent.sync import SyncState
 
 REPO = Path(__file__).resolve().parent.parent
 CLASSES = [
@@ -72,7 +77,7 @@ def wait_for(predicate, timeout: float = 20, what: str = "condition"):
 def controller_process(tmp_path: Path, *extra: str):
     port = free_port()
     log = open(tmp_path / "controller.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "netagent.cli", "controller", "--listen", f"127.0.0.1:{port}",
+    proc = subprocess.Popen([sys.executable, "-m", "netagent", "controller", "--listen", f"127.0.0.1:{port}",
                              "--period", "0.2", "--lease-seconds", "5", "--report-rate", "1000", *extra],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
@@ -165,7 +170,7 @@ def test_bad_flags_are_a_clear_error(tmp_path, argv, message):
     policy = tmp_path / "policy.yaml"
     write_policy(policy, "100M")
     argv = [a.format(policy=policy) for a in argv]
-    out = subprocess.run([sys.executable, "-m", "netagent.cli", "controller", *argv], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "netagent", "controller", *argv], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert message in out.stderr
@@ -173,24 +178,21 @@ def test_bad_flags_are_a_clear_error(tmp_path, argv, message):
 
 # -- the agent's reporter ------------------------------------------------------------------------
 
-class CountingDataPath:
-    """Stands in for the kernel: only the node counter the reporter reads."""
-
-    leaf_qdisc, iptables_backend = "pfifo", "nft"
-
-    def __init__(self):
-        self.egress_bytes = 0
+class CountingDataPath(FakeDataPath):
+    """The fake kernel, whose node counter grows by 1 MB at every read (the reporter turns it into a rate)."""
 
     def counters(self):
-        self.egress_bytes += 1_000_000
-        return {}, {"egress_internet": self.egress_bytes}
+        self.node_counters["egress_internet"] = self.node_counters.get("egress_internet", 0) + 1_000_000
+        return super().counters()
 
 
 def make_agent(node: str, pods: list[tuple[str, str]]) -> Agent:
-    agent = Agent(AgentConfig(node=node, uplinks=("eth0",), internal_cidrs=()), CountingDataPath(),
-                  resolve=lambda snap: ([], 0), local_allocate=None)
-    agent.pods = [ResolvedPod(f"{ns}/{name}", ns, name, "uid", ("10.0.0.1",), "web", "default", 1.0, 0, 10**9)
-                  for ns, name in pods]
+    agent = Agent(AgentConfig(node=node, uplinks=("eth0",), internal_cidrs=(), controller="http://controller"),
+                  CountingDataPath())
+    # the pods as a sync would have published them
+    agent.node.state = SyncState(pods=tuple(
+        ResolvedPod(f"{ns}/{name}", ns, name, "uid", ("10.0.0.1",), "web", "default", 1.0, 0, 10**9)
+        for ns, name in pods))
     return agent
 
 
@@ -201,7 +203,7 @@ def serve_follower(leader: str | None) -> tuple[str, callable]:
     from aiohttp import web
 
     from controller.api import make_app
-    from controller.service import ControllerState
+    from controller.state import ControllerState
 
     state = ControllerState(lambda reports: None, leader=lambda: False, leader_address=lambda: leader)
     port = free_port()
@@ -237,21 +239,21 @@ def test_reporter_follows_the_follower_to_the_leader_and_stays_fail_static(tmp_p
 
             def allocated():
                 reporter.report_once()
-                return agent.allocations.source == "controller" and len(agent.allocations.pods) == 2
+                return agent.allocations.current.source == "controller" and len(agent.allocations.current.pods) == 2
 
             wait_for(allocated, what="allocations from the controller")
-            first = agent.allocations
+            first = agent.allocations.current
             assert first.lease_expires - time.monotonic() == pytest.approx(5, abs=1)
             assert first.safe_floor_bps == 50_000_000 and first.node_rate_bps > 0
             report = reporter.build_report()
-            assert report["node_internet_egress_bps"] > 0  # from the node counter, as a rate
+            assert report.node_internet_egress_bps > 0  # from the node counter, as a rate
 
             # the leader goes away: the reporter fails, the agent keeps its allocations and lease
             proc.send_signal(signal.SIGTERM)
             proc.wait(10)
             with pytest.raises(Exception, match="unreachable"):
                 reporter.report_once()
-            assert agent.allocations is first
+            assert agent.allocations.current is first
         finally:
             stop_follower()
 
@@ -260,7 +262,7 @@ def test_reporter_follows_the_follower_to_the_leader_and_stays_fail_static(tmp_p
                             "--lease-seconds", "60") as (proc, leader):
         reporter = Reporter(agent, leader, token_path=None)
         reporter.report_once()
-        assert agent.allocations is first and agent.controller_reachable
+        assert agent.allocations.current is first and agent.controller_reachable
 
 
 def test_reporter_keeps_allocations_when_no_replica_leads():
@@ -271,9 +273,9 @@ def test_reporter_keeps_allocations_when_no_replica_leads():
         agent = make_agent("node-a", [("web", "w1")])
         held = AllocationSet(pods={"web/w1": Allocation(5, 6)}, lease_expires=time.monotonic() + 30,
                              source="controller")
-        agent.allocations = held
+        agent.allocations.current = held
         with pytest.raises(ControllerError, match="503"):
             Reporter(agent, follower, token_path=None).report_once()
-        assert agent.allocations is held
+        assert agent.allocations.current is held
     finally:
         stop()

@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from dashboards import build, contract
-from tests.procs import stop_process
+from lab.procs import stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARDS = REPO / "dashboards"
@@ -379,7 +379,7 @@ def live_prometheus(tmp_path_factory):
         controller_port = _free_port()
         controller_log = (workdir / "controller.log").open("w")
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "netagent.cli", "controller", "--from-file", str(REPO / "docs/examples/policy.yaml"),
+            [sys.executable, "-m", "netagent", "controller", "--from-file", str(REPO / "docs/examples/policy.yaml"),
              "--no-auth", "--listen", f"127.0.0.1:{controller_port}", "--period", "1"],
             stdout=controller_log, stderr=subprocess.STDOUT, cwd=REPO))
 

@@ -1,4 +1,4 @@
-"""Issue 2's data path with real traffic: planner + Shaper + Classifier on a lab node, iperf3.
+"""Issue 2's data path with real traffic: desired state + Shaper + Classifier on a lab node, iperf3.
 
 How rates are compared (docs/datapath.md, "Measuring"): HTB shapes L2 bytes (Ethernet
 header included; a GSO packet counts as its segments). The measured rate is the pod's HTB
@@ -25,12 +25,12 @@ import pytest
 
 from iptables.apply import Classifier
 from iptables.errors import IptablesError
-from netagent.lab import INTERNAL_CIDRS, INTERNET_V4, INTERNET_V6, PEER_V4, PEER_V6, UPLINK, Lab, run
-from netagent.planner import DesiredState, PlanInputs, PlanOptions, PodShape, plan
+from lab.topology import INTERNAL_CIDRS, INTERNET_V4, INTERNET_V6, PEER_V4, PEER_V6, UPLINK, Lab, run
+from netagent.desired import DesiredState, NodeInputs, DataPathOptions, PodShape, desired_state
 from tc.model import DEFAULT_MINOR
 from tc.netlink import Shaper
 from tc.probe import probe
-from tests.netns import require_root
+from lab.netns import require_root
 
 pytestmark = [pytest.mark.root, pytest.mark.traffic]
 
@@ -95,18 +95,18 @@ class NodeUnderTest:
         self.lab = lab
         self.node = lab.nodes[0]
         self.pods = self.node.pods
-        self.options = PlanOptions(leaf_qdisc=leaf)
+        self.options = DataPathOptions(leaf_qdisc=leaf)
         self.shaper = Shaper(self.node.netns)
         self.classifier = Classifier(netns=self.node.netns)
         self.state: DesiredState | None = None
 
-    def inputs(self, rates: dict, node_rate: int) -> PlanInputs:
+    def inputs(self, rates: dict, node_rate: int) -> NodeInputs:
         shapes = tuple(PodShape(pod_key(p), (p.ip4, p.ip6), *rates[p.name]) for p in self.pods if p.name in rates)
-        return PlanInputs((UPLINK,), INTERNAL_CIDRS, shapes, node_rate, self.options)
+        return NodeInputs((UPLINK,), INTERNAL_CIDRS, shapes, node_rate, self.options)
 
     def program(self, rates: dict, node_rate: int = 10 * G):
         """rates: pod name -> (rate, ceil) in bit/s. Returns (tc ops, iptables changes)."""
-        self.state = plan(self.inputs(rates, node_rate))
+        self.state = desired_state(self.inputs(rates, node_rate))
         ops = self.shaper.apply(self.state.shaper).ops
         changes = self.classifier.apply(self.state.classifier)
         return ops, changes
@@ -238,7 +238,7 @@ def test_unknown_pod_is_held_at_the_floor(lab, node, dst, peer):
     at the same time keeps its own class and rate. Its internal traffic is not shaped at all."""
     known, unknown = node.pods
     floor, rate = 5 * M, 100 * M
-    node.options = PlanOptions(leaf_qdisc=node.options.leaf_qdisc, default_rate=floor)
+    node.options = DataPathOptions(leaf_qdisc=node.options.leaf_qdisc, default_rate=floor)
     try:
         node.program({known.name: (rate, rate)})
         ifb = node.state.shaper.ifb
@@ -267,7 +267,7 @@ def test_unknown_pod_is_held_at_the_floor(lab, node, dst, peer):
         assert node.shaper.stats(ifb)[DEFAULT_MINOR].bytes == before, "the unknown pod's internal traffic entered HTB"
         assert internal >= 20 * floor, f"the unknown pod's internal traffic: {internal / M:.0f} Mbit/s"
     finally:
-        node.options = PlanOptions(leaf_qdisc=node.options.leaf_qdisc)
+        node.options = DataPathOptions(leaf_qdisc=node.options.leaf_qdisc)
 
 
 def iperf_rate(result: dict) -> float:
@@ -473,7 +473,7 @@ def test_restart_adopts_without_changes(lab, node):
     snap = residue_snapshot(node.node.netns)
     fresh_shaper, fresh_classifier = Shaper(node.node.netns), Classifier(netns=node.node.netns)
     try:
-        state = plan(node.inputs(rates, 100 * M))
+        state = desired_state(node.inputs(rates, 100 * M))
         assert fresh_shaper.apply(state.shaper).changes == 0
         assert fresh_classifier.apply(state.classifier) == {"iptables": 0, "ipset": 0}
     finally:
@@ -537,7 +537,7 @@ def test_legacy_backend_end_to_end(lab, node):
     node.remove()
     pod = node.pods[1]
     legacy = Classifier(backend="legacy", netns=node.node.netns)
-    state = plan(node.inputs({pod.name: (100 * M, 100 * M)}, 10 * G))
+    state = desired_state(node.inputs({pod.name: (100 * M, 100 * M)}, 10 * G))
     node.shaper.apply(state.shaper)
     legacy.apply(state.classifier)
     try:

@@ -6,7 +6,7 @@ import re
 import subprocess
 import sys
 
-from tests.netns import require_root
+from lab.netns import require_root
 
 DURATION = 30  # the change lands at 15 s; the second half shows allocations moving
 
@@ -26,7 +26,7 @@ def test_demo_runs_shapes_to_the_budget_moves_allocations_and_cleans_up(tmp_path
     before = _netns()  # other suites may create namespaces meanwhile: only the demo's own prefix is checked
     png, summary = tmp_path / "demo.png", tmp_path / "demo.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "netagent.cli", "demo", "--duration", str(DURATION), "--plain",
+        [sys.executable, "-m", "netagent", "demo", "--duration", str(DURATION), "--plain",
          "--png", str(png), "--summary-json", str(summary)],
         capture_output=True, text=True, timeout=DURATION + 120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -36,7 +36,7 @@ def test_demo_runs_shapes_to_the_budget_moves_allocations_and_cleans_up(tmp_path
     assert prefix not in {n.split("-")[0] for n in before}
     left = {n for n in _netns() if n.startswith(prefix + "-")}
     assert not left, f"the demo left network namespaces behind: {sorted(left)}"
-    leftovers = subprocess.run(["pgrep", "-f", "netagent.cli (run|controller) .*netagent-demo-"],
+    leftovers = subprocess.run(["pgrep", "-f", "netagent (run|controller) .*netagent-demo-"],
                                capture_output=True, text=True).stdout
     assert not leftovers.strip(), f"demo processes survived: {leftovers}"
 

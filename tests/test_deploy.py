@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from controller.auth import AUDIENCE
-from netagent.cli import build_parser
+from cli.main import build_parser
 from tests.kube import require_assets
 
 REPO = Path(__file__).resolve().parent.parent
@@ -270,9 +270,9 @@ def effective_capabilities(pid: int) -> set[str]:
 @pytest.mark.root
 def test_agent_and_cleanup_work_with_exactly_their_pod_privileges(base, tmp_path):
     """The DaemonSet's claim: NET_ADMIN and NET_RAW and a read-only root filesystem suffice."""
-    from netagent.lab import Lab, run
-    from tests.agentlab import IFB, AgentProcess, pod_object, write_objects
-    from tests.netns import require_root
+    from lab.topology import Lab, run
+    from lab.agentproc import IFB, AgentProcess, pod_object, write_objects
+    from lab.netns import require_root
 
     require_root()
     agent_container, = pod_spec(base, "DaemonSet", "netagent-agent")["containers"]
@@ -303,7 +303,7 @@ def test_agent_and_cleanup_work_with_exactly_their_pod_privileges(base, tmp_path
             assert agent.terminate() == 0, agent.log()
         finally:
             agent.close()
-        cleaned = run([*confined(cleanup_container), sys.executable, "-m", "netagent.cli", "cleanup"], node.netns)
+        cleaned = run([*confined(cleanup_container), sys.executable, "-m", "netagent", "cleanup"], node.netns)
         assert "removed" in cleaned
         assert IFB not in run(["ip", "link"], node.netns)
         assert "NETAGENT" not in run(["iptables-save"], node.netns)
@@ -434,11 +434,19 @@ def test_image_build_stage_makes_a_wheel_with_the_cli(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     wheel, = (tmp_path / "wheels").glob("netagent-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for module in ("netagent/cli.py", "netagent/agent_cli.py", "controller/main.py", "tc/netlink.py",
-                   "iptables/apply.py"):
+    for module in ("cli/main.py", "netagent/__main__.py", "netagent/daemon.py", "controller/app.py", "core/wire.py",
+                   "tc/netlink.py", "iptables/apply.py"):
         assert module in names, module
+    # the product only: neither the lab (and its demo) nor the tests or benchmarks
+    assert not [n for n in names if n.split("/")[0] in ("lab", "tests", "bench")]
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "netagent = netagent.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "netagent = cli.main:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    # matplotlib and rich only with the demo extra, never a dependency of the agent or controller
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
+    requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    for heavy in ("matplotlib", "rich"):
+        lines = [line for line in requires if line.split()[1].startswith(heavy)]
+        assert lines and all('extra == "demo"' in line for line in lines), (heavy, lines)
 
 
 # --- against a real API server -----------------------------------------------------------------

@@ -4,7 +4,7 @@ lab. Every panel query of every dashboard returns data from the live exporters, 
 budget-saturated alert fires because the pods want far more than the budget.
 
 Prometheus runs in the lab's fabric namespace (where agents and controller listen); the
-test reaches its HTTP API through a thread that entered that namespace (netagent.nsexec).
+test reaches its HTTP API through a thread that entered that namespace (lab.nsexec).
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import pytest
 import yaml
 
 from dashboards import contract
-from netagent.demo import AGENT_PORT, CONTROLLER_IP, CONTROLLER_PORT, Demo
-from netagent.nsexec import http_get
-from tests.netns import require_root
+from lab.demo import AGENT_PORT, CONTROLLER_IP, CONTROLLER_PORT, Demo
+from lab.nsexec import http_get
+from lab.netns import require_root
 
 PROM_PORT = 9590
 

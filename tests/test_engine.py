@@ -4,10 +4,10 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from controller.engine import (EngineConfig, EngineError, PodColumns, PodDemandIn, TeamColumns, allocate,
+from core.engine import (EngineConfig, EngineError, PodColumns, PodDemandIn, TeamColumns, allocate,
                                allocate_columns, feedback_gain, waterfill)
-from controller.policy import load_policy
-from controller.quantity import MAX_BPS
+from core.policy import load_policy
+from core.quantity import MAX_BPS
 
 INF = float(MAX_BPS)
 M = 1_000_000

@@ -15,8 +15,8 @@ from iptables import render as R
 from iptables.apply import Classifier
 from iptables.errors import IptablesError
 from iptables.model import ClassifierState, PodClassification
-from netagent.lab import INTERNAL_CIDRS, INTERNET_V4, INTERNET_V6, PEER_V4, PEER_V6, Lab
-from tests.netns import require_root, scratch_netns, sh
+from lab.topology import INTERNAL_CIDRS, INTERNET_V4, INTERNET_V6, PEER_V4, PEER_V6, Lab
+from lab.netns import require_root, scratch_netns, sh
 
 pytestmark = pytest.mark.root
 

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from netagent.lab import (
+from lab.topology import (
     INTERNET_V4,
     INTERNET_V6,
     PEER_V4,
@@ -16,7 +16,7 @@ from netagent.lab import (
     LabError,
     run,
 )
-from tests.netns import require_root
+from lab.netns import require_root
 
 pytestmark = pytest.mark.root
 

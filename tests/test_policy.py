@@ -6,9 +6,9 @@ import pytest
 import yaml
 from hypothesis import given, settings, strategies as st
 
-from controller.policy import (DEFAULT_CLASS, REASON_CLASS_NOT_ALLOWED, REASON_INVALID_BANDWIDTH,
+from core.policy import (DEFAULT_CLASS, REASON_CLASS_NOT_ALLOWED, REASON_INVALID_BANDWIDTH,
                                REASON_UNKNOWN_CLASS, PolicyError, load_policy, parse_class, resolve_pod)
-from controller.quantity import MAX_BPS, parse_bps
+from core.quantity import MAX_BPS, parse_bps
 
 POLICY = list(yaml.safe_load_all("""
 apiVersion: netagent.io/v1alpha1
@@ -259,8 +259,8 @@ def test_crd_quantity_rule_agrees_with_the_parser():
 
 def test_status_written_by_the_controller_is_declared():
     """Fields missing from the schema would be pruned by the apiserver without a word."""
-    from controller.adapter import Summary
-    from controller.kube import budget_status
+    from controller.allocator import Summary
+    from controller.status import budget_status
 
     status = budget_status(Summary("default", 1e9, 5e8, 6e8, 4e8, 3, 2, True), 0.0, None)
     declared = crd("egressbudgets")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]

@@ -2,7 +2,7 @@
 import pytest
 from hypothesis import given, strategies as st
 
-from controller.quantity import MAX_BPS, format_bps, parse_bps
+from core.quantity import MAX_BPS, format_bps, parse_bps
 
 
 @pytest.mark.parametrize("text, bps", [

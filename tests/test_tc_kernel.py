@@ -9,7 +9,7 @@ from tc.errors import TcError
 from tc.model import DEFAULT_MINOR, HtbClassSpec, ShaperSpec
 from tc.netlink import Shaper
 from tc.probe import probe, require
-from tests.netns import scratch_netns, sh
+from lab.netns import scratch_netns, sh
 
 pytestmark = pytest.mark.root
 

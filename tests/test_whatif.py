@@ -34,7 +34,7 @@ metadata: {name: ignored}
 
 
 def plan(*args, stdin=None):
-    return subprocess.run([sys.executable, "-m", "netagent.cli", "plan", *map(str, args)], cwd=ROOT, input=stdin,
+    return subprocess.run([sys.executable, "-m", "netagent", "plan", *map(str, args)], cwd=ROOT, input=stdin,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -81,7 +81,7 @@ def test_table_is_the_default_and_problems_are_warnings(tmp_path, policy):
 
 def test_wide_table_explains_each_pod(tmp_path, policy, capsys):
     demand = write(tmp_path, "namespace,pod,class,demand,bandwidth\na,p1,gold,1G,50M\n")
-    assert whatif.run(argparse.Namespace(from_file=[str(policy)], demand=str(demand), output="wide")) == 0
+    assert whatif.run(from_file=[str(policy)], demand=str(demand), output="wide") == 0
     head, row = capsys.readouterr().out.splitlines()[:2]
     assert head.split()[-3:] == ["WEIGHT", "GUARANTEE", "CAP"]
     assert row.split()[-3:] == ["2", "10M", "50M"]  # gold's weight and min; the bandwidth column's cap
@@ -116,7 +116,7 @@ def test_demand_from_stdin_and_no_budget(tmp_path):
 def test_bad_csv_names_file_and_line(tmp_path, policy, csv_text, message, capsys):
     demand = write(tmp_path, csv_text)
     # in-process (the same run() the CLI calls): eight interpreter start-ups would dominate this file's time
-    assert whatif.run(argparse.Namespace(from_file=[str(policy)], demand=str(demand), output="table")) == 2
+    assert whatif.run(from_file=[str(policy)], demand=str(demand), output="table") == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("netagent plan: error: ")
     assert message in err and str(demand) in err
@@ -142,7 +142,7 @@ def test_bad_yaml_and_missing_files(tmp_path):
 
 def test_policy_from_a_directory(tmp_path, policy, capsys):
     demand = write(tmp_path, "namespace,pod,class,demand\na,p1,gold,1G\n")
-    assert whatif.run(argparse.Namespace(from_file=[str(tmp_path)], demand=str(demand), output="json")) == 0
+    assert whatif.run(from_file=[str(tmp_path)], demand=str(demand), output="json") == 0
     assert json.loads(capsys.readouterr().out)[0]["allocation"] == 100_000_000  # gold's max, within a's 100M
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks: each file is a script that prints figures and a ratio against a baseline (see README)."""

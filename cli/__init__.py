@@ -1,0 +1,1 @@
+"""The `netagent` command (`cli.main`): the one place every subcommand and flag is defined."""

@@ -1,0 +1,271 @@
+"""The `netagent` command: every subcommand and every flag, defined once.
+
+Flags become a typed, validated config here (`netagent.config`, `controller.config`); no
+argparse Namespace travels below this module. This is the top of the house: it may
+import both processes and the lab; nothing imports it but `python -m netagent`.
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+
+from controller import app as controller_app
+from controller import config as controller_config
+from controller import whatif
+from core.errors import NetagentError
+from core.logsetup import setup as setup_logging
+from netagent import cleanup, status
+from netagent import config as agent_config
+from netagent.daemon import Daemon
+from netagent.desired import DEFAULT_MARK_BIT, DataPathOptions
+
+try:  # the lab is tooling beside the product: present in a source checkout, not in the wheel or image
+    from lab import demo
+except ImportError:
+    demo = None
+
+log = logging.getLogger("netagent")
+SHUTDOWN_GRACE_S = 10.0
+IPTABLES_BACKENDS = ("auto", "nft", "legacy")
+
+
+def _int(text: str) -> int:
+    return int(text, 0)
+
+
+# -- flags shared by several subcommands: each defined once, here ------------------------------
+
+def _policy_sources(p: argparse.ArgumentParser, what: str) -> None:
+    src = p.add_argument_group(f"where {what} come from (one of)")
+    src.add_argument("--from-file", action="append", default=[], metavar="PATH",
+                     help="YAML file or directory of Pod/EgressClass/EgressBudget objects; no cluster "
+                          "(repeatable; reloaded on change)")
+    src.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config)")
+
+
+def _listen(p: argparse.ArgumentParser, default: str, what: str) -> None:
+    p.add_argument("--listen", default=default, help=f"HOST:PORT for {what} (default {default})")
+
+
+def _logging(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-format", choices=("text", "json"), default="text")
+    p.add_argument("--log-level", default="info")
+
+
+def _iptables_backend(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--iptables-backend", choices=IPTABLES_BACKENDS, default="auto",
+                   help="iptables backend (default: detected as kubelet and kube-proxy use it)")
+
+
+# -- subcommands ---------------------------------------------------------------------------
+
+def _run_flags(p: argparse.ArgumentParser) -> None:
+    _policy_sources(p, "pods and policy")
+    p.add_argument("--node", help="this node's name (required with Kubernetes; in file mode, pods of other nodes are ignored)")
+    p.add_argument("--controller", metavar="URL", help="controller base URL; without it the agent allocates locally")
+    p.add_argument("--token-path", default=agent_config.DEFAULT_TOKEN_PATH,
+                   help="projected ServiceAccount token presented to the controller")
+    p.add_argument("--uplink", action="append", default=[], metavar="DEV",
+                   help="internet-facing device (repeatable; default: the devices of the default routes)")
+    p.add_argument("--internal-cidr", action="append", default=[], metavar="CIDR",
+                   help="destination that is never shaped (repeatable); the uplinks' subnets are added automatically")
+    p.add_argument("--pod-cidr", action="append", default=[], metavar="CIDR", help="this node's pod CIDR(s) (internal)")
+    p.add_argument("--service-cidr", action="append", default=[], metavar="CIDR", help="the cluster's service CIDR(s)")
+    _listen(p, agent_config.DEFAULT_LISTEN, "/metrics /healthz /readyz /state")
+    _logging(p)
+    p.add_argument("--mark-bit", type=_int, default=DEFAULT_MARK_BIT, help=f"firewall-mark bit (default {DEFAULT_MARK_BIT:#x})")
+    p.add_argument("--ifb", default=DataPathOptions.ifb, help="name of the IFB device netagent owns")
+    p.add_argument("--default-rate", default="1M", help="floor for internet traffic from unknown sources (bit/s quantity)")
+    p.add_argument("--report-period", type=float, default=5.0, help="seconds between controller reports")
+    p.add_argument("--resync-period", type=float, default=30.0,
+                   help="seconds between resyncs that re-read the whole kernel state and repair drift")
+    _iptables_backend(p)
+
+
+def _run(a: argparse.Namespace) -> int:
+    setup_logging(a.log_format, a.log_level)
+    try:
+        cfg = agent_config.from_flags(
+            node=a.node, from_file=a.from_file, kubeconfig=a.kubeconfig, controller=a.controller,
+            token_path=a.token_path, uplink=a.uplink, internal_cidr=a.internal_cidr, pod_cidr=a.pod_cidr,
+            service_cidr=a.service_cidr, listen=a.listen, mark_bit=a.mark_bit, ifb=a.ifb,
+            default_rate=a.default_rate, report_period=a.report_period, resync_period=a.resync_period,
+            iptables_backend=a.iptables_backend)
+        daemon = Daemon.build(cfg)
+    except (NetagentError, OSError) as exc:  # configuration and environment errors: say what and stop
+        log.error("cannot start: %s", exc)
+        return 2
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        log.info("signal %d: stopping; the data path stays in force (fail-static)", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    daemon.start()
+    log.info("netagent running on node %r; endpoints at http://%s", cfg.node, daemon.http.address)
+    stop.wait()
+    # Stopping changes nothing in the kernel, so a stop that hangs (a tool blocked on the
+    # xtables lock, a netlink socket) must not keep the pod past its grace period: after
+    # SHUTDOWN_GRACE_S say where every thread stands and exit; the data path stays in force.
+    watchdog = threading.Timer(SHUTDOWN_GRACE_S, _exit_stuck)
+    watchdog.daemon = True
+    watchdog.start()
+    daemon.stop()
+    watchdog.cancel()
+    return 0
+
+
+def _exit_stuck() -> None:
+    log.error("stopping took over %.0f s; exiting now (the data path stays in force). Threads:", SHUTDOWN_GRACE_S)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    logging.shutdown()
+    os._exit(0)
+
+
+def _status_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--agent", default=agent_config.DEFAULT_LISTEN, help="the agent's --listen address")
+    p.add_argument("-o", "--output", choices=("table", "json"), default="table")
+
+
+def _status(a: argparse.Namespace) -> int:
+    try:
+        state = status.fetch_state(a.agent)
+    except OSError as exc:
+        print(f"cannot reach the agent at {a.agent}: {exc} (is `netagent run` running? see --agent)")
+        return 1
+    if a.output == "json":
+        print(json.dumps(state, indent=2))
+    else:
+        print(status.render(state))
+    return 0
+
+
+def _cleanup_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ifb", default=DataPathOptions.ifb, help="the IFB device netagent used (its --ifb)")
+    _iptables_backend(p)
+
+
+def _cleanup(a: argparse.Namespace) -> int:
+    done, failed = cleanup.cleanup(a.ifb, a.iptables_backend)
+    for line in failed:
+        print(line)
+    for item in done:
+        print(f"removed {item}")
+    if not done and not failed:
+        print("nothing of netagent's found: already clean")
+    return 1 if failed else 0
+
+
+def _plan_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--from-file", "-f", dest="from_file", metavar="POLICY.yaml", action="append", required=True,
+                   help="YAML file (or directory of them) with EgressClass and EgressBudget objects; repeatable")
+    p.add_argument("--demand", "-d", metavar="DEMAND.csv", required=True,
+                   help="CSV with columns namespace,pod,class,demand[,bandwidth]; '-' reads standard input")
+    p.add_argument("--output", "-o", choices=("table", "wide", "json"), default="table",
+                   help="output format (default: table; wide adds each pod's weight, guarantee and cap)")
+
+
+def _plan(a: argparse.Namespace) -> int:
+    return whatif.run(a.from_file, a.demand, a.output)
+
+
+def _controller_flags(p: argparse.ArgumentParser) -> None:
+    _policy_sources(p, "the policy (and, in file mode, pod placement)")
+    _listen(p, controller_config.EXAMPLE, "the agent API (also /metrics unless --metrics-listen)")
+    p.add_argument("--metrics-listen", help="serve /metrics on this address instead of the agent API's")
+    p.add_argument("--advertise", help="host:port agents use to reach this replica when it leads "
+                                       "(default: $POD_IP, else this host's address, with the --listen port)")
+    p.add_argument("--period", type=float, default=5.0, help="seconds between allocation rounds")
+    p.add_argument("--answer-wait", type=float, default=0.0, metavar="SECONDS",
+                   help="hold each report's answer until the next round, at most this long, so it reflects that "
+                        "report (one report period less of reaction time; use with a short --period, e.g. "
+                        "--period 0.5 --answer-wait 0.7); 0 answers at once from the latest round")
+    p.add_argument("--lease-seconds", type=float, default=30.0,
+                   help="how long agents keep an answer's allocations without a fresh one (then the safe floor)")
+    p.add_argument("--report-rate", type=float, default=2.0, help="reports per second allowed per node (burst 3x)")
+    p.add_argument("--report-ttl", type=float, default=60.0, help="a node silent this long leaves the allocation")
+    p.add_argument("--status-interval", type=float, default=30.0,
+                   help="at most one EgressBudget status write per this many seconds (only on change)")
+    le = p.add_argument_group("leader election (cluster mode)")
+    le.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "netagent"), help="namespace of the Lease")
+    le.add_argument("--lease-name", default="netagent-controller", help="name of the Lease")
+    le.add_argument("--identity", help="holder identity (default: <hostname>@<advertise>; the part after @ is "
+                                       "where followers send agents)")
+    le.add_argument("--election-lease-seconds", type=float, default=15.0,
+                    help="Lease duration: a dead leader is replaced after this long")
+    auth = p.add_argument_group("agent authentication (cluster mode)")
+    auth.add_argument("--no-auth", action="store_true", help="accept reports without a token (demo/tests only)")
+    auth.add_argument("--agent-service-account", metavar="NAMESPACE:NAME",
+                      help="accept only tokens of this ServiceAccount (recommended: the agent DaemonSet's)")
+    auth.add_argument("--token-cache-seconds", type=float, default=60.0, help="how long a TokenReview verdict is reused")
+    _logging(p)
+
+
+def _controller(a: argparse.Namespace) -> int:
+    setup_logging(a.log_format, a.log_level)
+    try:
+        cfg = controller_config.from_flags(
+            listen=a.listen, metrics_listen=a.metrics_listen, advertise=a.advertise, from_file=a.from_file,
+            kubeconfig=a.kubeconfig, period=a.period, answer_wait=a.answer_wait, lease_seconds=a.lease_seconds,
+            report_rate=a.report_rate, report_ttl=a.report_ttl, status_interval=a.status_interval,
+            namespace=a.namespace, lease_name=a.lease_name, identity=a.identity,
+            election_lease_seconds=a.election_lease_seconds, no_auth=a.no_auth,
+            agent_service_account=a.agent_service_account, token_cache_seconds=a.token_cache_seconds)
+    except NetagentError as exc:
+        logging.getLogger("netagent.controller").error("cannot start: %s", exc)
+        return 2
+    return controller_app.run(cfg)
+
+
+def _demo_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of traffic (default 60)")
+    p.add_argument("--png", default="netagent-demo.png", help="where to write the chart of rates over time")
+    p.add_argument("--plain", action="store_true", help="print lines instead of a live table (default when not a TTY)")
+    p.add_argument("--summary-json", metavar="PATH", help="also write the measured series and fair shares as JSON")
+
+
+def _demo(a: argparse.Namespace) -> int:
+    if demo is None:
+        print("netagent demo runs from a source checkout (the lab is not part of the installed product): "
+              "git clone the project, then `sudo bash scripts/bootstrap.sh --demo && sudo python3 -m netagent demo`",
+              file=sys.stderr)
+        return 2
+    return demo.run(demo.DemoOptions(duration=a.duration, png=a.png, plain=a.plain, summary_json=a.summary_json))
+
+
+# name -> (help, flags, run)
+SUBCOMMANDS = {
+    "run": ("run the per-node agent", _run_flags, _run),
+    "status": ("print this node's pods: class, allocation, rate, bytes, drops", _status_flags, _status),
+    "cleanup": ("remove everything netagent created on this node (idempotent)", _cleanup_flags, _cleanup),
+    "plan": ("print the allocation a policy gives for given demands", _plan_flags, _plan),
+    "controller": ("run the central controller", _controller_flags, _controller),
+    "demo": ("run the single-machine demo (root; needs no cluster)", _demo_flags, _demo),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="netagent", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_text, flags, run) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        flags(p)
+        p.set_defaults(_run=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

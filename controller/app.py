@@ -1,0 +1,196 @@
+"""The controller as a running service: wiring of its parts, and serving (`netagent controller`).
+
+Two ways to run:
+- in a cluster (default: in-cluster config, or --kubeconfig): policy from watched
+  EgressClass/EgressBudget objects, pods' nodes from one cluster-wide pod watch (the
+  node-binding check), agents authenticated by TokenReview, leader election on a Lease,
+  EgressBudget status written by the leader at a bounded rate;
+- from files (--from-file, no cluster): the same objects in YAML, reloaded on change,
+  no leader election (this replica always leads), no status writes; --no-auth for the
+  single-machine demo. Pods in the files, if any, drive the node-binding check.
+
+Threads: the aiohttp event loop (agent API, /metrics), the allocation loop (one round per
+--period over all nodes), the leader elector, the watches, the status writer.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import signal
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from core.address import join_host_port
+from core.kubeapi import load_api_client
+from core.policy import PolicyCache
+
+from .allocator import Allocator, RoundResult
+from .api import APIStats, make_app
+from .auth import TokenAuthenticator, kube_token_review, service_account_user
+from .config import ControllerConfig
+from .leader import LeaderElector
+from .metrics import ControllerMetrics
+from .sources import ClusterCaches, FilePolicy
+from .state import ControllerState
+from .status import StatusWriter
+
+log = logging.getLogger("netagent.controller")
+
+
+def configure_gc() -> None:
+    """Collect the youngest generation every 50,000 allocations instead of 700: each report
+    allocates a few hundred objects, and with the latest reports of thousands of nodes alive the
+    default thresholds spent a third of the API's CPU in the cyclic GC (bench/agent_api.py).
+    Nothing the controller keeps forms cycles; refcounting frees it."""
+    gc.set_threshold(50_000, 50, 50)
+
+
+class Controller:
+    def __init__(self, cfg: ControllerConfig):
+        self.cfg = cfg
+        self.elector: LeaderElector | None = None
+        self.status_writer: StatusWriter | None = None
+        self.files: FilePolicy | None = None
+        self.cluster: ClusterCaches | None = None
+        auth = None
+        locate_pods = None
+        namespace_labels = None
+        if cfg.from_file:
+            self.files = FilePolicy(list(cfg.from_file))
+            policy = PolicyCache(self.files.policy_objects)
+            self.files.on_change = policy.invalidate
+            if self.files.has_pods():
+                locate_pods = self.files.locate_pods
+            readiness = lambda: (True, "policy from files")  # noqa: E731
+        else:
+            api = load_api_client(cfg.kubeconfig)
+            policy = PolicyCache(lambda: self.cluster.policy_objects())
+            self.cluster = ClusterCaches(api, on_policy_change=policy.invalidate,
+                                         on_event=lambda resource, kind: self.metrics.watch_events.labels(
+                                             resource, kind).inc())
+            locate_pods, namespace_labels, readiness = (self.cluster.locate_pods, self.cluster.namespace_labels,
+                                                      self.cluster.synced)
+            self.elector = LeaderElector(api, cfg.namespace, cfg.lease_name, cfg.identity,
+                                         lease_seconds=cfg.election_lease_seconds,
+                                         renew_deadline=cfg.election_lease_seconds * 2 / 3,
+                                         retry_period=max(0.5, cfg.election_lease_seconds / 7.5),
+                                         on_change=self._leadership)
+            self.status_writer = StatusWriter(api, cfg.status_interval,
+                                              on_write=lambda result: self.metrics.status_writes.labels(result).inc(),
+                                              generation_of=self.cluster.budget_generation,
+                                              leading=lambda: self.elector.leading)
+            if not cfg.no_auth:
+                review = kube_token_review(api)
+
+                def counted_review(token: str) -> dict:
+                    self.metrics.token_reviews.inc()
+                    return review(token)
+
+                allowed = service_account_user(cfg.agent_service_account) if cfg.agent_service_account else None
+                auth = TokenAuthenticator(counted_review, ttl=cfg.token_cache_seconds, allowed_users=allowed)
+        self.policy = policy
+        self.auth = auth
+        leading = (lambda: self.elector.leading) if self.elector else (lambda: True)
+        self.state = ControllerState(
+            Allocator(policy, namespace_labels), locate_pods=locate_pods, lease_seconds=cfg.lease_seconds,
+            report_ttl=cfg.report_ttl, leader=leading,
+            leader_address=(lambda: self.elector.leader_address()) if self.elector else (lambda: None),
+            readiness=readiness, answer_wait=cfg.answer_wait,
+        )
+        self.metrics = ControllerMetrics(self.state, leading)
+        self.state.on_round = self._round_done
+        self.state.on_round_failure = self.metrics.round_failures.inc
+
+    def _leadership(self, leading: bool) -> None:
+        self.state.on_leadership(leading)
+        if leading:
+            log.info("leading: serving agents at %s", self.cfg.advertise)
+        else:
+            log.info("following: agents are sent to the leader")
+
+    def _round_done(self, result: RoundResult) -> None:
+        self.metrics.observe_round(result)
+        if self.status_writer is not None and result.summary is not None:
+            self.status_writer.offer(result.summary, result.wall_time)
+
+    def app(self) -> web.Application:
+        stats = APIStats(count_report=self.metrics.reports.inc,
+                         count_rejected=lambda reason: self.metrics.rejected.labels(reason).inc())
+        app = make_app(self.state, self.auth, stats, per_node_rate=self.cfg.report_rate,
+                       per_node_burst=3 * self.cfg.report_rate, self_address=self.cfg.advertise)
+        if self.cfg.metrics_listen is None:
+            app.router.add_get("/metrics", self.serve_metrics)
+        return app
+
+    async def serve_metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def start_background(self) -> None:
+        if self.files:
+            self.files.start()
+        if self.cluster:
+            self.cluster.start()
+        if self.status_writer:
+            self.status_writer.start()
+        if self.elector:
+            self.elector.start()
+        self.state.start(self.cfg.period)
+
+    def stop_background(self) -> None:
+        self.state.stop()
+        if self.elector:
+            self.elector.stop(release=True)  # the other replica takes over at once, not after the Lease runs out
+        if self.status_writer:
+            self.status_writer.stop()
+        if self.cluster:
+            self.cluster.stop()
+        if self.files:
+            self.files.stop()
+
+    async def serve(self) -> None:
+        runners = []
+        app_runner = web.AppRunner(self.app(), access_log=None)
+        await app_runner.setup()
+        await web.TCPSite(app_runner, *self.cfg.listen, backlog=1024).start()
+        runners.append(app_runner)
+        if self.cfg.metrics_listen is not None:
+            metrics_app = web.Application()
+            metrics_app.router.add_get("/metrics", self.serve_metrics)
+            metrics_runner = web.AppRunner(metrics_app, access_log=None)
+            await metrics_runner.setup()
+            await web.TCPSite(metrics_runner, *self.cfg.metrics_listen).start()
+            runners.append(metrics_runner)
+        self.start_background()
+        mode = "files " + ", ".join(self.cfg.from_file) if self.files else "the API server"
+        log.info("controller serving agents on http://%s (policy from %s; advertised as %s; round every %gs)",
+                 join_host_port(*self.cfg.listen), mode, self.cfg.advertise, self.cfg.period)
+        loop = asyncio.get_running_loop()
+        stopped = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stopped.set)
+        try:
+            await stopped.wait()
+        finally:
+            log.info("stopping: releasing the Lease; agents keep their allocations for their lease")
+            await loop.run_in_executor(None, self.stop_background)
+            for runner in runners:
+                await runner.cleanup()
+
+
+def run(cfg: ControllerConfig) -> int:
+    """Serve until SIGTERM/SIGINT; 2 when the controller cannot start or cannot listen."""
+    configure_gc()
+    try:
+        controller = Controller(cfg)
+    except Exception as exc:  # environment errors (credentials, ...): say what and stop
+        log.error("cannot start: %s", exc)
+        return 2
+    try:
+        asyncio.run(controller.serve())
+    except OSError as exc:  # the listen address is taken or not ours
+        log.error("cannot serve: %s", exc)
+        return 2
+    return 0

@@ -1,0 +1,132 @@
+"""Where the controller's inputs come from: watched caches of the API server, or YAML files.
+
+Watches (one list + one resumable watch each, bookmarks on, relist only after 410 Gone,
+jittered backoff; never a poll):
+- EgressClass and EgressBudget objects -> the policy;
+- Namespaces -> their labels (teams chosen by namespaceSelector);
+- Pods, cluster-wide, one watch -> (namespace, name) -> spec.nodeName, the node-binding
+  check. Only that pair is kept per pod, not the object, so 300,000 pods cost a few tens
+  of MB; events are parsed from the raw stream, not into client models.
+
+Files (`--from-file`, no cluster): the same objects in YAML, reloaded on change
+(`FilePolicy`); pods in the files, if any, drive the node-binding check.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from typing import Callable
+
+from kubernetes import client
+
+from core.files import FileSource
+from core.kubeapi import GROUP, VERSION
+from core.objects import Snapshot
+from core.reflector import Reflector
+
+log = logging.getLogger(__name__)
+
+
+def _meta_key(obj: dict) -> tuple[str, str]:
+    meta = obj.get("metadata") or {}
+    return sys.intern(meta.get("namespace") or ""), meta.get("name") or ""  # few namespaces, many pods
+
+
+def _policy_part(obj: dict) -> dict:
+    """What the policy reads of an EgressClass/EgressBudget: its name and spec. Our own status
+    writes (and other metadata churn) then do not count as policy changes."""
+    meta = obj.get("metadata") or {}
+    return {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"),
+            "metadata": {"name": meta.get("name"), "generation": meta.get("generation")}, "spec": obj.get("spec")}
+
+
+def _pod_node(obj: dict) -> str | None:
+    node = (obj.get("spec") or {}).get("nodeName")
+    return sys.intern(node) if node else None  # unscheduled pods are on no node yet; one string per node
+
+
+class ClusterCaches:
+    """The watched caches the controller needs, and the callables the allocator and state take."""
+
+    def __init__(self, api: client.ApiClient, on_policy_change: Callable[[], None] = lambda: None,
+                 on_event: Callable[[str, str], None] = lambda resource, kind: None):
+        self.stop_event = threading.Event()
+        core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+
+        def cache(name, list_fn, key, transform, on_change=lambda: None, **kw) -> Reflector:
+            return Reflector(name, list_fn, self.stop_event, on_change, lambda kind: on_event(name, kind),
+                             key=key, transform=transform, **kw)
+
+        self.pods = cache("pods", core.list_pod_for_all_namespaces, _meta_key, _pod_node)
+        # labels decide teams chosen by namespaceSelector: a change re-resolves pods like a policy change
+        self.namespaces = cache("namespaces", core.list_namespace, lambda o: o["metadata"]["name"],
+                                lambda o: dict(o["metadata"].get("labels") or {}), on_policy_change)
+        crd = dict(group=GROUP, version=VERSION)
+        self.classes = cache("egressclasses", custom.list_cluster_custom_object, _meta_key, _policy_part,
+                             on_policy_change, plural="egressclasses", **crd)
+        self.budgets = cache("egressbudgets", custom.list_cluster_custom_object, _meta_key, _policy_part,
+                             on_policy_change, plural="egressbudgets", **crd)
+        self.caches = (self.pods, self.namespaces, self.classes, self.budgets)
+
+    def start(self) -> None:
+        for c in self.caches:
+            c.start()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def synced(self) -> tuple[bool, str]:
+        waiting = [c.name for c in self.caches if not c.synced.is_set()]
+        return (not waiting, f"waiting for the first list of {', '.join(waiting)}" if waiting else "caches synced")
+
+    def locate_pods(self, keys: list[tuple[str, str]]) -> list[str | None]:
+        where = self.pods.get
+        return [where(k) for k in keys]
+
+    def namespace_labels(self, namespace: str) -> dict[str, str] | None:
+        return self.namespaces.get(namespace)
+
+    def policy_objects(self) -> tuple[list[dict], list[dict]]:
+        return self.classes.values(), self.budgets.values()
+
+    def budget_generation(self, name: str) -> int | None:
+        obj = self.budgets.get(("", name))
+        return obj["metadata"].get("generation") if obj else None
+
+
+class FilePolicy:
+    """--from-file: policy (and pod placement, if the files hold Pods) from YAML, reloaded on change."""
+
+    def __init__(self, paths: list[str]):
+        self.source = FileSource(paths, node=None, interval=1.0)
+        self.snapshot, _ = self.source.load()
+        for error in self.snapshot.errors:
+            log.error("policy files: %s", error)
+        self._where = self._index(self.snapshot)
+        self.thread = threading.Thread(target=self.source.run, args=(self._changed,), name="policy-files", daemon=True)
+        self.on_change: Callable[[], None] = lambda: None
+
+    @staticmethod
+    def _index(snapshot: Snapshot) -> dict[tuple[str, str], str]:
+        return {(pod.namespace, pod.name): pod.node for pod in snapshot.pods if pod.node}
+
+    def _changed(self, snapshot: Snapshot) -> None:
+        self.snapshot, self._where = snapshot, self._index(snapshot)
+        self.on_change()
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.source.stop()
+
+    def policy_objects(self) -> tuple[list[dict], list[dict]]:
+        return list(self.snapshot.classes), list(self.snapshot.budgets)
+
+    def locate_pods(self, keys: list[tuple[str, str]]) -> list[str | None]:
+        where = self._where.get
+        return [where(k) for k in keys]
+
+    def has_pods(self) -> bool:
+        return bool(self.snapshot.pods)

@@ -1,0 +1,198 @@
+"""The controller's state between HTTP and the allocator: reports in, rounds, answers out.
+
+Reports only *replace their own node's entry* in `latest`; one allocation round
+runs every `period` over the union of all nodes' pods (not one per report: the
+API server and the CPU see O(1) rounds per period, not O(nodes)), and each report
+is answered from the most recent round. Pods reported by a node they are not on
+are refused by the node-binding check before they reach the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from operator import attrgetter
+from typing import Callable
+
+from core.errors import NetagentError
+from core.wire import NodeAnswer, NodeReport, invalid_name
+
+from .allocator import RoundResult
+from .auth import Identity
+
+log = logging.getLogger(__name__)
+_KEY = attrgetter("namespace", "name")
+NO_ROUND = "no allocation round with this node yet: keep the current allocations"
+
+
+def _resolve(fut: asyncio.Future, result: "RoundResult") -> None:
+    if not fut.done():
+        fut.set_result(result)
+
+
+class ReportRejected(NetagentError):
+    """A report the controller refuses: `status` and `reason` are what the API answers."""
+
+    def __init__(self, status: int, reason: str, message: str):
+        super().__init__(message)
+        self.status, self.reason = status, reason
+
+
+# (prepared reports by node) -> RoundResult; the allocator provides it
+Allocate = Callable[[dict[str, object]], RoundResult]
+# [(namespace, pod), ...] -> [node name, or None for a pod unknown, ...]
+PodLocator = Callable[[list[tuple[str, str]]], list[str | None]]
+
+
+class ControllerState:
+    def __init__(self, allocate: Allocate, locate_pods: PodLocator | None = None, lease_seconds: float = 30.0,
+                 report_ttl: float = 60.0, leader: Callable[[], bool] = lambda: True,
+                 leader_address: Callable[[], str | None] = lambda: None,
+                 readiness: Callable[[], tuple[bool, str]] = lambda: (True, ""), answer_wait: float = 0.0):
+        self.allocate = allocate
+        # per report, at submit time: the work a round would otherwise do per pod (allocator.prepare)
+        self.prepare: Callable[[NodeReport], object] = getattr(allocate, "prepare", lambda report: report)
+        self.locate_pods = locate_pods
+        self.lease_seconds = lease_seconds
+        self.report_ttl = report_ttl  # a node silent this long is dropped from the round
+        self._leader = leader
+        self._leader_address = leader_address
+        self._readiness = readiness  # inputs ready (policy loaded, pod cache synced)
+        # > 0: hold each answer until the next round (at most this long), so it reflects the report
+        # it answers: one report period less of control-loop delay (see docs/controller.md)
+        self.answer_wait = answer_wait
+        self._round_waiters: list[asyncio.Future] = []
+        self.latest: dict[str, tuple[float, object]] = {}  # node -> (monotonic, prepared report)
+        self.result: RoundResult | None = None
+        self.generation = 0
+        self.last_error = ""
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.on_round: Callable[[RoundResult], None] = lambda r: None
+        self.on_round_failure: Callable[[], None] = lambda: None
+
+    # -- ReportSink ------------------------------------------------------------
+    def is_leader(self) -> bool:
+        return self._leader()
+
+    def leader_address(self) -> str | None:
+        return self._leader_address()
+
+    def ready(self) -> tuple[bool, str]:
+        ok, why = self._readiness()
+        if not ok:
+            return False, why
+        if not self.is_leader():
+            return True, "follower (the leader serves agents)"
+        if self.result is None:
+            return True, "leader, waiting for the first reports"
+        return True, f"leader, round {self.result.generation}"
+
+    def on_leadership(self, leading: bool) -> None:
+        """A new term starts from nothing: never answer with a round from an older term."""
+        with self._lock:
+            self.latest.clear()
+            self.result = None
+
+    def submit(self, identity: Identity | None, report: NodeReport) -> NodeAnswer:
+        problems: list[str] = []
+        keys = list(map(_KEY, report.pods))
+        if len(set(keys)) != len(keys):
+            seen: set[tuple[str, str]] = set()
+            twice = next(k for k in keys if k in seen or seen.add(k))
+            raise ReportRejected(422, "Invalid", f"pod {twice[0]}/{twice[1]} appears twice in the report")
+        if self.locate_pods is None:
+            bad_name = invalid_name(report)  # with a locator, a bad name is simply a pod it does not know
+            if bad_name:
+                raise ReportRejected(422, "Invalid", f"invalid report: {bad_name}")
+        else:
+            where = self.locate_pods(keys)
+            if where.count(report.node) != len(where):  # the fast path: every pod is where it says
+                keep = []
+                for p, key, node in zip(report.pods, keys, where):
+                    if node is None:
+                        problems.append(f"pod {p.namespace}/{p.name} is unknown to the controller yet; not allocated")
+                    elif node != report.node:
+                        raise ReportRejected(403, "PodNotOnNode",
+                                             f"pod {p.namespace}/{p.name} is on node {node!r}, not {report.node!r}")
+                    else:
+                        keep.append(p)
+                report = NodeReport(report.node, keep, report.seq, report.period_seconds,
+                                    report.node_internet_egress_bps)
+        prepared = self.prepare(report)
+        with self._lock:
+            self.latest[report.node] = (time.monotonic(), prepared)
+            result = self.result
+        return self._answer(report.node, result, problems)
+
+    def _answer(self, node: str, result: RoundResult | None, problems: list[str]) -> NodeAnswer:
+        if result is None or node not in result.node_rate:  # a node the round has not seen: the agent keeps what it has
+            return NodeAnswer(node, 0, self.lease_seconds, 0.0, 0.0, [], problems + [NO_ROUND])
+        return NodeAnswer(node, result.generation, self.lease_seconds, result.safe_floor_bps,
+                          result.node_rate[node], result.by_node[node], problems)
+
+    # -- the allocation loop -----------------------------------------------------
+    def nodes(self) -> int:
+        return len(self.latest)
+
+    def run_round(self) -> RoundResult | None:
+        now = time.monotonic()
+        with self._lock:
+            self.latest = {n: v for n, v in self.latest.items() if now - v[0] <= self.report_ttl}
+            reports = {n: prepared for n, (_, prepared) in self.latest.items()}
+        if not reports:
+            return None
+        t0 = time.perf_counter()
+        result = self.allocate(reports)
+        self.generation += 1
+        result.generation = self.generation
+        result.duration_s = time.perf_counter() - t0
+        result.computed_at = time.monotonic()
+        result.wall_time = time.time()
+        with self._lock:
+            self.result = result
+            waiters, self._round_waiters = self._round_waiters, []
+        for fut in waiters:
+            fut.get_loop().call_soon_threadsafe(_resolve, fut, result)
+        self.on_round(result)
+        return result
+
+    async def settle(self, answer: NodeAnswer) -> NodeAnswer:
+        """With answer_wait: the answer again after the next round, which includes the report
+        just submitted; the given answer if no round completes in time."""
+        if self.answer_wait <= 0:
+            return answer
+        fut = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._round_waiters.append(fut)
+        try:
+            result = await asyncio.wait_for(fut, self.answer_wait)
+        except asyncio.TimeoutError:
+            with self._lock:
+                if fut in self._round_waiters:
+                    self._round_waiters.remove(fut)
+            return answer
+        return self._answer(answer.node, result, [p for p in answer.problems if p != NO_ROUND])
+
+    def start(self, period: float) -> None:
+        def loop():
+            while not self._stop.wait(period):
+                if not self.is_leader():
+                    continue
+                try:
+                    self.run_round()
+                    self.last_error = ""
+                except Exception as exc:
+                    self.last_error = str(exc)
+                    self.on_round_failure()
+                    log.exception("allocation round failed; agents keep the previous round's answers")
+
+        self.thread = threading.Thread(target=loop, name="allocation", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=5)

@@ -1,0 +1,77 @@
+"""Kubernetes objects as netagent reads them, from the API or from YAML files.
+
+Both sources (Kubernetes watches and YAML files) feed a `Snapshot`; everything
+downstream (policy, the desired kernel state, metrics) reads snapshots and never the sources.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+ANNOTATION_CLASS = "netagent.io/egress-class"
+ANNOTATION_BANDWIDTH = "kubernetes.io/egress-bandwidth"
+# A lower-case RFC 1123 DNS subdomain: the names of nodes, namespaces and our objects
+DNS_NAME_PATTERN = r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?"
+DNS_NAME = re.compile(f"^{DNS_NAME_PATTERN}$")
+
+
+@dataclass(frozen=True)
+class PodRecord:
+    namespace: str
+    name: str
+    uid: str
+    node: str
+    ips: tuple[str, ...]
+    host_network: bool
+    phase: str
+    annotations: tuple[tuple[str, str], ...]  # sorted (key, value) pairs: hashable and comparable
+    resource_version: str = ""
+    deleting: bool = False  # deletionTimestamp set: its IP may already belong to a new pod
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    def annotation(self, key: str) -> str | None:
+        return dict(self.annotations).get(key)
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in ("Succeeded", "Failed")
+
+    @classmethod
+    def from_object(cls, obj: dict[str, Any]) -> "PodRecord":
+        """A Pod in its Kubernetes dict form (API JSON or YAML)."""
+        meta = obj.get("metadata") or {}
+        spec = obj.get("spec") or {}
+        status = obj.get("status") or {}
+        if not meta.get("name"):
+            raise ValueError("Pod without metadata.name")
+        ips = [p.get("ip") for p in status.get("podIPs") or [] if p.get("ip")]
+        if not ips and status.get("podIP"):
+            ips = [status["podIP"]]
+        annotations = meta.get("annotations") or {}
+        return cls(
+            namespace=meta.get("namespace") or "default",
+            name=meta["name"],
+            uid=meta.get("uid") or f"file:{meta.get('namespace') or 'default'}/{meta['name']}",
+            node=spec.get("nodeName") or "",
+            ips=tuple(ips),
+            host_network=bool(spec.get("hostNetwork")),
+            phase=status.get("phase") or "",
+            annotations=tuple(sorted((str(k), str(v)) for k, v in annotations.items())),
+            resource_version=str(meta.get("resourceVersion") or ""),
+            deleting=bool(meta.get("deletionTimestamp")),
+        )
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything the agent knows from its sources at one moment."""
+
+    pods: tuple[PodRecord, ...] = ()
+    classes: tuple[dict, ...] = ()  # EgressClass objects, Kubernetes dict form
+    budgets: tuple[dict, ...] = ()  # EgressBudget objects
+    generation: int = 0
+    errors: tuple[str, ...] = field(default=())  # source problems (a file that failed to parse, ...)

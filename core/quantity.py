@@ -1,0 +1,114 @@
+"""Kubernetes quantities as rates in bit/s: "500k", "10M", "1.5G", "100Mi", 2000000.
+
+The grammar is Kubernetes' own (resource.Quantity): decimal suffixes k M G T P E,
+binary suffixes Ki Mi Gi Ti Pi Ei, or an exponent ("1e9"); fractions round up to a
+whole bit/s as Quantity.Value() does. The sub-unit suffixes n, u and m are refused:
+for a rate "500m" is half a bit per second and always a typo for "500M".
+"""
+from __future__ import annotations
+
+import math
+import re
+from decimal import ROUND_CEILING, Decimal, InvalidOperation
+
+# The largest rate we represent: 2**53 bit/s (9 Pbit/s) is still exact in a float64,
+# so the numpy engine and the integer policy agree bit for bit. Also "no cap".
+MAX_BPS = 2**53
+
+_DECIMAL = {"": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+_BINARY = {"Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40, "Pi": 50, "Ei": 60}
+_SUB_UNIT = {"n": "nano (10^-9)", "u": "micro (10^-6)", "m": "milli (10^-3)"}
+_QUANTITY = re.compile(
+    r"^(?P<num>[+-]?(?:\d+(?:\.\d*)?|\.\d+))"
+    r"(?:(?P<exp>[eE][+-]?\d+)|(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]))?$"
+)
+ALLOWED = ('a Kubernetes quantity in bit/s: a number with an optional suffix k, M, G, T, P, E '
+           '(powers of 1000), Ki, Mi, Gi, Ti, Pi, Ei (powers of 1024) or an exponent, '
+           'e.g. "500k", "10M", "1.5G", "100Mi", "2e9"')
+
+
+def parse_bps(value: str | int | float, what: str, allow_zero: bool = False) -> int:
+    """`value` as whole bit/s. Raises ValueError starting with `what` (e.g. "EgressClass gold: spec.max")."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError(f"{what}: {value!r} is not {ALLOWED}")
+    if isinstance(value, str):
+        amount = _parse_text(value.strip(), what)
+    else:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{what}: {value!r} is not a finite rate; use {ALLOWED}")
+        amount = Decimal(value)
+    if amount < 0:
+        raise ValueError(f"{what}: {value!r} is negative; a rate must be positive")
+    bps = int(amount.to_integral_value(rounding=ROUND_CEILING))
+    if bps == 0 and not allow_zero:
+        raise ValueError(f"{what}: {value!r} is zero; a rate here must be at least 1 bit/s")
+    if bps > MAX_BPS:
+        raise ValueError(f"{what}: {value!r} is above the largest rate supported "
+                         f"(2^53 bit/s, about 9P); to mean no limit, leave the field out")
+    return bps
+
+
+def _parse_text(text: str, what: str) -> Decimal:
+    match = _QUANTITY.match(text)
+    if not match:
+        hint = ""
+        if re.match(r"^[\d.]+\s*[kKmMgGtT]?(bit|bps|b/s|bit/s|ibit)", text, re.IGNORECASE):
+            hint = ' (units are implied: write "10M", not "10Mbit" or "10Mbps")'
+        raise ValueError(f"{what}: {text!r} is not {ALLOWED}{hint}")
+    suffix = match["suffix"] or ""
+    if suffix in _SUB_UNIT:
+        raise ValueError(f'{what}: {text!r} uses {suffix!r}, which means {_SUB_UNIT[suffix]} bit/s; '
+                         f'for megabit write "M", e.g. "{match["num"]}M"')
+    try:
+        number = Decimal(match["num"])
+        if match["exp"]:
+            # bound the exponent before Decimal computes 10**exp (a huge one is a cheap DoS)
+            exponent = int(match["exp"][1:])
+            if exponent > 30 or exponent < -30:
+                raise ValueError(f"{what}: {text!r} has an exponent out of range")
+            return number.scaleb(exponent)
+    except InvalidOperation as exc:
+        raise ValueError(f"{what}: {text!r} is not {ALLOWED}") from exc
+    if suffix in _BINARY:
+        return number * (2 ** _BINARY[suffix])
+    return number.scaleb(_DECIMAL[suffix])
+
+
+def format_bps(bps: float) -> str:
+    """Short decimal form for tables: 0, 999, 500k, 10M, 1.5G, 12.3T; "unlimited" for MAX_BPS and above."""
+    if bps >= MAX_BPS:
+        return "unlimited"
+    if bps < 0:
+        return "-" + format_bps(-bps)
+    for suffix, power in (("P", 15), ("T", 12), ("G", 9), ("M", 6), ("k", 3)):
+        scaled = bps / 10**power
+        if scaled >= 1 - 5e-4:
+            return _trim(scaled) + suffix
+    return _trim(bps)
+
+
+def _trim(x: float) -> str:
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def human_bps(bps: float) -> str:
+    """A rate for people reading a table or a log line: "12.3 Mbit/s"."""
+    bps = float(bps or 0)
+    for unit, div in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= div:
+            return f"{bps / div:.1f} {unit}"
+    return f"{bps:.0f} bit/s"
+
+
+def human_bytes(n: float) -> str:
+    """A byte count for people: "1.5 GiB"."""
+    n = float(n or 0)
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+# The least a pod is ever given (rate, demand, safe floor): enough for DNS and a health check,
+# and far above where HTB's bucket timing overflows.
+TRICKLE_BPS = 8_000

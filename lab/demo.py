@@ -1,0 +1,365 @@
+"""`netagent demo`: the whole system on one machine, no cluster needed (root).
+
+It builds the namespace lab (two nodes with three pods each, an "internet" host and
+an internal peer), runs one real controller and one real agent per node (the same
+`netagent controller` / `netagent run` a cluster runs, fed from YAML files), and
+drives iperf3 traffic from every pod to the internet host, with a budget smaller
+than the pods' combined demand. A live table shows each pod's class, fair share
+(what `netagent plan` computes from the same policy), allocation and measured rate;
+halfway through it moves one pod to another class and raises one team's weight,
+so allocations visibly move. At the end it writes a PNG of the rates over time.
+Ctrl-C or the end removes everything it created.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from core.engine import PodDemandIn, allocate
+from core.policy import load_policy, resolve_pod
+
+from .nsexec import NetnsWorker, http_get
+from .topology import INTERNAL_CIDRS, INTERNET_V4, UPLINK, Lab
+
+CONTROLLER_IP = "10.0.0.1"  # the lab fabric's bridge address: reachable from every node
+CONTROLLER_PORT = 9561
+AGENT_PORT = 9560
+FIRST_IPERF_PORT = 5201
+
+CLASSES = {
+    # name: (weight, min, max)
+    "gold": (4, "20M", "400M"),
+    "silver": (2, "10M", "400M"),
+    "bronze": (1, "5M", "400M"),
+}
+# (node index, namespace, pod name, class annotation or None)
+PODS = [
+    (0, "research", "train-0", "gold"),
+    (0, "research", "train-1", "silver"),
+    (0, "data", "etl-0", "bronze"),
+    (1, "data", "etl-1", "silver"),
+    (1, "data", "crawl", "bronze"),
+    (1, "web", "frontend", None),  # no annotation: its team's default class
+]
+BUDGET_TOTAL = "120M"
+CHANGE_POD = ("data", "crawl", "gold")  # halfway: this pod moves to this class...
+CHANGE_TEAM = ("data", 3)  # ...and this team's weight rises to this
+
+
+@dataclass
+class Series:
+    t: list[float] = field(default_factory=list)
+    rate: dict[str, list[float]] = field(default_factory=dict)
+    limit: dict[str, list[float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    duration: float = 60.0  # seconds of traffic
+    png: str = "netagent-demo.png"  # the chart of rates over time
+    plain: bool = False  # lines instead of a live table (also when not a TTY)
+    summary_json: str | None = None  # also write the measured series and fair shares as JSON
+
+
+def policy_objects(team_weights: dict[str, int]) -> list[dict]:
+    objs: list[dict] = []
+    for name, (weight, lo, hi) in CLASSES.items():
+        objs.append({"apiVersion": "netagent.io/v1alpha1", "kind": "EgressClass", "metadata": {"name": name},
+                     "spec": {"weight": weight, "min": lo, "max": hi}})
+    teams = [
+        {"name": "research", "namespaces": ["research"], "weight": team_weights["research"],
+         "defaultClass": "silver", "allowedClasses": ["gold", "silver", "bronze"]},
+        {"name": "data", "namespaces": ["data"], "weight": team_weights["data"],
+         "defaultClass": "bronze", "allowedClasses": ["gold", "silver", "bronze"]},
+        {"name": "web", "namespaces": ["web"], "weight": team_weights["web"],
+         "defaultClass": "silver", "allowedClasses": ["silver", "bronze"]},
+    ]
+    objs.append({"apiVersion": "netagent.io/v1alpha1", "kind": "EgressBudget", "metadata": {"name": "cluster"},
+                 "spec": {"total": BUDGET_TOTAL, "teams": teams, "defaultTeam": "web"}})
+    return objs
+
+
+def pod_objects(lab: Lab, classes: dict[tuple[str, str], str | None]) -> list[dict]:
+    objs = []
+    for n, ns, name, _ in PODS:
+        node, pod = lab.nodes[n], lab.nodes[n].pods[[p[2] for p in PODS if p[0] == n].index(name)]
+        ann = {"netagent.io/egress-class": classes[(ns, name)]} if classes[(ns, name)] else {}
+        objs.append({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"namespace": ns, "name": name, "uid": f"demo-{ns}-{name}", "annotations": ann},
+            "spec": {"nodeName": node.name},
+            "status": {"phase": "Running", "podIP": pod.ip4,
+                       "podIPs": [{"ip": pod.ip4}] + ([{"ip": pod.ip6}] if lab.ipv6 else [])},
+        })
+    return objs
+
+
+def write_yaml(path: Path, objs: list[dict]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump_all(objs, sort_keys=False))
+    os.replace(tmp, path)  # atomic: the file watchers never see half a file
+
+
+def fair_shares(policy: list[dict], classes: dict[tuple[str, str], str | None]) -> dict[str, float]:
+    """What `netagent plan` says each pod deserves when every pod wants more than the budget."""
+    pol, _ = load_policy([o for o in policy if o["kind"] == "EgressClass"],
+                         [o for o in policy if o["kind"] == "EgressBudget"])
+    pods = []
+    for _, ns, name, _ in PODS:
+        pp = resolve_pod(pol, ns, classes[(ns, name)], None)
+        pods.append(PodDemandIn(f"{ns}/{name}", pp.team, pp.egress_class, pp.weight, pp.min_bps, pp.max_bps, 1e9))
+    res = allocate(pol, pods)
+    return {k: v.allocation_bps for k, v in res.pods.items()}
+
+
+def _mbit(bps: float) -> str:
+    return f"{bps / 1e6:7.1f}"
+
+
+class Demo:
+    def __init__(self, opts: DemoOptions):
+        self.opts = opts
+        self.dir = Path(tempfile.mkdtemp(prefix="netagent-demo-"))
+        self.lab: Lab | None = None
+        self.fabric: NetnsWorker | None = None
+        self.classes = {(ns, name): cls for _, ns, name, cls in PODS}
+        self.team_weights = {"research": 1, "data": 1, "web": 1}
+        self.series = Series()
+        self.events: list[tuple[float, str]] = []
+
+    # -- set-up -----------------------------------------------------------------
+    def start(self) -> None:
+        self.lab = Lab(nodes=2, pods_per_node=3)
+        self.lab.__enter__()
+        self.fabric = NetnsWorker(self.lab.fabric)
+        self.policy_file = self.dir / "policy.yaml"
+        self.pods_file = self.dir / "pods.yaml"
+        write_yaml(self.policy_file, policy_objects(self.team_weights))
+        write_yaml(self.pods_file, pod_objects(self.lab, self.classes))
+        logs = self.dir / "logs"
+        logs.mkdir()
+        netagent = [sys.executable, "-m", "netagent"]
+        self.lab.spawn(self.lab.fabric, [
+            *netagent, "controller", "--from-file", str(self.policy_file), "--no-auth",
+            "--listen", f"{CONTROLLER_IP}:{CONTROLLER_PORT}", "--period", "1", "--answer-wait", "1.5", "--lease-seconds", "15",
+        ], stdout=open(logs / "controller.log", "w"), stderr=subprocess.STDOUT)
+        for node in self.lab.nodes:
+            self.lab.spawn(node.netns, [
+                *netagent, "run", "--node", node.name, "--from-file", str(self.policy_file),
+                "--from-file", str(self.pods_file), "--controller", f"http://{CONTROLLER_IP}:{CONTROLLER_PORT}",
+                "--uplink", UPLINK, *[a for c in INTERNAL_CIDRS for a in ("--internal-cidr", c)],
+                "--listen", f"{node.ip4}:{AGENT_PORT}", "--report-period", "1", "--token-path", "",
+            ], stdout=open(logs / f"agent-{node.name}.log", "w"), stderr=subprocess.STDOUT)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        pending = {n.name: n.ip4 for n in self.lab.nodes}
+        while pending and time.monotonic() < deadline:
+            for name, ip in list(pending.items()):
+                try:
+                    code, _ = self.fabric.call(http_get, f"http://{ip}:{AGENT_PORT}/readyz", 1)
+                except OSError:
+                    continue
+                if code == 200:
+                    del pending[name]
+            time.sleep(0.3)
+        if pending:
+            raise RuntimeError(f"agents on {sorted(pending)} did not become ready within {timeout:.0f}s; "
+                               f"their logs are in {self.dir / 'logs'}")
+
+    def start_traffic(self, seconds: float) -> None:
+        for i, (n, ns, name, _) in enumerate(PODS):
+            port = FIRST_IPERF_PORT + i
+            self.lab.iperf_server(self.lab.internet, port)
+        for i, (n, ns, name, _) in enumerate(PODS):
+            pod = self.lab.nodes[n].pods[[p[2] for p in PODS if p[0] == n].index(name)]
+            self.lab.spawn(pod.netns, ["iperf3", "-c", INTERNET_V4, "-p", str(FIRST_IPERF_PORT + i),
+                                       "-t", str(int(seconds) + 2), "-P", "2"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    # -- the changes halfway ---------------------------------------------------------
+    def change(self, t: float) -> str:
+        ns, name, cls = CHANGE_POD
+        team, weight = CHANGE_TEAM
+        self.classes[(ns, name)] = cls
+        self.team_weights[team] = weight
+        write_yaml(self.pods_file, pod_objects(self.lab, self.classes))
+        write_yaml(self.policy_file, policy_objects(self.team_weights))
+        what = f"{ns}/{name} → class {cls}; team {team} weight → {weight}"
+        self.events.append((t, what))
+        return what
+
+    # -- observing ------------------------------------------------------------------
+    def states(self) -> dict[str, dict]:
+        out = {}
+        for node in self.lab.nodes:
+            try:
+                code, body = self.fabric.call(http_get, f"http://{node.ip4}:{AGENT_PORT}/state", 2)
+                if code == 200:
+                    out[node.name] = json.loads(body)
+            except (OSError, ValueError):
+                pass
+        return out
+
+    def rows(self, states: dict[str, dict], fair: dict[str, float]) -> list[dict]:
+        rows = []
+        for node, st in sorted(states.items()):
+            for p in st.get("pods", []):
+                key = f"{p['namespace']}/{p['name']}"
+                rows.append({"node": node, "key": key, "team": p.get("team", ""), "class": p.get("egress_class", ""),
+                             "fair": fair.get(key, 0.0), "allocation": p.get("allocation_bps", 0.0),
+                             "limit": p.get("limit_bps", 0.0), "rate": p.get("usage_bps", 0.0),
+                             "problems": "; ".join(m for _, m in p.get("problems", []))})
+        return rows
+
+    def table(self, rows: list[dict], t: float, note: str):
+
+        tab = Table(title=f"netagent demo — t={t:4.0f}s of {self.opts.duration:.0f}s — budget {BUDGET_TOTAL}bit/s"
+                          + (f"\n{note}" if note else ""))
+        for col in ("node", "pod", "team", "class", "fair share", "allocation", "limit", "measured"):
+            tab.add_column(col, justify="right" if col in ("fair share", "allocation", "limit", "measured") else "left")
+        total = 0.0
+        for r in rows:
+            total += r["rate"]
+            tab.add_row(r["node"], r["key"], r["team"], r["class"], _mbit(r["fair"]) + " M",
+                        _mbit(r["allocation"]) + " M", _mbit(r["limit"]) + " M", _mbit(r["rate"]) + " M")
+        tab.add_row("", "[b]total[/]", "", "", "", "", "", f"[b]{_mbit(total)} M[/]")
+        return tab
+
+    def record(self, t: float, rows: list[dict]) -> None:
+        self.series.t.append(t)
+        n = len(self.series.t)
+        for r in rows:
+            for store, value in ((self.series.rate, r["rate"]), (self.series.limit, r["limit"])):
+                seq = store.setdefault(r["key"], [])
+                seq.extend([float("nan")] * (n - 1 - len(seq)))
+                seq.append(value / 1e6)
+
+    def chart(self, path: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(11, 6), dpi=100)
+        n = len(self.series.t)
+        for key in sorted(self.series.rate):
+            seq = self.series.rate[key] + [float("nan")] * (n - len(self.series.rate[key]))
+            ax.plot(self.series.t, seq, label=key, linewidth=1.6)
+        total = [sum(v for v in (self.series.rate[k][i] if i < len(self.series.rate[k]) else float("nan")
+                                 for k in self.series.rate) if v == v) for i in range(n)]
+        ax.plot(self.series.t, total, label="total", color="black", linewidth=2.2)
+        ax.axhline(float(BUDGET_TOTAL.rstrip("M")), color="red", linestyle="--", label=f"budget {BUDGET_TOTAL}")
+        for t, what in self.events:
+            ax.axvline(t, color="grey", linestyle=":")
+            ax.annotate(what, (t, ax.get_ylim()[1] * 0.95), fontsize=8, ha="left")
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("internet egress, Mbit/s (measured from kernel counters)")
+        ax.set_title("netagent: pods' internet egress converging to their fair shares")
+        ax.legend(loc="center right", fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+
+    # -- the run -------------------------------------------------------------------
+    def run(self) -> int:
+
+        console = Console()
+        plain = self.opts.plain or not console.is_terminal
+        console.print(f"building the lab: 2 nodes × 3 pods, internet host {INTERNET_V4}, internal peer; "
+                      f"files and logs in {self.dir}")
+        self.start()
+        self.start_traffic(self.opts.duration)
+        fair = fair_before = fair_shares(policy_objects(self.team_weights), self.classes)
+        note = ""
+        t0 = time.monotonic()
+        changed = False
+        live = None if plain else Live(console=console, refresh_per_second=2, transient=False)
+        if live:
+            live.start()
+        try:
+            while (t := time.monotonic() - t0) < self.opts.duration:
+                if not changed and t >= self.opts.duration / 2:
+                    changed = True
+                    note = "changed: " + self.change(t)
+                    fair = fair_shares(policy_objects(self.team_weights), self.classes)
+                    if plain:
+                        console.print(f"t={t:.0f}s {note}")
+                rows = self.rows(self.states(), fair)
+                self.record(t, rows)
+                if live:
+                    live.update(self.table(rows, t, note))
+                else:
+                    total = sum(r["rate"] for r in rows)
+                    console.print(f"t={t:4.0f}s total={_mbit(total).strip()}M  " + "  ".join(
+                        f"{r['key']}={_mbit(r['rate']).strip()}/{_mbit(r['fair']).strip()}" for r in rows),
+                        soft_wrap=True, highlight=False)
+                time.sleep(1.0)
+        finally:
+            if live:
+                live.stop()
+        png = Path(self.opts.png).resolve()
+        self.chart(png)
+        if self.opts.summary_json:
+            Path(self.opts.summary_json).write_text(json.dumps({
+                "budget_bps": float(BUDGET_TOTAL.rstrip("M")) * 1e6, "events": self.events, "t": self.series.t,
+                "rate_mbps": self.series.rate, "limit_mbps": self.series.limit,
+                "fair_before_bps": fair_before, "fair_after_bps": fair}, indent=1))
+        console.print(f"chart of rates over time: {png}")
+        fab = self.lab.fabric
+        console.print("metrics (inside the lab; they go away with it):")
+        for node in self.lab.nodes:
+            console.print(f"  agent {node.name}:  ip netns exec {fab} curl -s http://{node.ip4}:{AGENT_PORT}/metrics")
+        console.print(f"  controller:   ip netns exec {fab} curl -s http://{CONTROLLER_IP}:{CONTROLLER_PORT}/metrics")
+        return 0
+
+    def close(self) -> None:
+        if self.fabric:
+            self.fabric.close()
+        if self.lab:
+            self.lab.close()  # kills agents, controller and iperf3, removes every namespace
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def run(opts: DemoOptions) -> int:
+    """Run the demo; 0 when it ran to the end, 2 when the machine cannot run it."""
+    if os.geteuid() != 0:
+        print("netagent demo needs root: it builds network namespaces and programs tc and iptables in them",
+              file=sys.stderr)
+        return 2
+    missing = [t for t in ("ip", "iptables", "ipset", "iperf3") if not shutil.which(t)]
+    if missing:
+        print(f"netagent demo needs {', '.join(missing)}: run `sudo bash scripts/bootstrap.sh` first", file=sys.stderr)
+        return 2
+    demo = Demo(opts)
+    # Ctrl-C and SIGTERM both end in close(): nothing is left behind
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        return demo.run()
+    except KeyboardInterrupt:
+        print("interrupted: cleaning up", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        print(f"demo failed: {exc}", file=sys.stderr)
+        logs = demo.dir / "logs"
+        for f in sorted(logs.glob("*.log")) if logs.exists() else []:
+            tail = f.read_text(errors="replace").splitlines()[-15:]
+            print(f"--- {f.name} (last lines)\n" + "\n".join(tail), file=sys.stderr)
+        return 1
+    finally:
+        demo.close()

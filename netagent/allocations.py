@@ -1,0 +1,106 @@
+"""What the agent enforces per pod: the allocations in force, their lease, the safe floor,
+and adoption of what the kernel already holds after a restart.
+
+`Allocations` is the one place that decides, for a pod at a moment, which numbers stand:
+  * the controller's (or the local engine's) allocation while its lease holds;
+  * after the lease ran out (the controller unreachable): the safe floor (fail-static);
+  * for a pod nobody allocated yet: what the kernel already enforces for its class
+    (adoption after a restart), else its guaranteed minimum, else the floor.
+Pure apart from its lock: callers pass the time and how to find a pod's HTB minor.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from core.policy import ResolvedPod
+from core.quantity import TRICKLE_BPS
+from tc.model import NODE_MINOR
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Allocation:
+    allocation_bps: int  # HTB rate: the pod's fair share
+    limit_bps: int  # HTB ceil: what is enforced
+
+
+@dataclass
+class AllocationSet:
+    pods: dict[str, Allocation] = field(default_factory=dict)
+    node_rate_bps: int = 0
+    safe_floor_bps: int = 0
+    lease_expires: float = float("inf")  # monotonic; inf in single-node mode
+    generation: int = 0
+    source: str = ""  # "controller", "local", "adopted", "none"
+
+
+class Allocations:
+    """The allocation set in force, adoption after a restart, and the fail-static decision."""
+
+    def __init__(self, default_floor_bps: int, initial: AllocationSet | None = None):
+        self.default_floor_bps = default_floor_bps
+        self.current = initial or AllocationSet(source="none")
+        self.adopted: dict[int, tuple[int, int]] = {}  # HTB minor -> (rate, ceil) the kernel held at start
+        self.fail_static = False
+        self._lock = threading.Lock()
+
+    def replace(self, allocs: AllocationSet) -> bool:
+        """Put `allocs` in force; True when what is enforced may change (a new number, or leaving fail-static)."""
+        with self._lock:
+            old = self.current
+            self.current = allocs
+            return allocs.pods != old.pods or allocs.node_rate_bps != old.node_rate_bps or self.fail_static
+
+    def lease_expired(self, now: float) -> bool:
+        return now >= self.current.lease_expires
+
+    @property
+    def floor_bps(self) -> int:
+        return self.current.safe_floor_bps or self.default_floor_bps
+
+    def effective(self, pods: Iterable[ResolvedPod], minor_of: Callable[[ResolvedPod], int | None],
+                  now: float) -> dict[str, Allocation]:
+        """Per pod key: the numbers to enforce now (see the module docstring)."""
+        with self._lock:
+            a = self.current
+            expired = now >= a.lease_expires
+            if expired and not self.fail_static:
+                log.warning("controller lease expired: falling back to the safe floor")
+            self.fail_static = expired
+        floor = a.safe_floor_bps or self.default_floor_bps
+        out: dict[str, Allocation] = {}
+        for p in pods:
+            got = a.pods.get(p.key)
+            if got is not None and not expired:
+                out[p.key] = Allocation(min(got.allocation_bps, p.max_bps), min(got.limit_bps, p.max_bps))
+                continue
+            if expired:
+                f = min(floor, p.max_bps)
+                out[p.key] = Allocation(f, f)
+                continue
+            minor = minor_of(p) if self.adopted else None
+            if minor is not None and minor in self.adopted:
+                rate, ceil = self.adopted[minor]
+                out[p.key] = Allocation(rate, ceil)
+            else:
+                base = min(max(p.min_bps, floor), p.max_bps)
+                out[p.key] = Allocation(base, base)
+        return out
+
+    def node_rate(self, effective: dict[str, Allocation], at_least: int) -> int:
+        """The node class's rate: the allocation's, else what the kernel held (adoption), else the
+        sum of the pods' limits; never below `at_least` (the default class's floor)."""
+        adopted_node = self.adopted.get(NODE_MINOR)
+        rate = (self.current.node_rate_bps or (adopted_node[1] if adopted_node else 0)
+                or sum(a.limit_bps for a in effective.values()))
+        return max(int(rate), at_least, 8)
+
+
+def pod_rates(a: Allocation) -> tuple[int, int]:
+    """(rate, ceil) for the pod's HTB class: never below a trickle, ceil never below rate."""
+    rate = max(TRICKLE_BPS, int(a.allocation_bps))
+    return rate, max(rate, int(a.limit_bps))

@@ -1,0 +1,34 @@
+"""Remove everything netagent created on this node (`netagent cleanup`). Idempotent.
+
+Removes the redirect filters netagent put on any device (recognised by their
+priority *and* by decoding their BPF program: someone else's filter is left
+alone), a clsact qdisc left empty by that, the IFB (recognised by its alias) with
+its HTB tree, and netagent's iptables/ip6tables chains and ipsets. Run it after
+uninstalling the DaemonSet; running it twice is harmless.
+"""
+from __future__ import annotations
+
+import socket
+
+from iptables.apply import Classifier
+from tc.netlink import Shaper
+
+from .desired import DataPathOptions
+
+
+def cleanup(ifb: str, iptables_backend: str) -> tuple[list[str], list[str]]:
+    """Remove netagent's filters, IFB and HTB tree, chains and ipsets from this node.
+    -> (what was removed, what failed); both empty: already clean."""
+    failed: list[str] = []
+    done: list[str] = []
+    try:
+        with Shaper() as shaper:
+            devices = tuple(name for _, name in socket.if_nameindex() if name != ifb)
+            done += shaper.cleanup(ifb, devices, DataPathOptions.filter_pref)
+    except Exception as exc:
+        failed.append(f"tc cleanup failed: {exc}")
+    try:
+        done += Classifier(backend=iptables_backend).cleanup()
+    except Exception as exc:
+        failed.append(f"iptables cleanup failed: {exc}")
+    return done, failed

@@ -1,0 +1,83 @@
+"""The agent's configuration: typed, validated, and discovered where the node can tell.
+
+`AgentConfig` is what every part of the agent reads; `from_flags` builds it from the
+command line's values (the CLI defines the flags, `cli/main.py`), checking everything it
+can before anything touches the kernel and raising ConfigError naming the flag and the fix.
+"""
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+from core.address import parse_host_port
+from core.errors import ConfigError
+from core.quantity import parse_bps
+
+from .desired import DataPathOptions, DesiredStateError, canonical_cidrs
+from .netinfo import NetInfoError, connected_networks, default_route_devices
+
+DEFAULT_LISTEN = "127.0.0.1:9560"
+DEFAULT_TOKEN_PATH = "/var/run/secrets/netagent/token"
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    node: str
+    uplinks: tuple[str, ...]
+    internal_cidrs: tuple[str, ...]
+    datapath: DataPathOptions = field(default_factory=DataPathOptions)
+    controller: str | None = None  # base URL; None: single-node mode (local allocation)
+    token_path: str | None = DEFAULT_TOKEN_PATH
+    report_period: float = 5.0
+    min_sync_interval: float = 0.05
+    resync_seconds: float = 30.0
+    sample_seconds: float = 1.0
+    allocate_seconds: float = 2.0
+    default_floor_bps: int = 1_000_000  # per pod when nothing better is known
+    from_file: tuple[str, ...] = ()  # pods and policy from YAML files instead of Kubernetes
+    kubeconfig: str | None = None  # None with no from_file: the in-cluster config
+    listen: tuple[str, int] = ("127.0.0.1", 9560)
+    iptables_backend: str = "auto"
+
+
+def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None, controller: str | None,
+               token_path: str | None, uplink: list[str], internal_cidr: list[str], pod_cidr: list[str],
+               service_cidr: list[str], listen: str, mark_bit: int, ifb: str, default_rate: str,
+               report_period: float, resync_period: float, iptables_backend: str) -> AgentConfig:
+    """The command line's values -> AgentConfig. Discovers the uplinks (default routes) when none
+    is named and adds their connected subnets to the internal CIDRs. The leaf qdisc is the
+    data path's choice after probing the kernel (`Daemon.build`)."""
+    if from_file and kubeconfig:
+        raise ConfigError("--from-file and --kubeconfig exclude each other: pods come from files or from Kubernetes")
+    node = node or (socket.gethostname() if from_file else "")
+    if not node:
+        raise ConfigError("--node is required with Kubernetes (set it from spec.nodeName via the downward API)")
+    try:
+        default_bps = parse_bps(default_rate, "--default-rate")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if report_period <= 0 or resync_period <= 0:
+        raise ConfigError("--report-period and --resync-period must be positive seconds")
+    try:
+        uplinks = tuple(uplink) or default_route_devices()
+    except NetInfoError as exc:
+        raise ConfigError(f"cannot find the uplink ({exc}): name it with --uplink DEV") from exc
+    if not uplinks:
+        raise ConfigError("no default route on this node, so the uplink is unknown: name it with --uplink DEV")
+    for dev in uplinks:
+        try:
+            socket.if_nametoindex(dev)
+        except OSError:
+            raise ConfigError(f"uplink {dev!r} does not exist on this node: check --uplink "
+                              f"(devices here: {', '.join(n for _, n in socket.if_nameindex())})") from None
+    try:
+        internal = canonical_cidrs([*internal_cidr, *pod_cidr, *service_cidr, *connected_networks(uplinks)])
+    except (DesiredStateError, NetInfoError) as exc:
+        raise ConfigError(str(exc)) from exc
+    return AgentConfig(
+        node=node, uplinks=uplinks, internal_cidrs=internal,
+        datapath=DataPathOptions(mark_bit=mark_bit, ifb=ifb, default_rate=default_bps),
+        controller=controller, token_path=token_path, report_period=report_period, resync_seconds=resync_period,
+        default_floor_bps=default_bps, from_file=tuple(from_file), kubeconfig=kubeconfig,
+        listen=parse_host_port(listen, "--listen", DEFAULT_LISTEN), iptables_backend=iptables_backend,
+    )

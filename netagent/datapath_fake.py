@@ -1,0 +1,43 @@
+"""An in-memory `DataPath` for fast tests of the agent's loop (no kernel, no root).
+
+It keeps every desired state the agent asked for, returns scripted change counts (so
+a test can play "someone else changed the kernel": drift), and serves the class
+stats, counters and adopted rates a test puts in it.
+"""
+from __future__ import annotations
+
+from tc.model import ClassStats
+
+from .datapath import NodeCounters, PodCounters
+from .desired import DesiredState
+
+
+class FakeDataPath:
+    leaf_qdisc, iptables_backend = "pfifo", "nft"
+
+    def __init__(self, adopted: dict[int, tuple[int, int]] | None = None):
+        self.applied: list[DesiredState] = []
+        self.full: list[bool] = []
+        self.next_changes: dict[str, int] = {"tc": 0}
+        self.adopted = dict(adopted or {})
+        self.stats: dict[int, ClassStats] = {}
+        self.pod_counters: PodCounters = {}
+        self.node_counters: NodeCounters = {}
+        self.fail_with: Exception | None = None  # raised by the next apply, then cleared
+
+    def apply(self, desired: DesiredState, full: bool = True) -> dict[str, int]:
+        if self.fail_with is not None:
+            exc, self.fail_with = self.fail_with, None
+            raise exc
+        self.applied.append(desired)
+        self.full.append(full)
+        return dict(self.next_changes)
+
+    def class_stats(self) -> dict[int, ClassStats]:
+        return dict(self.stats)
+
+    def counters(self) -> tuple[PodCounters, NodeCounters]:
+        return {k: dict(v) for k, v in self.pod_counters.items()}, dict(self.node_counters)
+
+    def adopted_rates(self) -> dict[int, tuple[int, int]]:
+        return dict(self.adopted)

@@ -1,0 +1,168 @@
+"""The desired kernel state: a pure function from what the node should do to the kernel state that does it.
+
+Inputs are plain data (uplinks, internal CIDRs, pods with IPs and rates, the node's
+internet rate, options); the output is the desired tc state (`tc.model.ShaperSpec`)
+and the desired iptables state (`iptables.model.ClassifierState`). Nothing here
+touches the kernel; the appliers in `tc/` and `iptables/` diff it against what the
+kernel holds.
+
+HTB minors are derived from the pod's IP address (its low 16 bits), probing upward
+on collision in a fixed order. The same pods therefore get the same minors after an
+agent restart, with no state to persist, and a restart changes nothing in the kernel.
+"""
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+from core.errors import NetagentError
+from iptables.model import ClassifierState, PodClassification
+from tc.model import DEFAULT_MINOR, MAX_RATE_BPS, MIN_RATE_BPS, RESERVED_MINORS, HtbClassSpec, ShaperSpec
+
+# Not used by kube-proxy (0x4000, 0x8000), portmap (0x2000), Calico (0xff000000),
+# Tailscale (0xff0000) or Cilium's magic marks (0xf00).
+DEFAULT_MARK_BIT = 0x1000
+
+
+class DesiredStateError(NetagentError, ValueError):
+    """The inputs cannot be turned into a kernel state; the message names the input."""
+
+
+@dataclass(frozen=True)
+class PodShape:
+    key: str  # "namespace/name"
+    ips: tuple[str, ...]
+    rate: int  # guaranteed internet egress, bit/s
+    ceil: int  # internet egress cap, bit/s
+
+
+@dataclass(frozen=True)
+class DataPathOptions:
+    mark_bit: int = DEFAULT_MARK_BIT
+    ifb: str = "netagent0"
+    htb_major: int = 0x1
+    leaf_qdisc: str = "pfifo"  # the probe picks fq_codel where the kernel has it
+    default_rate: int = 1_000_000  # the floor for internet traffic from unknown sources, bit/s
+    filter_pref: int = 0xC000
+
+
+@dataclass(frozen=True)
+class NodeInputs:
+    uplinks: tuple[str, ...]
+    internal_cidrs: tuple[str, ...]
+    pods: tuple[PodShape, ...]
+    node_rate: int  # the node's internet egress allocation, bit/s
+    options: DataPathOptions = field(default_factory=DataPathOptions)
+
+
+@dataclass(frozen=True)
+class DesiredState:
+    shaper: ShaperSpec
+    classifier: ClassifierState
+    minors: dict[str, int]  # pod key -> HTB minor (and CLASSIFY target)
+    skipped: dict[str, str]  # pod key -> why it is not programmed yet (e.g. no IP)
+
+
+def canonical_cidrs(cidrs: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """Networks in canonical form (host bits cleared), de-duplicated, IPv4 before IPv6."""
+    out = set()
+    for c in cidrs:
+        try:
+            out.add(str(ipaddress.ip_network(c.strip(), strict=False)))
+        except ValueError as exc:
+            raise DesiredStateError(f"internal CIDR {c!r} is not a valid IPv4/IPv6 network ({exc})") from None
+    return tuple(sorted(out, key=lambda s: (":" in s, ipaddress.ip_network(s))))
+
+
+def _check_rate(value: int, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DesiredStateError(f"{what}: rate must be an integer bit/s, got {value!r}")
+    if value <= 0:
+        raise DesiredStateError(f"{what}: rate {value} bit/s must be positive (to stop a pod's internet egress, use a tiny rate)")
+    if value > MAX_RATE_BPS:
+        raise DesiredStateError(f"{what}: rate {value} bit/s is beyond 2^64-1 bit/s")
+
+
+def _minor_seed(ips: tuple[str, ...]) -> int:
+    addrs = sorted((ipaddress.ip_address(ip) for ip in ips), key=lambda a: (a.version, a))
+    return int(addrs[0]) & 0xFFFF
+
+
+def assign_minors(pods: list[PodShape]) -> dict[str, int]:
+    """Pod key -> HTB minor: the low 16 bits of its lowest address, probing upward on collision
+    in a fixed order, so the same pods get the same minors after a restart."""
+    taken = set(RESERVED_MINORS)
+    out: dict[str, int] = {}
+    # IPv4-addressed pods first, then by key: a fixed order makes probing deterministic
+    for pod in sorted(pods, key=lambda p: (_minor_seed(p.ips), p.key)):
+        minor = _minor_seed(pod.ips)
+        while minor in taken:
+            minor = (minor + 1) & 0xFFFF
+        taken.add(minor)
+        out[pod.key] = minor
+    return out
+
+
+def desired_state(inputs: NodeInputs) -> DesiredState:
+    """The tc and iptables state that shapes `inputs.pods` on `inputs.uplinks`; raises
+    DesiredStateError naming the input that cannot be programmed."""
+    opts = inputs.options
+    if not inputs.uplinks:
+        raise DesiredStateError("no uplink: the node's internet-facing device(s) must be known (--uplink)")
+    _check_rate(inputs.node_rate, "node allocation")
+    _check_rate(opts.default_rate, "default-class floor")
+    internal = canonical_cidrs(inputs.internal_cidrs)
+    node_rate = max(MIN_RATE_BPS, inputs.node_rate)
+
+    ready: list[PodShape] = []
+    skipped: dict[str, str] = {}
+    seen_ips: dict[str, str] = {}
+    for pod in sorted(inputs.pods, key=lambda p: p.key):
+        _check_rate(pod.rate, f"pod {pod.key}")
+        _check_rate(pod.ceil, f"pod {pod.key} ceil")
+        if not pod.ips:
+            skipped[pod.key] = "no IP yet"
+            continue
+        ips = []
+        for ip in pod.ips:
+            try:
+                ips.append(str(ipaddress.ip_address(ip)))
+            except ValueError:
+                raise DesiredStateError(f"pod {pod.key}: {ip!r} is not an IP address") from None
+        clash = [ip for ip in ips if ip in seen_ips]
+        if clash:
+            # an IP still held by another pod object (a deleted pod not yet gone): the older key wins
+            skipped[pod.key] = f"IP {clash[0]} is still in use by {seen_ips[clash[0]]}"
+            continue
+        for ip in ips:
+            seen_ips[ip] = pod.key
+        ready.append(PodShape(pod.key, tuple(ips), pod.rate, pod.ceil))
+
+    minors = assign_minors(ready)
+    classes = []
+    classify = []
+    for pod in ready:
+        rate = min(pod.rate, node_rate)
+        ceil = min(max(pod.ceil, rate), node_rate)
+        classes.append(HtbClassSpec(minors[pod.key], max(rate, MIN_RATE_BPS), max(ceil, MIN_RATE_BPS), pod.key))
+        classify.append(PodClassification(pod.key, pod.ips, (opts.htb_major, minors[pod.key])))
+    floor = min(opts.default_rate, node_rate)
+    shaper = ShaperSpec(
+        ifb=opts.ifb,
+        uplinks=tuple(inputs.uplinks),
+        mark_bit=opts.mark_bit,
+        node_rate=node_rate,
+        default=HtbClassSpec(DEFAULT_MINOR, floor, floor, "default"),
+        pods=tuple(sorted(classes)),
+        major=opts.htb_major,
+        leaf=opts.leaf_qdisc,
+        filter_pref=opts.filter_pref,
+    )
+    classifier = ClassifierState(
+        mark_bit=opts.mark_bit,
+        internal_cidrs=internal,
+        pods=tuple(classify),
+        uplinks=tuple(inputs.uplinks),
+        default_class=(opts.htb_major, DEFAULT_MINOR),  # unknown sources: shaped at the floor, never unshaped
+    )
+    return DesiredState(shaper, classifier, minors, skipped)

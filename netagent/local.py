@@ -1,0 +1,49 @@
+"""Single-node mode: the agent runs the shared allocation engine over its own pods.
+
+With no `--controller`, this node is the whole cluster: its EgressBudget's total is
+shared among its pods by exactly the engine the controller uses (teams, classes,
+guarantees, caps, demand, headroom, hysteresis), and the node class is capped at the
+total. There is no lease: local allocations never expire.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from core.engine import PodDemandIn, allocate
+from core.policy import Policy, ResolvedPod
+
+from .allocations import Allocation, AllocationSet
+from .demand import MIN_DEMAND_BPS, PodDemand
+
+
+class LocalAllocator:
+    def __init__(self, policy: Callable[[], Policy], floor_bps: int):
+        self.policy = policy  # the policy the pods were resolved against
+        self.floor_bps = floor_bps
+        self._previous = None  # the engine's last result: its hysteresis works from it
+        self._generation = 0
+
+    def __call__(self, pods: list[ResolvedPod], demand: dict[str, PodDemand], budget_bps: int) -> AllocationSet:
+        inputs = []
+        measured = 0.0
+        for p in pods:
+            if not p.ips:
+                continue  # waiting for an IP (or gave it up): nothing to shape, no share to hold
+            d = demand.get(p.key)
+            measured += d.usage_bps if d else 0.0
+            inputs.append(PodDemandIn(
+                key=p.key, team=p.team, egress_class=p.egress_class, weight=p.weight,
+                min_bps=p.min_bps, max_bps=p.max_bps,
+                demand_bps=float(d.demand_bps) if d else float(max(p.min_bps, MIN_DEMAND_BPS)),
+            ))
+        previous = self._previous if self._previous is not None and self._previous.keys else None
+        result = allocate(self.policy(), inputs, measured_total_bps=measured if demand else None, previous=previous)
+        self._previous = result
+        self._generation += 1
+        return AllocationSet(
+            pods={k: Allocation(int(r.allocation_bps), int(r.limit_bps)) for k, r in result.pods.items()},
+            node_rate_bps=int(budget_bps),
+            safe_floor_bps=self.floor_bps,
+            generation=self._generation,
+            source="local",
+        )

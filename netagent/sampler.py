@@ -1,0 +1,79 @@
+"""Every second: read the pod classes' counters into usage, throttling and demand.
+
+In single-node mode the sampler also runs the local allocation rounds; in both modes it
+notices a lease that just ran out and wakes the sync (so pods fall to the floor now, not
+at the next resync), and ends adoption once fresh allocations exist.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from .allocations import Allocations
+from .datapath import DataPath
+from .demand import PodDemand, Sample
+from .sync import NodeSync
+
+log = logging.getLogger(__name__)
+
+
+class Sampler:
+    def __init__(self, node: NodeSync, datapath: DataPath, allocations: Allocations, demand: dict[str, PodDemand],
+                 wake_sync: Callable[[], None], sample_seconds: float = 1.0, allocate_seconds: float = 2.0):
+        self.node = node
+        self.datapath = datapath
+        self.allocations = allocations
+        self.demand = demand
+        self.wake_sync = wake_sync
+        self.sample_seconds = sample_seconds
+        self.allocate_seconds = allocate_seconds
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="sampler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout)
+
+    def _loop(self) -> None:
+        next_alloc = time.monotonic() + self.allocate_seconds
+        while not self._stop.wait(self.sample_seconds):
+            try:
+                now = time.monotonic()
+                if not self.allocations.fail_static and self.allocations.lease_expired(now):
+                    self.wake_sync()  # the lease just ran out: fall to the floor now, not at the next resync
+                self.sample()
+                local = self.node.local
+                if local is not None and time.monotonic() >= next_alloc:
+                    next_alloc = time.monotonic() + self.allocate_seconds
+                    state = self.node.state
+                    if state.pods and self.allocations.replace(local(list(state.pods), self.demand, state.budget_bps)):
+                        self.wake_sync()
+                if (self.allocations.adopted and self.node.state.sync_count
+                        and self.allocations.current.source in ("local", "controller")):
+                    self.allocations.adopted = {}  # fresh allocations exist: adoption has done its job
+            except Exception:
+                log.exception("sampling failed")
+
+    def sample(self) -> None:
+        """One sample of every pod class: usage, throttling and demand per pod."""
+        stats = self.datapath.class_stats()
+        now = time.monotonic()
+        state = self.node.state
+        pods = {p.key: p for p in state.pods}
+        allocs = self.allocations.current.pods
+        for key, minor in state.minors.items():
+            st = stats.get(minor)
+            pod = pods.get(key)
+            if st is None or pod is None:
+                continue
+            d = self.demand.setdefault(key, PodDemand())
+            limit = allocs[key].limit_bps if key in allocs else st.ceil_bytes * 8
+            d.update(Sample(now, st.bytes, st.drops, st.overlimits, st.backlog_bytes), int(limit), pod.max_bps)
+        for gone in set(self.demand) - set(state.minors):
+            del self.demand[gone]

@@ -1,1 +1,0 @@
-"""Where the agent learns its pods and policy: Kubernetes watches or YAML files."""

@@ -1,0 +1,53 @@
+"""`netagent status`: this node's pods as the running agent sees them (reads its /state).
+
+Plain text columns, no terminal library: the agent's image stays small and the output
+pipes into grep as it is.
+"""
+from __future__ import annotations
+
+import json
+import urllib.request
+
+from core.quantity import human_bps, human_bytes
+
+COLUMNS = ("namespace", "pod", "team", "class", "alloc", "limit", "rate", "demand", "inet out", "int out",
+           "inet in", "drops", "notes")
+NUMERIC = {"alloc", "limit", "rate", "demand", "inet out", "int out", "inet in", "drops"}
+MAX_STATE_BYTES = 16 << 20
+
+
+def fetch_state(agent: str, timeout: float = 5.0) -> dict:
+    """The agent's /state at HOST:PORT (raises OSError when it cannot be reached)."""
+    with urllib.request.urlopen(f"http://{agent}/state", timeout=timeout) as resp:
+        return json.loads(resp.read(MAX_STATE_BYTES))
+
+
+def table(rows: list[tuple[str, ...]], header: tuple[str, ...], right: set[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = []
+    for r in [header, *rows]:
+        cells = [str(c).rjust(w) if h in right else str(c).ljust(w) for c, w, h in zip(r, widths, header)]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def render(state: dict) -> str:
+    """The status page: a header line per node fact, then one row per pod."""
+    ready = "ready" if state["ready"] else f"NOT READY: {state['ready_reason']}"
+    mode = f"controller {state['controller']}" if state["controller"] else "single-node (local allocation)"
+    reach = "" if not state["controller"] else (" reachable" if state["controller_reachable"] else " UNREACHABLE")
+    out = [f"node {state['node']}  {ready}  {mode}{reach}"
+           f"{'  FAIL-STATIC (safe floor)' if state['fail_static'] else ''}",
+           f"node allocation {human_bps(state['allocation_bps'])}   internet out "
+           f"{human_bytes(state['egress_bytes']['internet'])}, internal out {human_bytes(state['egress_bytes']['internal'])}"
+           f"   leaf qdisc {state['leaf_qdisc']}, iptables {state['iptables_backend']}", ""]
+    rows = []
+    for p in sorted(state["pods"], key=lambda p: (p["namespace"], p["name"])):
+        notes = p["waiting"] or "; ".join(f"{r}" for r, _ in p["problems"]) or ("throttled" if p["throttled"] else "")
+        rows.append((p["namespace"], p["name"], p["team"], p["egress_class"], human_bps(p["allocation_bps"]),
+                     human_bps(p["limit_bps"]), human_bps(p["usage_bps"]), human_bps(p["demand_bps"]),
+                     human_bytes(p["egress_bytes"]["internet"]), human_bytes(p["egress_bytes"]["internal"]),
+                     human_bytes(p["ingress_bytes"]["internet"]), str(p["dropped_packets"]), notes))
+    out.append(table(rows, COLUMNS, NUMERIC))
+    out += [f"source: {err}" for err in state.get("source_errors") or []]
+    return "\n".join(out)

@@ -1,0 +1,175 @@
+"""One level-triggered reconcile: the node's inputs -> the kernel state that shapes them.
+
+`NodeSync.sync()` resolves the latest snapshot's pods against the policy, decides what
+each pod gets (`Allocations`; in single-node mode the local engine runs first when the
+pods changed), renders the desired kernel state (`desired.desired_state`) and has the
+data path apply the difference. After each good sync it publishes an immutable
+`SyncState` that the sampler, the view and the reporter read; they never reach into
+this object's fields. A failed sync raises nothing: it is logged, counted, and the
+previous kernel state stays in force.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from core.objects import Snapshot
+from core.policy import PolicyCache, ResolvedPod, resolve_pods
+
+from .allocations import Allocations, pod_rates
+from .config import AgentConfig
+from .datapath import DataPath
+from .demand import PodDemand
+from .desired import DesiredState, DesiredStateError, NodeInputs, PodShape, assign_minors, desired_state
+from .local import LocalAllocator
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SyncState:
+    """What the last sync decided, published whole after each sync (readers never see half)."""
+
+    pods: tuple[ResolvedPod, ...] = ()
+    budget_bps: int = 0
+    desired: DesiredState | None = None
+    minors: dict[str, int] = field(default_factory=dict)  # pod key -> HTB minor
+    skipped: dict[str, str] = field(default_factory=dict)  # pod key -> why it is not programmed yet
+    ready: bool = False
+    ready_reason: str = "waiting for the first snapshot"
+    last_success: float = 0.0  # Unix time
+    sync_count: int = 0
+    source_errors: tuple[str, ...] = ()
+
+
+class NodeSync:
+    def __init__(self, cfg: AgentConfig, datapath: DataPath, allocations: Allocations,
+                 demand: dict[str, PodDemand], metrics=None, problems=None):
+        self.cfg = cfg
+        self.datapath = datapath
+        self.allocations = allocations
+        self.demand = demand  # written by the sampler; read here for local allocation
+        self.metrics = metrics
+        self.problems = problems
+        self.state = SyncState()
+        self._snapshot: Snapshot | None = None
+        self._policy_objects: tuple | None = None
+        self.policy = PolicyCache(self._current_policy_objects)
+        self.local = None if cfg.controller else LocalAllocator(lambda: self.policy()[0], cfg.default_floor_bps)
+        self._allocated_inputs: dict[str, object] | None = None  # pods (and budget) the local engine last saw
+        self._lock = threading.Lock()  # one sync at a time (the runner's thread, or a test)
+
+    # -- inputs ---------------------------------------------------------------
+    def on_snapshot(self, snap: Snapshot) -> None:
+        """Record the newest snapshot; the next sync uses it."""
+        self._snapshot = snap
+
+    def _current_policy_objects(self) -> tuple[list[dict], list[dict]]:
+        classes, budgets = self._policy_objects or ((), ())
+        return list(classes), list(budgets)
+
+    def minor_of(self, p: ResolvedPod) -> int | None:
+        """The pod's HTB minor: as programmed, else the one it will get (its address decides)."""
+        minor = self.state.minors.get(p.key)
+        if minor is None and p.ips:
+            minor = assign_minors([PodShape(p.key, p.ips, 1, 1)]).get(p.key)
+        return minor
+
+    # -- the reconcile -----------------------------------------------------------
+    def sync(self, full: bool = True) -> bool:
+        """One level-triggered reconcile. Returns True when the kernel matches the desired state.
+
+        `full` re-reads every part of the kernel state; otherwise parts whose desired state did
+        not change since the last good sync are trusted (the periodic resync re-reads them)."""
+        with self._lock:
+            return self._sync(full)
+
+    def _sync(self, full: bool) -> bool:
+        snap, before = self._snapshot, self.state
+        if snap is None:
+            return True
+        t0 = time.perf_counter()
+        stage = "policy"
+        pods: list[ResolvedPod] | None = None
+        try:
+            if (snap.classes, snap.budgets) != self._policy_objects:
+                self._policy_objects = (snap.classes, snap.budgets)
+                self.policy.invalidate()
+            policy, _ = self.policy()
+            pods = resolve_pods(policy, snap.pods)
+            budget = int(policy.total_bps)
+            if self.problems is not None:
+                for p in pods:
+                    self.problems.report(p.namespace, p.name, p.uid, p.problems)
+                self.problems.forget({p.uid for p in pods})
+            stage = "allocate"
+            self._allocate_locally_if_inputs_changed(pods, budget)
+            effective = self.allocations.effective(pods, self.minor_of, time.monotonic())
+            stage = "plan"
+            shapes = tuple(PodShape(p.key, p.ips, *pod_rates(effective[p.key])) for p in pods)
+            node_rate = self.allocations.node_rate(effective, self.cfg.datapath.default_rate)
+            desired = desired_state(NodeInputs(self.cfg.uplinks, self.cfg.internal_cidrs, shapes, node_rate,
+                                               self.cfg.datapath))
+            stage = "apply"
+            changes = self.datapath.apply(desired, full=full or before.desired is None)
+        except (DesiredStateError, ValueError) as exc:
+            self._failed(stage, f"{stage}: {exc}", pods, snap)
+            return False
+        except Exception as exc:
+            log.exception("sync failed at %s", stage)
+            self._failed(stage, f"{stage}: {exc.__class__.__name__}: {exc}", pods, snap)
+            return False
+        elapsed = time.perf_counter() - t0
+        self.state = SyncState(tuple(pods), budget, desired, dict(desired.minors), dict(desired.skipped), True,
+                               "kernel matches the desired state", time.time(), before.sync_count + 1, snap.errors)
+        self._count(changes, before.desired, desired, elapsed)
+        return True
+
+    def _count(self, changes: dict[str, int], before: DesiredState | None, desired: DesiredState,
+               elapsed: float) -> None:
+        # a part (tc, or iptables with its ipsets) planned exactly as in the last good sync, yet the
+        # kernel needed changes there: someone else changed it
+        drift = {kind: n for kind, n in changes.items() if n and before is not None and (
+            desired.shaper == before.shaper if kind == "tc" else desired.classifier == before.classifier)}
+        if self.metrics:
+            self.metrics.reconcile_duration.observe(elapsed)
+            for kind, n in changes.items():
+                if n:
+                    self.metrics.kernel_changes.labels(kind).inc(n)
+            for kind, n in drift.items():
+                self.metrics.drift_repairs.labels(kind).inc(n)
+        if drift:
+            log.warning("drift repaired: %s changed by someone else, restored in %.1f ms",
+                        ", ".join(f"{n} {k}" for k, n in drift.items()), elapsed * 1000)
+        if sum(changes.values()) > sum(drift.values()):
+            log.info("reconciled: applied %s in %.1f ms",
+                     ", ".join(f"{n} {k}" for k, n in changes.items() if n and k not in drift), elapsed * 1000)
+
+    def _failed(self, stage: str, reason: str, pods: list[ResolvedPod] | None, snap: Snapshot) -> None:
+        s = self.state  # the pods as resolved, if it got that far: the view shows what failed to apply
+        self.state = SyncState(tuple(pods) if pods is not None else s.pods, s.budget_bps, s.desired, s.minors, s.skipped,
+                               False, reason, s.last_success, s.sync_count, snap.errors)
+        if self.metrics:
+            self.metrics.reconcile_errors.labels(stage).inc()
+        log.error("reconcile failed (%s); the previous kernel state stays in force", reason)
+
+    def _allocate_locally_if_inputs_changed(self, pods: list[ResolvedPod], budget: int) -> None:
+        """Single-node mode: a pod that appears, gets its IP or changes class (or a new budget
+        total) gets its share in this sync, not at the next allocation round. Right after a
+        restart, pods whose class the kernel already holds keep it (adoption) until the next round."""
+        if self.local is None:
+            return
+        inputs: dict[str, object] = {p.key: (p.team, p.egress_class, p.weight, p.min_bps, p.max_bps, bool(p.ips))
+                                     for p in pods}
+        inputs[""] = budget  # a new budget total is a change too
+        if inputs == self._allocated_inputs:
+            return
+        first = self._allocated_inputs is None
+        self._allocated_inputs = inputs
+        adopted = self.allocations.adopted
+        if first and adopted and all(self.minor_of(p) in adopted for p in pods if p.ips):
+            return
+        self.allocations.replace(self.local(pods, self.demand, budget))
+

@@ -1,0 +1,73 @@
+"""The desired kernel state is pure: same inputs, same desired state; bad input is a clear error."""
+import pytest
+
+from netagent.desired import DesiredStateError, NodeInputs, DataPathOptions, PodShape, assign_minors, desired_state
+from tc.model import DEFAULT_MINOR, RESERVED_MINORS
+
+
+def inputs(pods=(), **kw):
+    base = dict(uplinks=("eth0",), internal_cidrs=("10.0.0.0/8", "fd00::/8"), pods=tuple(pods), node_rate=1_000_000_000)
+    base.update(kw)
+    return NodeInputs(**base)
+
+
+def pod(key, *ips, rate=10_000_000, ceil=20_000_000):
+    return PodShape(key, ips, rate, ceil)
+
+
+def test_minors_follow_the_ip_and_are_stable():
+    a = desired_state(inputs([pod("ns/a", "10.244.0.11"), pod("ns/b", "10.244.0.12", "fd00::12")]))
+    b = desired_state(inputs([pod("ns/b", "10.244.0.12", "fd00::12"), pod("ns/a", "10.244.0.11")]))
+    assert a == b
+    assert a.minors == {"ns/a": 11, "ns/b": 12}
+    assert {c.tc_class for c in a.classifier.pods} == {(1, 11), (1, 12)}
+
+
+def test_minor_collisions_and_reserved_values_probe_upward():
+    pods = [pod("ns/x", "10.1.0.1"), pod("ns/y", "10.2.0.1"), pod("ns/z", "10.3.255.254")]
+    minors = assign_minors(pods)
+    assert len(set(minors.values())) == 3
+    assert not set(minors.values()) & RESERVED_MINORS
+
+
+def test_pod_rates_are_clamped_to_the_node_and_default_class_floor():
+    d = desired_state(inputs([pod("ns/a", "10.244.0.11", rate=5_000_000_000, ceil=9_000_000_000)], node_rate=100_000_000))
+    (c,) = d.shaper.pods
+    assert c.rate == c.ceil == 100_000_000
+    assert d.shaper.default.minor == DEFAULT_MINOR and d.shaper.default.rate == d.shaper.default.ceil
+
+
+def test_unknown_sources_are_classified_to_the_default_class():
+    d = desired_state(inputs([pod("ns/a", "10.244.0.11")], options=DataPathOptions(htb_major=0x7)))
+    assert d.classifier.default_class == (0x7, DEFAULT_MINOR) == (d.shaper.major, d.shaper.default.minor)
+
+
+def test_pod_without_ip_waits_and_reused_ip_goes_to_one_pod():
+    d = desired_state(inputs([pod("ns/new"), pod("ns/old", "10.244.0.11"), pod("ns/reuse", "10.244.0.11")]))
+    assert d.skipped["ns/new"] == "no IP yet"
+    assert "still in use by ns/old" in d.skipped["ns/reuse"]
+    assert set(d.minors) == {"ns/old"}
+
+
+def test_internal_cidrs_are_canonical():
+    d = desired_state(inputs(internal_cidrs=("10.0.0.5/8", "fd00::1/8", "10.0.0.0/8")))
+    assert d.classifier.internal_cidrs == ("10.0.0.0/8", "fd00::/8")
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(internal_cidrs=("10.0.0.0/33",)), "10.0.0.0/33"),
+        (dict(internal_cidrs=("banana",)), "banana"),
+        (dict(node_rate=0), "positive"),
+        (dict(node_rate=-1), "positive"),
+        (dict(node_rate=2**64), "2\\^64"),
+        (dict(uplinks=()), "no uplink"),
+        (dict(pods=(pod("ns/a", "10.244.0.300"),)), "ns/a.*not an IP"),
+        (dict(pods=(pod("ns/a", "10.244.0.3", rate=0),)), "ns/a.*positive"),
+        (dict(options=DataPathOptions(default_rate=0)), "floor"),
+    ],
+)
+def test_bad_input_names_the_thing(kw, message):
+    with pytest.raises(DesiredStateError, match=message):
+        desired_state(inputs(**kw))
