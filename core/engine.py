@@ -31,6 +31,7 @@ class EngineError(ValueError):
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """Tunables of the engine (headroom, hysteresis, feedback gain bounds)."""
     hysteresis: float = 0.02  # relative change below which the previous number is kept (well inside the 5% convergence aim)
     gain_min: float = 0.5  # bounds of the feedback gain on the budget
     gain_max: float = 1.5
@@ -46,6 +47,7 @@ _MAX_STEPS = 200  # bisection alone would need ~60 per group; Newton steps typic
 
 
 class Fill(NamedTuple):
+    """One water-fill's result: per-member allocations and the level reached per group."""
     allocation: np.ndarray  # per member
     scaled: np.ndarray  # per group: its floors exceeded its capacity and were scaled down
     level: np.ndarray  # per group: the water level (NaN where no water-fill was needed)
@@ -123,6 +125,7 @@ def _water_level(gi: np.ndarray, n: int, capacity: np.ndarray, open_: np.ndarray
 
 @dataclass(frozen=True)
 class TeamColumns:
+    """The policy's teams as columns (weight, guarantee, cap), indexed like `Policy.teams`."""
     names: tuple[str, ...]
     weight: np.ndarray
     min_bps: np.ndarray
@@ -130,6 +133,7 @@ class TeamColumns:
 
     @classmethod
     def from_policy(cls, policy: Policy) -> "TeamColumns":
+        """The columns of `policy.teams`, in its order."""
         teams = policy.teams
         return cls(tuple(t.name for t in teams), np.array([t.weight for t in teams], dtype=np.float64),
                    np.array([t.min_bps for t in teams], dtype=np.float64),
@@ -138,6 +142,7 @@ class TeamColumns:
 
 @dataclass(frozen=True)
 class PodColumns:
+    """Pods as columns: team index, weight, guarantee, cap and demand (bit/s)."""
     team: np.ndarray  # index into TeamColumns
     weight: np.ndarray  # > 0 (the class weight)
     min_bps: np.ndarray  # guarantee
@@ -150,6 +155,7 @@ class PodColumns:
 
 @dataclass
 class ColumnarResult:
+    """What `allocate_columns` returns: per-pod allocations and limits, per-team totals, the gain."""
     allocation: np.ndarray  # per pod, bit/s: the fair share (HTB rate)
     limit: np.ndarray  # per pod: allocation + headroom, <= the pod's cap (HTB ceil)
     team_allocation: np.ndarray
@@ -312,6 +318,7 @@ def _hold(team: np.ndarray, n_teams: int, team_max: np.ndarray, capacity: float,
 
 @dataclass(frozen=True)
 class PodDemandIn:
+    """One pod as `allocate` takes it: its resolved policy and its demand."""
     key: str  # "namespace/name"
     team: str
     egress_class: str
@@ -323,12 +330,14 @@ class PodDemandIn:
 
 @dataclass(frozen=True)
 class PodResult:
+    """One pod's answer: its fair share (HTB rate) and its limit (HTB ceil)."""
     allocation_bps: float  # the fair share
     limit_bps: float  # allocation + headroom, never above the pod's cap
 
 
 @dataclass(frozen=True)
 class Totals:
+    """Allocated, demanded and guaranteed bit/s of one team or class."""
     allocated_bps: float
     limit_bps: float
     demand_bps: float
@@ -339,6 +348,7 @@ class Totals:
 
 @dataclass
 class AllocationResult:
+    """What `allocate` returns: per pod, per team and per class, and the engine state for hysteresis."""
     pods: dict[str, PodResult]
     teams: dict[str, Totals]
     classes: dict[str, Totals]

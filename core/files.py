@@ -121,6 +121,7 @@ class FileSource:
         return self._last, changed
 
     def snapshot(self) -> Snapshot:
+        """The objects of every loaded file as a Snapshot (other nodes' pods left out)."""
         pods, classes, budgets, errors = [], [], [], list(self._errors.values())
         for f in sorted(self._docs):
             for doc in self._docs[f]:
@@ -141,6 +142,7 @@ class FileSource:
         return Snapshot(tuple(pods), tuple(classes), tuple(budgets), self._generation, tuple(errors))
 
     def run(self, on_change: Callable[[Snapshot], None]) -> None:
+        """Call `on_change` with the first snapshot, then with each changed one, until `stop`."""
         snap, _ = self.load()
         on_change(snap)
         while not self._stop.wait(self.interval):
@@ -149,4 +151,5 @@ class FileSource:
                 on_change(snap)
 
     def stop(self) -> None:
+        """End `run` at its next tick."""
         self._stop.set()

@@ -8,7 +8,9 @@ import time
 
 
 class JsonFormatter(logging.Formatter):
+    """One JSON object per log line: ts, level, logger, msg (and exc)."""
     def format(self, record: logging.LogRecord) -> str:
+        """The record as a JSON line."""
         out = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
@@ -21,6 +23,7 @@ class JsonFormatter(logging.Formatter):
 
 
 def setup(fmt: str = "text", level: str = "info") -> None:
+    """Log to standard error as text or JSON lines at `level`; quiet the chatty libraries."""
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter())

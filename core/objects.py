@@ -18,6 +18,7 @@ DNS_NAME = re.compile(f"^{DNS_NAME_PATTERN}$")
 
 @dataclass(frozen=True)
 class PodRecord:
+    """What netagent reads of a Pod: identity, node, addresses, phase and annotations."""
     namespace: str
     name: str
     uid: str
@@ -31,13 +32,16 @@ class PodRecord:
 
     @property
     def key(self) -> str:
+        """"namespace/name": the pod's key everywhere in netagent."""
         return f"{self.namespace}/{self.name}"
 
     def annotation(self, key: str) -> str | None:
+        """The annotation's value, or None."""
         return dict(self.annotations).get(key)
 
     @property
     def terminal(self) -> bool:
+        """Succeeded or Failed: the pod holds no address any more."""
         return self.phase in ("Succeeded", "Failed")
 
     @classmethod

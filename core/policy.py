@@ -35,6 +35,7 @@ class PolicyError(ValueError):
 
 @dataclass(frozen=True)
 class EgressClassSpec:
+    """One validated EgressClass."""
     name: str
     weight: int
     min_bps: int  # guaranteed per pod (up to its demand)
@@ -46,11 +47,13 @@ BUILTIN_DEFAULT_CLASS = EgressClassSpec(DEFAULT_CLASS, 1, 0, MAX_BPS)
 
 @dataclass(frozen=True)
 class LabelRequirement:
+    """One matchLabels entry or matchExpressions requirement."""
     key: str
     operator: str  # In, NotIn, Exists, DoesNotExist
     values: tuple[str, ...] = ()
 
     def matches(self, labels: Mapping[str, str]) -> bool:
+        """Whether `labels` satisfy this requirement."""
         if self.operator == "Exists":
             return self.key in labels
         if self.operator == "DoesNotExist":
@@ -67,11 +70,13 @@ class NamespaceSelector:
     requirements: tuple[LabelRequirement, ...]
 
     def matches(self, labels: Mapping[str, str]) -> bool:
+        """Whether `labels` satisfy every requirement."""
         return all(r.matches(labels) for r in self.requirements)
 
 
 @dataclass(frozen=True)
 class TeamSpec:
+    """One validated team of the EgressBudget."""
     name: str
     namespaces: tuple[str, ...]
     weight: int
@@ -82,11 +87,13 @@ class TeamSpec:
     namespace_selector: NamespaceSelector | None = None
 
     def allows(self, egress_class: str) -> bool:
+        """Whether the team's pods may use `egress_class` (an empty list allows all)."""
         return not self.allowed_classes or egress_class in self.allowed_classes
 
 
 @dataclass(frozen=True)
 class Policy:
+    """The validated policy: the budget's total, its classes and teams, the default team."""
     total_bps: int
     classes: Mapping[str, EgressClassSpec]
     teams: tuple[TeamSpec, ...]  # the default team is always among them
@@ -121,6 +128,7 @@ class Policy:
         return self._team_by_name[self.default_team]
 
     def team(self, name: str) -> TeamSpec:
+        """The team called `name` (KeyError when there is none)."""
         return self._team_by_name[name]
 
     def team_index(self) -> dict[str, int]:
@@ -139,6 +147,7 @@ def builtin_default_policy(classes: Mapping[str, EgressClassSpec] | None = None)
 
 @dataclass(frozen=True)
 class PodPolicy:
+    """A pod's resolved policy: team, class, weight, guarantee, cap, and what was wrong with its annotations."""
     team: str
     egress_class: str
     weight: float
@@ -253,6 +262,7 @@ class PolicyCache:
         self._lock = threading.Lock()
 
     def invalidate(self) -> None:
+        """The objects changed: the next call reloads the policy."""
         self._dirty = True
 
     def __call__(self) -> tuple[Policy, list[str]]:
@@ -355,6 +365,7 @@ def _min_max(spec: dict, what: str) -> tuple[int, int]:
 
 
 def parse_class(obj: Any) -> EgressClassSpec:
+    """One EgressClass object -> EgressClassSpec; PolicyError naming the field."""
     name, spec = _spec_of(obj, "EgressClass")
     what = f"EgressClass {name}: spec"
     min_bps, max_bps = _min_max(spec, what)

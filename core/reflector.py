@@ -36,19 +36,23 @@ class Backoff:
         self.rng = rng or random.Random()
 
     def next(self) -> float:
+        """The next delay: uniform in [0, min(cap, base * 2^attempt)]."""
         delay = self.rng.uniform(0, min(self.cap, self.base * (2**self.attempt)))
         self.attempt += 1
         return delay
 
     def reset(self) -> None:
+        """After a success: start from `base` again."""
         self.attempt = 0
 
 
 def uid_key(obj: dict) -> str:
+    """Key objects by their UID."""
     return obj["metadata"]["uid"]
 
 
 def whole(obj: dict) -> dict:
+    """Keep the whole object."""
     return obj
 
 
@@ -75,15 +79,18 @@ class Reflector(Generic[V]):
         self.lock = threading.Lock()  # writers hold it; readers copy under it (values())
 
     def start(self) -> threading.Thread:
+        """List and watch in a daemon thread until the stop event is set."""
         t = threading.Thread(target=self.run, name=f"watch-{self.name}", daemon=True)
         t.start()
         return t
 
     def values(self) -> list[V]:
+        """A copy of the cached values."""
         with self.lock:
             return list(self.items.values())
 
     def get(self, key: object) -> V | None:
+        """The cached value for `key`, or `default`."""
         return self.items.get(key)  # one dict lookup: atomic under the GIL
 
     def _put(self, items: dict, obj: dict) -> bool:
@@ -98,6 +105,7 @@ class Reflector(Generic[V]):
         return True
 
     def relist(self) -> None:
+        """One paged list into a fresh map; returns the list's resourceVersion."""
         items: dict[object, V] = {}
         token = None
         while True:
@@ -119,6 +127,7 @@ class Reflector(Generic[V]):
         self.on_change()
 
     def run(self) -> None:
+        """List, then watch from the list's resourceVersion; relist after 410; back off on errors."""
         backoff = Backoff()
         need_list = True
         while not self.stop.is_set():

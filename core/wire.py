@@ -33,6 +33,7 @@ AnnotationValue = Annotated[str, msgspec.Meta(max_length=1024)]
 # gc=False: these hold only strings, numbers and lists of each other, never a cycle; keeping
 # hundreds of thousands of them out of the cyclic GC's reach keeps its full passes cheap
 class PodReport(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """One pod in a node report."""
     namespace: PodName
     name: PodName
     usage_bps: Rate  # measured internet egress over the last period
@@ -43,6 +44,7 @@ class PodReport(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 
 
 class NodeReport(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """An agent's report: its node's pods and the node's measured internet egress."""
     node: Name
     pods: Annotated[list[PodReport], msgspec.Meta(max_length=MAX_PODS_PER_REPORT)]
     seq: Annotated[int, msgspec.Meta(ge=0)] = 0
@@ -55,6 +57,7 @@ MAX_PROBLEMS = 2 * MAX_PODS_PER_REPORT
 
 
 class PodAllocation(msgspec.Struct, gc=False):
+    """One pod in an answer: its fair share and its limit."""
     namespace: PodName
     name: PodName
     team: Text
@@ -64,6 +67,7 @@ class PodAllocation(msgspec.Struct, gc=False):
 
 
 class NodeAnswer(msgspec.Struct):
+    """The controller's answer to a node report."""
     node: Name
     # allocation round these numbers come from; 0 = no round with this node yet (a controller
     # that just became leader): the agent keeps the allocations and lease it already has
@@ -77,6 +81,7 @@ class NodeAnswer(msgspec.Struct):
 
 
 class ErrorBody(msgspec.Struct, omit_defaults=True):
+    """The JSON body of every refusal."""
     error: Annotated[str, msgspec.Meta(max_length=4096)]
     reason: Text
     leader: Text | None = None  # with reason NotLeader: the leader's host:port, when known

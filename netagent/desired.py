@@ -30,6 +30,7 @@ class DesiredStateError(NetagentError, ValueError):
 
 @dataclass(frozen=True)
 class PodShape:
+    """A pod as the desired state needs it: key, addresses, rate and ceil."""
     key: str  # "namespace/name"
     ips: tuple[str, ...]
     rate: int  # guaranteed internet egress, bit/s
@@ -38,6 +39,7 @@ class PodShape:
 
 @dataclass(frozen=True)
 class DataPathOptions:
+    """How the data path is laid out on this node (mark bit, IFB, HTB major, leaf qdisc, floor)."""
     mark_bit: int = DEFAULT_MARK_BIT
     ifb: str = "netagent0"
     htb_major: int = 0x1
@@ -48,6 +50,7 @@ class DataPathOptions:
 
 @dataclass(frozen=True)
 class NodeInputs:
+    """Everything `desired_state` needs: uplinks, internal CIDRs, pods, the node's rate, options."""
     uplinks: tuple[str, ...]
     internal_cidrs: tuple[str, ...]
     pods: tuple[PodShape, ...]
@@ -57,6 +60,7 @@ class NodeInputs:
 
 @dataclass(frozen=True)
 class DesiredState:
+    """The kernel state to apply: the tc shaper, the iptables classifier, and the pods' minors."""
     shaper: ShaperSpec
     classifier: ClassifierState
     minors: dict[str, int]  # pod key -> HTB minor (and CLASSIFY target)

@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
-# Install everything netagent's demo and tests need on a fresh Debian machine, idempotently:
-# kernel tools (apt), Python packages (pip), and the Kubernetes test assets built from Go modules.
+# Install what netagent's demo or tests need on a fresh Debian machine, idempotently.
+#   bootstrap.sh --demo   the demo only: kernel tools (apt) and the project with its demo extra (a minute or two)
+#   bootstrap.sh          everything the tests need: also prometheus, the test extras, and the Kubernetes
+#                         test assets built from Go modules (about 15 minutes on 2 cores the first time)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+demo_only=0
+case "${1:-}" in
+  --demo) demo_only=1 ;;
+  "") ;;
+  *) echo "usage: $0 [--demo]" >&2; exit 2 ;;
+esac
 
 if [[ $(id -u) -ne 0 ]]; then
   echo "bootstrap: run as root (netagent programs iptables and tc; the tests build network namespaces)" >&2
   exit 1
 fi
 
-apt_packages=(iproute2 iptables ipset iperf3 conntrack iputils-ping kmod procps make openssl prometheus wrk ca-certificates)
+apt_packages=(iproute2 iptables ipset iperf3 conntrack iputils-ping kmod procps)
+((demo_only)) || apt_packages+=(make openssl prometheus wrk ca-certificates)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -21,10 +30,13 @@ if ((${#missing[@]})); then
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-echo "bootstrap: pip install -e .[test]"
-python3 -m pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v "Running pip as the 'root' user" || true
-python3 -c "import netagent, tc, iptables, controller, pyroute2, prometheus_client" \
+extra=test
+((demo_only)) && extra=demo
+echo "bootstrap: pip install -e .[$extra]"
+python3 -m pip install -q --disable-pip-version-check -e ".[$extra]" 2>&1 | grep -v "Running pip as the 'root' user" || true
+python3 -c "import cli, core, netagent, tc, iptables, controller, pyroute2, prometheus_client, rich, matplotlib" \
   || { echo "bootstrap: the Python install failed" >&2; exit 1; }
+((demo_only)) && exit 0
 
 # Go for the Kubernetes test assets: the machines ship it in /usr/local/go, not always on PATH
 if ! command -v go >/dev/null 2>&1 && [[ -x /usr/local/go/bin/go ]]; then

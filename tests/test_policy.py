@@ -303,3 +303,23 @@ def test_any_input_loads_or_is_described_never_crashes(classes, budgets, namespa
     assert all(isinstance(p, str) and p for p in problems)
     pod = resolve_pod(policy, namespace, annotation, annotation)
     assert pod.egress_class in policy.classes and 0 <= pod.min_bps <= pod.max_bps
+
+
+def test_every_text_a_user_reads_says_a_guarantee_is_a_floor_under_the_weighted_share():
+    """The engine's semantics (clamp(λ·weight, guarantee, cap)) in every place a user reads them:
+    README, docs/crds.md and the CRDs' field descriptions (what `kubectl explain` prints)."""
+    repo = CRDS.parent.parent
+    texts = {"README.md": (repo / "README.md").read_text(), "docs/crds.md": (repo / "docs/crds.md").read_text()}
+    cls = yaml.safe_load((CRDS / "egressclasses.yaml").read_text())
+    budget = yaml.safe_load((CRDS / "egressbudgets.yaml").read_text())
+    cls_spec = cls["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    team = (budget["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+            ["teams"]["items"]["properties"])
+    texts["EgressClass spec.min"] = cls_spec["min"]["description"]
+    texts["EgressBudget teams[].min"] = team["min"]["description"]
+    for where, text in texts.items():
+        assert "floor under" in " ".join(text.split()), where
+        assert "left after guarantees" not in text, where
+    for where, text in (("EgressClass spec.weight", cls_spec["weight"]["description"]),
+                        ("EgressBudget teams[].weight", team["weight"]["description"])):
+        assert "never less than its min" in " ".join(text.split()), where
