@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import inspect
 import json
 import logging
 import os
@@ -37,6 +38,12 @@ IPTABLES_BACKENDS = ("auto", "nft", "legacy")
 
 def _int(text: str) -> int:
     return int(text, 0)
+
+
+def _flags_for(build, a: argparse.Namespace) -> dict:
+    """The parsed flags that a config builder takes, by name (--report-period is report_period):
+    a flag is defined once, here, and never listed again."""
+    return {name: getattr(a, name) for name in inspect.signature(build).parameters}
 
 
 # -- flags shared by several subcommands: each defined once, here ------------------------------
@@ -91,12 +98,7 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
 def _run(a: argparse.Namespace) -> int:
     setup_logging(a.log_format, a.log_level)
     try:
-        cfg = agent_config.from_flags(
-            node=a.node, from_file=a.from_file, kubeconfig=a.kubeconfig, controller=a.controller,
-            token_path=a.token_path, uplink=a.uplink, internal_cidr=a.internal_cidr, pod_cidr=a.pod_cidr,
-            service_cidr=a.service_cidr, listen=a.listen, mark_bit=a.mark_bit, ifb=a.ifb,
-            default_rate=a.default_rate, report_period=a.report_period, resync_period=a.resync_period,
-            iptables_backend=a.iptables_backend)
+        cfg = agent_config.from_flags(**_flags_for(agent_config.from_flags, a))
         daemon = Daemon.build(cfg)
     except (NetagentError, OSError) as exc:  # configuration and environment errors: say what and stop
         log.error("cannot start: %s", exc)
@@ -212,13 +214,7 @@ def _controller_flags(p: argparse.ArgumentParser) -> None:
 def _controller(a: argparse.Namespace) -> int:
     setup_logging(a.log_format, a.log_level)
     try:
-        cfg = controller_config.from_flags(
-            listen=a.listen, metrics_listen=a.metrics_listen, advertise=a.advertise, from_file=a.from_file,
-            kubeconfig=a.kubeconfig, period=a.period, answer_wait=a.answer_wait, lease_seconds=a.lease_seconds,
-            report_rate=a.report_rate, report_ttl=a.report_ttl, status_interval=a.status_interval,
-            namespace=a.namespace, lease_name=a.lease_name, identity=a.identity,
-            election_lease_seconds=a.election_lease_seconds, no_auth=a.no_auth,
-            agent_service_account=a.agent_service_account, token_cache_seconds=a.token_cache_seconds)
+        cfg = controller_config.from_flags(**_flags_for(controller_config.from_flags, a))
     except NetagentError as exc:
         logging.getLogger("netagent.controller").error("cannot start: %s", exc)
         return 2
