@@ -16,20 +16,15 @@ import signal
 import sys
 import threading
 
-from controller import app as controller_app
 from controller import config as controller_config
-from controller import whatif
 from core.errors import NetagentError
 from core.logsetup import setup as setup_logging
-from netagent import cleanup, status
 from netagent import config as agent_config
-from netagent.daemon import Daemon
 from netagent.desired import DEFAULT_MARK_BIT, DataPathOptions
 
-try:  # the lab is tooling beside the product: present in a source checkout, not in the wheel or image
-    from lab import demo
-except ImportError:
-    demo = None
+# Each subcommand imports the code it runs inside its handler, so a process loads only its own
+# part: the agent never loads the controller's web server, the engine's numpy, or the demo's
+# terminal UI (tests/test_layers.py holds this). import-linter still sees every one of these arrows.
 
 log = logging.getLogger("netagent")
 SHUTDOWN_GRACE_S = 10.0
@@ -98,6 +93,8 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
 def _run(a: argparse.Namespace) -> int:
     setup_logging(a.log_format, a.log_level)
     try:
+        from netagent.daemon import Daemon
+
         cfg = agent_config.from_flags(**_flags_for(agent_config.from_flags, a))
         daemon = Daemon.build(cfg)
     except (NetagentError, OSError) as exc:  # configuration and environment errors: say what and stop
@@ -138,6 +135,8 @@ def _status_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _status(a: argparse.Namespace) -> int:
+    from netagent import status
+
     try:
         state = status.fetch_state(a.agent)
     except OSError as exc:
@@ -156,6 +155,8 @@ def _cleanup_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _cleanup(a: argparse.Namespace) -> int:
+    from netagent import cleanup
+
     done, failed = cleanup.cleanup(a.ifb, a.iptables_backend)
     for line in failed:
         print(line)
@@ -176,6 +177,8 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _plan(a: argparse.Namespace) -> int:
+    from controller import whatif
+
     return whatif.run(a.from_file, a.demand, a.output)
 
 
@@ -218,7 +221,9 @@ def _controller(a: argparse.Namespace) -> int:
     except NetagentError as exc:
         logging.getLogger("netagent.controller").error("cannot start: %s", exc)
         return 2
-    return controller_app.run(cfg)
+    from controller import app
+
+    return app.run(cfg)
 
 
 def _demo_flags(p: argparse.ArgumentParser) -> None:
@@ -229,10 +234,16 @@ def _demo_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _demo(a: argparse.Namespace) -> int:
-    if demo is None:
-        print("netagent demo runs from a source checkout (the lab is not part of the installed product): "
-              "git clone the project, then `sudo bash scripts/bootstrap.sh --demo && sudo python3 -m netagent demo`",
-              file=sys.stderr)
+    try:  # the lab is tooling beside the product: in a source checkout, not in the wheel or the image
+        from lab import demo
+    except ModuleNotFoundError as exc:
+        if exc.name == "lab":
+            print("netagent demo runs from a source checkout (the lab is not part of the installed product): "
+                  "git clone the project, then `sudo bash scripts/bootstrap.sh --demo && sudo python3 -m netagent demo`",
+                  file=sys.stderr)
+        else:
+            print(f"netagent demo needs {exc.name}: pip install -e '.[demo]' (or `sudo bash scripts/bootstrap.sh --demo`)",
+                  file=sys.stderr)
         return 2
     return demo.run(demo.DemoOptions(duration=a.duration, png=a.png, plain=a.plain, summary_json=a.summary_json))
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 from core.objects import Snapshot
-from core.policy import ResolvedPod
+from core.policy import Policy, ResolvedPod
 
 from .allocations import Allocations, AllocationSet
 from .config import AgentConfig
@@ -22,7 +23,7 @@ from .datapath import DataPath
 from .demand import PodDemand
 from .runner import Runner
 from .sampler import Sampler
-from .sync import NodeSync
+from .sync import LocalAllocate, NodeSync
 from .view import NodeView, node_view
 
 log = logging.getLogger(__name__)
@@ -38,13 +39,17 @@ class ReportInputs:
 
 
 class Agent:
-    def __init__(self, cfg: AgentConfig, datapath: DataPath, metrics=None, problems=None,
-                 initial: AllocationSet | None = None):
+    def __init__(self, cfg: AgentConfig, datapath: DataPath, local: Callable[[Callable[[], Policy]], LocalAllocate]
+                 | None = None, metrics=None, problems=None, initial: AllocationSet | None = None):
+        """`local` makes the single-node allocator from the agent's policy (netagent.local.LocalAllocator);
+        None in controller mode."""
         self.cfg = cfg
         self.datapath = datapath
         self.allocations = Allocations(cfg.default_floor_bps, initial)
         self.demand: dict[str, PodDemand] = {}
         self.node = NodeSync(cfg, datapath, self.allocations, self.demand, metrics=metrics, problems=problems)
+        if local is not None:
+            self.node.local = local(lambda: self.node.policy()[0])
         self.runner = Runner(self.node.sync, cfg.min_sync_interval, cfg.resync_seconds)
         self.sampler = Sampler(self.node, datapath, self.allocations, self.demand, self.runner.wake,
                                cfg.sample_seconds, cfg.allocate_seconds)

@@ -8,21 +8,21 @@ threads and leaves the data path in force (fail-static).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
 
-from core.kubeapi import load_api_client
+from core.files import FileSource
 
 from .agent import Agent
 from .allocations import AllocationSet
 from .config import AgentConfig
 from .datapath import KernelDataPath, probe_leaf_qdisc
-from .events import ProblemReporter, kube_event_emitter
+from .events import ProblemReporter
 from .http import AgentHTTP
 from .metrics import AgentMetrics
 from .reporter import Reporter
-from .sources import FileSource, KubeSource
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +47,13 @@ class Daemon:
         holder: dict[str, Agent] = {}
         metrics = AgentMetrics(lambda: holder["agent"].view())
         emit_event = None
+        # A part is loaded only in the mode that uses it (tests/test_layers.py holds this): the
+        # kubernetes client only with Kubernetes, the engine (numpy) only in single-node mode.
         if cfg.from_file:
             source = FileSource(list(cfg.from_file), node=cfg.node)
         else:
+            from .sources import KubeSource, kube_event_emitter, load_api_client
+
             api = load_api_client(cfg.kubeconfig)
             source = KubeSource(api, cfg.node, on_metric=lambda res, kind: metrics.watch_events.labels(res, kind).inc())
             emit_event = kube_event_emitter(api, cfg.node)
@@ -60,7 +64,12 @@ class Daemon:
             # while, then the floor, unless the controller answers first
             initial = AllocationSet(lease_expires=time.monotonic() + max(30.0, 6 * cfg.report_period),
                                     source="adopted")
-        agent = Agent(cfg, datapath, metrics=metrics, problems=problems, initial=initial)
+        local = None
+        if not cfg.controller:
+            from .local import LocalAllocator
+
+            local = functools.partial(LocalAllocator, floor_bps=cfg.default_floor_bps)
+        agent = Agent(cfg, datapath, local, metrics=metrics, problems=problems, initial=initial)
         holder["agent"] = agent
         reporter = None
         if cfg.controller:

@@ -2,14 +2,9 @@
 metric, once per change (never in a loop while the bad value stays)."""
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import threading
 from typing import Callable
-
-from kubernetes import client
-
-from core.kubeapi import TIMEOUT
 
 log = logging.getLogger(__name__)
 
@@ -41,27 +36,3 @@ class ProblemReporter:
         with self._lock:
             for uid in set(self._told) - live_uids:
                 del self._told[uid]
-
-
-def kube_event_emitter(api_client, node: str) -> Callable[[str, str, str, str, str], None]:
-    core = client.CoreV1Api(api_client)
-
-    def emit(namespace: str, name: str, uid: str, reason: str, message: str) -> None:
-        now = dt.datetime.now(dt.timezone.utc)
-        body = client.CoreV1Event(
-            metadata=client.V1ObjectMeta(generate_name=f"{name}.netagent-", namespace=namespace),
-            involved_object=client.V1ObjectReference(kind="Pod", namespace=namespace, name=name, uid=uid,
-                                                     api_version="v1"),
-            reason=reason,
-            message=message,
-            type="Warning",
-            source=client.V1EventSource(component="netagent", host=node),
-            reporting_component="netagent.io/agent",
-            reporting_instance=node,
-            first_timestamp=now,
-            last_timestamp=now,
-            count=1,
-        )
-        core.create_namespaced_event(namespace, body, _request_timeout=TIMEOUT)
-
-    return emit

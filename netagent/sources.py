@@ -1,5 +1,6 @@
-"""Where the agent's snapshots come from: Kubernetes (this node's pods and the two
-cluster-scoped policy kinds) or YAML files (`core.files.FileSource`, the same objects).
+"""The agent's Kubernetes side: where its snapshots come from (this node's pods and the two
+cluster-scoped policy kinds) and the Events it writes. In file mode (`core.files.FileSource`)
+none of this, and not the kubernetes client, is loaded.
 
 One reflector (list + resumable watch, see reflector.py) per kind; pods filtered
 server-side with fieldSelector=spec.nodeName=<node>. No periodic polling, never a
@@ -7,19 +8,19 @@ cluster-wide pod list.
 """
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 from typing import Callable
 
 from kubernetes import client
 
-from core.files import FileSource
-from core.kubeapi import GROUP, VERSION
+from core.kubeapi import GROUP, TIMEOUT, VERSION, load_api_client
 from core.objects import PodRecord, Snapshot
 from core.reflector import Reflector
 
 log = logging.getLogger(__name__)
-__all__ = ["FileSource", "KubeSource"]
+__all__ = ["KubeSource", "kube_event_emitter", "load_api_client"]
 
 
 class KubeSource:
@@ -82,3 +83,28 @@ class KubeSource:
     def stop(self) -> None:
         self.stop_event.set()
         self._changed.set()
+
+
+def kube_event_emitter(api_client, node: str) -> Callable[[str, str, str, str, str], None]:
+    """(namespace, pod, uid, reason, message) -> a Warning Event on the pod, written with a timeout."""
+    core = client.CoreV1Api(api_client)
+
+    def emit(namespace: str, name: str, uid: str, reason: str, message: str) -> None:
+        now = dt.datetime.now(dt.timezone.utc)
+        body = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(generate_name=f"{name}.netagent-", namespace=namespace),
+            involved_object=client.V1ObjectReference(kind="Pod", namespace=namespace, name=name, uid=uid,
+                                                     api_version="v1"),
+            reason=reason,
+            message=message,
+            type="Warning",
+            source=client.V1EventSource(component="netagent", host=node),
+            reporting_component="netagent.io/agent",
+            reporting_instance=node,
+            first_timestamp=now,
+            last_timestamp=now,
+            count=1,
+        )
+        core.create_namespaced_event(namespace, body, _request_timeout=TIMEOUT)
+
+    return emit

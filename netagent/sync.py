@@ -14,16 +14,20 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from core.objects import Snapshot
 from core.policy import PolicyCache, ResolvedPod, resolve_pods
 
-from .allocations import Allocations, pod_rates
+from .allocations import Allocations, AllocationSet, pod_rates
 from .config import AgentConfig
 from .datapath import DataPath
 from .demand import PodDemand
 from .desired import DesiredState, DesiredStateError, NodeInputs, PodShape, assign_minors, desired_state
-from .local import LocalAllocator
+
+# Single-node mode's allocator (netagent.local.LocalAllocator): (pods, demand, budget) -> allocations.
+# Injected, so the agent in controller mode never loads the engine (numpy).
+LocalAllocate = Callable[[list[ResolvedPod], dict[str, PodDemand], int], AllocationSet]
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +50,7 @@ class SyncState:
 
 class NodeSync:
     def __init__(self, cfg: AgentConfig, datapath: DataPath, allocations: Allocations,
-                 demand: dict[str, PodDemand], metrics=None, problems=None):
+                 demand: dict[str, PodDemand], local: LocalAllocate | None = None, metrics=None, problems=None):
         self.cfg = cfg
         self.datapath = datapath
         self.allocations = allocations
@@ -57,7 +61,7 @@ class NodeSync:
         self._snapshot: Snapshot | None = None
         self._policy_objects: tuple | None = None
         self.policy = PolicyCache(self._current_policy_objects)
-        self.local = None if cfg.controller else LocalAllocator(lambda: self.policy()[0], cfg.default_floor_bps)
+        self.local = local
         self._allocated_inputs: dict[str, object] | None = None  # pods (and budget) the local engine last saw
         self._lock = threading.Lock()  # one sync at a time (the runner's thread, or a test)
 

@@ -3,6 +3,7 @@ the fail-static lease, drift accounting. The data path here is the in-memory fak
 lives beside the DataPath protocol (the real one is exercised in tests/test_agent_lab.py)."""
 from __future__ import annotations
 
+import functools
 import time
 
 from core.objects import PodRecord, Snapshot
@@ -12,6 +13,7 @@ from netagent.allocations import Allocation, AllocationSet
 from netagent.config import AgentConfig
 from netagent.datapath_fake import FakeDataPath
 from netagent.desired import PodShape, assign_minors
+from netagent.local import LocalAllocator
 from netagent.metrics import AgentMetrics
 
 M = 1_000_000
@@ -28,8 +30,9 @@ def pod(name: str, ip: str | None, host_network=False, phase="Running", deleting
 def make_agent(dp, controller=None):
     holder = {}
     metrics = AgentMetrics(lambda: holder["a"].view())
+    local = None if controller else functools.partial(LocalAllocator, floor_bps=1 * M)
     agent = Agent(AgentConfig("n1", ("eth0",), ("10.0.0.0/8",), controller=controller, default_floor_bps=1 * M),
-                  dp, metrics=metrics)
+                  dp, local, metrics=metrics)
     holder["a"] = agent
     return agent, metrics
 
@@ -98,3 +101,46 @@ def test_controller_lease_then_floor_and_drift_accounting():
     assert [(c.rate, c.ceil) for c in dp.applied[-1].shaper.pods] == [(2 * M, 2 * M)]
     assert agent.fail_static and agent.view().allocation_source == "floor"
     assert sample(metrics, "netagent_drift_repairs_total", kind="tc") == 2  # a planned change is not drift
+
+
+def wait_until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_a_failed_apply_is_retried_with_a_full_read_and_the_old_state_stays():
+    dp = FakeDataPath()
+    agent, metrics = make_agent(dp)
+    agent.start()
+    try:
+        agent.on_snapshot(Snapshot((pod("p", "10.244.0.10"),), CLASSES, BUDGETS))
+        wait_until(lambda: dp.applied)
+        dp.fail_with = RuntimeError("netlink: device busy")
+        agent.on_snapshot(Snapshot((pod("p", "10.244.0.10"), pod("q", "10.244.0.11")), CLASSES, BUDGETS))
+        wait_until(lambda: len(dp.applied) >= 2)  # the retry after the failure
+        assert dp.full[-1] is True  # a retry re-reads the whole kernel state
+        assert {c.key for c in dp.applied[-1].shaper.pods} == {"ns/p", "ns/q"}
+        assert sample(metrics, "netagent_reconcile_errors_total", stage="apply") == 1
+        assert agent.readiness()[0]
+    finally:
+        agent.stop()
+
+
+def test_the_sampler_turns_class_counters_into_usage_and_demand():
+    from tc.model import ClassStats
+
+    dp = FakeDataPath()
+    agent, _ = make_agent(dp)
+    agent.on_snapshot(Snapshot((pod("p", "10.244.0.10"),), CLASSES, BUDGETS))
+    assert agent.sync()
+    minor = agent.node.state.minors["ns/p"]
+    ceil = next(c.ceil for c in dp.applied[-1].shaper.pods if c.minor == minor)
+    for sent in (0, 1_000_000):  # 1 MB in the interval between two samples
+        dp.stats = {minor: ClassStats(minor, sent, sent // 1000, 0, 0, 0, 0, ceil // 8, ceil // 8)}
+        agent.sampler.sample()
+        time.sleep(0.2)
+    view = {p.name: p for p in agent.view().pods}["p"]
+    assert view.usage_bps > 0 and view.demand_bps >= view.usage_bps * 0.5
+    assert not view.throttled

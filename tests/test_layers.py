@@ -1,11 +1,13 @@
 """The house's floors as a test: import-linter's contracts (pyproject.toml) hold, they are not
-vacuous (a deliberately wrong arrow breaks them), and the product imports at module level only
-(no import hidden in a function to dodge a cycle)."""
+vacuous (a deliberately wrong arrow breaks them), no import is hidden in a function to dodge a
+cycle, and each process loads only its own part."""
 from __future__ import annotations
 
 import ast
+import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,11 +52,21 @@ def test_a_wrong_arrow_breaks_a_contract(tmp_path, module, line, broken):
     assert any(broken in ln for ln in broken_contracts), done.stdout[-3000:]
 
 
-def test_the_product_imports_at_module_level_only():
-    """An import inside a function hides an arrow from the drawing and usually dodges a cycle."""
+# The only places a module is imported inside a function: where a process picks a part by mode, so
+# that it never loads what it does not run (the footprint test below holds them to it).
+LOADED_BY_MODE = {
+    "cli/main.py": "each subcommand imports the process it runs",
+    "netagent/daemon.py": "the kubernetes client only with Kubernetes, the engine (numpy) only in single-node mode",
+}
+
+
+def test_imports_inside_functions_only_where_a_part_is_chosen_by_mode():
+    """An import inside a function hides an arrow from a reader and usually dodges a cycle."""
     hidden = []
     for package in PRODUCT:
         for path in sorted((REPO / package).rglob("*.py")):
+            if str(path.relative_to(REPO)) in LOADED_BY_MODE:
+                continue
             tree = ast.parse(path.read_text())
             for node in ast.walk(tree):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -62,3 +74,29 @@ def test_the_product_imports_at_module_level_only():
                         if isinstance(inner, (ast.Import, ast.ImportFrom)):
                             hidden.append(f"{path.relative_to(REPO)}:{inner.lineno}")
     assert not hidden, f"imports inside functions: {hidden}"
+
+
+@pytest.mark.parametrize("mode,loaded", [
+    # the agent as `netagent run --from-file` builds it (single-node): the engine, not the client
+    ("files", {"numpy"}),
+    # the agent with Kubernetes and a controller: the client, not the engine
+    ("kube", {"kubernetes"}),
+])
+def test_the_agent_loads_only_its_own_part(mode, loaded):
+    """The agent's memory is its budget (docs: RSS aim): it never loads the controller's web server,
+    the demo's terminal UI or plotting, and only the mode's own heavy parts."""
+    code = f"""
+import json, sys, functools
+import cli.main
+from netagent import daemon
+from netagent.config import AgentConfig
+if {mode!r} == "files":
+    from netagent.local import LocalAllocator
+else:
+    from netagent.sources import KubeSource, kube_event_emitter, load_api_client
+print(json.dumps(sorted(m for m in ("aiohttp", "rich", "matplotlib", "controller.app", "controller.whatif", "lab",
+                                    "kubernetes", "numpy") if m in sys.modules)))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert set(json.loads(done.stdout)) == loaded
