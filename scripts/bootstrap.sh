@@ -9,7 +9,8 @@ if [[ $(id -u) -ne 0 ]]; then
   exit 1
 fi
 
-apt_packages=(iproute2 iptables ipset iperf3 conntrack iputils-ping kmod procps make openssl prometheus wrk ca-certificates)
+apt_packages=(iproute2 iptables ipset iperf3 conntrack iputils-ping kmod procps make openssl prometheus wrk ca-certificates
+  runc busybox-static)  # the real node (tests/node.py): runc under containerd, busybox for its images
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -32,4 +33,8 @@ if ! command -v go >/dev/null 2>&1 && [[ -x /usr/local/go/bin/go ]]; then
 fi
 if [[ -f Makefile ]] && grep -q '^kube-assets:' Makefile; then
   make --no-print-directory kube-assets
+fi
+# kubelet, containerd, CNI plugins, helm: after kube-assets, whose build cache makes the kubelet quick
+if [[ -f Makefile ]] && grep -q '^node-assets:' Makefile; then
+  make --no-print-directory node-assets
 fi

@@ -314,6 +314,17 @@ def _kill(pids: Iterable[int]) -> None:
             pass
 
 
+def _log_errors(process: Process, lines: int = 8) -> str:
+    """The last error lines of a kubelet (klog E/F) or containerd (level=error/fatal) log, else its tail."""
+    try:
+        text = process.log_file.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    errors = [line for line in text if line[:1] in ("E", "F") and line[1:2].isdigit()
+              or "level=error" in line or "level=fatal" in line]
+    return "\n".join((errors or text)[-lines:])
+
+
 def _default_route_ip() -> str:
     """The source address of the default route (the kubelet's node IP must be a non-loopback
     address of the host; it is only registered, no traffic is sent to it by these tests)."""
@@ -465,7 +476,7 @@ class RealNode:
                 code = process.exit_code()
                 if code is not None:
                     raise KubeHarnessError(
-                        f"{process.name} exited with code {code}; log: {self._kept_log(process)}\n{process.log_tail(25)}"
+                        f"{process.name} exited with code {code}; log: {self._kept_log(process)}\n{_log_errors(process)}"
                     )
             try:
                 node = core.read_node(self.name)
@@ -482,7 +493,7 @@ class RealNode:
                 kubelet = self._process("kubelet")
                 raise KubeHarnessError(
                     f"node {self.name} not Ready within {timeout or self.ready_timeout:g} s: {last}; "
-                    f"kubelet log: {self._kept_log(kubelet)}\n{kubelet.log_tail(25) if kubelet else ''}"
+                    f"kubelet log: {self._kept_log(kubelet)}\n{_log_errors(kubelet) if kubelet else ''}"
                 )
             time.sleep(0.5)
 
@@ -571,7 +582,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri", "io.containerd.snapshotter.v1.bt
         while self.ctr("version", check=False, timeout=10).returncode != 0:
             if containerd.exit_code() is not None or time.monotonic() > deadline:
                 raise KubeHarnessError(
-                    f"containerd did not start; log: {self._kept_log(containerd)}\n{containerd.log_tail(25)}"
+                    f"containerd did not start; log: {self._kept_log(containerd)}\n{_log_errors(containerd)}"
                 )
             time.sleep(0.2)
 
@@ -638,12 +649,17 @@ disabled_plugins = ["io.containerd.nri.v1.nri", "io.containerd.snapshotter.v1.bt
 
     def _drain(self) -> None:
         """Delete the node's pods through the API and wait (bounded) until the kubelet has
-        stopped them: their sandboxes' CNI DEL and volume unmounts are then done by the kubelet."""
+        stopped them: their sandboxes' CNI DEL and volume unmounts are then done by the kubelet.
+        The Node object goes first, so that no controller (a DaemonSet's, whatever it tolerates)
+        puts new pods on it; a running kubelet does not register itself again."""
         from kubernetes import client
 
         core = client.CoreV1Api(self.api.admin)
         selector = f"spec.nodeName={self.name}"
         try:
+            for manifest in (self.workdir / "manifests").glob("*"):
+                manifest.unlink()
+            core.delete_node(self.name)
             for pod in core.list_pod_for_all_namespaces(field_selector=selector).items:
                 core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, grace_period_seconds=1)
             deadline = time.monotonic() + 30
@@ -662,6 +678,10 @@ disabled_plugins = ["io.containerd.nri.v1.nri", "io.containerd.snapshotter.v1.bt
             return
         for task in self.ctr("tasks", "ls", "-q", check=False, timeout=20).stdout.split():
             self.ctr("tasks", "kill", "--signal=SIGKILL", task, check=False, timeout=20)
+        # containerd attaches each sandbox's lo through libcni too (network "cni-loopback"): its
+        # DEL does nothing, but its cache entry stays behind unless the sandbox was torn down
+        for container in self.ctr("containers", "ls", "-q", check=False, timeout=20).stdout.split():
+            (CNI_CACHE / "results" / f"cni-loopback-{container}-lo").unlink(missing_ok=True)
 
     def _cni_teardown(self) -> list[str]:
         """CNI DEL for every attachment libcni still has cached for our network (the kubelet or
