@@ -11,7 +11,8 @@ Everything is private to one :class:`RealNode` and removed by :meth:`RealNode.st
 failed start: containerd's root, state and socket (``/run/netagent-test/<id>``), the kubelet's
 root directory and pod logs, the cgroup subtree (``cgroupRoot`` ``/netagent-<id>`` in every
 hierarchy), the CNI network (named ``netagent-<id>``: its veths, routes, IPAM store and libcni's
-cache entries), and every process started for it (kubelet, containerd, its shims, the pods). The
+cache entries), the kubelet's iptables chains and the kernel settings it changes (both put back as
+they were), and every process started for it (kubelet, containerd, its shims, the pods). The
 kubelet runs on cgroup v1 hosts too (``failCgroupV1: false``; Kubernetes >= 1.35 refuses cgroup v1
 unless told), with the ``cgroupfs`` driver (no systemd needed) and ``failSwapOn: false``.
 
@@ -74,10 +75,21 @@ SHIM_SOCKET_DIR = Path("/run/containerd/s")  # hard-coded in containerd's shim c
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CNI_CACHE = Path("/var/lib/cni")  # libcni's cache (results/), not configurable through containerd
 CONTAINER_LOG_LINKS = Path("/var/log/containers")  # the kubelet's symlinks; a constant in the kubelet
+# the kubelet's device-plugin socket: a constant path, whatever its --root-dir (so two RealNodes at
+# once would take it from each other; nothing here uses device plugins)
+DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
 K8S_NAMESPACE = "k8s.io"  # containerd namespace of the CRI plugin
 PAUSE_IMAGE = "localhost/netagent-test/pause:busybox"
 BUSYBOX_IMAGE_NAME = "localhost/netagent-test/busybox:latest"
 DEFAULT_POD_CIDR = "10.213.0.0/24"
+# The kubelet sets these on start (protectKernelDefaults: false; true makes it refuse to start
+# instead) and the CNI plugins turn on forwarding: RealNode puts the host's values back.
+KERNEL_TUNABLES = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "kernel/panic_on_oops",
+                   "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes", "net/ipv4/ip_forward")
+# Chains the kubelet makes in the host's iptables (v4 and v6): the backend hint, its canary (in
+# mangle, nat and filter), and KUBE-FIREWALL (filter INPUT/OUTPUT: drops non-loopback traffic to
+# 127.0.0.0/8). RealNode removes those that were not there before it started.
+KUBELET_CHAINS = ("KUBE-IPTABLES-HINT", "KUBE-KUBELET-CANARY", "KUBE-FIREWALL")
 STOP_GRACE_SECONDS = 10
 
 
@@ -325,6 +337,60 @@ def _log_errors(process: Process, lines: int = 8) -> str:
     return "\n".join((errors or text)[-lines:])
 
 
+def _read_tunables() -> dict[str, str]:
+    values = {}
+    for name in KERNEL_TUNABLES:
+        try:
+            values[name] = (Path("/proc/sys") / name).read_text().strip()
+        except OSError:
+            pass
+    return values
+
+
+def _restore_tunables(saved: dict[str, str]) -> list[str]:
+    failed = []
+    for name, value in saved.items():
+        path = Path("/proc/sys") / name
+        try:
+            if path.read_text().strip() != value:
+                path.write_text(value)
+        except OSError as e:
+            failed.append(f"sysctl {name}={value}: {e}")
+    return failed
+
+
+def _kubelet_chains() -> set[tuple[str, str, str]]:
+    """(tool, table, chain) for the kubelet's chains present now."""
+    found = set()
+    for tool in ("iptables", "ip6tables"):
+        for table in ("mangle", "nat", "filter"):
+            out = subprocess.run([tool, "-w", "-t", table, "-S"], capture_output=True, text=True).stdout
+            for line in out.splitlines():
+                fields = line.split()
+                if fields[:1] == ["-N"] and fields[1] in KUBELET_CHAINS:
+                    found.add((tool, table, fields[1]))
+    return found
+
+
+def _remove_chains(chains: Iterable[tuple[str, str, str]]) -> list[str]:
+    """Delete the jumps to these chains, then flush and delete them."""
+    import shlex
+
+    failed = []
+    for tool, table, chain in sorted(chains):
+        out = subprocess.run([tool, "-w", "-t", table, "-S"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            rule = shlex.split(line)
+            if rule[:1] == ["-A"] and rule[1] != chain and "-j" in rule and rule[rule.index("-j") + 1] == chain:
+                subprocess.run([tool, "-w", "-t", table, "-D", *rule[1:]], capture_output=True)
+        for op in ("-F", "-X"):
+            done = subprocess.run([tool, "-w", "-t", table, op, chain], capture_output=True, text=True)
+            if done.returncode:
+                failed.append(f"{tool} -t {table} {op} {chain}: {done.stderr.strip()}")
+                break
+    return failed
+
+
 def _default_route_ip() -> str:
     """The source address of the default route (the kubelet's node IP must be a non-loopback
     address of the host; it is only registered, no traffic is sent to it by these tests)."""
@@ -383,7 +449,11 @@ class RealNode:
         self.processes: list[Process] = []
         self._started = False
         # host directories the kubelet and libcni create if missing: removed again if we made them
-        self._host_dirs = [d for d in (CONTAINER_LOG_LINKS, CNI_CACHE / "results", CNI_CACHE) if not d.exists()]
+        self._host_dirs = [d for d in (CONTAINER_LOG_LINKS, CNI_CACHE / "results", CNI_CACHE,
+                                       DEVICE_PLUGIN_DIR, DEVICE_PLUGIN_DIR.parent) if not d.exists()]
+        self._tunables: dict[str, str] = {}
+        self._chains_before: set[tuple[str, str, str]] | None = None
+        self._containers: list[str] = []
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -398,6 +468,8 @@ class RealNode:
         try:
             self.assets = self.assets or find_node_assets()
             self.node_ip = self.node_ip or _default_route_ip()
+            self._tunables = _read_tunables()
+            self._chains_before = _kubelet_chains()
             self._write_cni_config()
             self._start_containerd()
             self.import_image(pause_image(self.workdir / "pause.tar"))
@@ -424,13 +496,19 @@ class RealNode:
         if containerd is not None:
             containerd.stop()
         _kill(_pids_with_arg(str(self.socket)))  # shims outlive containerd by design
+        self._remove_shim_sockets()
         self.processes.clear()
         _kill(_cgroup_pids(self.cgroup_root))
         leftovers += [f"mount {m}" for m in _unmount_all(self.workdir, self.run_dir)]
         leftovers += [f"cgroup {c}" for c in _remove_cgroups(self.cgroup_root)]
         if self.cni == "bridge":
             subprocess.run(["ip", "link", "del", self.bridge_name], capture_output=True)
+        if self._chains_before is not None:
+            leftovers += _remove_chains(_kubelet_chains() - self._chains_before)
+        leftovers += _restore_tunables(self._tunables)
         self._remove_log_links()
+        if DEVICE_PLUGIN_DIR in self._host_dirs:
+            (DEVICE_PLUGIN_DIR / "kubelet.sock").unlink(missing_ok=True)
         if leftovers:
             self._preserve_logs()
         shutil.rmtree(self.workdir, ignore_errors=True)
@@ -678,10 +756,20 @@ disabled_plugins = ["io.containerd.nri.v1.nri", "io.containerd.snapshotter.v1.bt
             return
         for task in self.ctr("tasks", "ls", "-q", check=False, timeout=20).stdout.split():
             self.ctr("tasks", "kill", "--signal=SIGKILL", task, check=False, timeout=20)
-        # containerd attaches each sandbox's lo through libcni too (network "cni-loopback"): its
-        # DEL does nothing, but its cache entry stays behind unless the sandbox was torn down
-        for container in self.ctr("containers", "ls", "-q", check=False, timeout=20).stdout.split():
+        self._containers = self.ctr("containers", "ls", "-q", check=False, timeout=20).stdout.split()
+        for container in self._containers:
+            # a shim exits (and removes its socket) once its containers are gone
+            self.ctr("tasks", "rm", "--force", container, check=False, timeout=20)
+            self.ctr("containers", "rm", container, check=False, timeout=20)
+            # containerd attaches each sandbox's lo through libcni too (network "cni-loopback"):
+            # its DEL does nothing, but its cache entry stays unless the sandbox was torn down
             (CNI_CACHE / "results" / f"cni-loopback-{container}-lo").unlink(missing_ok=True)
+
+    def _remove_shim_sockets(self) -> None:
+        """Sockets of shims that were killed: /run/containerd/s/<sha256 of address/ns/id>."""
+        for container in self._containers:
+            digest = hashlib.sha256(f"{self.socket}/{K8S_NAMESPACE}/{container}".encode()).hexdigest()
+            (SHIM_SOCKET_DIR / digest).unlink(missing_ok=True)
 
     def _cni_teardown(self) -> list[str]:
         """CNI DEL for every attachment libcni still has cached for our network (the kubelet or

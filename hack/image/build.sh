@@ -116,7 +116,7 @@ echo "image: buildah build $image from Dockerfile on $base"
 ca_bundle="${NETAGENT_BUILD_CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}"
 ca_mount=()
 [[ -f $ca_bundle ]] && ca_mount=(--volume "$ca_bundle:/etc/ssl/certs/ca-certificates.crt:ro")
-buildah build --quiet --layers --network=host "${ca_mount[@]}" --build-arg "BASE=$base" \
+buildah build --quiet --layers --force-rm --network=host "${ca_mount[@]}" --build-arg "BASE=$base" \
   -t "$image" -f "$repo/Dockerfile" "$repo" >/dev/null
 echo "image: built $image in $((SECONDS - start)) s ($(image_size "$image"))"
 if [[ -n $archive ]]; then
