@@ -20,6 +20,8 @@ No registry is used: images are OCI archives built here and imported with ``ctr`
 :func:`busybox_image` writes one from Debian's static busybox (``busybox-static``); the node's
 pod sandbox ("pause") image is such an image whose shell waits for SIGTERM.
 
+Fixture (registered through tests/conftest.py): ``real_node``, a started RealNode on ``kube_api``.
+
 The binaries come from ``make node-assets`` (hack/node-assets/build.sh) or
 ``NETAGENT_NODE_ASSETS``; runc and busybox-static from Debian (scripts/bootstrap.sh). Missing
 assets skip the test, or fail it under ``NETAGENT_REQUIRE_KUBE=1`` (as in tests/kube.py).
@@ -476,9 +478,12 @@ class RealNode:
             self._start_kubelet()
             self.wait_ready()
             self._started = True
-        except BaseException:
+        except BaseException as start_error:
             self._preserve_logs()
-            self.stop()
+            try:
+                self.stop()
+            except KubeHarnessError as e:  # the start's own error stays the one raised
+                start_error.add_note(str(e))
             raise
 
     def stop(self) -> None:

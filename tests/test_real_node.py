@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.kube import kube_version
-from tests.node import BUSYBOX_IMAGE_NAME, busybox_image, real_node  # noqa: F401 - fixture
+from tests.node import BUSYBOX_IMAGE_NAME, busybox_image
 
 pytestmark = [pytest.mark.kube, pytest.mark.root]
 
