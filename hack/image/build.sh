@@ -43,6 +43,11 @@ if [[ $(id -u) -ne 0 ]]; then
   exit 1
 fi
 
+# buildah's network library leaves /etc/cni/net.d/cni.lock behind even with --network=host
+if [[ ! -e /etc/cni ]]; then
+  trap 'rm -f /etc/cni/net.d/cni.lock; rmdir /etc/cni/net.d /etc/cni 2>/dev/null || true' EXIT
+fi
+
 version=$(awk -F'"' '$1 ~ /^version *= *$/ { print $2; exit }' "$repo/pyproject.toml")
 image="${NETAGENT_IMAGE:-localhost/netagent:${version:?no version in pyproject.toml}}"
 suite="${DEBIAN_SUITE:-bookworm}"
