@@ -1,11 +1,16 @@
 # syntax=docker/dockerfile:1
 # One image for both parts: `netagent run` (the agent DaemonSet) and `netagent controller`.
 #   docker build -t netagent:0.1.0 .
+# Without a Docker engine or a registry: hack/image/build.sh (buildah, and a base image built
+# from Debian's packages, passed as BASE).
 # The agent needs the userspace tools it drives: iptables (both the nft and the legacy
 # backends; the agent picks the node's), ipset, and iproute2 (tc, for debugging on the node).
 # The image carries the product only: no lab, no demo, no matplotlib (pyproject's packages).
 
-FROM python:3.11-slim AS build
+# The base of both stages: a Debian with Python 3.11, pip and apt.
+ARG BASE=python:3.11-slim
+
+FROM ${BASE} AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY cli ./cli
@@ -16,7 +21,7 @@ COPY tc ./tc
 COPY iptables ./iptables
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
-FROM python:3.11-slim
+FROM ${BASE}
 # Debian's security updates land under the same package names: pinning versions would only
 # make the build fail when the mirror drops the pinned one.
 # hadolint ignore=DL3008

@@ -18,7 +18,8 @@ if [[ $(id -u) -ne 0 ]]; then
 fi
 
 apt_packages=(iproute2 iptables ipset iperf3 conntrack iputils-ping kmod procps)
-((demo_only)) || apt_packages+=(make openssl prometheus wrk ca-certificates)
+# the tests: also prometheus and wrk; runc under containerd and busybox for the real node's images (tests/node.py)
+((demo_only)) || apt_packages+=(make openssl prometheus wrk ca-certificates runc busybox-static)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -44,4 +45,8 @@ if ! command -v go >/dev/null 2>&1 && [[ -x /usr/local/go/bin/go ]]; then
 fi
 if [[ -f Makefile ]] && grep -q '^kube-assets:' Makefile; then
   make --no-print-directory kube-assets
+fi
+# kubelet, containerd, CNI plugins, helm: after kube-assets, whose build cache makes the kubelet quick
+if [[ -f Makefile ]] && grep -q '^node-assets:' Makefile; then
+  make --no-print-directory node-assets
 fi

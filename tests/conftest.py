@@ -2,4 +2,4 @@
 
 Fixture plugins are listed in pytest_plugins so every test module sees them.
 """
-pytest_plugins: list[str] = ["tests.kube"]
+pytest_plugins: list[str] = ["tests.kube", "tests.node"]

@@ -391,7 +391,10 @@ def test_dockerfile_builds_one_image_for_both_parts():
 
     commands = dockerfile.parse_file(str(REPO / "Dockerfile"))
     stages = [c for c in commands if c.cmd == "FROM"]
-    assert [s.value[0] for s in stages] == ["python:3.11-slim", "python:3.11-slim"]
+    # both stages on one base, a build argument (hack/image/build.sh passes a locally built one)
+    assert [s.value[0] for s in stages] == ["${BASE}", "${BASE}"]
+    base_args = [c.value[0] for c in commands[:commands.index(stages[0])] if c.cmd == "ARG"]
+    assert base_args == ["BASE=python:3.11-slim"]
     final = commands[commands.index(stages[-1]):]
     installs = " ".join(c.value[0] for c in final if c.cmd == "RUN")
     for package in ("iptables", "ipset", "iproute2"):
