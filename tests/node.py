@@ -53,7 +53,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.netns import require_root
+from lab.netns import require_root
 from tests.kube import (
     REPO,
     ControlPlane,
