@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import yaml
@@ -25,21 +24,9 @@ from tc.netlink import Shaper
 
 from .topology import INTERNAL_CIDRS, Lab, Node, Pod, run
 from .nsexec import NetnsWorker, http_get
+from .procs import wait_for
 
 IFB = "netagent0"
-
-
-def wait_for(predicate, timeout: float = 20.0, interval: float = 0.05, what: str = "condition"):
-    """Poll until `predicate()` is truthy and return it. The timeout is a safety net for a
-    broken build, not a claim about speed (speed is measured in bench/agent.py)."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
 
 
 def pod_object(pod: Pod, node: Node, namespace: str = "team-a", name: str | None = None,

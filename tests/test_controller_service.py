@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lab.procs import stop_process
+from lab.procs import stop_process, wait_for
 from core.policy import ResolvedPod
 from netagent.agent import Agent
 from netagent.allocations import Allocation, AllocationSet
@@ -61,16 +61,6 @@ def http(method: str, url: str, body: dict | None = None, timeout: float = 5) ->
             return r.status, r.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
-
-
-def wait_for(predicate, timeout: float = 20, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @contextlib.contextmanager

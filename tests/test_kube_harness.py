@@ -3,6 +3,7 @@ and the controller rely on, and the harness's own failure modes."""
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import shutil
@@ -15,6 +16,8 @@ from pathlib import Path
 import pytest
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
+
+from lab import procs
 
 from tests.kube import (
     ASSETS_MODULE,
@@ -32,6 +35,10 @@ pytestmark = pytest.mark.kube
 AUDIENCE = "netagent-controller"
 
 
+# the harness waits longer than the lab by default: an apiserver on a busy 2-core machine
+wait_for = functools.partial(procs.wait_for, timeout=60, interval=0.2)
+
+
 def pod_manifest(name: str, node: str | None = None, service_account: str = "default") -> dict:
     spec = {
         "serviceAccountName": service_account,
@@ -40,17 +47,6 @@ def pod_manifest(name: str, node: str | None = None, service_account: str = "def
     if node:
         spec["nodeName"] = node
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
-
-
-def wait_for(predicate, timeout: float = 60, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.2)
 
 
 # ---------------------------------------------------------------------------------------------

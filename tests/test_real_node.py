@@ -5,25 +5,15 @@ from __future__ import annotations
 
 import ipaddress
 import subprocess
-import time
 
 import pytest
+
+from lab.procs import wait_for
 
 from tests.kube import kube_version
 from tests.node import BUSYBOX_IMAGE_NAME, busybox_image
 
 pytestmark = [pytest.mark.kube, pytest.mark.root]
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.5)
 
 
 def test_api_pod_runs_on_the_real_node_with_a_cni_address(kube_api, kube_namespace, real_node, tmp_path):
@@ -51,7 +41,7 @@ def test_api_pod_runs_on_the_real_node_with_a_cni_address(kube_api, kube_namespa
         pod = core.read_namespaced_pod("sleeper", kube_namespace)
         return pod if pod.status.phase == "Running" and pod.status.pod_ip else None
 
-    pod = wait_for(running, 90, "the pod to run with an IP")
+    pod = wait_for(running, 90, what="the pod to run with an IP")
     ip = ipaddress.ip_address(pod.status.pod_ip)
     assert ip in real_node.pod_cidr
     assert pod.status.container_statuses[0].ready
@@ -94,6 +84,6 @@ def test_daemonset_pod_lands_on_the_real_node_with_its_service_account_token(
         return next((p for p in pods if p.status.phase == "Running"
                      and all(c.ready for c in p.status.container_statuses or [False])), None)
 
-    pod = wait_for(ready_pod, 120, "the DaemonSet's pod to run on the real node")
+    pod = wait_for(ready_pod, 120, what="the DaemonSet's pod to run on the real node")
     assert pod.spec.node_name == real_node.name
     assert pod.status.pod_ip == real_node.node_ip  # hostNetwork: the node's address
