@@ -29,7 +29,6 @@ from .state import ReportRejected
 log = logging.getLogger(__name__)
 MAX_BODY = 1 << 20  # 1 MiB: 1,024 pods with long names fit with room to spare
 MAX_REVIEWS_IN_FLIGHT = 32  # TokenReviews of unknown tokens at once; more wait their turn
-NODE_NAME = DNS_NAME
 
 
 class ReportSink(Protocol):
@@ -102,7 +101,7 @@ def make_app(sink: ReportSink, auth: TokenAuthenticator | None, stats: APIStats 
             stats.count_rejected(reason)
             return _error(status, reason, message, **kw)
 
-        if not NODE_NAME.match(node):
+        if not DNS_NAME.match(node):
             return reject(404, "NotFound", "the path must name a node: /v1/nodes/<node name>/report")
 
         if not sink.is_leader():

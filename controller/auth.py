@@ -19,6 +19,8 @@ from kubernetes import client
 from core.errors import NetagentError
 from core.kubeapi import TIMEOUT
 
+from .config import service_account_username
+
 NODE_CLAIM = "authentication.kubernetes.io/node-name"
 POD_CLAIM = "authentication.kubernetes.io/pod-name"
 AUDIENCE = "netagent-controller"
@@ -114,10 +116,7 @@ class TokenAuthenticator:
 
 def service_account_user(spec: str) -> Callable[[str], bool]:
     """`namespace:name` -> a check that the token belongs to that ServiceAccount."""
-    namespace, sep, name = spec.partition(":")
-    if not sep or not namespace or not name:
-        raise ValueError(f"agent service account {spec!r} must be NAMESPACE:NAME, for example netagent:netagent-agent")
-    expected = f"system:serviceaccount:{namespace}:{name}"
+    expected = service_account_username(spec)
     return lambda username: username == expected
 
 

@@ -34,6 +34,14 @@ class ControllerConfig:
     token_cache_seconds: float = 60.0
 
 
+def service_account_username(spec: str) -> str:
+    """`namespace:name` -> the username its tokens carry; ConfigError naming the flag otherwise."""
+    namespace, sep, name = spec.partition(":")
+    if not sep or not namespace or not name:
+        raise ConfigError(f"--agent-service-account {spec!r} must be NAMESPACE:NAME, for example netagent:netagent-agent")
+    return f"system:serviceaccount:{namespace}:{name}"
+
+
 def default_advertise(listen_host: str, port: int) -> str:
     host = listen_host
     if host in ("0.0.0.0", "::", ""):
@@ -55,10 +63,7 @@ def from_flags(*, listen: str, metrics_listen: str | None, advertise: str | None
         raise ConfigError(f"--lease-seconds ({lease_seconds:g}) must be longer than --period "
                           f"({period:g}): agents would fall to the floor between rounds")
     if agent_service_account is not None:
-        namespace_, sep, name = agent_service_account.partition(":")
-        if not sep or not namespace_ or not name:
-            raise ConfigError(f"--agent-service-account {agent_service_account!r} must be NAMESPACE:NAME, "
-                              "for example netagent:netagent-agent")
+        service_account_username(agent_service_account)
     host, port = parse_host_port(listen, "--listen", EXAMPLE)
     advertise = advertise or default_advertise(host, port)
     return ControllerConfig(

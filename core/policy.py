@@ -26,8 +26,6 @@ REASON_UNKNOWN_CLASS = "UnknownEgressClass"
 REASON_CLASS_NOT_ALLOWED = "EgressClassNotAllowed"
 REASON_INVALID_BANDWIDTH = "InvalidEgressBandwidth"
 
-_NAME = DNS_NAME
-
 
 class PolicyError(ValueError):
     """One EgressClass, EgressBudget or team that cannot be used; the message names it and says why."""
@@ -329,7 +327,7 @@ def _spec_of(obj: Any, kind: str) -> tuple[str, dict]:
     if not isinstance(obj, dict):
         raise PolicyError(f"{kind}: expected an object, got {type(obj).__name__}")
     name = _name_of(obj)
-    if not _NAME.match(name):
+    if not DNS_NAME.match(name):
         raise PolicyError(f"{kind} {name!r}: metadata.name must be a lower-case DNS name (a-z, 0-9, '-', '.')")
     spec = obj.get("spec")
     if spec is None:
@@ -449,11 +447,11 @@ def _parse_team(raw: Any, what: str, classes: Mapping[str, EgressClassSpec], pro
     if not isinstance(raw, dict):
         raise PolicyError(f"{what}: must be an object")
     team_name = raw.get("name")
-    if not isinstance(team_name, str) or not _NAME.match(team_name):
+    if not isinstance(team_name, str) or not DNS_NAME.match(team_name):
         raise PolicyError(f"{what}.name: {team_name!r} must be a lower-case DNS name")
     what = f"{what} ({team_name})"
     namespaces = raw.get("namespaces") or []
-    if not isinstance(namespaces, list) or not all(isinstance(n, str) and _NAME.match(n) for n in namespaces):
+    if not isinstance(namespaces, list) or not all(isinstance(n, str) and DNS_NAME.match(n) for n in namespaces):
         raise PolicyError(f"{what}.namespaces: must be a list of namespace names")
     selector = None
     if raw.get("namespaceSelector") is not None:

@@ -17,7 +17,7 @@ from .demand import MIN_DEMAND_BPS, PodDemand
 
 
 class LocalAllocator:
-    def __init__(self, policy: Callable[[], Policy], floor_bps: int = 1_000_000):
+    def __init__(self, policy: Callable[[], Policy], floor_bps: int):
         self.policy = policy  # the policy the pods were resolved against
         self.floor_bps = floor_bps
         self._previous = None  # the engine's last result: its hysteresis works from it
