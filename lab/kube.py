@@ -290,6 +290,7 @@ class ControlPlane:
         etcd_servers: str | None = None,
         ready_timeout: float = 90.0,
         extra_apiserver_args: Iterable[str] = (),
+        extra_etcd_args: Iterable[str] = (),
     ):
         self.assets = assets
         self.ready_timeout = ready_timeout
@@ -298,6 +299,7 @@ class ControlPlane:
         self._apiserver_port = apiserver_port
         self._external_etcd = etcd_servers
         self._extra_apiserver_args = list(extra_apiserver_args)
+        self._extra_etcd_args = list(extra_etcd_args)
         self.processes: list[Process] = []
         self.etcd_url = etcd_servers or ""
         self.url = ""
@@ -376,6 +378,7 @@ class ControlPlane:
             f"--initial-cluster=netagent-test={peer_url}",
             "--unsafe-no-fsync",  # throwaway data: no fsync keeps tests fast on shared disks
             "--log-level=warn",
+            *self._extra_etcd_args,
         ])
         self._wait_ready("etcd", lambda: self._etcd_healthy(), process=etcd)
 

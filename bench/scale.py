@@ -1,0 +1,744 @@
+"""netagent at cluster scale against a real API server: N nodes, 110 pods each, 10k agents.
+
+    python3 bench/scale.py [--nodes 1000] [--pods-per-node 110] [--period 5] [--measure 60]
+                           [--baseline 20] [--replicas 2] [--concurrency 48] [--no-pod-status]
+
+What runs (all on this machine):
+- the harness's real etcd + kube-apiserver (lab/kube.py), tuned as a large cluster's would be
+  (see APISERVER_ARGS / ETCD_ARGS), with an audit policy that logs netagent's own requests only
+  (level Metadata for the netagent-system service accounts, None for everything else);
+- N fake Nodes (Ready, as kwok would report them, but with no heartbeats: their lease traffic is
+  not netagent's and would cost these 2 cores more than netagent does) and 110 pods on most
+  (Running, one IP each from the node's /24, a mix of namespaces, teams, classes and
+  annotations), the EgressClasses and an EgressBudget, netagent's CRDs and RBAC from deploy/;
+- the real controller, --replicas processes with leader election, each with its own
+  ServiceAccount token (`netagent controller --kubeconfig ...`);
+- N simulated agents in this process (asyncio), behaving towards the API server and the
+  controller as the real agent does: one agent pod per node (as the DaemonSet's) and a
+  TokenRequest token bound to it (so it carries the node claim); a list + resumable watch of its
+  own node's pods (fieldSelector=spec.nodeName), of EgressClasses and of EgressBudgets, each on
+  its own connection as the kubernetes client opens them; relists only after 410 Gone; a report
+  every period with +-20 % jitter built by the agent's own code (core.policy.resolve_pods,
+  netagent.demand.PodDemand, netagent.reporter.build_report, core.wire), posted to a random
+  replica (the Service) and following the 307 to the leader; simulated traffic per pod as
+  bench/simulation.py does (each pod sends min(its appetite, its limit); the demand estimator
+  sees the counters).
+
+Printed, with the command and the machine: API server requests from netagent by client kind,
+verb and resource (audit log) and their share of all requests (apiserver_request_total), LISTs
+from agents after start, watches open, memory and CPU of kube-apiserver and etcd without and
+with netagent; controller time from start to ready, memory, CPU; reports/s answered, p50/p99
+answer latency, non-200 answers; TokenReviews and status writes per minute; the cluster's
+allocated rate against the budget. The simulated agents' own CPU is printed apart: it is this
+benchmark's cost, not netagent's.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import random
+import resource
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from core.objects import ANNOTATION_BANDWIDTH, ANNOTATION_CLASS, PodRecord  # noqa: E402
+from core.policy import load_policy, resolve_pods  # noqa: E402
+from core.wire import answer_decoder, encoder  # noqa: E402
+from lab.kube import CONTROL_PLANE_BINARIES, ControlPlane, find_assets, free_port, write_kubeconfig  # noqa: E402
+from lab.procs import stop_process  # noqa: E402
+from netagent.agent import ReportInputs  # noqa: E402
+from netagent.demand import PodDemand, Sample  # noqa: E402
+from netagent.reporter import build_report  # noqa: E402
+
+SYSTEM_NS = "netagent-system"
+AGENT_SA = "netagent-agent"
+CONTROLLER_SA = "netagent-controller"
+AUDIENCE = "netagent-controller"
+TEAMS = 20
+NAMESPACES_PER_TEAM = 5
+# The budget is about half of what the pods want (appetite() averages ~33 Mbit/s a pod), so
+# the allocation is contended everywhere: 1.5 Gbit/s a node.
+BUDGET_PER_NODE_BPS = 1.5e9
+FLOOR_BPS = 1e6  # what an agent enforces before its first answer (the controller's safe floor is smaller)
+WATCH_TIMEOUT_S = 300  # as core/reflector.py
+# A large cluster's apiserver (kube-up's settings for 5,000 nodes; the watch cache sizes itself).
+APISERVER_ARGS = [
+    "--max-requests-inflight=3000",
+    "--max-mutating-requests-inflight=1000",
+    "--event-ttl=1h",
+]
+ETCD_ARGS = ["--quota-backend-bytes=8589934592", "--snapshot-count=10000"]
+AUDIT_POLICY = f"""apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: ["RequestReceived"]
+rules:
+  - level: Metadata
+    userGroups: ["system:serviceaccounts:{SYSTEM_NS}"]
+  - level: None
+"""
+CLASSES = [
+    {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressClass", "metadata": {"name": "bulk"},
+     "spec": {"weight": 1, "max": "1G"}},
+    {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressClass", "metadata": {"name": "interactive"},
+     "spec": {"weight": 4, "min": "2M"}},
+    {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressClass", "metadata": {"name": "batch"},
+     "spec": {"weight": 1, "max": "200M"}},
+]
+
+
+def team_namespaces(t: int) -> list[str]:
+    return [f"team{t:02d}-ns{k}" for k in range(NAMESPACES_PER_TEAM)]
+
+
+def budget_object(nodes: int) -> dict:
+    guarantee = f"{nodes * BUDGET_PER_NODE_BPS / TEAMS / 2 / 1e6:.0f}M"  # every 5th team: half its even share
+    teams = [{"name": f"team{t:02d}", "namespaces": team_namespaces(t), "weight": 1 + t % 4,
+              "defaultClass": "bulk", **({"min": guarantee} if t % 5 == 0 else {})} for t in range(TEAMS)]
+    return {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressBudget", "metadata": {"name": "default"},
+            "spec": {"total": f"{nodes * BUDGET_PER_NODE_BPS / 1e6:.0f}M", "teams": teams}}
+
+
+def node_name(i: int) -> str:
+    return f"scale-node-{i:05d}"
+
+
+def pod_ip(i: int, j: int) -> str:
+    return f"10.{64 + i // 256}.{i % 256}.{j + 2}"
+
+
+def pod_object(i: int, j: int) -> dict:
+    t = (i + j) % TEAMS
+    ns = team_namespaces(t)[(i // TEAMS + j) % NAMESPACES_PER_TEAM]
+    annotations = {}
+    if j % 5 == 0:
+        annotations[ANNOTATION_CLASS] = "interactive"
+    elif j % 7 == 0:
+        annotations[ANNOTATION_CLASS] = "batch"
+    if j % 11 == 0:
+        annotations[ANNOTATION_BANDWIDTH] = "50M"
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"w-{i:05d}-{j:03d}", "namespace": ns, "annotations": annotations,
+                         "labels": {"app": f"app-{j % 10}"}},
+            "spec": {"nodeName": node_name(i), "automountServiceAccountToken": False,
+                     "containers": [{"name": "main", "image": "registry.invalid/train:1"}]}}
+
+
+def pod_status(ip: str) -> dict:
+    return {"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
+                       "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+def node_object(i: int) -> dict:
+    return {"apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": node_name(i), "labels": {"kubernetes.io/hostname": node_name(i), "type": "scale"}},
+            "spec": {"podCIDR": f"10.{64 + i // 256}.{i % 256}.0/24"},
+            "status": {"conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady"}],
+                       "capacity": {"pods": "110", "cpu": "96", "memory": "1Ti"},
+                       "allocatable": {"pods": "110", "cpu": "96", "memory": "1Ti"},
+                       "addresses": [{"type": "InternalIP", "address": f"10.1.{i // 256}.{i % 256}"}]}}
+
+
+def appetite(rng: random.Random) -> float:
+    """A pod's true internet appetite, bit/s: a third idle, most modest, a few heavy."""
+    r = rng.random()
+    if r < 0.35:
+        return 0.0
+    if r < 0.95:
+        return rng.lognormvariate(0, 1) * 5e6
+    return rng.uniform(100e6, 1e9)
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class Usage:
+    """CPU (cores) and RSS of processes over a window."""
+
+    def __init__(self, pids: dict[str, int]):
+        self.pids = pids
+        self.t0 = time.monotonic()
+        self.c0 = {k: cpu_seconds(p) for k, p in pids.items()}
+
+    def read(self) -> dict[str, tuple[float, float]]:
+        dt = time.monotonic() - self.t0
+        return {k: ((cpu_seconds(p) - self.c0[k]) / dt, rss_mib(p)) for k, p in self.pids.items()}
+
+
+# -- the API server over aiohttp -----------------------------------------------------------------
+
+class Api:
+    def __init__(self, url: str, ca_file: Path, *, cert: tuple[Path, Path] | None = None, token: str | None = None,
+                 limit: int = 64):
+        self.url = url
+        self.ctx = ssl.create_default_context(cafile=str(ca_file))
+        if cert:
+            self.ctx.load_cert_chain(*cert)
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self.ctx, limit=limit),
+                                             headers=self.headers, timeout=aiohttp.ClientTimeout(total=120))
+
+    async def call(self, method: str, path: str, body: dict | None = None, ok=(200, 201),
+                   content_type: str = "application/json") -> dict:
+        data = json.dumps(body).encode() if body is not None else None
+        for attempt in range(5):
+            async with self.session.request(method, self.url + path, data=data,
+                                            headers={"Content-Type": content_type}) as r:
+                if r.status in ok:
+                    return await r.json()
+                if r.status == 409 and method == "POST":
+                    return {}
+                text = await r.text()
+                # 403 "error looking up service account": the admission cache has not seen it yet
+                retry = r.status in (429, 500, 503, 504) or (r.status == 403 and "looking up service account" in text)
+                if retry and attempt < 4:
+                    await asyncio.sleep(0.5 * (attempt + 1))
+                    continue
+                raise RuntimeError(f"{method} {path}: {r.status} {text[:300]}")
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+async def bounded(concurrency: int, coros, progress: str = "") -> list:
+    sem = asyncio.Semaphore(concurrency)
+    done = 0
+    total = len(coros)
+    started = time.monotonic()
+
+    async def one(c):
+        nonlocal done
+        async with sem:
+            result = await c
+        done += 1
+        if progress and done % 5000 == 0:
+            print(f"  {progress}: {done}/{total} ({done / (time.monotonic() - started):.0f}/s)", flush=True)
+        return result
+
+    return await asyncio.gather(*(one(c) for c in coros))
+
+
+# -- the simulated agent -------------------------------------------------------------------------
+
+@dataclass
+class Stats:
+    lists: Counter = field(default_factory=Counter)  # (kind, phase) -> LIST calls
+    relists_410: int = 0
+    answers: Counter = field(default_factory=Counter)  # HTTP status -> count
+    latencies: list = field(default_factory=list)  # seconds, successful answers in the window
+    redirects: int = 0
+    window: bool = False
+    started_at: float = 0.0
+
+
+class SimAgent:
+    """One node's agent towards the API server and the controller (see the module docstring)."""
+
+    policy_cache: dict = {}
+
+    def __init__(self, bench: "Bench", i: int, token: str):
+        self.bench, self.i, self.node, self.token = bench, i, node_name(i), token
+        self.rng = random.Random(i)
+        self.pods: dict[str, PodRecord] = {}
+        self.classes: dict[str, dict] = {}
+        self.budgets: dict[str, dict] = {}
+        self.synced = asyncio.Event()
+        self.demand: dict[str, PodDemand] = {}
+        self.appetite: dict[str, float] = {}
+        self.bytes: dict[str, int] = {}
+        self.overlimits: dict[str, int] = {}
+        self.limits: dict[str, float] = {}
+        self.node_rate = 0.0
+        self.leader: str | None = None
+        self.seq = 0
+        self.resolved: list = []
+        self._resolved_key = None
+        self._dirty = True
+
+    # API server side: list once, then resumable watches, relist only on 410
+    async def list_watch(self, path: str, store: dict, kind: str, convert) -> None:
+        api, stats = self.bench.agent_api, self.bench.stats
+        headers = {"Authorization": f"Bearer {self.token}"}
+        sep = "&" if "?" in path else "?"
+        rv = None
+        backoff = 0.5
+        while not self.bench.stopping:
+            try:
+                if rv is None:
+                    stats.lists[(kind, "window" if stats.window else "start")] += 1
+                    async with api.session.get(api.url + path, headers=headers) as r:
+                        if r.status != 200:
+                            raise RuntimeError(f"list {kind}: {r.status}")
+                        body = await r.json()
+                    store.clear()
+                    for obj in body.get("items") or []:
+                        store[obj["metadata"]["name"] if kind != "pods" else
+                              f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"] = convert(obj)
+                    rv = body["metadata"]["resourceVersion"]
+                    self._dirty = True
+                    self.bench.mark_synced(self, kind)
+                url = (f"{api.url}{path}{sep}watch=1&allowWatchBookmarks=true&timeoutSeconds={WATCH_TIMEOUT_S}"
+                       f"&resourceVersion={rv}")
+                async with api.session.get(url, headers=headers,
+                                           timeout=aiohttp.ClientTimeout(sock_connect=10, sock_read=WATCH_TIMEOUT_S + 30)) as r:
+                    if r.status == 410:
+                        stats.relists_410 += 1
+                        rv = None
+                        continue
+                    if r.status != 200:
+                        raise RuntimeError(f"watch {kind}: {r.status}")
+                    backoff = 0.5
+                    async for line in r.content:
+                        ev = json.loads(line)
+                        obj = ev["object"]
+                        if ev["type"] == "ERROR":
+                            if obj.get("code") == 410:
+                                stats.relists_410 += 1
+                                rv = None
+                            break
+                        rv = obj["metadata"]["resourceVersion"]
+                        if ev["type"] == "BOOKMARK":
+                            continue
+                        key = (obj["metadata"]["name"] if kind != "pods" else
+                               f"{obj['metadata']['namespace']}/{obj['metadata']['name']}")
+                        if ev["type"] == "DELETED":
+                            store.pop(key, None)
+                        else:
+                            store[key] = convert(obj)
+                        self._dirty = True
+            except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as e:
+                if self.bench.stopping:
+                    return
+                self.bench.errors[f"{kind}: {type(e).__name__}: {str(e)[:80]}"] += 1
+                await asyncio.sleep(self.rng.uniform(0, backoff))
+                backoff = min(backoff * 2, 30)
+
+    def policy(self):
+        key = tuple(sorted((k, v["metadata"]["resourceVersion"]) for k, v in self.classes.items())) + \
+            tuple(sorted((k, v["metadata"]["resourceVersion"]) for k, v in self.budgets.items()))
+        cached = SimAgent.policy_cache.get(key)
+        if cached is None:
+            cached = SimAgent.policy_cache[key] = load_policy(list(self.classes.values()), list(self.budgets.values()))[0]
+        return key, cached
+
+    def advance(self, t: float) -> float:
+        """One period of simulated traffic under the current limits; the node's egress bit/s."""
+        key, policy = self.policy()
+        if self._dirty or key != self._resolved_key:  # the real agent re-resolves on change only
+            self.resolved = resolve_pods(policy, self.pods.values())
+            self._resolved_key, self._dirty = key, False
+        total = 0.0
+        dt = self.bench.period
+        for rp in self.resolved:
+            k = rp.key
+            if k not in self.appetite:
+                self.appetite[k] = appetite(self.rng)
+                self.bytes[k] = self.overlimits[k] = 0
+                self.demand[k] = PodDemand()
+            want = self.appetite[k] * self.bench.demand_factor
+            limit = self.limits.get(k, FLOOR_BPS)
+            sent = min(want, limit)
+            total += sent
+            self.bytes[k] += int(sent * dt / 8)
+            if want > limit * 1.001:
+                self.overlimits[k] += 1
+            self.demand[k].update(Sample(t, self.bytes[k], 0, self.overlimits[k], 0), int(limit), rp.max_bps)
+        return total
+
+    async def report_loop(self) -> None:
+        b = self.bench
+        await self.synced.wait()
+        await asyncio.sleep(self.rng.uniform(0, b.period))
+        while not b.stopping:
+            started = time.monotonic()
+            egress = self.advance(started)
+            self.seq += 1
+            inputs = ReportInputs(self.node, tuple((rp, self.demand.get(rp.key)) for rp in self.resolved), None)
+            body = encoder.encode(build_report(inputs, self.seq, b.period, egress))
+            await self.post(body, started)
+            await asyncio.sleep(max(0.0, b.period * self.rng.uniform(0.8, 1.2) - (time.monotonic() - started)))
+
+    async def post(self, body: bytes, started: float) -> None:
+        b = self.bench
+        path = f"/v1/nodes/{self.node}/report"
+        url = (self.leader or self.rng.choice(b.controller_urls)) + path
+        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
+        for _ in range(3):
+            try:
+                async with b.controller_session.post(url, data=body, headers=headers, allow_redirects=False) as r:
+                    raw = await r.read()
+                    status = r.status
+                    location = r.headers.get("Location")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                b.errors[f"report: {type(e).__name__}"] += 1
+                b.stats.answers["error"] += 1
+                self.leader = None
+                return
+            if status in (307, 308) and location:
+                b.stats.redirects += 1
+                url = location
+                self.leader = location.split("/v1/", 1)[0]
+                continue
+            b.stats.answers[status] += 1
+            if status != 200:
+                b.errors[f"report {status}: {raw[:120].decode(errors='replace')}"] += 1
+                self.leader = None
+                return
+            answer = answer_decoder.decode(raw)
+            if b.stats.window:
+                b.stats.latencies.append(time.monotonic() - started)
+            b.last_answer = time.monotonic()
+            if answer.generation:
+                self.limits = {f"{p.namespace}/{p.name}": float(p.limit_bps) for p in answer.pods}
+                self.node_rate = float(answer.node_rate_bps)
+            return
+
+    def start(self) -> list[asyncio.Task]:
+        sel = f"/api/v1/pods?fieldSelector=spec.nodeName%3D{self.node}&limit=500"
+        grp = "/apis/netagent.io/v1alpha1"
+        return [asyncio.create_task(c) for c in (
+            self.list_watch(sel, self.pods, "pods", PodRecord.from_object),
+            self.list_watch(f"{grp}/egressclasses?limit=500", self.classes, "egressclasses", lambda o: o),
+            self.list_watch(f"{grp}/egressbudgets?limit=500", self.budgets, "egressbudgets", lambda o: o),
+            self.report_loop(),
+        )]
+
+
+# -- the benchmark -------------------------------------------------------------------------------
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.period = args.period
+        self.demand_factor = 1.0
+        self.stopping = False
+        self.stats = Stats()
+        self.errors: Counter = Counter()
+        self.controller_urls: list[str] = []
+        self.controller_session: aiohttp.ClientSession | None = None
+        self.agent_api: Api | None = None
+        self.last_answer = 0.0
+        self._synced_kinds: dict[int, set] = {}
+        self.all_synced = asyncio.Event()
+        self.agents: list[SimAgent] = []
+
+    def mark_synced(self, agent: SimAgent, kind: str) -> None:
+        kinds = self._synced_kinds.setdefault(agent.i, set())
+        kinds.add(kind)
+        if len(kinds) == 3:
+            agent.synced.set()
+            if len(self._synced_kinds) == len(self.agents) and all(len(k) == 3 for k in self._synced_kinds.values()):
+                self.all_synced.set()
+
+
+def kubectl(cp: ControlPlane, *args: str) -> None:
+    cp.kubectl(*args, timeout=300)
+
+
+def audit_counts(path: Path, since: float) -> Counter:
+    """(client kind, verb, resource) -> requests from the audit log after `since` (epoch s)."""
+    counts: Counter = Counter()
+    if not path.exists():
+        return counts
+    with path.open() as f:
+        for line in f:
+            ev = json.loads(line)
+            verb, stage = ev.get("verb"), ev.get("stage")
+            if not (stage == "ResponseComplete" or (verb == "watch" and stage == "ResponseStarted")):
+                continue
+            if verb == "watch" and stage == "ResponseComplete":
+                continue
+            ts = ev.get("requestReceivedTimestamp", "")
+            if not ts or datetime.datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp() < since:
+                continue
+            user = ev.get("user", {}).get("username", "")
+            kind = "agent" if user.endswith(":" + AGENT_SA) else "controller" if user.endswith(":" + CONTROLLER_SA) else user
+            ref = ev.get("objectRef") or {}
+            res = ref.get("resource", "") + ("/" + ref["subresource"] if ref.get("subresource") else "")
+            counts[(kind, verb, res)] += 1
+    return counts
+
+
+def apiserver_metrics(cp: ControlPlane) -> dict[str, float]:
+    """apiserver_request_total summed (all clients) and long-running watches open."""
+    out = cp.kubectl("get", "--raw", "/metrics").stdout
+    total = watches = 0.0
+    for line in out.splitlines():
+        if line.startswith("apiserver_request_total{"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("apiserver_longrunning_requests{") and 'verb="WATCH"' in line:
+            watches += float(line.rsplit(" ", 1)[1])
+    return {"requests": total, "watches": watches}
+
+
+async def load_cluster(cp: ControlPlane, args, admin: Api) -> dict[str, float]:
+    """Namespaces, nodes, pods (+ status), policy objects; returns the loader's timings."""
+    t0 = time.monotonic()
+    namespaces = [ns for t in range(TEAMS) for ns in team_namespaces(t)]
+    await bounded(args.concurrency, [admin.call("POST", "/api/v1/namespaces",
+                                                {"metadata": {"name": ns}}) for ns in namespaces])
+    await bounded(args.concurrency, [admin.call("POST", f"/api/v1/namespaces/{ns}/serviceaccounts",
+                                                {"metadata": {"name": "default"}}) for ns in namespaces])
+    for obj in CLASSES + [budget_object(args.nodes)]:
+        plural = "egressclasses" if obj["kind"] == "EgressClass" else "egressbudgets"
+        await admin.call("POST", f"/apis/netagent.io/v1alpha1/{plural}", obj)
+    await bounded(args.concurrency, [admin.call("POST", "/api/v1/nodes", node_object(i)) for i in range(args.nodes)],
+                  "nodes")
+    # a Node's status is kept on create, but set it through the status subresource as kubelet does
+    await bounded(args.concurrency, [admin.call("PATCH", f"/api/v1/nodes/{node_name(i)}/status",
+                                                {"status": node_object(i)["status"]},
+                                                content_type="application/merge-patch+json")
+                                     for i in range(args.nodes)])
+    t_nodes = time.monotonic()
+    pods = [(i, j) for i in range(args.nodes) for j in range(args.pods_per_node)]
+    await bounded(args.concurrency, [admin.call("POST", f"/api/v1/namespaces/{pod_object(i, j)['metadata']['namespace']}/pods",
+                                                pod_object(i, j)) for i, j in pods], "pods")
+    t_pods = time.monotonic()
+    if args.pod_status:
+        await bounded(args.concurrency, [
+            admin.call("PATCH", f"/api/v1/namespaces/{pod_object(i, j)['metadata']['namespace']}/pods/"
+                                f"w-{i:05d}-{j:03d}/status", pod_status(pod_ip(i, j)),
+                       content_type="application/merge-patch+json") for i, j in pods], "pod status")
+    t_status = time.monotonic()
+    return {"nodes_s": t_nodes - t0, "pods_s": t_pods - t_nodes, "status_s": t_status - t_pods,
+            "pods_per_s": len(pods) / max(1e-9, t_pods - t_nodes)}
+
+
+async def agent_tokens(cp: ControlPlane, args, admin: Api) -> list[str]:
+    """One agent pod per node (the DaemonSet's) and a TokenRequest token bound to it."""
+    async def one(i: int) -> str:
+        name = f"netagent-agent-{i:05d}"
+        pod = await admin.call("POST", f"/api/v1/namespaces/{SYSTEM_NS}/pods", {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": "netagent-agent"}},
+            "spec": {"nodeName": node_name(i), "serviceAccountName": AGENT_SA, "hostNetwork": True,
+                     "automountServiceAccountToken": False,
+                     "containers": [{"name": "agent", "image": "registry.invalid/netagent:scale"}]}})
+        if not pod:
+            pod = await admin.call("GET", f"/api/v1/namespaces/{SYSTEM_NS}/pods/{name}")
+        tr = await admin.call("POST", f"/api/v1/namespaces/{SYSTEM_NS}/serviceaccounts/{AGENT_SA}/token", {
+            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+            "spec": {"audiences": [AUDIENCE, "https://kubernetes.default.svc.cluster.local"],
+                     "expirationSeconds": 7200,
+                     "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": name, "uid": pod["metadata"]["uid"]}}})
+        return tr["status"]["token"]
+
+    return await bounded(args.concurrency, [one(i) for i in range(args.nodes)], "agent tokens")
+
+
+def start_controllers(cp: ControlPlane, args, token: str, workdir: Path) -> list[tuple[subprocess.Popen, str, Path]]:
+    kubeconfig = write_kubeconfig(workdir / "controller.kubeconfig", cp.url, cp.ca_file, {"token": token})
+    out = []
+    for r in range(args.replicas):
+        port = free_port()
+        log = workdir / f"controller-{r}.log"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "netagent", "controller", "--kubeconfig", str(kubeconfig),
+             "--listen", f"127.0.0.1:{port}", "--advertise", f"127.0.0.1:{port}",
+             "--namespace", SYSTEM_NS, "--identity", f"scale-controller-{r}@127.0.0.1:{port}",
+             "--agent-service-account", f"{SYSTEM_NS}:{AGENT_SA}", "--log-format", "json"],
+            cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        out.append((proc, f"http://127.0.0.1:{port}", log))
+    return out
+
+
+async def wait_ready(urls: list[str], timeout: float) -> float:
+    """Seconds until one replica's /readyz answers 200 (the leader with its caches synced)."""
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as s:
+        while time.monotonic() - t0 < timeout:
+            for u in urls:
+                try:
+                    async with s.get(u + "/readyz") as r:
+                        if r.status == 200:
+                            return time.monotonic() - t0
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    pass
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"no controller replica ready within {timeout:.0f} s")
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def run(args) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    if hard < 4 * args.nodes + 1000:
+        raise SystemExit(f"open files limit {hard} is too small for {args.nodes} agents (4 connections each)")
+    assets = find_assets(CONTROL_PLANE_BINARIES)
+    workdir = Path(tempfile.mkdtemp(prefix="netagent-scale-"))
+    audit_policy = workdir / "audit-policy.yaml"
+    audit_policy.write_text(AUDIT_POLICY)
+    audit_log = workdir / "audit.log"
+    cp = ControlPlane(assets, ready_timeout=180, extra_etcd_args=ETCD_ARGS, extra_apiserver_args=APISERVER_ARGS + [
+        f"--audit-policy-file={audit_policy}", f"--audit-log-path={audit_log}", "--audit-log-format=json",
+        "--audit-log-mode=batch", "--audit-log-maxsize=0"])
+    controllers = []
+    admin = None
+    bench = Bench(args)
+    print(f"# bench/scale.py --nodes {args.nodes} --pods-per-node {args.pods_per_node} --period {args.period} "
+          f"--measure {args.measure} --replicas {args.replicas}")
+    print(f"# machine: {platform.node()} {os.cpu_count()} CPUs, "
+          f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, Python {platform.python_version()}")
+    try:
+        cp.start()
+        pids = {p.name: p.popen.pid for p in cp.processes}
+        kubectl(cp, "apply", "-f", str(REPO / "deploy/crds/egressclasses.yaml"), "-f", str(REPO / "deploy/crds/egressbudgets.yaml"))
+        kubectl(cp, "wait", "--for=condition=Established", "crd/egressclasses.netagent.io", "crd/egressbudgets.netagent.io")
+        kubectl(cp, "apply", "-n", SYSTEM_NS, "-f", str(REPO / "deploy/base/namespace.yaml"), "-f", str(REPO / "deploy/base/rbac-agent.yaml"),
+                "-f", str(REPO / "deploy/base/rbac-controller.yaml"))
+        admin_cert, admin_key = cp.pki.client("scale-loader", "scale-loader", ["system:masters"])
+        admin = Api(cp.url, cp.ca_file, cert=(admin_cert, admin_key), limit=args.concurrency)
+        print(f"loading {args.nodes} nodes and {args.nodes * args.pods_per_node} pods ...", flush=True)
+        timings = await load_cluster(cp, args, admin)
+        print(f"loaded: nodes {timings['nodes_s']:.0f} s, pods {timings['pods_s']:.0f} s "
+              f"({timings['pods_per_s']:.0f}/s), pod status {timings['status_s']:.0f} s", flush=True)
+        tokens = await agent_tokens(cp, args, admin)
+        ctl_token = (await admin.call("POST", f"/api/v1/namespaces/{SYSTEM_NS}/serviceaccounts/{CONTROLLER_SA}/token", {
+            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 7200}}))["status"]["token"]
+        await admin.close()
+        admin = None
+
+        # -- without netagent
+        await asyncio.sleep(5)
+        m0 = apiserver_metrics(cp)
+        idle = Usage(pids)
+        await asyncio.sleep(args.baseline)
+        idle_use = idle.read()
+        m1 = apiserver_metrics(cp)
+
+        # -- the controller
+        controllers = start_controllers(cp, args, ctl_token, workdir)
+        bench.controller_urls = [u for _, u, _ in controllers]
+        ready_s = await wait_ready(bench.controller_urls, 600)
+        print(f"controller ready after {ready_s:.1f} s", flush=True)
+
+        # -- the agents
+        bench.agent_api = Api(cp.url, cp.ca_file, limit=0)
+        bench.controller_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=3))  # the agent's 3 s
+        bench.agents = [SimAgent(bench, i, tok) for i, tok in enumerate(tokens)]
+        t_agents = time.time()
+        tasks = [t for a in bench.agents for t in a.start()]
+        t_sync0 = time.monotonic()
+        await asyncio.wait_for(bench.all_synced.wait(), timeout=max(300, args.nodes * 0.2))
+        print(f"{args.nodes} agents synced (3 lists each) after {time.monotonic() - t_sync0:.1f} s", flush=True)
+        await asyncio.sleep(3 * args.period)  # the first reports, TokenReviews, first rounds
+
+        # -- steady state window
+        m2 = apiserver_metrics(cp)
+        ctl_pids = {f"controller-{k}": p.pid for k, (p, _, _) in enumerate(controllers)}
+        busy = Usage({**pids, **ctl_pids})
+        t_window = time.time()
+        bench.stats.window = True
+        bench.stats.answers.clear()
+        cpu_w0 = time.process_time()
+        await asyncio.sleep(args.measure)
+        bench.stats.window = False
+        busy_use = busy.read()
+        bench_cpu = (time.process_time() - cpu_w0) / args.measure
+        m3 = apiserver_metrics(cp)
+        allocated = sum(a.node_rate for a in bench.agents)
+        budget = args.nodes * BUDGET_PER_NODE_BPS
+        sent = sum(min(a.appetite.get(k, 0.0), a.limits.get(k, FLOOR_BPS)) for a in bench.agents for k in a.appetite)
+
+        # -- report
+        counts_start = audit_counts(audit_log, t_agents)
+        counts_window = audit_counts(audit_log, t_window)
+        ours = {k: v for k, v in counts_window.items() if k[0] in ("agent", "controller")}
+        all_reqs = (m3["requests"] - m2["requests"]) / args.measure
+        our_rate = sum(ours.values()) / args.measure
+        print()
+        print(f"| {args.nodes} nodes, {args.nodes * args.pods_per_node} pods | without netagent | with netagent |")
+        print("|---|---|---|")
+        for name in ("kube-apiserver", "etcd"):
+            print(f"| {name} CPU (cores) / RSS (MiB) | {idle_use[name][0]:.2f} / {idle_use[name][1]:.0f} | "
+                  f"{busy_use[name][0]:.2f} / {busy_use[name][1]:.0f} |")
+        print(f"| API requests/s (all clients) | {(m1['requests'] - m0['requests']) / args.baseline:.1f} | {all_reqs:.1f} |")
+        print(f"| watches open | {m1['watches']:.0f} | {m3['watches']:.0f} |")
+        print()
+        print(f"netagent's API requests in the window: {our_rate:.1f}/s ({our_rate / max(all_reqs, 1e-9):.0%} of all)")
+        for (kind, verb, res), n in sorted(ours.items()):
+            print(f"  {kind:10s} {verb:8s} {res:28s} {n / args.measure:8.2f}/s")
+        agent_lists_after = sum(n for (k, v, _), n in counts_window.items() if k == "agent" and v == "list")
+        print(f"agent LISTs at start: {sum(n for (k, v, _), n in counts_start.items() if k == 'agent' and v == 'list')}"
+              f" (expected {3 * args.nodes}); after start (window): {agent_lists_after}; relists after 410: {bench.stats.relists_410}")
+        tr = sum(n for (k, v, r), n in counts_start.items() if k == "controller" and r == "tokenreviews")
+        status_w = sum(n for (k, v, r), n in counts_window.items() if k == "controller" and r.endswith("/status"))
+        print(f"TokenReviews by the controller since agents started: {tr} ({args.nodes} distinct agents)")
+        print(f"status writes: {status_w * 60 / args.measure:.1f}/min")
+        for k, (cpu, rss) in busy_use.items():
+            if k.startswith("controller"):
+                print(f"{k}: CPU {cpu:.2f} cores, RSS {rss:.0f} MiB")
+        ok = bench.stats.answers.get(200, 0)
+        print(f"reports answered 200: {ok / args.measure:.1f}/s (expected {args.nodes / args.period:.1f}/s); "
+              f"others: {dict((k, v) for k, v in bench.stats.answers.items() if k != 200)}; redirects {bench.stats.redirects}")
+        print(f"answer latency p50 {pct(bench.stats.latencies, 0.5) * 1e3:.1f} ms, "
+              f"p99 {pct(bench.stats.latencies, 0.99) * 1e3:.1f} ms")
+        print(f"allocated (sum of node rates) {allocated / 1e9:.2f} Gbit/s, sent {sent / 1e9:.2f} Gbit/s, "
+              f"budget {budget / 1e9:.0f} Gbit/s: {(sent / budget - 1) * 100:+.1f} %")
+        print(f"simulated agents' own CPU (this process, not netagent): {bench_cpu:.2f} cores")
+        if bench.errors:
+            print("errors:", dict(bench.errors.most_common(8)))
+        bench.stopping = True
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        bench.stopping = True
+        for proc, _, _ in controllers:
+            stop_process(proc, 10)
+        if admin:
+            await admin.close()
+        if bench.controller_session:
+            await bench.controller_session.close()
+        if bench.agent_api:
+            await bench.agent_api.close()
+        cp.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", type=int, default=1000)
+    p.add_argument("--pods-per-node", type=int, default=110)
+    p.add_argument("--period", type=float, default=5.0, help="agent report period, seconds")
+    p.add_argument("--measure", type=float, default=60.0, help="steady-state window, seconds")
+    p.add_argument("--baseline", type=float, default=20.0, help="window without netagent, seconds")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--concurrency", type=int, default=48, help="loader requests in flight")
+    p.add_argument("--no-pod-status", dest="pod_status", action="store_false",
+                   help="leave pods Pending without IPs (faster loading; netagent reports them all the same)")
+    asyncio.run(run(p.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
