@@ -68,7 +68,7 @@ def controller_process(tmp_path: Path, *extra: str):
     port = free_port()
     log = open(tmp_path / "controller.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "netagent", "controller", "--listen", f"127.0.0.1:{port}",
-                             "--period", "0.2", "--lease-seconds", "5", "--report-rate", "1000", *extra],
+                             "--period", "0.2", "--lease-seconds", "5", "--report-rate", "1000", "--insecure-http", *extra],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -198,7 +198,7 @@ def serve_follower(leader: str | None) -> tuple[str, callable]:
     state = ControllerState(lambda reports: None, leader=lambda: False, leader_address=lambda: leader)
     port = free_port()
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(make_app(state, None, self_address=f"127.0.0.1:{port}"))
+    runner = web.AppRunner(make_app(state, None, self_address=f"127.0.0.1:{port}", scheme="http"))
     loop.run_until_complete(runner.setup())
     loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
     thread = threading.Thread(target=loop.run_forever, daemon=True)
