@@ -84,6 +84,7 @@ def test_base_renders_every_part(base):
                    ("ClusterRoleBinding", "netagent-agent"), ("ClusterRoleBinding", "netagent-controller"),
                    ("Role", "netagent-controller-leader-election"),
                    ("RoleBinding", "netagent-controller-leader-election"),
+                   ("Role", "netagent-controller-tls"), ("RoleBinding", "netagent-controller-tls"),
                    ("DaemonSet", "netagent-agent"), ("Deployment", "netagent-controller"),
                    ("PodDisruptionBudget", "netagent-controller"), ("Service", "netagent-controller"),
                    ("ConfigMap", "netagent-dashboard-cluster"), ("ConfigMap", "netagent-dashboard-node-pod")]:
@@ -336,7 +337,8 @@ def grants(docs, subject: str) -> set[tuple[str, str, str, str]]:
 
 AGENT_GRANTS = {("*", "", "pods", v) for v in ("get", "list", "watch")} | {
     ("*", "netagent.io", r, v) for r in ("egressclasses", "egressbudgets") for v in ("get", "list", "watch")} | {
-    ("*", "", "events", v) for v in ("create", "patch")}
+    ("*", "", "events", v) for v in ("create", "patch")} | {
+    (NAMESPACE, "", "secrets", v) for v in ("get", "update", "create")}  # its TLS Secret (get/update by name)
 CONTROLLER_GRANTS = {("*", "", r, v) for r in ("pods", "namespaces") for v in ("get", "list", "watch")} | {
     ("*", "netagent.io", r, v) for r in ("egressclasses", "egressbudgets") for v in ("get", "list", "watch")} | {
     ("*", "netagent.io", "egressbudgets/status", v) for v in ("update", "patch")} | {
@@ -355,6 +357,10 @@ def test_rbac_has_no_wildcards_and_no_secrets(base):
         for rule in role["rules"]:
             for field in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule[field], f"{role['metadata']['name']}: wildcard in {field}"
+            if role["metadata"]["name"] == "netagent-controller-tls":  # the controller's own TLS Secret only
+                assert role["kind"] == "Role" and rule["resources"] == ["secrets"]
+                assert rule.get("resourceNames") == ["netagent-controller-tls"] or rule["verbs"] == ["create"]
+                continue
             assert not {"secrets", "configmaps", "nodes/proxy", "serviceaccounts/token"} & set(rule["resources"])
             assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
             assert "resourceNames" not in rule or rule["resourceNames"]
