@@ -337,14 +337,14 @@ def grants(docs, subject: str) -> set[tuple[str, str, str, str]]:
 
 AGENT_GRANTS = {("*", "", "pods", v) for v in ("get", "list", "watch")} | {
     ("*", "netagent.io", r, v) for r in ("egressclasses", "egressbudgets") for v in ("get", "list", "watch")} | {
-    ("*", "", "events", v) for v in ("create", "patch")} | {
-    (NAMESPACE, "", "secrets", v) for v in ("get", "update", "create")}  # its TLS Secret (get/update by name)
+    ("*", "", "events", v) for v in ("create", "patch")}
 CONTROLLER_GRANTS = {("*", "", r, v) for r in ("pods", "namespaces") for v in ("get", "list", "watch")} | {
     ("*", "netagent.io", r, v) for r in ("egressclasses", "egressbudgets") for v in ("get", "list", "watch")} | {
     ("*", "netagent.io", "egressbudgets/status", v) for v in ("update", "patch")} | {
     ("*", "authentication.k8s.io", "tokenreviews", "create")} | {
     (NAMESPACE, "coordination.k8s.io", "leases", v) for v in ("get", "create", "update")} | {
-    ("*", "", "events", v) for v in ("create", "patch")}
+    ("*", "", "events", v) for v in ("create", "patch")} | {
+    (NAMESPACE, "", "secrets", v) for v in ("get", "update", "create")}  # its TLS Secret (get/update by name)
 
 
 def test_rbac_grants_exactly_what_each_part_needs(base):
@@ -529,13 +529,16 @@ def test_agent_cannot(installed, verb):
     "create tokenreviews.authentication.k8s.io",
     "get leases.coordination.k8s.io -n netagent-system", "create leases.coordination.k8s.io -n netagent-system",
     "update leases.coordination.k8s.io -n netagent-system", "create events -n default",
+    "get secrets/netagent-controller-tls -n netagent-system", "update secrets/netagent-controller-tls -n netagent-system",
+    "create secrets -n netagent-system",
 ])
 def test_controller_can(installed, verb):
     assert can_i(installed, CONTROLLER_SA, *shlex.split(verb)), f"the controller cannot {verb}"
 
 
 @pytest.mark.parametrize("verb", [
-    "get secrets -n netagent-system", "list secrets --all-namespaces",
+    "get secrets -n netagent-system", "list secrets --all-namespaces", "get secrets/other -n netagent-system",
+    "update secrets/other -n netagent-system", "create secrets -n default",
     "update leases.coordination.k8s.io -n kube-system", "create leases.coordination.k8s.io -n default",
     "delete leases.coordination.k8s.io -n netagent-system",
     "update egressbudgets.netagent.io", "patch egressbudgets.netagent.io", "create egressclasses.netagent.io",
