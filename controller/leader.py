@@ -82,7 +82,7 @@ class LeaderElector:
                 ok = False
             if ok:
                 self._valid_until = started + self.renew_deadline
-                self._set(self.leading)  # a renewal that took longer than the deadline leads nowhere
+                self._set(time.monotonic() < self._valid_until)  # a renewal slower than the deadline leads nowhere
             elif self._leading and not self.leading:
                 log.warning("leader election: could not renew within %gs; stepping down", self.renew_deadline)
                 self._set(False)
