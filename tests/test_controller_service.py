@@ -274,3 +274,30 @@ def test_reporter_keeps_allocations_when_no_replica_leads():
         assert agent.allocations.current is held
     finally:
         stop()
+
+
+def test_reporter_counts_refused_pods_and_reads_answers_without_the_field(tmp_path, caplog):
+    from core.wire import answer_decoder
+    from netagent.reporter import Reporter
+
+    old = answer_decoder.decode(json.dumps({"node": "node-a", "generation": 1, "lease_seconds": 30,
+                                            "safe_floor_bps": 1e6, "node_rate_bps": 1e7, "pods": []}).encode())
+    assert old.refused == []  # an older controller's answer
+    policy = tmp_path / "policy.yaml"
+    pods = [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "web"},
+             "spec": {"nodeName": node, "containers": [{"name": "c", "image": "x"}]}}
+            for name, node in (("w1", "node-a"), ("w2", "node-b"))]
+    policy.write_text(yaml.safe_dump_all([*CLASSES, budget("100M"), *pods]))
+    refused: list[str] = []
+    agent = make_agent("node-a", [("web", "w1"), ("web", "w2")])
+    with controller_process(tmp_path, "--from-file", str(policy), "--no-auth") as (_, base):
+        reporter = Reporter(agent, base, token_path=None, on_refused=refused.append)
+
+        def allocated():
+            reporter.report_once()
+            return agent.allocations.current.source == "controller"
+
+        wait_for(allocated, what="an answer from a round")
+    assert set(refused) == {"PodNotOnNode"}
+    assert list(agent.allocations.current.pods) == ["web/w1"]  # the neighbour is allocated
+    assert "controller refused pod web/w2 (PodNotOnNode)" in caplog.text
