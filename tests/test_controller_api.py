@@ -12,6 +12,8 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
+from lab.procs import wait_for
+
 from controller.allocator import Allocator
 from controller.api import MAX_BODY, make_app
 from controller.auth import AUDIENCE, NODE_CLAIM, POD_CLAIM, TokenAuthenticator
@@ -579,3 +581,77 @@ async def test_answer_wait_gives_up_after_its_bound():
         code, answer, _ = await post(session, base, "node-a", report("node-a", [pod("web", "w1")]))
     assert (code, answer["generation"]) == (200, 0)  # no round came: the answer it had
     assert not state._round_waiters
+
+
+# -- bounded memory, robust aggregation, Events ------------------------------------------------------
+
+def test_one_nodes_absurd_egress_does_not_move_the_cluster():
+    """Nine honest nodes report their egress, one reports 1e18 bit/s: its word on the measured total
+    is clamped to what it was allocated plus a margin, so the gain stays near 1 (unclamped it would
+    fall to its floor, 0.5: half the cluster's capacity gone)."""
+    from core.wire import NodeReport, PodReport
+
+    now = [0.0]
+
+    def run(liar: bool) -> float:
+        alloc = Allocator(policy_source(), clock=lambda: now[0])
+        result = None
+        for _ in range(8):
+            now[0] += 5.0
+            reports = {}
+            for n in range(10):
+                pods = [PodReport("web", f"p{n}", usage_bps=8e6, demand_bps=10e6)]
+                egress = 1e18 if (liar and n == 0) else 8e6
+                reports[f"node-{n}"] = alloc.prepare(NodeReport(f"node-{n}", pods, 1, 5.0, egress))
+            result = alloc(reports)
+        return result.summary.gain
+
+    honest, lied = run(False), run(True)
+    assert honest == pytest.approx(1.0, abs=0.01)
+    assert lied > 0.9
+
+
+def test_resolution_cache_is_bounded(monkeypatch):
+    """Agent-supplied annotation strings key the resolution cache: it starts afresh when full, and
+    reports prepared against the old one are resolved again, correctly."""
+    from controller import allocator as allocator_module
+    from core.wire import NodeReport, PodReport
+
+    monkeypatch.setattr(allocator_module, "MAX_RESOLVED", 8)
+    alloc = Allocator(policy_source())
+    reports = {}
+    for n in range(20):
+        pods = [PodReport("research", f"r{n}", usage_bps=0, demand_bps=1e6, egress_class="bulk",
+                          egress_bandwidth=f"{n + 1}M")]
+        reports[f"node-{n}"] = alloc.prepare(NodeReport(f"node-{n}", pods, 1, 5.0, 0.0))
+        assert len(alloc._tables[6]) <= 8
+    result = alloc(reports)
+    for n in range(20):
+        (a,) = result.by_node[f"node-{n}"]
+        assert (a.team, a.egress_class) == ("research", "bulk") and a.limit_bps <= (n + 1) * 1e6 * (1 + 1e-9)
+
+
+def test_events_are_written_from_a_bounded_queue_and_dropped_when_full():
+    import threading
+
+    from controller.events import EventWriter
+
+    release = threading.Event()
+    written, results = [], []
+
+    def create(namespace, body):  # an API server that hangs until released
+        release.wait(10)
+        written.append((namespace, body["involvedObject"]["name"], body["reason"]))
+
+    events = EventWriter(create, max_queue=4, on_result=results.append)
+    events.start()
+    try:
+        queued = [events.pod_event("web", f"p{i}", "RefusedAnnotationTooLong", "too long") for i in range(10)]
+        assert not events.pod_event("web", "p0", "RefusedAnnotationTooLong", "again")  # told recently: not again
+        assert queued.count(True) <= 5 and results.count("dropped") >= 5  # never blocks the caller: drops, counts
+        release.set()
+        wait_for(lambda: results.count("ok") == queued.count(True), what="the queued Events written")
+        assert len(written) == queued.count(True)
+    finally:
+        release.set()
+        events.stop()
