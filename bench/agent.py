@@ -166,7 +166,7 @@ def main() -> int:
         # -- the same node reporting to the real controller every 5 s ---------------------------
         controller_log = open(work / "controller.log", "w")
         lab.spawn(node.netns, [sys.executable, "-m", "cli.main", "controller", "--from-file", str(work / "policy.yaml"),
-                               "--no-auth", "--listen", "127.0.0.1:9591"], stdout=controller_log,
+                               "--no-auth", "--insecure-http", "--listen", "127.0.0.1:9591"], stdout=controller_log,
                   stderr=subprocess.STDOUT)
         agent = AgentProcess(lab, node, [work / "policy.yaml", work / "pods.yaml"], port=9592, log_dir=work,
                              resync=30.0, extra=["--controller", "http://127.0.0.1:9591", "--report-period", "5",

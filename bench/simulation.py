@@ -259,7 +259,7 @@ def main() -> int:
         port = s.getsockname()[1]
     log = open(workdir / "controller.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "cli.main", "controller", "--from-file", str(policy),
-                             "--no-auth", "--listen", f"127.0.0.1:{port}", "--period", f"{args.period / 5:g}",
+                             "--no-auth", "--insecure-http", "--listen", f"127.0.0.1:{port}", "--period", f"{args.period / 5:g}",
                              "--answer-wait", f"{args.period / 5 * 1.5:g}",
                              "--lease-seconds", f"{args.period * 10:g}", "--report-rate", f"{4 / args.period:g}"],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)

@@ -35,6 +35,13 @@ def _int(text: str) -> int:
     return int(text, 0)
 
 
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value not in ("true", "false", "1", "0", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+    return value in ("true", "1", "yes")
+
+
 def _flags_for(build, a: argparse.Namespace) -> dict:
     """The parsed flags that a config builder takes, by name (--report-period is report_period):
     a flag is defined once, here, and never listed again."""
@@ -209,8 +216,25 @@ def _controller_flags(p: argparse.ArgumentParser) -> None:
     auth = p.add_argument_group("agent authentication (cluster mode)")
     auth.add_argument("--no-auth", action="store_true", help="accept reports without a token (demo/tests only)")
     auth.add_argument("--agent-service-account", metavar="NAMESPACE:NAME",
-                      help="accept only tokens of this ServiceAccount (recommended: the agent DaemonSet's)")
+                      help="accept only tokens of this ServiceAccount, the agent DaemonSet's (required in cluster "
+                           "mode unless --no-auth)")
     auth.add_argument("--token-cache-seconds", type=float, default=60.0, help="how long a TokenReview verdict is reused")
+    tls = p.add_argument_group("TLS (HTTPS by default; docs/controller.md)")
+    tls.add_argument("--tls-secret", default="netagent-controller-tls",
+                     help="Secret (in --namespace) with ca.crt, ca.key, tls.crt, tls.key (cluster mode)")
+    tls.add_argument("--tls-manage", type=_bool, default=True, metavar="true|false",
+                     help="create the Secret when missing and renew its serving certificate (default true; "
+                          "false when cert-manager owns the Secret)")
+    tls.add_argument("--tls-dns-names", metavar="NAME,...",
+                     help="names of the serving certificate (default: the Service netagent-controller's names "
+                          "in --namespace)")
+    tls.add_argument("--tls-cert-file", metavar="PATH", help="serving certificate chain (PEM) instead of the Secret; "
+                                                              "re-read on change")
+    tls.add_argument("--tls-key-file", metavar="PATH", help="its private key (PEM)")
+    tls.add_argument("--tls-check-seconds", type=float, default=60.0,
+                     help="how often the Secret or files are checked for a new or expiring certificate")
+    tls.add_argument("--insecure-http", action="store_true",
+                     help="serve plain HTTP (agents' tokens in the clear): single-machine demos and tests only")
     _logging(p)
 
 

@@ -9,13 +9,19 @@ allocation engine once over all of them, and splits the result back per node:
 - node_rate: the sum of the node's pods' limits, capped at the budget total. The engine
   keeps the sum of all limits within the budget (times its feedback gain), so node classes
   never hold a pod below its answer and the cluster total is held by the engine;
-- safe_floor: the budget total divided by the number of pods in the round, so that if
-  every agent lost the controller at once and fell to the floor, the cluster would still
-  stay within its budget (each agent also caps the floor at the pod's own max);
+- safe_floor: the budget total divided by the number of pods the cluster has (the pod
+  cache's count, `known_pods`, or the round's pods when larger), so that if every agent
+  lost the controller at once and fell to the floor, the cluster would still stay within
+  its budget (each agent also caps the floor at the pod's own max). Never sized from one
+  round alone: right after a failover a round holds only the few nodes that reported yet;
 - feedback (the engine's gain): the sum of the reports' node_internet_egress_bps (the
   measured total) and of their pods' usage_bps (what the pod classes sent), when agents
   report them, fed to the engine at most once per report period (the longest
-  period_seconds among the reports).
+  period_seconds among the reports). Robust to one node's lies: each node's egress counts
+  at most EGRESS_MARGIN times what it may send (its node rate of the previous round, or a
+  fair share of the budget per node when it has none), and its pods' usage at most its
+  egress; so no node moves the gain by more than its own allocation's worth (a clamp, not
+  a median: the sum must stay a sum of the nodes' traffic for the gain to mean anything).
 
 Cost: each report's pods are resolved into columns when it arrives (`prepare`; the policy
 resolution is cached per distinct (namespace, class, bandwidth) triple), so a round only
@@ -47,6 +53,8 @@ _KEY = attrgetter("namespace", "name")
 _DEMAND = attrgetter("demand_bps")
 _USAGE = attrgetter("usage_bps")
 MIN_SAFE_FLOOR_BPS = float(TRICKLE_BPS)  # a pod always keeps a trickle
+EGRESS_MARGIN = 1.25  # a node's reported egress counts up to this times what it was allocated
+MAX_RESOLVED = 65_536  # distinct (namespace, class, bandwidth) resolutions kept; then the cache starts afresh
 
 
 @dataclass
@@ -125,7 +133,7 @@ class PreparedReport:
     """A node report with its pods' policy resolved into columns (done at submit time)."""
 
     report: NodeReport
-    policy: object  # the Policy the rows were resolved against
+    tables: tuple  # the policy tables (and resolution cache) the rows index into
     keys: tuple[tuple[str, str], ...]  # (namespace, name) per pod
     rows: np.ndarray  # per pod: its row in the policy's table (team index, class index, weight, min, max)
     demand: np.ndarray
@@ -142,34 +150,43 @@ class Allocator:
 
     def __init__(self, policy: Callable[[], tuple[Policy, list[str]]],
                  namespace_labels: Callable[[str], Mapping[str, str] | None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, known_pods: Callable[[], int] | None = None):
         self.policy = policy
         self.namespace_labels = namespace_labels or (lambda ns: None)
+        self.known_pods = known_pods or (lambda: 0)  # pods the cluster has (pod cache): sizes the floor
         self.clock = clock
         self._last_feedback = float("-inf")
         self._previous: dict[str, tuple[tuple, np.ndarray, np.ndarray]] = {}  # node -> (keys, allocation, limit)
         self._gain_carrier = None  # the last ColumnarResult: carries the feedback gain
+        self._node_rate: dict[str, float] = {}  # the previous round's node rates: bound each node's egress
         self._tables = None  # per Policy: team columns, name tuples and indexes, the resolution cache and rows
         self._resolving = threading.Lock()
 
-    def _policy_tables(self, policy: Policy) -> tuple:
+    def _policy_tables(self, policy: Policy, fresh: bool = False) -> tuple:
+        """(policy, team columns, names, indexes, resolution cache, rows) for `policy`; `fresh`
+        starts a new cache when the current one is full (its keys are agent-supplied strings)."""
         tables = self._tables
-        if tables is None or tables[0] is not policy:
+        if tables is None or tables[0] is not policy or fresh:
             with self._resolving:
                 tables = self._tables
-                if tables is None or tables[0] is not policy:
+                if tables is None or tables[0] is not policy or (fresh and len(tables[6]) >= MAX_RESOLVED):
                     team_names = tuple(t.name for t in policy.teams)
                     class_names = tuple(policy.classes)
                     tables = self._tables = (
                         policy, TeamColumns.from_policy(policy), team_names, class_names,
                         {n: i for i, n in enumerate(team_names)}, {n: i for i, n in enumerate(class_names)}, {}, [])
-        return tables[1:]
+        return tables
 
-    def prepare(self, report: NodeReport, policy: Policy | None = None) -> PreparedReport:
-        """The report's pods resolved into columns (cached per (namespace, class, bandwidth))."""
+    def prepare(self, report: NodeReport, policy: Policy | None = None, in_round: bool = False) -> PreparedReport:
+        """The report's pods resolved into columns (cached per (namespace, class, bandwidth);
+        at submit time a full cache starts afresh, and the next round re-resolves the reports
+        prepared against the old one)."""
         if policy is None:
             policy, _ = self.policy()
-        _, _, _, team_index, class_index, cache, table = self._policy_tables(policy)
+        tables = self._policy_tables(policy)
+        if not in_round and len(tables[6]) >= MAX_RESOLVED:
+            tables = self._policy_tables(policy, fresh=True)
+        _, _, _, _, team_index, class_index, cache, table = tables
         pods = report.pods
         triples = list(map(_TRIPLE, pods))  # map/attrgetter: the per-pod steps run in C
         rows = list(map(cache.get, triples))
@@ -188,7 +205,7 @@ class Allocator:
                     rows[i] = row
         n = len(pods)
         return PreparedReport(
-            report, policy, tuple(map(_KEY, pods)), np.array(rows, dtype=np.intp),
+            report, tables, tuple(map(_KEY, pods)), np.array(rows, dtype=np.intp),
             np.fromiter(map(_DEMAND, pods), dtype=np.float64, count=n),
             np.fromiter(map(_USAGE, pods), dtype=np.float64, count=n),
         )
@@ -196,13 +213,15 @@ class Allocator:
     def __call__(self, reports: dict[str, PreparedReport | NodeReport]) -> RoundResult:
         """One round over the latest report of every node."""
         policy, problems = self.policy()
-        team_cols, team_names, class_names, _, _, _, rows = self._policy_tables(policy)
+        tables = self._policy_tables(policy)
+        _, team_cols, team_names, class_names, _, _, _, rows = tables
         nodes = sorted(reports)  # a stable order: unchanged pods keep their index between rounds
         prepared = []
         for node in nodes:
             item = reports[node]
-            if not isinstance(item, PreparedReport) or item.policy is not policy:  # the policy changed since
-                item = self.prepare(item if isinstance(item, NodeReport) else item.report, policy)
+            # the policy changed since, or the resolution cache started afresh
+            if not isinstance(item, PreparedReport) or item.tables is not tables:
+                item = self.prepare(item if isinstance(item, NodeReport) else item.report, policy, in_round=True)
             prepared.append(item)
         n = sum(len(item.keys) for item in prepared)
         # `rows` is read after preparing: a pod resolved just now has its row
@@ -215,8 +234,14 @@ class Allocator:
         pods = PodColumns(team=team, weight=table[:, 2].copy(), min_bps=table[:, 3].copy(),
                           max_bps=table[:, 4].copy(), demand_bps=demand)
 
-        measured = sum(item.report.node_internet_egress_bps for item in prepared)
-        any_measured = any(item.report.node_internet_egress_bps > 0 for item in prepared)
+        total = float(policy.total_bps)
+        # each node's word on the measured total is bounded by what it may send (see the module doc)
+        fair_node = total / max(1, len(nodes))
+        egress = [min(item.report.node_internet_egress_bps,
+                      EGRESS_MARGIN * max(self._node_rate.get(node, 0.0), fair_node))
+                  for node, item in zip(nodes, prepared)]
+        measured = sum(egress)
+        any_measured = any(e > 0 for e in egress)
         report_period = max((item.report.period_seconds for item in prepared), default=0.0)
         # the measured total changes once per report period: feeding it to the gain in every
         # round of a shorter allocation period would apply the same correction several times
@@ -224,12 +249,12 @@ class Allocator:
         now = self.clock()
         if any_measured and now - self._last_feedback >= report_period * 0.9:
             feedback, self._last_feedback = measured, now
-        total = float(policy.total_bps)
         # the gain is the ratio of what the pods' classes sent to the measured total (other byte
-        # counts, unshaped host traffic), both from the nodes that measure their egress
+        # counts, unshaped host traffic), both from the nodes that measure their egress; a node's
+        # pods never sent more than the node did
         shaped = None
         if feedback is not None:
-            shaped = float(sum(item.usage.sum() for item in prepared if item.report.node_internet_egress_bps > 0))
+            shaped = float(sum(min(float(item.usage.sum()), e) for item, e in zip(prepared, egress) if e > 0))
         result = allocate_columns(team_cols, pods, total, feedback, self._aligned_previous(nodes, prepared),
                                   shaped_usage_bps=shaped)
         alloc, limit = result.allocation, result.limit
@@ -244,9 +269,9 @@ class Allocator:
             node_rate[node] = min(total, float(limit[start:end].sum()))
             previous[node] = (item.keys, alloc[start:end], limit[start:end])
             start = end
-        self._previous, self._gain_carrier = previous, result
+        self._previous, self._gain_carrier, self._node_rate = previous, result, node_rate
         by_node = NodeAllocations(spans, team, cls, team_names, class_names, alloc, limit)
-        floor = max(MIN_SAFE_FLOOR_BPS, total / max(1, n))
+        floor = max(MIN_SAFE_FLOOR_BPS, total / max(1, n, self.known_pods()))
         summary = self._summary(policy, problems, result, team, cls, team_names, class_names, demand, usage,
                                 measured if any_measured else float(usage.sum()), len(reports))
         return RoundResult(by_node, node_rate, floor, summary)

@@ -3,17 +3,24 @@
 POST /v1/nodes/{node}/report   an agent's node report -> its pods' allocations + lease
 GET  /healthz /readyz          liveness; readiness (see ReportSink.ready)
 
-Every request is bounded: body size, pods per report, field ranges (core.wire),
-per-node rate, TokenReviews in flight. Only the leader answers reports; a follower
-answers 307 with the leader's address in Location and in the JSON body, so agents,
-which reach any replica through the Service, end up at the leader. Nothing an agent
-sends reaches another node's allocations: a report only replaces its own node's entry.
+Every request is bounded: body size and read time, pods per report, field ranges
+(core.wire), per-node rate, uncached TokenReviews (ReviewGate). The order is fixed: the
+token is checked first (so a follower never tells an unauthenticated caller where the
+leader is), then leadership: a follower answers 307 with the leader's https address in
+Location and in the JSON body, so agents, which reach any replica through the Service,
+end up at the leader; then readiness: a leader whose caches have not synced answers 503
+with Retry-After, and agents keep what they have. A report over MAX_BODY is refused whole
+(413: it cannot be parsed safely); inside it, a bad pod is refused alone (state.refuse).
+Nothing an agent sends reaches another node's allocations: a report only replaces its own
+node's entry.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -21,14 +28,17 @@ import msgspec
 from aiohttp import web
 
 from core.objects import DNS_NAME
-from core.wire import ErrorBody, NodeAnswer, NodeReport, encoder, report_decoder
+from core.wire import MAX_REPORT_BYTES, ErrorBody, NodeAnswer, NodeReport, encoder, report_decoder
 
 from .auth import AuthError, Identity, TokenAuthenticator
-from .state import ReportRejected
 
 log = logging.getLogger(__name__)
-MAX_BODY = 1 << 20  # 1 MiB: 1,024 pods with long names fit with room to spare
-MAX_REVIEWS_IN_FLIGHT = 32  # TokenReviews of unknown tokens at once; more wait their turn
+MAX_BODY = MAX_REPORT_BYTES
+BODY_TIMEOUT = 10.0  # seconds to receive a report's body: a slow sender does not hold a request forever
+MAX_REVIEWS_IN_FLIGHT = 16  # TokenReviews of unknown tokens at once (their own threads)
+MAX_REVIEWS_PENDING = 256  # reviews waiting or in flight, all clients together; beyond: 429 at once
+MAX_REVIEWS_PER_CLIENT = 4  # ... from one client address
+REVIEW_RATE_PER_CLIENT = 5.0  # uncached reviews per second one client address may cause (burst 2x)
 
 
 class ReportSink(Protocol):
@@ -39,6 +49,8 @@ class ReportSink(Protocol):
     def leader_address(self) -> str | None: ...
 
     def ready(self) -> tuple[bool, str]: ...
+
+    def serving(self) -> tuple[bool, str]: ...
 
     async def settle(self, answer: NodeAnswer) -> NodeAnswer: ...
 
@@ -65,6 +77,35 @@ class TokenBucket:
         return True
 
 
+class ReviewGate:
+    """Admission for uncached TokenReviews: per client address a token bucket and a bound on
+    pending reviews, a bound on all pending reviews, and a fixed pool of review threads. A
+    caller refused here gets 429 at once instead of queueing: 1,000 junk tokens a second from
+    one pod cost 5 reviews a second and never delay another client's review."""
+
+    def __init__(self, per_client_rate: float = REVIEW_RATE_PER_CLIENT, per_client: int = MAX_REVIEWS_PER_CLIENT,
+                 pending: int = MAX_REVIEWS_PENDING, in_flight: int = MAX_REVIEWS_IN_FLIGHT):
+        self.rate = TokenBucket(per_client_rate, 2 * per_client_rate)
+        self.per_client, self.max_pending = per_client, pending
+        self.pending: Counter[str] = Counter()
+        self.total = 0
+        self.pool = concurrent.futures.ThreadPoolExecutor(in_flight, thread_name_prefix="token-review")
+
+    def admit(self, client: str) -> bool:
+        """Called on the event loop (no lock needed); `release(client)` after an admitted review."""
+        if self.total >= self.max_pending or self.pending[client] >= self.per_client or not self.rate.allow(client):
+            return False
+        self.pending[client] += 1
+        self.total += 1
+        return True
+
+    def release(self, client: str) -> None:
+        self.total -= 1
+        self.pending[client] -= 1
+        if not self.pending[client]:
+            del self.pending[client]
+
+
 @dataclass
 class APIStats:
     count_report: Callable[[], None] = lambda: None
@@ -79,20 +120,25 @@ def _error(status: int, reason: str, message: str, headers: dict | None = None,
 
 def make_app(sink: ReportSink, auth: TokenAuthenticator | None, stats: APIStats | None = None,
              per_node_rate: float = 2.0, per_node_burst: float = 6.0,
-             self_address: str | None = None) -> web.Application:
+             self_address: str | None = None, scheme: str = "https", gate: ReviewGate | None = None) -> web.Application:
     """auth=None disables authentication: for the single-machine demo and tests only.
     self_address is this replica's own host:port, so a stale lease naming us is never
-    turned into a redirect to ourselves."""
+    turned into a redirect to ourselves; `scheme` is the one this replica serves (and the
+    leader with it): redirects keep it."""
     stats = stats or APIStats()
     limiter = TokenBucket(per_node_rate, per_node_burst)
-    reviews = asyncio.Semaphore(MAX_REVIEWS_IN_FLIGHT)
+    gate = gate or ReviewGate()
 
-    async def authenticate(header: str | None) -> Identity:
-        identity = auth.cached(header)
+    async def authenticate(header: str | None, client: str) -> Identity:
+        identity = auth.cached(header)  # cheap checks and the cache: no API call, no thread
         if identity is not None:
             return identity
-        async with reviews:
-            return await asyncio.get_running_loop().run_in_executor(None, auth.authenticate, header)
+        if not gate.admit(client):
+            raise AuthError("ReviewsBusy", "too many unverified tokens from this client; retry")
+        try:
+            return await asyncio.get_running_loop().run_in_executor(gate.pool, auth.authenticate, header)
+        finally:
+            gate.release(client)
 
     async def report(request: web.Request) -> web.Response:
         node = request.match_info["node"]
@@ -103,20 +149,13 @@ def make_app(sink: ReportSink, auth: TokenAuthenticator | None, stats: APIStats 
 
         if not DNS_NAME.match(node):
             return reject(404, "NotFound", "the path must name a node: /v1/nodes/<node name>/report")
-
-        if not sink.is_leader():
-            leader = sink.leader_address()
-            if leader and leader != self_address:
-                stats.count_rejected("NotLeader")
-                return _error(307, "NotLeader", f"this replica is not the leader; report to {leader}",
-                              headers={"Location": f"http://{leader}{request.rel_url}"}, leader=leader)
-            return reject(503, "NoLeader", "no controller is leading yet; keep your allocations and retry shortly",
-                          headers={"Retry-After": "2"})
         identity = None
-        if auth is not None:
+        if auth is not None:  # first: nothing, not even the leader's address, for an unauthenticated caller
             try:
-                identity = await authenticate(request.headers.get("Authorization"))
+                identity = await authenticate(request.headers.get("Authorization"), request.remote or "")
             except AuthError as exc:
+                if exc.reason == "ReviewsBusy":
+                    return reject(429, exc.reason, str(exc), headers={"Retry-After": "1"})
                 return reject(401 if exc.reason == "Unauthenticated" else 403, exc.reason, str(exc))
             except Exception as exc:  # the API server is unreachable: not the agent's fault
                 log.warning("TokenReview failed: %s", exc)
@@ -124,15 +163,31 @@ def make_app(sink: ReportSink, auth: TokenAuthenticator | None, stats: APIStats 
                               headers={"Retry-After": "2"})
             if identity.node != node:
                 return reject(403, "WrongNode", f"token is bound to node {identity.node!r}, not {node!r}")
+        if not sink.is_leader():
+            leader = sink.leader_address()
+            if leader and leader != self_address:
+                stats.count_rejected("NotLeader")
+                return _error(307, "NotLeader", f"this replica is not the leader; report to {leader}",
+                              headers={"Location": f"{scheme}://{leader}{request.rel_url}"}, leader=leader)
+            return reject(503, "NoLeader", "no controller is leading yet; keep your allocations and retry shortly",
+                          headers={"Retry-After": "2"})
+        ok, why = sink.serving()
+        if not ok:  # leading, but the caches are not synced: an answer now would drop every pod
+            return reject(503, "NotReady", f"the controller is not ready ({why}); keep your allocations and retry",
+                          headers={"Retry-After": "2"})
         if not limiter.allow(node):
             return reject(429, "RateLimited", f"node {node} reports too often (at most {per_node_rate:g}/s)",
                           headers={"Retry-After": "1"})
         if request.content_length is not None and request.content_length > MAX_BODY:
-            return reject(413, "TooLarge", f"report larger than {MAX_BODY} bytes")
+            return reject(413, "TooLarge", f"report larger than {MAX_BODY} bytes (refused whole: it cannot be "
+                                           "parsed safely)")
         try:
-            body = await request.read()  # bounded by client_max_size
+            body = await asyncio.wait_for(request.read(), BODY_TIMEOUT)  # bounded by client_max_size
         except web.HTTPRequestEntityTooLarge:
-            return reject(413, "TooLarge", f"report larger than {MAX_BODY} bytes")
+            return reject(413, "TooLarge", f"report larger than {MAX_BODY} bytes (refused whole: it cannot be "
+                                           "parsed safely)")
+        except asyncio.TimeoutError:
+            return reject(408, "Timeout", f"the report's body did not arrive within {BODY_TIMEOUT:g}s")
         except Exception:
             return reject(400, "Malformed", "could not read the request body")
         try:
@@ -145,8 +200,6 @@ def make_app(sink: ReportSink, auth: TokenAuthenticator | None, stats: APIStats 
             return reject(422, "Invalid", f"report names node {rep.node!r} but was posted for {node!r}")
         try:
             answer = await sink.settle(sink.submit(identity, rep))
-        except ReportRejected as exc:
-            return reject(exc.status, exc.reason, str(exc))
         except Exception:  # a bug of ours must not take the server down, nor look like the agent's fault
             log.exception("report from node %s failed", node)
             return reject(500, "Internal", "the controller failed to process this report; it keeps running")
@@ -160,8 +213,12 @@ def make_app(sink: ReportSink, auth: TokenAuthenticator | None, stats: APIStats 
         ok, why = sink.ready()
         return web.Response(status=200 if ok else 503, text=why + "\n")
 
+    async def shutdown(app: web.Application) -> None:
+        gate.pool.shutdown(wait=False, cancel_futures=True)
+
     app = web.Application(client_max_size=MAX_BODY)
     app.router.add_post("/v1/nodes/{node}/report", report)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    app.on_cleanup.append(shutdown)
     return app

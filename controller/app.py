@@ -10,7 +10,12 @@ Two ways to run:
   single-machine demo. Pods in the files, if any, drive the node-binding check.
 
 Threads: the aiohttp event loop (agent API, /metrics), the allocation loop (one round per
---period over all nodes), the leader elector, the watches, the status writer.
+--period over all nodes), the leader elector, the watches, the status writer, the Event
+writer, the TLS reloader, the TokenReview pool.
+
+Transport: HTTPS by default (controller/tls.py): the serving certificate from the Secret
+--tls-secret (cluster mode) or --tls-cert-file/--tls-key-file; plain HTTP only with
+--insecure-http.
 """
 from __future__ import annotations
 
@@ -28,13 +33,15 @@ from core.policy import PolicyCache
 
 from .allocator import Allocator, RoundResult
 from .api import APIStats, make_app
-from .auth import TokenAuthenticator, kube_token_review, service_account_user
-from .config import ControllerConfig
+from .auth import TokenAuthenticator, kube_token_review
+from .config import ControllerConfig, service_account_username
+from .events import EventWriter, kube_event_creator
 from .leader import LeaderElector
 from .metrics import ControllerMetrics
 from .sources import ClusterCaches, FilePolicy
 from .state import ControllerState
 from .status import StatusWriter
+from .tls import FileTLS, SecretTLS, ServingTLS
 
 log = logging.getLogger("netagent.controller")
 
@@ -54,15 +61,20 @@ class Controller:
         self.status_writer: StatusWriter | None = None
         self.files: FilePolicy | None = None
         self.cluster: ClusterCaches | None = None
+        self.events: EventWriter | None = None
+        self.tls: ServingTLS | None = None
         auth = None
         locate_pods = None
         namespace_labels = None
+        known_pods = None
+        api = None
         if cfg.from_file:
             self.files = FilePolicy(list(cfg.from_file))
             policy = PolicyCache(self.files.policy_objects)
             self.files.on_change = policy.invalidate
             if self.files.has_pods():
                 locate_pods = self.files.locate_pods
+                known_pods = self.files.pod_count
             readiness = lambda: (True, "policy from files")  # noqa: E731
         else:
             api = load_api_client(cfg.kubeconfig)
@@ -72,6 +84,7 @@ class Controller:
                                              resource, kind).inc())
             locate_pods, namespace_labels, readiness = (self.cluster.locate_pods, self.cluster.namespace_labels,
                                                       self.cluster.synced)
+            known_pods = self.cluster.pod_count
             self.elector = LeaderElector(api, cfg.namespace, cfg.lease_name, cfg.identity,
                                          lease_seconds=cfg.election_lease_seconds,
                                          renew_deadline=cfg.election_lease_seconds * 2 / 3,
@@ -88,13 +101,21 @@ class Controller:
                     self.metrics.token_reviews.inc()
                     return review(token)
 
-                allowed = service_account_user(cfg.agent_service_account) if cfg.agent_service_account else None
-                auth = TokenAuthenticator(counted_review, ttl=cfg.token_cache_seconds, allowed_users=allowed)
+                allowed = service_account_username(cfg.agent_service_account) if cfg.agent_service_account else None
+                auth = TokenAuthenticator(counted_review, ttl=cfg.token_cache_seconds, allowed_user=allowed)
+            self.events = EventWriter(kube_event_creator(api),
+                                      on_result=lambda result: self.metrics.events.labels(result).inc())
+        if cfg.tls_mode == "secret":
+            self.tls = ServingTLS(SecretTLS(api, cfg.namespace, cfg.tls_secret, cfg.tls_dns_names, cfg.tls_manage,
+                                            on_change=lambda what: self.metrics.tls_changes.labels(what).inc()),
+                                  cfg.tls_check_seconds)
+        elif cfg.tls_mode == "files":
+            self.tls = ServingTLS(FileTLS(cfg.tls_cert_file, cfg.tls_key_file), cfg.tls_check_seconds)
         self.policy = policy
         self.auth = auth
         leading = (lambda: self.elector.leading) if self.elector else (lambda: True)
         self.state = ControllerState(
-            Allocator(policy, namespace_labels), locate_pods=locate_pods, lease_seconds=cfg.lease_seconds,
+            Allocator(policy, namespace_labels, known_pods=known_pods), locate_pods=locate_pods, lease_seconds=cfg.lease_seconds,
             report_ttl=cfg.report_ttl, leader=leading,
             leader_address=(lambda: self.elector.leader_address()) if self.elector else (lambda: None),
             readiness=readiness, answer_wait=cfg.answer_wait,
@@ -102,6 +123,19 @@ class Controller:
         self.metrics = ControllerMetrics(self.state, leading)
         self.state.on_round = self._round_done
         self.state.on_round_failure = self.metrics.round_failures.inc
+        self.state.on_refused = self._refused
+        if self.tls is not None:
+            self.tls.refresh()  # no certificate, no start: the error says which Secret or file
+
+    def _refused(self, node: str, refused) -> None:
+        """Count each refused pod by reason; tell the pod's owner with an Event (not for pods the
+        pod watch has not seen yet: that is lag, and the pod may not exist)."""
+        for r in refused:
+            self.metrics.refused_pods.labels(r.reason).inc()
+            if self.events is not None and r.reason not in ("UnknownPod", "InvalidName"):
+                self.events.pod_event(r.namespace, r.name, f"Refused{r.reason}",
+                                      f"node {node}'s report of this pod was refused ({r.reason}); "
+                                      "the pod is not allocated by the controller (see docs/controller.md)")
 
     def _leadership(self, leading: bool) -> None:
         self.state.on_leadership(leading)
@@ -119,7 +153,8 @@ class Controller:
         stats = APIStats(count_report=self.metrics.reports.inc,
                          count_rejected=lambda reason: self.metrics.rejected.labels(reason).inc())
         app = make_app(self.state, self.auth, stats, per_node_rate=self.cfg.report_rate,
-                       per_node_burst=3 * self.cfg.report_rate, self_address=self.cfg.advertise)
+                       per_node_burst=3 * self.cfg.report_rate, self_address=self.cfg.advertise,
+                       scheme="http" if self.tls is None else "https")
         if self.cfg.metrics_listen is None:
             app.router.add_get("/metrics", self.serve_metrics)
         return app
@@ -135,6 +170,10 @@ class Controller:
             self.cluster.start()
         if self.status_writer:
             self.status_writer.start()
+        if self.events:
+            self.events.start()
+        if self.tls:
+            self.tls.start()
         if self.elector:
             self.elector.start()
         self.state.start(self.cfg.period)
@@ -145,6 +184,10 @@ class Controller:
             self.elector.stop(release=True)  # the other replica takes over at once, not after the Lease runs out
         if self.status_writer:
             self.status_writer.stop()
+        if self.events:
+            self.events.stop()
+        if self.tls:
+            self.tls.stop()
         if self.cluster:
             self.cluster.stop()
         if self.files:
@@ -154,7 +197,8 @@ class Controller:
         runners = []
         app_runner = web.AppRunner(self.app(), access_log=None)
         await app_runner.setup()
-        await web.TCPSite(app_runner, *self.cfg.listen, backlog=1024).start()
+        await web.TCPSite(app_runner, *self.cfg.listen, backlog=1024,
+                          ssl_context=self.tls.context if self.tls else None).start()
         runners.append(app_runner)
         if self.cfg.metrics_listen is not None:
             metrics_app = web.Application()
@@ -165,8 +209,8 @@ class Controller:
             runners.append(metrics_runner)
         self.start_background()
         mode = "files " + ", ".join(self.cfg.from_file) if self.files else "the API server"
-        log.info("controller serving agents on http://%s (policy from %s; advertised as %s; round every %gs)",
-                 join_host_port(*self.cfg.listen), mode, self.cfg.advertise, self.cfg.period)
+        log.info("controller serving agents on %s://%s (policy from %s; advertised as %s; round every %gs)",
+                 "https" if self.tls else "http", join_host_port(*self.cfg.listen), mode, self.cfg.advertise, self.cfg.period)
         loop = asyncio.get_running_loop()
         stopped = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,29 +1,47 @@
 """Who is calling: an agent's bound ServiceAccount token, checked by TokenReview.
 
 Agents present a projected token (audience `netagent-controller`) that the kubelet
-binds to their pod and node. The API server's TokenReview says whether it is valid
-and which node it is bound to (`authentication.kubernetes.io/node-name`). Results are
-cached by token hash for a short time so a report costs no API call in the steady
-state (2,000 reports/s would otherwise be 2,000 TokenReviews/s).
+binds to their pod and node. The API server's TokenReview says whether it is valid, for
+which audiences, and which node it is bound to (`authentication.kubernetes.io/node-name`).
+
+Cost and abuse bounds, in the order a request meets them:
+- cheap rejection, no API call: a token that is not three base64url JWT parts, is longer
+  than MAX_TOKEN_BYTES, or whose (unverified) claims already say it is expired, for another
+  audience or of another ServiceAccount than --agent-service-account. A forged token that
+  claims the right things still goes to a TokenReview, which decides;
+- a verdict cache keyed by the token's hash, bounded (LRU) and never past the token's `exp`:
+  a report costs no API call in the steady state;
+- uncached reviews pass a `ReviewGate` (controller/api.py): a bounded number at once, per
+  client address a bounded rate and number pending, a bounded queue overall; beyond it a 429
+  at once. Junk from one pod never queues ahead of the agents;
+- an outage of the API server (the review raises, it does not refuse): a token verified
+  good within the last GRACE_SECONDS is still accepted, so an outage does not put the
+  cluster on the floor; an unknown token gets a 503.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
+import json
+import re
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
 from kubernetes import client
 
 from core.errors import NetagentError
-from core.kubeapi import TIMEOUT
-
-from .config import service_account_username
 
 NODE_CLAIM = "authentication.kubernetes.io/node-name"
 POD_CLAIM = "authentication.kubernetes.io/pod-name"
 AUDIENCE = "netagent-controller"
+MAX_TOKEN_BYTES = 4096  # projected tokens are ~1 KiB (and aiohttp refuses headers over 8 KiB)
+GRACE_SECONDS = 600.0  # a good verdict outlives its cache TTL by this much, only while the API server fails
+REVIEW_TIMEOUT = (2.0, 2.5)  # (connect, read): an agent waits 3 s for its answer; a longer review is wasted
+_JWT = re.compile(r"[A-Za-z0-9_-]+\.([A-Za-z0-9_-]+)\.[A-Za-z0-9_-]+")
 
 
 class AuthError(NetagentError):
@@ -39,9 +57,12 @@ class Identity:
     pod: str
 
 
-def identity_from_review(status: dict) -> Identity:
+def identity_from_review(status: dict, audience: str | None = AUDIENCE) -> Identity:
     if not status.get("authenticated"):
         raise AuthError("Unauthenticated", f"token rejected: {status.get('error') or 'not authenticated'}")
+    if audience is not None and audience not in (status.get("audiences") or []):
+        # the API server authenticated the token for other audiences than the one we asked for
+        raise AuthError("Unauthenticated", f"token is not for audience {audience!r}")
     user = status.get("user") or {}
     extra = user.get("extra") or {}
     node = (extra.get(NODE_CLAIM) or [""])[0]
@@ -51,82 +72,135 @@ def identity_from_review(status: dict) -> Identity:
     return Identity(user.get("username", ""), node, pod)
 
 
+def unverified_claims(token: str) -> dict:
+    """The JWT payload, not verified (only for cheap rejection and the cache's expiry after a
+    review confirmed the token); AuthError when the token is not shaped like a JWT."""
+    match = _JWT.fullmatch(token) if len(token) <= MAX_TOKEN_BYTES else None
+    if match is None:
+        raise AuthError("Unauthenticated", f"malformed bearer token (not a JWT of at most {MAX_TOKEN_BYTES} bytes)")
+    payload = match.group(1)
+    try:
+        claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    except (binascii.Error, ValueError) as exc:
+        raise AuthError("Unauthenticated", "malformed bearer token (payload is not JSON)") from exc
+    if not isinstance(claims, dict):
+        raise AuthError("Unauthenticated", "malformed bearer token (payload is not an object)")
+    return claims
+
+
+def _exp(claims: dict) -> float | None:
+    exp = claims.get("exp")
+    return float(exp) if isinstance(exp, (int, float)) and not isinstance(exp, bool) else None
+
+
 class TokenAuthenticator:
+    """`cached` (cheap, for the event loop) and `authenticate` (may call the API: a worker thread)."""
+
     def __init__(self, review: Callable[[str], dict], ttl: float = 60.0, max_entries: int = 50_000,
-                 allowed_users: Callable[[str], bool] | None = None):
+                 allowed_user: str | None = None, audience: str | None = AUDIENCE, grace: float = GRACE_SECONDS,
+                 clock: Callable[[], float] = time.time):
         self.review = review  # token -> TokenReview status dict (API call)
         self.ttl = ttl
+        self.grace = grace
         self.max_entries = max_entries
-        self.allowed_users = allowed_users or (lambda u: True)
-        self._cache: dict[bytes, tuple[float, Identity | AuthError]] = {}
+        self.allowed_user = allowed_user  # the username the agents' tokens carry; None: any
+        self.audience = audience
+        self.clock = clock  # wall time: token `exp` claims are Unix times
+        # sha256(token) -> (fresh until, good-for-grace until, verdict); most recently used last
+        self._cache: OrderedDict[bytes, tuple[float, float, Identity | AuthError]] = OrderedDict()
         self._lock = threading.Lock()
         self.reviews = 0
+        self.grace_used = 0
 
-    @staticmethod
-    def _token(header: str | None) -> str:
+    def _checked(self, header: str | None) -> tuple[str, dict]:
+        """The token and its unverified claims, or AuthError without any API call."""
         if not header or not header.startswith("Bearer "):
             raise AuthError("Unauthenticated", "missing bearer token (Authorization: Bearer <projected token>)")
         token = header[7:].strip()
-        if not token or len(token) > 16384:
-            raise AuthError("Unauthenticated", "malformed bearer token")
-        return token
+        claims = unverified_claims(token)
+        exp = _exp(claims)
+        if exp is not None and exp <= self.clock():
+            raise AuthError("Unauthenticated", "token expired")
+        if self.audience is not None:
+            aud = claims.get("aud")
+            if self.audience not in (aud if isinstance(aud, list) else [aud]):
+                raise AuthError("Unauthenticated", f"token is not for audience {self.audience!r}")
+        if self.allowed_user is not None and claims.get("sub") != self.allowed_user:
+            raise AuthError("Forbidden", f"{str(claims.get('sub'))[:100]} may not report to the controller "
+                                         "(only the agent's ServiceAccount may; see --agent-service-account)")
+        return token, claims
+
+    def _lookup(self, key: bytes, now: float, stale_ok: bool = False) -> Identity | AuthError | None:
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is None:
+                return None
+            fresh, stale, verdict = hit
+            if now < fresh or (stale_ok and isinstance(verdict, Identity) and now < stale):
+                self._cache.move_to_end(key)
+                return verdict
+            if now >= max(fresh, stale):
+                del self._cache[key]
+        return None
 
     def cached(self, header: str | None) -> Identity | None:
-        """The cached verdict without any API call: an Identity, None when unknown or
-        expired; raises AuthError for a malformed header or a cached refusal. Cheap
-        enough for the event loop, so steady-state reports never touch a thread pool."""
-        key = hashlib.sha256(self._token(header).encode()).digest()
-        hit = self._cache.get(key)
-        if hit is None or hit[0] <= time.monotonic():
-            return None
-        if isinstance(hit[1], AuthError):
-            raise hit[1]
-        return hit[1]
+        """The cached verdict without any API call: an Identity, None when unknown or expired;
+        raises AuthError for a malformed or cheaply rejected token, or a cached refusal."""
+        token, _ = self._checked(header)
+        verdict = self._lookup(hashlib.sha256(token.encode()).digest(), self.clock())
+        if isinstance(verdict, AuthError):
+            raise verdict
+        return verdict
 
     def authenticate(self, header: str | None) -> Identity:
         """Cached verdict or one TokenReview (blocking: call it from a worker thread)."""
-        token = self._token(header)
+        token, claims = self._checked(header)
         key = hashlib.sha256(token.encode()).digest()
-        now = time.monotonic()
-        with self._lock:
-            hit = self._cache.get(key)
-        if hit and hit[0] > now:
-            result = hit[1]
-        else:
+        now = self.clock()
+        result = self._lookup(key, now)
+        if result is None:
             self.reviews += 1
             try:
-                result = identity_from_review(self.review(token))
-                if not self.allowed_users(result.username):
+                status = self.review(token)
+            except Exception:
+                held = self._lookup(key, now, stale_ok=True)  # the API server fails: a recent good verdict holds
+                if held is None:
+                    raise
+                self.grace_used += 1
+                return held
+            try:
+                result = identity_from_review(status, self.audience)
+                if self.allowed_user is not None and result.username != self.allowed_user:
                     result = AuthError("Forbidden", f"{result.username} may not report to the controller "
                                                     "(only the agent's ServiceAccount may; see --agent-service-account)")
             except AuthError as exc:
                 result = exc
-            # failures are cached briefly too: a flood of bad tokens must not become a flood of reviews
-            ttl = self.ttl if isinstance(result, Identity) else min(self.ttl, 5.0)
+            exp = _exp(claims) or float("inf")  # verified now: the token's own expiry bounds every reuse
+            if isinstance(result, Identity):
+                fresh, stale = min(now + self.ttl, exp), min(now + self.ttl + self.grace, exp)
+            else:  # refusals are cached briefly too: a flood of one bad token is not a flood of reviews
+                fresh = stale = now + min(self.ttl, 5.0)
             with self._lock:
-                if len(self._cache) >= self.max_entries:
-                    self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
-                    if len(self._cache) >= self.max_entries:
-                        self._cache.clear()
-                self._cache[key] = (now + ttl, result)
+                self._cache[key] = (fresh, stale, result)
+                self._cache.move_to_end(key)
+                while len(self._cache) > self.max_entries:
+                    self._cache.popitem(last=False)
         if isinstance(result, AuthError):
             raise result
         return result
 
-
-def service_account_user(spec: str) -> Callable[[str], bool]:
-    """`namespace:name` -> a check that the token belongs to that ServiceAccount."""
-    expected = service_account_username(spec)
-    return lambda username: username == expected
+    def __len__(self) -> int:
+        return len(self._cache)
 
 
 def kube_token_review(api_client, audience: str = AUDIENCE) -> Callable[[str], dict]:
-    """token -> TokenReview status (one API call, bounded by TIMEOUT)."""
+    """token -> TokenReview status (one API call, bounded by REVIEW_TIMEOUT)."""
     auth = client.AuthenticationV1Api(api_client)
 
     def review(token: str) -> dict:
         body = client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token, audiences=[audience]))
-        resp = auth.create_token_review(body, _request_timeout=TIMEOUT)
+        resp = auth.create_token_review(body, _request_timeout=REVIEW_TIMEOUT)
         return api_client.sanitize_for_serialization(resp.status) or {}
 
     return review
+

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from core.address import join_host_port, parse_host_port
 from core.errors import ConfigError
+from core.objects import DNS_NAME
+from core.wire import AGENT_ANSWER_TIMEOUT
 
 DEFAULT_PORT = 9561
 EXAMPLE = f"0.0.0.0:{DEFAULT_PORT}"
@@ -32,6 +34,26 @@ class ControllerConfig:
     no_auth: bool = False
     agent_service_account: str | None = None  # NAMESPACE:NAME
     token_cache_seconds: float = 60.0
+    # TLS (docs/controller.md "TLS"): a Secret in `namespace` (cluster mode), files, or plain HTTP
+    insecure_http: bool = False
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_secret: str = "netagent-controller-tls"
+    tls_manage: bool = True  # create the Secret when missing and renew its serving certificate
+    tls_dns_names: tuple[str, ...] = ()
+    tls_check_seconds: float = 60.0
+
+    @property
+    def tls_mode(self) -> str:
+        """"insecure" (plain HTTP), "files" or "secret"."""
+        if self.insecure_http:
+            return "insecure"
+        return "files" if self.tls_cert_file else "secret"
+
+
+def service_dns_names(namespace: str, service: str = "netagent-controller") -> tuple[str, ...]:
+    """The names agents use for the controller's Service: the serving certificate's default SANs."""
+    return (service, f"{service}.{namespace}", f"{service}.{namespace}.svc", f"{service}.{namespace}.svc.cluster.local")
 
 
 def service_account_username(spec: str) -> str:
@@ -53,7 +75,10 @@ def from_flags(*, listen: str, metrics_listen: str | None, advertise: str | None
                kubeconfig: str | None, period: float, answer_wait: float, lease_seconds: float,
                report_rate: float, report_ttl: float, status_interval: float, namespace: str, lease_name: str,
                identity: str | None, election_lease_seconds: float, no_auth: bool,
-               agent_service_account: str | None, token_cache_seconds: float) -> ControllerConfig:
+               agent_service_account: str | None, token_cache_seconds: float, insecure_http: bool = False,
+               tls_cert_file: str | None = None, tls_key_file: str | None = None,
+               tls_secret: str = "netagent-controller-tls", tls_manage: bool = True,
+               tls_dns_names: str | None = None, tls_check_seconds: float = 60.0) -> ControllerConfig:
     """The command line's values -> ControllerConfig, or ConfigError naming the flag."""
     if from_file and kubeconfig:
         raise ConfigError("give either --from-file (no cluster) or --kubeconfig, not both")
@@ -64,6 +89,26 @@ def from_flags(*, listen: str, metrics_listen: str | None, advertise: str | None
                           f"({period:g}): agents would fall to the floor between rounds")
     if agent_service_account is not None:
         service_account_username(agent_service_account)
+    elif not from_file and not no_auth:
+        raise ConfigError("--agent-service-account NAMESPACE:NAME is required in cluster mode: without it any "
+                          "ServiceAccount's token could report for its node (the agent DaemonSet's, e.g. "
+                          "netagent-system:netagent-agent; --no-auth only for tests)")
+    if not 0 <= answer_wait <= AGENT_ANSWER_TIMEOUT - 1:
+        raise ConfigError(f"--answer-wait ({answer_wait:g}) must be between 0 and {AGENT_ANSWER_TIMEOUT - 1:g} "
+                          f"seconds: agents give up on an answer after {AGENT_ANSWER_TIMEOUT:g}s")
+    if bool(tls_cert_file) != bool(tls_key_file):
+        raise ConfigError("--tls-cert-file and --tls-key-file go together")
+    if insecure_http and tls_cert_file:
+        raise ConfigError("give either --insecure-http or --tls-cert-file/--tls-key-file, not both")
+    if from_file and not insecure_http and not tls_cert_file:
+        raise ConfigError("--from-file runs without a cluster, so there is no Secret for the serving certificate: "
+                          "give --tls-cert-file/--tls-key-file (or --insecure-http for a single-machine demo)")
+    names = tuple(n.strip() for n in (tls_dns_names or "").split(",") if n.strip()) or service_dns_names(namespace)
+    for name in names:
+        if not DNS_NAME.match(name):
+            raise ConfigError(f"--tls-dns-names: {name!r} is not a DNS name")
+    if tls_check_seconds <= 0:
+        raise ConfigError("--tls-check-seconds must be positive")
     host, port = parse_host_port(listen, "--listen", EXAMPLE)
     advertise = advertise or default_advertise(host, port)
     return ControllerConfig(
@@ -74,4 +119,6 @@ def from_flags(*, listen: str, metrics_listen: str | None, advertise: str | None
         status_interval=status_interval, namespace=namespace, lease_name=lease_name,
         identity=identity or f"{socket.gethostname()}@{advertise}", election_lease_seconds=election_lease_seconds,
         no_auth=no_auth, agent_service_account=agent_service_account, token_cache_seconds=token_cache_seconds,
+        insecure_http=insecure_http, tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_secret=tls_secret,
+        tls_manage=tls_manage, tls_dns_names=names, tls_check_seconds=tls_check_seconds,
     )

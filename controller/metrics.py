@@ -91,6 +91,12 @@ class ControllerMetrics:
                                   buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5), registry=r)
         self.status_writes = Counter(P + "status_writes", "EgressBudget status writes, by result", ["result"],
                                      registry=r)
+        self.refused_pods = Counter(P + "refused_pods", "pods refused from reports (the rest of the report is "
+                                    "answered), by reason", ["reason"], registry=r)
+        self.events = Counter(P + "events", "Kubernetes Events: written (ok), failed (error), dropped (queue full)",
+                              ["result"], registry=r)
+        self.tls_changes = Counter(P + "tls_secret_changes", "the TLS Secret created or its certificate renewed "
+                                   "by this replica", ["change"], registry=r)
         self.token_reviews = Counter(P + "token_reviews", "TokenReview calls (cache misses)", registry=r)
         self.watch_events = Counter(P + "watch_events", "watch events by resource and type", ["resource", "type"],
                                     registry=r)

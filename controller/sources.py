@@ -87,6 +87,10 @@ class ClusterCaches:
     def namespace_labels(self, namespace: str) -> dict[str, str] | None:
         return self.namespaces.get(namespace)
 
+    def pod_count(self) -> int:
+        """Scheduled pods in the cluster (every one could be on an agent's node): sizes the floor."""
+        return len(self.pods.items)
+
     def policy_objects(self) -> tuple[list[dict], list[dict]]:
         return self.classes.values(), self.budgets.values()
 
@@ -130,3 +134,6 @@ class FilePolicy:
 
     def has_pods(self) -> bool:
         return bool(self.snapshot.pods)
+
+    def pod_count(self) -> int:
+        return len(self._where)

@@ -3,8 +3,13 @@
 Reports only *replace their own node's entry* in `latest`; one allocation round
 runs every `period` over the union of all nodes' pods (not one per report: the
 API server and the CPU see O(1) rounds per period, not O(nodes)), and each report
-is answered from the most recent round. Pods reported by a node they are not on
-are refused by the node-binding check before they reach the engine.
+is answered from the most recent round. A bad pod is refused alone, listed by name with
+its reason in the answer (`Refused`): a pod the node-binding check places elsewhere or does
+not know, an oversize annotation value, a duplicate, a pod beyond MAX_PODS_PER_REPORT. Its
+neighbours are allocated as usual.
+
+Reports are answered only when the inputs are ready (policy and pod caches synced) and this
+replica leads; until then the API answers 503 and agents keep what they have.
 """
 from __future__ import annotations
 
@@ -15,8 +20,8 @@ import time
 from operator import attrgetter
 from typing import Callable
 
-from core.errors import NetagentError
-from core.wire import NodeAnswer, NodeReport, invalid_name
+from core.wire import (MAX_PODS_PER_REPORT, MAX_REFUSED, NodeAnswer, NodeReport, Refused, invalid_name_indexes,
+                       long_annotation_indexes)
 
 from .allocator import RoundResult
 from .auth import Identity
@@ -29,14 +34,6 @@ NO_ROUND = "no allocation round with this node yet: keep the current allocations
 def _resolve(fut: asyncio.Future, result: "RoundResult") -> None:
     if not fut.done():
         fut.set_result(result)
-
-
-class ReportRejected(NetagentError):
-    """A report the controller refuses: `status` and `reason` are what the API answers."""
-
-    def __init__(self, status: int, reason: str, message: str):
-        super().__init__(message)
-        self.status, self.reason = status, reason
 
 
 # (prepared reports by node) -> RoundResult; the allocator provides it
@@ -72,6 +69,8 @@ class ControllerState:
         self.thread: threading.Thread | None = None
         self.on_round: Callable[[RoundResult], None] = lambda r: None
         self.on_round_failure: Callable[[], None] = lambda: None
+        # (node, refused pods) for each report that had some: metrics and Events (never blocks)
+        self.on_refused: Callable[[str, list[Refused]], None] = lambda node, refused: None
 
     # -- ReportSink ------------------------------------------------------------
     def is_leader(self) -> bool:
@@ -79,6 +78,14 @@ class ControllerState:
 
     def leader_address(self) -> str | None:
         return self._leader_address()
+
+    def serving(self) -> tuple[bool, str]:
+        """Whether this replica may answer reports now: it leads and its inputs are ready. A
+        leader whose pod cache has not synced would refuse every pod as unknown (and the floor
+        would be sized from nothing)."""
+        if not self.is_leader():
+            return False, "not the leader"
+        return self._readiness()
 
     def ready(self) -> tuple[bool, str]:
         ok, why = self._readiness()
@@ -96,42 +103,60 @@ class ControllerState:
             self.latest.clear()
             self.result = None
 
-    def submit(self, identity: Identity | None, report: NodeReport) -> NodeAnswer:
-        problems: list[str] = []
-        keys = list(map(_KEY, report.pods))
+    def refuse(self, report: NodeReport) -> dict[int, str]:
+        """{index of a pod in the report: why it is refused}; empty for almost every report
+        (each check has a fast path that costs no Python step per pod)."""
+        pods = report.pods
+        bad: dict[int, str] = {}
+        if len(pods) > MAX_PODS_PER_REPORT:
+            bad.update((i, "TooManyPods") for i in range(MAX_PODS_PER_REPORT, len(pods)))
+        keys = list(map(_KEY, pods))
         if len(set(keys)) != len(keys):
             seen: set[tuple[str, str]] = set()
-            twice = next(k for k in keys if k in seen or seen.add(k))
-            raise ReportRejected(422, "Invalid", f"pod {twice[0]}/{twice[1]} appears twice in the report")
-        if self.locate_pods is None:
-            bad_name = invalid_name(report)  # with a locator, a bad name is simply a pod it does not know
-            if bad_name:
-                raise ReportRejected(422, "Invalid", f"invalid report: {bad_name}")
+            for i, key in enumerate(keys):
+                if key in seen:
+                    bad.setdefault(i, "Duplicate")
+                seen.add(key)
+        for i in long_annotation_indexes(report):
+            bad.setdefault(i, "AnnotationTooLong")
+        if self.locate_pods is None:  # with a locator, a bad name is simply a pod it does not know
+            for i in invalid_name_indexes(report):
+                bad.setdefault(i, "InvalidName")
         else:
             where = self.locate_pods(keys)
-            if where.count(report.node) != len(where):  # the fast path: every pod is where it says
-                keep = []
-                for p, key, node in zip(report.pods, keys, where):
+            if where.count(report.node) != len(where):
+                for i, node in enumerate(where):
                     if node is None:
-                        problems.append(f"pod {p.namespace}/{p.name} is unknown to the controller yet; not allocated")
+                        bad.setdefault(i, "UnknownPod")
                     elif node != report.node:
-                        raise ReportRejected(403, "PodNotOnNode",
-                                             f"pod {p.namespace}/{p.name} is on node {node!r}, not {report.node!r}")
-                    else:
-                        keep.append(p)
-                report = NodeReport(report.node, keep, report.seq, report.period_seconds,
-                                    report.node_internet_egress_bps)
+                        bad.setdefault(i, "PodNotOnNode")
+        return bad
+
+    def submit(self, identity: Identity | None, report: NodeReport) -> NodeAnswer:
+        bad = self.refuse(report)
+        refused: list[Refused] = []
+        problems: list[str] = []
+        if bad:
+            pods = report.pods
+            refused = [Refused(pods[i].namespace[:253], pods[i].name[:253], reason) for i, reason in sorted(bad.items())]
+            self.on_refused(report.node, refused)
+            if len(refused) > MAX_REFUSED:
+                problems.append(f"{len(refused) - MAX_REFUSED} more pods refused (not listed)")
+                refused = refused[:MAX_REFUSED]
+            report = NodeReport(report.node, [p for i, p in enumerate(pods) if i not in bad], report.seq,
+                                report.period_seconds, report.node_internet_egress_bps)
         prepared = self.prepare(report)
         with self._lock:
             self.latest[report.node] = (time.monotonic(), prepared)
             result = self.result
-        return self._answer(report.node, result, problems)
+        return self._answer(report.node, result, problems, refused)
 
-    def _answer(self, node: str, result: RoundResult | None, problems: list[str]) -> NodeAnswer:
+    def _answer(self, node: str, result: RoundResult | None, problems: list[str],
+                refused: list[Refused]) -> NodeAnswer:
         if result is None or node not in result.node_rate:  # a node the round has not seen: the agent keeps what it has
-            return NodeAnswer(node, 0, self.lease_seconds, 0.0, 0.0, [], problems + [NO_ROUND])
+            return NodeAnswer(node, 0, self.lease_seconds, 0.0, 0.0, [], problems + [NO_ROUND], refused)
         return NodeAnswer(node, result.generation, self.lease_seconds, result.safe_floor_bps,
-                          result.node_rate[node], result.by_node[node], problems)
+                          result.node_rate[node], result.by_node[node], problems, refused)
 
     # -- the allocation loop -----------------------------------------------------
     def nodes(self) -> int:
@@ -174,7 +199,7 @@ class ControllerState:
                 if fut in self._round_waiters:
                     self._round_waiters.remove(fut)
             return answer
-        return self._answer(answer.node, result, [p for p in answer.problems if p != NO_ROUND])
+        return self._answer(answer.node, result, [p for p in answer.problems if p != NO_ROUND], answer.refused)
 
     def start(self, period: float) -> None:
         def loop():

@@ -19,7 +19,13 @@ import msgspec
 
 from .objects import DNS_NAME_PATTERN
 
-MAX_PODS_PER_REPORT = 1024  # kubelet's max-pods tops out far below this
+MAX_PODS_PER_REPORT = 1024  # pods allocated per report: kubelet's max-pods tops out far below this
+# pods a report may *carry*: those beyond MAX_PODS_PER_REPORT are refused by name (reason TooManyPods),
+# not the whole report; the byte limit (MAX_REPORT_BYTES) bounds the decode whatever this says
+MAX_PODS_DECODED = 8 * MAX_PODS_PER_REPORT
+MAX_REPORT_BYTES = 4 << 20  # a 1,024-pod report with long names and annotations fits; larger is refused whole (413)
+MAX_ANNOTATION_VALUE = 1024  # longer values of the annotations we read: that pod is refused (AnnotationTooLong)
+MAX_REFUSED = 256  # refused pods listed by name in one answer; the count of the rest goes to `problems`
 MAX_RATE = 2.0**64  # bit/s
 Rate = Annotated[float, msgspec.Meta(ge=0, le=MAX_RATE)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=253, pattern=f"^{DNS_NAME_PATTERN}$")]
@@ -27,7 +33,9 @@ Name = Annotated[str, msgspec.Meta(min_length=1, max_length=253, pattern=f"^{DNS
 # names instead of 220 regex calls per report: a third of the decode time otherwise)
 PodName = Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
 Text = Annotated[str, msgspec.Meta(max_length=253)]
-AnnotationValue = Annotated[str, msgspec.Meta(max_length=1024)]
+# decoded whatever their length (the body size bounds them): one pod's oversize annotation is that
+# pod's problem, refused alone by the controller (state.refuse), never the whole report's
+AnnotationValue = str
 
 
 # gc=False: these hold only strings, numbers and lists of each other, never a cycle; keeping
@@ -46,14 +54,18 @@ class PodReport(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 class NodeReport(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     """An agent's report: its node's pods and the node's measured internet egress."""
     node: Name
-    pods: Annotated[list[PodReport], msgspec.Meta(max_length=MAX_PODS_PER_REPORT)]
+    pods: Annotated[list[PodReport], msgspec.Meta(max_length=MAX_PODS_DECODED)]
     seq: Annotated[int, msgspec.Meta(ge=0)] = 0
     period_seconds: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 5.0
     node_internet_egress_bps: Rate = 0.0  # everything leaving to the internet, host traffic included
 
 
+AGENT_ANSWER_TIMEOUT = 3.0  # seconds an agent waits for the controller's answer (the controller answers sooner)
 MAX_LEASE_SECONDS = 3600.0  # an answer's lease is bounded: a controller bug cannot pin allocations forever
 MAX_PROBLEMS = 2 * MAX_PODS_PER_REPORT
+
+# why a pod was refused (the only values `Refused.reason` takes; docs/controller.md explains each)
+REFUSAL_REASONS = ("PodNotOnNode", "UnknownPod", "AnnotationTooLong", "TooManyPods", "Duplicate", "InvalidName")
 
 
 class PodAllocation(msgspec.Struct, gc=False):
@@ -64,6 +76,14 @@ class PodAllocation(msgspec.Struct, gc=False):
     egress_class: Text
     allocation_bps: Rate  # the fair share (HTB rate)
     limit_bps: Rate  # what to enforce: share + headroom, never above the pod's cap (HTB ceil)
+
+
+class Refused(msgspec.Struct, gc=False):
+    """A pod of the report that the controller did not allocate, and why: the others are
+    answered as usual (one bad pod never costs its neighbours anything)."""
+    namespace: Text
+    name: Text
+    reason: Text  # one of REFUSAL_REASONS
 
 
 class NodeAnswer(msgspec.Struct):
@@ -78,6 +98,8 @@ class NodeAnswer(msgspec.Struct):
     pods: Annotated[list[PodAllocation], msgspec.Meta(max_length=MAX_PODS_PER_REPORT)]
     # pods refused (not on this node, unknown...), for the agent's log
     problems: Annotated[list[Annotated[str, msgspec.Meta(max_length=1024)]], msgspec.Meta(max_length=MAX_PROBLEMS)] = []
+    # pods refused by name with their reason (absent in answers of older controllers: decodes as [])
+    refused: Annotated[list[Refused], msgspec.Meta(max_length=MAX_REFUSED)] = []
 
 
 class ErrorBody(msgspec.Struct, omit_defaults=True):
@@ -111,6 +133,23 @@ def invalid_name(report: NodeReport) -> str | None:
                 return (f"`$.pods[{i}].{field_name}` {getattr(p, field_name)[:80]!r} is not a lower-case DNS name "
                         f"(a-z, 0-9, '-', '.')")
     return "a pod name is not a lower-case DNS name"
+
+
+def invalid_name_indexes(report: NodeReport) -> list[int]:
+    """The indexes of the pods whose namespace or name is not a lower-case DNS name (the fast
+    path of `invalid_name` first: almost every report has none)."""
+    if invalid_name(report) is None:
+        return []
+    return [i for i, p in enumerate(report.pods)
+            if not (_ONE_NAME.fullmatch(p.namespace) and _ONE_NAME.fullmatch(p.name))]
+
+
+def long_annotation_indexes(report: NodeReport) -> list[int]:
+    """The indexes of the pods carrying an annotation value longer than MAX_ANNOTATION_VALUE."""
+    m = MAX_ANNOTATION_VALUE
+    return [i for i, p in enumerate(report.pods)
+            if (p.egress_class is not None and len(p.egress_class) > m)
+            or (p.egress_bandwidth is not None and len(p.egress_bandwidth) > m)]
 
 
 report_decoder = msgspec.json.Decoder(NodeReport)  # the controller's side

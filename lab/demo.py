@@ -153,7 +153,7 @@ class Demo:
         logs.mkdir()
         netagent = [sys.executable, "-m", "netagent"]
         self.lab.spawn(self.lab.fabric, [
-            *netagent, "controller", "--from-file", str(self.policy_file), "--no-auth",
+            *netagent, "controller", "--from-file", str(self.policy_file), "--no-auth", "--insecure-http",
             "--listen", f"{CONTROLLER_IP}:{CONTROLLER_PORT}", "--period", "1", "--answer-wait", "1.5", "--lease-seconds", "15",
         ], stdout=open(logs / "controller.log", "w"), stderr=subprocess.STDOUT)
         for node in self.lab.nodes:

@@ -74,7 +74,8 @@ class Daemon:
         reporter = None
         if cfg.controller:
             reporter = Reporter(agent, cfg.controller, token_path=cfg.token_path, period=cfg.report_period,
-                                on_failure=metrics.report_failures.inc)
+                                on_failure=metrics.report_failures.inc,
+                                on_refused=lambda reason: metrics.refused_pods.labels(reason).inc())
         http = AgentHTTP(cfg.listen, metrics.registry, agent.health, agent.readiness, lambda: agent.view().as_dict())
         log.info("uplinks %s; internal %s; leaf qdisc %s; iptables %s; mark bit %#x; %s",
                  ",".join(cfg.uplinks), ",".join(cfg.internal_cidrs), leaf, datapath.iptables_backend,

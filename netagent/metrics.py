@@ -113,6 +113,9 @@ class AgentMetrics:
                                       "Flat while nothing changes: a restart adds none.", ["kind"], registry=r)
         self.report_failures = Counter("netagent_controller_report_failures",
                                        "Reports to the controller that failed.", registry=r)
+        self.refused_pods = Counter("netagent_controller_refused_pods",
+                                    "Pods of this node's reports the controller refused, by reason.", ["reason"],
+                                    registry=r)
         self.policy_problems = Counter("netagent_policy_problems",
                                        "Invalid pod annotations seen (once per change), by reason.", ["reason"], registry=r)
         self.watch_events = Counter("netagent_watch_events", "Kubernetes watch events, by resource and type.",

@@ -71,7 +71,8 @@ def allocations_from(answer: NodeAnswer, now: float) -> AllocationSet:
 
 class Reporter:
     def __init__(self, agent: Agent, url: str, token_path: str | None, period: float = 5.0,
-                 timeout: float = 3.0, on_failure: Callable[[], None] | None = None, rng: random.Random | None = None):
+                 timeout: float = 3.0, on_failure: Callable[[], None] | None = None, rng: random.Random | None = None,
+                 on_refused: Callable[[str], None] | None = None):
         self.agent = agent
         self.url = url.rstrip("/")
         self.leader_url: str | None = None  # where the last redirect pointed; used until it fails
@@ -79,6 +80,7 @@ class Reporter:
         self.period = period
         self.timeout = timeout
         self.on_failure = on_failure or (lambda: None)
+        self.on_refused = on_refused or (lambda reason: None)  # per pod the controller refused: count by reason
         self.rng = rng or random.Random()
         self.seq = 0
         self.last_error = ""
@@ -168,6 +170,10 @@ class Reporter:
         fresh_leader = answer.generation == 0
         for problem in answer.problems:
             log.log(logging.INFO if fresh_leader else logging.WARNING, "controller: %s", problem)
+        for r in answer.refused:  # the rest of the report was answered: these pods keep what they have
+            log.warning("controller refused pod %s/%s (%s): it is not allocated by the controller", r.namespace,
+                        r.name, r.reason)
+            self.on_refused(r.reason)
         self.agent.set_controller_reachable(True)
         self.last_error = ""
         if fresh_leader:

@@ -253,7 +253,7 @@ def test_controller_loss_holds_for_the_lease_then_floor(lab, files, agent, tmp_p
     port = 9572
     controller = lab.spawn(node.netns, [
         sys.executable, "-m", "netagent", "controller", "--from-file", str(tmp_path / "policy.yaml"),
-        "--from-file", str(tmp_path / "pods.yaml"), "--no-auth", "--listen", f"127.0.0.1:{port}",
+        "--from-file", str(tmp_path / "pods.yaml"), "--no-auth", "--insecure-http", "--listen", f"127.0.0.1:{port}",
         "--period", "0.5", "--lease-seconds", "4"],
         stdout=open(tmp_path / "controller.log", "w"), stderr=subprocess.STDOUT)
     agent = AgentProcess(lab, node, [tmp_path], port=9571, log_dir=tmp_path, learn_uplink=True,

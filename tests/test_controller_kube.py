@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import ssl
 import subprocess
 import sys
 import time
@@ -81,14 +82,15 @@ def nodes_and_pods(kube_api, kube_namespace):
             core.delete_node(node)
 
 
-def post(base: str, node: str, pods: list[dict], token: str | None) -> tuple[int, dict]:
+def post(base: str, node: str, pods: list[dict], token: str | None,
+         context: ssl.SSLContext | None = None) -> tuple[int, dict]:
     body = json.dumps({"node": node, "pods": pods, "node_internet_egress_bps": 1e6}).encode()
     headers = {"Content-Type": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(f"{base}/v1/nodes/{node}/report", data=body, headers=headers, method="POST")
     try:
-        with urllib.request.urlopen(req, timeout=10) as r:
+        with urllib.request.urlopen(req, timeout=10, context=context) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"{}")
@@ -100,23 +102,26 @@ def workload(namespace: str, name: str, demand: float = 50e6) -> dict:
 
 @contextlib.contextmanager
 def controller(kube_api, tmp_path: Path, lease_namespace: str, *extra: str, name: str = "ctl",
-               kubeconfig: Path | None = None):
+               kubeconfig: Path | None = None, tls: bool = False):
+    """A controller process; plain HTTP unless `tls` (then its readiness is polled without
+    verification: the tests verify the served certificate themselves)."""
     port = free_port()
+    scheme = "https" if tls else "http"
     log_path = tmp_path / f"{name}.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "netagent", "controller", "--kubeconfig", str(kubeconfig or kube_api.kubeconfig),
          "--listen", f"127.0.0.1:{port}", "--advertise", f"127.0.0.1:{port}", "--identity", f"{name}@127.0.0.1:{port}",
          "--namespace", lease_namespace, "--lease-name", "netagent-controller-test", "--period", "0.5",
-         "--report-rate", "100", "--election-lease-seconds", "3", *extra],
+         "--report-rate", "100", "--election-lease-seconds", "3", *([] if tls else ["--insecure-http"]), *extra],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    base = f"{scheme}://127.0.0.1:{port}"
     try:
         def up():
             if proc.poll() is not None:
                 raise AssertionError(f"controller exited {proc.returncode}:\n{log_path.read_text()}")
             try:
-                with urllib.request.urlopen(base + "/readyz", timeout=2) as r:
+                with urllib.request.urlopen(base + "/readyz", timeout=2, context=_unverified()) as r:
                     return r.status == 200
             except OSError:
                 return False
@@ -128,8 +133,14 @@ def controller(kube_api, tmp_path: Path, lease_namespace: str, *extra: str, name
         log.close()
 
 
+def _unverified() -> ssl.SSLContext:
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    return context
+
+
 def leading(base: str) -> bool:
-    with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
+    with urllib.request.urlopen(base + "/metrics", timeout=5, context=_unverified()) as r:
         return "netagent_controller_is_leader 1.0" in r.read().decode()
 
 
@@ -152,9 +163,17 @@ def test_tokens_and_node_binding_against_the_real_apiserver(kube_api, budget, no
         code, answer = post(base, b, [], agent_a)  # node a's agent speaking for node b
         assert (code, answer["reason"]) == (403, "WrongNode")
         assert b in answer["error"] or a in answer["error"]
+        # a stale placement (work-b is on node b): that pod is refused, its neighbour allocated
         code, answer = post(base, a, [workload(namespace, "work-a"), workload(namespace, "work-b")], agent_a)
-        assert (code, answer["reason"]) == (403, "PodNotOnNode")
-        assert f"{namespace}/work-b is on node '{b}'" in answer["error"]
+        assert code == 200, answer
+        assert answer["refused"] == [{"namespace": namespace, "name": "work-b", "reason": "PodNotOnNode"}]
+
+        def told():  # and the pod's owner is told, with an Event written from the controller's Event thread
+            events = client.CoreV1Api(kube_api.admin).list_namespaced_event(
+                namespace, field_selector="involvedObject.name=work-b").items
+            return any(e.reason == "RefusedPodNotOnNode" for e in events)
+
+        wait_for(told, timeout=30, what="an Event on the refused pod")
 
         # the pod watch follows the cluster: a pod created now is allocated once the watch sees it
         client.CoreV1Api(kube_api.admin).create_namespaced_pod(namespace, {
@@ -203,13 +222,13 @@ def test_controller_works_under_exactly_its_deployed_rbac(kube_api, budget, node
     namespace, nodes = nodes_and_pods
     agent_a = kube_api.token_for_pod(namespace, "agent", "agent-a", audiences=[AUDIENCE])
     with controller(kube_api, tmp_path, namespace, "--agent-service-account", f"{namespace}:agent",
-                    "--status-interval", "1", kubeconfig=controller_rbac) as (_, base, log_path):
+                    "--status-interval", "1", kubeconfig=controller_rbac, tls=True) as (_, base, log_path):
         wait_for(lambda: leading(base), what="the replica to lead with its own Lease permissions")
-        code, answer = post(base, nodes["b"], [], agent_a)
+        code, answer = post(base, nodes["b"], [], agent_a, context=_unverified())
         assert (code, answer["reason"]) == (403, "WrongNode")  # TokenReview allowed
 
         def written():
-            code, answer = post(base, nodes["a"], [workload(namespace, "work-a")], agent_a)
+            code, answer = post(base, nodes["a"], [workload(namespace, "work-a")], agent_a, context=_unverified())
             assert code == 200, answer
             return (budget.get_cluster_custom_object(GROUP, VERSION, "egressbudgets", "default").get("status")
                     or {}).get("pods") == 1
@@ -285,9 +304,10 @@ def test_leader_killed_the_other_takes_over_while_the_agent_keeps_its_allocation
     token_file.write_text(kube_api.token_for_pod(namespace, "agent", "agent-a", audiences=[AUDIENCE]))
     agent = make_agent(nodes["a"], [(namespace, "work-a")])
     with contextlib.ExitStack() as stack:
-        first = stack.enter_context(controller(kube_api, tmp_path, namespace, name="one"))
+        sa = ("--agent-service-account", f"{namespace}:agent")
+        first = stack.enter_context(controller(kube_api, tmp_path, namespace, *sa, name="one"))
         wait_for(lambda: leading(first[1]), what="the first replica to lead")
-        second = stack.enter_context(controller(kube_api, tmp_path, namespace, name="two"))
+        second = stack.enter_context(controller(kube_api, tmp_path, namespace, *sa, name="two"))
         time.sleep(2)
         assert not leading(second[1])
         reporter = Reporter(agent, second[1], token_path=str(token_file), period=0.5)  # agents reach any replica
@@ -321,3 +341,163 @@ def test_leader_killed_the_other_takes_over_while_the_agent_keeps_its_allocation
         assert failures > 0  # the agent did see the gap
         lease = client.CoordinationV1Api(kube_api.admin).read_namespaced_lease("netagent-controller-test", namespace)
         assert lease.spec.holder_identity.startswith("two@") and lease.spec.lease_transitions >= 1
+
+
+# -- TLS: the Secret created, served, pinned, renewed under a running controller -----------------
+
+def served_certificate(port: int, ca_pem: bytes, server_name: str) -> bytes:
+    """The DER certificate the controller serves, verified against the pinned CA (as an agent does:
+    server_hostname is the Service name, whatever address it connects to)."""
+    import socket
+
+    context = ssl.create_default_context(cadata=ca_pem.decode())
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        with context.wrap_socket(raw, server_hostname=server_name) as tls:
+            return tls.getpeercert(binary_form=True)
+
+
+def tls_secret(kube_api, namespace: str) -> dict[str, bytes] | None:
+    import base64
+
+    try:
+        secret = client.CoreV1Api(kube_api.admin).read_namespaced_secret("netagent-controller-tls", namespace)
+    except ApiException:
+        return None
+    return {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
+
+
+def test_tls_secret_created_pinned_and_renewed_without_restart(kube_api, budget, nodes_and_pods, controller_rbac,
+                                                               tmp_path):
+    import base64
+
+    from cryptography import x509
+
+    from core import certs
+
+    namespace, nodes = nodes_and_pods
+    name = f"netagent-controller.{namespace}.svc"
+    agent_a = kube_api.token_for_pod(namespace, "agent", "agent-a", audiences=[AUDIENCE])
+    with controller(kube_api, tmp_path, namespace, "--agent-service-account", f"{namespace}:agent",
+                    "--tls-check-seconds", "0.5", kubeconfig=controller_rbac, tls=True) as (_, base, log_path):
+        port = int(base.rsplit(":", 1)[1])
+        data = tls_secret(kube_api, namespace)
+        assert data and set(data) == {"ca.crt", "ca.key", "tls.crt", "tls.key"}  # created by the controller
+        first = served_certificate(port, data["ca.crt"], name)
+        assert x509.load_der_x509_certificate(first) == x509.load_pem_x509_certificate(data["tls.crt"])
+        pinned = ssl.create_default_context(cadata=data["ca.crt"].decode())
+        pinned.check_hostname = False  # urllib connects by IP; the name was checked above
+        wait_for(lambda: leading(base), what="the replica to lead")
+        code, answer = post(base, nodes["a"], [workload(namespace, "work-a")], agent_a, context=pinned)
+        assert code == 200, answer
+        with pytest.raises(ssl.SSLError):  # a client pinned to another CA refuses the controller
+            served_certificate(port, certs.new_ca()[0], name)
+        with pytest.raises(OSError):  # and plain HTTP is not served at all
+            urllib.request.urlopen(base.replace("https", "http") + "/healthz", timeout=5)
+
+        # a certificate late in its life (as if the controller had been running for months): the
+        # running controller reissues it under the same CA and serves the new one
+        short, short_key = certs.issue_serving(data["ca.crt"], data["ca.key"], [name], days=60 / 86400)
+        assert certs.needs_renewal(short, data["ca.crt"], [name])
+        client.CoreV1Api(kube_api.admin).patch_namespaced_secret("netagent-controller-tls", namespace, {"data": {
+            "tls.crt": base64.b64encode(short).decode(), "tls.key": base64.b64encode(short_key).decode()}})
+
+        def renewed():
+            now = tls_secret(kube_api, namespace)
+            if now["tls.crt"] == short or certs.needs_renewal(now["tls.crt"], now["ca.crt"], [name]):
+                return None
+            served = served_certificate(port, data["ca.crt"], name)  # still verifies against the pinned CA
+            return served not in (first, x509.load_pem_x509_certificate(short).public_bytes(
+                ssl_der())) and x509.load_der_x509_certificate(served) == x509.load_pem_x509_certificate(
+                now["tls.crt"])
+
+        wait_for(renewed, timeout=30, what="the renewed certificate in the Secret and served")
+        assert tls_secret(kube_api, namespace)["ca.crt"] == data["ca.crt"]  # same CA: agents keep their pin
+        assert "renewed the serving certificate" in log_path.read_text()
+
+
+def ssl_der():
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    return Encoding.DER
+
+
+def test_two_replicas_creating_the_secret_at_once_agree(kube_api, kube_namespace):
+    """Both replicas find no Secret and create one: the API server lets one win (409 for the
+    other), which reads the winner's and serves the same CA."""
+    import threading
+
+    from controller.tls import SecretTLS
+
+    names = ("netagent-controller",)
+    results, errors = [], []
+    barrier = threading.Barrier(4)
+
+    def replica():
+        source = SecretTLS(kube_api.admin, kube_namespace, "netagent-controller-tls", names, manage=True)
+        barrier.wait()
+        try:
+            results.append(source.load())
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=replica) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and len(results) == 4
+    assert len(set(results)) == 1  # every replica serves the one stored certificate
+    assert results[0][0] == tls_secret(kube_api, kube_namespace)["tls.crt"]
+
+
+# -- a slow API server: never two leaders ------------------------------------------------------------
+
+def test_slow_apiserver_never_makes_two_leaders(kube_api, budget, nodes_and_pods, tmp_path):
+    """Fault injector: replica one reaches the API server through a proxy (lab/faultproxy.py) that
+    delays every response by 2 s (longer than its renew deadline of 2 s, its calls time out
+    sooner); replica two reaches it directly and takes over. Sampled often, the two are never
+    leading at the same time, and one leads again only after the API server is fast again."""
+    import threading
+    from urllib.parse import urlparse
+
+    import yaml
+
+    from lab.faultproxy import DelayProxy
+
+    namespace, nodes = nodes_and_pods
+    server = urlparse(kube_api.url)
+    with DelayProxy((server.hostname, server.port)) as proxy, contextlib.ExitStack() as stack:
+        config = yaml.safe_load(Path(kube_api.kubeconfig).read_text())
+        config["clusters"][0]["cluster"]["server"] = f"https://127.0.0.1:{proxy.port}"
+        slow_kubeconfig = tmp_path / "slow.kubeconfig"
+        slow_kubeconfig.write_text(yaml.safe_dump(config))
+        one = stack.enter_context(controller(kube_api, tmp_path, namespace, "--no-auth", name="one",
+                                             kubeconfig=slow_kubeconfig))
+        wait_for(lambda: leading(one[1]), what="replica one to lead")
+        two = stack.enter_context(controller(kube_api, tmp_path, namespace, "--no-auth", name="two"))
+        samples: list[tuple[bool, bool]] = []
+        stop = threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                samples.append((leading(one[1]), leading(two[1])))
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            time.sleep(1)
+            proxy.delay = 2.0  # the API server becomes slow for replica one
+            wait_for(lambda: samples[-1] == (False, True), timeout=40, what="replica two to take over")
+            time.sleep(3)
+            proxy.delay = 0.0
+            time.sleep(3)
+        finally:
+            stop.set()
+            sampler.join(30)
+    assert (True, False) in samples and (False, True) in samples  # the fault did move the leadership
+    # one sample reads one then two: a leader on each side of a sample of the other = both leading
+    flat = [x for pair in samples for x in pair]
+    owners = [(i % 2, v) for i, v in enumerate(flat)]
+    for (a, va), (b, vb), (c, vc) in zip(owners, owners[1:], owners[2:]):
+        assert not (va and vb and vc and a == c != b), "two replicas were leading at the same time"
+    assert not any(one_ and two_ for one_, two_ in samples)

@@ -68,7 +68,7 @@ def controller_process(tmp_path: Path, *extra: str):
     port = free_port()
     log = open(tmp_path / "controller.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "netagent", "controller", "--listen", f"127.0.0.1:{port}",
-                             "--period", "0.2", "--lease-seconds", "5", "--report-rate", "1000", *extra],
+                             "--period", "0.2", "--lease-seconds", "5", "--report-rate", "1000", "--insecure-http", *extra],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -142,18 +142,23 @@ def test_pods_in_the_policy_files_bind_pods_to_nodes(tmp_path):
     with controller_process(tmp_path, "--from-file", str(policy), "--no-auth") as (_, base):
         code, text = http("POST", f"{base}/v1/nodes/node-a/report",
                           node_report("node-a", [("web", "w1", 1e6), ("web", "w2", 1e6)]))
-        assert code == 403 and "web/w2 is on node 'node-b'" in text
+        assert code == 200 and json.loads(text)["refused"] == [
+            {"namespace": "web", "name": "w2", "reason": "PodNotOnNode"}]
         code, text = http("POST", f"{base}/v1/nodes/node-a/report", node_report("node-a", [("web", "w1", 1e6)]))
-        assert code == 200
+        assert code == 200 and json.loads(text)["refused"] == []
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--from-file", "{policy}"], "add --no-auth"),
-    (["--from-file", "{policy}", "--no-auth", "--period", "10", "--lease-seconds", "5"],
+    (["--from-file", "{policy}", "--no-auth"], "give --tls-cert-file/--tls-key-file (or --insecure-http"),
+    (["--kubeconfig", "{policy}"], "--agent-service-account NAMESPACE:NAME is required in cluster mode"),
+    (["--from-file", "{policy}", "--no-auth", "--insecure-http", "--answer-wait", "3"],
+     "agents give up on an answer after 3s"),
+    (["--from-file", "{policy}", "--no-auth", "--insecure-http", "--period", "10", "--lease-seconds", "5"],
      "--lease-seconds (5) must be longer than --period (10)"),
-    (["--from-file", "{policy}", "--no-auth", "--listen", "nonsense"], "must be HOST:PORT"),
+    (["--from-file", "{policy}", "--no-auth", "--insecure-http", "--listen", "nonsense"], "must be HOST:PORT"),
     (["--from-file", "{policy}", "--no-auth", "--kubeconfig", "{policy}"], "not both"),
-    (["--kubeconfig", "{policy}.missing"], "cannot load kubeconfig"),
+    (["--kubeconfig", "{policy}.missing", "--no-auth"], "cannot load kubeconfig"),
     (["--from-file", "{policy}", "--no-auth", "--agent-service-account", "nocolon"], "must be NAMESPACE:NAME"),
 ])
 def test_bad_flags_are_a_clear_error(tmp_path, argv, message):
@@ -198,7 +203,7 @@ def serve_follower(leader: str | None) -> tuple[str, callable]:
     state = ControllerState(lambda reports: None, leader=lambda: False, leader_address=lambda: leader)
     port = free_port()
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(make_app(state, None, self_address=f"127.0.0.1:{port}"))
+    runner = web.AppRunner(make_app(state, None, self_address=f"127.0.0.1:{port}", scheme="http"))
     loop.run_until_complete(runner.setup())
     loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -269,3 +274,30 @@ def test_reporter_keeps_allocations_when_no_replica_leads():
         assert agent.allocations.current is held
     finally:
         stop()
+
+
+def test_reporter_counts_refused_pods_and_reads_answers_without_the_field(tmp_path, caplog):
+    from core.wire import answer_decoder
+    from netagent.reporter import Reporter
+
+    old = answer_decoder.decode(json.dumps({"node": "node-a", "generation": 1, "lease_seconds": 30,
+                                            "safe_floor_bps": 1e6, "node_rate_bps": 1e7, "pods": []}).encode())
+    assert old.refused == []  # an older controller's answer
+    policy = tmp_path / "policy.yaml"
+    pods = [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "web"},
+             "spec": {"nodeName": node, "containers": [{"name": "c", "image": "x"}]}}
+            for name, node in (("w1", "node-a"), ("w2", "node-b"))]
+    policy.write_text(yaml.safe_dump_all([*CLASSES, budget("100M"), *pods]))
+    refused: list[str] = []
+    agent = make_agent("node-a", [("web", "w1"), ("web", "w2")])
+    with controller_process(tmp_path, "--from-file", str(policy), "--no-auth") as (_, base):
+        reporter = Reporter(agent, base, token_path=None, on_refused=refused.append)
+
+        def allocated():
+            reporter.report_once()
+            return agent.allocations.current.source == "controller"
+
+        wait_for(allocated, what="an answer from a round")
+    assert set(refused) == {"PodNotOnNode"}
+    assert list(agent.allocations.current.pods) == ["web/w1"]  # the neighbour is allocated
+    assert "controller refused pod web/w2 (PodNotOnNode)" in caplog.text

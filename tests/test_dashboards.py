@@ -380,7 +380,7 @@ def live_prometheus(tmp_path_factory):
         controller_log = (workdir / "controller.log").open("w")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "netagent", "controller", "--from-file", str(REPO / "docs/examples/policy.yaml"),
-             "--no-auth", "--listen", f"127.0.0.1:{controller_port}", "--period", "1"],
+             "--no-auth", "--insecure-http", "--listen", f"127.0.0.1:{controller_port}", "--period", "1"],
             stdout=controller_log, stderr=subprocess.STDOUT, cwd=REPO))
 
         def report_loop():

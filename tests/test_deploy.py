@@ -84,6 +84,7 @@ def test_base_renders_every_part(base):
                    ("ClusterRoleBinding", "netagent-agent"), ("ClusterRoleBinding", "netagent-controller"),
                    ("Role", "netagent-controller-leader-election"),
                    ("RoleBinding", "netagent-controller-leader-election"),
+                   ("Role", "netagent-controller-tls"), ("RoleBinding", "netagent-controller-tls"),
                    ("DaemonSet", "netagent-agent"), ("Deployment", "netagent-controller"),
                    ("PodDisruptionBudget", "netagent-controller"), ("Service", "netagent-controller"),
                    ("ConfigMap", "netagent-dashboard-cluster"), ("ConfigMap", "netagent-dashboard-node-pod")]:
@@ -342,7 +343,8 @@ CONTROLLER_GRANTS = {("*", "", r, v) for r in ("pods", "namespaces") for v in ("
     ("*", "netagent.io", "egressbudgets/status", v) for v in ("update", "patch")} | {
     ("*", "authentication.k8s.io", "tokenreviews", "create")} | {
     (NAMESPACE, "coordination.k8s.io", "leases", v) for v in ("get", "create", "update")} | {
-    ("*", "", "events", v) for v in ("create", "patch")}
+    ("*", "", "events", v) for v in ("create", "patch")} | {
+    (NAMESPACE, "", "secrets", v) for v in ("get", "update", "create")}  # its TLS Secret (get/update by name)
 
 
 def test_rbac_grants_exactly_what_each_part_needs(base):
@@ -355,6 +357,10 @@ def test_rbac_has_no_wildcards_and_no_secrets(base):
         for rule in role["rules"]:
             for field in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule[field], f"{role['metadata']['name']}: wildcard in {field}"
+            if role["metadata"]["name"] == "netagent-controller-tls":  # the controller's own TLS Secret only
+                assert role["kind"] == "Role" and rule["resources"] == ["secrets"]
+                assert rule.get("resourceNames") == ["netagent-controller-tls"] or rule["verbs"] == ["create"]
+                continue
             assert not {"secrets", "configmaps", "nodes/proxy", "serviceaccounts/token"} & set(rule["resources"])
             assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
             assert "resourceNames" not in rule or rule["resourceNames"]
@@ -523,13 +529,16 @@ def test_agent_cannot(installed, verb):
     "create tokenreviews.authentication.k8s.io",
     "get leases.coordination.k8s.io -n netagent-system", "create leases.coordination.k8s.io -n netagent-system",
     "update leases.coordination.k8s.io -n netagent-system", "create events -n default",
+    "get secrets/netagent-controller-tls -n netagent-system", "update secrets/netagent-controller-tls -n netagent-system",
+    "create secrets -n netagent-system",
 ])
 def test_controller_can(installed, verb):
     assert can_i(installed, CONTROLLER_SA, *shlex.split(verb)), f"the controller cannot {verb}"
 
 
 @pytest.mark.parametrize("verb", [
-    "get secrets -n netagent-system", "list secrets --all-namespaces",
+    "get secrets -n netagent-system", "list secrets --all-namespaces", "get secrets/other -n netagent-system",
+    "update secrets/other -n netagent-system", "create secrets -n default",
     "update leases.coordination.k8s.io -n kube-system", "create leases.coordination.k8s.io -n default",
     "delete leases.coordination.k8s.io -n netagent-system",
     "update egressbudgets.netagent.io", "patch egressbudgets.netagent.io", "create egressclasses.netagent.io",
