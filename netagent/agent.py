@@ -95,6 +95,11 @@ class Agent:
     def fail_static(self) -> bool:
         return self.allocations.fail_static
 
+    def pods_known(self) -> bool:
+        """True once a snapshot of the pod source was resolved (the source lists before it
+        hands one over): until then the agent does not know its pods and must not report."""
+        return self.node.state.pods_known
+
     def report_inputs(self) -> ReportInputs:
         try:
             _, node_counters = self.datapath.counters()

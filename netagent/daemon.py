@@ -29,9 +29,10 @@ log = logging.getLogger(__name__)
 
 class Daemon:
     def __init__(self, cfg: AgentConfig, agent: Agent, source, datapath: KernelDataPath, http: AgentHTTP,
-                 reporter: Reporter | None = None):
+                 reporter: Reporter | None = None, problems: ProblemReporter | None = None):
         self.cfg, self.agent, self.source, self.datapath, self.http, self.reporter = (
             cfg, agent, source, datapath, http, reporter)
+        self.problems = problems
         self._source_thread = threading.Thread(target=self._run_source, name="source", daemon=True)
 
     @classmethod
@@ -57,7 +58,8 @@ class Daemon:
             api = load_api_client(cfg.kubeconfig)
             source = KubeSource(api, cfg.node, on_metric=lambda res, kind: metrics.watch_events.labels(res, kind).inc())
             emit_event = kube_event_emitter(api, cfg.node)
-        problems = ProblemReporter(emit_event, lambda reason: metrics.policy_problems.labels(reason).inc())
+        problems = ProblemReporter(emit_event, lambda reason: metrics.policy_problems.labels(reason).inc(),
+                                   on_dropped=metrics.events_dropped.inc)
         initial = None
         if cfg.controller:
             # after a restart nothing is known yet: what the kernel holds stands for one lease-like
@@ -74,13 +76,16 @@ class Daemon:
         reporter = None
         if cfg.controller:
             reporter = Reporter(agent, cfg.controller, token_path=cfg.token_path, period=cfg.report_period,
-                                on_failure=metrics.report_failures.inc)
-        http = AgentHTTP(cfg.listen, metrics.registry, agent.health, agent.readiness, lambda: agent.view().as_dict())
+                                on_failure=metrics.report_failures.inc, ca_file=cfg.controller_ca,
+                                insecure_http=cfg.controller_insecure_http,
+                                on_omitted=lambda reason, n: metrics.report_omitted.labels(reason).inc(n))
+        http = AgentHTTP(cfg.listen, metrics.registry, agent.health, agent.readiness, lambda: agent.view().as_dict(),
+                         state_listen=cfg.state_listen, on_rejected=lambda r: metrics.http_rejected.labels(r).inc())
         log.info("uplinks %s; internal %s; leaf qdisc %s; iptables %s; mark bit %#x; %s",
                  ",".join(cfg.uplinks), ",".join(cfg.internal_cidrs), leaf, datapath.iptables_backend,
                  cfg.datapath.mark_bit,
                  f"controller {cfg.controller}" if cfg.controller else "local allocation (no controller)")
-        return cls(cfg, agent, source, datapath, http, reporter)
+        return cls(cfg, agent, source, datapath, http, reporter, problems)
 
     def _run_source(self) -> None:
         try:
@@ -89,6 +94,8 @@ class Daemon:
             log.exception("the pod source stopped; the data path stays as it is")
 
     def start(self) -> None:
+        if self.problems:
+            self.problems.start()
         self.http.start()
         self.agent.start()
         self._source_thread.start()
@@ -102,4 +109,6 @@ class Daemon:
             self.reporter.stop()
         self.agent.stop()
         self.http.stop()
+        if self.problems:
+            self.problems.stop()
         self.datapath.close()

@@ -222,7 +222,7 @@ def test_reporter_follows_the_follower_to_the_leader_and_stays_fail_static(tmp_p
         follower, stop_follower = serve_follower(leader.removeprefix("http://"))
         try:
             agent = make_agent("node-a", [("web", "w1"), ("research", "r1")])
-            reporter = Reporter(agent, follower, token_path=None, period=0.2)
+            reporter = Reporter(agent, follower, token_path=None, period=0.2, insecure_http=True)
             reporter.report_once()
             assert reporter.leader_url == leader  # sticky: the next report goes straight to the leader
             assert agent.controller_reachable
@@ -250,7 +250,7 @@ def test_reporter_follows_the_follower_to_the_leader_and_stays_fail_static(tmp_p
     # a new leader without a round yet (generation 0) leaves the allocations and the lease alone
     with controller_process(tmp_path, "--from-file", str(policy), "--no-auth", "--period", "30",
                             "--lease-seconds", "60") as (proc, leader):
-        reporter = Reporter(agent, leader, token_path=None)
+        reporter = Reporter(agent, leader, token_path=None, insecure_http=True)
         reporter.report_once()
         assert agent.allocations.current is first and agent.controller_reachable
 
@@ -265,7 +265,7 @@ def test_reporter_keeps_allocations_when_no_replica_leads():
                              source="controller")
         agent.allocations.current = held
         with pytest.raises(ControllerError, match="503"):
-            Reporter(agent, follower, token_path=None).report_once()
+            Reporter(agent, follower, token_path=None, insecure_http=True).report_once()
         assert agent.allocations.current is held
     finally:
         stop()
