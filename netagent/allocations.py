@@ -108,15 +108,17 @@ class Allocations:
 
 def cap_to_node(effective: dict[str, Allocation], node_rate: int, reserved: int = 0) -> dict[str, Allocation]:
     """`effective` within the node class: every ceil at most `node_rate`, and the HTB rates (the
-    shares HTB grants without asking the parent) scaled down together when they add up to more
-    than `node_rate - reserved` (`reserved`: the default class's guaranteed floor). Pure."""
-    room = max(node_rate - reserved, 0) if node_rate > reserved else node_rate
-    total = sum(a.allocation_bps for a in effective.values())
-    scale = room / total if total > room and total > 0 else 1.0
-    out = {}
-    for key, a in effective.items():
-        out[key] = Allocation(min(int(a.allocation_bps * scale), node_rate), min(a.limit_bps, node_rate))
-    return out
+    shares HTB grants without asking the parent) scaled down together, above the trickle every
+    class keeps, when they add up to more than `node_rate - reserved` (`reserved`: the default
+    class's guaranteed floor). Pure."""
+    room = node_rate - reserved if node_rate > reserved else node_rate
+    rates = {k: max(TRICKLE_BPS, int(a.allocation_bps)) for k, a in effective.items()}
+    above = sum(r - TRICKLE_BPS for r in rates.values())
+    avail = max(0, room - TRICKLE_BPS * len(rates))
+    if sum(rates.values()) > room and above > 0:
+        rates = {k: TRICKLE_BPS + int((r - TRICKLE_BPS) * avail / above) for k, r in rates.items()}
+    return {k: Allocation(min(rates[k], node_rate), min(max(a.limit_bps, rates[k]), node_rate))
+            for k, a in effective.items()}
 
 
 def pod_rates(a: Allocation) -> tuple[int, int]:

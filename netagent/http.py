@@ -225,15 +225,15 @@ class AgentHTTP:
             try:
                 self._work.put_nowait((conn.sock, path, head))
             except queue.Full:
-                self._send_and_close(conn.sock, response(503, b"busy: try again\n"))
                 self.on_rejected("busy")
+                self._send_and_close(conn.sock, response(503, b"busy: try again\n"), blocking=False)
 
     def _reply_inline(self, conn: _Conn, data: bytes, reason: str | None = None) -> None:
         self._conns.pop(conn.sock.fileno(), None)
         self._sel.unregister(conn.sock)
-        self._send_and_close(conn.sock, data, blocking=False)
         if reason:
             self.on_rejected(reason)
+        self._send_and_close(conn.sock, data, blocking=False)
 
     @staticmethod
     def _send_and_close(sock: socket.socket, data: bytes, blocking: bool = True) -> None:
