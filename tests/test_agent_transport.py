@@ -5,7 +5,6 @@ and a fault-injecting controller (NaN, 1e30, negative numbers: a real controller
 to send them; the wire type refuses to encode most of them)."""
 from __future__ import annotations
 
-import json
 import ssl
 import threading
 import time
