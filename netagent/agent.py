@@ -10,6 +10,7 @@ The reporter (controller mode) talks to the agent only through `report_inputs` a
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -63,6 +64,16 @@ class Agent:
     def set_allocations(self, allocs: AllocationSet) -> None:
         if self.allocations.replace(allocs):
             self.runner.wake()
+
+    def wake_full(self) -> None:
+        """Someone else changed the kernel: a full reconcile now."""
+        self.runner.wake(full=True)
+
+    def set_uplinks(self, uplinks: tuple[str, ...]) -> None:
+        """The default-route devices changed (learnt uplinks): shape there from the next sync on."""
+        self.cfg = dataclasses.replace(self.cfg, uplinks=tuple(uplinks))
+        self.node.cfg = self.cfg
+        self.runner.wake(full=True)
 
     def set_controller_reachable(self, reachable: bool) -> None:
         self.controller_reachable = reachable

@@ -19,6 +19,7 @@ from .agent import Agent
 from .allocations import AllocationSet
 from .config import AgentConfig
 from .datapath import KernelDataPath, probe_leaf_qdisc
+from .drift import DriftWatch
 from .events import ProblemReporter
 from .http import AgentHTTP
 from .metrics import AgentMetrics
@@ -29,10 +30,11 @@ log = logging.getLogger(__name__)
 
 class Daemon:
     def __init__(self, cfg: AgentConfig, agent: Agent, source, datapath: KernelDataPath, http: AgentHTTP,
-                 reporter: Reporter | None = None, problems: ProblemReporter | None = None):
+                 reporter: Reporter | None = None, problems: ProblemReporter | None = None,
+                 drift: DriftWatch | None = None):
         self.cfg, self.agent, self.source, self.datapath, self.http, self.reporter = (
             cfg, agent, source, datapath, http, reporter)
-        self.problems = problems
+        self.problems, self.drift = problems, drift
         self._source_thread = threading.Thread(target=self._run_source, name="source", daemon=True)
 
     @classmethod
@@ -85,7 +87,10 @@ class Daemon:
                  ",".join(cfg.uplinks), ",".join(cfg.internal_cidrs), leaf, datapath.iptables_backend,
                  cfg.datapath.mark_bit,
                  f"controller {cfg.controller}" if cfg.controller else "local allocation (no controller)")
-        return cls(cfg, agent, source, datapath, http, reporter, problems)
+        drift = DriftWatch(cfg.datapath.ifb, lambda: agent.cfg.uplinks, agent.wake_full, datapath.hooks_fingerprint,
+                           set_uplinks=agent.set_uplinks if cfg.uplinks_learnt else None,
+                           count=lambda source: metrics.drift_checks.labels(source).inc())
+        return cls(cfg, agent, source, datapath, http, reporter, problems, drift)
 
     def _run_source(self) -> None:
         try:
@@ -99,12 +104,16 @@ class Daemon:
         self.http.start()
         self.agent.start()
         self._source_thread.start()
+        if self.drift:
+            self.drift.start()
         if self.reporter:
             self.reporter.start()
 
     def stop(self) -> None:
         """Stop watching and reporting; leave every class and rule in the kernel (fail-static)."""
         self.source.stop()
+        if self.drift:
+            self.drift.stop()
         if self.reporter:
             self.reporter.stop()
         self.agent.stop()
