@@ -77,7 +77,13 @@ def _iptables_backend(p: argparse.ArgumentParser) -> None:
 def _run_flags(p: argparse.ArgumentParser) -> None:
     _policy_sources(p, "pods and policy")
     p.add_argument("--node", help="this node's name (required with Kubernetes; in file mode, pods of other nodes are ignored)")
-    p.add_argument("--controller", metavar="URL", help="controller base URL; without it the agent allocates locally")
+    p.add_argument("--controller", metavar="URL",
+                   help="controller base URL, https://HOST:PORT; without it the agent allocates locally")
+    p.add_argument("--controller-ca", metavar="FILE",
+                   help="the CA that signed the controller's certificate (the Secret's ca.crt; re-read when it "
+                        "changes); only this CA is trusted for the controller")
+    p.add_argument("--controller-insecure-http", action="store_true",
+                   help="allow an http:// --controller (test labs only; no token is sent then)")
     p.add_argument("--token-path", default=agent_config.DEFAULT_TOKEN_PATH,
                    help="projected ServiceAccount token presented to the controller")
     p.add_argument("--uplink", action="append", default=[], metavar="DEV",
@@ -86,7 +92,10 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
                    help="destination that is never shaped (repeatable); the uplinks' subnets are added automatically")
     p.add_argument("--pod-cidr", action="append", default=[], metavar="CIDR", help="this node's pod CIDR(s) (internal)")
     p.add_argument("--service-cidr", action="append", default=[], metavar="CIDR", help="the cluster's service CIDR(s)")
-    _listen(p, agent_config.DEFAULT_LISTEN, "/metrics /healthz /readyz /state")
+    _listen(p, agent_config.DEFAULT_LISTEN, "/metrics /healthz /readyz (and /state when it is a loopback address)")
+    p.add_argument("--state-listen", default=agent_config.DEFAULT_STATE_LISTEN,
+                   help="loopback HOST:PORT for /state (the pod inventory) when --listen is not loopback "
+                        f"(default {agent_config.DEFAULT_STATE_LISTEN})")
     _logging(p)
     p.add_argument("--mark-bit", type=_int, default=DEFAULT_MARK_BIT, help=f"firewall-mark bit (default {DEFAULT_MARK_BIT:#x})")
     p.add_argument("--ifb", default=DataPathOptions.ifb, help="name of the IFB device netagent owns")
@@ -116,7 +125,8 @@ def _run(a: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     daemon.start()
-    log.info("netagent running on node %r; endpoints at http://%s", cfg.node, daemon.http.address)
+    log.info("netagent running on node %r; /metrics /healthz /readyz at http://%s; /state at http://%s", cfg.node,
+             daemon.http.address, daemon.http.state_address or "(not served)")
     stop.wait()
     # Stopping changes nothing in the kernel, so a stop that hangs (a tool blocked on the
     # xtables lock, a netlink socket) must not keep the pod past its grace period: after
@@ -137,18 +147,24 @@ def _exit_stuck() -> None:
 
 
 def _status_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--agent", default=agent_config.DEFAULT_LISTEN, help="the agent's --listen address")
+    p.add_argument("--agent", help="where the agent serves /state: its --listen when that is loopback, else its "
+                                   f"--state-listen (default: {agent_config.DEFAULT_STATE_LISTEN}, then "
+                                   f"{agent_config.DEFAULT_LISTEN})")
     p.add_argument("-o", "--output", choices=("table", "json"), default="table")
 
 
 def _status(a: argparse.Namespace) -> int:
     from netagent import status
 
-    try:
-        state = status.fetch_state(a.agent)
-    except OSError as exc:
-        print(f"cannot reach the agent at {a.agent}: {exc} (is `netagent run` running? see --agent)")
-        return 1
+    where = [a.agent] if a.agent else [agent_config.DEFAULT_STATE_LISTEN, agent_config.DEFAULT_LISTEN]
+    for i, agent in enumerate(where):
+        try:
+            state = status.fetch_state(agent)
+            break
+        except OSError as exc:
+            if i == len(where) - 1:
+                print(f"cannot reach the agent at {' or '.join(where)}: {exc} (is `netagent run` running? see --agent)")
+                return 1
     if a.output == "json":
         print(json.dumps(state, indent=2))
     else:

@@ -1,6 +1,8 @@
 """HOST:PORT as both processes take it on their command lines."""
 from __future__ import annotations
 
+import ipaddress
+
 from .errors import ConfigError
 
 
@@ -17,3 +19,11 @@ def parse_host_port(text: str, what: str, example: str) -> tuple[str, int]:
 def join_host_port(host: str, port: int) -> str:
     """The inverse of parse_host_port: brackets around an IPv6 host."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and "localhost": an address only this machine (namespace) reaches."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -10,6 +10,7 @@ The reporter (controller mode) talks to the agent only through `report_inputs` a
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -64,6 +65,16 @@ class Agent:
         if self.allocations.replace(allocs):
             self.runner.wake()
 
+    def wake_full(self) -> None:
+        """Someone else changed the kernel: a full reconcile now."""
+        self.runner.wake(full=True)
+
+    def set_uplinks(self, uplinks: tuple[str, ...]) -> None:
+        """The default-route devices changed (learnt uplinks): shape there from the next sync on."""
+        self.cfg = dataclasses.replace(self.cfg, uplinks=tuple(uplinks))
+        self.node.cfg = self.cfg
+        self.runner.wake(full=True)
+
     def set_controller_reachable(self, reachable: bool) -> None:
         self.controller_reachable = reachable
 
@@ -94,6 +105,11 @@ class Agent:
     @property
     def fail_static(self) -> bool:
         return self.allocations.fail_static
+
+    def pods_known(self) -> bool:
+        """True once a snapshot of the pod source was resolved (the source lists before it
+        hands one over): until then the agent does not know its pods and must not report."""
+        return self.node.state.pods_known
 
     def report_inputs(self) -> ReportInputs:
         try:

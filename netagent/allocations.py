@@ -6,6 +6,9 @@ and adoption of what the kernel already holds after a restart.
   * after the lease ran out (the controller unreachable): the safe floor (fail-static);
   * for a pod nobody allocated yet: what the kernel already enforces for its class
     (adoption after a restart), else its guaranteed minimum, else the floor.
+Whatever the source, the floor is never above a fair share of the node's rate, and
+`cap_to_node` keeps what is enforced within the node's rate (each ceil, and the sum of the
+HTB rates: HTB lets a child send up to its own rate whatever its parent has left).
 Pure apart from its lock: callers pass the time and how to find a pod's HTB minor.
 """
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from core.policy import ResolvedPod
-from core.quantity import TRICKLE_BPS
+from core.quantity import MAX_BPS, TRICKLE_BPS
 from tc.model import NODE_MINOR
 
 log = logging.getLogger(__name__)
@@ -71,7 +74,10 @@ class Allocations:
             if expired and not self.fail_static:
                 log.warning("controller lease expired: falling back to the safe floor")
             self.fail_static = expired
+        pods = list(pods)
         floor = a.safe_floor_bps or self.default_floor_bps
+        if 0 < a.node_rate_bps < MAX_BPS:  # never above a fair share of the node (the pods with an address)
+            floor = min(floor, max(TRICKLE_BPS, a.node_rate_bps // max(1, sum(1 for p in pods if p.ips))))
         out: dict[str, Allocation] = {}
         for p in pods:
             got = a.pods.get(p.key)
@@ -97,7 +103,22 @@ class Allocations:
         adopted_node = self.adopted.get(NODE_MINOR)
         rate = (self.current.node_rate_bps or (adopted_node[1] if adopted_node else 0)
                 or sum(a.limit_bps for a in effective.values()))
-        return max(int(rate), at_least, 8)
+        return min(max(int(rate), at_least, 8), MAX_BPS)
+
+
+def cap_to_node(effective: dict[str, Allocation], node_rate: int, reserved: int = 0) -> dict[str, Allocation]:
+    """`effective` within the node class: every ceil at most `node_rate`, and the HTB rates (the
+    shares HTB grants without asking the parent) scaled down together, above the trickle every
+    class keeps, when they add up to more than `node_rate - reserved` (`reserved`: the default
+    class's guaranteed floor). Pure."""
+    room = node_rate - reserved if node_rate > reserved else node_rate
+    rates = {k: max(TRICKLE_BPS, int(a.allocation_bps)) for k, a in effective.items()}
+    above = sum(r - TRICKLE_BPS for r in rates.values())
+    avail = max(0, room - TRICKLE_BPS * len(rates))
+    if sum(rates.values()) > room and above > 0:
+        rates = {k: TRICKLE_BPS + int((r - TRICKLE_BPS) * avail / above) for k, r in rates.items()}
+    return {k: Allocation(min(rates[k], node_rate), min(max(a.limit_bps, rates[k]), node_rate))
+            for k, a in effective.items()}
 
 
 def pod_rates(a: Allocation) -> tuple[int, int]:

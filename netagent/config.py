@@ -9,14 +9,16 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 
-from core.address import parse_host_port
+from core.address import is_loopback, parse_host_port
 from core.errors import ConfigError
 from core.quantity import parse_bps
 
 from .desired import DataPathOptions, DesiredStateError, canonical_cidrs
 from .netinfo import NetInfoError, connected_networks, default_route_devices
+from .transport import PinnedCA, parse_endpoint
 
 DEFAULT_LISTEN = "127.0.0.1:9560"
+DEFAULT_STATE_LISTEN = "127.0.0.1:9562"  # /state (pod inventory) is served on loopback only
 DEFAULT_TOKEN_PATH = "/var/run/secrets/netagent/token"
 
 
@@ -27,6 +29,8 @@ class AgentConfig:
     internal_cidrs: tuple[str, ...]
     datapath: DataPathOptions = field(default_factory=DataPathOptions)
     controller: str | None = None  # base URL; None: single-node mode (local allocation)
+    controller_ca: str | None = None  # the pinned CA of an https controller
+    controller_insecure_http: bool = False  # tests only: plain http, and then no token is ever sent
     token_path: str | None = DEFAULT_TOKEN_PATH
     report_period: float = 5.0
     min_sync_interval: float = 0.05
@@ -36,14 +40,17 @@ class AgentConfig:
     default_floor_bps: int = 1_000_000  # per pod when nothing better is known
     from_file: tuple[str, ...] = ()  # pods and policy from YAML files instead of Kubernetes
     kubeconfig: str | None = None  # None with no from_file: the in-cluster config
-    listen: tuple[str, int] = ("127.0.0.1", 9560)
+    listen: tuple[str, int] = ("127.0.0.1", 9560)  # /metrics /healthz /readyz (and /state when loopback)
+    state_listen: tuple[str, int] | None = ("127.0.0.1", 9562)  # /state; None when --listen is loopback
+    uplinks_learnt: bool = False  # no --uplink: the uplinks follow the default routes while running
     iptables_backend: str = "auto"
 
 
 def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None, controller: str | None,
                token_path: str | None, uplink: list[str], internal_cidr: list[str], pod_cidr: list[str],
                service_cidr: list[str], listen: str, mark_bit: int, ifb: str, default_rate: str,
-               report_period: float, resync_period: float, iptables_backend: str) -> AgentConfig:
+               report_period: float, resync_period: float, iptables_backend: str, controller_ca: str | None = None,
+               controller_insecure_http: bool = False, state_listen: str = DEFAULT_STATE_LISTEN) -> AgentConfig:
     """The command line's values -> AgentConfig. Discovers the uplinks (default routes) when none
     is named and adds their connected subnets to the internal CIDRs. The leaf qdisc is the
     data path's choice after probing the kernel (`Daemon.build`)."""
@@ -56,6 +63,13 @@ def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None
         default_bps = parse_bps(default_rate, "--default-rate")
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    check_controller(controller, controller_ca, controller_insecure_http)
+    listen_at = parse_host_port(listen, "--listen", DEFAULT_LISTEN)
+    state_at = None if is_loopback(listen_at[0]) else parse_host_port(state_listen, "--state-listen",
+                                                                       DEFAULT_STATE_LISTEN)
+    if state_at is not None and not is_loopback(state_at[0]):
+        raise ConfigError(f"--state-listen {state_listen} must be a loopback address (127.0.0.1 or ::1): "
+                          "/state lists this node's pods and must not be reachable from them")
     if report_period <= 0 or resync_period <= 0:
         raise ConfigError("--report-period and --resync-period must be positive seconds")
     try:
@@ -77,7 +91,37 @@ def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None
     return AgentConfig(
         node=node, uplinks=uplinks, internal_cidrs=internal,
         datapath=DataPathOptions(mark_bit=mark_bit, ifb=ifb, default_rate=default_bps),
-        controller=controller, token_path=token_path, report_period=report_period, resync_seconds=resync_period,
+        controller=controller, controller_ca=controller_ca, controller_insecure_http=controller_insecure_http,
+        token_path=token_path, report_period=report_period, resync_seconds=resync_period,
         default_floor_bps=default_bps, from_file=tuple(from_file), kubeconfig=kubeconfig,
-        listen=parse_host_port(listen, "--listen", DEFAULT_LISTEN), iptables_backend=iptables_backend,
+        listen=listen_at, state_listen=state_at, uplinks_learnt=not uplink, iptables_backend=iptables_backend,
     )
+
+
+def check_controller(url: str | None, ca: str | None, insecure_http: bool) -> None:
+    """https:// needs a CA file that loads; http:// needs the explicit test-only flag."""
+    if not url:
+        if ca or insecure_http:
+            raise ConfigError("--controller-ca and --controller-insecure-http need --controller")
+        return
+    try:
+        endpoint, _ = parse_endpoint(url)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if endpoint.scheme == "http":
+        if not insecure_http:
+            raise ConfigError(f"--controller {url} is plain http: the agent's token would travel in the clear. Use "
+                              "https:// with --controller-ca (the controller Secret's ca.crt), or, in a test lab "
+                              "only, add --controller-insecure-http (then no token is sent)")
+        if ca:
+            raise ConfigError("--controller-ca is for an https:// controller; this one is http://")
+        return
+    if not ca:
+        raise ConfigError(f"--controller {url} needs --controller-ca FILE: the CA that signed the controller's "
+                          "certificate (the Secret netagent-controller-tls, key ca.crt)")
+    try:
+        PinnedCA.load(ca)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--controller-ca {ca}: cannot load a CA certificate from it ({exc})") from None
+    except Exception as exc:  # ssl.SSLError
+        raise ConfigError(f"--controller-ca {ca}: not a PEM CA certificate ({exc})") from None

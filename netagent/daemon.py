@@ -19,6 +19,7 @@ from .agent import Agent
 from .allocations import AllocationSet
 from .config import AgentConfig
 from .datapath import KernelDataPath, probe_leaf_qdisc
+from .drift import DriftWatch
 from .events import ProblemReporter
 from .http import AgentHTTP
 from .metrics import AgentMetrics
@@ -29,9 +30,11 @@ log = logging.getLogger(__name__)
 
 class Daemon:
     def __init__(self, cfg: AgentConfig, agent: Agent, source, datapath: KernelDataPath, http: AgentHTTP,
-                 reporter: Reporter | None = None):
+                 reporter: Reporter | None = None, problems: ProblemReporter | None = None,
+                 drift: DriftWatch | None = None):
         self.cfg, self.agent, self.source, self.datapath, self.http, self.reporter = (
             cfg, agent, source, datapath, http, reporter)
+        self.problems, self.drift = problems, drift
         self._source_thread = threading.Thread(target=self._run_source, name="source", daemon=True)
 
     @classmethod
@@ -57,7 +60,8 @@ class Daemon:
             api = load_api_client(cfg.kubeconfig)
             source = KubeSource(api, cfg.node, on_metric=lambda res, kind: metrics.watch_events.labels(res, kind).inc())
             emit_event = kube_event_emitter(api, cfg.node)
-        problems = ProblemReporter(emit_event, lambda reason: metrics.policy_problems.labels(reason).inc())
+        problems = ProblemReporter(emit_event, lambda reason: metrics.policy_problems.labels(reason).inc(),
+                                   on_dropped=metrics.events_dropped.inc)
         initial = None
         if cfg.controller:
             # after a restart nothing is known yet: what the kernel holds stands for one lease-like
@@ -74,14 +78,20 @@ class Daemon:
         reporter = None
         if cfg.controller:
             reporter = Reporter(agent, cfg.controller, token_path=cfg.token_path, period=cfg.report_period,
-                                on_failure=metrics.report_failures.inc,
+                                on_failure=metrics.report_failures.inc, ca_file=cfg.controller_ca,
+                                insecure_http=cfg.controller_insecure_http,
+                                on_omitted=lambda reason, n: metrics.report_omitted.labels(reason).inc(n),
                                 on_refused=lambda reason: metrics.refused_pods.labels(reason).inc())
-        http = AgentHTTP(cfg.listen, metrics.registry, agent.health, agent.readiness, lambda: agent.view().as_dict())
+        http = AgentHTTP(cfg.listen, metrics.registry, agent.health, agent.readiness, lambda: agent.view().as_dict(),
+                         state_listen=cfg.state_listen, on_rejected=lambda r: metrics.http_rejected.labels(r).inc())
         log.info("uplinks %s; internal %s; leaf qdisc %s; iptables %s; mark bit %#x; %s",
                  ",".join(cfg.uplinks), ",".join(cfg.internal_cidrs), leaf, datapath.iptables_backend,
                  cfg.datapath.mark_bit,
                  f"controller {cfg.controller}" if cfg.controller else "local allocation (no controller)")
-        return cls(cfg, agent, source, datapath, http, reporter)
+        drift = DriftWatch(cfg.datapath.ifb, lambda: agent.cfg.uplinks, agent.wake_full, datapath.hooks_fingerprint,
+                           set_uplinks=agent.set_uplinks if cfg.uplinks_learnt else None,
+                           count=lambda source: metrics.drift_checks.labels(source).inc())
+        return cls(cfg, agent, source, datapath, http, reporter, problems, drift)
 
     def _run_source(self) -> None:
         try:
@@ -90,17 +100,25 @@ class Daemon:
             log.exception("the pod source stopped; the data path stays as it is")
 
     def start(self) -> None:
+        if self.problems:
+            self.problems.start()
         self.http.start()
         self.agent.start()
         self._source_thread.start()
+        if self.drift:
+            self.drift.start()
         if self.reporter:
             self.reporter.start()
 
     def stop(self) -> None:
         """Stop watching and reporting; leave every class and rule in the kernel (fail-static)."""
         self.source.stop()
+        if self.drift:
+            self.drift.stop()
         if self.reporter:
             self.reporter.stop()
         self.agent.stop()
         self.http.stop()
+        if self.problems:
+            self.problems.stop()
         self.datapath.close()

@@ -88,6 +88,7 @@ class KernelDataPath:
         self._stats_lock = threading.Lock()
         self._ipt_lock = threading.Lock()
         self._applied_classifier = None  # the classifier state the kernel was last made to match
+        self._hooks: tuple[int, ...] | None = None  # our mangle lines per family after the last apply
 
     def check_conflicts(self) -> None:
         """Refuse to start when someone else already uses our mark bit."""
@@ -109,9 +110,28 @@ class KernelDataPath:
         with self._ipt_lock:
             if full or desired.classifier != self._applied_classifier:
                 self._applied_classifier = None  # unknown until this apply succeeds
+                self._hooks = None
                 changes.update({k: int(v) for k, v in self._classifier.apply(desired.classifier).items()})
                 self._applied_classifier = desired.classifier
+                self._hooks = self._read_hooks()
         return changes
+
+    def _read_hooks(self) -> tuple[int, ...]:
+        """Lines of our chains and hooks in the mangle table, per family: a cheap fingerprint (one
+        iptables-save each, which takes no xtables lock) that any flush or deletion changes."""
+        prefix, runner = self._classifier.prefix, self._classifier.runner
+        return tuple(sum(prefix in line for line in runner.save(family, self.iptables_backend, "mangle").splitlines())
+                     for family in (4, 6))
+
+    def hooks_fingerprint(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """(what the last apply left, what the kernel has now), or None while an apply runs or before
+        the first: the drift watch never waits for the sync loop."""
+        if self._hooks is None or not self._ipt_lock.acquire(blocking=False):
+            return None
+        try:
+            return self._hooks, self._read_hooks()
+        finally:
+            self._ipt_lock.release()
 
     def class_stats(self) -> dict[int, ClassStats]:
         with self._stats_lock:

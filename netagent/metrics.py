@@ -120,4 +120,17 @@ class AgentMetrics:
                                        "Invalid pod annotations seen (once per change), by reason.", ["reason"], registry=r)
         self.watch_events = Counter("netagent_watch_events", "Kubernetes watch events, by resource and type.",
                                     ["resource", "type"], registry=r)
+        self.events_dropped = Counter("netagent_events_dropped",
+                                      "Kubernetes Events not written because the Event queue was full (the API "
+                                      "server slower than problems arrive); the log line and metric still tell.",
+                                      registry=r)
+        self.report_omitted = Counter("netagent_report_omitted",
+                                      "What the agent left out of its controller reports, by reason "
+                                      "(annotation_too_long: fields; too_many_pods: pods).", ["reason"], registry=r)
+        self.http_rejected = Counter("netagent_http_rejected",
+                                     "Connections to the agent's HTTP endpoints closed without an answer or "
+                                     "refused, by reason.", ["reason"], registry=r)
+        self.drift_checks = Counter("netagent_drift_detected",
+                                    "Changes to the kernel state noticed between syncs that triggered an "
+                                    "immediate resync, by source (netlink, hooks, uplinks).", ["source"], registry=r)
         r.register(AgentCollector(view))

@@ -7,9 +7,10 @@ wire types (`core.wire`): the report is encoded from them and the answer is deco
 checked by them (finite, in range, lease bounded) before anything is enforced.
 
 Finding the leader: the agent posts to --controller (the Service, which reaches any
-replica). A follower answers 307 with the leader's address; the agent follows it and
-keeps posting to the leader directly until that fails (connection error, a 307 or a
-503), then goes back to the Service. An answer with generation 0 comes from a leader
+replica). A follower answers 307 with the leader's address; the agent follows it (only as
+`transport.ControllerClient` allows: 307/308, same scheme, the pinned CA) and keeps posting
+to the leader directly until that fails (connection error, a 307 or a 503), then goes back
+to the Service. An answer with generation 0 comes from a leader
 that has no round with this node yet (just elected): the agent keeps what it has.
 """
 from __future__ import annotations
@@ -18,51 +19,66 @@ import logging
 import random
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Callable
 
 import msgspec
 
-from core.errors import NetagentError
+from core.quantity import MAX_BPS
 from core.wire import NodeAnswer, NodeReport, PodReport, answer_decoder, encoder
 
 from .agent import Agent, ReportInputs
 from .allocations import Allocation, AllocationSet
+from .outbound import bounded_annotations, bounded_pods
+from .transport import ControllerClient, ControllerError
+
+__all__ = ["ControllerError", "Reporter", "allocations_from", "build_report"]
 
 log = logging.getLogger(__name__)
-MAX_REDIRECTS = 3
 MAX_ANSWER_BYTES = 4 << 20  # a 1,024-pod answer is ~200 KiB
 
 
-class ControllerError(NetagentError):
-    """The controller could not be reached (status None) or refused the report; the message says which."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
-
-
-def build_report(inputs: ReportInputs, seq: int, period: float, node_egress_bps: float) -> NodeReport:
-    """The wire report for one period: per pod its usage, demand, throttling and annotations."""
+def build_report(inputs: ReportInputs, seq: int, period: float, node_egress_bps: float,
+                 on_omitted: Callable[[str, int], None] | None = None) -> NodeReport:
+    """The wire report for one period: per pod its usage, demand, throttling and annotations, bounded
+    (`outbound`): over-long annotation values and pods beyond one report's limit are left out and
+    counted through `on_omitted(reason, n)`."""
+    omitted = on_omitted or (lambda reason, n: None)
+    kept, left_out = bounded_pods(list(inputs.pods))
+    if left_out:
+        omitted("too_many_pods", left_out)
+        log.warning("this node has %d pods; the report carries the first %d", len(inputs.pods), len(kept))
     pods = []
-    for p, d in inputs.pods:
+    for p, d in kept:
+        egress_class, egress_bandwidth = bounded_annotations(p)
+        dropped = (egress_class is None) + (egress_bandwidth is None) - (p.class_annotation is None) \
+            - (p.bandwidth_annotation is None)
+        if dropped:
+            omitted("annotation_too_long", dropped)
         pods.append(PodReport(
             namespace=p.namespace, name=p.name,
             usage_bps=float(d.usage_bps) if d else 0.0,
             demand_bps=float(d.demand_bps) if d else float(p.min_bps),
             throttled=bool(d.throttled) if d else False,
-            egress_class=p.class_annotation, egress_bandwidth=p.bandwidth_annotation,
+            egress_class=egress_class, egress_bandwidth=egress_bandwidth,
         ))
     return NodeReport(inputs.node, pods, seq, period, max(0.0, node_egress_bps))
 
 
-def allocations_from(answer: NodeAnswer, now: float) -> AllocationSet:
+def _rate(value: float) -> int:
+    """A decoded rate (finite, 0..2^64 by the wire type) as enforceable bit/s: "no limit" is MAX_BPS."""
+    return int(min(value, MAX_BPS))
+
+
+def allocations_from(answer: NodeAnswer, now: float, node: str | None = None) -> AllocationSet:
+    """The answer's numbers as the agent enforces them. The wire type already refused NaN, infinities,
+    negative rates and leases outside (0, 3600] s; an answer for another node is refused here."""
+    if node is not None and answer.node != node:
+        raise ControllerError(f"the controller answered for node {answer.node!r}, not {node!r}; answer refused")
     return AllocationSet(
-        pods={f"{p.namespace}/{p.name}": Allocation(int(p.allocation_bps), int(p.limit_bps)) for p in answer.pods},
-        node_rate_bps=int(answer.node_rate_bps),
-        safe_floor_bps=int(answer.safe_floor_bps),
+        pods={f"{p.namespace}/{p.name}": Allocation(_rate(p.allocation_bps), _rate(p.limit_bps)) for p in answer.pods},
+        node_rate_bps=_rate(answer.node_rate_bps),
+        safe_floor_bps=_rate(answer.safe_floor_bps),
         lease_expires=now + answer.lease_seconds,
         generation=answer.generation,
         source="controller",
@@ -72,9 +88,14 @@ def allocations_from(answer: NodeAnswer, now: float) -> AllocationSet:
 class Reporter:
     def __init__(self, agent: Agent, url: str, token_path: str | None, period: float = 5.0,
                  timeout: float = 3.0, on_failure: Callable[[], None] | None = None, rng: random.Random | None = None,
+                 ca_file: str | None = None, insecure_http: bool = False,
+                 on_omitted: Callable[[str, int], None] | None = None,
                  on_refused: Callable[[str], None] | None = None):
         self.agent = agent
-        self.url = url.rstrip("/")
+        self.on_omitted = on_omitted
+        self.client = ControllerClient(url, ca_file, insecure_http=insecure_http,
+                                       timeout=timeout, max_answer_bytes=MAX_ANSWER_BYTES)
+        self.url = self.client.url
         self.leader_url: str | None = None  # where the last redirect pointed; used until it fails
         self.token_path = token_path
         self.period = period
@@ -121,53 +142,48 @@ class Reporter:
         inputs = self.agent.report_inputs()
         usage = sum(float(d.usage_bps) for _, d in inputs.pods if d)
         self.seq += 1
-        return build_report(inputs, self.seq, self.period, self._node_egress_bps(inputs.node_internet_egress_bytes, usage))
+        return build_report(inputs, self.seq, self.period, self._node_egress_bps(inputs.node_internet_egress_bytes, usage),
+                            self.on_omitted)
 
-    def _post(self, url: str, body: bytes) -> bytes:
-        headers = {"Content-Type": "application/json"}
-        if self.token_path and Path(self.token_path).exists():
-            headers["Authorization"] = "Bearer " + Path(self.token_path).read_text().strip()  # re-read: kubelet rotates it
-        for _ in range(MAX_REDIRECTS + 1):
-            req = urllib.request.Request(url, data=body, headers=headers, method="POST")
-            try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                    return resp.read(MAX_ANSWER_BYTES + 1)
-            except urllib.error.HTTPError as exc:
-                location = exc.headers.get("Location")
-                if exc.code in (307, 308) and location:  # a follower points at the leader
-                    url = location
-                    self.leader_url = location.split("/v1/", 1)[0]
-                    continue
-                detail = exc.read(300).decode(errors="replace")
-                raise ControllerError(f"controller {url} answered {exc.code}: {detail}", exc.code) from None
-            except (urllib.error.URLError, OSError) as exc:
-                raise ControllerError(f"controller {url} unreachable: {exc}") from exc
-        raise ControllerError(f"controller redirected more than {MAX_REDIRECTS} times (last: {url})")
+    def _token(self) -> str | None:
+        if not self.token_path or not self.client.may_send_token():
+            return None  # never over plain http
+        try:
+            return Path(self.token_path).read_text().strip() or None  # re-read: kubelet rotates it
+        except OSError:
+            return None
 
-    def _exchange(self, url: str, body: bytes) -> NodeAnswer:
-        raw = self._post(url, body)
-        if len(raw) > MAX_ANSWER_BYTES:
-            raise ControllerError(f"controller {url} answered more than {MAX_ANSWER_BYTES} bytes; answer refused")
+    def _exchange(self, base: str | None, path: str, body: bytes) -> NodeAnswer:
+        raw, redirected = self.client.post(path, body, self._token(), base=base)
+        if redirected:
+            self.leader_url = redirected
         try:
             return answer_decoder.decode(raw)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise ControllerError(f"controller {url} sent an invalid answer ({exc}); answer refused") from None
+            raise ControllerError(f"controller {base or self.url} sent an invalid answer ({exc}); answer refused") from None
 
-    def report_once(self) -> None:
+    def report_once(self) -> bool:
+        """One report and its answer; False (nothing sent) while the agent does not know its pods yet:
+        an empty report would tell the controller this node needs nothing, and it would give the
+        node's share away (after a restart, before the pod source has synced)."""
+        if not self.agent.pods_known():
+            log.info("not reporting yet: the pod source has not synced")
+            return False
         body = encoder.encode(self.build_report())
         path = f"/v1/nodes/{self.agent.cfg.node}/report"
         if self.leader_url:
             try:
-                answer = self._exchange(self.leader_url + path, body)
+                answer = self._exchange(self.leader_url, path, body)
             except ControllerError as exc:
                 if exc.status not in (None, 503):
                     raise  # the leader answered and refused the report: asking again elsewhere would not help
                 log.info("leader %s failed (%s); asking the controller Service again", self.leader_url, exc)
                 self.leader_url = None
-                answer = self._exchange(self.url + path, body)
+                answer = self._exchange(None, path, body)
         else:
-            answer = self._exchange(self.url + path, body)
+            answer = self._exchange(None, path, body)
         fresh_leader = answer.generation == 0
+        allocs = None if fresh_leader else allocations_from(answer, time.monotonic(), self.agent.cfg.node)
         for problem in answer.problems:
             log.log(logging.INFO if fresh_leader else logging.WARNING, "controller: %s", problem)
         for r in answer.refused:  # the rest of the report was answered: these pods keep what they have
@@ -176,6 +192,7 @@ class Reporter:
             self.on_refused(r.reason)
         self.agent.set_controller_reachable(True)
         self.last_error = ""
-        if fresh_leader:
-            return  # no round yet: keep the allocations and the lease we have
-        self.agent.set_allocations(allocations_from(answer, time.monotonic()))
+        if allocs is None:
+            return True  # no round yet: keep the allocations and the lease we have
+        self.agent.set_allocations(allocs)
+        return True

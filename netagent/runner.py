@@ -23,11 +23,15 @@ class Runner:
         self.resync_seconds = resync_seconds
         self.last_loop = time.monotonic()
         self._dirty = threading.Event()
+        self._full = False  # a waker asked for a full re-read (drift seen)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
-    def wake(self) -> None:
-        """Ask for a sync soon (many calls in a burst make one sync)."""
+    def wake(self, full: bool = False) -> None:
+        """Ask for a sync soon (many calls in a burst make one sync); `full`: re-read the whole
+        kernel state (someone else changed it)."""
+        if full:
+            self._full = True
         self._dirty.set()
 
     def start(self) -> None:
@@ -61,7 +65,8 @@ class Runner:
                 continue
             if periodic:
                 next_resync = now + self.resync_seconds
-            if self.sync(periodic or retry_at is not None):
+            full, self._full = self._full, False
+            if self.sync(periodic or full or retry_at is not None):
                 backoff, retry_at = 0.0, None
             else:
                 backoff = min(max(backoff * 2, 0.5), MAX_BACKOFF_S)

@@ -19,10 +19,11 @@ from typing import Callable
 from core.objects import Snapshot
 from core.policy import PolicyCache, ResolvedPod, resolve_pods
 
-from .allocations import Allocations, AllocationSet, pod_rates
+from .allocations import Allocations, AllocationSet, cap_to_node, pod_rates
 from .config import AgentConfig
 from .datapath import DataPath
 from .demand import PodDemand
+from .outbound import with_outbound_problems
 from .desired import DesiredState, DesiredStateError, NodeInputs, PodShape, assign_minors, desired_state
 
 # Single-node mode's allocator (netagent.local.LocalAllocator): (pods, demand, budget) -> allocations.
@@ -46,6 +47,7 @@ class SyncState:
     last_success: float = 0.0  # Unix time
     sync_count: int = 0
     source_errors: tuple[str, ...] = ()
+    pods_known: bool = False  # a snapshot of the pod source was resolved: `pods` is this node's pods
 
 
 class NodeSync:
@@ -102,7 +104,7 @@ class NodeSync:
                 self._policy_objects = (snap.classes, snap.budgets)
                 self.policy.invalidate()
             policy, _ = self.policy()
-            pods = resolve_pods(policy, snap.pods)
+            pods = [with_outbound_problems(p) for p in resolve_pods(policy, snap.pods)]
             budget = int(policy.total_bps)
             if self.problems is not None:
                 for p in pods:
@@ -112,8 +114,9 @@ class NodeSync:
             self._allocate_locally_if_inputs_changed(pods, budget)
             effective = self.allocations.effective(pods, self.minor_of, time.monotonic())
             stage = "plan"
-            shapes = tuple(PodShape(p.key, p.ips, *pod_rates(effective[p.key])) for p in pods)
             node_rate = self.allocations.node_rate(effective, self.cfg.datapath.default_rate)
+            effective = cap_to_node(effective, node_rate, self.cfg.datapath.default_rate)
+            shapes = tuple(PodShape(p.key, p.ips, *pod_rates(effective[p.key])) for p in pods)
             desired = desired_state(NodeInputs(self.cfg.uplinks, self.cfg.internal_cidrs, shapes, node_rate,
                                                self.cfg.datapath))
             stage = "apply"
@@ -127,7 +130,8 @@ class NodeSync:
             return False
         elapsed = time.perf_counter() - t0
         self.state = SyncState(tuple(pods), budget, desired, dict(desired.minors), dict(desired.skipped), True,
-                               "kernel matches the desired state", time.time(), before.sync_count + 1, snap.errors)
+                               "kernel matches the desired state", time.time(), before.sync_count + 1, snap.errors,
+                               pods_known=True)
         self._count(changes, before.desired, desired, elapsed)
         return True
 
@@ -154,7 +158,8 @@ class NodeSync:
     def _failed(self, stage: str, reason: str, pods: list[ResolvedPod] | None, snap: Snapshot) -> None:
         s = self.state  # the pods as resolved, if it got that far: the view shows what failed to apply
         self.state = SyncState(tuple(pods) if pods is not None else s.pods, s.budget_bps, s.desired, s.minors, s.skipped,
-                               False, reason, s.last_success, s.sync_count, snap.errors)
+                               False, reason, s.last_success, s.sync_count, snap.errors,
+                               pods_known=s.pods_known or pods is not None)
         if self.metrics:
             self.metrics.reconcile_errors.labels(stage).inc()
         log.error("reconcile failed (%s); the previous kernel state stays in force", reason)

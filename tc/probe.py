@@ -7,7 +7,10 @@ addresses so no packet can reach it, tries every feature on it and deletes it ag
 also when a step fails. A probe device left by a probe that died half-way is removed
 by the next probe (ours: that exact name pattern and kind ifb).
 
-Every feature is created, then read back; a feature counts only if the kernel shows
+Only what netagent uses is tried (each try loads the kernel module behind it, and loading
+netem, cake or sfq on every node of a cluster is not the agent's business): the IFB, HTB,
+clsact, fq_codel (the leaf, else pfifo), cls_bpf and act_mirred. Every feature is created,
+then read back; a feature counts only if the kernel shows
 it as created. (An option the kernel accepts and ignores, like u32 `match mark`
 without CONFIG_CLS_U32_MARK, is exactly what reading back catches.) The result
 decides the leaf qdisc and whether netagent can run at all ("unsupported" is told
@@ -27,22 +30,18 @@ from pyroute2.netlink.exceptions import NetlinkError
 from . import rawnl
 from .errors import TcError
 from .model import DEFAULT_MINOR, HtbClassSpec, ObservedShaper, ShaperSpec
-from .netlink import CLSACT_EGRESS, ETH_P_ALL, Shaper
+from .netlink import Shaper
 
 log = logging.getLogger(__name__)
 
-QDISCS = ("htb", "tbf", "fq_codel", "fq", "sfq", "cake", "pfifo", "bfifo", "netem", "prio")
+QDISCS = ("htb", "fq_codel", "pfifo")  # the shaper, and the leaf: fq_codel where the kernel has it, else pfifo
 REQUIRED_QDISCS = ("htb", "clsact")
 PROBE_DEVICE = re.compile(r"nap-[0-9a-f]{8}")  # the one "is ours" test for probe devices
 PROBE_ALIAS = "netagent: tc capability probe (short-lived)"  # for whoever sees it in `ip link`
 ROOT = 0xFFFFFFFF
 PFIFO_LIMIT = 100
 # options a qdisc needs to be created at all; pfifo's limit is read back (the leaf must be bounded)
-QDISC_OPTIONS = {"htb": {"default": 0x10}, "tbf": {"rate": 125000, "burst": 10000, "latency": 50000},
-                 "pfifo": {"limit": PFIFO_LIMIT}, "bfifo": {"limit": 100000}}
-# classifiers netagent does not use, listed for the operator; a match-all key or a classid suffices
-OTHER_CLASSIFIERS = (("u32", {"keys": ["0x0/0x0+0"], "target": 0x10001}), ("fw", {"classid": 0x10001}),
-                     ("matchall", {"classid": 0x10001}), ("basic", {"classid": 0x10001}))
+QDISC_OPTIONS = {"htb": {"default": 0x10}, "pfifo": {"limit": PFIFO_LIMIT}}
 
 
 @dataclass(frozen=True)
@@ -149,15 +148,6 @@ def _try_features(shaper: Shaper, device: str) -> Capabilities:
             classifiers.add("bpf")
         if f.redirect_ifindex == idx:
             actions.add("mirred")
-    for pref, (kind, options) in enumerate(OTHER_CLASSIFIERS, start=100):
-        try:
-            ipr.tc("add-filter", kind, idx, parent=CLSACT_EGRESS, prio=pref, protocol=ETH_P_ALL, **options)
-        except (NetlinkError, KeyError, TypeError, ValueError) as exc:  # pyroute2 lacks encoders for some
-            log.debug("tc probe: classifier %s not available: %s", kind, exc)
-            continue
-        if any(f.get_attr("TCA_KIND") == kind and f["info"] >> 16 == pref
-               for f in ipr.get_filters(index=idx, parent=CLSACT_EGRESS)):
-            classifiers.add(kind)
     return Capabilities(frozenset(qdiscs), frozenset(classifiers), frozenset(actions), ifb=True)
 
 

@@ -187,7 +187,7 @@ def make_agent(node: str, pods: list[tuple[str, str]]) -> Agent:
     # the pods as a sync would have published them
     agent.node.state = SyncState(pods=tuple(
         ResolvedPod(f"{ns}/{name}", ns, name, "uid", ("10.0.0.1",), "web", "default", 1.0, 0, 10**9)
-        for ns, name in pods))
+        for ns, name in pods), pods_known=True)
     return agent
 
 
@@ -227,7 +227,7 @@ def test_reporter_follows_the_follower_to_the_leader_and_stays_fail_static(tmp_p
         follower, stop_follower = serve_follower(leader.removeprefix("http://"))
         try:
             agent = make_agent("node-a", [("web", "w1"), ("research", "r1")])
-            reporter = Reporter(agent, follower, token_path=None, period=0.2)
+            reporter = Reporter(agent, follower, token_path=None, period=0.2, insecure_http=True)
             reporter.report_once()
             assert reporter.leader_url == leader  # sticky: the next report goes straight to the leader
             assert agent.controller_reachable
@@ -255,7 +255,7 @@ def test_reporter_follows_the_follower_to_the_leader_and_stays_fail_static(tmp_p
     # a new leader without a round yet (generation 0) leaves the allocations and the lease alone
     with controller_process(tmp_path, "--from-file", str(policy), "--no-auth", "--period", "30",
                             "--lease-seconds", "60") as (proc, leader):
-        reporter = Reporter(agent, leader, token_path=None)
+        reporter = Reporter(agent, leader, token_path=None, insecure_http=True)
         reporter.report_once()
         assert agent.allocations.current is first and agent.controller_reachable
 
@@ -270,7 +270,7 @@ def test_reporter_keeps_allocations_when_no_replica_leads():
                              source="controller")
         agent.allocations.current = held
         with pytest.raises(ControllerError, match="503"):
-            Reporter(agent, follower, token_path=None).report_once()
+            Reporter(agent, follower, token_path=None, insecure_http=True).report_once()
         assert agent.allocations.current is held
     finally:
         stop()
@@ -291,7 +291,7 @@ def test_reporter_counts_refused_pods_and_reads_answers_without_the_field(tmp_pa
     refused: list[str] = []
     agent = make_agent("node-a", [("web", "w1"), ("web", "w2")])
     with controller_process(tmp_path, "--from-file", str(policy), "--no-auth") as (_, base):
-        reporter = Reporter(agent, base, token_path=None, on_refused=refused.append)
+        reporter = Reporter(agent, base, token_path=None, insecure_http=True, on_refused=refused.append)
 
         def allocated():
             reporter.report_once()

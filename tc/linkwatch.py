@@ -1,0 +1,128 @@
+"""Link and route changes as the kernel announces them (rtnetlink multicast groups).
+
+The agent's data path hangs off devices: the IFB it owns and the uplinks its redirect filter
+sits on. A deleted or downed IFB, a renamed or replaced uplink or a new default-route device
+breaks shaping at once; waiting for the periodic resync would leave traffic unshaped or dropped
+for up to its period. `LinkWatcher` reads RTM_NEWLINK/RTM_DELLINK and RTM_NEWROUTE/RTM_DELROUTE
+notifications from a raw NETLINK_ROUTE socket and hands each one over as a small `LinkEvent`;
+deciding which matter is the caller's job. An overflow of the socket's buffer (ENOBUFS: events
+were lost) is reported as an event of kind "overflow": the caller must assume anything changed.
+"""
+from __future__ import annotations
+
+import errno
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from pyroute2 import netns as pr_netns
+
+from .rawnl import IFLA_IFNAME, NETLINK_ROUTE
+
+RTMGRP_LINK = 0x1
+RTMGRP_IPV4_ROUTE = 0x40
+RTMGRP_IPV6_ROUTE = 0x400
+RTM_NEWLINK, RTM_DELLINK, RTM_NEWROUTE, RTM_DELROUTE = 16, 17, 24, 25
+IFF_UP = 0x1
+RT_TABLE_MAIN = 254
+RTA_OIF = 4
+
+_HDR = struct.Struct("=IHHII")
+_IFINFO = struct.Struct("=BxHiII")
+_RTMSG = struct.Struct("=BBBBBBBBI")  # family, dst_len, src_len, tos, table, protocol, scope, type, flags
+_NLA = struct.Struct("=HH")
+
+
+@dataclass(frozen=True)
+class LinkEvent:
+    kind: str  # "link", "route" or "overflow"
+    deleted: bool = False
+    index: int = 0  # the device (for a route: its output device, 0 when unknown)
+    name: str = ""  # links only
+    up: bool = False  # links only: IFF_UP
+    default_route: bool = False  # routes only: a default route of the main table
+
+
+def _attrs(data: bytes, offset: int, end: int):
+    while offset + 4 <= end:
+        length, kind = _NLA.unpack_from(data, offset)
+        if length < 4:
+            return
+        yield kind & 0x3FFF, data[offset + 4:offset + length]
+        offset += (length + 3) & ~3
+
+
+def parse(data: bytes) -> list[LinkEvent]:
+    """The link and route events in one datagram of notifications. Pure."""
+    out: list[LinkEvent] = []
+    offset = 0
+    while offset + _HDR.size <= len(data):
+        length, msg_type, _, _, _ = _HDR.unpack_from(data, offset)
+        if length < _HDR.size:
+            break
+        body, end = offset + _HDR.size, min(offset + length, len(data))
+        if msg_type in (RTM_NEWLINK, RTM_DELLINK) and body + _IFINFO.size <= end:
+            _, _, index, flags, _ = _IFINFO.unpack_from(data, body)
+            name = ""
+            for kind, value in _attrs(data, body + _IFINFO.size, end):
+                if kind == IFLA_IFNAME:
+                    name = value.split(b"\0", 1)[0].decode(errors="replace")
+            out.append(LinkEvent("link", msg_type == RTM_DELLINK, index, name, bool(flags & IFF_UP)))
+        elif msg_type in (RTM_NEWROUTE, RTM_DELROUTE) and body + _RTMSG.size <= end:
+            _, dst_len, _, _, table, _, _, _, _ = _RTMSG.unpack_from(data, body)
+            oif = 0
+            for kind, value in _attrs(data, body + _RTMSG.size, end):
+                if kind == RTA_OIF and len(value) >= 4:
+                    oif = struct.unpack_from("=i", value)[0]
+            out.append(LinkEvent("route", msg_type == RTM_DELROUTE, oif,
+                                 default_route=dst_len == 0 and table == RT_TABLE_MAIN))
+        offset += (length + 3) & ~3
+    return out
+
+
+class LinkWatcher:
+    """Calls `on_event(LinkEvent)` from its own thread for every link and route notification in
+    `netns` (a namespace name; None: this process's own) until `stop()`."""
+
+    def __init__(self, on_event: Callable[[LinkEvent], None], netns: str | None = None):
+        self.on_event = on_event
+        if netns:
+            pr_netns.pushns(netns)
+        try:
+            self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_ROUTE)
+        finally:
+            if netns:
+                pr_netns.popns()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        self.sock.bind((0, RTMGRP_LINK | RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_ROUTE))
+        self.sock.settimeout(0.5)
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="linkwatch", daemon=True)
+
+    def start(self) -> "LinkWatcher":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.thread.is_alive():
+            self.thread.join(2)
+        self.sock.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = self.sock.recv(1 << 16)
+            except socket.timeout:
+                continue
+            except OSError as exc:
+                if self._stop.is_set():
+                    return
+                if exc.errno == errno.ENOBUFS:  # notifications were lost: anything may have changed
+                    self.on_event(LinkEvent("overflow"))
+                    continue
+                raise
+            for event in parse(data):
+                self.on_event(event)

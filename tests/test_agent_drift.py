@@ -1,0 +1,74 @@
+"""Drift repaired between periodic resyncs: the real agent in the namespace lab, its periodic
+resync set to 10 minutes, so every repair here comes from the drift watch (netlink link and
+route events, the 1 s check of our iptables lines). Asserted on the kernel, never on time:
+each wait is far shorter than the resync period."""
+from __future__ import annotations
+
+import pytest
+
+from lab.agentproc import IFB, AgentProcess, iptables_text, pod_object, tc_classes, wait_for, write_objects
+from lab.faults import delete_link, flush_mangle, link_down, rename_link
+from lab.netns import require_root, run
+from lab.topology import Lab
+
+pytestmark = [pytest.mark.root]
+
+POLICY = [
+    {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressClass", "metadata": {"name": "bronze"},
+     "spec": {"weight": 1, "max": "20M"}},
+    {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressBudget", "metadata": {"name": "default"},
+     "spec": {"total": "1G", "teams": [{"name": "team-a", "namespaces": ["team-a"], "defaultClass": "bronze"}]}},
+]
+REPAIR_WAIT = 20  # seconds; the periodic resync is 600
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    require_root()
+    d = tmp_path_factory.mktemp("drift")
+    with Lab(nodes=1, pods_per_node=1, ipv6=False) as lab:
+        node = lab.nodes[0]
+        write_objects(d / "policy.yaml", POLICY)
+        write_objects(d / "pods.yaml", [pod_object(node.pods[0], node)])
+        agent = AgentProcess(lab, node, [d], port=9575, log_dir=d, resync=600, learn_uplink=True).start()
+        try:
+            agent.wait_ready()
+            wait_for(lambda: len(tc_classes(node.netns)) >= 3, what="the pod's class")
+            yield lab, node, agent
+        finally:
+            print(agent.log())
+            agent.close()
+
+
+def shaped(node) -> bool:
+    filters = run(["tc", "filter", "show", "dev", current_uplink(node), "egress"], node.netns, check=False)
+    link = run(["ip", "-o", "link", "show", IFB], node.netns, check=False)
+    return ("bpf" in filters and IFB in filters and ",UP" in link and len(tc_classes(node.netns)) >= 3
+            and node.pods[0].ip4 in iptables_text(node.netns) and "-j NETAGENT" in iptables_text(node.netns))
+
+
+def current_uplink(node) -> str:
+    return run("ip -o route show default", node.netns).split(" dev ", 1)[1].split()[0]
+
+
+@pytest.mark.parametrize("fault", ["mangle flushed", "IFB deleted", "IFB set down", "uplink renamed"])
+def test_drift_is_repaired_before_the_periodic_resync(setup, fault):
+    lab, node, agent = setup
+    assert shaped(node)
+    before = agent.metric("netagent_drift_detected_total")
+    if fault == "mangle flushed":
+        flush_mangle(node.netns)
+    elif fault == "IFB deleted":
+        delete_link(node.netns, IFB)
+    elif fault == "IFB set down":
+        link_down(node.netns, IFB)
+    else:
+        rename_link(node.netns, current_uplink(node), "up-renamed" if current_uplink(node) == node.uplink
+                    else node.uplink)
+    # (the repair may beat any check here: netlink events arrive within milliseconds)
+    wait_for(lambda: shaped(node), timeout=REPAIR_WAIT, interval=0.1, what=f"repair after {fault}")
+    assert agent.metric("netagent_drift_detected_total") > before
+    wait_for(lambda: agent.get("/readyz")[0] == 200, timeout=REPAIR_WAIT, what="ready again")
+    if fault == "uplink renamed":  # put the name back: the lab removes the device by its name
+        rename_link(node.netns, current_uplink(node), node.uplink)
+        wait_for(lambda: shaped(node), timeout=REPAIR_WAIT, interval=0.1, what="shaped under the old name")
