@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import datetime
 import json
 import os
@@ -69,6 +70,8 @@ SYSTEM_NS = "netagent-system"
 AGENT_SA = "netagent-agent"
 CONTROLLER_SA = "netagent-controller"
 AUDIENCE = "netagent-controller"
+TLS_SECRET = "netagent-controller-tls"  # the controller's default --tls-secret, created by it (--tls-manage)
+SERVICE_NAME = f"netagent-controller.{SYSTEM_NS}.svc"  # a name in its certificate
 TEAMS = 20
 NAMESPACES_PER_TEAM = 5
 # The budget is about half of what the pods want (appetite() averages ~33 Mbit/s a pod), so
@@ -390,7 +393,9 @@ class SimAgent:
         headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
         for _ in range(3):
             try:
-                async with b.controller_session.post(url, data=body, headers=headers, allow_redirects=False) as r:
+                # connect to a replica's address, verify the Service's name against the pinned CA
+                async with b.controller_session.post(url, data=body, headers=headers, allow_redirects=False,
+                                                     server_hostname=SERVICE_NAME) as r:
                     raw = await r.read()
                     status = r.status
                     location = r.headers.get("Location")
@@ -562,18 +567,32 @@ def start_controllers(cp: ControlPlane, args, token: str, workdir: Path) -> list
              "--namespace", SYSTEM_NS, "--identity", f"scale-controller-{r}@127.0.0.1:{port}",
              "--agent-service-account", f"{SYSTEM_NS}:{AGENT_SA}", "--log-format", "json"],
             cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-        out.append((proc, f"http://127.0.0.1:{port}", log))
+        out.append((proc, f"https://127.0.0.1:{port}", log))
     return out
 
 
-async def wait_ready(urls: list[str], timeout: float) -> float:
+async def controller_ca(admin: Api, timeout: float) -> ssl.SSLContext:
+    """The agents' pinned CA: ca.crt of the Secret the controller creates (as the DaemonSet mounts it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            secret = await admin.call("GET", f"/api/v1/namespaces/{SYSTEM_NS}/secrets/{TLS_SECRET}")
+            return ssl.create_default_context(cadata=base64.b64decode(secret["data"]["ca.crt"]).decode())
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+async def wait_ready(urls: list[str], ctx: ssl.SSLContext, timeout: float) -> float:
     """Seconds until one replica's /readyz answers 200 (the leader with its caches synced)."""
     t0 = time.monotonic()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3),
+                                     connector=aiohttp.TCPConnector(ssl=ctx)) as s:
         while time.monotonic() - t0 < timeout:
             for u in urls:
                 try:
-                    async with s.get(u + "/readyz") as r:
+                    async with s.get(u + "/readyz", server_hostname=SERVICE_NAME) as r:
                         if r.status == 200:
                             return time.monotonic() - t0
                 except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -625,9 +644,6 @@ async def run(args) -> None:
         tokens = await agent_tokens(cp, args, admin)
         ctl_token = (await admin.call("POST", f"/api/v1/namespaces/{SYSTEM_NS}/serviceaccounts/{CONTROLLER_SA}/token", {
             "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 7200}}))["status"]["token"]
-        await admin.close()
-        admin = None
-
         # -- without netagent
         await asyncio.sleep(5)
         m0 = apiserver_metrics(cp)
@@ -639,13 +655,14 @@ async def run(args) -> None:
         # -- the controller
         controllers = start_controllers(cp, args, ctl_token, workdir)
         bench.controller_urls = [u for _, u, _ in controllers]
-        ready_s = await wait_ready(bench.controller_urls, 600)
+        ctx = await controller_ca(admin, 120)
+        ready_s = await wait_ready(bench.controller_urls, ctx, 600)
         print(f"controller ready after {ready_s:.1f} s", flush=True)
 
         # -- the agents
         bench.agent_api = Api(cp.url, cp.ca_file, limit=0)
         bench.controller_session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=3))  # the agent's 3 s
+            connector=aiohttp.TCPConnector(limit=0, ssl=ctx), timeout=aiohttp.ClientTimeout(total=3))  # the agent's 3 s
         bench.agents = [SimAgent(bench, i, tok) for i, tok in enumerate(tokens)]
         t_agents = time.time()
         tasks = [t for a in bench.agents for t in a.start()]
