@@ -564,6 +564,55 @@ def test_dockerfile_builds_one_image_for_both_parts():
     assert not dockerignore_allows("tests/test_deploy.py") and not dockerignore_allows(".git")
 
 
+def _locked(path: Path) -> dict[str, tuple[str, list[str]]]:
+    """name -> (version, hashes) of a `--generate-hashes` lock file."""
+    text = path.read_text().replace("\\\n", " ")
+    out = {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        requirement, *options = line.split()
+        name, version = requirement.split("==")
+        out[name.lower().replace("_", "-")] = (version, [o.split("=", 1)[1] for o in options if o.startswith("--hash=")])
+    return out
+
+
+def test_image_installs_only_hashed_locked_dependencies():
+    """Every runtime dependency of pyproject.toml is pinned, with hashes, in requirements.lock, within
+    its declared range; the demo and test extras are not; the Dockerfile installs the locks with
+    --require-hashes and netagent's own wheel without resolving anything else."""
+    import tomllib
+
+    import dockerfile
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    runtime, build = _locked(REPO / "requirements.lock"), _locked(REPO / "requirements-build.lock")
+    for lock, declared in ((runtime, project["project"]["dependencies"]), (build, project["build-system"]["requires"])):
+        for name, (version, hashes) in lock.items():
+            assert hashes and all(h.startswith("sha256:") and len(h) == 71 for h in hashes), name
+        for spec in declared:
+            req = Requirement(spec)
+            name = req.name.lower().replace("_", "-")
+            assert name in lock, f"{name} is not locked"
+            assert req.specifier.contains(lock[name][0]), f"{name}=={lock[name][0]} outside {req.specifier}"
+    for heavy in ("matplotlib", "rich", "pytest"):
+        assert heavy not in runtime, f"{heavy} is not a runtime dependency"
+    runs = [c.original for c in dockerfile.parse_file(str(REPO / "Dockerfile")) if c.cmd == "RUN"]
+    installs = [r for r in runs if "pip install" in r]
+    assert any("--require-hashes" in r and "requirements-build.lock" in r for r in installs)
+    assert any("--require-hashes" in r and "requirements.lock" in r for r in installs)
+    for r in installs:  # nothing else is resolved from an index
+        assert "--require-hashes" in r or ("--no-index" in r and "--no-deps" in r), r
+    assert "--no-build-isolation" in next(r for r in runs if "pip wheel" in r)
+
+
+def test_image_build_pins_its_base_by_digest():
+    script = (REPO / "hack" / "image" / "build.sh").read_text()
+    assert '--build-arg "BASE=$pinned"' in script and "@sha256:" in script
+
+
 def test_image_build_stage_makes_a_wheel_with_the_cli(tmp_path):
     """The build stage's `pip wheel .`, on exactly the files the Dockerfile copies."""
     import dockerfile
