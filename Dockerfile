@@ -1,17 +1,22 @@
 # syntax=docker/dockerfile:1
 # One image for both parts: `netagent run` (the agent DaemonSet) and `netagent controller`.
-#   docker build -t netagent:0.1.0 .
+#   docker build --build-arg BASE=python:3.11-slim-bookworm@sha256:<digest> -t netagent:0.1.0 .
 # Without a Docker engine or a registry: hack/image/build.sh (buildah, and a base image built
-# from Debian's packages, passed as BASE).
+# from Debian's packages, passed as BASE by its digest).
 # The agent needs the userspace tools it drives: iptables (both the nft and the legacy
 # backends; the agent picks the node's), ipset, and iproute2 (tc, for debugging on the node).
 # The image carries the product only: no lab, no demo, no matplotlib (pyproject's packages).
+# Python dependencies come from the lock files, every file checked against its hash
+# (hack/image/lock.sh writes them).
 
-# The base of both stages: a Debian with Python 3.11, pip and apt.
+# The base of both stages: a Debian with Python 3.11, pip and apt. Pin it by digest
+# (name@sha256:...): hack/image/build.sh refuses a base without one.
 ARG BASE=python:3.11-slim
 
 FROM ${BASE} AS build
 WORKDIR /src
+COPY requirements-build.lock ./
+RUN pip install --no-cache-dir --require-hashes --no-deps -r requirements-build.lock
 COPY pyproject.toml README.md ./
 COPY cli ./cli
 COPY netagent ./netagent
@@ -19,18 +24,22 @@ COPY controller ./controller
 COPY core ./core
 COPY tc ./tc
 COPY iptables ./iptables
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+RUN pip wheel --no-cache-dir --no-deps --no-build-isolation --wheel-dir /wheels .
 
 FROM ${BASE}
 # Debian's security updates land under the same package names: pinning versions would only
-# make the build fail when the mirror drops the pinned one.
+# make the build fail when the mirror drops the pinned one. apt verifies every package against
+# the archive's signed Release file.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends iptables ipset iproute2 \
     && rm -rf /var/lib/apt/lists/*
-COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir --no-compile /wheels/*.whl \
-    && rm -rf /wheels
+COPY requirements.lock /tmp/requirements.lock
+RUN pip install --no-cache-dir --no-compile --require-hashes --no-deps -r /tmp/requirements.lock \
+    && rm /tmp/requirements.lock
+# the wheel through a bind mount of the build stage: no layer keeps it
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    pip install --no-cache-dir --no-compile --no-deps --no-index /wheels/*.whl
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 # non-root by default (the controller); the agent's DaemonSet sets uid 0 with only

@@ -1,12 +1,12 @@
-"""Generate netagent's Grafana dashboards and the PrometheusRule, as code.
+"""Generate netagent's Grafana dashboards as code (the chart embeds them, and dashboards/rules.yaml, directly).
 
-    python3 -m dashboards.build          # write dashboards/*.json and the PrometheusRule
+    python3 -m dashboards.build          # write dashboards/*.json (the chart renders rules.yaml as a PrometheusRule)
     python3 -m dashboards.build --check  # exit 1 if a committed file differs from what this produces
 
 Dashboards are built with grafana-foundation-sdk. Rates are shown in bit/s (the unit of the
 CRDs and of `kubernetes.io/egress-bandwidth`); the metrics are in bytes, hence the `* 8`.
 The heavy joins live in recording rules (dashboards/rules.yaml), which the PrometheusRule of
-the prometheus-operator overlay is generated from.
+the chart (charts/netagent) embeds.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-import yaml
 from grafana_foundation_sdk.builders import common as gcb
 from grafana_foundation_sdk.builders import dashboard as gd
 from grafana_foundation_sdk.builders import prometheus as gp
@@ -32,7 +31,6 @@ from grafana_foundation_sdk.models import prometheus as gpm
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RULES = HERE / "rules.yaml"
-PROMETHEUS_RULE = REPO / "deploy" / "overlays" / "prometheus-operator" / "prometheusrule.yaml"
 
 DATASOURCE = gm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 CLUSTER = 'cluster=~"$cluster"'
@@ -356,21 +354,8 @@ def render_dashboard(build) -> str:
     return json.dumps(model, indent=2, sort_keys=True) + "\n"
 
 
-def render_prometheus_rule() -> str:
-    groups = yaml.safe_load(RULES.read_text())["groups"]
-    rule = {
-        "apiVersion": "monitoring.coreos.com/v1",
-        "kind": "PrometheusRule",
-        "metadata": {"name": "netagent", "labels": {"app.kubernetes.io/part-of": "netagent"}},
-        "spec": {"groups": groups},
-    }
-    header = "# Generated from dashboards/rules.yaml by `python3 -m dashboards.build`: edit that file, not this one.\n"
-    return header + yaml.safe_dump(rule, sort_keys=False, width=120)
-
-
 def outputs() -> dict[Path, str]:
     files = {HERE / name: render_dashboard(build) for name, build in DASHBOARDS.items()}
-    files[PROMETHEUS_RULE] = render_prometheus_rule()
     return files
 
 

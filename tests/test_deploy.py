@@ -1,16 +1,21 @@
-"""The install manifests (deploy/), the image (Dockerfile) and their contract with the code.
+"""The install manifests (the chart, charts/netagent, and deploy/ rendered from it), the image
+(Dockerfile) and their contract with the code.
 
-Without a cluster: `kubectl kustomize` renders every kustomization; every workload is hardened;
+Without a cluster: deploy/ is exactly what hack/render-deploy.sh renders from the chart; `helm lint`
+passes and the values schema refuses nonsense; `kubectl kustomize` renders every kustomization;
+every workload is hardened;
 RBAC grants exactly what the agent and the controller need; the containers' arguments parse
 with netagent's own CLI; the Dockerfile lints and its build stage builds a wheel.
 Against a real API server (tests/kube.py): `kubectl apply --dry-run=server -k deploy/`
-succeeds; `kubectl auth can-i` says yes to each needed verb and no to the rest; with kwok
-nodes the DaemonSet gets one pod on every node.
+succeeds; `kubectl auth can-i` says yes to each needed verb and no to the rest; the namespace's admission
+policy refuses pods beyond the agent's profile; with kwok nodes the DaemonSet gets one pod on
+every node.
 """
 from __future__ import annotations
 
 import fnmatch
 import importlib.util
+import os
 import shlex
 import shutil
 import subprocess
@@ -25,9 +30,12 @@ import yaml
 from controller.auth import AUDIENCE
 from cli.main import build_parser
 from tests.kube import require_assets
+from tests.node import require_node_assets
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
+CHART = REPO / "charts" / "netagent"
+TLS_SECRET = "netagent-controller-tls"
 NAMESPACE = "netagent-system"
 AGENT_SA = f"system:serviceaccount:{NAMESPACE}:netagent-agent"
 CONTROLLER_SA = f"system:serviceaccount:{NAMESPACE}:netagent-controller"
@@ -63,10 +71,30 @@ def pod_spec(docs, kind, name) -> dict:
     return find(docs, kind, name)["spec"]["template"]["spec"]
 
 
+# The TLS contract's flags (docs/install.md), being added to the CLI by the TLS work. Until the
+# parser knows them they are set aside here (and only then): every other flag must parse.
+TLS_FLAGS = ("--tls-secret", "--tls-manage", "--tls-dns-names", "--controller-ca", "--insecure-http",
+             "--controller-insecure-http")
+
+
+def _known_flags() -> set[str]:
+    parser = build_parser()
+    flags = set()
+    for action in parser._actions:  # the subcommands' parsers and their options
+        for sub in getattr(action, "choices", None) or {}:
+            sub_parser = action.choices[sub]
+            if hasattr(sub_parser, "_option_string_actions"):
+                flags |= set(sub_parser._option_string_actions)
+    return flags
+
+
 def cli_args(container: dict):
     """The container's arguments as netagent's own argparse reads them (unknown flags fail)."""
+    known = _known_flags()
+    pending = [f for f in TLS_FLAGS if f not in known]
+    argv = [a for a in container["args"] if a.split("=", 1)[0] not in pending]
     try:
-        return build_parser().parse_args(container["args"])
+        return build_parser().parse_args(argv)
     except SystemExit as exc:
         raise AssertionError(f"{container['name']}: netagent rejects its args {container['args']}") from exc
 
@@ -77,6 +105,9 @@ def cli_args(container: dict):
 def test_base_renders_every_part(base):
     kinds = {(d["kind"], d["metadata"]["name"]) for d in base}
     for wanted in [("Namespace", NAMESPACE),
+                   ("Role", "netagent-controller-tls"), ("RoleBinding", "netagent-controller-tls"),
+                   ("ValidatingAdmissionPolicy", f"netagent-{NAMESPACE}-pods"),
+                   ("ValidatingAdmissionPolicyBinding", f"netagent-{NAMESPACE}-pods"),
                    ("CustomResourceDefinition", "egressclasses.netagent.io"),
                    ("CustomResourceDefinition", "egressbudgets.netagent.io"),
                    ("ServiceAccount", "netagent-agent"), ("ServiceAccount", "netagent-controller"),
@@ -178,9 +209,12 @@ def test_agent_daemonset(base):
     assert metrics_port["containerPort"] == int(port)
     assert c["livenessProbe"]["httpGet"]["port"] == c["readinessProbe"]["httpGet"]["port"] == "metrics"
 
-    # the controller URL names the controller's Service, namespace and port
+    # the controller URL names the controller's Service, namespace and port, over TLS
     service = find(base, "Service", "netagent-controller")
-    assert args.controller == f"http://{service['metadata']['name']}.{NAMESPACE}:{service['spec']['ports'][0]['port']}"
+    assert args.controller == f"https://{service['metadata']['name']}.{NAMESPACE}.svc:{service['spec']['ports'][0]['port']}"
+    # the pinned CA: ca.crt of the controller's Secret, and nothing else of it
+    assert "--controller-ca=/etc/netagent/controller-ca/ca.crt" in c["args"]
+    assert not any(a.startswith("--controller-insecure-http") for a in c["args"])
 
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     volumes = {v["name"]: v for v in spec["volumes"]}
@@ -193,6 +227,9 @@ def test_agent_daemonset(base):
     assert f"{token_mount['mountPath']}/{source['serviceAccountToken']['path']}" == args.token_path
     hostpaths = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
     assert hostpaths == {"/run/xtables.lock"}, "the agent mounts nothing else of the host"
+    ca = volumes[mounts["controller-ca"]["name"]]["secret"]
+    assert ca == {"secretName": TLS_SECRET, "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+    assert mounts["controller-ca"]["mountPath"] == "/etc/netagent/controller-ca" and mounts["controller-ca"]["readOnly"]
 
 
 def test_controller_deployment(base):
@@ -218,6 +255,10 @@ def test_controller_deployment(base):
     env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"] if "valueFrom" in e}
     assert env == {"POD_IP": "status.podIP", "POD_NAMESPACE": "metadata.namespace"}
     assert args.namespace == "$(POD_NAMESPACE)"
+    # TLS per the contract: the controller makes and rotates its Secret (no --tls-manage=false)
+    assert f"--tls-secret={TLS_SECRET}" in c["args"]
+    assert not any(a.startswith(("--tls-manage", "--insecure-http")) for a in c["args"])
+    assert {p["httpGet"]["scheme"] for p in (c["livenessProbe"], c["readinessProbe"])} == {"HTTPS"}
 
 
 def test_uninstall_cleans_every_node_with_the_agents_privileges_only():
@@ -352,18 +393,120 @@ def test_rbac_grants_exactly_what_each_part_needs(base):
     assert grants(base, CONTROLLER_SA) == CONTROLLER_GRANTS
 
 
-def test_rbac_has_no_wildcards_and_no_secrets(base):
+def test_rbac_has_no_wildcards_and_no_secrets_but_the_tls_one(base):
     for role in (d for d in base if d["kind"] in {"ClusterRole", "Role"}):
         for rule in role["rules"]:
             for field in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule[field], f"{role['metadata']['name']}: wildcard in {field}"
-            if role["metadata"]["name"] == "netagent-controller-tls":  # the controller's own TLS Secret only
-                assert role["kind"] == "Role" and rule["resources"] == ["secrets"]
-                assert rule.get("resourceNames") == ["netagent-controller-tls"] or rule["verbs"] == ["create"]
-                continue
-            assert not {"secrets", "configmaps", "nodes/proxy", "serviceaccounts/token"} & set(rule["resources"])
+            assert not {"configmaps", "nodes/proxy", "serviceaccounts/token"} & set(rule["resources"])
             assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
             assert "resourceNames" not in rule or rule["resourceNames"]
+            if "secrets" in rule["resources"]:
+                # the controller's own TLS Secret, in its namespace; `create` cannot name it
+                assert role["kind"] == "Role" and role["metadata"]["name"] == "netagent-controller-tls"
+                assert rule.get("resourceNames") == [TLS_SECRET] or rule["verbs"] == ["create"], rule
+
+
+def test_cert_manager_makes_the_secret_and_the_controller_only_reads_it():
+    docs = helm_template("--set", "tls.certManager.enabled=true")
+    serving = find(docs, "Certificate", "netagent-controller")
+    assert serving["spec"]["secretName"] == TLS_SECRET
+    assert f"netagent-controller.{NAMESPACE}.svc" in serving["spec"]["dnsNames"]
+    c, = pod_spec(docs, "Deployment", "netagent-controller")["containers"]
+    assert "--tls-manage=false" in c["args"]
+    rule, = find(docs, "Role", "netagent-controller-tls")["rules"]
+    assert rule["verbs"] == ["get"] and rule["resourceNames"] == [TLS_SECRET]
+
+
+# --- the chart and deploy/ rendered from it ----------------------------------------------------
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    binary = require_node_assets(["helm"]) / "helm"
+    result = subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=120)
+    if check:
+        assert result.returncode == 0, f"helm {' '.join(args)}:\n{result.stderr}"
+    return result
+
+
+def helm_template(*args: str) -> list[dict]:
+    out = helm("template", "netagent", str(CHART), "--namespace", NAMESPACE, *args).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_deploy_is_rendered_from_the_chart():
+    """One source of truth: deploy/'s YAML is what hack/render-deploy.sh renders, byte for byte."""
+    helm_bin = require_node_assets(["helm"]) / "helm"
+    result = subprocess.run([str(REPO / "hack" / "render-deploy.sh"), "--check"], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "NETAGENT_HELM": str(helm_bin)})
+    assert result.returncode == 0, f"deploy/ is stale; run hack/render-deploy.sh\n{result.stderr[-4000:]}"
+
+
+def test_chart_lints_and_versions_match_the_project():
+    helm("lint", "--strict", str(CHART))
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["version"] == chart["appVersion"] == project_version()
+
+
+def test_chart_crds_are_templates_kept_on_uninstall():
+    assert not (CHART / "crds").exists(), "Helm never upgrades crds/: the CRDs are templates"
+    crds = [d for d in helm_template() if d["kind"] == "CustomResourceDefinition"]
+    assert {d["metadata"]["name"] for d in crds} == {"egressclasses.netagent.io", "egressbudgets.netagent.io"}
+    for crd in crds:
+        assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+
+def test_chart_values_reach_the_manifests():
+    docs = helm_template(
+        "--set", "image.repository=registry.example.com/netagent,image.digest=sha256:" + "ab" * 32,
+        "--set", "internalCIDRs={10.20.0.0/16},podCIDRs={10.100.0.0/14},serviceCIDRs={172.20.0.0/16}",
+        "--set", "uplinks={eth1},agent.priorityClassName=node-crit,monitoring.podMonitor.enabled=true",
+        "--set", "monitoring.labels.release=kube-prometheus-stack,monitoring.prometheusRule.enabled=true",
+        "--set", "dashboards.label=my_dashboards,dashboards.labelValue=yes,dashboards.folder=Networking",
+        "--set-json", 'agent.tolerations=[{"key":"gpu","operator":"Exists"}]',
+        "--set-json", 'classes=[{"name":"bronze","spec":{"weight":1,"max":"20M"}}]')
+    agent = pod_spec(docs, "DaemonSet", "netagent-agent")
+    c, = agent["containers"]
+    assert c["image"] == "registry.example.com/netagent@sha256:" + "ab" * 32
+    for arg in ("--internal-cidr=10.20.0.0/16", "--pod-cidr=10.100.0.0/14", "--service-cidr=172.20.0.0/16",
+                "--uplink=eth1"):
+        assert arg in c["args"]
+    assert "--internal-cidr=10.0.0.0/8" not in c["args"]
+    assert agent["priorityClassName"] == "node-crit" and agent["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+    for kind in ("PodMonitor", "PrometheusRule"):
+        for d in (d for d in docs if d["kind"] == kind):
+            assert d["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    for cm in (d for d in docs if d["kind"] == "ConfigMap"):
+        assert cm["metadata"]["labels"]["my_dashboards"] == "yes"
+        assert cm["metadata"]["annotations"]["grafana_folder"] == "Networking"
+    bronze = find(docs, "EgressClass", "bronze")
+    assert bronze["spec"] == {"weight": 1, "max": "20M"}
+    assert bronze["metadata"]["annotations"]["helm.sh/hook"] == "post-install"  # after its CRD exists
+
+
+@pytest.mark.parametrize("bad", [
+    ["--set", "image.pullPolicy=Sometimes"],
+    ["--set", "image.digest=md5:0123"],
+    ["--set", "internalCIDRs={banana}"],
+    ["--set", "podCIDRs={10.0.0.0/33}"],
+    ["--set", "controller.replicas=0"],
+    ["--set", "agent.port=70000"],
+    ["--set", "agent.maxUnavailable=0%"],
+    ["--set", "agnet.port=9560"],  # a typo is refused, not ignored
+    ["--set", "uplinks={eth0/1}"],
+    ["--set", "tls.enabled=false,tls.certManager.enabled=true"],
+    ["--set", "monitoring.podMonitor.enabled=true,monitoring.serviceMonitor.enabled=true"],
+    ["--set", "namespace.podSecurity.enforce=baseline"],  # would refuse the agent
+    ["--set", "controller.url=ftp://controller"],
+    ["--set-json", 'classes=[{"name":"Bronze!","spec":{}}]'],
+    ["--set", "agent.resources.limits.memory=lots"],
+])
+def test_values_schema_refuses_nonsense(bad):
+    for command in (["template", "netagent"], ["lint", "--strict"]):
+        result = helm(*command, str(CHART), *bad, check=False)
+        assert result.returncode != 0, f"helm {command[0]} accepted {bad}"
+        output = result.stdout + result.stderr  # lint reports on stdout, template on stderr
+        assert "don't meet the specifications of the schema" in output, output[-800:]
 
 
 # --- image -----------------------------------------------------------------------------------
@@ -420,6 +563,55 @@ def test_dockerfile_builds_one_image_for_both_parts():
         assert dockerignore_allows(src), f".dockerignore excludes {src}"
         assert dockerignore_allows(f"{src}/x.py") or not (REPO / src).is_dir(), f".dockerignore excludes {src}/*"
     assert not dockerignore_allows("tests/test_deploy.py") and not dockerignore_allows(".git")
+
+
+def _locked(path: Path) -> dict[str, tuple[str, list[str]]]:
+    """name -> (version, hashes) of a `--generate-hashes` lock file."""
+    text = path.read_text().replace("\\\n", " ")
+    out = {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        requirement, *options = line.split()
+        name, version = requirement.split("==")
+        out[name.lower().replace("_", "-")] = (version, [o.split("=", 1)[1] for o in options if o.startswith("--hash=")])
+    return out
+
+
+def test_image_installs_only_hashed_locked_dependencies():
+    """Every runtime dependency of pyproject.toml is pinned, with hashes, in requirements.lock, within
+    its declared range; the demo and test extras are not; the Dockerfile installs the locks with
+    --require-hashes and netagent's own wheel without resolving anything else."""
+    import tomllib
+
+    import dockerfile
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    runtime, build = _locked(REPO / "requirements.lock"), _locked(REPO / "requirements-build.lock")
+    for lock, declared in ((runtime, project["project"]["dependencies"]), (build, project["build-system"]["requires"])):
+        for name, (version, hashes) in lock.items():
+            assert hashes and all(h.startswith("sha256:") and len(h) == 71 for h in hashes), name
+        for spec in declared:
+            req = Requirement(spec)
+            name = req.name.lower().replace("_", "-")
+            assert name in lock, f"{name} is not locked"
+            assert req.specifier.contains(lock[name][0]), f"{name}=={lock[name][0]} outside {req.specifier}"
+    for heavy in ("matplotlib", "rich", "pytest"):
+        assert heavy not in runtime, f"{heavy} is not a runtime dependency"
+    runs = [c.original for c in dockerfile.parse_file(str(REPO / "Dockerfile")) if c.cmd == "RUN"]
+    installs = [r for r in runs if "pip install" in r]
+    assert any("--require-hashes" in r and "requirements-build.lock" in r for r in installs)
+    assert any("--require-hashes" in r and "requirements.lock" in r for r in installs)
+    for r in installs:  # nothing else is resolved from an index
+        assert "--require-hashes" in r or ("--no-index" in r and "--no-deps" in r), r
+    assert "--no-build-isolation" in next(r for r in runs if "pip wheel" in r)
+
+
+def test_image_build_pins_its_base_by_digest():
+    script = (REPO / "hack" / "image" / "build.sh").read_text()
+    assert '--build-arg "BASE=$pinned"' in script and "@sha256:" in script
 
 
 def test_image_build_stage_makes_a_wheel_with_the_cli(tmp_path):
@@ -539,6 +731,8 @@ def test_controller_can(installed, verb):
 @pytest.mark.parametrize("verb", [
     "get secrets -n netagent-system", "list secrets --all-namespaces", "get secrets/other -n netagent-system",
     "update secrets/other -n netagent-system", "create secrets -n default",
+    f"delete secrets/{TLS_SECRET} -n netagent-system", f"get secrets/{TLS_SECRET} -n default",
+    f"watch secrets/{TLS_SECRET} -n netagent-system",
     "update leases.coordination.k8s.io -n kube-system", "create leases.coordination.k8s.io -n default",
     "delete leases.coordination.k8s.io -n netagent-system",
     "update egressbudgets.netagent.io", "patch egressbudgets.netagent.io", "create egressclasses.netagent.io",
@@ -575,3 +769,39 @@ def test_daemonset_runs_one_pod_on_every_node(installed, kube_cluster):
         for name in added:
             core.delete_node(name)
             kube_cluster.nodes.remove(name)
+
+
+def _pod_dry_run(api, name: str, spec: dict) -> subprocess.CompletedProcess:
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NAMESPACE}, "spec": spec}
+    return api.kubectl("create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(pod), check=False)
+
+
+def test_namespace_admits_the_agent_and_nothing_beyond_its_profile(installed, base):
+    """Pod Security "privileged" lets the agent in; the chart's ValidatingAdmissionPolicy keeps
+    every other pod of the namespace within the agent's profile (dry runs pass admission)."""
+    agent = pod_spec(base, "DaemonSet", "netagent-agent")
+
+    def admitted():  # the policy takes effect once the apiserver's policy informer has it
+        result = _pod_dry_run(installed, "probe", {**agent, "serviceAccountName": "default", "containers": [
+            {**agent["containers"][0], "name": "probe"}]})
+        return "host network, host paths and added capabilities" in result.stderr
+
+    from lab.procs import wait_for
+    wait_for(admitted, 30, what="the admission policy to refuse the agent's profile under another account")
+    result = _pod_dry_run(installed, "agent", agent)
+    assert result.returncode == 0, f"the agent's own pod is refused: {result.stderr}"
+    cleanup = pod_spec(kustomize(DEPLOY / "uninstall"), "DaemonSet", "netagent-cleanup")
+    result = _pod_dry_run(installed, "cleanup", cleanup)
+    assert result.returncode == 0, f"the cleanup pod is refused: {result.stderr}"
+    base_container = {"name": "c", "image": "netagent:0.1.0"}
+    for name, spec, why in [
+        ("privileged", {**agent, "containers": [{**base_container, "securityContext": {"privileged": True}}]},
+         "no privileged containers"),
+        ("sysadmin", {**agent, "containers": [{**base_container, "securityContext": {
+            "capabilities": {"add": ["SYS_ADMIN"]}}}]}, "capabilities beyond NET_ADMIN and NET_RAW"),
+        ("hostpid", {**agent, "hostPID": True}, "hostPID or hostIPC"),
+        ("hostroot", {**agent, "volumes": [*agent["volumes"], {"name": "root", "hostPath": {"path": "/"}}]},
+         "the only host path"),
+    ]:
+        result = _pod_dry_run(installed, name, spec)
+        assert result.returncode != 0 and why in result.stderr, f"{name}: {result.stderr or 'admitted'}"

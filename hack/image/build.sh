@@ -14,8 +14,8 @@
 #
 # Environment:
 #   NETAGENT_IMAGE        image name (default localhost/netagent:<pyproject version>)
-#   NETAGENT_BASE_IMAGE   use this base instead of building one (e.g. python:3.11-slim where a
-#                         registry is reachable)
+#   NETAGENT_BASE_IMAGE   use this base instead of building one, pinned by digest (e.g.
+#                         python:3.11-slim-bookworm@sha256:<digest> where a registry is reachable)
 #   DEBIAN_SUITE, DEBIAN_MIRROR  what debootstrap installs from (bookworm, http://deb.debian.org/debian)
 #   NETAGENT_BUILD_CA_BUNDLE  CA bundle the RUN steps trust (default: the host's
 #                         /etc/ssl/certs/ca-certificates.crt, mounted read-only, not copied in)
@@ -114,14 +114,25 @@ if [[ -z ${NETAGENT_BASE_IMAGE:-} ]]; then
   fi
 fi
 
+# The base by digest, so the build uses exactly the image checked (or built) here. The local base
+# is built from Debian's packages as the suite has them today: debootstrap verifies each package
+# against the suite's signed Release file (versions are the suite's current ones, security updates
+# included; `buildah run` of the base with `dpkg-query -W` lists them).
+if [[ -n ${NETAGENT_BASE_IMAGE:-} ]]; then
+  [[ $base == *@sha256:* ]] || { echo "image: NETAGENT_BASE_IMAGE must be pinned by digest (name@sha256:...)" >&2; exit 1; }
+  pinned=$base
+else
+  pinned="$base@$(buildah inspect --type image --format '{{.FromImageDigest}}' "$base")"
+fi
+
 start=$SECONDS
-echo "image: buildah build $image from Dockerfile on $base"
+echo "image: buildah build $image from Dockerfile on $pinned"
 # The RUN steps trust the host's CA bundle (so a TLS-intercepting proxy's CA is trusted too): it is
 # mounted for the build, never copied into the image.
 ca_bundle="${NETAGENT_BUILD_CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}"
 ca_mount=()
 [[ -f $ca_bundle ]] && ca_mount=(--volume "$ca_bundle:/etc/ssl/certs/ca-certificates.crt:ro")
-buildah build --quiet --layers --force-rm --network=host "${ca_mount[@]}" --build-arg "BASE=$base" \
+buildah build --quiet --layers --force-rm --network=host "${ca_mount[@]}" --build-arg "BASE=$pinned" \
   -t "$image" -f "$repo/Dockerfile" "$repo" >/dev/null
 echo "image: built $image in $((SECONDS - start)) s ($(image_size "$image"))"
 if [[ -n $archive ]]; then
