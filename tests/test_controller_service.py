@@ -182,7 +182,7 @@ def make_agent(node: str, pods: list[tuple[str, str]]) -> Agent:
     # the pods as a sync would have published them
     agent.node.state = SyncState(pods=tuple(
         ResolvedPod(f"{ns}/{name}", ns, name, "uid", ("10.0.0.1",), "web", "default", 1.0, 0, 10**9)
-        for ns, name in pods))
+        for ns, name in pods), pods_known=True)
     return agent
 
 
