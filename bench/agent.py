@@ -169,7 +169,7 @@ def main() -> int:
                                "--no-auth", "--insecure-http", "--listen", "127.0.0.1:9591"], stdout=controller_log,
                   stderr=subprocess.STDOUT)
         agent = AgentProcess(lab, node, [work / "policy.yaml", work / "pods.yaml"], port=9592, log_dir=work,
-                             resync=30.0, extra=["--controller", "http://127.0.0.1:9591", "--report-period", "5",
+                             resync=30.0, extra=["--controller", "http://127.0.0.1:9591", "--controller-insecure-http", "--report-period", "5",
                                                  "--token-path", str(work / "no-token")]).start()
         try:
             agent.wait_ready(60)

@@ -37,6 +37,7 @@ from .topology import INTERNAL_CIDRS, INTERNET_V4, UPLINK, Lab
 CONTROLLER_IP = "10.0.0.1"  # the lab fabric's bridge address: reachable from every node
 CONTROLLER_PORT = 9561
 AGENT_PORT = 9560
+STATE_ADDRESS = "127.0.0.1:9562"  # the agent's default --state-listen
 FIRST_IPERF_PORT = 5201
 
 CLASSES = {
@@ -135,6 +136,7 @@ class Demo:
         self.dir = Path(tempfile.mkdtemp(prefix="netagent-demo-"))
         self.lab: Lab | None = None
         self.fabric: NetnsWorker | None = None
+        self._node_workers: dict[str, NetnsWorker] = {}
         self.classes = {(ns, name): cls for _, ns, name, cls in PODS}
         self.team_weights = {"research": 1, "data": 1, "web": 1}
         self.series = Series()
@@ -160,6 +162,7 @@ class Demo:
             self.lab.spawn(node.netns, [
                 *netagent, "run", "--node", node.name, "--from-file", str(self.policy_file),
                 "--from-file", str(self.pods_file), "--controller", f"http://{CONTROLLER_IP}:{CONTROLLER_PORT}",
+                "--controller-insecure-http",
                 "--uplink", UPLINK, *[a for c in INTERNAL_CIDRS for a in ("--internal-cidr", c)],
                 "--listen", f"{node.ip4}:{AGENT_PORT}", "--report-period", "1", "--token-path", "",
             ], stdout=open(logs / f"agent-{node.name}.log", "w"), stderr=subprocess.STDOUT)
@@ -207,8 +210,10 @@ class Demo:
     def states(self) -> dict[str, dict]:
         out = {}
         for node in self.lab.nodes:
-            try:
-                code, body = self.fabric.call(http_get, f"http://{node.ip4}:{AGENT_PORT}/state", 2)
+            try:  # /state is served on the node's loopback only (the agent's --state-listen)
+                if node.name not in self._node_workers:
+                    self._node_workers[node.name] = NetnsWorker(node.netns)
+                code, body = self._node_workers[node.name].call(http_get, f"http://{STATE_ADDRESS}/state", 2)
                 if code == 200:
                     out[node.name] = json.loads(body)
             except (OSError, ValueError):
@@ -331,6 +336,8 @@ class Demo:
     def close(self) -> None:
         if self.fabric:
             self.fabric.close()
+        for worker in self._node_workers.values():
+            worker.close()
         if self.lab:
             self.lab.close()  # kills agents, controller and iperf3, removes every namespace
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -257,7 +257,7 @@ def test_controller_loss_holds_for_the_lease_then_floor(lab, files, agent, tmp_p
         "--period", "0.5", "--lease-seconds", "4"],
         stdout=open(tmp_path / "controller.log", "w"), stderr=subprocess.STDOUT)
     agent = AgentProcess(lab, node, [tmp_path], port=9571, log_dir=tmp_path, learn_uplink=True,
-                         extra=["--controller", f"http://127.0.0.1:{port}", "--report-period", "0.5",
+                         extra=["--controller", f"http://127.0.0.1:{port}", "--controller-insecure-http", "--report-period", "0.5",
                                 "--token-path", str(tmp_path / "no-token")])
     agent.start()
     try:
