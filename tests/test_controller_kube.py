@@ -304,13 +304,19 @@ def test_leader_killed_the_other_takes_over_while_the_agent_keeps_its_allocation
     token_file.write_text(kube_api.token_for_pod(namespace, "agent", "agent-a", audiences=[AUDIENCE]))
     agent = make_agent(nodes["a"], [(namespace, "work-a")])
     with contextlib.ExitStack() as stack:
-        sa = ("--agent-service-account", f"{namespace}:agent")
-        first = stack.enter_context(controller(kube_api, tmp_path, namespace, *sa, name="one"))
+        # TLS as installed: the replicas share the Secret the first one creates; the agent pins its
+        # CA and verifies the configured name ("localhost" here, the Service's name in a cluster)
+        # whatever address a redirect sends it to
+        sa = ("--agent-service-account", f"{namespace}:agent", "--tls-dns-names", "localhost")
+        first = stack.enter_context(controller(kube_api, tmp_path, namespace, *sa, name="one", tls=True))
         wait_for(lambda: leading(first[1]), what="the first replica to lead")
-        second = stack.enter_context(controller(kube_api, tmp_path, namespace, *sa, name="two"))
+        second = stack.enter_context(controller(kube_api, tmp_path, namespace, *sa, name="two", tls=True))
         time.sleep(2)
         assert not leading(second[1])
-        reporter = Reporter(agent, second[1], token_path=str(token_file), period=0.5)  # agents reach any replica
+        ca_file = tmp_path / "ca.crt"
+        ca_file.write_bytes(tls_secret(kube_api, namespace)["ca.crt"])
+        reporter = Reporter(agent, second[1].replace("127.0.0.1", "localhost"), token_path=str(token_file),
+                            period=0.5, ca_file=str(ca_file))  # agents reach any replica
 
         def allocated():
             reporter.report_once()
