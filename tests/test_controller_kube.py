@@ -198,6 +198,8 @@ def controller_rbac(kube_api, kube_namespace):
     suffix = kube_namespace
     docs = [d for d in yaml.safe_load_all((REPO / "deploy" / "base" / "rbac-controller.yaml").read_text()) if d]
     for d in docs:
+        if "namespace" in d["metadata"]:  # rendered from the chart into netagent-system
+            d["metadata"]["namespace"] = kube_namespace
         if d["kind"] in ("ClusterRole", "ClusterRoleBinding"):
             d["metadata"]["name"] += f"-{suffix}"
         if d["kind"] in ("ClusterRoleBinding", "RoleBinding"):
