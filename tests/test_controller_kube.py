@@ -102,9 +102,10 @@ def workload(namespace: str, name: str, demand: float = 50e6) -> dict:
 
 @contextlib.contextmanager
 def controller(kube_api, tmp_path: Path, lease_namespace: str, *extra: str, name: str = "ctl",
-               kubeconfig: Path | None = None, tls: bool = False):
+               kubeconfig: Path | None = None, tls: bool = False, ready: bool = True):
     """A controller process; plain HTTP unless `tls` (then its readiness is polled without
-    verification: the tests verify the served certificate themselves)."""
+    verification: the tests verify the served certificate themselves). `ready=False` waits only
+    for /healthz (a replica whose caches cannot sync)."""
     port = free_port()
     scheme = "https" if tls else "http"
     log_path = tmp_path / f"{name}.log"
@@ -121,7 +122,8 @@ def controller(kube_api, tmp_path: Path, lease_namespace: str, *extra: str, name
             if proc.poll() is not None:
                 raise AssertionError(f"controller exited {proc.returncode}:\n{log_path.read_text()}")
             try:
-                with urllib.request.urlopen(base + "/readyz", timeout=2, context=_unverified()) as r:
+                with urllib.request.urlopen(base + ("/readyz" if ready else "/healthz"), timeout=2,
+                                            context=_unverified()) as r:
                     return r.status == 200
             except OSError:
                 return False
