@@ -274,12 +274,18 @@ def iperf_rate(result: dict) -> float:
     return result["end"]["sum_sent"]["bits_per_second"]
 
 
+INTERNAL_RUNS = 7  # alternated pairs; medians of each side
+INTERNAL_SHARE = 0.97  # issue 12: internal traffic at line rate
+
+
 def test_internal_traffic_is_not_shaped(lab, node):
-    """Pod -> peer through the same uplink, with the pod's internet egress at 10 Mbit/s,
-    against the same path with no netagent at all, alternated to share the machine's noise."""
+    """Pod -> peer through the same uplink, with the pod's internet egress at 10 Mbit/s, against the
+    same path with no netagent at all, alternated so both sides share the machine's noise: the
+    medians are within 3% (the classifier costs internal packets one or two set lookups; the tc
+    redirect filter one classic-BPF program); nothing enters HTB; the internal counter counts it."""
     pod = node.pods[0]
     unshaped, shaped = [], []
-    for _ in range(5):
+    for _ in range(INTERNAL_RUNS):
         node.remove()
         unshaped.append(iperf_rate(lab.iperf(pod.netns, PEER_V4, PORTS[0], seconds=2)))
         node.program({pod.name: (10 * M, 10 * M)})
@@ -288,11 +294,12 @@ def test_internal_traffic_is_not_shaped(lab, node):
         shaped.append(iperf_rate(lab.iperf(pod.netns, PEER_V4, PORTS[0], seconds=2)))
         assert node.class_stats(pod).bytes == before, "internal traffic entered the shaper"
         assert node.classifier.counters()[0][pod_key(pod)]["egress_internal"] - counted > 10 * M
-    # medians of five alternated runs: one run slowed by the shared machine's noise
-    # (these are ~15 Gbit/s CPU-bound veth flows) must not decide either side
+    # medians of alternated runs: one run slowed by the shared machine's noise
+    # (these are ~10 Gbit/s CPU-bound veth flows) must not decide either side
     ratio = statistics.median(shaped) / statistics.median(unshaped)
-    assert ratio >= 0.9, (f"internal {statistics.median(shaped) / G:.2f} Gbit/s vs unshaped "
-                          f"{statistics.median(unshaped) / G:.2f} Gbit/s (runs {shaped} vs {unshaped})")
+    assert ratio >= INTERNAL_SHARE, (f"internal {statistics.median(shaped) / G:.2f} Gbit/s vs unshaped "
+                                     f"{statistics.median(unshaped) / G:.2f} Gbit/s = {ratio:.3f} "
+                                     f"(runs {[round(v / G, 2) for v in shaped]} vs {[round(v / G, 2) for v in unshaped]})")
 
 
 # -- sharing -----------------------------------------------------------------------------
