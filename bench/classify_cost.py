@@ -292,19 +292,54 @@ def program(label: str, netns: str, pod, today) -> None:
         Classifier(backend=backend[0], netns=netns).apply(st)
 
 
+COMPONENT_SETS = """create c-net hash:net family inet
+add c-net 10.0.0.0/8
+add c-net 169.254.0.0/16
+add c-net 224.0.0.0/4
+add c-net 255.255.255.255/32
+create c-ip hash:ip family inet counters comment
+add c-ip 10.244.0.10 comment "bench/real"
+"""
+COMPONENTS = {  # what one piece of the ruleset costs: rules in a chain hooked into mangle POSTROUTING
+    "hook": [],
+    "hook+hash:net": ["-m set --match-set c-net dst -j RETURN"],
+    "hook+hash:ip-counters": ["-m set --match-set c-ip src -j RETURN"],
+    "hook+both": ["-m set --match-set c-net dst -g C-2", "@C-2 -m set --match-set c-ip src -j RETURN"],
+    "hook+22-rules": [f"-s 10.9.0.{i}/32 -j RETURN" for i in range(22)],
+}
+
+
+def program_component(label: str, netns: str) -> None:
+    """component-<backend>-<piece>: the piece alone, hooked as our ruleset is."""
+    _, backend, piece = label.split("-", 2)
+    subprocess.run(["ip", "netns", "exec", netns, "ipset", "restore"], input=COMPONENT_SETS, text=True, check=True)
+    chains: dict[str, list[str]] = {"C-1": [], "C-2": []}
+    for rule in COMPONENTS[piece]:
+        chain, rule = (rule[1:].split(" ", 1) if rule.startswith("@") else ("C-1", rule))
+        chains[chain].append(rule)
+    text = "*mangle\n" + "".join(f":{c} - [0:0]\n" for c in chains)
+    text += "".join(f"-A {c} {r}\n" for c, rules in chains.items() for r in rules)
+    text += "-I POSTROUTING 1 -j C-1\nCOMMIT\n"
+    subprocess.run(["ip", "netns", "exec", netns, f"iptables-{backend}-restore", "--noflush"], input=text, text=True,
+                   check=True)
+
+
 def labels_for(args) -> list[str]:
     pods = [int(p) for p in args.pods.split(",")]
     backends = args.backends.split(",")
+    if args.components:
+        return ["none"] + [f"component-{b}-{piece}" for b in backends for piece in COMPONENTS] + ["none2"]
     labels = ["none"] + [f"{k}-{b}-{n}" for n in pods for b in backends for k in ("today", "new")]
     return labels + [f"nftmap-{n}" for n in pods if args.nft] + ["none2"]
 
 
 def table(title: str, labels: list[str], columns: dict[str, dict[str, list[float]]], fmt: str, stat) -> None:
     print(title)
-    print(f"{'configuration':22}" + "".join(f"{c:>10}{'delta':>9}" for c in columns))
+    w = max(22, *(len(label) + 2 for label in labels))
+    print(f"{'configuration':{w}}" + "".join(f"{c:>10}{'delta':>9}" for c in columns))
     base = {c: stat(v["none"]) for c, v in columns.items()}
     for label in labels:
-        print(f"{label:22}" + "".join(f"{stat(v[label]):>10{fmt}}{stat(v[label]) - base[c]:>+9{fmt}}"
+        print(f"{label:{w}}" + "".join(f"{stat(v[label]):>10{fmt}}{stat(v[label]) - base[c]:>+9{fmt}}"
                                       for c, v in columns.items()), flush=True)
 
 
@@ -314,7 +349,10 @@ def packet_costs(args, today) -> None:
     try:
         for label in labels:
             spaces[label] = make_netns("pkt")
-            program(label, spaces[label], FakePod, today)
+            if label.startswith("component-"):
+                program_component(label, spaces[label])
+            else:
+                program(label, spaces[label], FakePod, today)
         cost: dict[str, dict[str, list[float]]] = {case: {label: [] for label in labels} for case in CASES}
         for _ in range(args.rounds):
             for label in labels:
@@ -420,13 +458,15 @@ def main() -> int:
     ap.add_argument("--nft", action=argparse.BooleanOptionalAction, default=True,
                     help="also measure the native nftables candidate (needs nft)")
     ap.add_argument("--skip-traffic", action="store_true", help="only the per-packet cost (no iperf3)")
+    ap.add_argument("--components", action="store_true",
+                    help="per-packet cost of the pieces (the hook, one lookup of each kind, 22 plain rules); no iperf3")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench/classify_cost.py needs root (network namespaces, cgroups)", file=sys.stderr)
         return 2
     today = load_today()
     packet_costs(args, today)
-    if not args.skip_traffic:
+    if not args.skip_traffic and not args.components:
         traffic(args, today)
     return 0
 

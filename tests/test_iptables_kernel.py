@@ -173,8 +173,10 @@ def test_longest_pod_key_fits_and_counts(netns):
 def test_internal_cidrs_are_swapped_atomically(netns):
     clf = Classifier(backend="nft", netns=netns)
     clf.apply(state(2))
-    # the internal set and the peer set (internal CIDRs less the pods) of IPv4
-    assert clf.apply(state(2, cidrs=("10.0.0.0/8", "172.16.0.0/12", "fd00::/8"))) == {"iptables": 0, "ipset": 2}
+    # the internal set and the peer set (internal CIDRs less the pods) of IPv4, and the four IPv4 chains
+    # whose scope test is one plain rule per CIDR (one iptables-restore: atomic too)
+    assert clf.apply(state(2, cidrs=("10.0.0.0/8", "172.16.0.0/12", "fd00::/8"))) == {"iptables": 4, "ipset": 2}
+    assert "-A NETAGENT-NODE-OUT -d 172.16.0.0/12" in sh("iptables-nft-save -t mangle", netns)
     for name in ("netagent-internal4", "netagent-peer4"):
         listed = sh(f"ipset list {name}", netns)
         assert "172.16.0.0/12" in listed and "169.254.0.0/16" in listed
@@ -355,6 +357,13 @@ def test_counters_move_with_real_packets(backend):
                                           st.uplinks)
             assert clf.apply(readdressed) == {"iptables": 0, "ipset": 5}  # IPv4: the peer set and the four pod sets
             assert clf.counters()[0][keys[0]] == counted
+            # an address that passes to another pod starts from zero for it: bytes never move between pods
+            assert counted["egress_internet"] > 0 and pods2[keys[0]]["ingress_internet"] > 0
+            heir = ClassifierState(st.mark_bit, st.internal_cidrs,
+                                   (PodClassification("default/heir", (pod0.ip6,), (1, 0x78)), st.pods[1]), st.uplinks)
+            clf.apply(heir)
+            assert clf.counters()[0]["default/heir"] == dict.fromkeys(R.KINDS, 0)
+            assert keys[0] not in clf.counters()[0]
         finally:
             clf.cleanup()
 

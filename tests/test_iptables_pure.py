@@ -43,7 +43,7 @@ def test_render_is_deterministic_and_family_specific():
     st = state(3)
     v4, v6 = R.render(st, 4), R.render(st, 6)
     assert v4 == R.render(st, 4)
-    assert "--match-set netagent-internal4 dst" in v4 and "--match-set netagent-internal6 dst" in v6
+    assert "-d 10.0.0.0/8 -m comment" in v4 and "-d fd00::/8 -m comment" in v6  # few CIDRs: plain rules
     assert "-j SET --map-set netagent-egress-inet4 src --map-mark --map-prio" in v4
     assert "-I POSTROUTING 1 -j NETAGENT-POSTROUTING" in v4 and "-I PREROUTING 1 -j NETAGENT-PREROUTING" in v4
     assert v4.startswith("*mangle\n") and v4.endswith("COMMIT\n")
@@ -411,28 +411,42 @@ NET = {4: dict(pod="10.244.0.10", other="10.244.0.11", peer="10.0.0.2", internet
                stranger="fd00:244::99", outside="2001:db8:7::7")}
 
 
+MANY = tuple(f"10.{i}.0.0/16" for i in range(20)) + ("10.244.0.0/16", "fd00::/8",) + tuple(f"fd{i:02x}::/16" for i in range(1, 21))
+
+
 @pytest.mark.parametrize("family", [4, 6])
 @pytest.mark.parametrize("n", [10, 110])
-def test_every_packet_counted_once_by_direction_and_scope_in_two_lookups(family, n):
-    """What each kind of packet is counted as, marked with, and costs, for 10 and for 110 pods."""
-    st = state(n, default_class=DEFAULT)
-    a = NET[family]
-    cases = [  # src, dst, out device, local source -> counted, mark, class, most lookups
-        (a["pod"], a["peer"], "eth0", False, ["node egress internal", "ns/p0 egress_internal"], 0, None, 2),
-        (a["pod"], a["internet"], "eth0", False, ["ns/p0 egress_internet", "node egress internet"], 0x1000, (1, 0x10), 2),
+@pytest.mark.parametrize("cidrs", [("10.0.0.0/8", "fd00::/8"), MANY], ids=["few-cidrs", "many-cidrs"])
+def test_every_packet_counted_once_by_direction_and_scope_in_one_or_two_lookups(family, n, cidrs):
+    """What each kind of packet is counted as, marked with, and costs in set lookups, for 10 and
+    110 pods; with few internal CIDRs the scope test is plain rules, with many one more lookup."""
+    st = state(n, default_class=DEFAULT, internal_cidrs=cidrs)
+    a = dict(NET[family], peer="10.1.0.2" if family == 4 else "fd00::2")
+    scope = 0 if cidrs != MANY else 1  # the internal set, when the CIDRs are too many for rules
+    cases = [  # src, dst, out device, local source -> counted, mark, class, set lookups
+        (a["pod"], a["peer"], "eth0", False, ["node egress internal", "ns/p0 egress_internal"], 0, None, 1 + scope),
+        (a["pod"], a["internet"], "eth0", False, ["ns/p0 egress_internet", "node egress internet"], 0x1000, (1, 0x10),
+         1 + scope),
         (a["peer"], a["pod"], "vp0", False, ["ns/p0 ingress_internal"], 0, None, 2),
         (a["node"], a["pod"], "vp0", True, ["ns/p0 ingress_internal"], 0, None, 2),
         (a["internet"], a["pod"], "vp0", False, ["ns/p0 ingress_internet"], 0, None, 3),
-        (a["pod"], a["other"], "vp1", False, ["ns/p0 egress_internal", "ns/p1 ingress_internal"], 0, None, 6),
-        (a["node"], a["internet"], "eth0", True, ["node egress internet"], 0, None, 2),
-        (a["node"], a["peer"], "eth0", True, ["node egress internal"], 0, None, 2),
-        (a["peer"], a["internet"], "vx", False, [], 0, None, 3),  # neither end a pod, not an uplink
+        (a["pod"], a["other"], "vp1", False, ["ns/p0 egress_internal", "ns/p1 ingress_internal"], 0, None, 4 + 2 * scope),
+        (a["node"], a["internet"], "eth0", True, ["node egress internet"], 0, None, 1 + scope),
+        (a["node"], a["peer"], "eth0", True, ["node egress internal"], 0, None, 1 + scope),
+        (a["peer"], a["internet"], "vx", False, [], 0, None, 2),  # neither end a pod, not an uplink
     ]
-    for src, dst, oif, local, counted, mark, prio, most in cases:
+    for src, dst, oif, local, counted, mark, prio, lookups in cases:
         pkt = evaluate(st, family, src, dst, oif, local)
         what = f"{src} -> {dst} via {oif}: {pkt}"
-        assert (pkt["counted"], pkt["mark"], pkt["priority"]) == (counted, mark, prio), what
-        assert pkt["lookups"] <= most, what
+        assert (pkt["counted"], pkt["mark"], pkt["priority"], pkt["lookups"]) == (counted, mark, prio, lookups), what
+
+
+def test_few_internal_cidrs_are_rules_many_are_a_set():
+    few, many = R.build(state(3), 4), R.build(state(3, internal_cidrs=MANY), 4)
+    assert sum(r.startswith("-d ") for r in few.chains["NETAGENT-NODE-OUT"]) == 4  # 10/8 + link-local, multicast, bcast
+    assert not any("netagent-internal4" in r for rules in few.chains.values() for r in rules)
+    assert sum("--match-set netagent-internal4" in r for rules in many.chains.values() for r in rules) == 4
+    assert not any(r.startswith(("-d ", "-s ")) for rules in many.chains.values() for r in rules)
 
 
 @pytest.mark.parametrize("family", [4, 6])
@@ -479,7 +493,8 @@ def test_catch_all_is_in_the_node_egress_chain_after_the_pods_set():
         "-m set --match-set netagent-egress-int6 src ! --update-counters -g NETAGENT-FROM-POD",
         "-m set --match-set netagent-ingress-inet6 dst -j RETURN")
     assert rs.chains["NETAGENT-NODE-OUT"] == (
-        '-m set --match-set netagent-internal6 dst -m comment --comment "node egress internal" -g NETAGENT-EGRESS-INT',
+        *(f'-d {net} -m comment --comment "node egress internal" -g NETAGENT-EGRESS-INT'
+          for net in ("fd00::/8", "fe80::/10", "ff00::/8")),
         "-j SET --map-set netagent-egress-inet6 src --map-mark --map-prio",
         "-m mark ! --mark 0x1000/0x1000 -m addrtype ! --src-type LOCAL -j NETAGENT-UNKNOWN",
         '-m comment --comment "node egress internet" -j RETURN')
