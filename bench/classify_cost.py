@@ -384,8 +384,8 @@ def measure(pod, cpu: Cpu, seconds: float, extra: list[str]) -> tuple[float, flo
 
 
 def traffic(args, today) -> None:
-    labels = labels_for(args)
-    full = ["share-none", "share-today", "share-new"]
+    labels = [] if args.share_only else labels_for(args)
+    full = ["share-none", "share-today", "share-new", "share-rules", "share-tc"]  # rules: new, no tc; tc: no rules
     backend, n = args.backends.split(",")[0], max(int(p) for p in args.pods.split(","))
     cpu = Cpu()
     shapers = []
@@ -398,13 +398,16 @@ def traffic(args, today) -> None:
                 program(label, nodes[label].netns, nodes[label].pods[0], today)
             for label in full[1:]:
                 node, pod = nodes[label], nodes[label].pods[0]
-                shaper = Shaper(node.netns)
-                shapers.append(shaper)
-                shaper.apply(plan(PlanInputs((UPLINK,), INTERNAL_CIDRS, (PodShape("bench/real", (pod.ip4, pod.ip6), 10 * M,
-                                                                                     10 * M),), 10_000 * M,
-                                             PlanOptions())).shaper)
-                program(f"{label.split('-')[1]}-{backend}-{n}", node.netns, pod, today)
-            loads = {"tcp": ("65535", ["-b", args.tcp_rate]), "tcp-mss": ("1", ["-b", args.mss_rate])}
+                if label != "share-rules":
+                    shaper = Shaper(node.netns)
+                    shapers.append(shaper)
+                    shaper.apply(plan(PlanInputs((UPLINK,), INTERNAL_CIDRS, (PodShape("bench/real", (pod.ip4, pod.ip6),
+                                                                                         10 * M, 10 * M),), 10_000 * M,
+                                                 PlanOptions())).shaper)
+                if label != "share-tc":
+                    program(f"{'new' if label == 'share-rules' else label.split('-')[1]}-{backend}-{n}", node.netns, pod,
+                            today)
+            loads = {} if args.share_only else {"tcp": ("65535", ["-b", args.tcp_rate]), "tcp-mss": ("1", ["-b", args.mss_rate])}
             cost: dict[str, dict[str, list[float]]] = {load: {label: [] for label in labels} for load in loads}
             got: dict[str, list[float]] = {load: [] for load in loads}
             deferred: dict[str, list[float]] = {load: [] for load in loads}
@@ -417,13 +420,14 @@ def traffic(args, today) -> None:
                         cost[load][label].append(per_gb)
                         got[load].append(bps)
                         deferred[load].append(softirqd)
-            table(f"CPU seconds per GB of internal TCP pod -> peer (the two iperf3 processes + ksoftirqd), median of "
+            if loads:
+                table(f"CPU seconds per GB of internal TCP pod -> peer (the two iperf3 processes + ksoftirqd), median of "
                   f"{args.traffic_rounds} round-robin {args.seconds:g} s runs; offered tcp {args.tcp_rate}bit/s (GSO), "
                   f"tcp-mss {args.mss_rate}bit/s (one segment per packet); received (median): "
                   + ", ".join(f"{k} {statistics.median(v) / 1e9:.2f} Gbit/s" for k, v in got.items()),
-                  labels, cost, ".3f", statistics.median)
-            print("  of which ksoftirqd (it also runs the rest of the machine's deferred packets), median s/GB: "
-                  + ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in deferred.items()))
+                      labels, cost, ".3f", statistics.median)
+                print("  of which ksoftirqd (it also runs the rest of the machine's deferred packets), median s/GB: "
+                      + ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in deferred.items()))
 
             rates: dict[str, list[float]] = {label: [] for label in full}
             for _ in range(args.share_rounds):
@@ -433,7 +437,7 @@ def traffic(args, today) -> None:
             base = statistics.median(rates["share-none"])
             print(f"internal share of unshaped: TCP pod -> peer, unlimited, whole data path ({backend}, {n} pods' "
                   f"rules, tc shaper on the uplink) against no netagent, median of {args.share_rounds} alternated "
-                  f"{args.seconds:g} s runs")
+                  f"{args.seconds:g} s runs (rules: the new rules without tc; tc: the shaper without rules)")
             for label, values in rates.items():
                 med = statistics.median(values)
                 print(f"  {label[6:]:6}{med / 1e9:8.2f} Gbit/s  {med / base:6.3f} of none   runs "
@@ -458,6 +462,7 @@ def main() -> int:
     ap.add_argument("--nft", action=argparse.BooleanOptionalAction, default=True,
                     help="also measure the native nftables candidate (needs nft)")
     ap.add_argument("--skip-traffic", action="store_true", help="only the per-packet cost (no iperf3)")
+    ap.add_argument("--share-only", action="store_true", help="only the share of unshaped")
     ap.add_argument("--components", action="store_true",
                     help="per-packet cost of the pieces (the hook, one lookup of each kind, 22 plain rules); no iperf3")
     args = ap.parse_args()
@@ -465,7 +470,8 @@ def main() -> int:
         print("bench/classify_cost.py needs root (network namespaces, cgroups)", file=sys.stderr)
         return 2
     today = load_today()
-    packet_costs(args, today)
+    if not args.share_only:
+        packet_costs(args, today)
     if not args.skip_traffic and not args.components:
         traffic(args, today)
     return 0
