@@ -103,13 +103,13 @@ class Classifier:
             self._built = (state, {f: R.build(state, f, self.prefix) for f in FAMILIES})  # validates all input first
         rulesets = self._built[1]
         wanted = {name: s for rs in rulesets.values() for name, s in rs.sets.items()}
-        self._ip_keys = {str(ipaddress.ip_address(ip)): p.key for p in state.pods for ip in p.ips}
         previous_sets = self._read_sets()
         done: list[tuple[int, dict, list]] = []
         changes = 0
         set_changes = 0
         try:
             set_changes = self._apply_sets(wanted, previous_sets, carry=True)
+            self._ip_keys = {str(ipaddress.ip_address(ip)): p.key for p in state.pods for ip in p.ips}
             for family in FAMILIES:
                 tables = parse_save(self.runner.save(family, self.backend, R.TABLE, counters=True), self._keep)
                 current, jumps = _our_state(tables.get(R.TABLE), self.prefix)
@@ -183,10 +183,13 @@ class Classifier:
                 raise IptablesError(f"ipset {name} exists as '{have[0].create}', not '{want.create}': another "
                                     "program owns that name, or an older netagent made it; remove it or choose another prefix")
             if want.counted:
-                gone = sorted(m for m in have[0].members if m not in want.members)
+                # a member that goes, or whose address now belongs to another pod (its comment, the pod
+                # key, changes), is deleted: its counters stay with the pod that counted them
+                gone = sorted(m for m, ext in have[0].members.items()
+                              if m not in want.members or dict(ext).get("comment") != dict(want.members[m]).get("comment"))
                 lines += [_member_line("del", name, m, ()) for m in gone]
                 lines += [_member_line("add", name, m, ext) for m, ext in sorted(want.members.items())
-                          if have[0].members.get(m) != ext]
+                          if have[0].members.get(m) != ext or m in gone]
                 kind = R.set_kind(name, self.prefix)
                 if carry and kind:
                     for m in gone:
