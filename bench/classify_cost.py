@@ -36,7 +36,7 @@ load from the rest of the machine falls on neighbouring runs of different config
    difference to `none`. At GSO sizes the classifier's share is a few per cent of the path's
    cost, inside this method's noise; the per-packet table is the precise figure.
 3. Share of unshaped. Unlimited TCP from the pod to the peer for `--seconds`, with the whole
-   data path as the agent programs it (planner -> tc Shaper -> classifier; the pod shaped to
+   data path as the agent programs it (desired state -> tc Shaper -> classifier; the pod shaped to
    10 Mbit/s on the internet side) on one node, and no netagent on another; medians of the
    alternated runs.
 """
@@ -59,8 +59,9 @@ sys.path.insert(0, ROOT)
 from iptables import render as R  # noqa: E402
 from iptables.apply import Classifier  # noqa: E402
 from iptables.model import ClassifierState, PodClassification  # noqa: E402
-from netagent.lab import INTERNAL_CIDRS, PEER_V4, UPLINK, Lab, run  # noqa: E402
-from netagent.planner import PlanInputs, PlanOptions, PodShape, plan  # noqa: E402
+from lab.netns import run  # noqa: E402
+from lab.topology import INTERNAL_CIDRS, PEER_V4, UPLINK, Lab  # noqa: E402
+from netagent.desired import DataPathOptions, NodeInputs, PodShape, desired_state  # noqa: E402
 from tc.netlink import Shaper  # noqa: E402
 
 TODAY = "4d6b65a"  # dp-classify's base: the dispatch-tree ruleset
@@ -401,9 +402,9 @@ def traffic(args, today) -> None:
                 if label != "share-rules":
                     shaper = Shaper(node.netns)
                     shapers.append(shaper)
-                    shaper.apply(plan(PlanInputs((UPLINK,), INTERNAL_CIDRS, (PodShape("bench/real", (pod.ip4, pod.ip6),
+                    shaper.apply(desired_state(NodeInputs((UPLINK,), INTERNAL_CIDRS, (PodShape("bench/real", (pod.ip4, pod.ip6),
                                                                                          10 * M, 10 * M),), 10_000 * M,
-                                                 PlanOptions())).shaper)
+                                                 DataPathOptions())).shaper)
                 if label != "share-tc":
                     program(f"{'new' if label == 'share-rules' else label.split('-')[1]}-{backend}-{n}", node.netns, pod,
                             today)

@@ -26,8 +26,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from iptables.apply import Classifier  # noqa: E402
-from netagent.lab import INTERNAL_CIDRS, INTERNET_V4, UPLINK, Lab, run  # noqa: E402
-from netagent.planner import PlanInputs, PlanOptions, PodShape, plan  # noqa: E402
+from lab.netns import run  # noqa: E402
+from lab.topology import INTERNAL_CIDRS, INTERNET_V4, UPLINK, Lab  # noqa: E402
+from netagent.desired import DataPathOptions, NodeInputs, PodShape, desired_state  # noqa: E402
 from tc.netlink import Shaper  # noqa: E402
 
 UNITS = {"k": 1_000, "M": 1_000_000, "G": 1_000_000_000}
@@ -66,9 +67,9 @@ def main() -> int:
                 rows: dict[str, list] = {"pfifo": [], "bfifo": []}
                 for _ in range(args.rounds):
                     for leaf in rows:
-                        state = plan(PlanInputs((UPLINK,), INTERNAL_CIDRS,
+                        state = desired_state(NodeInputs((UPLINK,), INTERNAL_CIDRS,
                                                 (PodShape("bench/pod", (pod.ip4, pod.ip6), rate, rate),), 10 * rate,
-                                                PlanOptions(leaf_qdisc=leaf)))
+                                                DataPathOptions(leaf_qdisc=leaf)))
                         shaper.apply(state.shaper)
                         classifier.apply(state.classifier)
                         minor = state.minors["bench/pod"]
