@@ -15,20 +15,32 @@ from iptables import render as R
 from iptables.backend import BACKENDS, Runner, detect
 from iptables.errors import IptablesError
 from iptables.model import ClassifierState
-from iptables.parse import (SavedTable, comment_of, counted_comments, jump_target, mark_masks, parse_ipset_save,
-                            parse_save)
+from iptables.parse import SavedTable, comment_of, counted_comments, jump_target, mark_masks, parse_ipset_entries, parse_save
 
 FAMILIES = (4, 6)
 BUILTIN = ("PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING")
 _SET_FAMILY = {4: "inet", 6: "inet6"}
+_EXTENSIONS = ("counters", "comment", "skbinfo")
+# what `_read_sets` returns per existing set: the set as it is, and each member's byte counter
+SetView = tuple[R.IpSet, dict[str, int]]
 
 
 def _empty_counts(kinds: tuple[str, ...] = R.KINDS) -> dict[str, int]:
     return {k: 0 for k in kinds}
 
 
-def _canonical_members(members: set[str]) -> set[str]:
-    return {str(ipaddress.ip_network(m, strict=False)) for m in members}
+def _canonical_member(kind: str, member: str) -> str:
+    if kind == "hash:net":
+        return str(ipaddress.ip_network(member, strict=False))
+    return str(ipaddress.ip_address(member))
+
+
+def _member_line(verb: str, name: str, member: str, ext: tuple[tuple[str, str], ...]) -> str:
+    words = [verb, name, member]
+    if verb == "add":
+        for option, value in ext:
+            words += ["nomatch"] if option == "nomatch" else [option, f'"{value}"' if option == "comment" else value]
+    return " ".join(words)
 
 
 def _our_state(table: SavedTable | None, prefix: str) -> tuple[dict[str, tuple[str, ...]], list[tuple[str, str]]]:
@@ -75,8 +87,8 @@ class Classifier:
         for family in FAMILIES:
             for action in ("save", "restore"):
                 self.runner.require(self.runner.tool(family, self.backend, action), "iptables")
-        self._chain_keys: dict[str, str] = {}  # per-pod chain -> pod key, from the last apply
-        # bytes counted by rules we flushed and refilled (a class change): added back so counters never go down
+        self._ip_keys: dict[str, str] = {}  # pod address -> pod key, from the last apply (set comments may be cut)
+        # bytes counted by set members we deleted (a pod's address changed): added back so counters never go down
         self._carried: dict[str, dict[str, int]] = {}
         self._node_carried = _empty_counts(R.NODE_KINDS)
         self._built: tuple[ClassifierState | None, dict[int, R.Ruleset]] = (None, {})
@@ -90,12 +102,14 @@ class Classifier:
         if state != self._built[0]:
             self._built = (state, {f: R.build(state, f, self.prefix) for f in FAMILIES})  # validates all input first
         rulesets = self._built[1]
-        cidrs = R.set_members(state.internal_cidrs)
+        wanted = {name: s for rs in rulesets.values() for name, s in rs.sets.items()}
         previous_sets = self._read_sets()
         done: list[tuple[int, dict, list]] = []
         changes = 0
+        set_changes = 0
         try:
-            set_changes = self._apply_sets(cidrs, previous_sets)
+            set_changes = self._apply_sets(wanted, previous_sets, carry=True)
+            self._ip_keys = {str(ipaddress.ip_address(ip)): p.key for p in state.pods for ip in p.ips}
             for family in FAMILIES:
                 tables = parse_save(self.runner.save(family, self.backend, R.TABLE, counters=True), self._keep)
                 current, jumps = _our_state(tables.get(R.TABLE), self.prefix)
@@ -110,59 +124,82 @@ class Classifier:
                 done.append((family, current, jumps))
                 changes += update.changes
         except IptablesError as exc:
-            self._roll_back(done, previous_sets)
+            self._roll_back(done, previous_sets, wanted)
             raise IptablesError(f"applying the classifier rules failed; the previous rules stay in force: {exc}") from exc
         if not self._other_backend_clear:
             # a node that switched backends: our old rules there would still mark packets
             changes += len(self._remove_chains(next(b for b in BACKENDS if b != self.backend)))
             self._other_backend_clear = True
         keys = {p.key for p in state.pods}
-        self._chain_keys = {c: k for rs in rulesets.values() for c, k in rs.pod_chains.items()}
         self._carried = {k: v for k, v in self._carried.items() if k in keys}
         return {"iptables": changes, "ipset": set_changes}
 
-    def _set_names(self, family: int) -> tuple[str, str]:
-        name = R.ipset_name(self.prefix, family)
-        return name, f"{name}-tmp"
+    def _read_sets(self, names: list[str] | None = None) -> dict[str, SetView]:
+        """Our existing ipsets (all of `R.set_names`, or `names`), as they are, with member byte counts.
 
-    def _read_sets(self) -> dict[str, set[str] | None]:
-        out: dict[str, set[str] | None] = {}
-        for family in FAMILIES:
-            name, _ = self._set_names(family)
-            proc = self.runner.run(["ipset", "save", name], check=False)
-            if proc.returncode != 0:
-                if "does not exist" not in proc.stderr:
-                    raise IptablesError(f"ipset save {name} failed: {proc.stderr.strip()}")
-                out[name] = None
-                continue
-            sets = parse_ipset_save(proc.stdout)
-            opts, members = sets.get(name, ("", set()))
+        Two execs whatever the number of sets: `ipset list -n`, then one batch of `save <set>`.
+        """
+        listed = set(self.runner.run(["ipset", "list", "-n"]).stdout.split())
+        ours = [n for n in (names or R.set_names(self.prefix)) if n in listed and not n.endswith(R.SWAP_SUFFIX)]
+        if not ours:
+            return {}
+        text = self.runner.run(["ipset", "restore"], stdin="".join(f"save {n}\n" for n in ours)).stdout
+        out: dict[str, SetView] = {}
+        for name, (opts, members) in parse_ipset_entries(text).items():
             words = opts.split()
-            if words[:3] != ["hash:net", "family", _SET_FAMILY[family]]:
-                raise IptablesError(
-                    f"ipset {name} exists but is not a hash:net set of family {_SET_FAMILY[family]} ({opts}): "
-                    "another program owns that name; remove it or choose another prefix")
-            out[name] = _canonical_members(members)
+            if len(words) < 3 or words[0] not in ("hash:net", "hash:ip") or words[1] != "family" \
+                    or words[2] not in ("inet", "inet6"):
+                raise IptablesError(f"ipset {name} exists but is not a hash:net or hash:ip set ({opts}): "
+                                    "another program owns that name; remove it or choose another prefix")
+            kind = words[0]
+            current = R.IpSet(name, kind, 4 if words[2] == "inet" else 6, tuple(w for w in words if w in _EXTENSIONS),
+                              {_canonical_member(kind, m): ext for m, (ext, _) in members.items()})
+            out[name] = (current, {_canonical_member(kind, m): nbytes for m, (_, nbytes) in members.items()})
         return out
 
-    def _apply_sets(self, cidrs: dict[int, tuple[str, ...]], current: dict[str, set[str] | None]) -> int:
+    def _apply_sets(self, wanted: dict[str, R.IpSet], current: dict[str, SetView], carry: bool = False) -> int:
+        """Make our ipsets hold `wanted` in one `ipset -exist restore`; -> how many sets changed.
+
+        Uncounted sets (internal CIDRs, peers) are filled as `<name>-tmp` and swapped in, so rules
+        never see a half-filled set. Counted sets (per pod) are changed member by member: a member
+        that stays keeps its counters, also when its class (skbprio) changes; the bytes of a member
+        that goes are carried (when `carry`) into the pod's offset, so counters() never goes down.
+        """
         lines: list[str] = []
         changed = 0
-        for family, members in cidrs.items():
-            name, tmp = self._set_names(family)
-            want = set(members)
+        for name, want in wanted.items():
             have = current.get(name)
-            if have == want:
+            if have is not None and have[0].members == want.members:
+                if (have[0].type, have[0].family, set(have[0].extensions)) != (want.type, want.family, set(want.extensions)):
+                    raise IptablesError(f"ipset {name} exists as '{have[0].create}', not '{want.create}': another "
+                                        "program owns that name, or an older netagent made it; remove it or choose another prefix")
                 continue
             changed += 1
-            create = f"hash:net family {_SET_FAMILY[family]}"
             if have is None:
-                lines.append(f"create {name} {create}")
-                lines += [f"add {name} {c}" for c in sorted(want)]
+                lines.append(f"create {name} {want.create}")
+                lines += [_member_line("add", name, m, ext) for m, ext in sorted(want.members.items())]
+                continue
+            if (have[0].type, have[0].family, set(have[0].extensions)) != (want.type, want.family, set(want.extensions)):
+                raise IptablesError(f"ipset {name} exists as '{have[0].create}', not '{want.create}': another "
+                                    "program owns that name, or an older netagent made it; remove it or choose another prefix")
+            if want.counted:
+                # a member that goes, or whose address now belongs to another pod (its comment, the pod
+                # key, changes), is deleted: its counters stay with the pod that counted them
+                gone = sorted(m for m, ext in have[0].members.items()
+                              if m not in want.members or dict(ext).get("comment") != dict(want.members[m]).get("comment"))
+                lines += [_member_line("del", name, m, ()) for m in gone]
+                lines += [_member_line("add", name, m, ext) for m, ext in sorted(want.members.items())
+                          if have[0].members.get(m) != ext or m in gone]
+                kind = R.set_kind(name, self.prefix)
+                if carry and kind:
+                    for m in gone:
+                        key = self._ip_keys.get(m) or dict(have[0].members[m]).get("comment", m)
+                        self._carried.setdefault(key, _empty_counts())[kind] += have[1].get(m, 0)
                 continue
             # a leftover temporary set from an interrupted run is reused: -exist on create, then flushed
-            lines += [f"create {tmp} {create}", f"flush {tmp}"]
-            lines += [f"add {tmp} {c}" for c in sorted(want)]
+            tmp = name + R.SWAP_SUFFIX
+            lines += [f"create {tmp} {want.create}", f"flush {tmp}"]
+            lines += [_member_line("add", tmp, m, ext) for m, ext in sorted(want.members.items())]
             lines += [f"swap {tmp} {name}", f"destroy {tmp}"]
         if lines:
             self.runner.run(["ipset", "-exist", "restore"], stdin="\n".join(lines) + "\n")
@@ -182,7 +219,8 @@ class Classifier:
                 else:
                     self._carried.setdefault(key, _empty_counts())[kind] += rule.bytes
 
-    def _roll_back(self, done: list[tuple[int, dict, list]], previous_sets: dict[str, set[str] | None]) -> None:
+    def _roll_back(self, done: list[tuple[int, dict, list]], previous_sets: dict[str, SetView],
+                   wanted: dict[str, R.IpSet]) -> None:
         """Best effort: put back the rules of families already changed, then the old ipset contents."""
         for family, chains, jumps in done:
             try:
@@ -196,15 +234,10 @@ class Classifier:
                 pass  # the error that started the roll-back is the one reported
         try:
             now = self._read_sets()
-            restore: dict[int, tuple[str, ...]] = {}
-            for family in FAMILIES:
-                name = self._set_names(family)[0]
-                before = previous_sets[name]
-                if before is None and now[name] is not None:
-                    self.runner.run(["ipset", "destroy", name], check=False)  # created by this apply
-                elif before is not None and now[name] != before:
-                    restore[family] = tuple(sorted(before))
-            self._apply_sets(restore, now)
+            created = [n for n in now if n in wanted and n not in previous_sets]
+            if created:
+                self.runner.run(["ipset", "-exist", "restore"], stdin="".join(f"destroy {n}\n" for n in created))
+            self._apply_sets({n: view[0] for n, view in previous_sets.items()}, now)
         except IptablesError:
             pass
 
@@ -222,18 +255,34 @@ class Classifier:
             return None
         if chain in (f"{self.prefix}-NODE-OUT", f"{self.prefix}-NODE-IN"):
             return None, kind
-        return self._chain_keys.get(chain, who), kind
+        return None  # per-pod bytes are counted by the pod sets, not by rules
 
     def counters(self) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
         """Bytes per pod and for the node by direction and scope, IPv4 and IPv6 summed.
 
-        One `iptables-save -c -t mangle` per family. Node totals count everything through
-        the uplinks, host traffic included; the node's `egress_unknown_internet` is the part of
-        its internet egress that it forwarded from no known pod (shaped in the default class;
-        0 without one).
+        Per pod: the counters of its members in the four pod sets of each family (one batch of
+        `ipset save`). Node: one `iptables-save -c -t mangle` per family. Node totals count
+        everything through the uplinks, host traffic included; the node's `egress_unknown_internet`
+        is the part of its internet egress that it forwarded from no known pod (shaped in the
+        default class; 0 without one).
         """
         pods: dict[str, dict[str, int]] = {k: dict(v) for k, v in self._carried.items()}
         node = dict(self._node_carried)
+        names = [f"{self.prefix.lower()}-{suffix}{family}" for family in FAMILIES for suffix in R.POD_SET_KINDS]
+        proc = self.runner.run(["ipset", "restore"], stdin="".join(f"save {n}\n" for n in names), check=False)
+        if proc.returncode == 0:
+            text = proc.stdout
+        else:  # a set is missing (nothing applied yet, or removed behind our back): read those that exist
+            listed = set(self.runner.run(["ipset", "list", "-n"]).stdout.split())
+            present = [n for n in names if n in listed]
+            text = self.runner.run(["ipset", "restore"], stdin="".join(f"save {n}\n" for n in present)).stdout if present else ""
+        for name, (_, members) in parse_ipset_entries(text).items():
+            kind = R.set_kind(name, self.prefix)
+            if kind is None:
+                continue
+            for member, (ext, nbytes) in members.items():
+                key = self._ip_keys.get(_canonical_member("hash:ip", member)) or dict(ext).get("comment", member)
+                pods.setdefault(key, _empty_counts())[kind] += nbytes
         for family in FAMILIES:
             dump = self.runner.save(family, self.backend, R.TABLE, counters=True)
             for chain, text, nbytes in counted_comments(dump, self.prefix):
@@ -243,9 +292,7 @@ class Classifier:
                 key, kind = found
                 if key is None:
                     node[kind] += nbytes
-                else:
-                    pods.setdefault(key, _empty_counts())[kind] += nbytes
-        return pods, node
+        return dict(sorted(pods.items())), node
 
     # -- coexistence ----------------------------------------------------------------------
     def check_conflicts(self, mark_bit: int) -> None:
@@ -278,12 +325,11 @@ class Classifier:
         for backend in BACKENDS:
             removed += self._remove_chains(backend)
         existing = set(self.runner.run(["ipset", "list", "-n"]).stdout.split())
-        for family in FAMILIES:
-            for name in self._set_names(family):
-                if name in existing:
-                    self.runner.run(["ipset", "destroy", name])
-                    removed.append(f"ipset {name}")
-        self._chain_keys.clear()
+        gone = [name for name in R.set_names(self.prefix) if name in existing]
+        if gone:
+            self.runner.run(["ipset", "restore"], stdin="".join(f"destroy {n}\n" for n in gone))
+            removed += [f"ipset {name}" for name in gone]
+        self._ip_keys.clear()
         self._carried.clear()
         self._node_carried = _empty_counts(R.NODE_KINDS)
         return removed

@@ -168,3 +168,54 @@ def parse_ipset_save(text: str) -> dict[str, tuple[str, set[str]]]:
         elif len(parts) >= 3 and parts[0] == "add" and parts[1] in sets:
             sets[parts[1]][1].add(parts[2])
     return sets
+
+
+_EXT_ORDER = ("nomatch", "comment", "skbmark", "skbprio")
+
+
+def _canonical_ext(option: str, value: str) -> str:
+    if option == "skbmark":
+        mark, _, mask = value.partition("/")
+        return f"0x{int(mark, 16):x}/0x{int(mask or '0xffffffff', 16):x}"
+    if option == "skbprio":
+        major, _, minor = value.partition(":")
+        return f"{int(major, 16):x}:{int(minor, 16):x}"
+    return value
+
+
+def parse_ipset_entries(text: str) -> dict[str, tuple[str, dict[str, tuple[tuple[tuple[str, str], ...], int]]]]:
+    """`ipset save` output with extensions -> set name -> (create options, member -> (extensions, bytes)).
+
+    Members are as printed (canonicalise them by the set's type); extensions are the
+    (option, value) pairs that define a member (nomatch, comment, skbmark, skbprio), in one
+    fixed order and canonical spelling; `packets`/`bytes` are counters, not definition.
+    """
+    sets: dict[str, tuple[str, dict]] = {}
+    for line in text.splitlines():
+        if line.startswith("create "):
+            parts = line.split()
+            if len(parts) >= 3:
+                sets[parts[1]] = (" ".join(parts[2:]), {})
+            continue
+        if not line.startswith("add "):
+            continue
+        words = tokens(line)
+        if len(words) < 3 or words[1] not in sets:
+            continue
+        found: dict[str, str] = {}
+        nbytes, i = 0, 3
+        while i < len(words):
+            word = words[i]
+            if word == "nomatch":
+                found["nomatch"] = ""
+                i += 1
+                continue
+            value = words[i + 1] if i + 1 < len(words) else ""
+            if word == "bytes":
+                nbytes = int(value)
+            elif word in _EXT_ORDER:
+                found[word] = _canonical_ext(word, value)
+            i += 2
+        ext = tuple((k, found[k]) for k in _EXT_ORDER if k in found)
+        sets[words[1]][1][words[2]] = (ext, nbytes)
+    return sets

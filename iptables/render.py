@@ -1,22 +1,26 @@
-"""Pure rendering: a `ClassifierState` becomes chains, rules and iptables-restore text.
+"""Pure rendering: a `ClassifierState` becomes chains, rules, ipsets and iptables-restore text.
 
 Nothing here runs a command. `build()` returns the desired ruleset of one family as
 plain data (chain -> rule texts, in the exact canonical form `iptables-save` prints,
-so a read-back compares token for token); `render()` is its full restore text;
-`render_update()` is the minimal transaction that turns what the kernel holds into it.
+so a read-back compares token for token, and the ipsets with their members);
+`render()` is its full restore text; `render_update()` is the minimal transaction
+that turns what the kernel holds into it.
 
-Layout (per family, mangle table; see docs/iptables.md):
+Layout (per family, mangle table; see docs/iptables.md). A packet costs one or two set
+lookups in the common cases whatever the number of pods; the rules never name a pod, so
+a pod that comes, goes or changes class changes set members only. "dst internal?" is one
+plain -d rule per internal CIDR while there are at most RULE_CIDRS_MAX, else a lookup in
+the internal set:
 
-    PREROUTING  -> P-PREROUTING:  -i <uplink> -j P-NODE-IN        node ingress by scope
-    POSTROUTING -> P-POSTROUTING: -j P-EGRESS    dispatch on source  -> P-E-<pod>: count, MARK, CLASSIFY
-                                  -o <uplink> -j P-NODE-OUT       node egress by scope; with a default class,
-                                                 internet packets no pod chain marked, from a source that is
-                                                 not the node's own -> P-UNKNOWN: count, MARK, CLASSIFY default
-                                  -o <uplink> -j RETURN             (nothing to a pod leaves by the uplink)
-                                  -j P-INGRESS   dispatch on destination -> P-I-<pod>: count
-
-Dispatch chains are a 16-way prefix tree over the pod addresses, entered with `-g`
-(goto), so a packet walks at most ~16 rules per level instead of one rule per pod.
+    PREROUTING  -> P-PREROUTING: -i <uplink> -j P-NODE-IN      node ingress by scope
+    POSTROUTING -> P-POSTROUTING:
+        -o <uplink> -g P-NODE-OUT            leaves by an uplink (never to a pod of this node)
+             dst internal? count node egress internal -g P-EGRESS-INT: src in egress-int (the pod's count)
+             SET --map-set egress-inet src --map-mark --map-prio   (the pod's count, our bit, its HTB class)
+             [not marked, not a node address -> P-UNKNOWN: MARK, CLASSIFY default]; count node egress internet
+        src in peer (internal, no pod here) -g P-FROM-PEER:   dst in ingress-int (the pod's count)
+        src a pod here                      -g P-FROM-POD:    egress by dst scope, then P-TO-POD
+        dst in ingress-inet (the pod's count): e.g. de-NATed replies from the internet
 """
 from __future__ import annotations
 
@@ -31,9 +35,9 @@ from iptables.model import ClassifierState, PodClassification
 from iptables.parse import normalise
 
 TABLE = "mangle"
-FANOUT = 16  # rules per dispatch chain before it splits into sub-chains
-MAX_CHAIN_NAME = 28  # XT_EXTENSION_MAXNAMELEN - 1: a 12-character prefix + "-POSTROUTING" or "-ES-<10>" fits
-MAX_KEY_IN_COMMENT = 200  # xt_comment holds 255 bytes; the kind ("egress internet") must always fit
+MAX_CHAIN_NAME = 28  # XT_EXTENSION_MAXNAMELEN - 1: a 12-character prefix + "-POSTROUTING" fits
+MAX_SET_NAME = 31  # IPSET_MAXNAMELEN - 1: a 12-character prefix + "-ingress-inet4" or "-internal4-tmp" fits
+MAX_KEY_IN_COMMENT = 200  # an ipset comment holds 255 bytes
 _PREFIX_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,11}$")
 _IFNAME_RE = re.compile(r"^[^\s/:\"']{1,15}$")
 _KEY_RE = re.compile(r"^[^\"\\\n\r\t]{1,}$")
@@ -46,29 +50,59 @@ KINDS = ("egress_internal", "egress_internet", "ingress_internal", "ingress_inte
 # the node also counts internet egress it forwarded from sources that are no known pod (P-UNKNOWN)
 UNKNOWN_KIND = "egress_unknown_internet"
 NODE_KINDS = (*KINDS, UNKNOWN_KIND)
+# per-pod sets (hash:ip, one member per pod address, the pod key as comment): what their counters count
+POD_SET_KINDS = {"egress-int": "egress_internal", "egress-inet": "egress_internet",
+                 "ingress-int": "ingress_internal", "ingress-inet": "ingress_internet"}
+SET_SUFFIXES = ("internal", "peer", *POD_SET_KINDS)
+COUNTED = ("counters", "comment")
+SWAP_SUFFIX = "-tmp"  # uncounted sets are refilled as <name>-tmp and swapped in
+# up to this many internal CIDRs per family (link-local and multicast included) the scope test is
+# one plain -s/-d rule per CIDR; above it, one lookup in the internal set (bench/classify_cost.py
+# --components: a set lookup costs ~300 ns on either backend, a plain rule 8-10 ns)
+RULE_CIDRS_MAX = 16
+
+
+@dataclass(frozen=True)
+class IpSet:
+    """One ipset as we want it: members with their extensions in the order `ipset save` prints them."""
+
+    name: str
+    type: str  # "hash:net" or "hash:ip"
+    family: int
+    extensions: tuple[str, ...]  # create options: counters, comment, skbinfo
+    members: dict[str, tuple[tuple[str, str], ...]]  # canonical member -> ((option, value), ...)
+
+    @property
+    def counted(self) -> bool:
+        """Counted sets keep their members' counters: changed member by member, never swapped."""
+        return "counters" in self.extensions
+
+    @property
+    def create(self) -> str:
+        return " ".join((self.type, "family", "inet" if self.family == 4 else "inet6", *self.extensions))
 
 
 @dataclass(frozen=True)
 class Ruleset:
-    """The desired (or observed) state of our chains in one family's mangle table."""
+    """The desired (or observed) state of our chains in one family's mangle table, and our ipsets."""
 
     family: int
     chains: dict[str, tuple[str, ...]]  # our chain -> its rules, without "-A <chain> "
     jumps: tuple[tuple[str, str], ...]  # (builtin chain, rule) hooks into our chains
-    pod_chains: dict[str, str]  # per-pod counting chain -> pod key
+    sets: dict[str, IpSet]
 
 
 def names(prefix: str) -> dict[str, str]:
     """The fixed chain names for one prefix."""
-    return {
-        "PREROUTING": f"{prefix}-PREROUTING",
-        "POSTROUTING": f"{prefix}-POSTROUTING",
-        "NODE-IN": f"{prefix}-NODE-IN",
-        "NODE-OUT": f"{prefix}-NODE-OUT",
-        "EGRESS": f"{prefix}-EGRESS",
-        "INGRESS": f"{prefix}-INGRESS",
-        "UNKNOWN": f"{prefix}-UNKNOWN",
-    }
+    return {tag: f"{prefix}-{tag}" for tag in (
+        "PREROUTING", "POSTROUTING", "NODE-IN", "NODE-OUT", "UNKNOWN",
+        "EGRESS-INT", "FROM-PEER", "FROM-POD", "POD-INT", "TO-POD")}
+
+
+def set_names(prefix: str) -> list[str]:
+    """Every ipset name ours can have (both families, with the swap sets): cleanup destroys these."""
+    return [f"{prefix.lower()}-{suffix}{family}{tmp}" for family in (4, 6) for suffix in SET_SUFFIXES
+            for tmp in ("", SWAP_SUFFIX)]
 
 
 def is_ours(chain: str, prefix: str) -> bool:
@@ -81,11 +115,8 @@ def short_hash(text: str) -> str:
     return base64.b32encode(digest).decode()[:10]
 
 
-def pod_chain(prefix: str, direction: str, key: str) -> str:
-    return f"{prefix}-{'E' if direction == 'egress' else 'I'}-{short_hash(key)}"
-
-
 def ipset_name(prefix: str, family: int) -> str:
+    """The internal-CIDR set of one family."""
     return f"{prefix.lower()}-internal{family}"
 
 
@@ -98,16 +129,17 @@ def classify_target(tc_class: tuple[int, int]) -> str:
     return f"{major:04x}:{minor:04x}"  # the form iptables-save prints
 
 
+def skbprio(tc_class: tuple[int, int]) -> str:
+    major, minor = tc_class
+    return f"{major:x}:{minor:x}"  # the form ipset save prints
+
+
 def comment(text: str) -> str:
     return f'-m comment --comment "{text}"'
 
 
-def counting_comment(key: str, direction: str, scope: str) -> str:
-    """`<pod key> <direction> <scope>`; a key too long for xt_comment is cut and tagged with its hash
-    (counters then take the key from the chain name, which `apply` maps back)."""
-    if len(key.encode()) > MAX_KEY_IN_COMMENT:
-        key = key.encode()[:MAX_KEY_IN_COMMENT - 12].decode(errors="ignore") + "~" + short_hash(key)
-    return comment(f"{key} {direction} {scope}")
+def _host(addr: Address) -> str:
+    return str(ipaddress.ip_network(f"{addr}/{addr.max_prefixlen}"))
 
 
 # -- validation -------------------------------------------------------------------------
@@ -197,105 +229,120 @@ def validate(state: ClassifierState) -> None:
 
 # -- building ---------------------------------------------------------------------------
 
-def _host(addr: Address) -> str:
-    return f"{addr}/{addr.max_prefixlen}"
+def _set(prefix: str, family: int, suffix: str, kind: str, extensions: tuple[str, ...],
+         members: dict[str, tuple[tuple[str, str], ...]]) -> IpSet:
+    return IpSet(f"{prefix.lower()}-{suffix}{family}", kind, family, extensions, members)
 
 
-def _dispatch(chains: dict[str, tuple[str, ...]], root: str, sub_tag: str, flag: str,
-              entries: list[tuple[Address, str]]) -> None:
-    """Fill `root` (and sub-chains) with a prefix tree that sends each address to its pod chain by goto."""
-    bits = entries[0][0].max_prefixlen if entries else 32
-    net_type = ipaddress.IPv4Network if bits == 32 else ipaddress.IPv6Network
+def _key_text(key: str) -> str:
+    """The pod key as an ipset comment (at most 255 bytes): a long key is cut and tagged with its hash."""
+    if len(key.encode()) > MAX_KEY_IN_COMMENT:
+        return key.encode()[:MAX_KEY_IN_COMMENT - 12].decode(errors="ignore") + "~" + short_hash(key)
+    return key
 
-    def fill(chain: str, items: list[tuple[Address, str]]) -> None:
-        if len(items) <= FANOUT:
-            chains[chain] = tuple(f"{flag} {_host(a)} -g {target}" for a, target in items)
-            return
-        ints = [int(a) for a, _ in items]
-        common = bits - (min(ints) ^ max(ints)).bit_length()  # sorted: first and last bound the common prefix
-        plen = min(bits, common + 4)
-        groups: dict[int, list] = {}
-        for a, target in items:
-            groups.setdefault(int(a) >> (bits - plen), []).append((a, target))
-        rules = []
-        for head, group in sorted(groups.items()):
-            if len(group) == 1:
-                a, target = group[0]
-                rules.append(f"{flag} {_host(a)} -g {target}")
-                continue
-            net = net_type((head << (bits - plen), plen))
-            child = f"{sub_tag}-{short_hash(str(net))}"
-            rules.append(f"{flag} {net} -g {child}")
-            fill(child, group)
-        chains[chain] = tuple(rules)
 
-    fill(root, sorted(entries, key=lambda e: int(e[0])))
+def build_sets(state: ClassifierState, family: int, prefix: str = "NETAGENT") -> dict[str, IpSet]:
+    """The ipsets of one family: the internal CIDRs, the internal sources that are no pod of this
+    node, and the four per-pod counting sets (egress/ingress x internal/internet)."""
+    internal = set_members(state.internal_cidrs)[family]
+    pods: list[tuple[str, PodClassification]] = []
+    for pod in state.pods:
+        for ip in pod.ips:
+            addr = ipaddress.ip_address(ip)
+            if addr.version == family:
+                pods.append((str(addr), pod))
+    named = {ip: (("comment", _key_text(pod.key)),) for ip, pod in pods}
+    marked = {ip: (("comment", _key_text(pod.key)), ("skbmark", xmark(state.mark_bit)),
+                   ("skbprio", skbprio(pod.tc_class))) for ip, pod in pods}
+    peer = {net: () for net in internal}
+    peer.update({_host(ipaddress.ip_address(ip)): (("nomatch", ""),) for ip, _ in pods})
+    sets = [
+        _set(prefix, family, "internal", "hash:net", (), {net: () for net in internal}),
+        _set(prefix, family, "peer", "hash:net", (), peer),
+        _set(prefix, family, "egress-int", "hash:ip", COUNTED, named),
+        _set(prefix, family, "egress-inet", "hash:ip", COUNTED + ("skbinfo",), marked),
+        _set(prefix, family, "ingress-int", "hash:ip", COUNTED, named),
+        _set(prefix, family, "ingress-inet", "hash:ip", COUNTED, named),
+    ]
+    return {s.name: s for s in sets}
+
+
+def set_kind(name: str, prefix: str) -> str | None:
+    """The counter kind ("egress_internal", ...) a per-pod set of ours counts, else None."""
+    head = prefix.lower() + "-"
+    if not name.startswith(head) or name[-1:] not in ("4", "6"):
+        return None
+    return POD_SET_KINDS.get(name[len(head):-1])
 
 
 def build(state: ClassifierState, family: int, prefix: str = "NETAGENT") -> Ruleset:
-    """The desired ruleset of one family (4 or 6). Raises IptablesError on bad input."""
+    """The desired ruleset and ipsets of one family (4 or 6). Raises IptablesError on bad input.
+
+    The rules do not depend on the pods: adding, removing or reclassifying a pod changes set
+    members only (see the module docstring for the layout).
+    """
     if family not in (4, 6):
         raise IptablesError(f"family {family!r} must be 4 or 6")
     validate_prefix(prefix)
     validate(state)
     n = names(prefix)
-    internal = ipset_name(prefix, family)
+    sets = build_sets(state, family, prefix)
+    s = {suffix: f"{prefix.lower()}-{suffix}{family}" for suffix in SET_SUFFIXES}
     mark = xmark(state.mark_bit)
     chains: dict[str, tuple[str, ...]] = {}
+    internal = set_members(state.internal_cidrs)[family]
+
+    def scope(where: str, rest: str) -> tuple[str, ...]:
+        """Rules that apply `rest` to packets whose `where` ("src"/"dst") address is internal: one plain
+        -s/-d rule per CIDR while there are few (a plain match costs ~10 ns, a set lookup ~300 ns),
+        else one lookup in the internal set."""
+        if len(internal) <= RULE_CIDRS_MAX:
+            return tuple(f"{'-s' if where == 'src' else '-d'} {net} {rest}" for net in internal)
+        return (f"-m set --match-set {s['internal']} {where} {rest}",)
 
     unknown: tuple[str, ...] = ()
     if state.default_class is not None:
-        # NODE-OUT runs after the pod dispatch: a known pod's internet packet already carries our mark
-        # (and its own class). Forwarded only: a source that is one of the node's addresses is host traffic.
+        # after the pods' SET: a known pod's internet packet already carries our mark (and its own
+        # class). Forwarded only: a source that is one of the node's addresses is host traffic.
         unknown = (f"-m mark ! --mark {mark} -m addrtype ! --src-type LOCAL -j {n['UNKNOWN']}",)
         chains[n["UNKNOWN"]] = (
             f"{comment('unknown source egress internet')} -j MARK --set-xmark {mark}",
             f"-j CLASSIFY --set-class {classify_target(state.default_class)}",
         )
     chains[n["NODE-OUT"]] = (
-        f"-m set --match-set {internal} dst {comment('node egress internal')} -j RETURN",
+        *scope("dst", f"{comment('node egress internal')} -g {n['EGRESS-INT']}"),
+        f"-j SET --map-set {s['egress-inet']} src --map-mark --map-prio",
         *unknown,
         f"{comment('node egress internet')} -j RETURN",
     )
+    chains[n["EGRESS-INT"]] = (f"-m set --match-set {s['egress-int']} src -j RETURN",)
+    chains[n["FROM-PEER"]] = (f"-m set --match-set {s['ingress-int']} dst -j RETURN",)
+    chains[n["FROM-POD"]] = (
+        *scope("dst", f"-g {n['POD-INT']}"),
+        f"-m set --match-set {s['egress-inet']} src",
+        f"-g {n['TO-POD']}",
+    )
+    chains[n["POD-INT"]] = (
+        f"-m set --match-set {s['egress-int']} src",
+        f"-g {n['TO-POD']}",
+    )
+    chains[n["TO-POD"]] = (
+        *scope("src", f"-g {n['FROM-PEER']}"),
+        f"-m set --match-set {s['ingress-inet']} dst -j RETURN",
+    )
     chains[n["NODE-IN"]] = (
-        f"-m set --match-set {internal} src {comment('node ingress internal')} -j RETURN",
+        *scope("src", f"{comment('node ingress internal')} -j RETURN"),
         f"{comment('node ingress internet')} -j RETURN",
     )
     chains[n["PREROUTING"]] = tuple(f"-i {dev} -j {n['NODE-IN']}" for dev in state.uplinks)
     chains[n["POSTROUTING"]] = (
-        f"-j {n['EGRESS']}",
-        *(f"-o {dev} -j {n['NODE-OUT']}" for dev in state.uplinks),
-        *(f"-o {dev} -j RETURN" for dev in state.uplinks),
-        f"-j {n['INGRESS']}",
+        *(f"-o {dev} -g {n['NODE-OUT']}" for dev in state.uplinks),
+        f"-m set --match-set {s['peer']} src -g {n['FROM-PEER']}",
+        f"-m set --match-set {s['egress-int']} src ! --update-counters -g {n['FROM-POD']}",
+        f"-m set --match-set {s['ingress-inet']} dst -j RETURN",
     )
-
-    egress: list[tuple[Address, str]] = []
-    ingress: list[tuple[Address, str]] = []
-    pod_chains: dict[str, str] = {}
-    for pod in sorted(state.pods, key=lambda p: p.key):
-        addrs = [ipaddress.ip_address(ip) for ip in pod.ips]
-        addrs = sorted(a for a in addrs if a.version == family)
-        if not addrs:
-            continue
-        e_chain, i_chain = pod_chain(prefix, "egress", pod.key), pod_chain(prefix, "ingress", pod.key)
-        chains[e_chain] = (
-            f"-m set --match-set {internal} dst {counting_comment(pod.key, 'egress', 'internal')} -j RETURN",
-            f"{counting_comment(pod.key, 'egress', 'internet')} -j MARK --set-xmark {mark}",
-            f"-j CLASSIFY --set-class {classify_target(pod.tc_class)}",
-        )
-        chains[i_chain] = (
-            f"-m set --match-set {internal} src {counting_comment(pod.key, 'ingress', 'internal')} -j RETURN",
-            f"{counting_comment(pod.key, 'ingress', 'internet')} -j RETURN",
-        )
-        pod_chains[e_chain] = pod.key
-        pod_chains[i_chain] = pod.key
-        egress += [(a, e_chain) for a in addrs]
-        ingress += [(a, i_chain) for a in addrs]
-    _dispatch(chains, n["EGRESS"], f"{prefix}-ES", "-s", egress)
-    _dispatch(chains, n["INGRESS"], f"{prefix}-IS", "-d", ingress)
-
     jumps = tuple((hook, f"-j {n[hook]}") for hook in HOOKS)
-    return Ruleset(family, chains, jumps, pod_chains)
+    return Ruleset(family, chains, jumps, sets)
 
 
 def render(state: ClassifierState, family: int, prefix: str = "NETAGENT") -> str:

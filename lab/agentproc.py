@@ -154,9 +154,11 @@ def tc_class_bytes(netns: str, minor: int) -> int:
 
 
 def iptables_text(netns: str) -> str:
+    """The classifier's kernel state: our mangle rules, and the ipsets where the pods' addresses live."""
     out = []
     for tool in ("iptables-save", "ip6tables-save"):
         out.append(run([tool, "-t", "mangle"], netns))
+    out.append(run(["ipset", "save"], netns, check=False))
     return "\n".join(out)
 
 
@@ -171,7 +173,8 @@ def kernel_dump(netns: str, uplink: str = "eth0") -> str:
     ]
     for tool in ("iptables-save", "ip6tables-save"):
         parts.append("\n".join(l for l in run([tool], netns).splitlines() if not l.startswith("#")))
-    parts.append(run(["ipset", "save"], netns, check=False))
+    # the pod sets count bytes per member: what was programmed is the rest of each line
+    parts.append(re.sub(r" packets \d+ bytes \d+", "", run(["ipset", "save"], netns, check=False)))
     return "\n".join(parts)
 
 

@@ -10,11 +10,21 @@ state costs reads only and changes nothing.
 The shaper and the classifier are used from three threads (sync loop, sampler,
 HTTP scrapes); each has its own lock, and counters are read on a second netlink
 socket so a scrape never waits for a reconcile's batch.
+
+Counters cost: the HTB class stats are one netlink dump; the iptables/ipset counters are an
+`ipset save` and two `iptables-save -c` (processes, ~10 ms of CPU each). Both are kept with the
+time they were read and shared: the sampler reads the class stats once a second and everyone
+else takes that copy; the byte counters are read at most once per `max_age` (1 s by default;
+the view asks for no fresher than a report period in controller mode, so the reporter's read
+serves the scrapes), whatever the scrape rate. A read of the byte counters does not hold the
+lock the sync loop applies under: it runs beside an apply and is redone under the lock only if
+an apply ran meanwhile (the classifier's carried bytes and the kernel's sets must match).
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Protocol
 
 from core.errors import NetagentError
@@ -46,13 +56,25 @@ class DataPath(Protocol):
         """Make the kernel match `desired`; the number of changes by kind ("tc", "iptables", "ipset")."""
 
     def class_stats(self) -> dict[int, ClassStats]:
-        """HTB minor -> counters of the pod classes (and the node and default classes)."""
+        """HTB minor -> counters of the pod classes (and the node and default classes); may be the
+        sampler's copy, at most a second old."""
 
-    def counters(self) -> tuple[PodCounters, NodeCounters]:
-        """Bytes by direction and scope, per pod and for the node."""
+    def sample_stats(self) -> tuple[float, dict[int, ClassStats]]:
+        """(monotonic time of the read, class stats) read now: the sampler's once-a-second read."""
+
+    def counters(self, max_age: float = 1.0) -> tuple[PodCounters, NodeCounters]:
+        """Bytes by direction and scope, per pod and for the node, read at most `max_age` s ago."""
 
     def adopted_rates(self) -> dict[int, tuple[int, int]]:
         """HTB minor -> (rate, ceil) bit/s the kernel holds now: what a restarted agent keeps."""
+
+
+STATS_MAX_AGE = 1.5  # the sampler reads every second; a scrape takes its copy unless a sample was missed
+
+
+def _copy(counters: tuple[PodCounters, NodeCounters]) -> tuple[PodCounters, NodeCounters]:
+    pods, node = counters
+    return {k: dict(v) for k, v in pods.items()}, dict(node)
 
 
 class DataPathError(NetagentError, RuntimeError):
@@ -87,8 +109,13 @@ class KernelDataPath:
         self._tc_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._ipt_lock = threading.Lock()
+        self._counters_lock = threading.Lock()  # one counters read at a time; the others take its result
+        self._ipt_seq = 0  # odd while an iptables apply runs; bumped at its start and end
         self._applied_classifier = None  # the classifier state the kernel was last made to match
         self._hooks: tuple[int, ...] | None = None  # our mangle lines per family after the last apply
+        self._stats: tuple[float, dict[int, ClassStats]] | None = None
+        self._counters: tuple[float, tuple[PodCounters, NodeCounters]] | None = None
+        self.reads = {"class_stats": 0, "counters": 0}  # kernel reads done (bench/agent.py, tests)
 
     def check_conflicts(self) -> None:
         """Refuse to start when someone else already uses our mark bit."""
@@ -111,7 +138,11 @@ class KernelDataPath:
             if full or desired.classifier != self._applied_classifier:
                 self._applied_classifier = None  # unknown until this apply succeeds
                 self._hooks = None
-                changes.update({k: int(v) for k, v in self._classifier.apply(desired.classifier).items()})
+                self._ipt_seq += 1
+                try:
+                    changes.update({k: int(v) for k, v in self._classifier.apply(desired.classifier).items()})
+                finally:
+                    self._ipt_seq += 1
                 self._applied_classifier = desired.classifier
                 self._hooks = self._read_hooks()
         return changes
@@ -133,18 +164,43 @@ class KernelDataPath:
         finally:
             self._ipt_lock.release()
 
-    def class_stats(self) -> dict[int, ClassStats]:
+    def sample_stats(self) -> tuple[float, dict[int, ClassStats]]:
         with self._stats_lock:
-            return self._stats_shaper.stats(self.options.ifb, self.options.htb_major)
+            stats = self._stats_shaper.stats(self.options.ifb, self.options.htb_major)
+            self.reads["class_stats"] += 1
+            self._stats = (time.monotonic(), stats)
+            return self._stats
 
-    def counters(self) -> tuple[PodCounters, NodeCounters]:
-        with self._ipt_lock:
-            return self._classifier.counters()
+    def class_stats(self) -> dict[int, ClassStats]:
+        cached = self._stats
+        if cached is not None and time.monotonic() - cached[0] <= STATS_MAX_AGE:
+            return cached[1]
+        return self.sample_stats()[1]
+
+    def counters(self, max_age: float = 1.0) -> tuple[PodCounters, NodeCounters]:
+        with self._counters_lock:
+            cached = self._counters
+            if cached is not None and time.monotonic() - cached[0] <= max_age:
+                return _copy(cached[1])
+            seq = self._ipt_seq
+            found = None
+            if seq % 2 == 0:
+                t = time.monotonic()
+                found = self._classifier.counters()
+                if self._ipt_seq != seq:
+                    found = None  # an apply ran meanwhile: the carried bytes may not match the sets read
+            if found is None:
+                with self._ipt_lock:
+                    t = time.monotonic()
+                    found = self._classifier.counters()
+            self.reads["counters"] += 1
+            self._counters = (t, found)
+            return _copy(found)
 
     def adopted_rates(self) -> dict[int, tuple[int, int]]:
         """minor -> (rate, ceil) in bit/s of every HTB class the kernel holds now (the node
         class included, as minor 1): a restarted agent starts from exactly these."""
-        return {minor: (st.rate_bytes * 8, st.ceil_bytes * 8) for minor, st in self.class_stats().items()}
+        return {minor: (st.rate_bytes * 8, st.ceil_bytes * 8) for minor, st in self.sample_stats()[1].items()}
 
     def close(self) -> None:
         for s in (self._shaper, self._stats_shaper):

@@ -6,6 +6,8 @@ stats, counters and adopted rates a test puts in it.
 """
 from __future__ import annotations
 
+import time
+
 from tc.model import ClassStats
 
 from .datapath import NodeCounters, PodCounters
@@ -36,7 +38,10 @@ class FakeDataPath:
     def class_stats(self) -> dict[int, ClassStats]:
         return dict(self.stats)
 
-    def counters(self) -> tuple[PodCounters, NodeCounters]:
+    def sample_stats(self) -> tuple[float, dict[int, ClassStats]]:
+        return time.monotonic(), dict(self.stats)
+
+    def counters(self, max_age: float = 1.0) -> tuple[PodCounters, NodeCounters]:
         return {k: dict(v) for k, v in self.pod_counters.items()}, dict(self.node_counters)
 
     def adopted_rates(self) -> dict[int, tuple[int, int]]:

@@ -62,8 +62,7 @@ class Sampler:
 
     def sample(self) -> None:
         """One sample of every pod class: usage, throttling and demand per pod."""
-        stats = self.datapath.class_stats()
-        now = time.monotonic()
+        now, stats = self.datapath.sample_stats()  # the one read a second; the view shares it
         state = self.node.state
         pods = {p.key: p for p in state.pods}
         allocs = self.allocations.current.pods

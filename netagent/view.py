@@ -66,8 +66,10 @@ class NodeView:
 
 def node_view(cfg: AgentConfig, state: SyncState, allocations: Allocations, demand: dict[str, PodDemand],
               datapath: DataPath, controller_reachable: bool) -> NodeView:
-    """The node as the agent sees it now: its last decisions plus the kernel's counters, read once."""
-    pod_counters, node_counters = datapath.counters()
+    """The node as the agent sees it now: its last decisions plus the kernel's counters, as the
+    sampler and the reporter last read them (byte counters at most a report period old in controller
+    mode, a second otherwise): a scrape costs no kernel read of its own, whatever the scrape rate."""
+    pod_counters, node_counters = datapath.counters(max_age=cfg.report_period if cfg.controller else 1.0)
     stats = datapath.class_stats()
     desired = state.desired
     shapes = {c.minor: c for c in desired.shaper.pods} if desired is not None else {}

@@ -71,6 +71,9 @@ def desired_classes(spec: ShaperSpec, ticks: TickFn) -> dict[int, ClassParams]:
 
 
 def leaf_limit(spec: ShaperSpec, c: HtbClassSpec) -> int:
+    """The leaf's limit: bytes for bfifo, packets for pfifo (fq_codel has none of ours)."""
+    if spec.leaf == "bfifo":
+        return sizing.leaf_limit_bytes(c.ceil)
     return sizing.leaf_limit_packets(c.ceil)
 
 
@@ -125,7 +128,7 @@ def plan_ops(spec: ShaperSpec, obs: ObservedShaper, ticks: TickFn) -> list[Op]:
         have_leaf = observed_leaves.get(c.minor)
         if have_leaf is None or have_leaf.kind != spec.leaf or have_leaf.handle_major != c.minor:
             ops.append(Op("replace_leaf", ifb, c.minor, leaf_kind=spec.leaf, leaf_limit=limit))
-        elif spec.leaf == "pfifo" and have_leaf.limit != limit:
+        elif spec.leaf in ("pfifo", "bfifo") and have_leaf.limit != limit:
             ops.append(Op("replace_leaf", ifb, c.minor, leaf_kind=spec.leaf, leaf_limit=limit))
 
     # 4. uplinks: clsact, then the redirect filter (only now is the IFB ready)

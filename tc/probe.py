@@ -53,6 +53,8 @@ class Capabilities:
 
     @property
     def leaf_qdisc(self) -> str:
+        # fq_codel where the kernel has it, else pfifo. A byte-limited bfifo leaf (tc/sizing.leaf_limit_bytes)
+        # is supported and was measured (bench/latency.py): no lower loaded RTT than pfifo here, more drops
         return "fq_codel" if "fq_codel" in self.qdiscs else "pfifo"
 
     def missing(self) -> list[str]:
@@ -153,14 +155,21 @@ def _try_features(shaper: Shaper, device: str) -> Capabilities:
 
 def _root_qdisc_works(shaper: Shaper, idx: int, kind: str) -> bool:
     try:
-        shaper.ipr.tc("add", kind, idx, 0x10000, **QDISC_OPTIONS.get(kind, {}))
+        if kind in ("pfifo", "bfifo"):
+            err = shaper.add_fifo_root(idx, kind, QDISC_OPTIONS[kind]["limit"])
+            if err:
+                log.debug("tc probe: qdisc %s not available: errno %d", kind, err)
+                return False
+        else:
+            shaper.ipr.tc("add", kind, idx, 0x10000, **QDISC_OPTIONS.get(kind, {}))
     except (NetlinkError, KeyError, TypeError, ValueError) as exc:  # pyroute2 lacks encoders for some
         log.debug("tc probe: qdisc %s not available: %s", kind, exc)
         return False
     try:
         root = [rawnl.parse_qdisc(h, parent, payload) for h, parent, payload in shaper.chan.dump_qdiscs(idx)
                 if parent == ROOT]
-        return any(q.kind == kind and (kind != "pfifo" or q.pfifo_limit == PFIFO_LIMIT) for q in root)
+        return any(q.kind == kind and (kind not in ("pfifo", "bfifo") or q.pfifo_limit == QDISC_OPTIONS[kind]["limit"])
+                   for q in root)
     finally:
         shaper.ipr.tc("del", index=idx, parent=ROOT)
 

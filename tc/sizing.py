@@ -33,3 +33,13 @@ def leaf_limit_packets(bps: int) -> int:
     """pfifo length: about 100 ms of full-size packets at the ceil, kept between
     64 and 2000 so slow classes don't bloat and fast ones don't tail-drop bursts."""
     return min(2000, max(64, bytes_per_second(bps) // 10 // MTU_BYTES))
+
+
+LEAF_QUEUE_MS = 5  # bfifo: what the queue may hold at the ceil, beyond one GSO packet
+
+
+def leaf_limit_bytes(bps: int) -> int:
+    """bfifo length in bytes: a few milliseconds at the ceil plus one GSO packet (the largest
+    skb TCP hands down; a byte limit below it would drop every full-size GSO packet). A packet
+    count cannot bound the delay: GSO makes one "packet" anything from 64 B to 64 KiB."""
+    return bytes_per_second(bps) * LEAF_QUEUE_MS // 1000 + GSO_MAX_BYTES + MTU_BYTES

@@ -274,25 +274,63 @@ def iperf_rate(result: dict) -> float:
     return result["end"]["sum_sent"]["bits_per_second"]
 
 
+FIXED_RATE = 1 * G  # 100x the pod's internet limit, well under what one veth flow carries here
+FIXED_RUNS = 5  # alternated pairs at the fixed offered rate
+LINE_RUNS = 9  # alternated pairs at line rate
+# At the fixed offered rate both sides carry what is offered: >= 0.97 of unshaped is a statement
+# about shaping, not about this machine's load. At line rate (~10 Gbit/s CPU-bound veth flows) the
+# 2-core development VM, shared with other work, swings 2x between runs (4.4-13.4 Gbit/s seen in one
+# session); identical configurations then differ by up to 10 % in any estimator over nine pairs, and a
+# 0.95 bound failed about 1 run in 5. The line-rate share is therefore held where it is reliably true
+# (a gross regression, e.g. internal traffic through the IFB, fails it); the per-packet figure that
+# separates rulesets is CPU seconds per GB at a fixed offered rate in bench/classify_cost.py, and the
+# lookup counts per packet are pinned by tests/test_iptables_pure.py.
+LINE_SHARE = 0.85
+
+
 def test_internal_traffic_is_not_shaped(lab, node):
-    """Pod -> peer through the same uplink, with the pod's internet egress at 10 Mbit/s,
-    against the same path with no netagent at all, alternated to share the machine's noise."""
+    """Pod -> peer through the same uplink, with the pod's internet egress at 10 Mbit/s, against the
+    same path with no netagent at all, alternated so both sides share the machine's noise (and in
+    turn first and second in a pair, so neither side always runs right after a reprogramming).
+    Offered 1 Gbit/s (100x the pod's limit), the shaped pod delivers what the unshaped one does
+    (medians within 3 %); at line rate the median of the pairs' ratios stays above LINE_SHARE.
+    Nothing enters HTB; the pod's internal counter counts at least the bytes delivered."""
     pod = node.pods[0]
-    unshaped, shaped = [], []
-    for _ in range(5):
-        node.remove()
-        unshaped.append(iperf_rate(lab.iperf(pod.netns, PEER_V4, PORTS[0], seconds=2)))
-        node.program({pod.name: (10 * M, 10 * M)})
-        before = node.class_stats(pod).bytes
-        counted = node.classifier.counters()[0].get(pod_key(pod), {}).get("egress_internal", 0)
-        shaped.append(iperf_rate(lab.iperf(pod.netns, PEER_V4, PORTS[0], seconds=2)))
-        assert node.class_stats(pod).bytes == before, "internal traffic entered the shaper"
-        assert node.classifier.counters()[0][pod_key(pod)]["egress_internal"] - counted > 10 * M
-    # medians of five alternated runs: one run slowed by the shared machine's noise
-    # (these are ~15 Gbit/s CPU-bound veth flows) must not decide either side
-    ratio = statistics.median(shaped) / statistics.median(unshaped)
-    assert ratio >= 0.9, (f"internal {statistics.median(shaped) / G:.2f} Gbit/s vs unshaped "
-                          f"{statistics.median(unshaped) / G:.2f} Gbit/s (runs {shaped} vs {unshaped})")
+
+    def received(result: dict) -> float:
+        return result["end"]["sum_received"]["bits_per_second"]
+
+    def pairs(count: int, extra: list[str] | None) -> dict[bool, list[float]]:
+        runs: dict[bool, list[float]] = {False: [], True: []}
+        for i in range(count):
+            for shaped in ((False, True) if i % 2 == 0 else (True, False)):
+                if not shaped:
+                    node.remove()
+                    runs[False].append(received(lab.iperf(pod.netns, PEER_V4, PORTS[0], seconds=2, extra=extra)))
+                    continue
+                node.program({pod.name: (10 * M, 10 * M)})
+                before = node.class_stats(pod).bytes
+                counted = node.classifier.counters()[0].get(pod_key(pod), {}).get("egress_internal", 0)
+                result = lab.iperf(pod.netns, PEER_V4, PORTS[0], seconds=2, extra=extra)
+                runs[True].append(received(result))
+                assert node.class_stats(pod).bytes == before, "internal traffic entered the shaper"
+                delivered = result["end"]["sum_received"]["bytes"]
+                assert node.classifier.counters()[0][pod_key(pod)]["egress_internal"] - counted >= delivered
+        return runs
+
+    fixed = pairs(FIXED_RUNS, ["-b", str(FIXED_RATE)])
+    shaped, unshaped = statistics.median(fixed[True]), statistics.median(fixed[False])
+    assert unshaped >= 0.9 * FIXED_RATE, f"the machine did not carry {FIXED_RATE / G:g} Gbit/s unshaped: {fixed}"
+    assert shaped / unshaped >= 0.97, (
+        f"offered {FIXED_RATE / G:g} Gbit/s: internal {shaped / G:.3f} vs unshaped {unshaped / G:.3f} Gbit/s "
+        f"(runs {[round(v / G, 3) for v in fixed[True]]} vs {[round(v / G, 3) for v in fixed[False]]})")
+
+    line = pairs(LINE_RUNS, None)
+    # the median of each pair's ratio: a pair shares the machine's state of the moment
+    share = statistics.median(s / u for s, u in zip(line[True], line[False]))
+    assert share >= LINE_SHARE, (
+        f"internal at line rate: median pair ratio {share:.3f} "
+        f"(runs {[round(v / G, 2) for v in line[True]]} vs {[round(v / G, 2) for v in line[False]]})")
 
 
 # -- sharing -----------------------------------------------------------------------------

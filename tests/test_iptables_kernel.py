@@ -87,11 +87,15 @@ def netns():
 def test_apply_is_idempotent_and_adopted_by_a_fresh_classifier(netns, backend):
     clf = Classifier(backend=backend, netns=netns)
     first = clf.apply(state(4))
-    assert first["iptables"] > 0 and first["ipset"] == 2
-    # the kernel holds exactly what we rendered: MARK and CLASSIFY work in this backend, both families
+    assert first["iptables"] > 0 and first["ipset"] == 12  # 6 sets per family
+    # the kernel holds exactly what we rendered: SET (mark and priority from the set), MARK and CLASSIFY
+    # (the default class) work in this backend, both families
     for family, tool in ((4, "iptables"), (6, "ip6tables")):
         dump = sh(f"{tool}-{backend}-save -t mangle", netns)
-        assert "-j MARK --set-xmark 0x1000/0x1000" in dump and "-j CLASSIFY --set-class 0001:0010" in dump
+        assert f"-j SET --map-set netagent-egress-inet{family} src --map-mark --map-prio" in dump
+        assert "-j MARK --set-xmark 0x1000/0x1000" in dump and "-j CLASSIFY --set-class 0001:fffe" in dump
+    assert "add netagent-egress-inet6 fd00:244::10 packets 0 bytes 0 comment \"ns/p0\" skbmark 0x1000/0x1000 skbprio 1:10" \
+        in sh("ipset save netagent-egress-inet6", netns)
     calls = count_restores(clf)
     assert clf.apply(state(4)) == {"iptables": 0, "ipset": 0}
     assert calls == []
@@ -110,6 +114,10 @@ def test_backend_follows_kubelets_hint_chain(netns, backend):
     assert Classifier(backend="legacy" if backend == "nft" else "nft", netns=netns).backend != backend  # override
 
 
+def members(netns: str, name: str) -> list[str]:
+    return sorted(ln.split(" packets ")[0] for ln in sh(f"ipset save {name}", netns).splitlines() if ln.startswith("add "))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_change_one_pod_then_remove_one(netns, backend):
     clf = Classifier(backend=backend, netns=netns)
@@ -118,15 +126,15 @@ def test_change_one_pod_then_remove_one(netns, backend):
     changed = list(pods(4))
     changed[1] = PodClassification(changed[1].key, changed[1].ips, (1, 0xABC))
     calls = count_restores(clf)
-    assert clf.apply(state(pod_list=tuple(changed))) == {"iptables": 2, "ipset": 0}  # one chain per family
-    assert len(calls) == 2  # one transaction per family
-    after = our_dump(netns, backend)
-    assert [ln for ln in after if ln not in before] == [ln for ln in after if "0001:0abc" in ln]
+    assert clf.apply(state(pod_list=tuple(changed))) == {"iptables": 0, "ipset": 2}  # one member per family
+    assert calls == [] and our_dump(netns, backend) == before  # no rule touched
+    assert 'fd00:244::11 packets 0 bytes 0 comment "ns/p1" skbmark 0x1000/0x1000 skbprio 1:abc' in \
+        sh("ipset save netagent-egress-inet6", netns)
     removed = clf.apply(state(pod_list=tuple(changed[:3])))
-    assert removed["iptables"] > 0
-    gone = R.pod_chain("NETAGENT", "egress", "ns/p3")
-    for tool in ("iptables", "ip6tables"):
-        assert not [ln for ln in our_dump(netns, backend, tool) if gone in ln or "10.244.0.13" in ln]
+    assert removed == {"iptables": 0, "ipset": 10}  # per family: the peer set and the four pod sets
+    for name in R.set_names("NETAGENT"):
+        if not name.endswith("-tmp") and "internal" not in name:
+            assert not [m for m in members(netns, name) if "10.244.0.13" in m or "fd00:244::13" in m], name
     assert clf.apply(state(pod_list=tuple(changed[:3]))) == {"iptables": 0, "ipset": 0}
 
 
@@ -135,12 +143,15 @@ def test_drift_is_repaired(netns, backend):
     clf = Classifier(backend=backend, netns=netns)
     clf.apply(state(20))
     good = {tool: our_dump(netns, backend, tool) for tool in ("iptables", "ip6tables")}
-    # someone flushes a dispatch chain and deletes our hook; someone else deletes a pod chain's rule
-    sh(f"iptables-{backend} -t mangle -F NETAGENT-EGRESS", netns)
+    good_sets = {name: members(netns, name) for name in ("netagent-ingress-int4", "netagent-peer6")}
+    # someone flushes a chain and deletes our hook; someone else deletes a rule, and set members
+    sh(f"iptables-{backend} -t mangle -F NETAGENT-NODE-OUT", netns)
     sh(f"iptables-{backend} -t mangle -D POSTROUTING -j NETAGENT-POSTROUTING", netns)
-    sh(f"ip6tables-{backend} -t mangle -D {R.pod_chain('NETAGENT', 'ingress', 'ns/p7')} 2", netns)
-    assert clf.apply(state(20)) == {"iptables": 3, "ipset": 0}
+    sh(f"ip6tables-{backend} -t mangle -D NETAGENT-TO-POD 2", netns)
+    sh("ipset del netagent-ingress-int4 10.244.0.17 && ipset del netagent-peer6 fd00:244::12", netns)
+    assert clf.apply(state(20)) == {"iptables": 3, "ipset": 2}
     assert {tool: our_dump(netns, backend, tool) for tool in ("iptables", "ip6tables")} == good
+    assert {name: members(netns, name) for name in good_sets} == good_sets
 
 
 def test_switching_backend_removes_our_rules_from_the_old_one(netns):
@@ -162,10 +173,15 @@ def test_longest_pod_key_fits_and_counts(netns):
 def test_internal_cidrs_are_swapped_atomically(netns):
     clf = Classifier(backend="nft", netns=netns)
     clf.apply(state(2))
-    assert clf.apply(state(2, cidrs=("10.0.0.0/8", "172.16.0.0/12", "fd00::/8"))) == {"iptables": 0, "ipset": 1}
-    members = sh("ipset list netagent-internal4", netns)
-    assert "172.16.0.0/12" in members and "169.254.0.0/16" in members
-    assert "netagent-internal4-tmp" not in sh("ipset list -n", netns)
+    # the internal set and the peer set (internal CIDRs less the pods) of IPv4, and the four IPv4 chains
+    # whose scope test is one plain rule per CIDR (one iptables-restore: atomic too)
+    assert clf.apply(state(2, cidrs=("10.0.0.0/8", "172.16.0.0/12", "fd00::/8"))) == {"iptables": 4, "ipset": 2}
+    assert "-A NETAGENT-NODE-OUT -d 172.16.0.0/12" in sh("iptables-nft-save -t mangle", netns)
+    for name in ("netagent-internal4", "netagent-peer4"):
+        listed = sh(f"ipset list {name}", netns)
+        assert "172.16.0.0/12" in listed and "169.254.0.0/16" in listed
+    assert "10.244.0.10 nomatch" in sh("ipset list netagent-peer4", netns)
+    assert "-tmp" not in sh("ipset list -n", netns)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -204,14 +220,15 @@ def test_conflicting_mark_bit_is_named(netns, backend):
 def test_failed_apply_leaves_previous_state_in_force(netns):
     clf = Classifier(backend="nft", netns=netns)
     clf.apply(state(3))
-    # someone else's ip6tables chain jumps to a pod chain of ours: deleting that pod must fail in IPv6
-    sh(f"ip6tables-nft -t mangle -N OTHER && ip6tables-nft -t mangle -A OTHER -j {R.pod_chain('NETAGENT', 'egress', 'ns/p2')}", netns)
+    # someone else's ip6tables chain jumps to our catch-all chain: dropping the default class must fail in IPv6
+    sh("ip6tables-nft -t mangle -N OTHER && ip6tables-nft -t mangle -A OTHER -j NETAGENT-UNKNOWN", netns)
     before = dumps(netns)
+    plain = ClassifierState(0x1000, ("10.0.0.0/8", "192.168.0.0/16", "fd00::/8"), pods(2), ("eth0",))
     with pytest.raises(IptablesError, match="previous rules stay in force"):
-        clf.apply(state(2, cidrs=("10.0.0.0/8", "192.168.0.0/16", "fd00::/8")))
-    assert dumps(netns) == before  # IPv4 rolled back, ipset contents restored
+        clf.apply(plain)
+    assert dumps(netns) == before  # IPv4 rolled back, ipset contents restored (a pod less, a CIDR more)
     # cleanup never edits another component's rule: it refuses and names it
-    with pytest.raises(IptablesError, match="other rules jump to them .*-A OTHER -j NETAGENT-E-"):
+    with pytest.raises(IptablesError, match="other rules jump to them .*-A OTHER -j NETAGENT-UNKNOWN"):
         clf.cleanup()
     sh("ip6tables-nft -t mangle -F OTHER && ip6tables-nft -t mangle -X OTHER", netns)
     assert clf.cleanup() and clf.cleanup() == []
@@ -323,14 +340,30 @@ def test_counters_move_with_real_packets(backend):
             # counters survive adoption by a fresh classifier (no flush)
             again, _ = Classifier(backend="auto", netns=node.netns).counters()
             assert again[keys[0]] == pods2[keys[0]]
-            # a class change refills the pod's egress chain: its counts are carried, never lost
+            # a class change rewrites the pod's set members in place: the kernel keeps their counters
             moved = ClassifierState(st.mark_bit, st.internal_cidrs,
                                     (PodClassification(keys[0], st.pods[0].ips, (1, 0x77)), st.pods[1]), st.uplinks)
-            assert clf.apply(moved)["iptables"] == 2
+            assert clf.apply(moved) == {"iptables": 0, "ipset": 2}  # a set member's skbprio, per family
             after, _ = clf.counters()
             assert after[keys[0]] == pods2[keys[0]]
+            # the class is the new one: priority 1:77 on the pod's internet packets
+            assert "skbprio 1:77" in sh("ipset save netagent-egress-inet4", node.netns)
             sh(f"ping -c 1 -s 1000 {INTERNET_V4}", pod0.netns)
             assert clf.counters()[0][keys[0]]["egress_internet"] == pods2[keys[0]]["egress_internet"] + 1028
+            # the pod's address changes (its old set members go): their bytes are carried, never lost
+            counted = clf.counters()[0][keys[0]]
+            readdressed = ClassifierState(st.mark_bit, st.internal_cidrs,
+                                          (PodClassification(keys[0], ("10.244.0.99", pod0.ip6), (1, 0x77)), st.pods[1]),
+                                          st.uplinks)
+            assert clf.apply(readdressed) == {"iptables": 0, "ipset": 5}  # IPv4: the peer set and the four pod sets
+            assert clf.counters()[0][keys[0]] == counted
+            # an address that passes to another pod starts from zero for it: bytes never move between pods
+            assert counted["egress_internet"] > 0 and pods2[keys[0]]["ingress_internet"] > 0
+            heir = ClassifierState(st.mark_bit, st.internal_cidrs,
+                                   (PodClassification("default/heir", (pod0.ip6,), (1, 0x78)), st.pods[1]), st.uplinks)
+            clf.apply(heir)
+            assert clf.counters()[0]["default/heir"] == dict.fromkeys(R.KINDS, 0)
+            assert keys[0] not in clf.counters()[0]
         finally:
             clf.cleanup()
 

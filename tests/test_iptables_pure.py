@@ -10,7 +10,8 @@ from iptables import render as R
 from iptables.backend import choose_backend, has_kubelet_hint, rule_count
 from iptables.errors import IptablesError
 from iptables.model import ClassifierState, PodClassification
-from iptables.parse import comment_of, counted_comments, mark_masks, normalise, parse_ipset_save, parse_save, tokens
+from iptables.parse import (comment_of, counted_comments, mark_masks, normalise, parse_ipset_entries, parse_ipset_save,
+                            parse_save, tokens)
 
 
 def pods(n: int, base4: str = "10.244.0.10", base6: str = "fd00:244::10") -> tuple[PodClassification, ...]:
@@ -36,100 +37,77 @@ def parse_restore(text: str) -> dict[str, list[list[str]]]:
     return chains
 
 
-def walk(chains: dict[str, list[list[str]]], root: str, flag: str, addr: str) -> tuple[str | None, int]:
-    """Follow -s/-d matches and -g gotos from `root`; -> (pod chain reached, rules evaluated)."""
-    ip = ipaddress.ip_address(addr)
-    chain, evaluated = root, 0
-    while True:
-        for rule in chains[chain]:
-            evaluated += 1
-            net = ipaddress.ip_network(rule[rule.index(flag) + 1])
-            if ip in net:
-                chain = rule[rule.index("-g") + 1]
-                break
-        else:
-            return None, evaluated
-        if chain not in chains or not chains[chain] or flag not in chains[chain][0]:
-            return chain, evaluated
-
-
 # -- render -----------------------------------------------------------------------------
 
 def test_render_is_deterministic_and_family_specific():
     st = state(3)
     v4, v6 = R.render(st, 4), R.render(st, 6)
     assert v4 == R.render(st, 4)
-    assert "10.244.0.10/32" in v4 and "fd00:244" not in v4
-    assert "fd00:244::10/128" in v6 and "10.244" not in v6
-    assert "--match-set netagent-internal4 dst" in v4 and "--match-set netagent-internal6 dst" in v6
-    assert "-j MARK --set-xmark 0x1000/0x1000" in v4
-    assert "-j CLASSIFY --set-class 0001:0010" in v4
+    assert "-d 10.0.0.0/8 -m comment" in v4 and "-d fd00::/8 -m comment" in v6  # few CIDRs: plain rules
+    assert "-j SET --map-set netagent-egress-inet4 src --map-mark --map-prio" in v4
     assert "-I POSTROUTING 1 -j NETAGENT-POSTROUTING" in v4 and "-I PREROUTING 1 -j NETAGENT-PREROUTING" in v4
     assert v4.startswith("*mangle\n") and v4.endswith("COMMIT\n")
+    sets4, sets6 = R.build(st, 4).sets, R.build(st, 6).sets
+    assert set(sets4["netagent-egress-int4"].members) == {"10.244.0.10", "10.244.0.11", "10.244.0.12"}
+    assert set(sets6["netagent-ingress-inet6"].members) == {"fd00:244::10", "fd00:244::11", "fd00:244::12"}
+    assert all(s.family == 4 for s in sets4.values()) and all(s.family == 6 for s in sets6.values())
 
 
-def test_every_chain_is_ours_and_short_enough():
+def test_rules_never_name_a_pod():
+    """10 or 110 pods, any classes: the same rules; pods live in the sets only."""
+    small, big = R.build(state(10), 4), R.build(state(110), 4)
+    assert small.chains == big.chains and small.jumps == big.jumps
+    assert len(big.sets["netagent-egress-inet4"].members) == 110
+    assert "10.244.0" not in R.render(state(110), 4)
+
+
+def test_every_chain_and_set_is_ours_and_short_enough():
     rs = R.build(state(110), 4, prefix="ABCDEFGHIJKL")
     for name in rs.chains:
         assert R.is_ours(name, "ABCDEFGHIJKL") and len(name) <= R.MAX_CHAIN_NAME
     assert not R.is_ours("ABCDEFGHIJKLM-X", "ABCDEFGHIJKL")
+    assert all(len(n) <= R.MAX_SET_NAME for n in R.set_names("ABCDEFGHIJKL"))
+    assert set(rs.sets) | set(R.build(state(1), 6, prefix="ABCDEFGHIJKL").sets) == \
+        {n for n in R.set_names("ABCDEFGHIJKL") if not n.endswith(R.SWAP_SUFFIX)}
 
 
-def test_pod_chains_count_each_direction_and_scope():
+def test_pod_sets_count_each_direction_and_scope():
     rs = R.build(state(1), 4)
-    e = R.pod_chain("NETAGENT", "egress", "ns/p0")
-    i = R.pod_chain("NETAGENT", "ingress", "ns/p0")
-    assert [comment_of(r) for r in rs.chains[e][:2]] == ["ns/p0 egress internal", "ns/p0 egress internet"]
-    assert [comment_of(r) for r in rs.chains[i]] == ["ns/p0 ingress internal", "ns/p0 ingress internet"]
-    assert rs.pod_chains == {e: "ns/p0", i: "ns/p0"}
+    assert {n: R.set_kind(n, "NETAGENT") for n in rs.sets} == {
+        "netagent-internal4": None, "netagent-peer4": None,
+        "netagent-egress-int4": "egress_internal", "netagent-egress-inet4": "egress_internet",
+        "netagent-ingress-int4": "ingress_internal", "netagent-ingress-inet4": "ingress_internet"}
+    for name in ("netagent-egress-int4", "netagent-ingress-int4", "netagent-ingress-inet4"):
+        assert rs.sets[name].members == {"10.244.0.10": (("comment", "ns/p0"),)}
+        assert rs.sets[name].create == "hash:ip family inet counters comment"
+    marked = rs.sets["netagent-egress-inet4"]
+    assert marked.create == "hash:ip family inet counters comment skbinfo"
+    assert marked.members == {"10.244.0.10": (("comment", "ns/p0"), ("skbmark", "0x1000/0x1000"), ("skbprio", "1:10"))}
+    # the peer set: internal CIDRs, the node's pods excluded (nomatch: the most specific entry decides)
+    assert rs.sets["netagent-peer4"].members["10.244.0.10/32"] == (("nomatch", ""),)
+    assert rs.sets["netagent-peer4"].members["10.0.0.0/8"] == ()
+    assert not rs.sets["netagent-internal4"].counted and not rs.sets["netagent-peer4"].counted
 
 
-def test_long_pod_keys_keep_the_counted_kind_in_the_comment():
+def test_long_pod_keys_are_cut_in_set_comments():
     key = "n" * 63 + "/" + "p" * 253  # the longest Kubernetes namespace/name
     rs = R.build(state(pods=(PodClassification(key, ("10.244.0.9",), (1, 9)),)), 4)
-    texts = [comment_of(r) for r in rs.chains[R.pod_chain("NETAGENT", "egress", key)][:2]]
-    assert all(len(t.encode()) < 255 for t in texts)
-    assert texts[0].endswith(" egress internal") and texts[1].endswith(" egress internet")
-    assert rs.pod_chains[R.pod_chain("NETAGENT", "egress", key)] == key
-
-
-@pytest.mark.parametrize("family", [4, 6])
-def test_dispatch_reaches_every_pod_in_few_rules(family):
-    st = state(110)
-    chains = parse_restore(R.render(st, family))
-    worst = 0
-    for pod in st.pods:
-        addr = [a for a in pod.ips if ipaddress.ip_address(a).version == family][0]
-        for root, flag, direction in (("NETAGENT-EGRESS", "-s", "egress"), ("NETAGENT-INGRESS", "-d", "ingress")):
-            reached, evaluated = walk(chains, root, flag, addr)
-            assert reached == R.pod_chain("NETAGENT", direction, pod.key)
-            worst = max(worst, evaluated)
-    assert worst <= 2 * R.FANOUT  # a flat list would be up to 110 rules
-    outsider = "10.9.9.9" if family == 4 else "fd00:9::9"
-    assert walk(chains, "NETAGENT-EGRESS", "-s", outsider)[0] is None
-
-
-def test_dispatch_of_scattered_addresses():
-    scattered = tuple(PodClassification(f"ns/s{i}", (f"10.{i}.{i * 7 % 256}.{i * 13 % 250 + 1}",), (1, i + 1))
-                      for i in range(60))
-    st = state(pods=scattered)
-    chains = parse_restore(R.render(st, 4))
-    for pod in scattered:
-        assert walk(chains, "NETAGENT-EGRESS", "-s", pod.ips[0])[0] == R.pod_chain("NETAGENT", "egress", pod.key)
+    text = dict(rs.sets["netagent-egress-int4"].members["10.244.0.9"])["comment"]
+    assert len(text.encode()) < 255 and text.startswith("n" * 63 + "/") and "~" in text
 
 
 def test_single_stack_pods_appear_only_in_their_family():
     v4_only = PodClassification("ns/four", ("10.244.0.5",), (1, 5))
     v6_only = PodClassification("ns/six", ("fd00:244::6",), (1, 6))
     st = state(pods=(v4_only, v6_only))
-    assert set(R.build(st, 4).pod_chains.values()) == {"ns/four"}
-    assert set(R.build(st, 6).pod_chains.values()) == {"ns/six"}
+    assert set(R.build(st, 4).sets["netagent-egress-int4"].members) == {"10.244.0.5"}
+    assert set(R.build(st, 6).sets["netagent-egress-int6"].members) == {"fd00:244::6"}
 
 
 def test_node_counters_hook_every_uplink():
     rs = R.build(state(0, uplinks=("eth0", "eth1")), 4)
     post = rs.chains["NETAGENT-POSTROUTING"]
-    assert "-o eth0 -j NETAGENT-NODE-OUT" in post and "-o eth1 -j NETAGENT-NODE-OUT" in post
+    assert post[:2] == ("-o eth0 -g NETAGENT-NODE-OUT", "-o eth1 -g NETAGENT-NODE-OUT")
     assert rs.chains["NETAGENT-PREROUTING"] == ("-i eth0 -j NETAGENT-NODE-IN", "-i eth1 -j NETAGENT-NODE-IN")
 
 
@@ -193,26 +171,24 @@ def test_update_from_nothing_declares_everything_and_hooks():
     assert parse_restore(up.text) == parse_restore(R.render(state(2), 6))
 
 
-def test_class_change_rewrites_only_that_pods_chain():
+def test_class_change_touches_no_rule_and_one_set_member():
     old = state(20)
     changed = list(old.pods)
     changed[5] = PodClassification(changed[5].key, changed[5].ips, (1, 0x999))
-    rs = R.build(ClassifierState(old.mark_bit, old.internal_cidrs, tuple(changed), old.uplinks), 4)
-    up = R.render_update(rs, *kernel_view(R.build(old, 4)))
-    e = R.pod_chain("NETAGENT", "egress", "ns/p5")
-    assert up.rewritten == (e,) and up.changes == 1
-    assert "--set-class 0001:0999" in up.text
+    new = R.build(ClassifierState(old.mark_bit, old.internal_cidrs, tuple(changed), old.uplinks), 4)
+    was = R.build(old, 4)
+    assert R.render_update(new, *kernel_view(was)) == R.Update("", 0, ())
+    differ = {n: [m for m in s.members if s.members[m] != was.sets[n].members.get(m)] for n, s in new.sets.items()}
+    assert {n: m for n, m in differ.items() if m} == {"netagent-egress-inet4": ["10.244.0.15"]}
+    assert dict(new.sets["netagent-egress-inet4"].members["10.244.0.15"])["skbprio"] == "1:999"
 
 
-def test_pod_removal_deletes_its_chains_after_unhooking():
+def test_pod_removal_touches_no_rule():
     old = state(3)
-    rs = R.build(ClassifierState(old.mark_bit, old.internal_cidrs, old.pods[:2], old.uplinks), 4)
-    up = R.render_update(rs, *kernel_view(R.build(old, 4)))
-    lines = up.text.splitlines()
-    gone = {R.pod_chain("NETAGENT", d, "ns/p2") for d in ("egress", "ingress")}
-    assert {ln.split()[1] for ln in lines if ln.startswith("-X ")} == gone
-    # the dispatch chains that referenced them are refilled in the same transaction, before -X
-    assert max(i for i, ln in enumerate(lines) if ln.startswith("-A NETAGENT-EGRESS")) < lines.index(f"-X {sorted(gone)[0]}")
+    new = R.build(ClassifierState(old.mark_bit, old.internal_cidrs, old.pods[:2], old.uplinks), 4)
+    assert R.render_update(new, *kernel_view(R.build(old, 4))).changes == 0
+    assert "10.244.0.12" not in new.sets["netagent-ingress-int4"].members
+    assert "10.244.0.12/32" not in new.sets["netagent-peer4"].members
 
 
 def test_missing_hook_is_inserted_and_duplicate_removed():
@@ -295,6 +271,18 @@ def test_parse_ipset_save():
     assert sets == {"s": ("hash:net family inet hashsize 1024 maxelem 65536", {"10.0.0.0/8", "10.1.2.3"})}
 
 
+def test_parse_ipset_entries_reads_extensions_and_counters():
+    text = ('create s hash:ip family inet hashsize 1024 maxelem 65536 counters comment skbinfo bucketsize 12 initval 0x1\n'
+            'add s 10.244.0.10 packets 2 bytes 456 comment "ns/pod x" skbmark 0x1000/0x1000 skbprio 1:10\n'
+            'add s 10.244.0.11 packets 0 bytes 0 comment "ns/q" skbmark 0x1000 skbprio 0001:00fe\n'
+            'create p hash:net family inet hashsize 1024 maxelem 65536 bucketsize 12 initval 0x2\n'
+            'add p 10.244.0.10 nomatch\nadd p 10.0.0.0/8\n')
+    sets = parse_ipset_entries(text)
+    assert sets["s"][1]["10.244.0.10"] == ((("comment", "ns/pod x"), ("skbmark", "0x1000/0x1000"), ("skbprio", "1:10")), 456)
+    assert sets["s"][1]["10.244.0.11"][0] == (("comment", "ns/q"), ("skbmark", "0x1000/0xffffffff"), ("skbprio", "1:fe"))
+    assert sets["p"][1] == {"10.244.0.10": ((("nomatch", ""),), 0), "10.0.0.0/8": ((), 0)}
+
+
 # -- backend detection ----------------------------------------------------------------------
 
 def fake_save(dumps: dict[tuple[int, str, str | None], str]):
@@ -321,42 +309,67 @@ DEFAULT = (1, 0xFFFE)
 
 
 def evaluate(state: ClassifierState, family: int, src: str, dst: str, oif: str, local_src: bool = False) -> dict:
-    """Run one packet through a parse of the rendered POSTROUTING rules, as the kernel would.
+    """Run one packet through a parse of the rendered POSTROUTING rules and the built sets, as the kernel would.
 
-    -> {"mark": skb mark, "priority": (major, minor) or None, "counted": comments of the rules it matched}.
+    -> {"mark": skb mark, "priority": (major, minor) or None, "lookups": set lookups made,
+        "counted": what counted it: rule comments, and "<pod key> <kind>" for a pod set member's counter}.
+    hash:net is longest-prefix match and a `nomatch` member answers "not in the set"; a rule's
+    matches stop at the first that fails (later set lookups are neither made nor counted).
     """
+    rs = R.build(state, family)
     chains = parse_restore(R.render(state, family))
-    internal = [ipaddress.ip_network(c) for c in R.set_members(state.internal_cidrs)[family]]
-    pkt = {"mark": 0, "priority": None, "counted": []}
+    pkt = {"mark": 0, "priority": None, "counted": [], "lookups": 0}
+    addr = {"src": ipaddress.ip_address(src), "dst": ipaddress.ip_address(dst)}
+
+    def lookup(name: str, where: str):
+        """-> the matched member's extensions (a dict), or None."""
+        pkt["lookups"] += 1
+        s, ip = rs.sets[name], addr[where]
+        if s.type == "hash:ip":
+            ext = s.members.get(str(ip))
+            return None if ext is None else dict(ext)
+        best = max((ipaddress.ip_network(m) for m in s.members if ip in ipaddress.ip_network(m)),
+                   key=lambda n: n.prefixlen, default=None)
+        ext = None if best is None else dict(s.members[str(best)])
+        return None if ext is None or "nomatch" in ext else ext
+
+    def count(name: str, ext: dict) -> None:
+        if rs.sets[name].counted:
+            pkt["counted"].append(f"{ext['comment']} {R.set_kind(name, 'NETAGENT')}")
 
     def matches(rule: list[str]) -> bool:
-        i, negate, ok = 0, False, True
+        i, negate = 0, False
         while i < len(rule) and rule[i] not in ("-j", "-g"):
             tok, arg = rule[i], rule[i + 1] if i + 1 < len(rule) else ""
-            result = None
+            step, result = 2, None
             if tok == "!":
                 negate, i = True, i + 1
                 continue
             if tok == "-o":
                 result = arg == oif
             elif tok in ("-s", "-d"):
-                result = ipaddress.ip_address(src if tok == "-s" else dst) in ipaddress.ip_network(arg)
+                result = addr["src" if tok == "-s" else "dst"] in ipaddress.ip_network(arg)
             elif tok == "--mark":
                 value, mask = (int(v, 16) for v in arg.split("/"))
                 result = pkt["mark"] & mask == value
             elif tok == "--match-set":
-                addr = ipaddress.ip_address(src if rule[i + 2] == "src" else dst)
-                result = any(addr in net for net in internal)
+                ext = lookup(arg, rule[i + 2])
+                if ext is not None and "--update-counters" not in rule:  # "! --update-counters": no count
+                    count(arg, ext)
+                result, step = ext is not None, 3
+            elif tok == "--update-counters":
+                negate, step = False, 1
             elif tok == "--src-type" and arg == "LOCAL":
                 result = local_src
             elif tok not in ("-m", "--comment"):
                 raise AssertionError(f"this fake does not know {tok} {arg}")
-            if result is not None:
-                ok = ok and (result != negate)
-            negate, i = False, i + (3 if tok == "--match-set" else 2)  # option, argument(s)
-        return ok
+            if result is not None and result == negate:
+                return False
+            negate, i = False, i + step
+        return True
 
-    def run(chain: str) -> None:
+    def run(chain: str) -> bool:
+        """-> True when the chain ended the walk of its caller too (a -g chain that returned)."""
         for rule in chains[chain]:
             if not matches(rule):
                 continue
@@ -367,19 +380,86 @@ def evaluate(state: ClassifierState, family: int, src: str, dst: str, oif: str, 
                 continue
             verb, target = rule[where], rule[where + 1]
             if target == "RETURN":
-                return
+                return False
             if target == "MARK":
                 value, mask = (int(v, 16) for v in rule[where + 3].split("/"))
                 pkt["mark"] = (pkt["mark"] & ~mask) | value
             elif target == "CLASSIFY":
                 pkt["priority"] = tuple(int(v, 16) for v in rule[where + 3].split(":"))
+            elif target == "SET":
+                name = rule[where + 3]
+                ext = lookup(name, rule[where + 4])
+                if ext is not None:
+                    count(name, ext)
+                    value, mask = (int(v, 16) for v in ext["skbmark"].split("/"))
+                    pkt["mark"] = (pkt["mark"] & ~mask) ^ value
+                    pkt["priority"] = tuple(int(v, 16) for v in ext["skbprio"].split(":"))
+            elif verb == "-g":
+                run(target)
+                return False  # a goto's chain returns to our caller
             else:
                 run(target)
-                if verb == "-g":
-                    return
+        return False
 
     run("NETAGENT-POSTROUTING")
     return pkt
+
+
+NET = {4: dict(pod="10.244.0.10", other="10.244.0.11", peer="10.0.0.2", internet="192.0.2.1", node="10.0.0.1",
+               stranger="10.244.0.99", outside="192.168.7.7"),
+       6: dict(pod="fd00:244::10", other="fd00:244::11", peer="fd00::2", internet="2001:db8::1", node="fd00::1",
+               stranger="fd00:244::99", outside="2001:db8:7::7")}
+
+
+MANY = tuple(f"10.{i}.0.0/16" for i in range(20)) + ("10.244.0.0/16", "fd00::/8",) + tuple(f"fd{i:02x}::/16" for i in range(1, 21))
+
+
+@pytest.mark.parametrize("family", [4, 6])
+@pytest.mark.parametrize("n", [10, 110])
+@pytest.mark.parametrize("cidrs", [("10.0.0.0/8", "fd00::/8"), MANY], ids=["few-cidrs", "many-cidrs"])
+def test_every_packet_counted_once_by_direction_and_scope_in_one_or_two_lookups(family, n, cidrs):
+    """What each kind of packet is counted as, marked with, and costs in set lookups, for 10 and
+    110 pods; with few internal CIDRs the scope test is plain rules, with many one more lookup."""
+    st = state(n, default_class=DEFAULT, internal_cidrs=cidrs)
+    a = dict(NET[family], peer="10.1.0.2" if family == 4 else "fd00::2")
+    scope = 0 if cidrs != MANY else 1  # the internal set, when the CIDRs are too many for rules
+    cases = [  # src, dst, out device, local source -> counted, mark, class, set lookups
+        (a["pod"], a["peer"], "eth0", False, ["node egress internal", "ns/p0 egress_internal"], 0, None, 1 + scope),
+        (a["pod"], a["internet"], "eth0", False, ["ns/p0 egress_internet", "node egress internet"], 0x1000, (1, 0x10),
+         1 + scope),
+        (a["peer"], a["pod"], "vp0", False, ["ns/p0 ingress_internal"], 0, None, 2),
+        (a["node"], a["pod"], "vp0", True, ["ns/p0 ingress_internal"], 0, None, 2),
+        (a["internet"], a["pod"], "vp0", False, ["ns/p0 ingress_internet"], 0, None, 3),
+        (a["pod"], a["other"], "vp1", False, ["ns/p0 egress_internal", "ns/p1 ingress_internal"], 0, None, 4 + 2 * scope),
+        (a["node"], a["internet"], "eth0", True, ["node egress internet"], 0, None, 1 + scope),
+        (a["node"], a["peer"], "eth0", True, ["node egress internal"], 0, None, 1 + scope),
+        (a["peer"], a["internet"], "vx", False, [], 0, None, 2),  # neither end a pod, not an uplink
+    ]
+    for src, dst, oif, local, counted, mark, prio, lookups in cases:
+        pkt = evaluate(st, family, src, dst, oif, local)
+        what = f"{src} -> {dst} via {oif}: {pkt}"
+        assert (pkt["counted"], pkt["mark"], pkt["priority"], pkt["lookups"]) == (counted, mark, prio, lookups), what
+
+
+def test_few_internal_cidrs_are_rules_many_are_a_set():
+    few, many = R.build(state(3), 4), R.build(state(3, internal_cidrs=MANY), 4)
+    assert sum(r.startswith("-d ") for r in few.chains["NETAGENT-NODE-OUT"]) == 4  # 10/8 + link-local, multicast, bcast
+    assert not any("netagent-internal4" in r for rules in few.chains.values() for r in rules)
+    assert sum("--match-set netagent-internal4" in r for rules in many.chains.values() for r in rules) == 4
+    assert not any(r.startswith(("-d ", "-s ")) for rules in many.chains.values() for r in rules)
+
+
+@pytest.mark.parametrize("family", [4, 6])
+def test_a_pod_outside_the_internal_cidrs_is_counted_by_the_other_ends_scope(family):
+    """A pod whose own address is not internal (pod CIDR left out of the internal CIDRs): the scope is
+    always the other end's, as before: its packets to a neighbour are internal egress for it and
+    internet ingress for the neighbour; the neighbour's replies are internet egress and internal ingress."""
+    a = NET[family]
+    odd = PodClassification("ns/odd", (a["outside"],), (1, 0x77))
+    st = state(2, pods=(*pods(2), odd))
+    assert evaluate(st, family, a["outside"], a["pod"], "vp0")["counted"] == ["ns/odd egress_internal", "ns/p0 ingress_internet"]
+    assert evaluate(st, family, a["pod"], a["outside"], "vp2")["counted"] == ["ns/p0 egress_internet", "ns/odd ingress_internal"]
+    assert evaluate(st, family, a["outside"], a["internet"], "eth0")["counted"] == ["ns/odd egress_internet", "node egress internet"]
 
 
 @pytest.mark.parametrize("family", [4, 6])
@@ -391,7 +471,7 @@ def test_unknown_sources_go_to_the_default_class_and_known_pods_keep_theirs(fami
 
     pod = evaluate(st, family, known, internet, "eth0")
     assert (pod["mark"], pod["priority"]) == (0x1000, (1, 0x11))
-    assert "unknown source egress internet" not in pod["counted"]
+    assert pod["counted"] == ["ns/p1 egress_internet", "node egress internet"]
 
     unknown = evaluate(st, family, stranger, internet, "eth0")
     assert (unknown["mark"], unknown["priority"]) == (0x1000, DEFAULT)
@@ -405,13 +485,17 @@ def test_unknown_sources_go_to_the_default_class_and_known_pods_keep_theirs(fami
         assert "unknown source egress internet" not in quiet["counted"]
 
 
-def test_catch_all_is_in_the_node_egress_chain_after_the_pod_dispatch():
+def test_catch_all_is_in_the_node_egress_chain_after_the_pods_set():
     rs = R.build(state(2, default_class=DEFAULT, uplinks=("eth0", "eth1")), 6)
     assert rs.chains["NETAGENT-POSTROUTING"] == (
-        "-j NETAGENT-EGRESS", "-o eth0 -j NETAGENT-NODE-OUT", "-o eth1 -j NETAGENT-NODE-OUT",
-        "-o eth0 -j RETURN", "-o eth1 -j RETURN", "-j NETAGENT-INGRESS")
+        "-o eth0 -g NETAGENT-NODE-OUT", "-o eth1 -g NETAGENT-NODE-OUT",
+        "-m set --match-set netagent-peer6 src -g NETAGENT-FROM-PEER",
+        "-m set --match-set netagent-egress-int6 src ! --update-counters -g NETAGENT-FROM-POD",
+        "-m set --match-set netagent-ingress-inet6 dst -j RETURN")
     assert rs.chains["NETAGENT-NODE-OUT"] == (
-        '-m set --match-set netagent-internal6 dst -m comment --comment "node egress internal" -j RETURN',
+        *(f'-d {net} -m comment --comment "node egress internal" -g NETAGENT-EGRESS-INT'
+          for net in ("fd00::/8", "fe80::/10", "ff00::/8")),
+        "-j SET --map-set netagent-egress-inet6 src --map-mark --map-prio",
         "-m mark ! --mark 0x1000/0x1000 -m addrtype ! --src-type LOCAL -j NETAGENT-UNKNOWN",
         '-m comment --comment "node egress internet" -j RETURN')
     assert rs.chains["NETAGENT-UNKNOWN"] == (
@@ -420,7 +504,7 @@ def test_catch_all_is_in_the_node_egress_chain_after_the_pod_dispatch():
     assert "NETAGENT-UNKNOWN" not in R.build(state(2), 6).chains
 
 
-def test_turning_the_default_class_on_touches_no_pod_chain():
+def test_turning_the_default_class_on_touches_only_the_node_egress_chain():
     old = R.build(state(20), 4)
     new = R.build(state(20, default_class=DEFAULT), 4)
     up = R.render_update(new, *kernel_view(old))

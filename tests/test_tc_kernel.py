@@ -201,3 +201,16 @@ def test_node_rate_change_then_restart_changes_nothing(node):
         assert s.apply(make_spec(node_rate=100_000_000)).changes == 0
     with Shaper(node) as fresh:
         assert fresh.plan(make_spec(node_rate=100_000_000)) == []
+
+
+def test_bfifo_leaf_holds_its_byte_limit_and_is_adopted(node):
+    """The byte-limited leaf (pyroute2 has no bfifo encoder: sent with pfifo's tc_fifo_qopt)."""
+    from tc import sizing
+    spec = make_spec(leaf="bfifo")
+    with Shaper(node) as s:
+        s.apply(spec)
+        leaves = s.observe(spec).leaves
+        assert (leaves[0x10A].kind, leaves[0x10A].limit) == ("bfifo", sizing.leaf_limit_bytes(20_000_000))
+        assert s.apply(spec).changes == 0
+    with Shaper(node) as fresh:
+        assert fresh.apply(spec).changes == 0

@@ -27,7 +27,8 @@ def converged(s: ShaperSpec) -> ObservedShaper:
     for m, p in desired_classes(s, ticks).items():
         obs.classes[m] = ObservedClass(m, p.parent_minor, p.rate_bytes, p.ceil_bytes, p.buffer, p.cbuffer, p.quantum, 0)
     for c in s.classes:
-        obs.leaves[c.minor] = ObservedLeaf(c.minor, s.leaf, c.minor, sizing.leaf_limit_packets(c.ceil))
+        limit = sizing.leaf_limit_bytes(c.ceil) if s.leaf == "bfifo" else sizing.leaf_limit_packets(c.ceil)
+        obs.leaves[c.minor] = ObservedLeaf(c.minor, s.leaf, c.minor, limit)
     for up in s.uplinks:
         obs.uplink_index[up] = 3
         obs.uplink_clsact[up] = True
@@ -135,3 +136,15 @@ def test_probe_without_ifb_names_only_the_ifb():
     caps = Capabilities(frozenset({"htb", "clsact", "pfifo"}), frozenset({"bpf"}), frozenset(), ifb=True)
     assert caps.missing() == ["action mirred (act_mirred)"] and caps.leaf_qdisc == "pfifo"
     assert Capabilities(frozenset({"fq_codel"}), ifb=True).leaf_qdisc == "fq_codel"
+
+
+def test_bfifo_leaf_is_sized_in_bytes_and_kept_when_converged():
+    """A byte-limited leaf: 5 ms at the ceil plus one 64 KiB GSO packet (a GSO packet can always pass)."""
+    assert sizing.leaf_limit_bytes(20_000_000) == 2_500_000 * 5 // 1000 + 65536 + 1514
+    assert sizing.leaf_limit_bytes(10**9) == 125_000_000 * 5 // 1000 + 65536 + 1514
+    s = spec(leaf="bfifo")
+    assert plan_ops(s, converged(s), ticks) == []
+    obs = converged(s)
+    obs.leaves[0x10] = ObservedLeaf(0x10, "bfifo", 0x10, 1000)  # someone shrank it
+    ops = plan_ops(s, obs, ticks)
+    assert [(o.action, o.leaf_kind, o.leaf_limit) for o in ops] == [("replace_leaf", "bfifo", sizing.leaf_limit_bytes(20_000_000))]
