@@ -67,7 +67,9 @@ def test_drift_is_repaired_before_the_periodic_resync(setup, fault):
                     else node.uplink)
     # (the repair may beat any check here: netlink events arrive within milliseconds)
     wait_for(lambda: shaped(node), timeout=REPAIR_WAIT, interval=0.1, what=f"repair after {fault}")
-    assert agent.metric("netagent_drift_detected_total") > before
+    # the repair came from the drift watch (not the 600 s resync); a scrape may lag the repair
+    wait_for(lambda: agent.metric("netagent_drift_detected_total") > before, timeout=REPAIR_WAIT,
+             what="the drift counted")
     wait_for(lambda: agent.get("/readyz")[0] == 200, timeout=REPAIR_WAIT, what="ready again")
     if fault == "uplink renamed":  # put the name back: the lab removes the device by its name
         rename_link(node.netns, current_uplink(node), node.uplink)
