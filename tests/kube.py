@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from kubernetes import client
 
 # The harness lives in lab/kube.py (the benchmarks use it too); the tests import it from here.
@@ -53,6 +54,24 @@ def require_assets(names: Iterable[str]) -> Path:
         if os.environ.get("NETAGENT_REQUIRE_KUBE") == "1":
             pytest.fail(f"{e} (NETAGENT_REQUIRE_KUBE=1)", pytrace=False)
         pytest.skip(str(e))
+
+
+def deployed_rbac(name: str, namespace: str) -> list[dict]:
+    """deploy/base/<name> (rendered from the chart into netagent-system) moved into a test's
+    namespace: its namespaced objects and ServiceAccount subjects there, its cluster-scoped
+    objects suffixed with the namespace so tests never collide."""
+    docs = [d for d in yaml.safe_load_all((REPO / "deploy" / "base" / name).read_text()) if d]
+    for d in docs:
+        if "namespace" in d["metadata"]:
+            d["metadata"]["namespace"] = namespace
+        if d["kind"] in ("ClusterRole", "ClusterRoleBinding"):
+            d["metadata"]["name"] += f"-{namespace}"
+        if d["kind"] in ("ClusterRoleBinding", "RoleBinding"):
+            if d["roleRef"]["kind"] == "ClusterRole":
+                d["roleRef"]["name"] += f"-{namespace}"
+            for subject in d["subjects"]:
+                subject["namespace"] = namespace
+    return docs
 
 
 # ---------------------------------------------------------------------------------------------

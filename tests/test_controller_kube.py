@@ -20,6 +20,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from lab.procs import stop_process
+from tests.kube import deployed_rbac
 from tests.test_controller_service import free_port, make_agent, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -198,17 +199,7 @@ def controller_rbac(kube_api, kube_namespace):
     import yaml
 
     suffix = kube_namespace
-    docs = [d for d in yaml.safe_load_all((REPO / "deploy" / "base" / "rbac-controller.yaml").read_text()) if d]
-    for d in docs:
-        if "namespace" in d["metadata"]:  # rendered from the chart into netagent-system
-            d["metadata"]["namespace"] = kube_namespace
-        if d["kind"] in ("ClusterRole", "ClusterRoleBinding"):
-            d["metadata"]["name"] += f"-{suffix}"
-        if d["kind"] in ("ClusterRoleBinding", "RoleBinding"):
-            if d["roleRef"]["kind"] == "ClusterRole":
-                d["roleRef"]["name"] += f"-{suffix}"
-            for subject in d["subjects"]:
-                subject["namespace"] = kube_namespace
+    docs = deployed_rbac("rbac-controller.yaml", kube_namespace)
     kube_api.kubectl("apply", "-n", kube_namespace, "-f", "-", input=yaml.safe_dump_all(docs))
     request = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(expiration_seconds=3600))
     token = client.CoreV1Api(kube_api.admin).create_namespaced_service_account_token(

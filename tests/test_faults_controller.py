@@ -25,6 +25,7 @@ import pytest
 from kubernetes import client
 
 from lab.procs import wait_for
+from tests.kube import deployed_rbac
 from tests.test_controller_kube import (AUDIENCE, _unverified, budget, controller, crds, leading,  # noqa: F401
                                         nodes_and_pods, post, workload)
 
@@ -295,18 +296,10 @@ def test_rollout_new_leader_before_its_caches_sync(kube_api, budget, nodes_and_p
                                                "spec": {"nodeName": nodes["a"], "containers": [
                                                    {"name": "c", "image": "x.invalid/p:1"}]}})
     pods = [workload(namespace, n) for n in ["work-a", *names]]
-    repo = Path(__file__).resolve().parent.parent
-    docs = [d for d in yaml.safe_load_all((repo / "deploy/base/rbac-controller.yaml").read_text()) if d]
+    docs = deployed_rbac("rbac-controller.yaml", namespace)
     rbac = client.RbacAuthorizationV1Api(kube_api.admin)
     suffix = namespace
     for d in docs:
-        if d["kind"] in ("ClusterRole", "ClusterRoleBinding"):
-            d["metadata"]["name"] += f"-{suffix}"
-        if d["kind"] in ("ClusterRoleBinding", "RoleBinding"):
-            if d["roleRef"]["kind"] == "ClusterRole":
-                d["roleRef"]["name"] += f"-{suffix}"
-            for subject in d["subjects"]:
-                subject["namespace"] = namespace
         if d["kind"] == "ClusterRole":  # no pods yet: the pod cache cannot sync
             d["rules"] = [{**r, "resources": [x for x in r["resources"] if x != "pods"]} for r in d["rules"]]
     kube_api.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(docs))
