@@ -30,7 +30,7 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lab.topology import Lab  # noqa: E402
-from netagent.desired import PodShape, assign_minors  # noqa: E402
+from netagent.desired import DataPathOptions, PodShape, assign_minors, from_wire  # noqa: E402
 from tc.netlink import Shaper  # noqa: E402
 from bench.timing import pct, timed_ms  # noqa: E402
 from lab.agentproc import IFB, AgentProcess, pod_object, wait_for, write_objects  # noqa: E402
@@ -108,7 +108,7 @@ def main() -> int:
             agent.wait_ready(60)
 
             def ceils():
-                return {m: st.ceil_bytes * 8 for m, st in shaper.stats(IFB).items()}
+                return {m: from_wire(st.ceil_bytes * 8, DataPathOptions()) for m, st in shaper.stats(IFB).items()}
             wait_for(lambda: all(ceils().get(m) == CLASSES["bronze"] for m in minors.values()), 60, 0.1,
                      "all pods programmed")
 
@@ -122,7 +122,7 @@ def main() -> int:
                 t0 = write()
                 while True:
                     st = shaper.stats(IFB).get(minor)
-                    if st and st.ceil_bytes * 8 == want:
+                    if st and from_wire(st.ceil_bytes * 8, DataPathOptions()) == want:
                         break
                     if time.perf_counter() - t0 > 30:
                         raise RuntimeError(f"pod {pod.name}: ceil {want} never applied; see {agent.log_path}")
