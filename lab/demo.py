@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,6 +141,7 @@ class Demo:
         self.classes = {(ns, name): cls for _, ns, name, cls in PODS}
         self.team_weights = {"research": 1, "data": 1, "web": 1}
         self.series = Series()
+        self.moved: dict[str, float] = {}  # pod key -> seconds until its flow first moved
         self.events: list[tuple[float, str]] = []
 
     # -- set-up -----------------------------------------------------------------
@@ -190,9 +192,47 @@ class Demo:
             self.lab.iperf_server(self.lab.internet, port)
         for i, (n, ns, name, _) in enumerate(PODS):
             pod = self.lab.nodes[n].pods[[p[2] for p in PODS if p[0] == n].index(name)]
-            self.lab.spawn(pod.netns, ["iperf3", "-c", INTERNET_V4, "-p", str(FIRST_IPERF_PORT + i),
-                                       "-t", str(int(seconds) + 2), "-P", "2"],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            # per-interval lines, flushed as they come: `first_moved` says when each pod's flow first moved
+            proc = self.lab.spawn(pod.netns, ["iperf3", "-c", INTERNET_V4, "-p", str(FIRST_IPERF_PORT + i),
+                                              "-t", str(int(seconds) + 2), "-P", "2", "-i", "0.2", "--forceflush"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            threading.Thread(target=self._watch_flow, args=(f"{ns}/{name}", proc, time.monotonic()),
+                             name=f"iperf-{name}", daemon=True).start()
+
+    def _watch_flow(self, key: str, proc: subprocess.Popen, started: float) -> None:
+        """Read one client's interval lines as iperf3 flushes them; the first [SUM] interval that moved
+        bytes marks the moment the flow moved (at most one 0.2 s interval late). The lines go to its log."""
+        with open(self.dir / "logs" / f"iperf-{key.replace('/', '-')}.log", "w") as log:
+            for line in proc.stdout:
+                log.write(line)
+                parts = line.split()
+                # "[SUM]   0.00-0.20   sec  1.23 MBytes  ..." (with -P 2 the SUM line is the pod's total)
+                if key not in self.moved and len(parts) > 4 and parts[0] == "[SUM]" and parts[2] == "sec":
+                    try:
+                        moved = float(parts[3]) > 0
+                    except ValueError:
+                        continue
+                    if moved:
+                        self.moved[key] = round(time.monotonic() - started, 2)
+
+    def first_moved(self) -> dict[str, float | None]:
+        """Pod key -> seconds from starting its iperf3 to the first interval that moved bytes (None: never)."""
+        return {f"{ns}/{name}": self.moved.get(f"{ns}/{name}") for _, ns, name, _ in PODS}
+
+    def steady_total(self) -> dict:
+        """The measured total against the budget in steady state: the mean over the last 10 s before
+        the change and the last 10 s of the run (IP bytes, the budget's unit)."""
+        n, t = len(self.series.t), self.series.t
+        total = [sum(v[i] for v in self.series.rate.values() if i < len(v) and v[i] == v[i]) for i in range(n)]
+        change = self.events[0][0] if self.events else t[-1]
+        out = {}
+        for label, lo, hi in (("before_change", change - 10, change), ("end", t[-1] - 10, t[-1] + 1)):
+            window = [total[i] for i in range(n) if lo <= t[i] < hi]
+            if window:
+                mean = sum(window) / len(window)
+                out[label] = {"total_mbps": round(mean, 3),
+                              "error": round(mean / (float(BUDGET_TOTAL.rstrip("M"))) - 1, 4), "samples": len(window)}
+        return out
 
     # -- the changes halfway ---------------------------------------------------------
     def change(self, t: float) -> str:
@@ -324,7 +364,8 @@ class Demo:
             Path(self.opts.summary_json).write_text(json.dumps({
                 "budget_bps": float(BUDGET_TOTAL.rstrip("M")) * 1e6, "events": self.events, "t": self.series.t,
                 "rate_mbps": self.series.rate, "limit_mbps": self.series.limit,
-                "fair_before_bps": fair_before, "fair_after_bps": fair}, indent=1))
+                "fair_before_bps": fair_before, "fair_after_bps": fair,
+                "steady_total": self.steady_total(), "first_moved_s": self.first_moved()}, indent=1))
         console.print(f"chart of rates over time: {png}")
         fab = self.lab.fabric
         console.print("metrics (inside the lab; they go away with it):")

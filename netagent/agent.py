@@ -113,8 +113,9 @@ class Agent:
 
     def report_inputs(self) -> ReportInputs:
         try:
-            _, node_counters = self.datapath.counters()
-            egress = node_counters.get("egress_internet")
+            _, node_counters = self.datapath.counters()  # a fresh read, once per report period
+            # IP bytes as they left (docs/datapath.md): the unit of the pods' usage and of the budget
+            egress = node_counters.get("egress_internet_wire", node_counters.get("egress_internet"))
         except Exception as exc:
             log.debug("node counters unreadable: %s", exc)
             egress = None

@@ -30,11 +30,11 @@ from typing import Protocol
 from core.errors import NetagentError
 from iptables.apply import Classifier
 from tc.errors import TcError
-from tc.model import ClassStats
+from tc.model import NODE_MINOR, ClassStats
 from tc.netlink import Shaper
 from tc.probe import Capabilities, probe, require
 
-from .desired import DataPathOptions, DesiredState
+from .desired import DataPathOptions, DesiredState, from_wire, ip_bytes
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,10 @@ class DataPath(Protocol):
     def sample_stats(self) -> tuple[float, dict[int, ClassStats]]:
         """(monotonic time of the read, class stats) read now: the sampler's once-a-second read."""
 
-    def counters(self, max_age: float = 1.0) -> tuple[PodCounters, NodeCounters]:
-        """Bytes by direction and scope, per pod and for the node, read at most `max_age` s ago."""
+    def counters(self, max_age: float = 0.0) -> tuple[PodCounters, NodeCounters]:
+        """Bytes by direction and scope, per pod and for the node, read at most `max_age` s ago (the
+        reporter reads fresh, once per report period; the view takes that read). The node's
+        `egress_internet_wire` is its internet egress in IP bytes on the wire (docs/datapath.md)."""
 
     def adopted_rates(self) -> dict[int, tuple[int, int]]:
         """HTB minor -> (rate, ceil) bit/s the kernel holds now: what a restarted agent keeps."""
@@ -115,6 +117,8 @@ class KernelDataPath:
         self._hooks: tuple[int, ...] | None = None  # our mangle lines per family after the last apply
         self._stats: tuple[float, dict[int, ClassStats]] | None = None
         self._counters: tuple[float, tuple[PodCounters, NodeCounters]] | None = None
+        self._unshaped = 0  # host egress (bypassing the shaper) accumulated between reads
+        self._unshaped_prev: tuple[frozenset, int] | None = None
         self.reads = {"class_stats": 0, "counters": 0}  # kernel reads done (bench/agent.py, tests)
 
     def check_conflicts(self) -> None:
@@ -177,7 +181,7 @@ class KernelDataPath:
             return cached[1]
         return self.sample_stats()[1]
 
-    def counters(self, max_age: float = 1.0) -> tuple[PodCounters, NodeCounters]:
+    def counters(self, max_age: float = 0.0) -> tuple[PodCounters, NodeCounters]:
         with self._counters_lock:
             cached = self._counters
             if cached is not None and time.monotonic() - cached[0] <= max_age:
@@ -194,13 +198,35 @@ class KernelDataPath:
                     t = time.monotonic()
                     found = self._classifier.counters()
             self.reads["counters"] += 1
+            found[1]["egress_internet_wire"] = self._wire_egress(*found)
             self._counters = (t, found)
             return _copy(found)
 
+    def _wire_egress(self, pods: PodCounters, node: NodeCounters) -> int:
+        """The node's internet egress in IP bytes as it left: what the shaper sent (its node class,
+        per segment, after its drops) plus the traffic that bypasses it (host and hostNetwork pods).
+
+        The iptables counters cannot say it alone: they count before the shaper (bytes it then drops
+        and TCP sends again count twice) and a GSO packet once with one header (bulk TCP undercounts
+        by ~3.5 %). The unshaped part is the node's iptables egress minus what the pod sets and the
+        unknown-source rule counted (the same units); it is accumulated by difference between reads
+        with the same pods, so a pod that goes (its bytes leave the sum) is not mistaken for host traffic."""
+        st = self.sample_stats()[1].get(NODE_MINOR)
+        shaped = ip_bytes(st.bytes, st.packets, self.options) if st else 0
+        rest = node.get("egress_internet", 0) - node.get("egress_unknown_internet", 0) - sum(
+            c.get("egress_internet", 0) for c in pods.values())
+        keys = frozenset(pods)
+        if self._unshaped_prev is not None and self._unshaped_prev[0] == keys:
+            self._unshaped += max(0, rest - self._unshaped_prev[1])
+        self._unshaped_prev = (keys, rest)
+        return shaped + self._unshaped
+
     def adopted_rates(self) -> dict[int, tuple[int, int]]:
-        """minor -> (rate, ceil) in bit/s of every HTB class the kernel holds now (the node
+        """minor -> (rate, ceil) in IP bit/s of every HTB class the kernel holds now (the node
         class included, as minor 1): a restarted agent starts from exactly these."""
-        return {minor: (st.rate_bytes * 8, st.ceil_bytes * 8) for minor, st in self.sample_stats()[1].items()}
+        o = self.options
+        return {minor: (from_wire(st.rate_bytes * 8, o), from_wire(st.ceil_bytes * 8, o))
+                for minor, st in self.sample_stats()[1].items()}
 
     def close(self) -> None:
         for s in (self._shaper, self._stats_shaper):

@@ -41,7 +41,7 @@ class FakeDataPath:
     def sample_stats(self) -> tuple[float, dict[int, ClassStats]]:
         return time.monotonic(), dict(self.stats)
 
-    def counters(self, max_age: float = 1.0) -> tuple[PodCounters, NodeCounters]:
+    def counters(self, max_age: float = 0.0) -> tuple[PodCounters, NodeCounters]:
         return {k: dict(v) for k, v in self.pod_counters.items()}, dict(self.node_counters)
 
     def adopted_rates(self) -> dict[int, tuple[int, int]]:

@@ -6,6 +6,14 @@ and the desired iptables state (`iptables.model.ClassifierState`). Nothing here
 touches the kernel; the appliers in `tc/` and `iptables/` diff it against what the
 kernel holds.
 
+Rates are IP bytes on the wire (what clouds meter and bill for internet egress): a pod's rate,
+the node's and the floor are IP bit/s. HTB counts each segment's link-layer frame (the Ethernet
+header included, GSO packets as their segments), so the HTB classes get the IP rate times
+(MTU + L2 header) / MTU: exact for full-size segments, the bulk traffic that fills a budget;
+smaller packets carry more header per byte and get slightly less than the IP rate, never more.
+`to_wire`/`from_wire` convert; the sampler turns class bytes back into IP bytes exactly
+(bytes - L2 header x packets).
+
 HTB minors are derived from the pod's IP address (its low 16 bits), probing upward
 on collision in a fixed order. The same pods therefore get the same minors after an
 agent restart, with no state to persist, and a restart changes nothing in the kernel.
@@ -46,6 +54,30 @@ class DataPathOptions:
     leaf_qdisc: str = "pfifo"  # the probe picks fq_codel where the kernel has it
     default_rate: int = 1_000_000  # the floor for internet traffic from unknown sources, bit/s
     filter_pref: int = 0xC000
+    wire_l2_bytes: int = 14  # what HTB counts per packet beyond the IP packet (Ethernet header)
+    wire_mtu: int = 1500  # the uplink's IP MTU: the size of a full segment
+
+
+def to_wire(bps: int, opts: DataPathOptions) -> int:
+    """An IP rate (bit/s) as the HTB rate that carries it in full-size frames, rounded up to the
+    whole bytes per second HTB holds (so the kernel holds exactly this number)."""
+    m = opts.wire_mtu + opts.wire_l2_bytes
+    return min(MAX_RATE_BPS // 8 * 8, -(-bps * m // (8 * opts.wire_mtu)) * 8)
+
+
+def from_wire(bps: int, opts: DataPathOptions) -> int:
+    """The IP rate an HTB rate stands for: an inverse of `to_wire` (to_wire(from_wire(r)) == r),
+    and the one a whole number of bytes when there is one, so a round rate reads back as itself."""
+    m = opts.wire_mtu + opts.wire_l2_bytes
+    k = bps // 8
+    lo, hi = (k - 1) * 8 * opts.wire_mtu // m, k * 8 * opts.wire_mtu // m  # to_wire(x) == 8k for lo < x <= hi
+    whole = hi - hi % 8
+    return whole if whole > lo else hi
+
+
+def ip_bytes(l2_bytes: int, packets: int, opts: DataPathOptions) -> int:
+    """IP bytes in HTB class counters (which count each segment's frame)."""
+    return max(0, l2_bytes - opts.wire_l2_bytes * packets)
 
 
 @dataclass(frozen=True)
@@ -115,6 +147,9 @@ def desired_state(inputs: NodeInputs) -> DesiredState:
         raise DesiredStateError("no uplink: the node's internet-facing device(s) must be known (--uplink)")
     _check_rate(inputs.node_rate, "node allocation")
     _check_rate(opts.default_rate, "default-class floor")
+    if not (68 <= opts.wire_mtu <= 65535 and 0 <= opts.wire_l2_bytes <= 256):
+        raise DesiredStateError(f"wire MTU {opts.wire_mtu} / L2 header {opts.wire_l2_bytes} bytes out of range "
+                                "(68-65535, 0-256)")
     internal = canonical_cidrs(inputs.internal_cidrs)
     node_rate = max(MIN_RATE_BPS, inputs.node_rate)
 
@@ -148,14 +183,15 @@ def desired_state(inputs: NodeInputs) -> DesiredState:
     for pod in ready:
         rate = min(pod.rate, node_rate)
         ceil = min(max(pod.ceil, rate), node_rate)
-        classes.append(HtbClassSpec(minors[pod.key], max(rate, MIN_RATE_BPS), max(ceil, MIN_RATE_BPS), pod.key))
+        classes.append(HtbClassSpec(minors[pod.key], max(to_wire(rate, opts), MIN_RATE_BPS),
+                                    max(to_wire(ceil, opts), MIN_RATE_BPS), pod.key))
         classify.append(PodClassification(pod.key, pod.ips, (opts.htb_major, minors[pod.key])))
-    floor = min(opts.default_rate, node_rate)
+    floor = max(MIN_RATE_BPS, to_wire(min(opts.default_rate, node_rate), opts))
     shaper = ShaperSpec(
         ifb=opts.ifb,
         uplinks=tuple(inputs.uplinks),
         mark_bit=opts.mark_bit,
-        node_rate=node_rate,
+        node_rate=max(MIN_RATE_BPS, to_wire(node_rate, opts)),
         default=HtbClassSpec(DEFAULT_MINOR, floor, floor, "default"),
         pods=tuple(sorted(classes)),
         major=opts.htb_major,

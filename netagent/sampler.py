@@ -14,6 +14,7 @@ from typing import Callable
 from .allocations import Allocations
 from .datapath import DataPath
 from .demand import PodDemand, Sample
+from .desired import from_wire, ip_bytes
 from .sync import NodeSync
 
 log = logging.getLogger(__name__)
@@ -66,13 +67,16 @@ class Sampler:
         state = self.node.state
         pods = {p.key: p for p in state.pods}
         allocs = self.allocations.current.pods
+        opts = self.node.cfg.datapath
         for key, minor in state.minors.items():
             st = stats.get(minor)
             pod = pods.get(key)
             if st is None or pod is None:
                 continue
             d = self.demand.setdefault(key, PodDemand())
-            limit = allocs[key].limit_bps if key in allocs else st.ceil_bytes * 8
-            d.update(Sample(now, st.bytes, st.drops, st.overlimits, st.backlog_bytes), int(limit), pod.max_bps)
+            limit = allocs[key].limit_bps if key in allocs else from_wire(st.ceil_bytes * 8, opts)
+            # usage in IP bytes, the unit of every rate: the class counts each segment's frame
+            d.update(Sample(now, ip_bytes(st.bytes, st.packets, opts), st.drops, st.overlimits, st.backlog_bytes),
+                     int(limit), pod.max_bps)
         for gone in set(self.demand) - set(state.minors):
             del self.demand[gone]

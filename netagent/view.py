@@ -12,6 +12,7 @@ from .allocations import Allocations
 from .config import AgentConfig
 from .datapath import DataPath
 from .demand import PodDemand
+from .desired import from_wire
 from .sync import SyncState
 
 SCOPES = ("internal", "internet")
@@ -72,6 +73,7 @@ def node_view(cfg: AgentConfig, state: SyncState, allocations: Allocations, dema
     pod_counters, node_counters = datapath.counters(max_age=cfg.report_period if cfg.controller else 1.0)
     stats = datapath.class_stats()
     desired = state.desired
+    opts = cfg.datapath  # rates in the view are IP bit/s; the HTB classes hold them as frame rates
     shapes = {c.minor: c for c in desired.shaper.pods} if desired is not None else {}
     out = []
     for p in state.pods:
@@ -83,7 +85,8 @@ def node_view(cfg: AgentConfig, state: SyncState, allocations: Allocations, dema
         out.append(PodView(
             namespace=p.namespace, name=p.name, team=p.team, egress_class=p.egress_class, ips=p.ips,
             minor=minor, waiting=state.skipped.get(p.key, ""),
-            allocation_bps=shape.rate if shape else 0, limit_bps=shape.ceil if shape else 0,
+            allocation_bps=from_wire(shape.rate, opts) if shape else 0,
+            limit_bps=from_wire(shape.ceil, opts) if shape else 0,
             demand_bps=d.demand_bps, usage_bps=d.usage_bps, throttled=d.throttled,
             throttled_seconds=d.throttled_seconds,
             egress_bytes={s: c.get(f"egress_{s}", 0) for s in SCOPES},
@@ -96,7 +99,7 @@ def node_view(cfg: AgentConfig, state: SyncState, allocations: Allocations, dema
         egress_bytes={s: node_counters.get(f"egress_{s}", 0) for s in SCOPES},
         ingress_bytes={s: node_counters.get(f"ingress_{s}", 0) for s in SCOPES},
         unknown_source_egress_bytes=node_counters.get("egress_unknown_internet", 0),
-        allocation_bps=desired.shaper.node_rate if desired else 0,
+        allocation_bps=from_wire(desired.shaper.node_rate, opts) if desired else 0,
         ready=state.ready, ready_reason=state.ready_reason, controller=cfg.controller or "",
         controller_reachable=controller_reachable, fail_static=allocations.fail_static,
         lease_expires_in=None if allocs.lease_expires == float("inf") else allocs.lease_expires - time.monotonic(),

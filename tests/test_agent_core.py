@@ -12,7 +12,7 @@ from netagent.agent import Agent
 from netagent.allocations import Allocation, AllocationSet
 from netagent.config import AgentConfig
 from netagent.datapath_fake import FakeDataPath
-from netagent.desired import PodShape, assign_minors
+from netagent.desired import DataPathOptions, PodShape, assign_minors, to_wire
 from netagent.local import LocalAllocator
 from netagent.metrics import AgentMetrics
 
@@ -20,6 +20,12 @@ M = 1_000_000
 CLASSES = ({"kind": "EgressClass", "metadata": {"name": "bronze"}, "spec": {"max": "20M"}},)
 BUDGETS = ({"kind": "EgressBudget", "metadata": {"name": "default"},
             "spec": {"total": "1G", "teams": [{"name": "a", "namespaces": ["ns"], "defaultClass": "bronze"}]}},)
+
+
+def wire(*ip_bps: int):
+    """The HTB rates that carry these IP rates (the desired state holds frame rates)."""
+    out = tuple(to_wire(b, DataPathOptions()) for b in ip_bps)
+    return out[0] if len(out) == 1 else out
 
 
 def pod(name: str, ip: str | None, host_network=False, phase="Running", deleting=False, **ann) -> PodRecord:
@@ -59,8 +65,8 @@ def test_local_mode_shapes_a_new_pod_in_the_same_sync_and_tells_about_bad_annota
     agent.on_snapshot(Snapshot((pod("p", "10.244.0.10", **{"netagent.io/egress-class": "gold"}),), CLASSES, BUDGETS))
     assert agent.sync()
     classes = {c.key: c for c in dp.applied[-1].shaper.pods}
-    assert classes["ns/p"].ceil == 20 * M  # the team's default class, bronze
-    assert dp.applied[-1].shaper.node_rate == 1000 * M  # the budget's total caps the node
+    assert classes["ns/p"].ceil == wire(20 * M)  # the team's default class, bronze
+    assert dp.applied[-1].shaper.node_rate == wire(1000 * M)  # the budget's total caps the node
     assert agent.pods[0].problems[0][0] == "UnknownEgressClass"
 
 
@@ -77,8 +83,8 @@ def test_restart_adopts_what_the_kernel_holds():
     finally:
         agent.stop()
     desired = dp.applied[0]
-    assert desired.shaper.node_rate == 700 * M
-    assert [(c.rate, c.ceil) for c in desired.shaper.pods] == [(3 * M, 17 * M)]
+    assert desired.shaper.node_rate == wire(700 * M)
+    assert [(c.rate, c.ceil) for c in desired.shaper.pods] == [wire(3 * M, 17 * M)]
 
 
 def test_controller_lease_then_floor_and_drift_accounting():
@@ -88,7 +94,7 @@ def test_controller_lease_then_floor_and_drift_accounting():
     agent.set_allocations(AllocationSet(pods={"ns/p": Allocation(5 * M, 9 * M)}, node_rate_bps=50 * M,
                                         safe_floor_bps=2 * M, lease_expires=time.monotonic() + 60, source="controller"))
     assert agent.sync()
-    assert [(c.rate, c.ceil) for c in dp.applied[-1].shaper.pods] == [(5 * M, 9 * M)]
+    assert [(c.rate, c.ceil) for c in dp.applied[-1].shaper.pods] == [wire(5 * M, 9 * M)]
     # the same plan again, yet the kernel needed changes: someone else changed it
     dp.next_changes = {"tc": 2, "iptables": 1}
     assert agent.sync()
@@ -98,7 +104,7 @@ def test_controller_lease_then_floor_and_drift_accounting():
     dp.next_changes = {"tc": 1}
     agent.allocations.current.lease_expires = time.monotonic() - 1
     assert agent.sync()
-    assert [(c.rate, c.ceil) for c in dp.applied[-1].shaper.pods] == [(2 * M, 2 * M)]
+    assert [(c.rate, c.ceil) for c in dp.applied[-1].shaper.pods] == [wire(2 * M, 2 * M)]
     assert agent.fail_static and agent.view().allocation_source == "floor"
     assert sample(metrics, "netagent_drift_repairs_total", kind="tc") == 2  # a planned change is not drift
 

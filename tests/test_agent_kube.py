@@ -14,7 +14,7 @@ import yaml
 from kubernetes import client
 
 from lab.topology import Lab
-from netagent.desired import PodShape, assign_minors
+from netagent.desired import DataPathOptions, PodShape, assign_minors, from_wire
 from lab.agentproc import AgentProcess, NetnsPortForward, tc_classes, wait_for
 from tests.kube import CONTROL_PLANE_BINARIES, REPO, ControlPlane, free_port, require_assets, write_kubeconfig
 from lab.netns import require_root
@@ -36,8 +36,9 @@ def minor_of(pod) -> int:
 
 
 def ceil_of(netns: str, minor: int) -> int | None:
+    """The class's ceil as the IP rate it stands for (the kernel holds the frame rate)."""
     got = tc_classes(netns).get(minor)
-    return got[1] if got else None
+    return from_wire(got[1], DataPathOptions()) if got else None
 
 
 def make_pod(core, namespace: str, name: str, node: str, lab_pod=None, annotations: dict | None = None) -> None:

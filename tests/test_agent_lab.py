@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from lab.topology import INTERNET_V4, PEER_V4, Lab, run
-from netagent.desired import PodShape, assign_minors
+from netagent.desired import DataPathOptions, PodShape, assign_minors, from_wire
 from lab.agentproc import (
     IFB,
     AgentProcess,
@@ -84,8 +84,9 @@ def minor_of(pod) -> int:
 
 
 def ceil_of(netns: str, minor: int) -> int | None:
+    """The class's ceil as the IP rate it stands for (the kernel holds the frame rate)."""
     got = tc_classes(netns).get(minor)
-    return got[1] if got else None
+    return from_wire(got[1], DataPathOptions()) if got else None
 
 
 def test_file_mode_add_edit_fall_back_and_remove(lab, files, agent):

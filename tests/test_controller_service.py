@@ -176,7 +176,7 @@ def test_bad_flags_are_a_clear_error(tmp_path, argv, message):
 class CountingDataPath(FakeDataPath):
     """The fake kernel, whose node counter grows by 1 MB at every read (the reporter turns it into a rate)."""
 
-    def counters(self, max_age: float = 1.0):
+    def counters(self, max_age: float = 0.0):
         self.node_counters["egress_internet"] = self.node_counters.get("egress_internet", 0) + 1_000_000
         return super().counters(max_age)
 

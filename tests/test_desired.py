@@ -1,7 +1,8 @@
 """The desired kernel state is pure: same inputs, same desired state; bad input is a clear error."""
 import pytest
 
-from netagent.desired import DesiredStateError, NodeInputs, DataPathOptions, PodShape, assign_minors, desired_state
+from netagent.desired import (DataPathOptions, DesiredStateError, NodeInputs, PodShape, assign_minors, desired_state,
+                              from_wire, ip_bytes, to_wire)
 from tc.model import DEFAULT_MINOR, RESERVED_MINORS
 
 
@@ -33,7 +34,7 @@ def test_minor_collisions_and_reserved_values_probe_upward():
 def test_pod_rates_are_clamped_to_the_node_and_default_class_floor():
     d = desired_state(inputs([pod("ns/a", "10.244.0.11", rate=5_000_000_000, ceil=9_000_000_000)], node_rate=100_000_000))
     (c,) = d.shaper.pods
-    assert c.rate == c.ceil == 100_000_000
+    assert c.rate == c.ceil == to_wire(100_000_000, DataPathOptions()) == d.shaper.node_rate
     assert d.shaper.default.minor == DEFAULT_MINOR and d.shaper.default.rate == d.shaper.default.ceil
 
 
@@ -66,8 +67,26 @@ def test_internal_cidrs_are_canonical():
         (dict(pods=(pod("ns/a", "10.244.0.300"),)), "ns/a.*not an IP"),
         (dict(pods=(pod("ns/a", "10.244.0.3", rate=0),)), "ns/a.*positive"),
         (dict(options=DataPathOptions(default_rate=0)), "floor"),
+        (dict(options=DataPathOptions(wire_mtu=0)), "MTU"),
     ],
 )
 def test_bad_input_names_the_thing(kw, message):
     with pytest.raises(DesiredStateError, match=message):
         desired_state(inputs(**kw))
+
+
+@pytest.mark.parametrize("mtu,l2", [(1500, 14), (9000, 14), (1280, 18), (1500, 0)])
+def test_rates_are_ip_bytes_and_the_classes_carry_them_in_frames(mtu, l2):
+    """A configured rate is IP bytes per second on the wire: the HTB class (which counts frames)
+    gets rate x (MTU + L2) / MTU, so full-size segments carry exactly the IP rate; the inverse
+    gives back what a restarted agent adopts, and re-applying it changes nothing in HTB's bytes/s."""
+    opts = DataPathOptions(wire_mtu=mtu, wire_l2_bytes=l2)
+    for ip_bps in (8, 1_000_000, 20_000_000, 123_456_789, 10**10):
+        wire = to_wire(ip_bps, opts)
+        assert wire % 8 == 0  # HTB holds bytes/s: the kernel holds exactly this
+        segments = ip_bps / 8 / mtu  # full-size IP packets per second
+        assert 0 <= wire / 8 - segments * (mtu + l2) < 1
+        assert to_wire(from_wire(wire, opts), opts) == wire  # what a restarted agent adopts re-applies unchanged
+        if ip_bps % 8 == 0:
+            assert from_wire(wire, opts) == ip_bps  # a round rate reads back as itself
+    assert ip_bytes(10 * (mtu + l2), 10, opts) == 10 * mtu
