@@ -21,6 +21,7 @@ from netagent.agent import Agent
 from netagent.allocations import Allocation, AllocationSet
 from netagent.config import AgentConfig, check_controller
 from netagent.datapath_fake import FakeDataPath
+from netagent.desired import to_wire
 from netagent.reporter import ControllerError, Reporter
 from netagent.sync import SyncState
 
@@ -240,12 +241,14 @@ def test_huge_but_in_range_numbers_are_capped_by_the_node_rate(pki, servers, tmp
     agent.on_snapshot(_snapshot())
     assert agent.sync()
     shaper = agent.datapath.applied[-1].shaper
-    assert shaper.node_rate == 50 * M
-    assert all(c.ceil <= 50 * M for c in shaper.pods)
-    assert sum(c.rate for c in shaper.pods) + shaper.default.rate <= 50 * M
+    node = to_wire(50 * M, agent.cfg.datapath)  # HTB holds IP rates as the frames that carry them
+    assert shaper.node_rate == node
+    assert all(c.ceil <= node for c in shaper.pods)
+    # (each class rounded up to the whole bytes per second HTB holds: at most 8 bit/s each)
+    assert sum(c.rate for c in shaper.pods) + shaper.default.rate <= node + 8 * (len(shaper.pods) + 1)
     # w2 has no allocation: it gets the floor, never more than a fair share of the node
     w2 = next(c for c in shaper.pods if c.key == "web/w2")
-    assert w2.ceil <= 25 * M
+    assert w2.ceil <= to_wire(25 * M, agent.cfg.datapath)
 
 
 def _snapshot():
