@@ -216,8 +216,10 @@ def _controller_flags(p: argparse.ArgumentParser) -> None:
                    help="hold each report's answer until the next round, at most this long, so it reflects that "
                         "report (one report period less of reaction time; use with a short --period, e.g. "
                         "--period 0.5 --answer-wait 0.7); 0 answers at once from the latest round")
-    p.add_argument("--lease-seconds", type=float, default=30.0,
-                   help="how long agents keep an answer's allocations without a fresh one (then the safe floor)")
+    p.add_argument("--lease-seconds", type=float, default=120.0,
+                   help="how long agents keep an answer's allocations without a fresh one (then the safe floor); "
+                        "the answers in force always add up to the budget, so a long lease is safe and rides out "
+                        "an API server outage or a failover")
     p.add_argument("--report-rate", type=float, default=2.0, help="reports per second allowed per node (burst 3x)")
     p.add_argument("--report-ttl", type=float, default=60.0, help="a node silent this long leaves the allocation")
     p.add_argument("--status-interval", type=float, default=30.0,

@@ -23,7 +23,7 @@ class ControllerConfig:
     kubeconfig: str | None = None
     period: float = 5.0
     answer_wait: float = 0.0
-    lease_seconds: float = 30.0
+    lease_seconds: float = 120.0  # answers in force add up to the budget: keeping them is safe
     report_rate: float = 2.0
     report_ttl: float = 60.0
     status_interval: float = 30.0
