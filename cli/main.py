@@ -221,7 +221,9 @@ def _controller_flags(p: argparse.ArgumentParser) -> None:
                         "the answers in force always add up to the budget, so a long lease is safe and rides out "
                         "an API server outage or a failover")
     p.add_argument("--report-rate", type=float, default=2.0, help="reports per second allowed per node (burst 3x)")
-    p.add_argument("--report-ttl", type=float, default=60.0, help="a node silent this long leaves the allocation")
+    p.add_argument("--report-ttl", type=float, default=150.0,
+                   help="a node silent this long leaves the allocation (at least --lease-seconds: until then it may "
+                        "still enforce its last answer)")
     p.add_argument("--status-interval", type=float, default=30.0,
                    help="at most one EgressBudget status write per this many seconds (only on change)")
     le = p.add_argument_group("leader election (cluster mode)")

@@ -25,7 +25,7 @@ class ControllerConfig:
     answer_wait: float = 0.0
     lease_seconds: float = 120.0  # answers in force add up to the budget: keeping them is safe
     report_rate: float = 2.0
-    report_ttl: float = 60.0
+    report_ttl: float = 150.0  # >= lease_seconds: a silent node's share is held while it may still use it
     status_interval: float = 30.0
     namespace: str = "netagent"
     lease_name: str = "netagent-controller"
@@ -87,6 +87,10 @@ def from_flags(*, listen: str, metrics_listen: str | None, advertise: str | None
     if period <= 0 or lease_seconds <= period:
         raise ConfigError(f"--lease-seconds ({lease_seconds:g}) must be longer than --period "
                           f"({period:g}): agents would fall to the floor between rounds")
+    if report_ttl < lease_seconds:
+        raise ConfigError(f"--report-ttl ({report_ttl:g}) must be at least --lease-seconds ({lease_seconds:g}): a "
+                          "node that cannot reach the controller keeps enforcing its last answer for the lease, so "
+                          "its share must not be handed to others before then (the budget would be exceeded)")
     if agent_service_account is not None:
         service_account_username(agent_service_account)
     elif not from_file and not no_auth:
