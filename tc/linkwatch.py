@@ -17,9 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from pyroute2 import netns as pr_netns
-
-from .rawnl import IFLA_IFNAME, NETLINK_ROUTE
+from .rawnl import IFLA_IFNAME, route_socket
 
 RTMGRP_LINK = 0x1
 RTMGRP_IPV4_ROUTE = 0x40
@@ -88,14 +86,7 @@ class LinkWatcher:
 
     def __init__(self, on_event: Callable[[LinkEvent], None], netns: str | None = None):
         self.on_event = on_event
-        if netns:
-            pr_netns.pushns(netns)
-        try:
-            self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_ROUTE)
-        finally:
-            if netns:
-                pr_netns.popns()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        self.sock = route_socket(netns, 1 << 20)
         self.sock.bind((0, RTMGRP_LINK | RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_ROUTE))
         self.sock.settimeout(0.5)
         self._stop = threading.Event()

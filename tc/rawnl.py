@@ -43,18 +43,24 @@ TCA_STATS_BASIC, TCA_STATS_QUEUE = 1, 3
 TCA_HTB_PARMS, TCA_HTB_RATE64, TCA_HTB_CEIL64 = 1, 6, 7
 
 
+def route_socket(netns: str | None, rcvbuf: int) -> socket.socket:
+    """A raw NETLINK_ROUTE socket opened inside a network namespace (None: this one)."""
+    if netns:
+        pr_netns.pushns(netns)
+    try:
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_ROUTE)
+    finally:
+        if netns:
+            pr_netns.popns()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    return sock
+
+
 class NetlinkChannel:
     """A raw NETLINK_ROUTE socket opened inside a network namespace (or this one)."""
 
     def __init__(self, netns: str | None = None):
-        if netns:
-            pr_netns.pushns(netns)
-        try:
-            self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_ROUTE)
-        finally:
-            if netns:
-                pr_netns.popns()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        self.sock = route_socket(netns, 4 << 20)
         self.sock.setsockopt(SOL_NETLINK, NETLINK_EXT_ACK, 1)
         self.sock.bind((0, 0))
         self.seq = 1
