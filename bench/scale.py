@@ -43,6 +43,7 @@ import os
 import platform
 import random
 import resource
+import shutil
 import ssl
 import subprocess
 import sys
@@ -741,6 +742,7 @@ async def run(args) -> None:
         if bench.agent_api:
             await bench.agent_api.close()
         cp.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def main() -> None:
