@@ -480,6 +480,13 @@ class ControlPlane:
         path = self.workdir / f"token-{uuid.uuid4().hex[:12]}.kubeconfig"
         return write_kubeconfig(path, self.url, self.ca_file, {"token": token})
 
+    def kubeconfig_through(self, port: int, path: Path) -> Path:
+        """The admin kubeconfig pointed at 127.0.0.1:`port` (a proxy in front of the apiserver)."""
+        config = yaml.safe_load(self.kubeconfig.read_text())
+        config["clusters"][0]["cluster"]["server"] = f"https://127.0.0.1:{port}"
+        path.write_text(yaml.safe_dump(config))
+        return path
+
     def kubectl(self, *args: str, check: bool = True, kubeconfig: Path | None = None,
                 input: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
         argv = [str(self.assets / "kubectl"), f"--kubeconfig={kubeconfig or self.kubeconfig}", *args]

@@ -46,14 +46,20 @@ from lab.kube import (  # noqa: F401
 )
 
 
-def require_assets(names: Iterable[str]) -> Path:
-    """The asset directory, or skip (fail under NETAGENT_REQUIRE_KUBE=1) when binaries are missing."""
+def required(find, names: Iterable[str]) -> Path:
+    """`find(names)`'s asset directory, or skip (fail under NETAGENT_REQUIRE_KUBE=1) when something
+    is missing: the one rule for every test that needs built binaries."""
     try:
-        return find_assets(names)
+        return find(names)
     except KubeAssetsMissing as e:
         if os.environ.get("NETAGENT_REQUIRE_KUBE") == "1":
             pytest.fail(f"{e} (NETAGENT_REQUIRE_KUBE=1)", pytrace=False)
         pytest.skip(str(e))
+
+
+def require_assets(names: Iterable[str]) -> Path:
+    """The Kubernetes asset directory (see `required`)."""
+    return required(find_assets, names)
 
 
 def deployed_rbac(name: str, namespace: str) -> list[dict]:

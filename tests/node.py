@@ -62,6 +62,7 @@ from tests.kube import (
     Process,
     free_port,
     kube_version,
+    required,
     write_kubeconfig,
 )
 
@@ -134,13 +135,8 @@ def find_node_assets(names: Iterable[str] = NODE_BINARIES) -> Path:
 
 
 def require_node_assets(names: Iterable[str] = NODE_BINARIES) -> Path:
-    """The node asset directory, or skip (fail under NETAGENT_REQUIRE_KUBE=1) when something is missing."""
-    try:
-        return find_node_assets(names)
-    except KubeAssetsMissing as e:
-        if os.environ.get("NETAGENT_REQUIRE_KUBE") == "1":
-            pytest.fail(f"{e} (NETAGENT_REQUIRE_KUBE=1)", pytrace=False)
-        pytest.skip(str(e))
+    """The node asset directory (see tests.kube.required)."""
+    return required(find_node_assets, names)
 
 
 # ---------------------------------------------------------------------------------------------

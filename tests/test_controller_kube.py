@@ -461,17 +461,12 @@ def test_slow_apiserver_never_makes_two_leaders(kube_api, budget, nodes_and_pods
     import threading
     from urllib.parse import urlparse
 
-    import yaml
-
     from lab.faultproxy import DelayProxy
 
     namespace, nodes = nodes_and_pods
     server = urlparse(kube_api.url)
     with DelayProxy((server.hostname, server.port)) as proxy, contextlib.ExitStack() as stack:
-        config = yaml.safe_load(Path(kube_api.kubeconfig).read_text())
-        config["clusters"][0]["cluster"]["server"] = f"https://127.0.0.1:{proxy.port}"
-        slow_kubeconfig = tmp_path / "slow.kubeconfig"
-        slow_kubeconfig.write_text(yaml.safe_dump(config))
+        slow_kubeconfig = kube_api.kubeconfig_through(proxy.port, tmp_path / "slow.kubeconfig")
         one = stack.enter_context(controller(kube_api, tmp_path, namespace, "--no-auth", name="one",
                                              kubeconfig=slow_kubeconfig))
         wait_for(lambda: leading(one[1]), what="replica one to lead")

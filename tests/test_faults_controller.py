@@ -17,9 +17,7 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 from kubernetes import client
@@ -146,8 +144,6 @@ def test_apiserver_slow(kube_api, budget, nodes_and_pods, tmp_path):
     response by 2 s (lab/faultproxy.py)."""
     from urllib.parse import urlparse
 
-    import yaml
-
     from lab.faultproxy import DelayProxy
 
     namespace, nodes = nodes_and_pods
@@ -155,10 +151,7 @@ def test_apiserver_slow(kube_api, budget, nodes_and_pods, tmp_path):
     pods = [workload(namespace, "work-a")]
     server = urlparse(kube_api.url)
     with DelayProxy((server.hostname, server.port)) as proxy, contextlib.ExitStack() as stack:
-        config = yaml.safe_load(Path(kube_api.kubeconfig).read_text())
-        config["clusters"][0]["cluster"]["server"] = f"https://127.0.0.1:{proxy.port}"
-        slow = tmp_path / "slow.kubeconfig"
-        slow.write_text(yaml.safe_dump(config))
+        slow = kube_api.kubeconfig_through(proxy.port, tmp_path / "slow.kubeconfig")
         one = stack.enter_context(controller(kube_api, tmp_path, namespace, "--no-auth", name="one", kubeconfig=slow))
         wait_for(lambda: leading(one[1]), what="one to lead")
         two = stack.enter_context(controller(kube_api, tmp_path, namespace, "--no-auth", name="two", kubeconfig=slow))
