@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ANNOTATION_CLASS = "netagent.io/egress-class"
-ANNOTATION_BANDWIDTH = "kubernetes.io/egress-bandwidth"
+ANNOTATION_BANDWIDTH = "kubernetes.io/egress-bandwidth"  # the pod's internet upload cap
+ANNOTATION_INGRESS_BANDWIDTH = "kubernetes.io/ingress-bandwidth"  # the pod's internet download cap
 # A lower-case RFC 1123 DNS subdomain: the names of nodes, namespaces and our objects
 DNS_NAME_PATTERN = r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?"
 DNS_NAME = re.compile(f"^{DNS_NAME_PATTERN}$")

@@ -49,6 +49,12 @@ class PodReport(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     throttled: bool = False
     egress_class: AnnotationValue | None = None  # netagent.io/egress-class as the pod carries it
     egress_bandwidth: AnnotationValue | None = None  # kubernetes.io/egress-bandwidth as the pod carries it
+    # downloads (internet -> pod), beside the upload fields above; absent in reports of agents that
+    # do not shape ingress (they decode as 0 / None: the controller gives such pods no download share)
+    ingress_usage_bps: Rate = 0.0  # measured internet ingress over the last period
+    ingress_demand_bps: Rate = 0.0  # the agent's estimate (probes above censored usage, as for egress)
+    ingress_throttled: bool = False
+    ingress_bandwidth: AnnotationValue | None = None  # kubernetes.io/ingress-bandwidth as the pod carries it
 
 
 class NodeReport(msgspec.Struct, forbid_unknown_fields=True, gc=False):
@@ -58,6 +64,8 @@ class NodeReport(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     seq: Annotated[int, msgspec.Meta(ge=0)] = 0
     period_seconds: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 5.0
     node_internet_egress_bps: Rate = 0.0  # everything leaving to the internet, host traffic included
+    node_internet_ingress_bps: Rate = 0.0  # everything arriving from the internet, host traffic included
+    shapes_ingress: bool = False  # the agent shapes downloads (an older agent does not: no download share)
 
 
 AGENT_ANSWER_TIMEOUT = 3.0  # seconds an agent waits for the controller's answer (the controller answers sooner)
@@ -76,6 +84,10 @@ class PodAllocation(msgspec.Struct, gc=False):
     egress_class: Text
     allocation_bps: Rate  # the fair share (HTB rate)
     limit_bps: Rate  # what to enforce: share + headroom, never above the pod's cap (HTB ceil)
+    # downloads: None = this controller allocates no downloads (an older one, or the agent did not
+    # say it shapes them); the agent then enforces its own ingress cap for the pod
+    ingress_allocation_bps: Rate | None = None
+    ingress_limit_bps: Rate | None = None
 
 
 class Refused(msgspec.Struct, gc=False):
@@ -100,6 +112,9 @@ class NodeAnswer(msgspec.Struct):
     problems: Annotated[list[Annotated[str, msgspec.Meta(max_length=1024)]], msgspec.Meta(max_length=MAX_PROBLEMS)] = []
     # pods refused by name with their reason (absent in answers of older controllers: decodes as [])
     refused: Annotated[list[Refused], msgspec.Meta(max_length=MAX_REFUSED)] = []
+    # downloads (None: no download allocation in this answer, see PodAllocation.ingress_limit_bps)
+    node_ingress_rate_bps: Rate | None = None  # the node's download class rate
+    safe_ingress_floor_bps: Rate | None = None  # per pod download floor after the lease ran out
 
 
 class ErrorBody(msgspec.Struct, omit_defaults=True):
@@ -149,7 +164,8 @@ def long_annotation_indexes(report: NodeReport) -> list[int]:
     m = MAX_ANNOTATION_VALUE
     return [i for i, p in enumerate(report.pods)
             if (p.egress_class is not None and len(p.egress_class) > m)
-            or (p.egress_bandwidth is not None and len(p.egress_bandwidth) > m)]
+            or (p.egress_bandwidth is not None and len(p.egress_bandwidth) > m)
+            or (p.ingress_bandwidth is not None and len(p.ingress_bandwidth) > m)]
 
 
 report_decoder = msgspec.json.Decoder(NodeReport)  # the controller's side
