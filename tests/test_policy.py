@@ -234,20 +234,34 @@ def test_crd_is_structural_and_named(name, kind):
 
 def test_crd_fields_match_what_the_loader_reads():
     cls = crd("egressclasses")["spec"]["versions"][0]
-    assert set(cls["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]) == {"weight", "min", "max"}
-    assert [c["name"] for c in cls["additionalPrinterColumns"]] == ["Weight", "Min", "Max", "Age"]
+    cls_spec = cls["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert set(cls_spec["properties"]) == {"weight", "min", "max", "ingress"}
+    assert [c["name"] for c in cls["additionalPrinterColumns"]] == \
+        ["Weight", "Min", "Max", "Ingress-Weight", "Ingress-Min", "Ingress-Max", "Age"]
     budget = crd("egressbudgets")["spec"]["versions"][0]
     assert budget["subresources"] == {"status": {}}
     spec = budget["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    assert spec["required"] == ["total"] and set(spec["properties"]) == {"total", "defaultTeam", "teams"}
+    assert spec["required"] == ["total"] and set(spec["properties"]) == {"total", "ingressTotal", "defaultTeam", "teams"}
     team = spec["properties"]["teams"]
     assert team["x-kubernetes-list-map-keys"] == ["name"]  # team names unique, by the apiserver
     assert set(team["items"]["properties"]) == {"name", "namespaces", "namespaceSelector", "weight", "min", "max",
-                                                "defaultClass", "allowedClasses"}
+                                                "defaultClass", "allowedClasses", "ingress"}
+    for ingress in (cls_spec["properties"]["ingress"], team["items"]["properties"]["ingress"]):
+        assert set(ingress["properties"]) == {"weight", "min", "max"}
+        # no defaults: an absent ingress weight means "the upload weight", which a schema default would hide
+        assert "default" not in ingress["properties"]["weight"] and "default" not in ingress
+        for rate in ("min", "max"):  # the same rules as the upload fields
+            upload = (cls_spec if ingress is cls_spec["properties"]["ingress"] else team["items"])["properties"][rate]
+            assert ingress["properties"][rate]["x-kubernetes-validations"] == upload["x-kubernetes-validations"]
+        assert "min must not be above" in ingress["x-kubernetes-validations"][0]["message"]
+    assert spec["properties"]["ingressTotal"]["x-kubernetes-validations"][1]["rule"] == \
+        spec["properties"]["total"]["x-kubernetes-validations"][1]["rule"]  # above zero, as total
     columns = [c["name"] for c in budget["additionalPrinterColumns"]]
     assert columns[:3] == ["Total", "Allocated", "Used"]
+    assert {"Ingress-Total", "Ingress-Allocated", "Ingress-Used", "Ingress-Demand"} <= set(columns)
     status = budget["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
-    assert {"allocated", "demand", "used", "pods", "nodes", "conditions", "lastComputed"} <= set(status)
+    assert {"allocated", "demand", "used", "pods", "nodes", "conditions", "lastComputed",
+            "ingressAllocated", "ingressDemand", "ingressUsed"} <= set(status)
 
 
 def test_crd_quantity_rule_agrees_with_the_parser():
