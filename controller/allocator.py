@@ -29,6 +29,13 @@ concatenates columns and runs the engine, with no Python step per pod; per-node 
 lists are built when that node next reports, not for all nodes in the round.
 A pod that moved between nodes counts in both nodes' reports until the old node's next
 report (with the node binding, the old node can no longer report it).
+
+Two directions, one engine: uploads (egress) over every report against the budget's total,
+and downloads (ingress) over the reports of agents that shape them (`shapes_ingress`)
+against `spec.ingressTotal`, with the policy's download values (`Policy.for_ingress`). Each
+direction keeps its own hysteresis, feedback gain (from node_internet_ingress_bps and the
+pods' ingress_usage_bps, bounded per node the same way) and node rates. Pods of an agent that
+does not shape downloads get no download answer (None): that agent enforces its own caps.
 """
 from __future__ import annotations
 
@@ -38,23 +45,28 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from operator import attrgetter
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
-from core.engine import PodColumns, TeamColumns, allocate_columns
+from core.engine import ColumnarResult, PodColumns, TeamColumns, allocate_columns
 from core.policy import Policy, resolve_pod
 from core.quantity import TRICKLE_BPS
 from core.wire import NodeReport, PodAllocation, PodReport
 
 log = logging.getLogger(__name__)
-_TRIPLE = attrgetter("namespace", "egress_class", "egress_bandwidth")
+# what a pod's policy depends on: namespace, class, and the two bandwidth annotations
+_ANNOTATIONS = attrgetter("namespace", "egress_class", "egress_bandwidth", "ingress_bandwidth")
 _KEY = attrgetter("namespace", "name")
 _DEMAND = attrgetter("demand_bps")
 _USAGE = attrgetter("usage_bps")
+_INGRESS_DEMAND = attrgetter("ingress_demand_bps")
+_INGRESS_USAGE = attrgetter("ingress_usage_bps")
 MIN_SAFE_FLOOR_BPS = float(TRICKLE_BPS)  # a pod always keeps a trickle
-EGRESS_MARGIN = 1.25  # a node's reported egress counts up to this times what it was allocated
-MAX_RESOLVED = 65_536  # distinct (namespace, class, bandwidth) resolutions kept; then the cache starts afresh
+# a node's reported internet traffic (either direction) counts up to this times what it was allocated
+REPORT_MARGIN = 1.25
+MAX_RESOLVED = 65_536  # distinct (namespace, class, annotations) resolutions kept; then the cache starts afresh
+ROW = 8  # a resolved row: team index, class index, weight, min, max, ingress weight, ingress min, ingress max
 
 
 @dataclass
@@ -85,6 +97,9 @@ class Summary:
     groups: dict[tuple[str, str], GroupTotals] = field(default_factory=dict)  # (team, class)
     teams: dict[str, TeamTotals] = field(default_factory=dict)
     policy_problems: tuple[str, ...] = ()
+    # the same figures for downloads (budget_bps = spec.ingressTotal, nodes = those shaping
+    # downloads); None while no agent shaping downloads reports
+    ingress: "Summary | None" = None
 
 
 @dataclass
@@ -95,6 +110,9 @@ class RoundResult:
     node_rate: dict[str, float]
     safe_floor_bps: float
     summary: Summary | None = None  # budget totals and per team/class figures
+    # downloads: only the nodes whose agent shapes them (the others' answers carry None)
+    node_ingress_rate: dict[str, float] = field(default_factory=dict)
+    safe_ingress_floor_bps: float | None = None
     generation: int = 0  # set by ControllerState
     computed_at: float = 0.0  # monotonic, set by ControllerState
     duration_s: float = 0.0  # set by ControllerState
@@ -106,11 +124,16 @@ class NodeAllocations(Mapping):
     report about once per round, so nothing is kept: 825,000 pods' answers would be ~280 MiB)."""
 
     def __init__(self, spans: dict[str, tuple[int, list[PodReport]]], team: np.ndarray, cls: np.ndarray,
-                 team_names: tuple[str, ...], class_names: tuple[str, ...], alloc: np.ndarray, limit: np.ndarray):
+                 team_names: tuple[str, ...], class_names: tuple[str, ...], alloc: np.ndarray, limit: np.ndarray,
+                 ingress_alloc: np.ndarray | None = None, ingress_limit: np.ndarray | None = None,
+                 ingress_nodes: frozenset[str] = frozenset()):
         self._spans = spans
         self._team, self._cls = team, cls
         self._team_names, self._class_names = team_names, class_names
         self._alloc, self._limit = alloc, limit
+        # per pod, aligned with alloc (NaN for pods of nodes not in ingress_nodes)
+        self._ingress_alloc, self._ingress_limit = ingress_alloc, ingress_limit
+        self._ingress_nodes = ingress_nodes
 
     def __getitem__(self, node: str) -> list[PodAllocation]:
         start, pods = self._spans[node]
@@ -118,6 +141,11 @@ class NodeAllocations(Mapping):
         teams, classes = self._team[start:end].tolist(), self._cls[start:end].tolist()
         alloc, limit = self._alloc[start:end].tolist(), self._limit[start:end].tolist()
         tn, cn = self._team_names, self._class_names
+        if node in self._ingress_nodes:
+            in_alloc = self._ingress_alloc[start:end].tolist()
+            in_limit = self._ingress_limit[start:end].tolist()
+            return [PodAllocation(p.namespace, p.name, tn[t], cn[c], a, lim, ia, il)
+                    for p, t, c, a, lim, ia, il in zip(pods, teams, classes, alloc, limit, in_alloc, in_limit)]
         return [PodAllocation(p.namespace, p.name, tn[t], cn[c], a, lim)
                 for p, t, c, a, lim in zip(pods, teams, classes, alloc, limit)]
 
@@ -133,11 +161,44 @@ class PreparedReport:
     """A node report with its pods' policy resolved into columns (done at submit time)."""
 
     report: NodeReport
-    tables: tuple  # the policy tables (and resolution cache) the rows index into
+    tables: "_Tables"  # the policy tables (and resolution cache) the rows index into
     keys: tuple[tuple[str, str], ...]  # (namespace, name) per pod
-    rows: np.ndarray  # per pod: its row in the policy's table (team index, class index, weight, min, max)
+    rows: np.ndarray  # per pod: its row in the policy's table (see ROW)
     demand: np.ndarray
     usage: np.ndarray
+    ingress_demand: np.ndarray
+    ingress_usage: np.ndarray
+
+
+class _Tables(NamedTuple):
+    """One policy's tables: team columns per direction, names and indexes, the resolution cache
+    ((namespace, class, egress bandwidth, ingress bandwidth) -> row) and the rows (see ROW)."""
+    policy: Policy
+    teams: TeamColumns
+    team_names: tuple[str, ...]
+    class_names: tuple[str, ...]
+    team_index: dict[str, int]
+    class_index: dict[str, int]
+    cache: dict[tuple, int]
+    rows: list[tuple[float, ...]]
+    ingress_policy: Policy  # policy.for_ingress()
+    ingress_teams: TeamColumns
+
+
+@dataclass
+class _Direction:
+    """What one direction carries from round to round."""
+    previous: dict[str, tuple[tuple, np.ndarray, np.ndarray]] = field(default_factory=dict)  # node -> (keys, alloc, limit)
+    gain_carrier: ColumnarResult | None = None  # the last round's result: carries the feedback gain
+    node_rate: dict[str, float] = field(default_factory=dict)  # the previous round's: bound each node's measured total
+    last_feedback: float = float("-inf")
+
+
+class _Run(NamedTuple):
+    """One direction's round: the engine's result and its per-node figures."""
+    result: ColumnarResult
+    node_rate: dict[str, float]
+    used_bps: float  # the measured total, or the pods' usage when no node measures it
 
 
 class Allocator:
@@ -155,66 +216,70 @@ class Allocator:
         self.namespace_labels = namespace_labels or (lambda ns: None)
         self.known_pods = known_pods or (lambda: 0)  # pods the cluster has (pod cache): sizes the floor
         self.clock = clock
-        self._last_feedback = float("-inf")
-        self._previous: dict[str, tuple[tuple, np.ndarray, np.ndarray]] = {}  # node -> (keys, allocation, limit)
-        self._gain_carrier = None  # the last ColumnarResult: carries the feedback gain
-        self._node_rate: dict[str, float] = {}  # the previous round's node rates: bound each node's egress
-        self._tables = None  # per Policy: team columns, name tuples and indexes, the resolution cache and rows
+        self._egress = _Direction()
+        self._ingress = _Direction()
+        self._tables: _Tables | None = None
         self._resolving = threading.Lock()
 
-    def _policy_tables(self, policy: Policy, fresh: bool = False) -> tuple:
-        """(policy, team columns, names, indexes, resolution cache, rows) for `policy`; `fresh`
-        starts a new cache when the current one is full (its keys are agent-supplied strings)."""
+    def _policy_tables(self, policy: Policy, fresh: bool = False) -> _Tables:
+        """The tables for `policy`; `fresh` starts a new cache when the current one is full (its
+        keys are agent-supplied strings)."""
         tables = self._tables
-        if tables is None or tables[0] is not policy or fresh:
+        if tables is None or tables.policy is not policy or fresh:
             with self._resolving:
                 tables = self._tables
-                if tables is None or tables[0] is not policy or (fresh and len(tables[6]) >= MAX_RESOLVED):
+                if tables is None or tables.policy is not policy or (fresh and len(tables.cache) >= MAX_RESOLVED):
                     team_names = tuple(t.name for t in policy.teams)
                     class_names = tuple(policy.classes)
-                    tables = self._tables = (
+                    ingress = policy.for_ingress()
+                    tables = self._tables = _Tables(
                         policy, TeamColumns.from_policy(policy), team_names, class_names,
-                        {n: i for i, n in enumerate(team_names)}, {n: i for i, n in enumerate(class_names)}, {}, [])
+                        {n: i for i, n in enumerate(team_names)}, {n: i for i, n in enumerate(class_names)}, {}, [],
+                        ingress, TeamColumns.from_policy(ingress))
         return tables
 
     def prepare(self, report: NodeReport, policy: Policy | None = None, in_round: bool = False) -> PreparedReport:
-        """The report's pods resolved into columns (cached per (namespace, class, bandwidth);
-        at submit time a full cache starts afresh, and the next round re-resolves the reports
-        prepared against the old one)."""
+        """The report's pods resolved into columns (cached per (namespace, class, bandwidth
+        annotations); at submit time a full cache starts afresh, and the next round re-resolves
+        the reports prepared against the old one)."""
         if policy is None:
             policy, _ = self.policy()
         tables = self._policy_tables(policy)
-        if not in_round and len(tables[6]) >= MAX_RESOLVED:
+        if not in_round and len(tables.cache) >= MAX_RESOLVED:
             tables = self._policy_tables(policy, fresh=True)
-        _, _, _, _, team_index, class_index, cache, table = tables
+        team_index, class_index, cache, table = tables.team_index, tables.class_index, tables.cache, tables.rows
         pods = report.pods
-        triples = list(map(_TRIPLE, pods))  # map/attrgetter: the per-pod steps run in C
-        rows = list(map(cache.get, triples))
+        keys = list(map(_ANNOTATIONS, pods))  # map/attrgetter: the per-pod steps run in C
+        rows = list(map(cache.get, keys))
         if None in rows:
             with self._resolving:  # the event loop and the round thread (after a policy change) both come here
-                for i, (row, triple) in enumerate(zip(rows, triples)):
+                for i, (row, key) in enumerate(zip(rows, keys)):
                     if row is None:
-                        row = cache.get(triple)
+                        row = cache.get(key)
                     if row is None:
-                        namespace, egress_class, bandwidth = triple
+                        namespace, egress_class, bandwidth, ingress_bandwidth = key
                         pp = resolve_pod(policy, namespace, egress_class, bandwidth,
-                                         self.namespace_labels(namespace))
+                                         self.namespace_labels(namespace), ingress_bandwidth)
                         table.append((team_index[pp.team], class_index[pp.egress_class], float(pp.weight),
-                                      float(pp.min_bps), float(pp.max_bps)))
-                        row = cache[triple] = len(table) - 1
+                                      float(pp.min_bps), float(pp.max_bps), float(pp.ingress_weight),
+                                      float(pp.ingress_min_bps), float(pp.ingress_max_bps)))
+                        row = cache[key] = len(table) - 1
                     rows[i] = row
         n = len(pods)
+        shapes_ingress = report.shapes_ingress
         return PreparedReport(
             report, tables, tuple(map(_KEY, pods)), np.array(rows, dtype=np.intp),
             np.fromiter(map(_DEMAND, pods), dtype=np.float64, count=n),
             np.fromiter(map(_USAGE, pods), dtype=np.float64, count=n),
+            np.fromiter(map(_INGRESS_DEMAND, pods), dtype=np.float64, count=n) if shapes_ingress else np.zeros(n),
+            np.fromiter(map(_INGRESS_USAGE, pods), dtype=np.float64, count=n) if shapes_ingress else np.zeros(n),
         )
 
     def __call__(self, reports: dict[str, PreparedReport | NodeReport]) -> RoundResult:
-        """One round over the latest report of every node."""
+        """One round over the latest report of every node: uploads over all of them, downloads
+        over those whose agent shapes downloads."""
         policy, problems = self.policy()
         tables = self._policy_tables(policy)
-        _, team_cols, team_names, class_names, _, _, _, rows = tables
         nodes = sorted(reports)  # a stable order: unchanged pods keep their index between rounds
         prepared = []
         for node in nodes:
@@ -226,64 +291,107 @@ class Allocator:
         n = sum(len(item.keys) for item in prepared)
         # `rows` is read after preparing: a pod resolved just now has its row
         ids = np.concatenate([item.rows for item in prepared]) if prepared else np.zeros(0, dtype=np.intp)
-        table = np.array(rows, dtype=np.float64).reshape(len(rows), 5)[ids]
-        demand = np.concatenate([item.demand for item in prepared]) if prepared else np.zeros(0)
-        usage = np.concatenate([item.usage for item in prepared]) if prepared else np.zeros(0)
+        table = np.array(tables.rows, dtype=np.float64).reshape(len(tables.rows), ROW)[ids]
+        demand = _joined(prepared, "demand")
+        usage = _joined(prepared, "usage")
         team = table[:, 0].astype(np.intp)
         cls = table[:, 1].astype(np.intp)
-        pods = PodColumns(team=team, weight=table[:, 2].copy(), min_bps=table[:, 3].copy(),
-                          max_bps=table[:, 4].copy(), demand_bps=demand)
+        now = self.clock()
 
         total = float(policy.total_bps)
-        # each node's word on the measured total is bounded by what it may send (see the module doc)
+        up = self._run(self._egress, tables.teams, total, nodes, prepared, team, table[:, 2:5], demand, usage,
+                       [item.report.node_internet_egress_bps for item in prepared], now)
+        alloc, limit = up.result.allocation, up.result.limit
+        floor = max(MIN_SAFE_FLOOR_BPS, total / max(1, n, self.known_pods()))
+        summary = self._summary(policy, problems, up.result, team, cls, tables.team_names, tables.class_names,
+                                demand, usage, up.used_bps, len(reports))
+
+        # downloads: only the reports of agents that shape them
+        shaping = [item.report.shapes_ingress for item in prepared]
+        in_nodes = [node for node, s in zip(nodes, shaping) if s]
+        in_prepared = [item for item, s in zip(prepared, shaping) if s]
+        in_alloc = in_limit = None
+        node_ingress_rate: dict[str, float] = {}
+        ingress_floor = None
+        if in_prepared:
+            mask = np.repeat(np.array(shaping), [len(item.keys) for item in prepared])
+            in_total = float(policy.ingress_total_bps)
+            in_demand, in_usage = _joined(in_prepared, "ingress_demand"), _joined(in_prepared, "ingress_usage")
+            down = self._run(self._ingress, tables.ingress_teams, in_total, in_nodes, in_prepared, team[mask],
+                             table[mask, 5:8], in_demand, in_usage,
+                             [item.report.node_internet_ingress_bps for item in in_prepared], now)
+            in_alloc, in_limit = np.full(n, np.nan), np.full(n, np.nan)
+            in_alloc[mask], in_limit[mask] = down.result.allocation, down.result.limit
+            node_ingress_rate = down.node_rate
+            ingress_floor = max(MIN_SAFE_FLOOR_BPS, in_total / max(1, int(mask.sum()), self.known_pods()))
+            summary.ingress = self._summary(tables.ingress_policy, (), down.result, team[mask], cls[mask],
+                                            tables.team_names, tables.class_names, in_demand, in_usage,
+                                            down.used_bps, len(in_nodes))
+        else:
+            self._ingress = _Direction()  # no agent shapes downloads now: start afresh when one does
+
+        spans: dict[str, tuple[int, list[PodReport]]] = {}
+        start = 0
+        for node, item in zip(nodes, prepared):
+            spans[node] = (start, item.report.pods)
+            start += len(item.keys)
+        by_node = NodeAllocations(spans, team, cls, tables.team_names, tables.class_names, alloc, limit,
+                                  in_alloc, in_limit, frozenset(in_nodes))
+        return RoundResult(by_node, up.node_rate, floor, summary, node_ingress_rate=node_ingress_rate,
+                           safe_ingress_floor_bps=ingress_floor)
+
+    def _run(self, state: _Direction, teams: TeamColumns, total: float, nodes: list[str],
+             prepared: list[PreparedReport], team: np.ndarray, policy_columns: np.ndarray, demand: np.ndarray,
+             usage: np.ndarray, node_measured: list[float], now: float) -> _Run:
+        """One direction's engine run over `nodes` (their pods in order): weight, min, max in
+        `policy_columns`; `node_measured` the nodes' measured internet totals in that direction."""
+        pods = PodColumns(team=team, weight=policy_columns[:, 0].copy(), min_bps=policy_columns[:, 1].copy(),
+                          max_bps=policy_columns[:, 2].copy(), demand_bps=demand)
+        # each node's word on the measured total is bounded by what it may use (see the module doc)
         fair_node = total / max(1, len(nodes))
-        egress = [min(item.report.node_internet_egress_bps,
-                      EGRESS_MARGIN * max(self._node_rate.get(node, 0.0), fair_node))
-                  for node, item in zip(nodes, prepared)]
-        measured = sum(egress)
-        any_measured = any(e > 0 for e in egress)
+        measured_by_node = [min(m, REPORT_MARGIN * max(state.node_rate.get(node, 0.0), fair_node))
+                            for node, m in zip(nodes, node_measured)]
+        measured = sum(measured_by_node)
+        any_measured = any(m > 0 for m in measured_by_node)
         report_period = max((item.report.period_seconds for item in prepared), default=0.0)
         # the measured total changes once per report period: feeding it to the gain in every
         # round of a shorter allocation period would apply the same correction several times
         feedback = None
-        now = self.clock()
-        if any_measured and now - self._last_feedback >= report_period * 0.9:
-            feedback, self._last_feedback = measured, now
-        # the gain is the ratio of what the pods' classes sent to the measured total (other byte
-        # counts, unshaped host traffic), both from the nodes that measure their egress; a node's
-        # pods never sent more than the node did
+        if any_measured and now - state.last_feedback >= report_period * 0.9:
+            feedback, state.last_feedback = measured, now
+        # the gain is the ratio of what the pods' classes carried to the measured total (other byte
+        # counts, unshaped host traffic), both from the nodes that measure it; a node's pods never
+        # carried more than the node did
         shaped = None
         if feedback is not None:
-            shaped = float(sum(min(float(item.usage.sum()), e) for item, e in zip(prepared, egress) if e > 0))
-        result = allocate_columns(team_cols, pods, total, feedback, self._aligned_previous(nodes, prepared),
+            shaped, start = 0.0, 0
+            for item, m in zip(prepared, measured_by_node):
+                end = start + len(item.keys)
+                if m > 0:
+                    shaped += min(float(usage[start:end].sum()), m)
+                start = end
+        result = allocate_columns(teams, pods, total, feedback, self._aligned_previous(state, nodes, prepared),
                                   shaped_usage_bps=shaped)
-        alloc, limit = result.allocation, result.limit
-
-        spans: dict[str, tuple[int, list[PodReport]]] = {}
         node_rate: dict[str, float] = {}
         previous: dict[str, tuple[tuple, np.ndarray, np.ndarray]] = {}
         start = 0
         for node, item in zip(nodes, prepared):
             end = start + len(item.keys)
-            spans[node] = (start, item.report.pods)
-            node_rate[node] = min(total, float(limit[start:end].sum()))
-            previous[node] = (item.keys, alloc[start:end], limit[start:end])
+            node_rate[node] = min(total, float(result.limit[start:end].sum()))
+            previous[node] = (item.keys, result.allocation[start:end], result.limit[start:end])
             start = end
-        self._previous, self._gain_carrier, self._node_rate = previous, result, node_rate
-        by_node = NodeAllocations(spans, team, cls, team_names, class_names, alloc, limit)
-        floor = max(MIN_SAFE_FLOOR_BPS, total / max(1, n, self.known_pods()))
-        summary = self._summary(policy, problems, result, team, cls, team_names, class_names, demand, usage,
-                                measured if any_measured else float(usage.sum()), len(reports))
-        return RoundResult(by_node, node_rate, floor, summary)
+        state.previous, state.gain_carrier, state.node_rate = previous, result, node_rate
+        return _Run(result, node_rate, measured if any_measured else float(usage.sum()))
 
-    def _aligned_previous(self, nodes: list[str], prepared: list[PreparedReport]):
+    @staticmethod
+    def _aligned_previous(state: _Direction, nodes: list[str], prepared: list[PreparedReport]):
         """The previous round's per-pod numbers in this round's order (NaN for pods it did not
         have), node by node: a node whose pod list did not change costs one tuple comparison."""
-        if self._gain_carrier is None:
+        if state.gain_carrier is None:
             return None
         allocs, limits = [], []
         for node, item in zip(nodes, prepared):
-            old = self._previous.get(node)
+            old = state.previous.get(node)
             if old is not None and old[0] == item.keys:
                 allocs.append(old[1])
                 limits.append(old[2])
@@ -299,7 +407,7 @@ class Allocator:
             allocs.append(a)
             limits.append(lim)
         empty = np.zeros(0)
-        return replace(self._gain_carrier, allocation=np.concatenate(allocs) if allocs else empty,
+        return replace(state.gain_carrier, allocation=np.concatenate(allocs) if allocs else empty,
                        limit=np.concatenate(limits) if limits else empty)
 
     @staticmethod
@@ -329,3 +437,8 @@ class Allocator:
             pods=int(team.size), nodes=nodes, oversubscribed=bool(result.oversubscribed), gain=float(result.gain),
             groups=groups, teams=teams, policy_problems=tuple(problems),
         )
+
+
+def _joined(prepared: list[PreparedReport], column: str) -> np.ndarray:
+    """One per-pod column of the prepared reports, concatenated in their order."""
+    return np.concatenate([getattr(item, column) for item in prepared]) if prepared else np.zeros(0)

@@ -20,6 +20,8 @@ import time
 from operator import attrgetter
 from typing import Callable
 
+import msgspec
+
 from core.wire import (MAX_PODS_PER_REPORT, MAX_REFUSED, NodeAnswer, NodeReport, Refused, invalid_name_indexes,
                        long_annotation_indexes)
 
@@ -143,8 +145,8 @@ class ControllerState:
             if len(refused) > MAX_REFUSED:
                 problems.append(f"{len(refused) - MAX_REFUSED} more pods refused (not listed)")
                 refused = refused[:MAX_REFUSED]
-            report = NodeReport(report.node, [p for i, p in enumerate(pods) if i not in bad], report.seq,
-                                report.period_seconds, report.node_internet_egress_bps)
+            # every other field (both directions' node totals, shapes_ingress) kept as reported
+            report = msgspec.structs.replace(report, pods=[p for i, p in enumerate(pods) if i not in bad])
         prepared = self.prepare(report)
         with self._lock:
             self.latest[report.node] = (time.monotonic(), prepared)
@@ -155,8 +157,12 @@ class ControllerState:
                 refused: list[Refused]) -> NodeAnswer:
         if result is None or node not in result.node_rate:  # a node the round has not seen: the agent keeps what it has
             return NodeAnswer(node, 0, self.lease_seconds, 0.0, 0.0, [], problems + [NO_ROUND], refused)
+        # downloads: only for a node whose agent shapes them (its pods' answers carry them too)
+        ingress_rate = result.node_ingress_rate.get(node)
         return NodeAnswer(node, result.generation, self.lease_seconds, result.safe_floor_bps,
-                          result.node_rate[node], result.by_node[node], problems, refused)
+                          result.node_rate[node], result.by_node[node], problems, refused,
+                          node_ingress_rate_bps=ingress_rate,
+                          safe_ingress_floor_bps=result.safe_ingress_floor_bps if ingress_rate is not None else None)
 
     # -- the allocation loop -----------------------------------------------------
     def nodes(self) -> int:
