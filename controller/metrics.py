@@ -1,5 +1,9 @@
 """The controller's Prometheus metrics, in their own registry (docs/controller.md lists them).
 
+Each budget metric has a download twin named with `ingress_` after `netagent_controller_`
+(`netagent_controller_ingress_budget_bytes_per_second`...), present while an agent that
+shapes downloads reports.
+
 Event counts (reports, rejections, rounds, status writes) are counters updated as they
 happen; the budget view (by team and class) is yielded at scrape time from the latest
 allocation round, so a team or class that disappears takes its series with it. Rates
@@ -42,41 +46,54 @@ class BudgetCollector:
             yield GaugeMetricFamily(P + "safe_floor_bytes_per_second",
                                     "per-pod rate agents fall to when their lease runs out",
                                     value=result.safe_floor_bps / 8)
+            if result.safe_ingress_floor_bps is not None:
+                yield GaugeMetricFamily(P + "ingress_safe_floor_bytes_per_second",
+                                        "per-pod download rate agents fall to when their lease runs out",
+                                        value=result.safe_ingress_floor_bps / 8)
         if summary is None:
             return
-        yield GaugeMetricFamily(P + "budget_bytes_per_second", "the EgressBudget's spec.total",
-                                value=summary.budget_bps / 8)
-        yield GaugeMetricFamily(P + "oversubscribed", "1 when the teams' guarantees add up to more than the budget",
-                                value=1.0 if summary.oversubscribed else 0.0)
-        yield GaugeMetricFamily(P + "feedback_gain", "the engine's gain on the budget: pods' shaped usage / measured egress, so the measured total settles at the budget",
-                                value=summary.gain)
         yield GaugeMetricFamily(P + "policy_problems", "EgressClass/EgressBudget problems (objects or teams ignored)",
                                 value=float(len(summary.policy_problems)))
-        families = {
-            "allocated": GaugeMetricFamily(P + "allocated_bytes_per_second", "sum of the pods' fair shares",
-                                           labels=["team", "class"]),
-            "demand": GaugeMetricFamily(P + "demand_bytes_per_second", "sum of the pods' estimated demand",
-                                        labels=["team", "class"]),
-            "used": GaugeMetricFamily(P + "used_bytes_per_second", "sum of the pods' measured internet egress",
-                                      labels=["team", "class"]),
-            "pods": GaugeMetricFamily(P + "group_pods", "pods by team and class", labels=["team", "class"]),
-        }
-        for (team, egress_class), g in sorted(summary.groups.items()):
-            labels = [team, egress_class]
-            families["allocated"].add_metric(labels, g.allocated_bps / 8)
-            families["demand"].add_metric(labels, g.demand_bps / 8)
-            families["used"].add_metric(labels, g.used_bps / 8)
-            families["pods"].add_metric(labels, float(g.pods))
-        yield from families.values()
-        guarantee = GaugeMetricFamily(P + "team_guarantee_bytes_per_second", "the team's guaranteed minimum",
-                                      labels=["team"])
-        unmet = GaugeMetricFamily(P + "guarantee_unmet",
-                                  "1 when a team is allocated less than its guarantee (up to its demand)", labels=["team"])
-        for team, t in sorted(summary.teams.items()):
-            guarantee.add_metric([team], t.guarantee_bps / 8)
-            unmet.add_metric([team], 1.0 if t.guarantee_unmet else 0.0)
-        yield guarantee
-        yield unmet
+        yield from _direction(summary, P, "spec.total", "egress")
+        if summary.ingress is not None:  # agents that shape downloads report
+            yield GaugeMetricFamily(P + "ingress_agents", "nodes whose agent shapes downloads and reported",
+                                    value=float(summary.ingress.nodes))
+            yield from _direction(summary.ingress, P + "ingress_", "spec.ingressTotal", "ingress (downloads)")
+
+
+def _direction(summary: Summary, p: str, total: str, traffic: str) -> Iterable[Metric]:
+    """The budget view of one direction; `p` is the prefix (downloads: netagent_controller_ingress_)."""
+    yield GaugeMetricFamily(p + "budget_bytes_per_second", f"the EgressBudget's {total}",
+                            value=summary.budget_bps / 8)
+    yield GaugeMetricFamily(p + "oversubscribed", f"1 when the teams' guarantees add up to more than {total}",
+                            value=1.0 if summary.oversubscribed else 0.0)
+    yield GaugeMetricFamily(p + "feedback_gain", f"the engine's gain on {total}: pods' shaped usage / measured "
+                            f"internet {traffic}, so the measured total settles at the budget", value=summary.gain)
+    families = {
+        "allocated": GaugeMetricFamily(p + "allocated_bytes_per_second", "sum of the pods' fair shares",
+                                       labels=["team", "class"]),
+        "demand": GaugeMetricFamily(p + "demand_bytes_per_second", "sum of the pods' estimated demand",
+                                    labels=["team", "class"]),
+        "used": GaugeMetricFamily(p + "used_bytes_per_second", f"sum of the pods' measured internet {traffic}",
+                                  labels=["team", "class"]),
+        "pods": GaugeMetricFamily(p + "group_pods", "pods by team and class", labels=["team", "class"]),
+    }
+    for (team, egress_class), g in sorted(summary.groups.items()):
+        labels = [team, egress_class]
+        families["allocated"].add_metric(labels, g.allocated_bps / 8)
+        families["demand"].add_metric(labels, g.demand_bps / 8)
+        families["used"].add_metric(labels, g.used_bps / 8)
+        families["pods"].add_metric(labels, float(g.pods))
+    yield from families.values()
+    guarantee = GaugeMetricFamily(p + "team_guarantee_bytes_per_second", "the team's guaranteed minimum",
+                                  labels=["team"])
+    unmet = GaugeMetricFamily(p + "guarantee_unmet",
+                              "1 when a team is allocated less than its guarantee (up to its demand)", labels=["team"])
+    for team, t in sorted(summary.teams.items()):
+        guarantee.add_metric([team], t.guarantee_bps / 8)
+        unmet.add_metric([team], 1.0 if t.guarantee_unmet else 0.0)
+    yield guarantee
+    yield unmet
 
 
 class ControllerMetrics:

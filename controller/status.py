@@ -29,31 +29,46 @@ def _rfc3339(t: float) -> str:
 
 def budget_status(summary: Summary, computed_at: float, previous: dict | None,
                   observed_generation: int | None = None) -> dict:
-    """The EgressBudget status for one round. Oversubscribed keeps its lastTransitionTime
-    while its status does not change."""
-    over = "True" if summary.oversubscribed else "False"
-    old = next((c for c in (previous or {}).get("conditions") or [] if c.get("type") == "Oversubscribed"), None)
-    since = old["lastTransitionTime"] if old and old.get("status") == over else _rfc3339(computed_at)
+    """The EgressBudget status for one round, both directions (the download fields are null,
+    which removes them, while no agent that shapes downloads reports). A condition keeps its
+    lastTransitionTime while its status does not change."""
     unmet = sorted(t for t, v in summary.teams.items() if v.guarantee_unmet)
     generation = {} if observed_generation is None else {"observedGeneration": observed_generation}
+    down = summary.ingress
+    conditions = [_oversubscribed("Oversubscribed", summary.oversubscribed, "spec.total", "",
+                                  computed_at, previous, generation)]
+    if down is not None:
+        conditions.append(_oversubscribed("IngressOversubscribed", down.oversubscribed, "spec.ingressTotal",
+                                          "download ", computed_at, previous, generation))
     return {
         **generation,
         "allocated": format_bps(summary.allocated_bps),
         "demand": format_bps(summary.demand_bps),
         "used": format_bps(summary.used_bps),
+        "ingressAllocated": format_bps(down.allocated_bps) if down else None,
+        "ingressDemand": format_bps(down.demand_bps) if down else None,
+        "ingressUsed": format_bps(down.used_bps) if down else None,
         "pods": summary.pods,
         "nodes": summary.nodes,
         "teamsBelowGuarantee": unmet,
         "lastComputed": _rfc3339(computed_at),
-        "conditions": [{
-            "type": "Oversubscribed",
-            "status": over,
-            "reason": "GuaranteesExceedTotal" if summary.oversubscribed else "GuaranteesFit",
-            "message": ("the teams' guarantees add up to more than spec.total; they are scaled down proportionally"
-                        if summary.oversubscribed else "every team's guarantee fits within spec.total"),
-            "lastTransitionTime": since,
-            **generation,
-        }],
+        "conditions": conditions,
+    }
+
+
+def _oversubscribed(kind: str, over: bool, total: str, what: str, computed_at: float, previous: dict | None,
+                    generation: dict) -> dict:
+    status = "True" if over else "False"
+    old = next((c for c in (previous or {}).get("conditions") or [] if c.get("type") == kind), None)
+    since = old["lastTransitionTime"] if old and old.get("status") == status else _rfc3339(computed_at)
+    return {
+        "type": kind,
+        "status": status,
+        "reason": "GuaranteesExceedTotal" if over else "GuaranteesFit",
+        "message": (f"the teams' {what}guarantees add up to more than {total}; they are scaled down proportionally"
+                    if over else f"every team's {what}guarantee fits within {total}"),
+        "lastTransitionTime": since,
+        **generation,
     }
 
 

@@ -707,6 +707,34 @@ async def test_bad_ingress_bandwidth_annotation_keeps_the_class_download_values(
     assert reason == REASON_INVALID_INGRESS_BANDWIDTH and "kubernetes.io/ingress-bandwidth" in message
 
 
+def test_controller_metrics_have_download_twins():
+    from prometheus_client import generate_latest
+
+    from controller.metrics import ControllerMetrics
+    from core.wire import NodeReport, PodReport
+
+    state = ControllerState(Allocator(policy_source(IN_CLASSES, (IN_BUDGET,))), lease_seconds=30.0)
+    metrics = ControllerMetrics(state, lambda: True)
+    state.submit(None, NodeReport("node-old", [PodReport("web", "o", 0, 1e6)]))
+    state.run_round()
+    before = generate_latest(metrics.registry).decode()
+    assert "netagent_controller_budget_bytes_per_second 1.25e+07" in before
+    assert "netagent_controller_ingress_" not in before  # no agent shapes downloads yet: no download view
+    state.submit(None, NodeReport("node-a", [PodReport("web", "w", 0, 1e6, ingress_demand_bps=1e9)],
+                                  shapes_ingress=True))
+    state.run_round()
+    text = generate_latest(metrics.registry).decode()
+    for line in ("netagent_controller_ingress_budget_bytes_per_second 7.5e+06",
+                 'netagent_controller_ingress_allocated_bytes_per_second{class="default",team="web"} 7.5e+06',
+                 'netagent_controller_ingress_demand_bytes_per_second{class="default",team="web"} 1.25e+08',
+                 'netagent_controller_ingress_used_bytes_per_second{class="default",team="web"} 0.0',
+                 'netagent_controller_ingress_guarantee_unmet{team="web"} 0.0',
+                 "netagent_controller_ingress_feedback_gain 1.0", "netagent_controller_ingress_oversubscribed 0.0",
+                 "netagent_controller_ingress_agents 1.0", "netagent_controller_ingress_safe_floor_bytes_per_second",
+                 'netagent_controller_allocated_bytes_per_second{class="default",team="web"} 250000.0'):
+        assert line in text, line
+
+
 def test_refused_pods_keep_the_reports_download_fields():
     """A report with a refused pod is stored without that pod but with all its other fields."""
     from core.wire import NodeReport, PodReport

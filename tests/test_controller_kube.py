@@ -191,6 +191,102 @@ def test_tokens_and_node_binding_against_the_real_apiserver(kube_api, budget, no
         wait_for(allocated_late, timeout=30, what="the new pod to be allocated")
 
 
+BAD_INGRESS = [  # (kind, spec, what the API server's message names)
+    ("egressclasses", {"ingress": {"min": "20M", "max": "10M"}}, "spec.ingress.min must not be above spec.ingress.max"),
+    ("egressclasses", {"ingress": {"max": "10Mbit"}}, "spec.ingress.max"),
+    ("egressclasses", {"ingress": {"max": "-5M"}}, "spec.ingress.max"),
+    ("egressclasses", {"ingress": {"max": 0}}, "must be above zero"),
+    ("egressclasses", {"ingress": {"weight": 0}}, "spec.ingress.weight"),
+    ("egressclasses", {"ingress": {"min": "10P"}}, "must be at most 9P"),
+    ("egressbudgets", {"total": "1G", "ingressTotal": "0"}, "spec.ingressTotal"),
+    ("egressbudgets", {"total": "1G", "ingressTotal": "500m"}, "spec.ingressTotal"),
+    ("egressbudgets", {"total": "1G", "teams": [{"name": "t", "ingress": {"min": "2G", "max": "1G"}}]},
+     "ingress.min must not be above its ingress.max"),
+    ("egressbudgets", {"total": "1G", "teams": [{"name": "t", "ingress": {"weight": 2000000}}]},
+     "spec.teams[0].ingress.weight"),
+]
+
+
+def test_the_api_server_refuses_bad_download_fields_naming_them(crds):
+    custom = client.CustomObjectsApi(crds.admin)
+    kind = {"egressclasses": "EgressClass", "egressbudgets": "EgressBudget"}
+    for plural, spec, fragment in BAD_INGRESS:
+        obj = {"apiVersion": f"{GROUP}/{VERSION}", "kind": kind[plural], "metadata": {"name": "bad-ingress"},
+               "spec": spec}
+        with pytest.raises(ApiException) as refused:
+            custom.create_cluster_custom_object(GROUP, VERSION, plural, obj)
+        assert refused.value.status == 422 and fragment in refused.value.body, (spec, refused.value.body)
+    # an object without any ingress field is stored as written: no download value appears by default
+    try:
+        custom.create_cluster_custom_object(GROUP, VERSION, "egressclasses", {
+            "apiVersion": f"{GROUP}/{VERSION}", "kind": "EgressClass", "metadata": {"name": "plain-ingress"},
+            "spec": {"weight": 2}})
+        assert custom.get_cluster_custom_object(GROUP, VERSION, "egressclasses", "plain-ingress")["spec"] == \
+            {"weight": 2}
+    finally:
+        with contextlib.suppress(ApiException):
+            custom.delete_cluster_custom_object(GROUP, VERSION, "egressclasses", "plain-ingress")
+
+
+def post_both(base: str, node: str, pods: list[dict]) -> tuple[int, dict]:
+    """A report from an agent that shapes downloads (no token: --no-auth)."""
+    body = json.dumps({"node": node, "pods": pods, "node_internet_egress_bps": 1e6,
+                       "node_internet_ingress_bps": 3e6, "shapes_ingress": True}).encode()
+    req = urllib.request.Request(f"{base}/v1/nodes/{node}/report", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return r.status, json.loads(r.read())
+
+
+def test_download_budget_status_and_columns(kube_api, budget, nodes_and_pods, tmp_path):
+    """Both directions in the budget's status and `kubectl get` columns, from a real round."""
+    namespace, nodes = nodes_and_pods
+    budget.patch_cluster_custom_object(GROUP, VERSION, "egressclasses", "ctl-bulk",
+                                       {"spec": {"ingress": {"weight": 3, "min": "1M", "max": "40M"}}})
+    budget.patch_cluster_custom_object(GROUP, VERSION, "egressbudgets", "default", {"spec": {
+        "ingressTotal": "50M",
+        "teams": [{"name": "web", "namespaces": ["web"], "weight": 2, "min": "150M", "ingress": {"min": "80M"}}]}})
+    with controller(kube_api, tmp_path, namespace, "--no-auth", "--status-interval", "1") as (_, base, _):
+        wait_for(lambda: leading(base), what="the only replica to lead")
+
+        def round_trip():
+            # each node's measured download total (3M) is what its pod's class carried: the gain stays 1
+            pods = {k: [{**workload(namespace, f"work-{k}", d), "ingress_demand_bps": 45e6, "ingress_usage_bps": 3e6}]
+                    for k, d in (("a", 40e6), ("b", 30e6))}
+            answers = [post_both(base, nodes[k], pods[k])[1] for k in ("a", "b")]
+            return answers, budget.get_cluster_custom_object(GROUP, VERSION, "egressbudgets", "default").get("status")
+
+        def both():
+            answers, st = round_trip()
+            return st and st.get("ingressAllocated") and all(a["generation"] > 0 for a in answers) and (answers, st)
+
+        answers, st = wait_for(both, timeout=30, what="the download figures in the budget status")
+        assert (st["ingressAllocated"], st["ingressDemand"], st["ingressUsed"]) == ("50M", "90M", "6M")
+        assert (st["allocated"], st["demand"], st["used"]) == ("70M", "70M", "2M")  # uploads unchanged
+        down = next(c for c in st["conditions"] if c["type"] == "IngressOversubscribed")
+        # web's download guarantee (80M) is above ingressTotal (50M)
+        assert (down["status"], down["reason"]) == ("True", "GuaranteesExceedTotal")
+        assert "spec.ingressTotal" in down["message"]
+        got = [p for a in answers for p in a["pods"]]
+        assert sum(p["ingress_allocation_bps"] for p in got) == pytest.approx(50e6)  # the download budget
+        assert all(a["node_ingress_rate_bps"] and a["safe_ingress_floor_bps"] for a in answers)
+
+        header, row = kube_api.kubectl("get", "egressbudgets", "default").stdout.splitlines()[:2]
+        assert header.split()[:9] == ["NAME", "TOTAL", "ALLOCATED", "USED", "DEMAND", "OVERSUBSCRIBED",
+                                      "INGRESS-TOTAL", "INGRESS-ALLOCATED", "INGRESS-USED"]
+        assert row.split()[6:9] == ["50M", "50M", "6M"]
+        wide = kube_api.kubectl("get", "egressbudgets", "default", "-o", "wide").stdout.splitlines()
+        assert wide[0].split()[9] == "INGRESS-DEMAND" and wide[1].split()[9] == "90M"
+        header, row = kube_api.kubectl("get", "egressclasses", "ctl-bulk").stdout.splitlines()[:2]
+        assert header.split() == ["NAME", "WEIGHT", "MIN", "MAX", "INGRESS-MIN", "INGRESS-MAX", "AGE"]
+        assert row.split()[1:5] == ["1", "80M", "1M", "40M"]  # no upload min: an empty cell
+
+        # the download total edited in the cluster: the next rounds share the new one
+        budget.patch_cluster_custom_object(GROUP, VERSION, "egressbudgets", "default", {"spec": {"ingressTotal": "20M"}})
+        wait_for(lambda: sum(p["ingress_allocation_bps"] for a in round_trip()[0] for p in a["pods"])
+                 == pytest.approx(20e6), timeout=30, what="download allocations under the edited total")
+
+
 @pytest.fixture
 def controller_rbac(kube_api, kube_namespace):
     """deploy/base/rbac-controller.yaml applied for a ServiceAccount in the test namespace (its

@@ -279,10 +279,17 @@ def test_status_written_by_the_controller_is_declared():
     from controller.allocator import Summary
     from controller.status import budget_status
 
-    status = budget_status(Summary("default", 1e9, 5e8, 6e8, 4e8, 3, 2, True), 0.0, None)
     declared = crd("egressbudgets")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
-    assert set(status) <= set(declared["properties"])
-    assert set(status["conditions"][0]) <= set(declared["properties"]["conditions"]["items"]["properties"])
+    down = Summary("default", 2e9, 2e9, 3e9, 1.9e9, 3, 1, False)
+    for summary in (Summary("default", 1e9, 5e8, 6e8, 4e8, 3, 2, True),
+                    Summary("default", 1e9, 5e8, 6e8, 4e8, 3, 2, True, ingress=down)):
+        status = budget_status(summary, 0.0, None)
+        assert set(status) <= set(declared["properties"])
+        for condition in status["conditions"]:
+            assert set(condition) <= set(declared["properties"]["conditions"]["items"]["properties"])
+    assert (status["ingressAllocated"], status["ingressDemand"], status["ingressUsed"]) == ("2G", "3G", "1.9G")
+    assert [(c["type"], c["status"]) for c in status["conditions"]] == [("Oversubscribed", "True"),
+                                                                        ("IngressOversubscribed", "False")]
 
 
 def test_example_policy_loads_cleanly():
