@@ -194,7 +194,8 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from-file", "-f", dest="from_file", metavar="POLICY.yaml", action="append", required=True,
                    help="YAML file (or directory of them) with EgressClass and EgressBudget objects; repeatable")
     p.add_argument("--demand", "-d", metavar="DEMAND.csv", required=True,
-                   help="CSV with columns namespace,pod,class,demand[,bandwidth]; '-' reads standard input")
+                   help="CSV with columns namespace,pod,class,demand[,bandwidth][,ingress_demand][,ingress_bandwidth] "
+                        "(ingress = downloads, planned when ingress_demand is given); '-' reads standard input")
     p.add_argument("--output", "-o", choices=("table", "wide", "json"), default="table",
                    help="output format (default: table; wide adds each pod's weight, guarantee and cap)")
 

@@ -5,8 +5,11 @@
 POLICY.yaml holds EgressClass and EgressBudget objects (other kinds are ignored, so the
 agent's --from-file files work as they are). DEMAND.csv has the header
 `namespace,pod,class,demand` and optionally `bandwidth` (the pod's
-kubernetes.io/egress-bandwidth); rates are bit/s, Kubernetes quantities allowed; an
-empty class means the team's default. The engine is the controller's own.
+kubernetes.io/egress-bandwidth), `ingress_demand` (the pod's download demand) and
+`ingress_bandwidth` (its kubernetes.io/ingress-bandwidth); rates are bit/s, Kubernetes
+quantities allowed; an empty class means the team's default, an empty ingress_demand 0.
+With an `ingress_demand` column the downloads are planned too, against spec.ingressTotal
+with the download values (`Policy.for_ingress`). The engine is the controller's own.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from core.policy import Policy, load_policy, resolve_pod
 from core.quantity import format_bps, parse_bps
 
 REQUIRED_COLUMNS = ("namespace", "pod", "class", "demand")
-OPTIONAL_COLUMNS = ("bandwidth",)
+OPTIONAL_COLUMNS = ("bandwidth", "ingress_demand", "ingress_bandwidth")
 
 
 class PlanInputError(ValueError):
@@ -38,6 +41,18 @@ class DemandRow:
     egress_class: str | None
     demand_bps: int
     bandwidth: str | None
+    ingress_demand_bps: int | None = None  # None: no ingress_demand column (no download plan)
+    ingress_bandwidth: str | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Both directions' allocations for the demand rows (`downloads` None without ingress_demand)."""
+    uploads: AllocationResult
+    pods: list[PodDemandIn]
+    downloads: AllocationResult | None
+    ingress_pods: list[PodDemandIn]
+    ingress_policy: Policy
 
 
 def run(from_file: list[str], demand: str, output: str) -> int:
@@ -45,14 +60,14 @@ def run(from_file: list[str], demand: str, output: str) -> int:
     try:
         policy, problems = read_policy([Path(f) for f in from_file])
         rows = read_demand(demand)
-        result, pods, warnings = what_if(policy, rows, demand)
+        result, warnings = what_if(policy, rows, demand)
     except (PlanInputError, EngineError) as exc:
         print(f"netagent plan: error: {exc}", file=sys.stderr)
         return 2
     for message in problems + warnings:
         print(f"netagent plan: warning: {message}", file=sys.stderr)
-    text = json.dumps(as_json(rows, pods, result), indent=1) + "\n" if output == "json" else \
-        as_table(policy, rows, pods, result, wide=output == "wide")
+    text = json.dumps(as_json(rows, result), indent=1) + "\n" if output == "json" else \
+        as_table(policy, rows, result, wide=output == "wide")
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
@@ -113,29 +128,50 @@ def parse_demand(f: TextIO, name: str) -> list[DemandRow]:
         seen[key] = line
         try:
             demand = parse_bps(row["demand"], f"{where}: demand", allow_zero=True)
+            ingress_demand = None
+            if "ingress_demand" in row:
+                ingress_demand = parse_bps(row["ingress_demand"] or "0", f"{where}: ingress_demand", allow_zero=True)
         except ValueError as exc:
             raise PlanInputError(str(exc)) from exc
         rows.append(DemandRow(line, row["namespace"], row["pod"], row["class"] or None, demand,
-                              row.get("bandwidth") or None))
+                              row.get("bandwidth") or None, ingress_demand, row.get("ingress_bandwidth") or None))
     return rows
 
 
-def what_if(policy: Policy, rows: list[DemandRow], name: str
-         ) -> tuple[AllocationResult, list[PodDemandIn], list[str]]:
+def what_if(policy: Policy, rows: list[DemandRow], name: str) -> tuple[Plan, list[str]]:
+    """Both directions planned by the controller's engine: uploads always, downloads when the
+    rows carry download demand."""
     warnings: list[str] = []
     pods: list[PodDemandIn] = []
+    ingress_pods: list[PodDemandIn] = []
     for row in rows:
-        resolved = resolve_pod(policy, row.namespace, row.egress_class, row.bandwidth)
+        resolved = resolve_pod(policy, row.namespace, row.egress_class, row.bandwidth,
+                               ingress_bandwidth_annotation=row.ingress_bandwidth)
         warnings.extend(f"{name}:{row.line}: {reason}: {message}" for reason, message in resolved.problems)
-        pods.append(PodDemandIn(f"{row.namespace}/{row.pod}", resolved.team, resolved.egress_class, resolved.weight,
+        key = f"{row.namespace}/{row.pod}"
+        pods.append(PodDemandIn(key, resolved.team, resolved.egress_class, resolved.weight,
                                 resolved.min_bps, resolved.max_bps, row.demand_bps))
-    return allocate(policy, pods), pods, warnings
+        ingress_pods.append(PodDemandIn(key, resolved.team, resolved.egress_class, resolved.ingress_weight,
+                                        resolved.ingress_min_bps, resolved.ingress_max_bps,
+                                        row.ingress_demand_bps or 0))
+    ingress_policy = policy.for_ingress()
+    planned = any(row.ingress_demand_bps is not None for row in rows)
+    downloads = allocate(ingress_policy, ingress_pods) if planned else None
+    return Plan(allocate(policy, pods), pods, downloads, ingress_pods, ingress_policy), warnings
 
 
-def as_json(rows: list[DemandRow], pods: list[PodDemandIn], result: AllocationResult) -> list[dict]:
-    return [{"namespace": row.namespace, "pod": row.pod, "team": p.team, "class": p.egress_class,
-             "demand": row.demand_bps, "allocation": _number(result.pods[p.key].allocation_bps),
-             "limit": _number(result.pods[p.key].limit_bps)} for row, p in zip(rows, pods)]
+def as_json(rows: list[DemandRow], plan: Plan) -> list[dict]:
+    out = []
+    for row, p in zip(rows, plan.pods):
+        up = plan.uploads.pods[p.key]
+        item = {"namespace": row.namespace, "pod": row.pod, "team": p.team, "class": p.egress_class,
+                "demand": row.demand_bps, "allocation": _number(up.allocation_bps), "limit": _number(up.limit_bps)}
+        if plan.downloads is not None:
+            down = plan.downloads.pods[p.key]
+            item.update(ingress_demand=row.ingress_demand_bps or 0, ingress_allocation=_number(down.allocation_bps),
+                        ingress_limit=_number(down.limit_bps))
+        out.append(item)
+    return out
 
 
 def _number(bps: float) -> int | float:
@@ -143,32 +179,53 @@ def _number(bps: float) -> int | float:
     return int(round(bps)) if abs(bps - round(bps)) < 1e-6 else round(bps, 3)
 
 
-def as_table(policy: Policy, rows: list[DemandRow], pods: list[PodDemandIn], result: AllocationResult,
-             wide: bool = False) -> str:
+def as_table(policy: Policy, rows: list[DemandRow], plan: Plan, wide: bool = False) -> str:
+    result, down = plan.uploads, plan.downloads
     head = ("NAMESPACE", "POD", "TEAM", "CLASS", "DEMAND", "ALLOCATION", "LIMIT")
+    if down is not None:
+        head += ("INGRESS-DEMAND", "INGRESS-ALLOCATION", "INGRESS-LIMIT")
     if wide:
         head += ("WEIGHT", "GUARANTEE", "CAP")
+        if down is not None:
+            head += ("INGRESS-WEIGHT", "INGRESS-GUARANTEE", "INGRESS-CAP")
     body = []
-    for row, p in zip(rows, pods):
+    for row, p, q in zip(rows, plan.pods, plan.ingress_pods):
         cells = (row.namespace, row.pod, p.team, p.egress_class, format_bps(row.demand_bps),
                  format_bps(result.pods[p.key].allocation_bps), format_bps(result.pods[p.key].limit_bps))
+        if down is not None:
+            cells += (format_bps(q.demand_bps), format_bps(down.pods[q.key].allocation_bps),
+                      format_bps(down.pods[q.key].limit_bps))
         if wide:
             cells += (f"{p.weight:g}", format_bps(p.min_bps), format_bps(p.max_bps))
+            if down is not None:
+                cells += (f"{q.weight:g}", format_bps(q.min_bps), format_bps(q.max_bps))
         body.append(cells)
     out = [_columns([head] + body), ""]
-    teams = [("TEAM", "WEIGHT", "PODS", "DEMAND", "GUARANTEE", "ALLOCATED", "LIMITS")]
+    out += _teams(policy, result, "")
+    budget = policy.budget_name or "none (built-in default: no total, caps only)"
+    out.append(_budget_line(f"budget {budget}", result))
+    if down is not None:
+        out += [""] + _teams(plan.ingress_policy, down, "INGRESS-")
+        out.append(_budget_line("downloads (spec.ingressTotal)", down))
+    return "\n".join(out) + "\n"
+
+
+def _teams(policy: Policy, result: AllocationResult, prefix: str) -> list[str]:
+    teams = [tuple(prefix + h if i else h for i, h in
+                   enumerate(("TEAM", "WEIGHT", "PODS", "DEMAND", "GUARANTEE", "ALLOCATED", "LIMITS")))]
     for team in policy.teams:
         t = result.teams[team.name]
         if t.pods:
             teams.append((team.name, str(team.weight), str(t.pods), format_bps(t.demand_bps), format_bps(t.min_bps),
                           format_bps(t.allocated_bps), format_bps(t.limit_bps) + (" (guarantees scaled)" if t.scaled
                                                                                   else "")))
-    out += [_columns(teams), ""]
-    budget = policy.budget_name or "none (built-in default: no total, caps only)"
-    out.append(f"budget {budget}: total {format_bps(result.total_bps)}, allocated {format_bps(result.allocated_bps)}, "
-               f"demand {format_bps(result.demand_bps)}, guarantees {format_bps(result.guaranteed_bps)}"
-               + (" (Oversubscribed: guarantees exceed the total)" if result.oversubscribed else ""))
-    return "\n".join(out) + "\n"
+    return [_columns(teams), ""]
+
+
+def _budget_line(what: str, result: AllocationResult) -> str:
+    return (f"{what}: total {format_bps(result.total_bps)}, allocated {format_bps(result.allocated_bps)}, "
+            f"demand {format_bps(result.demand_bps)}, guarantees {format_bps(result.guaranteed_bps)}"
+            + (" (Oversubscribed: guarantees exceed the total)" if result.oversubscribed else ""))
 
 
 def _columns(rows: list[tuple[str, ...]]) -> str:

@@ -79,6 +79,56 @@ def test_table_is_the_default_and_problems_are_warnings(tmp_path, policy):
 
 
 
+DOWNLOAD_POLICY = POLICY.replace("spec: {weight: 2, min: 10M, max: 100M}",
+                                 "spec: {weight: 2, min: 10M, max: 100M, ingress: {weight: 1, max: 30M}}").replace(
+    "  total: 100M\n", "  total: 100M\n  ingressTotal: 40M\n").replace(
+    "{name: b, namespaces: [b], weight: 1,", "{name: b, namespaces: [b], weight: 1, ingress: {weight: 3},")
+
+
+def test_downloads_are_planned_with_their_own_total_and_weights(tmp_path):
+    """ingress_demand plans downloads against ingressTotal (40M) with the download weights: teams a:b =
+    3:3 (a's from its upload weight), gold's download cap 30M; ingress_bandwidth lowers a pod's cap."""
+    path = write(tmp_path, DOWNLOAD_POLICY, "policy.yaml")
+    demand = write(tmp_path, "namespace,pod,class,demand,ingress_demand,ingress_bandwidth\n"
+                             "a,p1,gold,1G,1G,\na,p2,,5M,1G,4M\nb,q1,,1G,1G,\nb,q2,,1G,,\n")
+    done = plan("-f", path, "-d", demand, "-o", "json")
+    assert done.returncode == 0, done.stderr
+    by_pod = {r["pod"]: r for r in json.loads(done.stdout)}
+    assert by_pod["q1"]["ingress_allocation"] == 20_000_000  # b: half the download total, q2 wants none
+    assert by_pod["q2"]["ingress_demand"] == 0 and by_pod["q2"]["ingress_allocation"] == 0
+    assert by_pod["p2"]["ingress_allocation"] == 4_000_000  # its ingress_bandwidth
+    assert by_pod["p1"]["ingress_allocation"] == 16_000_000  # the rest of a's 20M, under gold's 30M cap
+    assert by_pod["p1"]["allocation"] == 70_000_000  # uploads as without downloads
+    assert sum(r["ingress_limit"] for r in by_pod.values()) <= 40_000_000
+
+    done = plan("-f", path, "-d", demand, "-o", "wide")
+    assert done.returncode == 0, done.stderr
+    head = done.stdout.splitlines()[0].split()
+    assert head[7:10] == ["INGRESS-DEMAND", "INGRESS-ALLOCATION", "INGRESS-LIMIT"] and head[-1] == "INGRESS-CAP"
+    assert "downloads (spec.ingressTotal): total 40M, allocated 40M" in done.stdout
+    teams = [line.split() for line in done.stdout.splitlines() if line.startswith("TEAM")]
+    assert teams[1][:3] == ["TEAM", "INGRESS-WEIGHT", "INGRESS-PODS"]
+    assert ["b", "3", "2", "1G", "0", "20M", "20M"] in [line.split() for line in done.stdout.splitlines()]
+
+
+@pytest.mark.parametrize("row, message", [
+    ("a,p1,,1M,-5M,", ":2: ingress_demand: '-5M' is negative"),
+    ("a,p1,,1M,5Mbit,", ":2: ingress_demand: '5Mbit'"),
+])
+def test_bad_download_demand_names_file_and_line(tmp_path, policy, row, message, capsys):
+    demand = write(tmp_path, f"namespace,pod,class,demand,ingress_demand,ingress_bandwidth\n{row}\n")
+    assert whatif.run(from_file=[str(policy)], demand=str(demand), output="table") == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_ingress_bandwidth_is_a_warning_naming_the_annotation(tmp_path, policy, capsys):
+    demand = write(tmp_path, "namespace,pod,class,demand,ingress_demand,ingress_bandwidth\na,p1,,1M,5M,fast\n")
+    assert whatif.run(from_file=[str(policy)], demand=str(demand), output="json") == 0
+    out, err = capsys.readouterr()
+    assert ":2: InvalidIngressBandwidth: annotation kubernetes.io/ingress-bandwidth" in err
+    assert json.loads(out)[0]["ingress_allocation"] == 5_000_000  # the class's download values: no cap
+
+
 def test_wide_table_explains_each_pod(tmp_path, policy, capsys):
     demand = write(tmp_path, "namespace,pod,class,demand,bandwidth\na,p1,gold,1G,50M\n")
     assert whatif.run(from_file=[str(policy)], demand=str(demand), output="wide") == 0
