@@ -20,6 +20,7 @@ from .allocator import Summary
 from .state import ControllerState
 
 P = "netagent_controller_"
+TC, T = ["team", "class"], ["team"]
 
 
 class BudgetCollector:
@@ -54,46 +55,61 @@ class BudgetCollector:
             return
         yield GaugeMetricFamily(P + "policy_problems", "EgressClass/EgressBudget problems (objects or teams ignored)",
                                 value=float(len(summary.policy_problems)))
-        yield from _direction(summary, P, "spec.total", "egress")
-        if summary.ingress is not None:  # agents that shape downloads report
-            yield GaugeMetricFamily(P + "ingress_agents", "nodes whose agent shapes downloads and reported",
-                                    value=float(summary.ingress.nodes))
-            yield from _direction(summary.ingress, P + "ingress_", "spec.ingressTotal", "ingress (downloads)")
+        yield from _direction(summary, (
+            GaugeMetricFamily(P + "budget_bytes_per_second", "the EgressBudget's spec.total",
+                              value=summary.budget_bps / 8),
+            GaugeMetricFamily(P + "oversubscribed", "1 when the teams' guarantees add up to more than the budget",
+                              value=1.0 if summary.oversubscribed else 0.0),
+            GaugeMetricFamily(P + "feedback_gain", "the engine's gain on the budget: pods' shaped usage / measured "
+                              "egress, so the measured total settles at the budget", value=summary.gain),
+            GaugeMetricFamily(P + "allocated_bytes_per_second", "sum of the pods' fair shares", labels=TC),
+            GaugeMetricFamily(P + "demand_bytes_per_second", "sum of the pods' estimated demand", labels=TC),
+            GaugeMetricFamily(P + "used_bytes_per_second", "sum of the pods' measured internet egress", labels=TC),
+            GaugeMetricFamily(P + "group_pods", "pods by team and class", labels=TC),
+            GaugeMetricFamily(P + "team_guarantee_bytes_per_second", "the team's guaranteed minimum", labels=T),
+            GaugeMetricFamily(P + "guarantee_unmet", "1 when a team is allocated less than its guarantee (up to its "
+                              "demand)", labels=T)))
+        down = summary.ingress
+        if down is None:  # no agent that shapes downloads reports: no download view
+            return
+        yield GaugeMetricFamily(P + "ingress_agents", "nodes whose agent shapes downloads and reported",
+                                value=float(down.nodes))
+        yield from _direction(down, (
+            GaugeMetricFamily(P + "ingress_budget_bytes_per_second", "the EgressBudget's spec.ingressTotal "
+                              "(downloads; 2^53/8 when unset)", value=down.budget_bps / 8),
+            GaugeMetricFamily(P + "ingress_oversubscribed", "1 when the teams' download guarantees add up to more "
+                              "than spec.ingressTotal", value=1.0 if down.oversubscribed else 0.0),
+            GaugeMetricFamily(P + "ingress_feedback_gain", "the engine's gain on spec.ingressTotal: pods' shaped "
+                              "downloads / measured internet ingress", value=down.gain),
+            GaugeMetricFamily(P + "ingress_allocated_bytes_per_second", "sum of the pods' download fair shares",
+                              labels=TC),
+            GaugeMetricFamily(P + "ingress_demand_bytes_per_second", "sum of the pods' estimated download demand",
+                              labels=TC),
+            GaugeMetricFamily(P + "ingress_used_bytes_per_second", "sum of the pods' measured internet ingress",
+                              labels=TC),
+            GaugeMetricFamily(P + "ingress_group_pods", "pods in the download allocation by team and class",
+                              labels=TC),
+            GaugeMetricFamily(P + "ingress_team_guarantee_bytes_per_second", "the team's guaranteed download minimum",
+                              labels=T),
+            GaugeMetricFamily(P + "ingress_guarantee_unmet", "1 when a team is allocated less than its download "
+                              "guarantee (up to its demand)", labels=T)))
 
 
-def _direction(summary: Summary, p: str, total: str, traffic: str) -> Iterable[Metric]:
-    """The budget view of one direction; `p` is the prefix (downloads: netagent_controller_ingress_)."""
-    yield GaugeMetricFamily(p + "budget_bytes_per_second", f"the EgressBudget's {total}",
-                            value=summary.budget_bps / 8)
-    yield GaugeMetricFamily(p + "oversubscribed", f"1 when the teams' guarantees add up to more than {total}",
-                            value=1.0 if summary.oversubscribed else 0.0)
-    yield GaugeMetricFamily(p + "feedback_gain", f"the engine's gain on {total}: pods' shaped usage / measured "
-                            f"internet {traffic}, so the measured total settles at the budget", value=summary.gain)
-    families = {
-        "allocated": GaugeMetricFamily(p + "allocated_bytes_per_second", "sum of the pods' fair shares",
-                                       labels=["team", "class"]),
-        "demand": GaugeMetricFamily(p + "demand_bytes_per_second", "sum of the pods' estimated demand",
-                                    labels=["team", "class"]),
-        "used": GaugeMetricFamily(p + "used_bytes_per_second", f"sum of the pods' measured internet {traffic}",
-                                  labels=["team", "class"]),
-        "pods": GaugeMetricFamily(p + "group_pods", "pods by team and class", labels=["team", "class"]),
-    }
+def _direction(summary: Summary, families: tuple[GaugeMetricFamily, ...]) -> Iterable[Metric]:
+    """One direction's budget view: the scalar families as given, the per team/class and per team
+    ones filled from `summary` (the families are built where they are named, literally, so
+    dashboards/contract.py can read every name)."""
+    budget, oversubscribed, gain, allocated, demand, used, pods, guarantee, unmet = families
     for (team, egress_class), g in sorted(summary.groups.items()):
         labels = [team, egress_class]
-        families["allocated"].add_metric(labels, g.allocated_bps / 8)
-        families["demand"].add_metric(labels, g.demand_bps / 8)
-        families["used"].add_metric(labels, g.used_bps / 8)
-        families["pods"].add_metric(labels, float(g.pods))
-    yield from families.values()
-    guarantee = GaugeMetricFamily(p + "team_guarantee_bytes_per_second", "the team's guaranteed minimum",
-                                  labels=["team"])
-    unmet = GaugeMetricFamily(p + "guarantee_unmet",
-                              "1 when a team is allocated less than its guarantee (up to its demand)", labels=["team"])
+        allocated.add_metric(labels, g.allocated_bps / 8)
+        demand.add_metric(labels, g.demand_bps / 8)
+        used.add_metric(labels, g.used_bps / 8)
+        pods.add_metric(labels, float(g.pods))
     for team, t in sorted(summary.teams.items()):
         guarantee.add_metric([team], t.guarantee_bps / 8)
         unmet.add_metric([team], 1.0 if t.guarantee_unmet else 0.0)
-    yield guarantee
-    yield unmet
+    yield from families
 
 
 class ControllerMetrics:
