@@ -472,7 +472,8 @@ def test_alerts_fire_on_what_the_exporters_say(live_prometheus):
     must_fire = {"NetagentBudgetSaturated", "NetagentPodPolicyProblem"}
     must_not = {"NetagentAgentNotReady", "NetagentControllerUnreachable", "NetagentFailStatic",
                 "NetagentControllerNoLeader", "NetagentAgentDrifting", "NetagentReconcileFailing", "NetagentDropsHigh",
-                "NetagentAllocationFailing", "NetagentTeamStarved"}
+                "NetagentAllocationFailing", "NetagentTeamStarved", "NetagentTeamIngressStarved",
+                "NetagentIngressBudgetExceeded", "NetagentIngressNotShaped"}
     deadline = time.monotonic() + 120
     while True:
         firing = {a["labels"]["alertname"] for a in _get(f"{live_prometheus.url}/api/v1/alerts")["data"]["alerts"]
