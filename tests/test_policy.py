@@ -297,6 +297,8 @@ def test_example_policy_loads_cleanly():
     policy, problems = load_policy([d for d in docs if d["kind"] == "EgressClass"],
                                    [d for d in docs if d["kind"] == "EgressBudget"])
     assert problems == [] and policy.total_bps == 10**9 and policy.default_team == "shared"
+    assert policy.ingress_total_bps == 500 * 10**6  # and a download example: spec.ingressTotal, ingress blocks
+    assert policy.for_ingress().classes["bulk"].max_bps == 50 * 10**6
 
 
 JSONISH = st.recursive(

@@ -142,6 +142,9 @@ def test_the_shipped_examples_run(tmp_path):
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)
     assert len(rows) == 8 and sum(r["allocation"] for r in rows) == pytest.approx(1e9)
+    # downloads: the ingress_demand column against spec.ingressTotal (500M), bulk's download cap 50M
+    assert sum(r["ingress_allocation"] for r in rows) == pytest.approx(500e6)
+    assert {r["pod"]: r["ingress_allocation"] for r in rows}["crawler-0"] == pytest.approx(50e6)
 
 
 def test_demand_from_stdin_and_no_budget(tmp_path):
