@@ -106,10 +106,18 @@ def base(uid: str, title: str, description: str) -> gd.Dashboard:
             .with_variable(variable("cluster", "Cluster", "label_values(netagent_build_info, cluster)")))
 
 
+# the budget drawn as a dashed red line over stacked usage
+BUDGET_LINE = [gm.DynamicConfigValue(id_val="custom.stacking", value={"mode": "none"}),
+               gm.DynamicConfigValue(id_val="custom.fillOpacity", value=0),
+               gm.DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]}),
+               gm.DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": "red"})]
+
+
 def cluster_dashboard() -> gd.Dashboard:
     d = base("netagent-cluster", "netagent / cluster",
              "Internet egress of the cluster against its budget, by team and class; demand and fair "
-             "allocation; the pods that send, drop and are throttled most; health of agents and controller.")
+             "allocation; the pods that send, drop and are throttled most; the same for downloads (internet "
+             "to pod, 'ingress') against spec.ingressTotal; health of agents and controller.")
     d = d.with_row(gd.Row("Budget"))
     d = d.with_panel(stat(
         "Budget", "spec.total of the EgressBudget, as the leader controller holds it.", "bps",
@@ -136,12 +144,7 @@ def cluster_dashboard() -> gd.Dashboard:
         query(f"sum by (team) (netagent:team_class_internet_egress_bytes:rate1m{{{CLUSTER}}}) * 8", "{{team}}"),
         query(f"sum(netagent:controller_budget_bytes_per_second:leader{{{CLUSTER}}}) * 8", "budget", ref="B"),
         width=12, stacked=True)
-        .override_by_name("budget", [gm.DynamicConfigValue(id_val="custom.stacking", value={"mode": "none"}),
-                                     gm.DynamicConfigValue(id_val="custom.fillOpacity", value=0),
-                                     gm.DynamicConfigValue(id_val="custom.lineStyle",
-                                                           value={"fill": "dash", "dash": [10, 10]}),
-                                     gm.DynamicConfigValue(id_val="color",
-                                                           value={"mode": "fixed", "fixedColor": "red"})]))
+        .override_by_name("budget", BUDGET_LINE))
     d = d.with_panel(timeseries(
         "Internet egress by team and class", "Measured internet egress per (team, class).", "bps",
         query(f"netagent:team_class_internet_egress_bytes:rate1m{{{CLUSTER}}} * 8", "{{team}} / {{class}}"),
@@ -194,6 +197,8 @@ def cluster_dashboard() -> gd.Dashboard:
               f"* on (cluster, namespace, pod) group_left (team) netagent:pod_info:max)", "{{team}}"),
         width=8))
 
+    d = downloads_rows(d)
+
     d = d.with_row(gd.Row("Agents and controller"))
     d = d.with_panel(stat(
         "Agents ready", "Agents whose kernel data path matches their desired state.", "short",
@@ -229,17 +234,102 @@ def cluster_dashboard() -> gd.Dashboard:
         "Allocation rounds and feedback gain",
         "Rounds per second of the leader (and failed ones); the feedback gain: what the engine shares is the "
         "budget times this, so that the measured total stays at the budget (1 = no correction; above 1 when "
-        "the pods, fully loaded, measure short of it; below 1 when they overshoot).", "short",
+        "the pods, fully loaded, measure short of it; below 1 when they overshoot); the download gain does the "
+        "same on spec.ingressTotal.", "short",
         query(f"sum(rate(netagent_controller_allocation_rounds_total{{{CLUSTER}}}[5m]) {LEADER})", "rounds/s"),
         query(f"sum(rate(netagent_controller_allocation_failures_total{{{CLUSTER}}}[5m]) {LEADER})",
               "failed rounds/s", ref="B"),
         query(f"max(netagent_controller_feedback_gain{{{CLUSTER}}} {LEADER})", "feedback gain", ref="C"),
+        query(f"max(netagent_controller_ingress_feedback_gain{{{CLUSTER}}} {LEADER})", "download feedback gain",
+              ref="D"),
         width=8))
     d = d.with_panel(timeseries(
         "Agents reaching the controller", "Agents whose last report succeeded, and those that failed.", "short",
         query(f"count(netagent_controller_reachable{{{CLUSTER}}} == 1) or vector(0)", "reachable"),
         query(f"count(netagent_controller_reachable{{{CLUSTER}}} == 0) or vector(0)", "unreachable", ref="B"),
         width=8))
+    return d
+
+
+def downloads_rows(d: gd.Dashboard) -> gd.Dashboard:
+    """The cluster's downloads (internet -> pod, "ingress") against spec.ingressTotal: the twins of the
+    upload panels. The controller's download view exists while an agent that shapes downloads reports;
+    the budget panels are empty without spec.ingressTotal (downloads then held only by the pods' caps)."""
+    d = d.with_row(gd.Row("Downloads (internet to pod)"))
+    d = d.with_panel(stat(
+        "Download budget", "spec.ingressTotal of the EgressBudget, as the leader controller holds it (empty "
+        "when unset: downloads are then held only by the pods' caps).", "bps",
+        f"sum(netagent:controller_ingress_budget_bytes_per_second:leader{{{CLUSTER}}}) * 8"))
+    d = d.with_panel(stat(
+        "Downloads used / budget", "Internet downloads the controller measures, as a share of spec.ingressTotal "
+        "(per cluster).", "percentunit", f"netagent:controller_ingress_budget_used:ratio{{{CLUSTER}}}",
+        thresholds=[(None, "green"), (0.8, "orange"), (0.95, "red")]))
+    d = d.with_panel(stat(
+        "Internet downloads now", "Sum of the pods' internet ingress measured by the agents.", "bps",
+        f"sum(netagent:cluster_internet_ingress_bytes:rate1m{{{CLUSTER}}}) * 8"))
+    d = d.with_panel(stat(
+        "Download demand", "Sum of the pods' estimated download demand (the controller's view).", "bps",
+        f"sum(netagent:controller_ingress_demand_bytes_per_second:leader{{{CLUSTER}}}) * 8"))
+    d = d.with_panel(stat(
+        "Uplinks' internet ingress", "Everything arriving from the internet at the nodes' uplinks, host traffic "
+        "and downloads dropped at the pods included (NetagentIngressBudgetExceeded compares it with the "
+        "budget).", "bps", f"sum(netagent:cluster_node_internet_ingress_bytes:rate5m{{{CLUSTER}}}) * 8"))
+    d = d.with_panel(stat(
+        "Agents not shaping downloads", "Agents reporting to the controller that do not shape downloads (older "
+        "agents, or a download data path that could not be programmed): their pods get no download share "
+        "(NetagentIngressNotShaped).", "short",
+        f"sum(netagent_controller_agents{{{CLUSTER}}} {LEADER}) "
+        f"- (sum(netagent_controller_ingress_agents{{{CLUSTER}}} {LEADER}) or vector(0))",
+        thresholds=[(None, "green"), (1, "orange")]))
+    d = d.with_panel(timeseries(
+        "Internet downloads by team, against the download budget",
+        "Stacked: each team's measured internet ingress (agents' counters). Line: spec.ingressTotal.", "bps",
+        query(f"sum by (team) (netagent:team_class_internet_ingress_bytes:rate1m{{{CLUSTER}}}) * 8", "{{team}}"),
+        query(f"sum(netagent:controller_ingress_budget_bytes_per_second:leader{{{CLUSTER}}}) * 8", "budget",
+              ref="B"),
+        width=12, stacked=True)
+        .override_by_name("budget", BUDGET_LINE))
+    d = d.with_panel(timeseries(
+        "Internet downloads by team and class", "Measured internet ingress per (team, class).", "bps",
+        query(f"netagent:team_class_internet_ingress_bytes:rate1m{{{CLUSTER}}} * 8", "{{team}} / {{class}}"),
+        width=12))
+    d = d.with_panel(timeseries(
+        "Download demand vs allocation by team",
+        "What each team's pods want to download (estimated demand) and the fair download share the controller "
+        "gives them.", "bps",
+        query(f"sum by (team) (netagent:controller_ingress_demand_bytes_per_second:leader{{{CLUSTER}}}) * 8",
+              "demand {{team}}"),
+        query(f"sum by (team) (netagent:controller_ingress_allocated_bytes_per_second:leader{{{CLUSTER}}}) * 8",
+              "allocated {{team}}", ref="B"),
+        width=12))
+    d = d.with_panel(table(
+        "Download demand, allocation and use by team and class",
+        "The controller's download view at the end of the range (leader only).", "bps",
+        query(f"netagent:controller_ingress_demand_bytes_per_second:leader{{{CLUSTER}}} * 8", "demand", True),
+        query(f"netagent:controller_ingress_allocated_bytes_per_second:leader{{{CLUSTER}}} * 8", "allocated", True,
+              "B"),
+        query(f"netagent:controller_ingress_used_bytes_per_second:leader{{{CLUSTER}}} * 8", "used", True, "C"),
+        width=12))
+    d = d.with_panel(stat(
+        "Teams below download guarantee", "Teams allocated less downloads than min(download guarantee, demand) "
+        "(NetagentTeamIngressStarved).", "short",
+        f"sum(netagent_controller_ingress_guarantee_unmet{{{CLUSTER}}} {LEADER}) or vector(0)",
+        thresholds=[(None, "green"), (1, "red")], width=6))
+    d = d.with_panel(stat(
+        "Downloads oversubscribed", "1 when the teams' download guarantees add up to more than spec.ingressTotal.",
+        "short", f"max(netagent_controller_ingress_oversubscribed{{{CLUSTER}}} {LEADER}) or vector(0)",
+        thresholds=[(None, "green"), (1, "orange")], width=6))
+    d = d.with_panel(timeseries(
+        "Download guarantee vs allocation by team", "Each team's guaranteed download minimum and its fair download "
+        "share now.", "bps",
+        query(f"max by (team) (netagent_controller_ingress_team_guarantee_bytes_per_second{{{CLUSTER}}} {LEADER}) "
+              f"* 8", "guarantee {{team}}"),
+        query(f"sum by (team) (netagent:controller_ingress_allocated_bytes_per_second:leader{{{CLUSTER}}}) * 8",
+              "allocated {{team}}", ref="B"),
+        width=12))
+    d = d.with_panel(table(
+        "Top pods by internet download", "The 15 pods receiving most from the internet now.", "bps",
+        query(f"topk(15, netagent:pod_internet_ingress_bytes:rate1m{{{CLUSTER}}}) * 8", "", True), width=8))
     return d
 
 
@@ -266,7 +356,8 @@ def node_pod_dashboard() -> gd.Dashboard:
               "{{node}} internet from unknown sources", ref="C"),
         width=12))
     d = d.with_panel(timeseries(
-        "Node ingress by scope", "Traffic entering the node's uplinks, internal vs internet.", "bps",
+        "Node ingress by scope", "Traffic entering the node's uplinks, internal vs internet (host traffic and "
+        "downloads dropped at the pods' limits included).", "bps",
         query(f"sum by (node, scope) (rate(netagent_node_ingress_bytes_total{{{NODE}}}[1m])) * 8",
               "{{node}} {{scope}}"),
         width=12))
@@ -321,7 +412,8 @@ def node_pod_dashboard() -> gd.Dashboard:
               "{{namespace}}/{{pod}} {{scope}}"),
         width=12))
     d = d.with_panel(timeseries(
-        "Pod ingress by scope", "Received traffic, by source scope (not shaped).", "bps",
+        "Pod ingress by scope", "Received traffic by source scope: internet downloads are shaped (by an agent "
+        "that shapes downloads), internal traffic never is.", "bps",
         query(f"sum by (namespace, pod, scope) (rate(netagent_pod_ingress_bytes_total{{{POD}}}[1m])) * 8",
               "{{namespace}}/{{pod}} {{scope}}"),
         width=12))

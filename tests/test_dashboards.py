@@ -124,6 +124,17 @@ def test_cluster_dashboard_covers_the_budget_view():
         assert wanted in titles
 
 
+def test_cluster_dashboard_covers_the_download_view():
+    """Downloads (ingress) have the budget view uploads have: budget vs used vs allocated, teams, top pods."""
+    titles = {p["title"] for p in dashboards()["cluster.json"]["panels"]}
+    for wanted in ("Downloads (internet to pod)", "Download budget", "Downloads used / budget",
+                   "Internet downloads by team, against the download budget", "Internet downloads by team and class",
+                   "Download demand vs allocation by team", "Download demand, allocation and use by team and class",
+                   "Teams below download guarantee", "Download guarantee vs allocation by team",
+                   "Top pods by internet download", "Agents not shaping downloads"):
+        assert wanted in titles, wanted
+
+
 # --- the metric contract ---------------------------------------------------------------------
 
 
@@ -307,11 +318,14 @@ def test_prometheus_accepts_every_variable_query(prometheus):
 
 # --- every panel returns data from the real exporters ----------------------------------------
 
-# two nodes' pods: (namespace, name, team, class, internet egress bit/s, policy problem)
+# two nodes' pods: (namespace, name, team, class, internet egress bit/s, internet ingress (downloads) bit/s,
+# policy problem); uploads use the whole budget (1G), downloads the whole spec.ingressTotal (500M) of
+# docs/examples/policy.yaml
 LIVE_PODS = {
-    "node-a": [("research", "r1", "research", "gold", 400e6, None), ("batch", "b1", "batch", "bulk", 300e6, None)],
-    "node-b": [("research-eval", "r2", "research", "standard", 200e6, None),
-               ("default", "s1", "shared", "standard", 100e6, "UnknownEgressClass")],
+    "node-a": [("research", "r1", "research", "gold", 400e6, 300e6, None),
+               ("batch", "b1", "batch", "bulk", 300e6, 50e6, None)],
+    "node-b": [("research-eval", "r2", "research", "standard", 200e6, 100e6, None),
+               ("default", "s1", "shared", "standard", 100e6, 50e6, "UnknownEgressClass")],
 }
 LIVE_CHOICE = {"node": "node-a", "namespace": "research", "pod": "r1"}
 
@@ -322,17 +336,19 @@ def _node_view(node: str, started: float):
 
     elapsed = time.monotonic() - started + 1
     pods = []
-    for namespace, name, team, egress_class, rate, problem in LIVE_PODS[node]:
+    for namespace, name, team, egress_class, rate, download, problem in LIVE_PODS[node]:
         internet = int(rate / 8 * elapsed)
+        received = int(download / 8 * elapsed)
         pods.append(PodView(
             namespace=namespace, name=name, team=team, egress_class=egress_class, ips=("10.1.0.1",), minor=10,
             allocation_bps=rate, limit_bps=rate * 1.1, demand_bps=rate * 1.5, usage_bps=rate, throttled=True,
             throttled_seconds=elapsed / 2, egress_bytes={"internal": internet * 3, "internet": internet},
-            ingress_bytes={"internal": internet, "internet": internet // 10}, dropped_packets=int(elapsed * 5),
+            ingress_bytes={"internal": internet, "internet": received}, dropped_packets=int(elapsed * 5),
             problems=((problem, "unknown class"),) if problem else ()))
     total = sum(p.egress_bytes["internet"] for p in pods)
+    received = sum(p.ingress_bytes["internet"] for p in pods)
     return NodeView(node=node, pods=pods, egress_bytes={"internal": total * 3, "internet": total},
-                    ingress_bytes={"internal": total, "internet": total // 10}, allocation_bps=1e9, ready=True,
+                    ingress_bytes={"internal": total, "internet": received}, allocation_bps=1e9, ready=True,
                     controller="http://controller", controller_reachable=True, last_reconcile_success=time.time(),
                     leaf_qdisc="pfifo", iptables_backend="nft", unknown_source_egress_bytes=int(1000 * elapsed))
 
@@ -387,10 +403,13 @@ def live_prometheus(tmp_path_factory):
         def report_loop():
             while not stop.wait(1.0):
                 for node, pods in LIVE_PODS.items():
-                    body = {"node": node, "period_seconds": 1.0, "pods": [
+                    # an agent that shapes downloads: the controller exports its download view
+                    body = {"node": node, "period_seconds": 1.0, "shapes_ingress": True,
+                            "node_internet_ingress_bps": sum(pod[5] for pod in pods), "pods": [
                         {"namespace": ns, "name": name, "usage_bps": rate, "demand_bps": rate * 1.5,
-                         "throttled": True, "egress_class": egress_class}
-                        for ns, name, _, egress_class, rate, _ in pods]}
+                         "throttled": True, "egress_class": egress_class, "ingress_usage_bps": download,
+                         "ingress_demand_bps": download * 1.5, "ingress_throttled": True}
+                        for ns, name, _, egress_class, rate, download, _ in pods]}
                     request = urllib.request.Request(f"http://127.0.0.1:{controller_port}/v1/nodes/{node}/report",
                                                      data=json.dumps(body).encode(),
                                                      headers={"Content-Type": "application/json"})
@@ -467,9 +486,10 @@ def test_template_variables_list_the_exporters_values(live_prometheus):
 
 
 def test_alerts_fire_on_what_the_exporters_say(live_prometheus):
-    """The pods use the whole budget (1 Gbit/s of 1G) and one has an unknown class: those two
-    alerts fire from the real exporters' series; the health alerts stay quiet."""
-    must_fire = {"NetagentBudgetSaturated", "NetagentPodPolicyProblem"}
+    """The pods use the whole budget (1 Gbit/s of 1G, and 500 Mbit/s of downloads of the 500M
+    spec.ingressTotal) and one has an unknown class: those alerts fire from the real exporters'
+    series; the health alerts, and the download ones of a healthy cluster, stay quiet."""
+    must_fire = {"NetagentBudgetSaturated", "NetagentIngressBudgetSaturated", "NetagentPodPolicyProblem"}
     must_not = {"NetagentAgentNotReady", "NetagentControllerUnreachable", "NetagentFailStatic",
                 "NetagentControllerNoLeader", "NetagentAgentDrifting", "NetagentReconcileFailing", "NetagentDropsHigh",
                 "NetagentAllocationFailing", "NetagentTeamStarved", "NetagentTeamIngressStarved",
