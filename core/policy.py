@@ -3,16 +3,20 @@
 Pure: dicts in (as YAML or the API server gives them), frozen values out. A bad
 object never stops the others: it is skipped and described in the problems list,
 so one typo in one class cannot unshape a cluster. See docs/crds.md.
+
+Two directions, one policy: the unprefixed fields are uploads (pod -> internet), the
+`ingress` ones downloads (internet -> pod). `Policy.for_ingress()` is the same policy
+with the download values in the upload places, so one engine allocates both.
 """
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping
 
-from .objects import ANNOTATION_BANDWIDTH, ANNOTATION_CLASS, DNS_NAME, PodRecord
+from .objects import ANNOTATION_BANDWIDTH, ANNOTATION_CLASS, ANNOTATION_INGRESS_BANDWIDTH, DNS_NAME, PodRecord
 from .quantity import MAX_BPS, parse_bps
 
 log = logging.getLogger(__name__)
@@ -25,6 +29,7 @@ NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set by the API server on
 REASON_UNKNOWN_CLASS = "UnknownEgressClass"
 REASON_CLASS_NOT_ALLOWED = "EgressClassNotAllowed"
 REASON_INVALID_BANDWIDTH = "InvalidEgressBandwidth"
+REASON_INVALID_INGRESS_BANDWIDTH = "InvalidIngressBandwidth"
 
 
 class PolicyError(ValueError):
@@ -38,6 +43,14 @@ class EgressClassSpec:
     weight: int
     min_bps: int  # guaranteed per pod (up to its demand)
     max_bps: int  # cap per pod; MAX_BPS when unset
+    # downloads (spec.ingress); absent: the upload weight, no guarantee, no cap
+    ingress_weight: int = None  # type: ignore[assignment]  # None given = the upload weight
+    ingress_min_bps: int = 0
+    ingress_max_bps: int = MAX_BPS
+
+    def __post_init__(self) -> None:
+        if self.ingress_weight is None:
+            object.__setattr__(self, "ingress_weight", self.weight)
 
 
 BUILTIN_DEFAULT_CLASS = EgressClassSpec(DEFAULT_CLASS, 1, 0, MAX_BPS)
@@ -83,6 +96,14 @@ class TeamSpec:
     default_class: str  # always a class that exists in the policy
     allowed_classes: tuple[str, ...]  # empty = all classes allowed
     namespace_selector: NamespaceSelector | None = None
+    # downloads (teams[].ingress); absent: the upload weight, no guarantee, no cap
+    ingress_weight: int = None  # type: ignore[assignment]  # None given = the upload weight
+    ingress_min_bps: int = 0
+    ingress_max_bps: int = MAX_BPS
+
+    def __post_init__(self) -> None:
+        if self.ingress_weight is None:
+            object.__setattr__(self, "ingress_weight", self.weight)
 
     def allows(self, egress_class: str) -> bool:
         """Whether the team's pods may use `egress_class` (an empty list allows all)."""
@@ -97,6 +118,7 @@ class Policy:
     teams: tuple[TeamSpec, ...]  # the default team is always among them
     default_team: str
     budget_name: str  # "" for the built-in default policy
+    ingress_total_bps: int = MAX_BPS  # spec.ingressTotal: the cluster's internet downloads; MAX_BPS = no budget
     _team_by_namespace: Mapping[str, TeamSpec] = field(init=False, repr=False, compare=False)
     _team_by_name: Mapping[str, TeamSpec] = field(init=False, repr=False, compare=False)
 
@@ -133,6 +155,17 @@ class Policy:
         """Team name -> its position in `teams` (the engine's columnar team ids)."""
         return {t.name: i for i, t in enumerate(self.teams)}
 
+    def for_ingress(self) -> "Policy":
+        """The download policy: every class's and team's weight, min and max replaced by its
+        ingress values, `total_bps` = `ingress_total_bps`; teams keep their order and names, so
+        the engine allocates downloads exactly as uploads. Idempotent."""
+        classes = {name: replace(c, weight=c.ingress_weight, min_bps=c.ingress_min_bps, max_bps=c.ingress_max_bps)
+                   for name, c in self.classes.items()}
+        teams = tuple(replace(t, weight=t.ingress_weight, min_bps=t.ingress_min_bps, max_bps=t.ingress_max_bps)
+                      for t in self.teams)
+        return Policy(self.ingress_total_bps, MappingProxyType(classes), teams, self.default_team,
+                      self.budget_name, self.ingress_total_bps)
+
 
 def builtin_default_policy(classes: Mapping[str, EgressClassSpec] | None = None) -> Policy:
     """Without an EgressBudget: no cluster-wide total (pods are held only to their class max and
@@ -145,23 +178,32 @@ def builtin_default_policy(classes: Mapping[str, EgressClassSpec] | None = None)
 
 @dataclass(frozen=True)
 class PodPolicy:
-    """A pod's resolved policy: team, class, weight, guarantee, cap, and what was wrong with its annotations."""
+    """A pod's resolved policy: team, class, weight, guarantee, cap for uploads and for downloads
+    (ingress_*), and what was wrong with its annotations."""
     team: str
     egress_class: str
     weight: float
     min_bps: int
     max_bps: int
     problems: tuple[tuple[str, str], ...]  # (Kubernetes Event reason, human message)
+    ingress_weight: float = 1.0
+    ingress_min_bps: int = 0
+    ingress_max_bps: int = MAX_BPS  # the class's ingress max lowered by kubernetes.io/ingress-bandwidth
+    ingress_bandwidth_annotation: str | None = None  # the value it was resolved from
 
 
 def resolve_pod(policy: Policy, namespace: str, class_annotation: str | None, bandwidth_annotation: str | None,
-                namespace_labels: Mapping[str, str] | None = None) -> PodPolicy:
-    """The pod's team, class, weight, guarantee and cap from its namespace and two annotations.
+                namespace_labels: Mapping[str, str] | None = None,
+                ingress_bandwidth_annotation: str | None = None) -> PodPolicy:
+    """The pod's team, class, weight, guarantee and cap (both directions) from its namespace and
+    three annotations.
 
     netagent.io/egress-class picks the class (unset: the team's default class); an unknown class
     or one the team may not use falls back to the team's default, with a problem. The
-    kubernetes.io/egress-bandwidth annotation tightens the cap (never loosens it) and the
-    guarantee never exceeds the cap; a malformed one is ignored, with a problem."""
+    kubernetes.io/egress-bandwidth annotation tightens the upload cap and
+    kubernetes.io/ingress-bandwidth the download cap (never loosening them); a guarantee never
+    exceeds its cap; a malformed annotation is ignored, with a problem (the pod keeps its
+    class's values for that direction)."""
     team = policy.team_for(namespace, namespace_labels)
     problems: list[tuple[str, str]] = []
     chosen = team.default_class
@@ -179,13 +221,23 @@ def resolve_pod(policy: Policy, namespace: str, class_annotation: str | None, ba
         else:
             chosen = requested
     spec = policy.classes[chosen]
-    max_bps = spec.max_bps
-    if bandwidth_annotation is not None and bandwidth_annotation.strip():
-        try:
-            max_bps = min(max_bps, parse_bps(bandwidth_annotation, "annotation kubernetes.io/egress-bandwidth"))
-        except ValueError as exc:
-            problems.append((REASON_INVALID_BANDWIDTH, f"{exc}; the annotation is ignored"))
-    return PodPolicy(team.name, chosen, float(spec.weight), min(spec.min_bps, max_bps), max_bps, tuple(problems))
+    max_bps = _capped(spec.max_bps, bandwidth_annotation, ANNOTATION_BANDWIDTH, REASON_INVALID_BANDWIDTH, problems)
+    ingress_max = _capped(spec.ingress_max_bps, ingress_bandwidth_annotation, ANNOTATION_INGRESS_BANDWIDTH,
+                          REASON_INVALID_INGRESS_BANDWIDTH, problems)
+    return PodPolicy(team.name, chosen, float(spec.weight), min(spec.min_bps, max_bps), max_bps, tuple(problems),
+                     float(spec.ingress_weight), min(spec.ingress_min_bps, ingress_max), ingress_max,
+                     ingress_bandwidth_annotation)
+
+
+def _capped(cap: int, annotation: str | None, name: str, reason: str, problems: list[tuple[str, str]]) -> int:
+    """`cap` lowered by a bandwidth annotation's value (never raised); a malformed one adds a problem."""
+    if annotation is None or not annotation.strip():
+        return cap
+    try:
+        return min(cap, parse_bps(annotation, f"annotation {name}"))
+    except ValueError as exc:
+        problems.append((reason, f"{exc}; the annotation is ignored"))
+        return cap
 
 
 @dataclass(frozen=True)
@@ -205,6 +257,15 @@ class ResolvedPod:
     problems: tuple[tuple[str, str], ...] = ()
     class_annotation: str | None = None
     bandwidth_annotation: str | None = None
+    # downloads; ingress_weight None given = the upload weight
+    ingress_weight: float = None  # type: ignore[assignment]
+    ingress_min_bps: int = 0
+    ingress_max_bps: int = MAX_BPS  # the class's ingress max lowered by kubernetes.io/ingress-bandwidth
+    ingress_bandwidth_annotation: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.ingress_weight is None:
+            object.__setattr__(self, "ingress_weight", self.weight)
 
 
 def shaped_pods(pods: Iterable[PodRecord]) -> list[PodRecord]:
@@ -235,16 +296,19 @@ def shaped_pods(pods: Iterable[PodRecord]) -> list[PodRecord]:
 
 
 def resolve_pods(policy: Policy, pods: Iterable[PodRecord]) -> list[ResolvedPod]:
-    """Each shaped pod (see `shaped_pods`) with its team, class, weight, guarantee and cap."""
+    """Each shaped pod (see `shaped_pods`) with its team, class, weight, guarantee and cap (both directions)."""
     out = []
     for p in shaped_pods(pods):
         cls_ann, bw_ann = p.annotation(ANNOTATION_CLASS), p.annotation(ANNOTATION_BANDWIDTH)
-        pp = resolve_pod(policy, p.namespace, cls_ann, bw_ann)
+        in_ann = p.annotation(ANNOTATION_INGRESS_BANDWIDTH)
+        pp = resolve_pod(policy, p.namespace, cls_ann, bw_ann, ingress_bandwidth_annotation=in_ann)
         out.append(ResolvedPod(
             key=p.key, namespace=p.namespace, name=p.name, uid=p.uid, ips=p.ips,
             team=pp.team, egress_class=pp.egress_class, weight=float(pp.weight),
             min_bps=int(pp.min_bps), max_bps=int(pp.max_bps), problems=tuple(pp.problems),
             class_annotation=cls_ann, bandwidth_annotation=bw_ann,
+            ingress_weight=float(pp.ingress_weight), ingress_min_bps=int(pp.ingress_min_bps),
+            ingress_max_bps=int(pp.ingress_max_bps), ingress_bandwidth_annotation=in_ann,
         ))
     return out
 
@@ -354,6 +418,19 @@ def _rate(value: Any, what: str, default: int, allow_zero: bool) -> int:
         raise PolicyError(str(exc)) from exc
 
 
+def _ingress(spec: dict, what: str, weight: int) -> tuple[int, int, int]:
+    """The download values of a class or team: its `ingress` block {weight, min, max} ->
+    (weight, min, max); absent: the upload weight, no guarantee, no cap."""
+    block = spec.get("ingress")
+    if block is None:
+        return weight, 0, MAX_BPS
+    what = f"{what}.ingress"
+    if not isinstance(block, dict):
+        raise PolicyError(f"{what}: must be an object {{weight, min, max}} (the download values)")
+    in_weight = weight if block.get("weight") is None else _weight(block["weight"], f"{what}.weight")
+    return (in_weight, *_min_max(block, what))
+
+
 def _min_max(spec: dict, what: str) -> tuple[int, int]:
     min_bps = _rate(spec.get("min"), f"{what}: min", 0, allow_zero=True)
     max_bps = _rate(spec.get("max"), f"{what}: max", MAX_BPS, allow_zero=False)
@@ -367,7 +444,8 @@ def parse_class(obj: Any) -> EgressClassSpec:
     name, spec = _spec_of(obj, "EgressClass")
     what = f"EgressClass {name}: spec"
     min_bps, max_bps = _min_max(spec, what)
-    return EgressClassSpec(name, _weight(spec.get("weight"), f"{what}.weight"), min_bps, max_bps)
+    weight = _weight(spec.get("weight"), f"{what}.weight")
+    return EgressClassSpec(name, weight, min_bps, max_bps, *_ingress(spec, what, weight))
 
 
 def _selector(value: Any, what: str) -> NamespaceSelector:
@@ -410,13 +488,19 @@ def parse_budget(obj: Any, classes: Mapping[str, EgressClassSpec]) -> tuple[Poli
     if spec.get("total") is None:
         raise PolicyError(f"EgressBudget {name}: spec.total is required (the cluster's internet egress, e.g. \"10G\")")
     total = _rate(spec["total"], f"EgressBudget {name}: spec.total", 0, allow_zero=False)
+    problems: list[str] = []
+    try:
+        ingress_total = _rate(spec.get("ingressTotal"), f"EgressBudget {name}: spec.ingressTotal", MAX_BPS,
+                              allow_zero=False)
+    except PolicyError as exc:  # uploads keep their budget; downloads are held by their caps until it is fixed
+        problems.append(f"{exc}; no cluster download budget until it is fixed")
+        ingress_total = MAX_BPS
     default_team = spec.get("defaultTeam") or DEFAULT_TEAM
     if not isinstance(default_team, str):
         raise PolicyError(f"EgressBudget {name}: spec.defaultTeam must be a team name")
     raw_teams = spec.get("teams") or []
     if not isinstance(raw_teams, list):
         raise PolicyError(f"EgressBudget {name}: spec.teams must be a list")
-    problems: list[str] = []
     teams: list[TeamSpec] = []
     claimed: dict[str, str] = {}
     for i, raw in enumerate(raw_teams):
@@ -428,6 +512,9 @@ def parse_budget(obj: Any, classes: Mapping[str, EgressClassSpec]) -> tuple[Poli
         if any(t.name == team.name for t in teams):
             problems.append(f"EgressBudget {name}: team {team.name} is defined twice; the first definition is used")
             continue
+        if team.ingress_min_bps > ingress_total:
+            problems.append(f"EgressBudget {name}: spec.teams[{i}] ({team.name}).ingress.min ({team.ingress_min_bps} "
+                            f"bit/s) is above spec.ingressTotal ({ingress_total} bit/s); it is scaled down to fit")
         for ns in team.namespaces:
             if ns in claimed:
                 problems.append(f"EgressBudget {name}: namespace {ns} is listed by teams {claimed[ns]} and "
@@ -440,7 +527,24 @@ def parse_budget(obj: Any, classes: Mapping[str, EgressClassSpec]) -> tuple[Poli
     if sum(t.min_bps for t in teams) > total:
         problems.append(f"EgressBudget {name}: the teams' guarantees add up to more than spec.total; "
                         f"they are scaled down proportionally when all are in use (Oversubscribed)")
-    return Policy(total, classes, tuple(teams), default_team, name), problems
+    problems.extend(_ingress_guarantee_problems(name, teams, classes, ingress_total))
+    return Policy(total, classes, tuple(teams), default_team, name, ingress_total), problems
+
+
+def _ingress_guarantee_problems(name: str, teams: list[TeamSpec], classes: Mapping[str, EgressClassSpec],
+                                ingress_total: int) -> list[str]:
+    """Download guarantees above spec.ingressTotal (a class's per pod, or the teams' together),
+    each naming its field; they are scaled down when all are in use, as upload guarantees are.
+    A single team's is reported where it is parsed (with its index)."""
+    if ingress_total >= MAX_BPS:
+        return []
+    out = [f"EgressClass {c.name}: spec.ingress.min ({c.ingress_min_bps} bit/s per pod) is above "
+            f"EgressBudget {name} spec.ingressTotal ({ingress_total} bit/s); it is scaled down to fit"
+            for c in classes.values() if c.ingress_min_bps > ingress_total]
+    if sum(t.ingress_min_bps for t in teams) > ingress_total:
+        out.append(f"EgressBudget {name}: the teams' download guarantees (spec.teams[].ingress.min) add up to more "
+                   f"than spec.ingressTotal; they are scaled down proportionally when all are in use (Oversubscribed)")
+    return out
 
 
 def _parse_team(raw: Any, what: str, classes: Mapping[str, EgressClassSpec], problems: list[str]) -> TeamSpec:
@@ -457,6 +561,8 @@ def _parse_team(raw: Any, what: str, classes: Mapping[str, EgressClassSpec], pro
     if raw.get("namespaceSelector") is not None:
         selector = _selector(raw["namespaceSelector"], f"{what}.namespaceSelector")
     min_bps, max_bps = _min_max(raw, what)
+    weight = _weight(raw.get("weight"), f"{what}.weight")
+    ingress = _ingress(raw, what, weight)
     allowed = _class_list(raw.get("allowedClasses"), f"{what}.allowedClasses")
     for c in allowed:
         if c not in classes:
@@ -472,5 +578,5 @@ def _parse_team(raw: Any, what: str, classes: Mapping[str, EgressClassSpec], pro
     elif allowed and default_class not in allowed:
         problems.append(f"{what}.defaultClass: {default_class} is not in allowedClasses; using {fallback!r}")
         default_class = fallback
-    return TeamSpec(team_name, tuple(dict.fromkeys(namespaces)), _weight(raw.get("weight"), f"{what}.weight"),
-                    min_bps, max_bps, default_class, allowed, selector)
+    return TeamSpec(team_name, tuple(dict.fromkeys(namespaces)), weight,
+                    min_bps, max_bps, default_class, allowed, selector, *ingress)

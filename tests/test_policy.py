@@ -6,8 +6,11 @@ import pytest
 import yaml
 from hypothesis import given, settings, strategies as st
 
+from core.engine import PodDemandIn, allocate
+from core.objects import PodRecord
 from core.policy import (DEFAULT_CLASS, REASON_CLASS_NOT_ALLOWED, REASON_INVALID_BANDWIDTH,
-                               REASON_UNKNOWN_CLASS, PolicyError, load_policy, parse_class, resolve_pod)
+                         REASON_INVALID_INGRESS_BANDWIDTH, REASON_UNKNOWN_CLASS, PolicyError, load_policy, parse_class,
+                         resolve_pod, resolve_pods)
 from core.quantity import MAX_BPS, parse_bps
 
 POLICY = list(yaml.safe_load_all("""
@@ -279,20 +282,22 @@ JSONISH = st.recursive(
     st.none() | st.booleans() | st.integers(-10**20, 10**20) | st.floats(allow_nan=True) |
     st.sampled_from(["", "10M", "gold", "default", "500m", "-1", "a", "In", "Exists"]),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-        st.sampled_from(["metadata", "name", "spec", "weight", "min", "max", "total", "teams", "namespaces",
+        st.sampled_from(["metadata", "name", "spec", "weight", "min", "max", "total", "teams", "namespaces", "ingress",
+                         "ingressTotal",
                          "defaultClass", "allowedClasses", "defaultTeam", "namespaceSelector", "matchLabels",
                          "matchExpressions", "key", "operator", "values"]), inner, max_size=5),
     max_leaves=25)
 
 
 CLASS_SHAPED = st.fixed_dictionaries({"metadata": st.fixed_dictionaries({"name": st.sampled_from(["gold", "x", ""])}),
-                                      "spec": st.dictionaries(st.sampled_from(["weight", "min", "max"]), JSONISH)})
+                                      "spec": st.dictionaries(st.sampled_from(["weight", "min", "max", "ingress"]),
+                                                              JSONISH)})
 TEAM_SHAPED = st.dictionaries(st.sampled_from(["name", "namespaces", "namespaceSelector", "weight", "min", "max",
-                                               "defaultClass", "allowedClasses"]), JSONISH)
+                                               "defaultClass", "allowedClasses", "ingress"]), JSONISH)
 BUDGET_SHAPED = st.fixed_dictionaries({
     "metadata": st.fixed_dictionaries({"name": st.sampled_from(["default", "b"])}),
     "spec": st.fixed_dictionaries({"total": JSONISH, "teams": st.lists(TEAM_SHAPED, max_size=4),
-                                   "defaultTeam": JSONISH})})
+                                   "defaultTeam": JSONISH, "ingressTotal": JSONISH})})
 
 
 @settings(max_examples=300, deadline=None)
@@ -301,8 +306,11 @@ BUDGET_SHAPED = st.fixed_dictionaries({
 def test_any_input_loads_or_is_described_never_crashes(classes, budgets, namespace, annotation):
     policy, problems = load_policy(classes, budgets)
     assert all(isinstance(p, str) and p for p in problems)
-    pod = resolve_pod(policy, namespace, annotation, annotation)
+    pod = resolve_pod(policy, namespace, annotation, annotation, ingress_bandwidth_annotation=annotation)
     assert pod.egress_class in policy.classes and 0 <= pod.min_bps <= pod.max_bps
+    assert 0 <= pod.ingress_min_bps <= pod.ingress_max_bps and pod.ingress_weight >= 1
+    down = policy.for_ingress()
+    assert down.total_bps == policy.ingress_total_bps and [t.name for t in down.teams] == [t.name for t in policy.teams]
 
 
 def test_every_text_a_user_reads_says_a_guarantee_is_a_floor_under_the_weighted_share():
@@ -323,3 +331,180 @@ def test_every_text_a_user_reads_says_a_guarantee_is_a_floor_under_the_weighted_
     for where, text in (("EgressClass spec.weight", cls_spec["weight"]["description"]),
                         ("EgressBudget teams[].weight", team["weight"]["description"])):
         assert "never less than its min" in " ".join(text.split()), where
+
+
+# -- downloads (ingress): the same policy, its own values and total -------------------------------
+
+DOWNLOADS = list(yaml.safe_load_all("""
+apiVersion: netagent.io/v1alpha1
+kind: EgressClass
+metadata: {name: gold}
+spec: {weight: 4, min: 10M, max: 1G, ingress: {weight: 2, min: 50M, max: 5G}}
+---
+apiVersion: netagent.io/v1alpha1
+kind: EgressClass
+metadata: {name: bronze}
+spec: {weight: 3, max: 100M}
+---
+apiVersion: netagent.io/v1alpha1
+kind: EgressBudget
+metadata: {name: default}
+spec:
+  total: 10G
+  ingressTotal: 2G
+  teams:
+  - {name: research, namespaces: [ra], weight: 3, min: 1G, ingress: {weight: 1, min: 500M, max: 1500M}}
+  - {name: batch, namespaces: [jobs], weight: 1, defaultClass: bronze}
+"""))
+
+
+def test_ingress_values_load_beside_the_upload_ones():
+    policy, problems = load(DOWNLOADS)
+    assert problems == []
+    assert (policy.total_bps, policy.ingress_total_bps) == (10**10, 2 * 10**9)
+    gold, bronze = policy.classes["gold"], policy.classes["bronze"]
+    assert (gold.weight, gold.min_bps, gold.max_bps) == (4, 10**7, 10**9)  # uploads untouched
+    assert (gold.ingress_weight, gold.ingress_min_bps, gold.ingress_max_bps) == (2, 5 * 10**7, 5 * 10**9)
+    # no ingress block: the upload weight, no guarantee, no cap (nothing new guaranteed or capped silently)
+    assert (bronze.ingress_weight, bronze.ingress_min_bps, bronze.ingress_max_bps) == (3, 0, MAX_BPS)
+    research, batch = policy.team("research"), policy.team("batch")
+    assert (research.ingress_weight, research.ingress_min_bps, research.ingress_max_bps) == (1, 5 * 10**8, 15 * 10**8)
+    assert (batch.ingress_weight, batch.ingress_min_bps, batch.ingress_max_bps) == (1, 0, MAX_BPS)
+    assert policy.team("default").ingress_weight == 1
+
+
+def test_existing_objects_have_no_download_budget():
+    policy, problems = load()
+    assert problems == [] and policy.ingress_total_bps == MAX_BPS
+    down = policy.for_ingress()
+    assert down.total_bps == MAX_BPS
+    for name, c in policy.classes.items():
+        assert (down.classes[name].weight, down.classes[name].min_bps, down.classes[name].max_bps) == \
+            (c.weight, 0, MAX_BPS)
+
+
+def test_for_ingress_swaps_in_the_download_values_and_is_idempotent():
+    policy, _ = load(DOWNLOADS)
+    down = policy.for_ingress()
+    assert down.total_bps == 2 * 10**9 and down.ingress_total_bps == 2 * 10**9
+    assert (down.classes["gold"].weight, down.classes["gold"].min_bps, down.classes["gold"].max_bps) == \
+        (2, 5 * 10**7, 5 * 10**9)
+    assert (down.team("research").weight, down.team("research").min_bps, down.team("research").max_bps) == \
+        (1, 5 * 10**8, 15 * 10**8)
+    assert down.team_for("jobs").name == "batch" and down.default_team == policy.default_team
+    assert down.team("research").default_class == "default" and down.team("batch").default_class == "bronze"
+    assert down.for_ingress() == down
+    assert policy.team("research").weight == 3  # the upload policy is not changed
+
+
+def test_the_engine_allocates_downloads_on_the_ingress_policy():
+    """One engine, two directions: the download total split by the ingress weights and guarantees."""
+    policy, _ = load(DOWNLOADS)
+    pods = []
+    for ns, name in (("ra", "a"), ("jobs", "b"), ("jobs", "c")):
+        pp = resolve_pod(policy, ns, None, None)
+        pods.append(PodDemandIn(f"{ns}/{name}", pp.team, pp.egress_class, pp.ingress_weight, pp.ingress_min_bps,
+                                pp.ingress_max_bps, 10**10))
+    down = allocate(policy.for_ingress(), pods)
+    assert down.total_bps == 2 * 10**9 and down.allocated_bps == pytest.approx(2 * 10**9)
+    # research: its download guarantee (500M) is a floor under an equal-weight share (1G) -> 1G; batch 1G
+    assert down.teams["research"].allocated_bps == pytest.approx(10**9)
+    assert down.teams["batch"].allocated_bps == pytest.approx(10**9)
+    assert down.pods["jobs/b"].allocation_bps == pytest.approx(5 * 10**8)
+    up = allocate(policy, [PodDemandIn(p.key, p.team, p.egress_class, 1.0, 0, MAX_BPS, 10**11) for p in pods])
+    assert up.teams["research"].allocated_bps == pytest.approx(7.5 * 10**9)  # uploads by the upload weights (3:1)
+
+
+def test_ingress_annotation_lowers_the_download_cap_only():
+    policy, _ = load(DOWNLOADS)
+    pod = resolve_pod(policy, "ra", "gold", "200M", ingress_bandwidth_annotation="20M")
+    assert (pod.max_bps, pod.min_bps) == (2 * 10**8, 10**7)
+    assert (pod.ingress_max_bps, pod.ingress_min_bps, pod.ingress_weight) == (2 * 10**7, 2 * 10**7, 2.0)
+    assert pod.ingress_bandwidth_annotation == "20M" and pod.problems == ()
+    raised = resolve_pod(policy, "ra", "gold", None, ingress_bandwidth_annotation="100G")
+    assert raised.ingress_max_bps == 5 * 10**9  # never raised above the class's
+    assert resolve_pod(policy, "ra", "gold", None, ingress_bandwidth_annotation="  ").problems == ()
+
+
+@pytest.mark.parametrize("value", ["-5M", "0", "fast", "10Mbit", "1e400", "500m", "99999999999999999999G"])
+def test_bad_ingress_annotation_keeps_the_class_values_with_a_problem(value):
+    policy, _ = load(DOWNLOADS)
+    pod = resolve_pod(policy, "ra", "gold", "200M", ingress_bandwidth_annotation=value)
+    ((reason, message),) = pod.problems
+    assert reason == REASON_INVALID_INGRESS_BANDWIDTH and "kubernetes.io/ingress-bandwidth" in message
+    assert "ignored" in message
+    assert (pod.ingress_max_bps, pod.ingress_min_bps) == (5 * 10**9, 5 * 10**7)  # the class's download values
+    assert pod.max_bps == 2 * 10**8  # the upload annotation still applies
+
+
+def test_resolve_pods_reads_the_ingress_annotation():
+    policy, _ = load(DOWNLOADS)
+    ann = (("kubernetes.io/ingress-bandwidth", "30M"), ("netagent.io/egress-class", "gold"))
+    bad = (("kubernetes.io/ingress-bandwidth", "lots"),)
+    records = [PodRecord("ra", "p1", "u1", "n", ("10.0.0.1",), False, "Running", ann),
+               PodRecord("jobs", "p2", "u2", "n", ("10.0.0.2",), False, "Running", bad)]
+    one, two = resolve_pods(policy, records)
+    assert (one.ingress_max_bps, one.ingress_weight, one.ingress_bandwidth_annotation) == (3 * 10**7, 2.0, "30M")
+    assert two.ingress_max_bps == MAX_BPS and two.problems[0][0] == REASON_INVALID_INGRESS_BANDWIDTH
+    assert two.ingress_weight == 3.0 and two.egress_class == "bronze"
+
+
+def test_resolved_pod_without_download_values_takes_the_upload_weight():
+    from core.policy import ResolvedPod
+    p = ResolvedPod("a/b", "a", "b", "u", ("10.0.0.1",), "web", "default", 3.0, 0, 10**9)
+    assert (p.ingress_weight, p.ingress_min_bps, p.ingress_max_bps) == (3.0, 0, MAX_BPS)
+
+
+@pytest.mark.parametrize("ingress, fragment", [
+    ({"min": "2G", "max": "1G"}, "spec.ingress: min (2G) is above max (1G)"),
+    ({"max": "-1M"}, "spec.ingress: max"),
+    ({"max": 0}, "spec.ingress: max"),
+    ({"weight": 0}, "spec.ingress.weight"),
+    ({"weight": 2.5}, "spec.ingress.weight"),
+    ("10M", "spec.ingress: must be an object"),
+])
+def test_bad_class_ingress_is_refused_naming_the_field(ingress, fragment):
+    with pytest.raises(PolicyError, match=re.escape(fragment)):
+        parse_class({"metadata": {"name": "x"}, "spec": {"weight": 1, "ingress": ingress}})
+    policy, problems = load_policy([{"metadata": {"name": "x"}, "spec": {"ingress": ingress}}], [])
+    assert "x" not in policy.classes and fragment in problems[0]
+
+
+def test_bad_team_ingress_skips_the_team_naming_the_field():
+    budget = {"metadata": {"name": "default"}, "spec": {"total": "1G", "teams": [
+        {"name": "ok", "namespaces": ["a"]}, {"name": "bad", "namespaces": ["b"], "ingress": {"min": "-1"}}]}}
+    policy, problems = load_policy([], [budget])
+    assert [t.name for t in policy.teams] == ["ok", "default"]
+    assert any("spec.teams[1] (bad).ingress: min" in p and "team is ignored" in p for p in problems)
+
+
+def test_bad_ingress_total_keeps_the_upload_budget():
+    budget = {"metadata": {"name": "default"}, "spec": {"total": "1G", "ingressTotal": "-5G"}}
+    policy, (problem,) = load_policy([], [budget])
+    assert policy.total_bps == 10**9 and policy.ingress_total_bps == MAX_BPS and policy.budget_name == "default"
+    assert "spec.ingressTotal" in problem and "no cluster download budget" in problem
+
+
+def test_download_guarantees_above_the_download_total_are_reported_naming_the_field():
+    docs = yaml.safe_load_all("""
+kind: EgressClass
+metadata: {name: big}
+spec: {ingress: {min: 3G}}
+---
+kind: EgressBudget
+metadata: {name: default}
+spec:
+  total: 10G
+  ingressTotal: 1G
+  teams:
+  - {name: a, ingress: {min: 2G}}
+  - {name: b, ingress: {min: 600M}}
+""")
+    policy, problems = load(list(docs))
+    text = "\n".join(problems)
+    assert "spec.teams[0] (a).ingress.min" in text and "spec.ingressTotal" in text
+    assert "EgressClass big: spec.ingress.min" in text
+    assert "spec.teams[].ingress.min) add up to more than spec.ingressTotal" in text
+    assert not any("spec.teams[1]" in p for p in problems)  # 600M alone fits
+    assert policy.team("a").ingress_min_bps == 2 * 10**9  # kept: scaled down by the engine, as for uploads
+    assert load(DOWNLOADS)[1] == []  # guarantees within the download total: no problem
