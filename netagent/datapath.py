@@ -130,6 +130,8 @@ class KernelDataPath:
         self._counters: tuple[float, tuple[PodCounters, NodeCounters]] | None = None
         self._unshaped = 0  # host egress (bypassing the shaper) accumulated between reads
         self._unshaped_prev: tuple[frozenset, int] | None = None
+        self._host_in = 0  # host ingress (bypassing the download shaper) accumulated between reads
+        self._host_in_prev: tuple[frozenset, int] | None = None
         self.reads = {"class_stats": 0, "counters": 0}  # kernel reads done (bench/agent.py, tests)
 
     def check_conflicts(self) -> None:
@@ -239,6 +241,7 @@ class KernelDataPath:
                     found = self._classifier.counters()
             self.reads["counters"] += 1
             found[1]["egress_internet_wire"] = self._wire_egress(*found)
+            found[1]["ingress_internet_wire"] = self._wire_ingress(*found)
             self._counters = (t, found)
             return _copy(found)
 
@@ -260,6 +263,21 @@ class KernelDataPath:
             self._unshaped += max(0, rest - self._unshaped_prev[1])
         self._unshaped_prev = (keys, rest)
         return shaped + self._unshaped
+
+    def _wire_ingress(self, pods: PodCounters, node: NodeCounters) -> int:
+        """The node's internet ingress in IP bytes, as `_wire_egress` for uploads: what the download
+        shaper let through to the pods (its node class) plus what reached the node itself (host and
+        hostNetwork traffic: the uplinks' internet ingress minus what the pods' sets and the
+        unknown-destination rule counted)."""
+        st = self.sample_ingress_stats()[1].get(NODE_MINOR)
+        shaped = ip_bytes(st.bytes, st.packets, self.options) if st else 0
+        rest = node.get("ingress_internet", 0) - node.get("ingress_unknown_internet", 0) - sum(
+            c.get("ingress_internet", 0) for c in pods.values())
+        keys = frozenset(pods)
+        if self._host_in_prev is not None and self._host_in_prev[0] == keys:
+            self._host_in += max(0, rest - self._host_in_prev[1])
+        self._host_in_prev = (keys, rest)
+        return shaped + self._host_in
 
     def adopted_rates(self) -> dict[int, tuple[int, int]]:
         """minor -> (rate, ceil) in IP bit/s of every HTB class the kernel holds now (the node
