@@ -142,7 +142,7 @@ class Agent:
 
     def view(self) -> NodeView:
         return node_view(self.cfg, self.node.state, self.allocations, self.demand, self.datapath,
-                         self.controller_reachable)
+                         self.controller_reachable, self.ingress_allocations, self.ingress_demand)
 
     def health(self) -> tuple[bool, str]:
         return self.runner.health()
