@@ -100,6 +100,14 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mark-bit", type=_int, default=DEFAULT_MARK_BIT, help=f"firewall-mark bit (default {DEFAULT_MARK_BIT:#x})")
     p.add_argument("--ifb", default=DataPathOptions.ifb, help="name of the IFB device netagent owns")
     p.add_argument("--default-rate", default="1M", help="floor for internet traffic from unknown sources (bit/s quantity)")
+    p.add_argument("--ingress-rate", metavar="Q",
+                   help="downloads (internet -> pod): the node's download rate when no controller gives one "
+                        "(single-node mode: default the EgressBudget's ingressTotal, else no node limit)")
+    p.add_argument("--ingress-default-rate", default="1M",
+                   help="downloads: the floor for pods the agent does not know yet, and each pod's download "
+                        "rate while nothing better is known (bit/s quantity)")
+    p.add_argument("--ingress-ifb", default=DataPathOptions.ingress_ifb,
+                   help="name of the IFB device netagent owns for downloads")
     p.add_argument("--report-period", type=float, default=5.0, help="seconds between controller reports")
     p.add_argument("--resync-period", type=float, default=30.0,
                    help="seconds between resyncs that re-read the whole kernel state and repair drift")
@@ -174,13 +182,15 @@ def _status(a: argparse.Namespace) -> int:
 
 def _cleanup_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ifb", default=DataPathOptions.ifb, help="the IFB device netagent used (its --ifb)")
+    p.add_argument("--ingress-ifb", default=DataPathOptions.ingress_ifb,
+                   help="the download IFB device netagent used (its --ingress-ifb)")
     _iptables_backend(p)
 
 
 def _cleanup(a: argparse.Namespace) -> int:
     from netagent import cleanup
 
-    done, failed = cleanup.cleanup(a.ifb, a.iptables_backend)
+    done, failed = cleanup.cleanup(a.ifb, a.iptables_backend, a.ingress_ifb)
     for line in failed:
         print(line)
     for item in done:

@@ -117,8 +117,9 @@ class Classifier:
                 if not update.text:
                     continue
                 # node counters never go down: a removed catch-all's bytes are kept too
-                unknown = R.names(self.prefix)["UNKNOWN"]
-                dropped = (unknown,) if unknown in current and unknown not in rulesets[family].chains else ()
+                names = R.names(self.prefix)
+                dropped = tuple(c for c in (names["UNKNOWN"], names["UNKNOWN-IN"])
+                                if c in current and c not in rulesets[family].chains)
                 self._carry_counts(tables.get(R.TABLE), update.rewritten + dropped)
                 self.runner.restore(family, self.backend, update.text)
                 done.append((family, current, jumps))
@@ -178,6 +179,20 @@ class Classifier:
             if have is None:
                 lines.append(f"create {name} {want.create}")
                 lines += [_member_line("add", name, m, ext) for m, ext in sorted(want.members.items())]
+                continue
+            if (have[0].type, have[0].family) == (want.type, want.family) and want.counted and \
+                    set(have[0].extensions) < set(want.extensions):
+                # made by an older netagent with fewer extensions (ingress-inet gained skbinfo):
+                # refilled as <name>-tmp and swapped in; the members' bytes are carried to their pods
+                kind = R.set_kind(name, self.prefix)
+                if carry and kind:
+                    for m, ext in have[0].members.items():
+                        key = self._ip_keys.get(m) or dict(ext).get("comment", m)
+                        self._carried.setdefault(key, _empty_counts())[kind] += have[1].get(m, 0)
+                tmp = name + R.SWAP_SUFFIX
+                lines += [f"create {tmp} {want.create}", f"flush {tmp}"]
+                lines += [_member_line("add", tmp, m, ext) for m, ext in sorted(want.members.items())]
+                lines += [f"swap {tmp} {name}", f"destroy {tmp}"]
                 continue
             if (have[0].type, have[0].family, set(have[0].extensions)) != (want.type, want.family, set(want.extensions)):
                 raise IptablesError(f"ipset {name} exists as '{have[0].create}', not '{want.create}': another "
@@ -248,6 +263,8 @@ class Classifier:
             return None
         if chain == f"{self.prefix}-UNKNOWN":
             return None, R.UNKNOWN_KIND
+        if chain == f"{self.prefix}-UNKNOWN-IN":
+            return None, R.UNKNOWN_INGRESS_KIND
         head, _, scope = text.rpartition(" ")
         who, _, direction = head.rpartition(" ")
         kind = f"{direction}_{scope}"

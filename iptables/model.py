@@ -11,11 +11,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, order=True)
 class PodClassification:
-    """One pod: its addresses and the HTB class its internet egress is steered to."""
+    """One pod: its addresses and the HTB classes its internet egress (and ingress) are steered to."""
 
     key: str  # "namespace/name": rule comments and counter keys
     ips: tuple[str, ...]  # IPv4 and/or IPv6 addresses, canonical text
     tc_class: tuple[int, int]  # (HTB major, minor) for CLASSIFY --set-class MAJ:MIN
+    # the pod's class in the download shaper (the skbprio of its ingress-inet members); None: the
+    # pod's downloads are counted only (no ingress shaper on this node)
+    ingress_class: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -30,3 +33,7 @@ class ClassifierState:
     # (a pod the agent does not know yet): marked and classified there, so it is shaped at the
     # default class's floor, never unshaped. None: such traffic is left alone.
     default_class: tuple[int, int] | None = None
+    # Downloads (internet ingress): the class in the download shaper for internet traffic the node
+    # forwards to an address that is none of `pods` (a pod the agent does not know yet): marked
+    # and classified there, held at the download floor. None: downloads are counted, not marked.
+    ingress_default_class: tuple[int, int] | None = None

@@ -21,6 +21,10 @@ the internal set:
         src in peer (internal, no pod here) -g P-FROM-PEER:   dst in ingress-int (the pod's count)
         src a pod here                      -g P-FROM-POD:    egress by dst scope, then P-TO-POD
         dst in ingress-inet (the pod's count): e.g. de-NATed replies from the internet
+      with downloads shaped (`ingress_default_class`), that last rule becomes:
+        src a node address                  -g P-FROM-HOST:   dst in ingress-inet (count; never shaped)
+        SET --map-set ingress-inet dst --map-mark --map-prio   (the pod's count, our bit, its download class)
+        [not marked -> P-UNKNOWN-IN: MARK, CLASSIFY download default]
 """
 from __future__ import annotations
 
@@ -49,7 +53,9 @@ Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 KINDS = ("egress_internal", "egress_internet", "ingress_internal", "ingress_internet")
 # the node also counts internet egress it forwarded from sources that are no known pod (P-UNKNOWN)
 UNKNOWN_KIND = "egress_unknown_internet"
-NODE_KINDS = (*KINDS, UNKNOWN_KIND)
+# ... and internet ingress it forwarded to addresses that are no known pod (P-UNKNOWN-IN)
+UNKNOWN_INGRESS_KIND = "ingress_unknown_internet"
+NODE_KINDS = (*KINDS, UNKNOWN_KIND, UNKNOWN_INGRESS_KIND)
 # per-pod sets (hash:ip, one member per pod address, the pod key as comment): what their counters count
 POD_SET_KINDS = {"egress-int": "egress_internal", "egress-inet": "egress_internet",
                  "ingress-int": "ingress_internal", "ingress-inet": "ingress_internet"}
@@ -95,8 +101,8 @@ class Ruleset:
 def names(prefix: str) -> dict[str, str]:
     """The fixed chain names for one prefix."""
     return {tag: f"{prefix}-{tag}" for tag in (
-        "PREROUTING", "POSTROUTING", "NODE-IN", "NODE-OUT", "UNKNOWN",
-        "EGRESS-INT", "FROM-PEER", "FROM-POD", "POD-INT", "TO-POD")}
+        "PREROUTING", "POSTROUTING", "NODE-IN", "NODE-OUT", "UNKNOWN", "UNKNOWN-IN",
+        "EGRESS-INT", "FROM-PEER", "FROM-POD", "POD-INT", "TO-POD", "FROM-HOST")}
 
 
 def set_names(prefix: str) -> list[str]:
@@ -195,6 +201,8 @@ def _validate_pod(pod: PodClassification) -> None:
     if not isinstance(pod.key, str) or not _KEY_RE.match(pod.key):
         raise IptablesError(f"pod key {pod.key!r} must be non-empty text without quotes, backslashes or line breaks")
     _validate_class(pod.tc_class, f"pod {pod.key}")
+    if pod.ingress_class is not None:
+        _validate_class(pod.ingress_class, f"pod {pod.key} download")
     if not pod.ips:
         raise IptablesError(f"pod {pod.key} has no IP address: leave it out of the state until it has one")
 
@@ -210,6 +218,8 @@ def validate(state: ClassifierState) -> None:
             raise IptablesError(f"uplink {dev!r} is not a valid interface name")
     if state.default_class is not None:
         _validate_class(state.default_class, "default class for unknown sources")
+    if state.ingress_default_class is not None:
+        _validate_class(state.ingress_default_class, "download default class for unknown destinations")
     seen: dict[str, str] = {}
     keys: set[str] = set()
     for pod in state.pods:
@@ -254,6 +264,12 @@ def build_sets(state: ClassifierState, family: int, prefix: str = "NETAGENT") ->
     named = {ip: (("comment", _key_text(pod.key)),) for ip, pod in pods}
     marked = {ip: (("comment", _key_text(pod.key)), ("skbmark", xmark(state.mark_bit)),
                    ("skbprio", skbprio(pod.tc_class))) for ip, pod in pods}
+    # downloads: the same mark bit (the kernel scrubs the mark when a packet enters the pod's
+    # namespace, and an egress-marked packet never leaves by a pod's device), the download class
+    downloads = {ip: (("comment", _key_text(pod.key)), ("skbmark", xmark(state.mark_bit)),
+                      ("skbprio", skbprio(pod.ingress_class)))
+                 if pod.ingress_class is not None and state.ingress_default_class is not None
+                 else (("comment", _key_text(pod.key)),) for ip, pod in pods}
     peer = {net: () for net in internal}
     peer.update({_host(ipaddress.ip_address(ip)): (("nomatch", ""),) for ip, _ in pods})
     sets = [
@@ -262,7 +278,8 @@ def build_sets(state: ClassifierState, family: int, prefix: str = "NETAGENT") ->
         _set(prefix, family, "egress-int", "hash:ip", COUNTED, named),
         _set(prefix, family, "egress-inet", "hash:ip", COUNTED + ("skbinfo",), marked),
         _set(prefix, family, "ingress-int", "hash:ip", COUNTED, named),
-        _set(prefix, family, "ingress-inet", "hash:ip", COUNTED, named),
+        # skbinfo always (a counted set is never re-created); members carry it when downloads are shaped
+        _set(prefix, family, "ingress-inet", "hash:ip", COUNTED + ("skbinfo",), downloads),
     ]
     return {s.name: s for s in sets}
 
@@ -335,11 +352,28 @@ def build(state: ClassifierState, family: int, prefix: str = "NETAGENT") -> Rule
         f"{comment('node ingress internet')} -j RETURN",
     )
     chains[n["PREROUTING"]] = tuple(f"-i {dev} -j {n['NODE-IN']}" for dev in state.uplinks)
+    if state.ingress_default_class is None:
+        to_pod_internet: tuple[str, ...] = (f"-m set --match-set {s['ingress-inet']} dst -j RETURN",)
+    else:
+        # downloads: left here is a packet from a source that is not internal, no pod of this node
+        # and (after FROM-HOST) no node address: internet -> pod (de-NATed). The node's own traffic
+        # is counted, never shaped; a known pod's packet gets our mark and its download class from
+        # its member; one to an address no known pod holds goes to the download default class.
+        to_pod_internet = (
+            f"-m addrtype --src-type LOCAL -g {n['FROM-HOST']}",
+            f"-j SET --map-set {s['ingress-inet']} dst --map-mark --map-prio",
+            f"-m mark ! --mark {mark} -j {n['UNKNOWN-IN']}",
+        )
+        chains[n["FROM-HOST"]] = (f"-m set --match-set {s['ingress-inet']} dst -j RETURN",)
+        chains[n["UNKNOWN-IN"]] = (
+            f"{comment('unknown destination ingress internet')} -j MARK --set-xmark {mark}",
+            f"-j CLASSIFY --set-class {classify_target(state.ingress_default_class)}",
+        )
     chains[n["POSTROUTING"]] = (
         *(f"-o {dev} -g {n['NODE-OUT']}" for dev in state.uplinks),
         f"-m set --match-set {s['peer']} src -g {n['FROM-PEER']}",
         f"-m set --match-set {s['egress-int']} src ! --update-counters -g {n['FROM-POD']}",
-        f"-m set --match-set {s['ingress-inet']} dst -j RETURN",
+        *to_pod_internet,
     )
     jumps = tuple((hook, f"-j {n[hook]}") for hook in HOOKS)
     return Ruleset(family, chains, jumps, sets)

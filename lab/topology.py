@@ -35,6 +35,7 @@ UPLINK = "eth0"
 GATEWAY_V4 = "10.0.0.1"  # the fabric bridge: every node's default gateway
 GATEWAY_V6 = "fd00::1"
 FABRIC_V6 = "fd00::/64"
+BRIDGE = "cbr0"  # the node's pod bridge in Lab(pod_network="bridge")
 
 
 @dataclass
@@ -61,9 +62,16 @@ class Node:
 class Lab:
     """Build with `Lab(nodes=1, pods_per_node=2)`; use as a context manager."""
 
-    def __init__(self, nodes: int = 1, pods_per_node: int = 2, prefix: str | None = None, ipv6: bool = True):
+    def __init__(self, nodes: int = 1, pods_per_node: int = 2, prefix: str | None = None, ipv6: bool = True,
+                 pod_network: str = "routed"):
+        """`pod_network`: "routed" (one veth per pod with a /32 route, native routing) or "bridge"
+        (the pods' veths are ports of a bridge `cbr0` on the node holding the pod subnet's gateway
+        address, as the CNI bridge plugin and flannel build it)."""
         if not 1 <= nodes <= 50 or not 0 <= pods_per_node <= 200:
             raise LabError("lab size out of range (1..50 nodes, 0..200 pods per node)")
+        if pod_network not in ("routed", "bridge"):
+            raise LabError(f"pod_network {pod_network!r} must be 'routed' or 'bridge'")
+        self.pod_network = pod_network
         self.prefix = prefix or f"na{secrets.token_hex(2)}"
         self.ipv6 = ipv6
         self.fabric = f"{self.prefix}-fab"
@@ -166,6 +174,11 @@ class Lab:
             self._run6(f"ip -6 route add {other.pod_cidr6} via {other.ip6}", ns)
             self._run6(f"ip -6 route add {node.pod_cidr6} via {node.ip6}", other.netns)
         self.nodes.append(node)
+        if self.pod_network == "bridge":
+            run(f"ip link add {BRIDGE} type bridge", ns)
+            run(f"ip addr add {_first(node.pod_cidr4)} dev {BRIDGE}", ns)
+            self._run6(f"ip -6 addr add {_first(node.pod_cidr6)} dev {BRIDGE} nodad", ns)
+            run(f"ip link set {BRIDGE} up", ns)
         for k in range(self._n_pods):
             self.add_pod(node)
 
@@ -176,6 +189,16 @@ class Lab:
         ip6 = str(ipaddress.ip_address(f"fd00:244:{n:x}::{10 + k:x}")) if self.ipv6 else ""
         pod = Pod(f"n{n}p{k}", pns, f"10.244.{n}.{10 + k}", ip6, f"vp{k}")
         run(["ip", "link", "add", pod.node_veth, "netns", node.netns, "type", "veth", "peer", "name", "eth0", "netns", pns])
+        if self.pod_network == "bridge":
+            gw4, gw6 = (_first(c).split("/")[0] for c in (node.pod_cidr4, node.pod_cidr6))
+            run(f"ip addr add {pod.ip4}/24 dev eth0", pns)
+            self._run6(f"ip -6 addr add {pod.ip6}/64 dev eth0 nodad", pns)
+            run("ip link set eth0 up", pns)
+            run(f"ip route add default via {gw4}", pns)
+            self._run6(f"ip -6 route add default via {gw6}", pns)
+            run(f"ip link set {pod.node_veth} master {BRIDGE} up", node.netns)
+            node.pods.append(pod)
+            return pod
         run(f"ip addr add {pod.ip4}/32 dev eth0", pns)
         self._run6(f"ip -6 addr add {pod.ip6}/128 dev eth0 nodad", pns)
         run("ip link set eth0 up", pns)
@@ -249,6 +272,30 @@ class Lab:
         argv = [sys.executable, "-m", "lab.udpflood", dst, str(port), str(bitrate), str(seconds)]
         return self.spawn(netns, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+    def download_flood(self, pod_netns: str, server_netns: str, dst: str, port: int, bitrate: float,
+                       seconds: float = 5) -> subprocess.Popen:
+        """A paced UDP GSO flood from `server_netns` to a pod (through the node's NAT): the server
+        waits on `port`, the pod's sink sends it one datagram from its socket, the server floods
+        that socket. Returns the server's Popen (stdout: one JSON line, as `udp_flood`)."""
+        cwd = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        server = self.spawn(server_netns, [sys.executable, "-m", "lab.udpflood", "--reply", str(port), str(bitrate),
+                                           str(seconds)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+        deadline = time.monotonic() + 10
+        while not run(["ss", "-Hlun", f"sport = :{port}"], server_netns, check=False).strip():
+            if time.monotonic() > deadline:
+                raise LabError(f"the flood server in {server_netns} did not bind port {port}")
+            time.sleep(0.05)
+        self.spawn(pod_netns, [sys.executable, "-m", "lab.udpflood", "--sink", dst, str(port), str(seconds + 1)],
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
+        return server
+
+
+def _first(cidr: str) -> str:
+    """The first host of a subnet with its prefix length: the bridge's (gateway's) address."""
+    net = ipaddress.ip_network(cidr)
+    return f"{net.network_address + 1}/{net.prefixlen}"
 
 
 def _wait_listening(netns: str, port: int, timeout: float = 10) -> None:

@@ -5,6 +5,9 @@ tops out near 0.7 Gbit/s of 1400-byte datagrams, too little to flood a 1 Gbit/s 
 twice its rate. With UDP_SEGMENT the kernel cuts each 61 KB send into 1400-byte datagrams
 (real, separate UDP packets on the wire), so one process offers several Gbit/s.
 Prints one JSON line: bytes (UDP payload), datagrams, seconds, bits_per_second (payload).
+
+Downloads (towards a pod behind the node's NAT): `--reply PORT BITRATE SECONDS` on the internet
+host floods whoever sends it a datagram; `--sink DST PORT SECONDS` in the pod sends that datagram.
 """
 from __future__ import annotations
 
@@ -18,9 +21,9 @@ DATAGRAM = 1400
 PER_SEND = 44  # datagrams per sendto (61,600 bytes: under the 64 KB GSO limit)
 
 
-def flood(dst: str, port: int, bitrate: float, seconds: float) -> dict:
+def flood(dst: str, port: int, bitrate: float, seconds: float, sock: socket.socket | None = None) -> dict:
     family = socket.AF_INET6 if ":" in dst else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_DGRAM)
+    sock = sock or socket.socket(family, socket.SOCK_DGRAM)
     sock.setsockopt(socket.SOL_UDP, UDP_SEGMENT, DATAGRAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
     payload = b"\0" * (DATAGRAM * PER_SEND)
@@ -39,7 +42,43 @@ def flood(dst: str, port: int, bitrate: float, seconds: float) -> dict:
     return {"bytes": sent, "datagrams": sent // DATAGRAM, "seconds": elapsed, "bits_per_second": sent * 8 / elapsed}
 
 
+def reply_flood(port: int, bitrate: float, seconds: float, wait: float = 30.0) -> dict:
+    """A download flood: wait on `port` (IPv4 and IPv6) for one datagram, then flood its sender
+    from the same port, so the packets match the NAT mapping the pod's datagram made."""
+    sock = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    sock.bind(("::", port))
+    sock.settimeout(wait)
+    _, peer = sock.recvfrom(2048)
+    sock.settimeout(None)
+    return flood(peer[0], peer[1], bitrate, seconds, sock)
+
+
+def sink(dst: str, port: int, seconds: float) -> dict:
+    """The pod's side of a download flood: one datagram to `dst` every 0.5 s from one socket (the
+    NAT mapping), never reading (the flood fills the socket's buffer and the rest is dropped in
+    the pod, with no ICMP back)."""
+    family = socket.AF_INET6 if ":" in dst else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    end = time.monotonic() + seconds
+    sent = 0
+    while time.monotonic() < end:
+        try:
+            sock.sendto(b"go", (dst, port))
+            sent += 1
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return {"triggers": sent}
+
+
 def main(argv: list[str]) -> int:
+    if len(argv) == 4 and argv[0] == "--reply":
+        print(json.dumps(reply_flood(int(argv[1]), float(argv[2]), float(argv[3]))), flush=True)
+        return 0
+    if len(argv) == 4 and argv[0] == "--sink":
+        print(json.dumps(sink(argv[1], int(argv[2]), float(argv[3]))), flush=True)
+        return 0
     if len(argv) != 4:
         print(__doc__.splitlines()[0], file=sys.stderr)
         return 2

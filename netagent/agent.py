@@ -37,6 +37,9 @@ class ReportInputs:
     node: str
     pods: tuple[tuple[ResolvedPod, PodDemand | None], ...]
     node_internet_egress_bytes: int | None  # None when the data path could not read it
+    ingress_demand: dict[str, PodDemand] = dataclasses.field(default_factory=dict)  # downloads, per pod key
+    node_internet_ingress_bytes: int | None = None
+    shapes_ingress: bool = False  # the download shaper is programmed (the last good sync applied it)
 
 
 class Agent:
@@ -48,9 +51,16 @@ class Agent:
         self.datapath = datapath
         self.allocations = Allocations(cfg.default_floor_bps, initial)
         self.demand: dict[str, PodDemand] = {}
-        self.node = NodeSync(cfg, datapath, self.allocations, self.demand, metrics=metrics, problems=problems)
+        # downloads: the same machinery on the pods' download values (allocations.ingress_view)
+        self.ingress_allocations = Allocations(cfg.datapath.ingress_default_rate,
+                                               dataclasses.replace(initial) if initial is not None else None)
+        self.ingress_demand: dict[str, PodDemand] = {}
+        self.node = NodeSync(cfg, datapath, self.allocations, self.demand, metrics=metrics, problems=problems,
+                             ingress_allocations=self.ingress_allocations if cfg.shape_ingress else None,
+                             ingress_demand=self.ingress_demand)
         if local is not None:
             self.node.local = local(lambda: self.node.policy()[0])
+            self.node.ingress_local = local(lambda: self.node.policy()[0].for_ingress())
         self.runner = Runner(self.node.sync, cfg.min_sync_interval, cfg.resync_seconds)
         self.sampler = Sampler(self.node, datapath, self.allocations, self.demand, self.runner.wake,
                                cfg.sample_seconds, cfg.allocate_seconds)
@@ -61,8 +71,11 @@ class Agent:
         self.node.on_snapshot(snap)
         self.runner.wake()
 
-    def set_allocations(self, allocs: AllocationSet) -> None:
-        if self.allocations.replace(allocs):
+    def set_allocations(self, allocs: AllocationSet, ingress: AllocationSet | None = None) -> None:
+        changed = self.allocations.replace(allocs)
+        if ingress is not None:
+            changed = self.ingress_allocations.replace(ingress) or changed
+        if changed:
             self.runner.wake()
 
     def wake_full(self) -> None:
@@ -83,6 +96,7 @@ class Agent:
         # what the kernel holds now seeds the allocations: a restart changes nothing
         try:
             self.allocations.adopted = self.datapath.adopted_rates()
+            self.ingress_allocations.adopted = self.datapath.adopted_ingress_rates()
         except Exception as exc:
             log.warning("could not read existing tc classes to adopt: %s", exc)
         self.runner.start()
@@ -116,15 +130,19 @@ class Agent:
             _, node_counters = self.datapath.counters()  # a fresh read, once per report period
             # IP bytes as they left (docs/datapath.md): the unit of the pods' usage and of the budget
             egress = node_counters.get("egress_internet_wire", node_counters.get("egress_internet"))
+            ingress = node_counters.get("ingress_internet_wire", node_counters.get("ingress_internet"))
         except Exception as exc:
             log.debug("node counters unreadable: %s", exc)
-            egress = None
-        pods = tuple((p, self.demand.get(p.key)) for p in self.node.state.pods)
-        return ReportInputs(self.cfg.node, pods, None if egress is None else int(egress))
+            egress = ingress = None
+        state = self.node.state
+        pods = tuple((p, self.demand.get(p.key)) for p in state.pods)
+        shapes = bool(state.ready and state.desired is not None and state.desired.ingress_shaper is not None)
+        return ReportInputs(self.cfg.node, pods, None if egress is None else int(egress), dict(self.ingress_demand),
+                            None if ingress is None else int(ingress), shapes)
 
     def view(self) -> NodeView:
         return node_view(self.cfg, self.node.state, self.allocations, self.demand, self.datapath,
-                         self.controller_reachable)
+                         self.controller_reachable, self.ingress_allocations, self.ingress_demand)
 
     def health(self) -> tuple[bool, str]:
         return self.runner.health()

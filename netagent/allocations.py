@@ -13,6 +13,7 @@ Pure apart from its lock: callers pass the time and how to find a pod's HTB mino
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -39,6 +40,10 @@ class AllocationSet:
     lease_expires: float = float("inf")  # monotonic; inf in single-node mode
     generation: int = 0
     source: str = ""  # "controller", "local", "adopted", "none"
+    # downloads from a controller that gave no download allocation (None in its answer): every pod
+    # not in `pods` gets its own cap (min(class ingress max, kubernetes.io/ingress-bandwidth)), else
+    # the node's rate, instead of its guarantee
+    own_cap: bool = False
 
 
 class Allocations:
@@ -89,7 +94,10 @@ class Allocations:
                 out[p.key] = Allocation(f, f)
                 continue
             minor = minor_of(p) if self.adopted else None
-            if minor is not None and minor in self.adopted:
+            if got is None and a.own_cap:
+                cap = min(p.max_bps, a.node_rate_bps or MAX_BPS)
+                out[p.key] = Allocation(cap, cap)
+            elif minor is not None and minor in self.adopted:
                 rate, ceil = self.adopted[minor]
                 out[p.key] = Allocation(rate, ceil)
             else:
@@ -125,3 +133,10 @@ def pod_rates(a: Allocation) -> tuple[int, int]:
     """(rate, ceil) for the pod's HTB class: never below a trickle, ceil never below rate."""
     rate = max(TRICKLE_BPS, int(a.allocation_bps))
     return rate, max(rate, int(a.limit_bps))
+
+
+def ingress_view(p: ResolvedPod) -> ResolvedPod:
+    """The pod as the download direction sees it: its download weight, guarantee and cap (the class's
+    ingress max lowered by kubernetes.io/ingress-bandwidth) in the fields every allocation step reads,
+    so `Allocations`, `cap_to_node` and the engine serve both directions unchanged. Pure."""
+    return dataclasses.replace(p, weight=p.ingress_weight, min_bps=p.ingress_min_bps, max_bps=p.ingress_max_bps)

@@ -16,15 +16,18 @@ from tc.netlink import Shaper
 from .desired import DataPathOptions
 
 
-def cleanup(ifb: str, iptables_backend: str) -> tuple[list[str], list[str]]:
-    """Remove netagent's filters, IFB and HTB tree, chains and ipsets from this node.
-    -> (what was removed, what failed); both empty: already clean."""
+def cleanup(ifb: str, iptables_backend: str, ingress_ifb: str = DataPathOptions.ingress_ifb) -> tuple[list[str], list[str]]:
+    """Remove netagent's filters, both IFBs (uploads, downloads) with their HTB trees, chains and
+    ipsets from this node. -> (what was removed, what failed); both empty: already clean."""
     failed: list[str] = []
     done: list[str] = []
     try:
         with Shaper() as shaper:
-            devices = tuple(name for _, name in socket.if_nameindex() if name != ifb)
+            # the first pass removes our filters on every device: the uplinks' (uploads) and the
+            # pod devices' (downloads); then each IFB with its tree
+            devices = tuple(name for _, name in socket.if_nameindex() if name not in (ifb, ingress_ifb))
             done += shaper.cleanup(ifb, devices, DataPathOptions.filter_pref)
+            done += shaper.cleanup(ingress_ifb, (), DataPathOptions.filter_pref)
     except Exception as exc:
         failed.append(f"tc cleanup failed: {exc}")
     try:

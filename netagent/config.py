@@ -44,13 +44,17 @@ class AgentConfig:
     state_listen: tuple[str, int] | None = ("127.0.0.1", 9562)  # /state; None when --listen is loopback
     uplinks_learnt: bool = False  # no --uplink: the uplinks follow the default routes while running
     iptables_backend: str = "auto"
+    shape_ingress: bool = True  # downloads (internet -> pod) shaped on the pods' devices
+    ingress_rate_bps: int | None = None  # --ingress-rate: the node's download rate with no controller answer
 
 
 def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None, controller: str | None,
                token_path: str | None, uplink: list[str], internal_cidr: list[str], pod_cidr: list[str],
                service_cidr: list[str], listen: str, mark_bit: int, ifb: str, default_rate: str,
                report_period: float, resync_period: float, iptables_backend: str, controller_ca: str | None = None,
-               controller_insecure_http: bool = False, state_listen: str = DEFAULT_STATE_LISTEN) -> AgentConfig:
+               controller_insecure_http: bool = False, state_listen: str = DEFAULT_STATE_LISTEN,
+               ingress_rate: str | None = None, ingress_default_rate: str = "1M",
+               ingress_ifb: str = DataPathOptions.ingress_ifb) -> AgentConfig:
     """The command line's values -> AgentConfig. Discovers the uplinks (default routes) when none
     is named and adds their connected subnets to the internal CIDRs. The leaf qdisc is the
     data path's choice after probing the kernel (`Daemon.build`)."""
@@ -61,6 +65,12 @@ def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None
         raise ConfigError("--node is required with Kubernetes (set it from spec.nodeName via the downward API)")
     try:
         default_bps = parse_bps(default_rate, "--default-rate")
+        ingress_default_bps = parse_bps(ingress_default_rate, "--ingress-default-rate")
+        ingress_bps = parse_bps(ingress_rate, "--ingress-rate") if ingress_rate else None
+        for flag, value in (("--default-rate", default_bps), ("--ingress-default-rate", ingress_default_bps),
+                            ("--ingress-rate", ingress_bps)):
+            if value is not None and value <= 0:
+                raise ValueError(f"{flag} must be a positive rate such as 1M")
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     check_controller(controller, controller_ca, controller_insecure_http)
@@ -70,6 +80,8 @@ def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None
     if state_at is not None and not is_loopback(state_at[0]):
         raise ConfigError(f"--state-listen {state_listen} must be a loopback address (127.0.0.1 or ::1): "
                           "/state lists this node's pods and must not be reachable from them")
+    if ingress_ifb == ifb or not 1 <= len(ingress_ifb) <= 15:
+        raise ConfigError(f"--ingress-ifb {ingress_ifb!r} must be a device name of 1..15 characters other than --ifb")
     if report_period <= 0 or resync_period <= 0:
         raise ConfigError("--report-period and --resync-period must be positive seconds")
     try:
@@ -90,7 +102,9 @@ def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None
         raise ConfigError(str(exc)) from exc
     return AgentConfig(
         node=node, uplinks=uplinks, internal_cidrs=internal,
-        datapath=DataPathOptions(mark_bit=mark_bit, ifb=ifb, default_rate=default_bps),
+        datapath=DataPathOptions(mark_bit=mark_bit, ifb=ifb, default_rate=default_bps, ingress_ifb=ingress_ifb,
+                                 ingress_default_rate=ingress_default_bps),
+        ingress_rate_bps=ingress_bps,
         controller=controller, controller_ca=controller_ca, controller_insecure_http=controller_insecure_http,
         token_path=token_path, report_period=report_period, resync_seconds=resync_period,
         default_floor_bps=default_bps, from_file=tuple(from_file), kubeconfig=kubeconfig,

@@ -90,7 +90,9 @@ class Daemon:
                  f"controller {cfg.controller}" if cfg.controller else "local allocation (no controller)")
         drift = DriftWatch(cfg.datapath.ifb, lambda: agent.cfg.uplinks, agent.wake_full, datapath.hooks_fingerprint,
                            set_uplinks=agent.set_uplinks if cfg.uplinks_learnt else None,
-                           count=lambda source: metrics.drift_checks.labels(source).inc())
+                           count=lambda source: metrics.drift_checks.labels(source).inc(),
+                           ingress_ifb=cfg.datapath.ingress_ifb if cfg.shape_ingress else None,
+                           wake=agent.runner.wake)
         return cls(cfg, agent, source, datapath, http, reporter, problems, drift)
 
     def _run_source(self) -> None:

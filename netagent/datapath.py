@@ -70,6 +70,16 @@ class DataPath(Protocol):
     def adopted_rates(self) -> dict[int, tuple[int, int]]:
         """HTB minor -> (rate, ceil) bit/s the kernel holds now: what a restarted agent keeps."""
 
+    def pod_devices(self, uplinks: tuple[str, ...]) -> tuple[str, ...]:
+        """The node's pod-facing devices (host-side veths, bridge ports included), less the uplinks:
+        where downloads are redirected into the download shaper."""
+
+    def sample_ingress_stats(self) -> tuple[float, dict[int, ClassStats]]:
+        """As `sample_stats`, for the download shaper's classes ({} when downloads are not shaped)."""
+
+    def adopted_ingress_rates(self) -> dict[int, tuple[int, int]]:
+        """As `adopted_rates`, for the download shaper."""
+
 
 STATS_MAX_AGE = 1.5  # the sampler reads every second; a scrape takes its copy unless a sample was missed
 
@@ -116,9 +126,12 @@ class KernelDataPath:
         self._applied_classifier = None  # the classifier state the kernel was last made to match
         self._hooks: tuple[int, ...] | None = None  # our mangle lines per family after the last apply
         self._stats: tuple[float, dict[int, ClassStats]] | None = None
+        self._ingress_stats: tuple[float, dict[int, ClassStats]] | None = None
         self._counters: tuple[float, tuple[PodCounters, NodeCounters]] | None = None
         self._unshaped = 0  # host egress (bypassing the shaper) accumulated between reads
         self._unshaped_prev: tuple[frozenset, int] | None = None
+        self._host_in = 0  # host ingress (bypassing the download shaper) accumulated between reads
+        self._host_in_prev: tuple[frozenset, int] | None = None
         self.reads = {"class_stats": 0, "counters": 0}  # kernel reads done (bench/agent.py, tests)
 
     def check_conflicts(self) -> None:
@@ -136,8 +149,11 @@ class KernelDataPath:
         read back only when `full` or when its desired state changed: reading it costs two
         iptables-save runs, and a rate change, the common case, leaves it as it was."""
         with self._tc_lock:
-            tc_result = self._shaper.apply(desired.shaper)
-        changes = {"tc": tc_result.changes}
+            tc_changes = self._shaper.apply(desired.shaper).changes
+            if desired.ingress_shaper is not None:
+                # the download classes exist before iptables marks a packet for them
+                tc_changes += self._shaper.apply(desired.ingress_shaper).changes
+        changes = {"tc": tc_changes}
         with self._ipt_lock:
             if full or desired.classifier != self._applied_classifier:
                 self._applied_classifier = None  # unknown until this apply succeeds
@@ -149,7 +165,21 @@ class KernelDataPath:
                     self._ipt_seq += 1
                 self._applied_classifier = desired.classifier
                 self._hooks = self._read_hooks()
+        if desired.ingress_shaper is None:
+            with self._tc_lock:  # download shaping turned off: nothing marks for it any more
+                changes["tc"] += len(self._remove_ingress_shaper())
         return changes
+
+    def _remove_ingress_shaper(self) -> list[str]:
+        o = self.options
+        if not self._shaper.has_device(o.ingress_ifb):
+            return []
+        return self._shaper.cleanup(o.ingress_ifb, self._shaper.devices_of_kind(exclude=(o.ingress_ifb,)),
+                                    o.filter_pref)
+
+    def pod_devices(self, uplinks: tuple[str, ...]) -> tuple[str, ...]:
+        with self._tc_lock:
+            return self._shaper.devices_of_kind(("veth",), exclude=tuple(uplinks))
 
     def _read_hooks(self) -> tuple[int, ...]:
         """Lines of our chains and hooks in the mangle table, per family: a cheap fingerprint (one
@@ -175,6 +205,18 @@ class KernelDataPath:
             self._stats = (time.monotonic(), stats)
             return self._stats
 
+    def sample_ingress_stats(self) -> tuple[float, dict[int, ClassStats]]:
+        with self._stats_lock:
+            stats = self._stats_shaper.stats(self.options.ingress_ifb, self.options.ingress_htb_major)
+            self._ingress_stats = (time.monotonic(), stats)
+            return self._ingress_stats
+
+    def ingress_class_stats(self) -> dict[int, ClassStats]:
+        cached = self._ingress_stats
+        if cached is not None and time.monotonic() - cached[0] <= STATS_MAX_AGE:
+            return cached[1]
+        return self.sample_ingress_stats()[1]
+
     def class_stats(self) -> dict[int, ClassStats]:
         cached = self._stats
         if cached is not None and time.monotonic() - cached[0] <= STATS_MAX_AGE:
@@ -199,6 +241,7 @@ class KernelDataPath:
                     found = self._classifier.counters()
             self.reads["counters"] += 1
             found[1]["egress_internet_wire"] = self._wire_egress(*found)
+            found[1]["ingress_internet_wire"] = self._wire_ingress(*found)
             self._counters = (t, found)
             return _copy(found)
 
@@ -221,12 +264,32 @@ class KernelDataPath:
         self._unshaped_prev = (keys, rest)
         return shaped + self._unshaped
 
+    def _wire_ingress(self, pods: PodCounters, node: NodeCounters) -> int:
+        """The node's internet ingress in IP bytes, as `_wire_egress` for uploads: what the download
+        shaper let through to the pods (its node class) plus what reached the node itself (host and
+        hostNetwork traffic: the uplinks' internet ingress minus what the pods' sets and the
+        unknown-destination rule counted)."""
+        st = self.sample_ingress_stats()[1].get(NODE_MINOR)
+        shaped = ip_bytes(st.bytes, st.packets, self.options) if st else 0
+        rest = node.get("ingress_internet", 0) - node.get("ingress_unknown_internet", 0) - sum(
+            c.get("ingress_internet", 0) for c in pods.values())
+        keys = frozenset(pods)
+        if self._host_in_prev is not None and self._host_in_prev[0] == keys:
+            self._host_in += max(0, rest - self._host_in_prev[1])
+        self._host_in_prev = (keys, rest)
+        return shaped + self._host_in
+
     def adopted_rates(self) -> dict[int, tuple[int, int]]:
         """minor -> (rate, ceil) in IP bit/s of every HTB class the kernel holds now (the node
         class included, as minor 1): a restarted agent starts from exactly these."""
         o = self.options
         return {minor: (from_wire(st.rate_bytes * 8, o), from_wire(st.ceil_bytes * 8, o))
                 for minor, st in self.sample_stats()[1].items()}
+
+    def adopted_ingress_rates(self) -> dict[int, tuple[int, int]]:
+        o = self.options
+        return {minor: (from_wire(st.rate_bytes * 8, o), from_wire(st.ceil_bytes * 8, o))
+                for minor, st in self.sample_ingress_stats()[1].items()}
 
     def close(self) -> None:
         for s in (self._shaper, self._stats_shaper):

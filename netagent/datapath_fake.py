@@ -26,6 +26,9 @@ class FakeDataPath:
         self.pod_counters: PodCounters = {}
         self.node_counters: NodeCounters = {}
         self.fail_with: Exception | None = None  # raised by the next apply, then cleared
+        self.ingress_stats: dict[int, ClassStats] = {}
+        self.adopted_ingress: dict[int, tuple[int, int]] = {}
+        self.devices: tuple[str, ...] = ()
 
     def apply(self, desired: DesiredState, full: bool = True) -> dict[str, int]:
         if self.fail_with is not None:
@@ -46,3 +49,15 @@ class FakeDataPath:
 
     def adopted_rates(self) -> dict[int, tuple[int, int]]:
         return dict(self.adopted)
+
+    def pod_devices(self, uplinks: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(d for d in self.devices if d not in uplinks)
+
+    def sample_ingress_stats(self) -> tuple[float, dict[int, ClassStats]]:
+        return time.monotonic(), dict(self.ingress_stats)
+
+    def ingress_class_stats(self) -> dict[int, ClassStats]:
+        return dict(self.ingress_stats)
+
+    def adopted_ingress_rates(self) -> dict[int, tuple[int, int]]:
+        return dict(self.adopted_ingress)

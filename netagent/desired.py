@@ -25,7 +25,15 @@ from dataclasses import dataclass, field
 
 from core.errors import NetagentError
 from iptables.model import ClassifierState, PodClassification
-from tc.model import DEFAULT_MINOR, MAX_RATE_BPS, MIN_RATE_BPS, RESERVED_MINORS, HtbClassSpec, ShaperSpec
+from tc.model import (
+    DEFAULT_MINOR,
+    INGRESS_IFB_ALIAS,
+    MAX_RATE_BPS,
+    MIN_RATE_BPS,
+    RESERVED_MINORS,
+    HtbClassSpec,
+    ShaperSpec,
+)
 
 # Not used by kube-proxy (0x4000, 0x8000), portmap (0x2000), Calico (0xff000000),
 # Tailscale (0xff0000) or Cilium's magic marks (0xf00).
@@ -38,11 +46,13 @@ class DesiredStateError(NetagentError, ValueError):
 
 @dataclass(frozen=True)
 class PodShape:
-    """A pod as the desired state needs it: key, addresses, rate and ceil."""
+    """A pod as the desired state needs it: key, addresses, rate and ceil in both directions."""
     key: str  # "namespace/name"
     ips: tuple[str, ...]
     rate: int  # guaranteed internet egress, bit/s
     ceil: int  # internet egress cap, bit/s
+    ingress_rate: int | None = None  # guaranteed internet ingress (downloads), bit/s; None: the download floor
+    ingress_ceil: int | None = None  # internet ingress cap, bit/s; None: as ingress_rate
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,10 @@ class DataPathOptions:
     filter_pref: int = 0xC000
     wire_l2_bytes: int = 14  # what HTB counts per packet beyond the IP packet (Ethernet header)
     wire_mtu: int = 1500  # the uplink's IP MTU: the size of a full segment
+    # downloads (internet ingress): a second IFB fed from the pod-facing devices, its own HTB tree
+    ingress_ifb: str = "netagent-in"
+    ingress_htb_major: int = 0x2  # a major of its own: a download class never reads as an upload one
+    ingress_default_rate: int = 1_000_000  # the download floor for pods not known yet, bit/s
 
 
 def to_wire(bps: int, opts: DataPathOptions) -> int:
@@ -88,6 +102,9 @@ class NodeInputs:
     pods: tuple[PodShape, ...]
     node_rate: int  # the node's internet egress allocation, bit/s
     options: DataPathOptions = field(default_factory=DataPathOptions)
+    # the node's download (internet ingress) allocation, bit/s; None: downloads are counted, not shaped
+    ingress_node_rate: int | None = None
+    pod_devices: tuple[str, ...] = ()  # pod-facing devices (host-side veths) downloads are shaped on
 
 
 @dataclass(frozen=True)
@@ -95,8 +112,9 @@ class DesiredState:
     """The kernel state to apply: the tc shaper, the iptables classifier, and the pods' minors."""
     shaper: ShaperSpec
     classifier: ClassifierState
-    minors: dict[str, int]  # pod key -> HTB minor (and CLASSIFY target)
+    minors: dict[str, int]  # pod key -> HTB minor (and CLASSIFY target), the same in both shapers
     skipped: dict[str, str]  # pod key -> why it is not programmed yet (e.g. no IP)
+    ingress_shaper: ShaperSpec | None = None  # downloads; None: not shaped on this node
 
 
 def canonical_cidrs(cidrs: tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -175,17 +193,10 @@ def desired_state(inputs: NodeInputs) -> DesiredState:
             continue
         for ip in ips:
             seen_ips[ip] = pod.key
-        ready.append(PodShape(pod.key, tuple(ips), pod.rate, pod.ceil))
+        ready.append(PodShape(pod.key, tuple(ips), pod.rate, pod.ceil, pod.ingress_rate, pod.ingress_ceil))
 
     minors = assign_minors(ready)
-    classes = []
-    classify = []
-    for pod in ready:
-        rate = min(pod.rate, node_rate)
-        ceil = min(max(pod.ceil, rate), node_rate)
-        classes.append(HtbClassSpec(minors[pod.key], max(to_wire(rate, opts), MIN_RATE_BPS),
-                                    max(to_wire(ceil, opts), MIN_RATE_BPS), pod.key))
-        classify.append(PodClassification(pod.key, pod.ips, (opts.htb_major, minors[pod.key])))
+    classes = [_pod_class(minors[p.key], p.key, p.rate, p.ceil, node_rate, opts) for p in ready]
     floor = max(MIN_RATE_BPS, to_wire(min(opts.default_rate, node_rate), opts))
     shaper = ShaperSpec(
         ifb=opts.ifb,
@@ -198,11 +209,59 @@ def desired_state(inputs: NodeInputs) -> DesiredState:
         leaf=opts.leaf_qdisc,
         filter_pref=opts.filter_pref,
     )
+    ingress_shaper = None
+    if inputs.ingress_node_rate is not None:
+        ingress_shaper = _ingress_shaper(inputs, ready, minors)
+    dl = ingress_shaper is not None
+    classify = [PodClassification(p.key, p.ips, (opts.htb_major, minors[p.key]),
+                                  (opts.ingress_htb_major, minors[p.key]) if dl else None) for p in ready]
     classifier = ClassifierState(
         mark_bit=opts.mark_bit,
         internal_cidrs=internal,
         pods=tuple(classify),
         uplinks=tuple(inputs.uplinks),
         default_class=(opts.htb_major, DEFAULT_MINOR),  # unknown sources: shaped at the floor, never unshaped
+        # downloads to addresses no known pod holds: the download floor, never unshaped
+        ingress_default_class=(opts.ingress_htb_major, DEFAULT_MINOR) if dl else None,
     )
-    return DesiredState(shaper, classifier, minors, skipped)
+    return DesiredState(shaper, classifier, minors, skipped, ingress_shaper)
+
+
+def _pod_class(minor: int, key: str, rate: int, ceil: int, node_rate: int, opts: DataPathOptions) -> HtbClassSpec:
+    """A pod's HTB class within a node class of `node_rate` (IP bit/s in, wire bit/s out)."""
+    rate = min(rate, node_rate)
+    ceil = min(max(ceil, rate), node_rate)
+    return HtbClassSpec(minor, max(to_wire(rate, opts), MIN_RATE_BPS), max(to_wire(ceil, opts), MIN_RATE_BPS), key)
+
+
+def _ingress_shaper(inputs: NodeInputs, ready: list[PodShape], minors: dict[str, int]) -> ShaperSpec:
+    """The download shaper: the same tree as the upload one (node class, a class per pod with the
+    pod's minor, the default class at the download floor) on the download IFB, fed from the
+    pod-facing devices."""
+    opts = inputs.options
+    _check_rate(inputs.ingress_node_rate, "node download allocation")
+    _check_rate(opts.ingress_default_rate, "download floor")
+    node_rate = max(MIN_RATE_BPS, inputs.ingress_node_rate)
+    floor = min(opts.ingress_default_rate, node_rate)
+    classes = []
+    for p in ready:
+        rate = floor if p.ingress_rate is None else p.ingress_rate
+        ceil = rate if p.ingress_ceil is None else p.ingress_ceil
+        _check_rate(rate, f"pod {p.key} download")
+        _check_rate(ceil, f"pod {p.key} download ceil")
+        classes.append(_pod_class(minors[p.key], p.key, rate, ceil, node_rate, opts))
+    wire_floor = max(MIN_RATE_BPS, to_wire(floor, opts))
+    devices = tuple(sorted(set(inputs.pod_devices) - set(inputs.uplinks)))
+    return ShaperSpec(
+        ifb=opts.ingress_ifb,
+        uplinks=devices,
+        mark_bit=opts.mark_bit,
+        node_rate=max(MIN_RATE_BPS, to_wire(node_rate, opts)),
+        default=HtbClassSpec(DEFAULT_MINOR, wire_floor, wire_floor, "default"),
+        pods=tuple(sorted(classes)),
+        major=opts.ingress_htb_major,
+        leaf=opts.leaf_qdisc,
+        filter_pref=opts.filter_pref,
+        ifb_alias=INGRESS_IFB_ALIAS,
+        optional_devices=True,
+    )

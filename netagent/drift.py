@@ -2,7 +2,8 @@
 
 Two cheap watchers wake the sync loop for a full reconcile (which re-reads and repairs):
   * netlink (`tc.linkwatch`): the IFB or an uplink deleted, downed, renamed or replaced, or a
-    default route changed. With learnt uplinks (no --uplink) the default-route devices are
+    default route changed; a new or changed veth (a pod's device: downloads are redirected from
+    it into the download shaper) wakes an ordinary sync, which re-reads tc anyway. With learnt uplinks (no --uplink) the default-route devices are
     looked up again first, so a new default-route device is shaped from then on;
   * our iptables hooks: every HOOK_CHECK_S the mangle table's lines of our chains are counted
     (`DataPath.hooks_fingerprint`, one iptables-save per family, no lock taken) and compared
@@ -25,6 +26,11 @@ log = logging.getLogger(__name__)
 HOOK_CHECK_S = 1.0
 
 
+def pod_device(event: LinkEvent) -> bool:
+    """A veth appeared or changed (not deleted: its filter goes with it): where downloads are shaped. Pure."""
+    return event.kind == "link" and not event.deleted and event.link_kind == "veth"
+
+
 def relevant(event: LinkEvent, devices: set[str], indexes: set[int]) -> bool:
     """Whether `event` can concern our data path: our devices (by name or index: a rename keeps
     the index), a default route, or lost notifications. Pure."""
@@ -39,9 +45,12 @@ class DriftWatch:
     def __init__(self, ifb: str, uplinks: Callable[[], tuple[str, ...]], wake_full: Callable[[], None],
                  hooks_fingerprint: Callable[[], object | None], set_uplinks: Callable[[tuple[str, ...]], None]
                  | None = None, count: Callable[[str], None] | None = None, netns: str | None = None,
-                 hook_check_s: float = HOOK_CHECK_S):
-        """`set_uplinks`: given when the uplinks are learnt from the default routes (no --uplink)."""
+                 hook_check_s: float = HOOK_CHECK_S, ingress_ifb: str | None = None,
+                 wake: Callable[[], None] | None = None):
+        """`set_uplinks`: given when the uplinks are learnt from the default routes (no --uplink);
+        `wake` (an ordinary sync) and `ingress_ifb`: given when downloads are shaped."""
         self.ifb, self.uplinks, self.wake_full = ifb, uplinks, wake_full
+        self.ingress_ifb, self.wake = ingress_ifb, wake
         self.hooks_fingerprint = hooks_fingerprint
         self.set_uplinks = set_uplinks
         self.count = count or (lambda source: None)
@@ -62,7 +71,7 @@ class DriftWatch:
         self.watcher.stop()
 
     def _devices(self) -> set[str]:
-        return {self.ifb, *self.uplinks()}
+        return {self.ifb, *self.uplinks(), *((self.ingress_ifb,) if self.ingress_ifb else ())}
 
     def _refresh_indexes(self) -> None:
         out = set()
@@ -75,6 +84,9 @@ class DriftWatch:
 
     def _on_event(self, event: LinkEvent) -> None:
         if not relevant(event, self._devices(), self._indexes):
+            if self.wake is not None and pod_device(event) and event.name not in self.uplinks():
+                self.count("pod_device")
+                self.wake()  # a new pod device gets the download filter in this sync
             return
         if self.set_uplinks is not None and event.kind in ("route", "overflow", "link"):
             try:

@@ -47,8 +47,28 @@ class AgentCollector(Collector):
         problem = GaugeMetricFamily("netagent_pod_policy_problem",
                                     "1 while the pod's netagent annotations are invalid and the default class applies.",
                                     labels=["namespace", "pod", "reason"])
+        dl = {name: (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, text, labels=["namespace", "pod"])
+              for name, kind, text in (
+                  ("netagent_pod_ingress_limit_bytes_per_second", "gauge",
+                   "Internet ingress (download) limit enforced for the pod (HTB ceil of its download class)."),
+                  ("netagent_pod_ingress_allocation_bytes_per_second", "gauge",
+                   "The pod's fair share of the download budget (HTB rate of its download class)."),
+                  ("netagent_pod_ingress_demand_bytes_per_second", "gauge",
+                   "Estimated internet ingress (download) demand of the pod."),
+                  ("netagent_pod_ingress_dropped_packets", "counter",
+                   "Internet packets to the pod dropped by its download shaper."),
+                  ("netagent_pod_ingress_throttled_seconds", "counter",
+                   "Seconds during which the pod's downloads were held back by its limit (sampled each second)."))}
+        shaped = v.ingress_allocation_bps is not None
         for p in v.pods:
             ids = [p.namespace, p.name]
+            if shaped and p.minor is not None:
+                dl["netagent_pod_ingress_limit_bytes_per_second"].add_metric(ids, p.ingress_limit_bps * BYTES_PER_BIT)
+                dl["netagent_pod_ingress_allocation_bytes_per_second"].add_metric(
+                    ids, p.ingress_allocation_bps * BYTES_PER_BIT)
+                dl["netagent_pod_ingress_demand_bytes_per_second"].add_metric(ids, p.ingress_demand_bps * BYTES_PER_BIT)
+                dl["netagent_pod_ingress_dropped_packets"].add_metric(ids, p.ingress_dropped_packets)
+                dl["netagent_pod_ingress_throttled_seconds"].add_metric(ids, p.ingress_throttled_seconds)
             for scope in SCOPES:
                 pod_egress.add_metric([*ids, scope], p.egress_bytes.get(scope, 0))
                 pod_ingress.add_metric([*ids, scope], p.ingress_bytes.get(scope, 0))
@@ -61,6 +81,7 @@ class AgentCollector(Collector):
             for reason in sorted({r for r, _ in p.problems}):
                 problem.add_metric([*ids, reason], 1)
         yield from (pod_egress, pod_ingress, dropped, throttled, limit, alloc, demand, info, problem)
+        yield from dl.values()
 
         node_egress = CounterMetricFamily("netagent_node_egress_bytes",
                                           "Bytes leaving the node's uplinks, host traffic included.", labels=["scope"])
@@ -78,6 +99,14 @@ class AgentCollector(Collector):
         yield GaugeMetricFamily("netagent_node_allocation_bytes_per_second",
                                 "The node class rate: this node's share of the internet budget.",
                                 value=v.allocation_bps * BYTES_PER_BIT)
+        if shaped:
+            yield GaugeMetricFamily("netagent_node_ingress_allocation_bytes_per_second",
+                                    "The node's download class rate: this node's share of the download budget.",
+                                    value=v.ingress_allocation_bps * BYTES_PER_BIT)
+        yield CounterMetricFamily("netagent_node_unknown_destination_ingress_bytes",
+                                  "Internet ingress the node forwarded to addresses that are no known pod (not yet "
+                                  "learnt by the agent), shaped in the download default class at the floor.",
+                                  value=v.unknown_destination_ingress_bytes)
         yield GaugeMetricFamily("netagent_ready", "1 when the kernel data path matches the desired state.",
                                 value=1 if v.ready else 0)
         yield GaugeMetricFamily("netagent_controller_reachable", "1 when the last report to the controller succeeded.",

@@ -21,8 +21,10 @@ MAX_BANDWIDTH_CHARS = 64
 REASON_TOO_LONG = "AnnotationTooLong"
 CLASS_ANNOTATION = "netagent.io/egress-class"
 BANDWIDTH_ANNOTATION = "kubernetes.io/egress-bandwidth"
+INGRESS_BANDWIDTH_ANNOTATION = "kubernetes.io/ingress-bandwidth"
 LIMITS = ((CLASS_ANNOTATION, "class_annotation", MAX_CLASS_CHARS),
-          (BANDWIDTH_ANNOTATION, "bandwidth_annotation", MAX_BANDWIDTH_CHARS))
+          (BANDWIDTH_ANNOTATION, "bandwidth_annotation", MAX_BANDWIDTH_CHARS),
+          (INGRESS_BANDWIDTH_ANNOTATION, "ingress_bandwidth_annotation", MAX_BANDWIDTH_CHARS))
 
 
 def too_long(p: ResolvedPod) -> tuple[tuple[str, str], ...]:
@@ -54,3 +56,9 @@ def bounded_pods(pods: list, key=lambda item: item[0].key, limit: int = MAX_PODS
         return list(pods), 0
     ordered = sorted(pods, key=key)
     return ordered[:limit], len(ordered) - limit
+
+
+def bounded_ingress_annotation(p: ResolvedPod) -> str | None:
+    """kubernetes.io/ingress-bandwidth as it may be sent: None when over the limit."""
+    v = p.ingress_bandwidth_annotation
+    return None if v is not None and len(v) > MAX_BANDWIDTH_CHARS else v

@@ -29,7 +29,7 @@ from core.wire import NodeAnswer, NodeReport, PodReport, answer_decoder, encoder
 
 from .agent import Agent, ReportInputs
 from .allocations import Allocation, AllocationSet
-from .outbound import bounded_annotations, bounded_pods
+from .outbound import bounded_annotations, bounded_ingress_annotation, bounded_pods
 from .transport import ControllerClient, ControllerError
 
 __all__ = ["ControllerError", "Reporter", "allocations_from", "build_report"]
@@ -39,7 +39,7 @@ MAX_ANSWER_BYTES = 4 << 20  # a 1,024-pod answer is ~200 KiB
 
 
 def build_report(inputs: ReportInputs, seq: int, period: float, node_egress_bps: float,
-                 on_omitted: Callable[[str, int], None] | None = None) -> NodeReport:
+                 on_omitted: Callable[[str, int], None] | None = None, node_ingress_bps: float = 0.0) -> NodeReport:
     """The wire report for one period: per pod its usage, demand, throttling and annotations, bounded
     (`outbound`): over-long annotation values and pods beyond one report's limit are left out and
     counted through `on_omitted(reason, n)`."""
@@ -61,8 +61,22 @@ def build_report(inputs: ReportInputs, seq: int, period: float, node_egress_bps:
             demand_bps=float(d.demand_bps) if d else float(p.min_bps),
             throttled=bool(d.throttled) if d else False,
             egress_class=egress_class, egress_bandwidth=egress_bandwidth,
+            **_ingress_fields(p, inputs),
         ))
-    return NodeReport(inputs.node, pods, seq, period, max(0.0, node_egress_bps))
+    return NodeReport(inputs.node, pods, seq, period, max(0.0, node_egress_bps),
+                      node_internet_ingress_bps=max(0.0, node_ingress_bps), shapes_ingress=inputs.shapes_ingress)
+
+
+def _ingress_fields(p, inputs: ReportInputs) -> dict:
+    """A pod's download fields: usage, demand and throttling from the download classes (when the
+    download shaper is programmed), and its kubernetes.io/ingress-bandwidth value (bounded)."""
+    out: dict = {"ingress_bandwidth": bounded_ingress_annotation(p)}
+    d = inputs.ingress_demand.get(p.key) if inputs.shapes_ingress else None
+    if inputs.shapes_ingress:
+        out.update(ingress_usage_bps=float(d.usage_bps) if d else 0.0,
+                   ingress_demand_bps=float(d.demand_bps) if d else float(p.ingress_min_bps),
+                   ingress_throttled=bool(d.throttled) if d else False)
+    return out
 
 
 def _rate(value: float) -> int:
@@ -82,6 +96,25 @@ def allocations_from(answer: NodeAnswer, now: float, node: str | None = None) ->
         lease_expires=now + answer.lease_seconds,
         generation=answer.generation,
         source="controller",
+    )
+
+
+def ingress_allocations_from(answer: NodeAnswer, now: float, node_rate_bps: int | None) -> AllocationSet:
+    """The answer's download numbers (checked as the upload ones, by the wire type and
+    `allocations_from`). None for a pod: it is enforced at its own cap (`AllocationSet.own_cap`);
+    no node download rate in the answer: `node_rate_bps` (--ingress-rate), else unlimited."""
+    pods = {f"{p.namespace}/{p.name}": Allocation(_rate(p.ingress_allocation_bps), _rate(
+        p.ingress_limit_bps if p.ingress_limit_bps is not None else p.ingress_allocation_bps))
+            for p in answer.pods if p.ingress_allocation_bps is not None}
+    node_rate = answer.node_ingress_rate_bps
+    return AllocationSet(
+        pods=pods,
+        node_rate_bps=_rate(node_rate) if node_rate is not None else (node_rate_bps or MAX_BPS),
+        safe_floor_bps=_rate(answer.safe_ingress_floor_bps) if answer.safe_ingress_floor_bps is not None else 0,
+        lease_expires=now + answer.lease_seconds,
+        generation=answer.generation,
+        source="controller",
+        own_cap=True,
     )
 
 
@@ -106,6 +139,7 @@ class Reporter:
         self.seq = 0
         self.last_error = ""
         self._egress: tuple[float, int] | None = None  # (monotonic, node internet egress bytes) last report
+        self._ingress: tuple[float, int] | None = None  # the same for the node's internet ingress
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self.run, name="reporter", daemon=True)
 
@@ -128,12 +162,14 @@ class Reporter:
                 self.on_failure()
             self._stop.wait(self.period * self.rng.uniform(0.8, 1.2))
 
-    def _node_egress_bps(self, total: int | None, pods_usage: float) -> float:
-        """The node's measured internet egress (host traffic included) as a rate since the last
-        report; the pods' usage when the counter is missing or went backwards."""
+    def _node_egress_bps(self, total: int | None, pods_usage: float, direction: str = "_egress") -> float:
+        """The node's measured internet egress (or ingress: `direction` "_ingress"; host traffic
+        included) as a rate since the last report; the pods' usage when the counter is missing or
+        went backwards."""
         if total is None:
             return pods_usage
-        now, prev, self._egress = time.monotonic(), self._egress, (time.monotonic(), total)
+        now, prev = time.monotonic(), getattr(self, direction)
+        setattr(self, direction, (now, total))
         if prev is None or now <= prev[0] or total < prev[1]:
             return pods_usage
         return (total - prev[1]) * 8 / (now - prev[0])
@@ -141,9 +177,11 @@ class Reporter:
     def build_report(self) -> NodeReport:
         inputs = self.agent.report_inputs()
         usage = sum(float(d.usage_bps) for _, d in inputs.pods if d)
+        ingress_usage = sum(float(d.usage_bps) for d in inputs.ingress_demand.values())
         self.seq += 1
         return build_report(inputs, self.seq, self.period, self._node_egress_bps(inputs.node_internet_egress_bytes, usage),
-                            self.on_omitted)
+                            self.on_omitted,
+                            self._node_egress_bps(inputs.node_internet_ingress_bytes, ingress_usage, "_ingress"))
 
     def _token(self) -> str | None:
         if not self.token_path or not self.client.may_send_token():
@@ -183,7 +221,9 @@ class Reporter:
         else:
             answer = self._exchange(None, path, body)
         fresh_leader = answer.generation == 0
-        allocs = None if fresh_leader else allocations_from(answer, time.monotonic(), self.agent.cfg.node)
+        now = time.monotonic()
+        allocs = None if fresh_leader else allocations_from(answer, now, self.agent.cfg.node)
+        ingress = None if fresh_leader else ingress_allocations_from(answer, now, self.agent.cfg.ingress_rate_bps)
         for problem in answer.problems:
             log.log(logging.INFO if fresh_leader else logging.WARNING, "controller: %s", problem)
         for r in answer.refused:  # the rest of the report was answered: these pods keep what they have
@@ -194,5 +234,5 @@ class Reporter:
         self.last_error = ""
         if allocs is None:
             return True  # no round yet: keep the allocations and the lease we have
-        self.agent.set_allocations(allocs)
+        self.agent.set_allocations(allocs, ingress)
         return True

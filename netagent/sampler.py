@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Callable
 
-from .allocations import Allocations
+from .allocations import Allocations, ingress_view
 from .datapath import DataPath
 from .demand import PodDemand, Sample
 from .desired import from_wire, ip_bytes
@@ -55,28 +55,42 @@ class Sampler:
                     state = self.node.state
                     if state.pods and self.allocations.replace(local(list(state.pods), self.demand, state.budget_bps)):
                         self.wake_sync()
+                    ingress_local, ingress = self.node.ingress_local, self.node.ingress_allocations
+                    if state.pods and ingress_local is not None and ingress is not None and ingress.replace(
+                            ingress_local([ingress_view(p) for p in state.pods], self.node.ingress_demand,
+                                          state.ingress_budget_bps)):
+                        self.wake_sync()
                 if (self.allocations.adopted and self.node.state.sync_count
                         and self.allocations.current.source in ("local", "controller")):
                     self.allocations.adopted = {}  # fresh allocations exist: adoption has done its job
+                    if self.node.ingress_allocations is not None:
+                        self.node.ingress_allocations.adopted = {}
             except Exception:
                 log.exception("sampling failed")
 
     def sample(self) -> None:
-        """One sample of every pod class: usage, throttling and demand per pod."""
+        """One sample of every pod class, both directions: usage, throttling and demand per pod."""
         now, stats = self.datapath.sample_stats()  # the one read a second; the view shares it
+        self._sample(now, stats, {p.key: p for p in self.node.state.pods}, self.allocations, self.demand)
+        ingress = self.node.ingress_allocations
+        if ingress is not None and self.node.state.desired is not None and self.node.state.desired.ingress_shaper:
+            now, stats = self.datapath.sample_ingress_stats()
+            self._sample(now, stats, {p.key: ingress_view(p) for p in self.node.state.pods}, ingress,
+                         self.node.ingress_demand)
+
+    def _sample(self, now: float, stats: dict, pods: dict, allocations: Allocations, demand: dict[str, PodDemand]) -> None:
         state = self.node.state
-        pods = {p.key: p for p in state.pods}
-        allocs = self.allocations.current.pods
+        allocs = allocations.current.pods
         opts = self.node.cfg.datapath
         for key, minor in state.minors.items():
             st = stats.get(minor)
             pod = pods.get(key)
             if st is None or pod is None:
                 continue
-            d = self.demand.setdefault(key, PodDemand())
+            d = demand.setdefault(key, PodDemand())
             limit = allocs[key].limit_bps if key in allocs else from_wire(st.ceil_bytes * 8, opts)
             # usage in IP bytes, the unit of every rate: the class counts each segment's frame
             d.update(Sample(now, ip_bytes(st.bytes, st.packets, opts), st.drops, st.overlimits, st.backlog_bytes),
                      int(limit), pod.max_bps)
-        for gone in set(self.demand) - set(state.minors):
-            del self.demand[gone]
+        for gone in set(demand) - set(state.minors):
+            del demand[gone]

@@ -11,8 +11,9 @@ import urllib.request
 from core.quantity import human_bps, human_bytes
 
 COLUMNS = ("namespace", "pod", "team", "class", "alloc", "limit", "rate", "demand", "inet out", "int out",
-           "inet in", "drops", "notes")
-NUMERIC = {"alloc", "limit", "rate", "demand", "inet out", "int out", "inet in", "drops"}
+           "inet in", "drops", "dl alloc", "dl limit", "dl rate", "dl demand", "dl drops", "notes")
+NUMERIC = {"alloc", "limit", "rate", "demand", "inet out", "int out", "inet in", "drops",
+           "dl alloc", "dl limit", "dl rate", "dl demand", "dl drops"}
 MAX_STATE_BYTES = 16 << 20
 
 
@@ -40,14 +41,23 @@ def render(state: dict) -> str:
            f"{'  FAIL-STATIC (safe floor)' if state['fail_static'] else ''}",
            f"node allocation {human_bps(state['allocation_bps'])}   internet out "
            f"{human_bytes(state['egress_bytes']['internet'])}, internal out {human_bytes(state['egress_bytes']['internal'])}"
-           f"   leaf qdisc {state['leaf_qdisc']}, iptables {state['iptables_backend']}", ""]
+           f"   leaf qdisc {state['leaf_qdisc']}, iptables {state['iptables_backend']}",
+           "downloads (internet -> pod): " + (
+               f"node allocation {human_bps(state['ingress_allocation_bps'])}   internet in "
+               f"{human_bytes(state['ingress_bytes']['internet'])}, internal in {human_bytes(state['ingress_bytes']['internal'])}"
+               if state.get("ingress_allocation_bps") is not None else "not shaped"), ""]
     rows = []
     for p in sorted(state["pods"], key=lambda p: (p["namespace"], p["name"])):
-        notes = p["waiting"] or "; ".join(f"{r}" for r, _ in p["problems"]) or ("throttled" if p["throttled"] else "")
+        notes = p["waiting"] or "; ".join(f"{r}" for r, _ in p["problems"]) or ", ".join(
+            what for what, on in (("throttled", p["throttled"]), ("download throttled", p.get("ingress_throttled")))
+            if on)
         rows.append((p["namespace"], p["name"], p["team"], p["egress_class"], human_bps(p["allocation_bps"]),
                      human_bps(p["limit_bps"]), human_bps(p["usage_bps"]), human_bps(p["demand_bps"]),
                      human_bytes(p["egress_bytes"]["internet"]), human_bytes(p["egress_bytes"]["internal"]),
-                     human_bytes(p["ingress_bytes"]["internet"]), str(p["dropped_packets"]), notes))
+                     human_bytes(p["ingress_bytes"]["internet"]), str(p["dropped_packets"]),
+                     human_bps(p.get("ingress_allocation_bps", 0)), human_bps(p.get("ingress_limit_bps", 0)),
+                     human_bps(p.get("ingress_usage_bps", 0)), human_bps(p.get("ingress_demand_bps", 0)),
+                     str(p.get("ingress_dropped_packets", 0)), notes))
     out.append(table(rows, COLUMNS, NUMERIC))
     out += [f"source: {err}" for err in state.get("source_errors") or []]
     return "\n".join(out)

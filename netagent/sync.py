@@ -19,7 +19,7 @@ from typing import Callable
 from core.objects import Snapshot
 from core.policy import PolicyCache, ResolvedPod, resolve_pods
 
-from .allocations import Allocations, AllocationSet, cap_to_node, pod_rates
+from .allocations import Allocation, Allocations, AllocationSet, cap_to_node, ingress_view, pod_rates
 from .config import AgentConfig
 from .datapath import DataPath
 from .demand import PodDemand
@@ -48,12 +48,20 @@ class SyncState:
     sync_count: int = 0
     source_errors: tuple[str, ...] = ()
     pods_known: bool = False  # a snapshot of the pod source was resolved: `pods` is this node's pods
+    ingress_budget_bps: int = 0  # single-node mode: the node's download rate the local engine shares
+    ingress_effective: dict[str, Allocation] = field(default_factory=dict)  # pod key -> download rate, ceil
 
 
 class NodeSync:
     def __init__(self, cfg: AgentConfig, datapath: DataPath, allocations: Allocations,
-                 demand: dict[str, PodDemand], local: LocalAllocate | None = None, metrics=None, problems=None):
+                 demand: dict[str, PodDemand], local: LocalAllocate | None = None, metrics=None, problems=None,
+                 ingress_allocations: Allocations | None = None, ingress_demand: dict[str, PodDemand] | None = None):
+        """`ingress_allocations`: downloads are shaped too (None: counted only)."""
         self.cfg = cfg
+        self.ingress_allocations = ingress_allocations
+        self.ingress_demand = ingress_demand if ingress_demand is not None else {}
+        self.ingress_local: LocalAllocate | None = None  # single-node mode: the engine on policy.for_ingress()
+        self._ingress_allocated_inputs: dict[str, object] | None = None
         self.datapath = datapath
         self.allocations = allocations
         self.demand = demand  # written by the sampler; read here for local allocation
@@ -116,9 +124,16 @@ class NodeSync:
             stage = "plan"
             node_rate = self.allocations.node_rate(effective, self.cfg.datapath.default_rate)
             effective = cap_to_node(effective, node_rate, self.cfg.datapath.default_rate)
-            shapes = tuple(PodShape(p.key, p.ips, *pod_rates(effective[p.key])) for p in pods)
+            ingress_rate, ingress_eff, ingress_budget = None, {}, 0
+            if self.ingress_allocations is not None:
+                ingress_rate, ingress_eff, ingress_budget = self._ingress(pods, policy)
+            shapes = tuple(PodShape(p.key, p.ips, *pod_rates(effective[p.key]),
+                                    *(pod_rates(ingress_eff[p.key]) if p.key in ingress_eff else (None, None)))
+                           for p in pods)
+            devices = self.datapath.pod_devices(self.cfg.uplinks) if ingress_rate is not None else ()
             desired = desired_state(NodeInputs(self.cfg.uplinks, self.cfg.internal_cidrs, shapes, node_rate,
-                                               self.cfg.datapath))
+                                               self.cfg.datapath, ingress_node_rate=ingress_rate,
+                                               pod_devices=devices))
             stage = "apply"
             changes = self.datapath.apply(desired, full=full or before.desired is None)
         except (DesiredStateError, ValueError) as exc:
@@ -131,9 +146,31 @@ class NodeSync:
         elapsed = time.perf_counter() - t0
         self.state = SyncState(tuple(pods), budget, desired, dict(desired.minors), dict(desired.skipped), True,
                                "kernel matches the desired state", time.time(), before.sync_count + 1, snap.errors,
-                               pods_known=True)
+                               pods_known=True, ingress_budget_bps=ingress_budget, ingress_effective=ingress_eff)
         self._count(changes, before.desired, desired, elapsed)
         return True
+
+    def _ingress(self, pods: list[ResolvedPod], policy) -> tuple[int, dict[str, Allocation], int]:
+        """Downloads: (the node's download rate, each pod's download rate and ceil, the budget the local
+        engine shares) by the same steps as uploads, on the pods' download values (`ingress_view`).
+        Node rate: the controller's answer; single-node mode: --ingress-rate, else the budget's
+        ingressTotal when it has one, else the sum of the pods' download caps."""
+        floor = self.cfg.datapath.ingress_default_rate
+        views = [ingress_view(p) for p in pods]
+        budget = self.cfg.ingress_rate_bps or int(policy.ingress_total_bps)
+        if self.ingress_local is not None:
+            inputs: dict[str, object] = {p.key: (p.team, p.egress_class, p.weight, p.min_bps, p.max_bps, bool(p.ips))
+                                         for p in views}
+            inputs[""] = budget
+            if inputs != self._ingress_allocated_inputs:
+                first = self._ingress_allocated_inputs is None
+                self._ingress_allocated_inputs = inputs
+                adopted = self.ingress_allocations.adopted
+                if not (first and adopted and all(self.minor_of(p) in adopted for p in views if p.ips)):
+                    self.ingress_allocations.replace(self.ingress_local(views, self.ingress_demand, budget))
+        eff = self.ingress_allocations.effective(views, self.minor_of, time.monotonic())
+        rate = self.ingress_allocations.node_rate(eff, floor)
+        return rate, cap_to_node(eff, rate, floor), budget
 
     def _count(self, changes: dict[str, int], before: DesiredState | None, desired: DesiredState,
                elapsed: float) -> None:

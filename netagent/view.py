@@ -37,6 +37,14 @@ class PodView:
     ingress_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SCOPES, 0))
     dropped_packets: int = 0
     problems: tuple[tuple[str, str], ...] = ()  # (reason, message)
+    # downloads (internet ingress): the pod's download class (HTB rate/ceil), usage and demand
+    ingress_allocation_bps: float = 0.0
+    ingress_limit_bps: float = 0.0
+    ingress_demand_bps: float = 0.0
+    ingress_usage_bps: float = 0.0
+    ingress_throttled: bool = False
+    ingress_throttled_seconds: float = 0.0
+    ingress_dropped_packets: int = 0
 
 
 @dataclass
@@ -60,13 +68,18 @@ class NodeView:
     leaf_qdisc: str = ""
     iptables_backend: str = ""
     source_errors: tuple[str, ...] = ()
+    # downloads: None when the download shaper is not programmed
+    ingress_allocation_bps: float | None = None  # the node's download class rate
+    ingress_safe_floor_bps: float = 0.0
+    unknown_destination_ingress_bytes: int = 0  # internet ingress to no known pod (the download default class)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 def node_view(cfg: AgentConfig, state: SyncState, allocations: Allocations, demand: dict[str, PodDemand],
-              datapath: DataPath, controller_reachable: bool) -> NodeView:
+              datapath: DataPath, controller_reachable: bool, ingress_allocations: Allocations | None = None,
+              ingress_demand: dict[str, PodDemand] | None = None) -> NodeView:
     """The node as the agent sees it now: its last decisions plus the kernel's counters, as the
     sampler and the reporter last read them (byte counters at most a report period old in controller
     mode, a second otherwise): a scrape costs no kernel read of its own, whatever the scrape rate."""
@@ -75,6 +88,10 @@ def node_view(cfg: AgentConfig, state: SyncState, allocations: Allocations, dema
     desired = state.desired
     opts = cfg.datapath  # rates in the view are IP bit/s; the HTB classes hold them as frame rates
     shapes = {c.minor: c for c in desired.shaper.pods} if desired is not None else {}
+    dl = desired.ingress_shaper if desired is not None else None
+    ingress_shapes = {c.minor: c for c in dl.pods} if dl is not None else {}
+    ingress_stats = datapath.ingress_class_stats() if dl is not None else {}
+    ingress_demand = ingress_demand or {}
     out = []
     for p in state.pods:
         minor = state.minors.get(p.key)
@@ -93,6 +110,14 @@ def node_view(cfg: AgentConfig, state: SyncState, allocations: Allocations, dema
             ingress_bytes={s: c.get(f"ingress_{s}", 0) for s in SCOPES},
             dropped_packets=st.drops if st else 0, problems=p.problems,
         ))
+        ishape, ist, idem = ingress_shapes.get(minor), ingress_stats.get(minor), ingress_demand.get(p.key)
+        if ishape is not None:
+            v = out[-1]
+            v.ingress_allocation_bps, v.ingress_limit_bps = from_wire(ishape.rate, opts), from_wire(ishape.ceil, opts)
+            v.ingress_dropped_packets = ist.drops if ist else 0
+            if idem is not None:
+                v.ingress_demand_bps, v.ingress_usage_bps = idem.demand_bps, idem.usage_bps
+                v.ingress_throttled, v.ingress_throttled_seconds = idem.throttled, idem.throttled_seconds
     allocs = allocations.current
     return NodeView(
         node=cfg.node, pods=out,
@@ -107,4 +132,7 @@ def node_view(cfg: AgentConfig, state: SyncState, allocations: Allocations, dema
         allocation_source="floor" if allocations.fail_static else allocs.source,
         last_reconcile_success=state.last_success, leaf_qdisc=datapath.leaf_qdisc,
         iptables_backend=datapath.iptables_backend, source_errors=state.source_errors,
+        ingress_allocation_bps=from_wire(dl.node_rate, opts) if dl is not None else None,
+        ingress_safe_floor_bps=ingress_allocations.floor_bps if ingress_allocations is not None else 0.0,
+        unknown_destination_ingress_bytes=node_counters.get("ingress_unknown_internet", 0),
     )

@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from .rawnl import IFLA_IFNAME, route_socket
+from .rawnl import IFLA_IFNAME, IFLA_INFO_KIND, IFLA_LINKINFO, route_socket
 
 RTMGRP_LINK = 0x1
 RTMGRP_IPV4_ROUTE = 0x40
@@ -41,6 +41,7 @@ class LinkEvent:
     name: str = ""  # links only
     up: bool = False  # links only: IFF_UP
     default_route: bool = False  # routes only: a default route of the main table
+    link_kind: str = ""  # links only: "veth", "bridge", "ifb"... ("" when the message does not say)
 
 
 def _attrs(data: bytes, offset: int, end: int):
@@ -63,11 +64,16 @@ def parse(data: bytes) -> list[LinkEvent]:
         body, end = offset + _HDR.size, min(offset + length, len(data))
         if msg_type in (RTM_NEWLINK, RTM_DELLINK) and body + _IFINFO.size <= end:
             _, _, index, flags, _ = _IFINFO.unpack_from(data, body)
-            name = ""
+            name = link_kind = ""
             for kind, value in _attrs(data, body + _IFINFO.size, end):
                 if kind == IFLA_IFNAME:
                     name = value.split(b"\0", 1)[0].decode(errors="replace")
-            out.append(LinkEvent("link", msg_type == RTM_DELLINK, index, name, bool(flags & IFF_UP)))
+                elif kind == IFLA_LINKINFO:
+                    for sub, subvalue in _attrs(value, 0, len(value)):
+                        if sub == IFLA_INFO_KIND:
+                            link_kind = subvalue.split(b"\0", 1)[0].decode(errors="replace")
+            out.append(LinkEvent("link", msg_type == RTM_DELLINK, index, name, bool(flags & IFF_UP),
+                                 link_kind=link_kind))
         elif msg_type in (RTM_NEWROUTE, RTM_DELROUTE) and body + _RTMSG.size <= end:
             _, dst_len, _, _, table, _, _, _, _ = _RTMSG.unpack_from(data, body)
             oif = 0

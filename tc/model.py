@@ -17,6 +17,11 @@ RESERVED_MINORS = frozenset({0x0, NODE_MINOR, DEFAULT_MINOR, 0xFFFF})
 MAX_RATE_BPS = (1 << 64) - 1
 MIN_RATE_BPS = 8  # one byte per second: HTB cannot express less
 
+# The IFB's alias says what it carries and marks it as ours (adoption, cleanup).
+EGRESS_IFB_ALIAS = "netagent: internet egress shaper"
+INGRESS_IFB_ALIAS = "netagent: internet ingress (download) shaper"
+IFB_ALIASES = frozenset({EGRESS_IFB_ALIAS, INGRESS_IFB_ALIAS})
+
 
 @dataclass(frozen=True, order=True)
 class HtbClassSpec:
@@ -40,9 +45,13 @@ class HtbClassSpec:
 
 @dataclass(frozen=True)
 class ShaperSpec:
-    """Everything netagent wants in tc on one node."""
+    """One shaper: an IFB with its HTB tree, fed by a redirect filter on the egress of `uplinks`.
 
-    ifb: str  # the IFB device that carries internet-bound pod traffic
+    Uploads: the uplinks (internet-bound pod traffic). Downloads (`optional_devices`): the
+    pod-facing devices, internet-sourced traffic on its way to the pods; a pod's device may go
+    at any moment, so a missing one is skipped, and a node without pods has none."""
+
+    ifb: str  # the IFB device that carries the shaped traffic
     uplinks: tuple[str, ...]  # devices whose egress is redirected into the IFB
     mark_bit: int  # the firewall-mark bit iptables sets on internet traffic
     node_rate: int  # node class rate = ceil, bit/s (the node's internet allocation)
@@ -52,12 +61,16 @@ class ShaperSpec:
     leaf: str = "pfifo"  # leaf qdisc kind: "fq_codel" where the kernel has it
     filter_pref: int = 0xC000  # clsact filter priority on the uplinks (ours alone)
     ifb_txqueuelen: int = 5000
+    ifb_alias: str = EGRESS_IFB_ALIAS
+    optional_devices: bool = False  # downloads: `uplinks` are pod devices that come and go
 
     def __post_init__(self) -> None:
         validate_rate(self.node_rate, "node rate")
         if not self.ifb or len(self.ifb) > 15:
             raise ValueError(f"IFB name {self.ifb!r} must be 1..15 characters")
-        if not self.uplinks:
+        if self.ifb_alias not in IFB_ALIASES:
+            raise ValueError(f"IFB alias {self.ifb_alias!r} is not one of netagent's")
+        if not self.uplinks and not self.optional_devices:
             raise ValueError("no uplink given: name the node's internet-facing device(s)")
         if self.mark_bit <= 0 or self.mark_bit & (self.mark_bit - 1) or self.mark_bit >= 1 << 32:
             raise ValueError(f"mark bit {self.mark_bit:#x} must be exactly one bit of a 32-bit mark")

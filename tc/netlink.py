@@ -28,11 +28,20 @@ from pyroute2.netlink.rtnl.tcmsg.common_act import get_tca_action
 from . import bpf, rawnl, sizing
 from .diff import Op, plan_ops
 from .errors import TcError
-from .model import ClassStats, ObservedClass, ObservedFilter, ObservedLeaf, ObservedShaper, ShaperSpec
+from .model import (
+    EGRESS_IFB_ALIAS,
+    IFB_ALIASES,
+    ClassStats,
+    ObservedClass,
+    ObservedFilter,
+    ObservedLeaf,
+    ObservedShaper,
+    ShaperSpec,
+)
 
 log = logging.getLogger(__name__)
 
-IFB_ALIAS = "netagent: internet egress shaper"  # marks the IFB as ours
+IFB_ALIAS = EGRESS_IFB_ALIAS  # marks the upload IFB as ours (the download IFB: tc.model.INGRESS_IFB_ALIAS)
 TC_H_CLSACT = 0xFFFFFFF1
 CLSACT_EGRESS = 0xFFFFFFF3  # TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_EGRESS)
 ETH_P_ALL = 0x0003
@@ -163,7 +172,7 @@ class Shaper:
         link = self._link(spec.ifb)
         if link is not None:
             ifb = obs.ifb_index = link.index
-            obs.ifb_ours = link.kind == "ifb" and link.alias == IFB_ALIAS
+            obs.ifb_ours = link.kind == "ifb" and link.alias == spec.ifb_alias
             if not obs.ifb_ours:
                 raise TcError(
                     f"a device named {spec.ifb!r} exists and is not netagent's IFB "
@@ -265,6 +274,10 @@ class Shaper:
         """
         ops = self.plan(spec)
         missing = [op.device for op in ops if op.action == "missing_uplink"]
+        if missing and spec.optional_devices:
+            # a pod's device that went since it was listed: nothing to shape there any more
+            ops = [op for op in ops if op.action != "missing_uplink"]
+            missing = []
         if missing:
             raise TcError(
                 f"uplink device(s) {', '.join(missing)} not found; nothing was changed "
@@ -276,6 +289,8 @@ class Shaper:
                     self._link_op(op, spec)
             index = {name: self._index(name) for name in (spec.ifb, *spec.uplinks)}
             tc_ops = [op for op in ops if op.action not in ("create_ifb", "set_ifb")]
+            if spec.optional_devices:  # a pod device gone since observe: its ops go with it
+                tc_ops = [op for op in tc_ops if not op.device or index.get(op.device) is not None]
             messages = [self._message(op, spec, index) for op in tc_ops]
         except NetlinkError as exc:
             raise TcError(f"tc: preparing the IFB {spec.ifb} failed: {exc}") from exc
@@ -293,7 +308,7 @@ class Shaper:
             ipr.link("add", ifname=spec.ifb, kind="ifb")
             idx = self._index(spec.ifb)
             # txqueuelen before any qdisc is attached (HTB sizes its direct queue from it)
-            ipr.link("set", index=idx, ifalias=IFB_ALIAS, txqlen=spec.ifb_txqueuelen)
+            ipr.link("set", index=idx, ifalias=spec.ifb_alias, txqlen=spec.ifb_txqueuelen)
             ipr.link("set", index=idx, state="up")
         else:
             ipr.link("set", index=self._index(spec.ifb), txqlen=spec.ifb_txqueuelen, state="up")
@@ -383,6 +398,18 @@ class Shaper:
         if err:
             raise TcError(f"installing the redirect filter on {uplink} failed: {rawnl.errno_name(err)}")
 
+    def has_device(self, name: str) -> bool:
+        return self._link(name) is not None
+
+    def devices_of_kind(self, kinds: tuple[str, ...] = ("veth",), exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
+        """Names of the namespace's devices of these kinds (sorted), less `exclude`: the
+        pod-facing devices downloads are redirected from (host-side veths, also bridge ports)."""
+        try:
+            links = self.chan.dump_links()
+        except OSError as exc:
+            raise TcError(f"listing devices in network namespace {self.netns!r} failed: {exc}") from exc
+        return tuple(sorted(name for name, kind in links if kind in kinds and name and name not in exclude))
+
     # -- stats ----------------------------------------------------------------
     def stats(self, ifb: str, major: int = 0x1) -> dict[int, ClassStats]:
         """Counters of every HTB class on the IFB, from one class dump."""
@@ -437,7 +464,7 @@ class Shaper:
         idx = self._index(ifb)
         if idx is not None:
             link = self.ipr.get_links(idx)[0]
-            if link.get_attr("IFLA_IFALIAS") == IFB_ALIAS:
+            if link.get_attr("IFLA_IFALIAS") in IFB_ALIASES:
                 self.ipr.link("del", index=idx)
                 done.append(f"ifb {ifb}")
             else:

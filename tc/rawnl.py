@@ -128,6 +128,27 @@ class NetlinkChannel:
                     kind=_text(info[IFLA_INFO_KIND]) if IFLA_INFO_KIND in info else None,
                 )
 
+    def dump_links(self) -> list[tuple[str, str | None]]:
+        """Every device of the namespace as (name, kind): one RTM_GETLINK dump."""
+        seq = self._next()
+        body = _IFINFO.pack(socket.AF_UNSPEC, 0, 0, 0, 0)
+        self.sock.send(_HDR.pack(_HDR.size + len(body), RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body)
+        out: list[tuple[str, str | None]] = []
+        while True:
+            for mtype, _flags, mseq, payload in _messages(self.sock.recv(1 << 20)):
+                if mseq != seq:
+                    continue
+                if mtype == NLMSG_DONE:
+                    return out
+                if mtype == NLMSG_ERROR:
+                    (err,) = struct.unpack_from("=i", payload, 0)
+                    if err:
+                        raise OSError(-err, f"link dump failed: {os.strerror(-err)}")
+                    return out
+                a = attrs(payload[_IFINFO.size :])
+                info = attrs(a.get(IFLA_LINKINFO, b""))
+                out.append((_text(a.get(IFLA_IFNAME, b"")), _text(info[IFLA_INFO_KIND]) if IFLA_INFO_KIND in info else None))
+
     def dump_classes(self, ifindex: int) -> list[tuple[int, int, bytes]]:
         """RTM_GETTCLASS dump of one device: (handle, parent, attributes) per class."""
         return self._dump(RTM_GETTCLASS, ifindex)

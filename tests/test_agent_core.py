@@ -12,7 +12,9 @@ from netagent.agent import Agent
 from netagent.allocations import Allocation, AllocationSet
 from netagent.config import AgentConfig
 from netagent.datapath_fake import FakeDataPath
-from netagent.desired import DataPathOptions, PodShape, assign_minors, to_wire
+import pytest
+
+from netagent.desired import DataPathOptions, PodShape, assign_minors, from_wire, to_wire
 from netagent.local import LocalAllocator
 from netagent.metrics import AgentMetrics
 
@@ -150,3 +152,100 @@ def test_the_sampler_turns_class_counters_into_usage_and_demand():
     view = {p.name: p for p in agent.view().pods}["p"]
     assert view.usage_bps > 0 and view.demand_bps >= view.usage_bps * 0.5
     assert not view.throttled
+
+
+# -- downloads (issue 13) -------------------------------------------------------------------------
+
+DL_CLASSES = ({"kind": "EgressClass", "metadata": {"name": "bronze"},
+               "spec": {"max": "20M", "ingress": {"weight": 1, "max": "300M"}}},)
+DL_BUDGETS = ({"kind": "EgressBudget", "metadata": {"name": "default"},
+               "spec": {"total": "1G", "ingressTotal": "400M",
+                        "teams": [{"name": "a", "namespaces": ["ns"], "defaultClass": "bronze"}]}},)
+
+
+def download_classes(desired) -> dict:
+    return {c.key: (c.rate, c.ceil) for c in desired.ingress_shaper.pods}
+
+
+def test_local_mode_shares_the_download_total_and_honours_the_ingress_annotation():
+    """Single-node mode runs the engine on policy.for_ingress(): the node's download class is the
+    budget's ingressTotal, a pod's download cap is its class's ingress max lowered by
+    kubernetes.io/ingress-bandwidth; the download shaper sits on the pod devices."""
+    dp = FakeDataPath()
+    dp.devices = ("eth0", "vp0", "vp1")
+    agent, metrics = make_agent(dp)
+    agent.on_snapshot(Snapshot((pod("a", "10.244.0.10"), pod("b", "10.244.0.11", **{"kubernetes.io/ingress-bandwidth": "50M"})),
+                               DL_CLASSES, DL_BUDGETS))
+    assert agent.sync()
+    desired = dp.applied[-1]
+    assert desired.ingress_shaper.node_rate == wire(400 * M)
+    assert desired.ingress_shaper.uplinks == ("vp0", "vp1")  # the pod devices, never the uplink
+    got = download_classes(desired)
+    assert got["ns/a"][1] <= wire(300 * M) and got["ns/b"][1] <= wire(50 * M)
+    # uploads are unchanged by it: bronze's 20M
+    assert {c.key: c.ceil for c in desired.shaper.pods}["ns/a"] == wire(20 * M)
+    assert [p.ingress_class for p in desired.classifier.pods] == [(2, m) for m in sorted(desired.minors.values())]
+    # metrics and /state show both directions
+    assert sample(metrics, "netagent_pod_ingress_limit_bytes_per_second", namespace="ns", pod="b") == pytest.approx(
+        from_wire(got["ns/b"][1], DataPathOptions()) / 8)
+    assert sample(metrics, "netagent_node_ingress_allocation_bytes_per_second") == 400 * M / 8
+    assert sample(metrics, "netagent_pod_egress_limit_bytes_per_second", namespace="ns", pod="a") == 20 * M / 8
+    state = agent.view().as_dict()
+    assert state["ingress_allocation_bps"] == 400 * M and state["pods"][1]["ingress_limit_bps"] <= 50 * M
+    from netagent.status import render
+    text = render(state)
+    assert "downloads (internet -> pod): node allocation 400.0 Mbit/s" in text and "dl limit" in text
+
+
+def test_a_bad_ingress_annotation_keeps_the_default_download_class_and_is_told():
+    dp = FakeDataPath()
+    agent, metrics = make_agent(dp)
+    for bad in ("-5M", "0", "lots", "1e30"):
+        agent.on_snapshot(Snapshot((pod("a", "10.244.0.10", **{"kubernetes.io/ingress-bandwidth": bad}),),
+                                   DL_CLASSES, DL_BUDGETS))
+        assert agent.sync(), bad
+        p = agent.pods[0]
+        assert [r for r, _ in p.problems] == ["InvalidIngressBandwidth"], (bad, p.problems)
+        assert "kubernetes.io/ingress-bandwidth" in p.problems[0][1]
+        assert download_classes(dp.applied[-1])["ns/a"][1] <= wire(300 * M)  # the class's ingress max applies
+    # the problem goes the way of every policy problem (ProblemReporter: one Event, the metric, a log line)
+
+
+def test_controller_download_answers_lease_and_own_cap():
+    """The controller's download numbers while the lease holds; a pod with no download allocation
+    (None in the answer) gets its own cap; after the lease the download floor, never nothing."""
+    dp = FakeDataPath()
+    agent, metrics = make_agent(dp, controller="http://controller")
+    agent.on_snapshot(Snapshot((pod("a", "10.244.0.10"), pod("b", "10.244.0.11", **{"kubernetes.io/ingress-bandwidth": "40M"})),
+                               DL_CLASSES, DL_BUDGETS))
+    lease = time.monotonic() + 60
+    egress = AllocationSet(pods={}, node_rate_bps=50 * M, safe_floor_bps=2 * M, lease_expires=lease, source="controller")
+    ingress = AllocationSet(pods={"ns/a": Allocation(30 * M, 60 * M)}, node_rate_bps=200 * M, safe_floor_bps=3 * M,
+                            lease_expires=lease, source="controller", own_cap=True)
+    agent.set_allocations(egress, ingress)
+    assert agent.sync()
+    got = download_classes(dp.applied[-1])
+    assert got["ns/a"] == wire(30 * M, 60 * M)
+    assert got["ns/b"][1] == wire(40 * M)  # its own cap: kubernetes.io/ingress-bandwidth
+    assert dp.applied[-1].ingress_shaper.node_rate == wire(200 * M)
+    agent.ingress_allocations.current.lease_expires = time.monotonic() - 1
+    assert agent.sync()
+    assert set(download_classes(dp.applied[-1]).values()) == {wire(3 * M, 3 * M)}
+
+
+def test_the_report_carries_downloads_only_when_the_download_shaper_is_programmed():
+    from netagent.reporter import build_report, ingress_allocations_from
+    from core.wire import NodeAnswer, PodAllocation
+    dp = FakeDataPath()
+    agent, metrics = make_agent(dp, controller="http://controller")
+    agent.on_snapshot(Snapshot((pod("a", "10.244.0.10", **{"kubernetes.io/ingress-bandwidth": "40M"}),),
+                               DL_CLASSES, DL_BUDGETS))
+    assert not build_report(agent.report_inputs(), 1, 5.0, 0.0).shapes_ingress  # nothing programmed yet
+    assert agent.sync()
+    report = build_report(agent.report_inputs(), 2, 5.0, 0.0, node_ingress_bps=7e6)
+    assert report.shapes_ingress and report.node_internet_ingress_bps == 7e6
+    assert report.pods[0].ingress_bandwidth == "40M"
+    answer = NodeAnswer(node="n1", generation=1, lease_seconds=30.0, safe_floor_bps=1e6, node_rate_bps=10e6,
+                        pods=[PodAllocation("ns", "a", "a", "bronze", 1e6, 2e6)])
+    allocs = ingress_allocations_from(answer, 0.0, None)
+    assert allocs.own_cap and allocs.pods == {} and allocs.node_rate_bps > 10 ** 15  # unlimited: the pods' caps hold

@@ -79,7 +79,9 @@ def test_pod_sets_count_each_direction_and_scope():
         "netagent-ingress-int4": "ingress_internal", "netagent-ingress-inet4": "ingress_internet"}
     for name in ("netagent-egress-int4", "netagent-ingress-int4", "netagent-ingress-inet4"):
         assert rs.sets[name].members == {"10.244.0.10": (("comment", "ns/p0"),)}
-        assert rs.sets[name].create == "hash:ip family inet counters comment"
+        # the download set carries skbinfo always (a counted set is never re-created), used when shaped
+        assert rs.sets[name].create == "hash:ip family inet counters comment" + (
+            " skbinfo" if name == "netagent-ingress-inet4" else "")
     marked = rs.sets["netagent-egress-inet4"]
     assert marked.create == "hash:ip family inet counters comment skbinfo"
     assert marked.members == {"10.244.0.10": (("comment", "ns/p0"), ("skbmark", "0x1000/0x1000"), ("skbprio", "1:10"))}
@@ -519,3 +521,69 @@ def test_turning_the_default_class_on_touches_only_the_node_egress_chain():
 def test_bad_default_class_is_named(bad):
     with pytest.raises(IptablesError, match="default class for unknown sources"):
         R.build(state(default_class=bad), 4)
+
+
+# -- downloads (internet ingress, issue 13) ----------------------------------------------------------
+
+DL_DEFAULT = (2, 0xFFFE)
+
+
+def download_state(n: int = 3, **kw) -> ClassifierState:
+    shaped = tuple(PodClassification(p.key, p.ips, p.tc_class, (2, p.tc_class[1])) for p in pods(n))
+    return state(n, default_class=DEFAULT, ingress_default_class=DL_DEFAULT, pods=shaped, **kw)
+
+
+@pytest.mark.parametrize("family", [4, 6])
+@pytest.mark.parametrize("n", [10, 110])
+def test_downloads_are_marked_to_the_pods_download_class_and_nothing_else_is(family, n):
+    """Internet -> a known pod: counted, our mark, the pod's download class, in the same three set
+    lookups as before; internet -> an address no known pod holds: the download default class;
+    internal, node-sourced, pod-to-pod and upload packets: exactly as without download shaping."""
+    st = download_state(n)
+    a = dict(NET[family], stranger="10.244.3.250" if family == 4 else "fd00:244:3::250")
+    pkt = evaluate(st, family, a["internet"], a["pod"], "vp0")
+    assert (pkt["counted"], pkt["mark"], pkt["priority"], pkt["lookups"]) == (["ns/p0 ingress_internet"], 0x1000, (2, 0x10), 3)
+    unknown = evaluate(st, family, a["internet"], a["stranger"], "vp9")
+    assert (unknown["counted"], unknown["mark"], unknown["priority"]) == (
+        ["unknown destination ingress internet"], 0x1000, DL_DEFAULT)
+    same = [  # never marked for downloads, counted as without download shaping
+        (a["peer"], a["pod"], "vp0", False),        # internal peer -> pod
+        (a["node"], a["pod"], "vp0", True),         # host -> pod (node address in the internal CIDRs)
+        (a["outside"], a["pod"], "vp0", True),      # host -> pod from a node address that is not internal
+        (a["outside"], a["stranger"], "vp9", True),  # host -> an unknown pod
+        (a["pod"], a["other"], "vp1", False),        # pod -> pod on the node
+        (a["pod"], a["internet"], "eth0", False),    # upload: its own class, unchanged
+        (a["pod"], a["peer"], "eth0", False),
+    ]
+    for src, dst, oif, local in same:
+        with_dl, without = evaluate(st, family, src, dst, oif, local), evaluate(state(n, default_class=DEFAULT), family, src, dst, oif, local)
+        assert with_dl == without, f"{src} -> {dst} via {oif}: {with_dl} != {without}"
+        assert with_dl["priority"] in (None, (1, 0x10)), with_dl
+
+
+def test_download_members_carry_the_mark_and_class_only_when_shaped():
+    shaped = R.build(download_state(1), 4).sets["netagent-ingress-inet4"]
+    assert shaped.members == {"10.244.0.10": (("comment", "ns/p0"), ("skbmark", "0x1000/0x1000"), ("skbprio", "2:10"))}
+    counted = R.build(state(1), 4).sets["netagent-ingress-inet4"]
+    assert counted.members == {"10.244.0.10": (("comment", "ns/p0"),)} and counted.extensions == shaped.extensions
+    rs = R.build(download_state(1), 4)
+    assert rs.chains["NETAGENT-UNKNOWN-IN"] == (
+        '-m comment --comment "unknown destination ingress internet" -j MARK --set-xmark 0x1000/0x1000',
+        "-j CLASSIFY --set-class 0002:fffe")
+    assert rs.chains["NETAGENT-FROM-HOST"] == ("-m set --match-set netagent-ingress-inet4 dst -j RETURN",)
+
+
+def test_turning_download_shaping_on_and_off_touches_only_the_postrouting_chain():
+    old, new = R.build(state(20, default_class=DEFAULT), 4), R.build(download_state(20), 4)
+    up = R.render_update(new, *kernel_view(old))
+    assert up.rewritten == ("NETAGENT-POSTROUTING",) and up.changes == 3
+    back = R.render_update(old, *kernel_view(new))
+    assert "-X NETAGENT-UNKNOWN-IN" in back.text and "-X NETAGENT-FROM-HOST" in back.text
+
+
+@pytest.mark.parametrize("bad", [(0, 0xFFFE), (2, 0x10000), "2:fffe"])
+def test_bad_download_classes_are_named(bad):
+    with pytest.raises(IptablesError, match="download default class"):
+        R.build(state(ingress_default_class=bad), 4)
+    with pytest.raises(IptablesError, match="ns/p0 download"):
+        R.build(state(1, pods=(PodClassification("ns/p0", ("10.244.0.10",), (1, 0x10), bad),)), 4)
