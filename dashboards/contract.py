@@ -58,6 +58,10 @@ def _string(node: ast.AST, constants: dict[str, str]) -> str | None:
     return None
 
 
+def _callee(func: ast.AST) -> str | None:
+    return func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+
+
 def exported_names(source: str) -> set[str]:
     tree = ast.parse(source)
     constants = {}
@@ -70,7 +74,11 @@ def exported_names(source: str) -> set[str]:
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Call) and node.args):
             continue
-        func = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+        if isinstance(node.func, ast.IfExp) and {_callee(node.func.body), _callee(node.func.orelse)} & set(SUFFIXES):
+            raise ValueError(f"a metric constructor chosen at run time at line {node.lineno}; call each "
+                             "family's constructor with its name literally so the dashboards' contract can be "
+                             "checked")
+        func = _callee(node.func)
         if func not in SUFFIXES:
             continue
         family = _string(node.args[0], constants)

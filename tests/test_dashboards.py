@@ -151,10 +151,15 @@ def test_the_contract_reads_both_exporters():
     for name in ("netagent_pod_egress_bytes_total", "netagent_pod_policy_problem",
                  "netagent_reconcile_duration_seconds_bucket", "netagent_controller_is_leader",
                  "netagent_controller_budget_bytes_per_second", "netagent_controller_allocation_duration_seconds_bucket",
-                 "netagent_controller_rejected_reports_total"):
+                 "netagent_controller_rejected_reports_total", "netagent_pod_ingress_limit_bytes_per_second",
+                 "netagent_pod_ingress_dropped_packets_total", "netagent_pod_ingress_throttled_seconds_total",
+                 "netagent_node_ingress_allocation_bytes_per_second", "netagent_controller_ingress_guarantee_unmet"):
         assert name in defined, name
     with pytest.raises(ValueError, match="not a constant string"):
         contract.exported_names("from prometheus_client import Gauge\nGauge(name_from_somewhere, 'help')\n")
+    # a constructor picked at run time would hide its families from the contract
+    with pytest.raises(ValueError, match="chosen at run time"):
+        contract.exported_names("(Gauge if counter else Counter)('netagent_x', 'help')\n")
 
 
 def test_every_recording_rule_is_used():
