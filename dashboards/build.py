@@ -330,13 +330,24 @@ def downloads_rows(d: gd.Dashboard) -> gd.Dashboard:
     d = d.with_panel(table(
         "Top pods by internet download", "The 15 pods receiving most from the internet now.", "bps",
         query(f"topk(15, netagent:pod_internet_ingress_bytes:rate1m{{{CLUSTER}}}) * 8", "", True), width=8))
+    d = d.with_panel(table(
+        "Most throttled pods (downloads)",
+        "Share of the last 5 minutes each pod's downloads spent held back by its download limit (1 = always).",
+        "percentunit", query(f"topk(15, netagent:pod_ingress_throttled:ratio_rate5m{{{CLUSTER}}})", "", True),
+        width=8))
+    d = d.with_panel(timeseries(
+        "Download drops by team", "Internet packets to the pods dropped at their download limits (they crossed "
+        "the uplink already).", "pps",
+        query(f"sum by (team) (netagent:pod_ingress_dropped_packets:rate5m{{{CLUSTER}}} "
+              f"* on (cluster, namespace, pod) group_left (team) netagent:pod_info:max)", "{{team}}"),
+        width=8))
     return d
 
 
 def node_pod_dashboard() -> gd.Dashboard:
     d = base("netagent-node-pod", "netagent / node and pod",
-             "One node's uplink traffic, allocation and agent health, and its pods' internet egress against "
-             "their limits, fair shares and demand.")
+             "One node's uplink traffic, allocation and agent health, and its pods' internet egress and "
+             "downloads (ingress) against their limits, fair shares and demand.")
     d = (d.with_variable(variable("node", "Node", f"label_values(netagent_build_info{{{CLUSTER}}}, node)"))
          .with_variable(variable("namespace", "Namespace",
                                  f"label_values(netagent_pod_info{{{NODE}}}, namespace)"))
@@ -356,10 +367,17 @@ def node_pod_dashboard() -> gd.Dashboard:
               "{{node}} internet from unknown sources", ref="C"),
         width=12))
     d = d.with_panel(timeseries(
-        "Node ingress by scope", "Traffic entering the node's uplinks, internal vs internet (host traffic and "
-        "downloads dropped at the pods' limits included).", "bps",
+        "Node ingress by scope, against its download allocation",
+        "All traffic entering the node's uplinks (host traffic and downloads dropped at the pods' limits "
+        "included), internal vs internet; the node's download class rate (its share of spec.ingressTotal; "
+        "absent while the agent does not shape downloads); internet ingress to addresses that are no known pod "
+        "(pods the agent has not learnt yet), held at the download default-class floor.", "bps",
         query(f"sum by (node, scope) (rate(netagent_node_ingress_bytes_total{{{NODE}}}[1m])) * 8",
               "{{node}} {{scope}}"),
+        query(f"sum by (node) (netagent_node_ingress_allocation_bytes_per_second{{{NODE}}}) * 8",
+              "{{node}} download allocation", ref="B"),
+        query(f"sum by (node) (rate(netagent_node_unknown_destination_ingress_bytes_total{{{NODE}}}[1m])) * 8",
+              "{{node}} internet to unknown destinations", ref="C"),
         width=12))
     d = d.with_panel(timeseries(
         "Reconcile duration p99", "Time to compute and apply the desired kernel state.", "s",
@@ -383,12 +401,18 @@ def node_pod_dashboard() -> gd.Dashboard:
         query(f"netagent_fail_static{{{NODE}}}", "{{node}} at safe floor", ref="C"),
         width=8))
     d = d.with_panel(table(
-        "Pods on the node", "Class and team of each pod and its internet egress, limit and fair share now.", "bps",
+        "Pods on the node", "Class and team of each pod; its internet egress, limit and fair share now (B, C, D); "
+        "its internet downloads, download limit and download fair share now (E, F, G).", "bps",
         query(f"max by (node, namespace, pod, team, class) (netagent_pod_info{{{POD}}})", "", True),
         query(f"sum by (node, namespace, pod) (netagent:pod_internet_egress_bytes:rate1m{{{POD}}}) * 8", "", True, "B"),
         query(f"sum by (node, namespace, pod) (netagent_pod_egress_limit_bytes_per_second{{{POD}}}) * 8", "", True, "C"),
         query(f"sum by (node, namespace, pod) (netagent_pod_egress_allocation_bytes_per_second{{{POD}}}) * 8",
               "", True, "D"),
+        query(f"sum by (node, namespace, pod) (netagent:pod_internet_ingress_bytes:rate1m{{{POD}}}) * 8", "", True, "E"),
+        query(f"sum by (node, namespace, pod) (netagent_pod_ingress_limit_bytes_per_second{{{POD}}}) * 8", "", True,
+              "F"),
+        query(f"sum by (node, namespace, pod) (netagent_pod_ingress_allocation_bytes_per_second{{{POD}}}) * 8",
+              "", True, "G"),
         width=24)
         .override_by_name("Value #A", [gm.DynamicConfigValue(id_val="custom.hidden", value=True)]))
 
@@ -405,6 +429,20 @@ def node_pod_dashboard() -> gd.Dashboard:
               "{{namespace}}/{{pod}} fair share", ref="C"),
         query(f"sum by (namespace, pod) (netagent_pod_egress_demand_bytes_per_second{{{POD}}}) * 8",
               "{{namespace}}/{{pod}} demand", ref="D"),
+        width=24))
+    d = d.with_panel(timeseries(
+        "Pod internet downloads against limit, fair share and demand",
+        "Downloads (internet to pod): measured internet ingress; the download limit the agent enforces (HTB ceil "
+        "of the pod's download class); its fair share of spec.ingressTotal (HTB rate); the estimated download "
+        "demand.", "bps",
+        query(f"sum by (namespace, pod) (rate(netagent_pod_ingress_bytes_total{{{POD}, scope=\"internet\"}}[1m])) * 8",
+              "{{namespace}}/{{pod}} received"),
+        query(f"sum by (namespace, pod) (netagent_pod_ingress_limit_bytes_per_second{{{POD}}}) * 8",
+              "{{namespace}}/{{pod}} download limit", ref="B"),
+        query(f"sum by (namespace, pod) (netagent_pod_ingress_allocation_bytes_per_second{{{POD}}}) * 8",
+              "{{namespace}}/{{pod}} download fair share", ref="C"),
+        query(f"sum by (namespace, pod) (netagent_pod_ingress_demand_bytes_per_second{{{POD}}}) * 8",
+              "{{namespace}}/{{pod}} download demand", ref="D"),
         width=24))
     d = d.with_panel(timeseries(
         "Pod egress by scope", "Internal traffic is never shaped; internet traffic is.", "bps",
@@ -425,6 +463,17 @@ def node_pod_dashboard() -> gd.Dashboard:
     d = d.with_panel(timeseries(
         "Pod throttled share", "Share of time the pod's internet egress was held back by its limit.", "percentunit",
         query(f"sum by (namespace, pod) (rate(netagent_pod_egress_throttled_seconds_total{{{POD}}}[5m]))",
+              "{{namespace}}/{{pod}}"),
+        width=12))
+    d = d.with_panel(timeseries(
+        "Pod download drops", "Internet packets to the pod dropped at its download limit.", "pps",
+        query(f"sum by (namespace, pod) (rate(netagent_pod_ingress_dropped_packets_total{{{POD}}}[5m]))",
+              "{{namespace}}/{{pod}}"),
+        width=12))
+    d = d.with_panel(timeseries(
+        "Pod download throttled share", "Share of time the pod's downloads were held back by its download limit.",
+        "percentunit",
+        query(f"sum by (namespace, pod) (rate(netagent_pod_ingress_throttled_seconds_total{{{POD}}}[5m]))",
               "{{namespace}}/{{pod}}"),
         width=12))
     return d

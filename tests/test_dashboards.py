@@ -131,8 +131,24 @@ def test_cluster_dashboard_covers_the_download_view():
                    "Internet downloads by team, against the download budget", "Internet downloads by team and class",
                    "Download demand vs allocation by team", "Download demand, allocation and use by team and class",
                    "Teams below download guarantee", "Download guarantee vs allocation by team",
-                   "Top pods by internet download", "Agents not shaping downloads"):
+                   "Top pods by internet download", "Agents not shaping downloads", "Most throttled pods (downloads)",
+                   "Download drops by team"):
         assert wanted in titles, wanted
+
+
+def test_node_and_pod_dashboard_covers_the_pods_downloads():
+    """The pod's download limit, fair share, demand, usage, drops and throttled time, beside the upload ones."""
+    d = dashboards()["node-pod.json"]
+    exprs = {p["title"]: " ".join(t["expr"] for t in p.get("targets", [])) for p in d["panels"]}
+    downloads = exprs["Pod internet downloads against limit, fair share and demand"]
+    for metric in ("netagent_pod_ingress_bytes_total", "netagent_pod_ingress_limit_bytes_per_second",
+                   "netagent_pod_ingress_allocation_bytes_per_second", "netagent_pod_ingress_demand_bytes_per_second"):
+        assert metric in downloads, metric
+    assert "netagent_pod_ingress_dropped_packets_total" in exprs["Pod download drops"]
+    assert "netagent_pod_ingress_throttled_seconds_total" in exprs["Pod download throttled share"]
+    assert "netagent_node_ingress_allocation_bytes_per_second" in exprs[
+        "Node ingress by scope, against its download allocation"]
+    assert "netagent_pod_ingress_limit_bytes_per_second" in exprs["Pods on the node"]
 
 
 # --- the metric contract ---------------------------------------------------------------------
@@ -349,13 +365,18 @@ def _node_view(node: str, started: float):
             allocation_bps=rate, limit_bps=rate * 1.1, demand_bps=rate * 1.5, usage_bps=rate, throttled=True,
             throttled_seconds=elapsed / 2, egress_bytes={"internal": internet * 3, "internet": internet},
             ingress_bytes={"internal": internet, "internet": received}, dropped_packets=int(elapsed * 5),
+            # an agent that shapes downloads: the pod's download class, demand, drops and throttled time
+            ingress_allocation_bps=download, ingress_limit_bps=download * 1.1, ingress_demand_bps=download * 1.5,
+            ingress_usage_bps=download, ingress_throttled=True, ingress_throttled_seconds=elapsed / 4,
+            ingress_dropped_packets=int(elapsed * 3),
             problems=((problem, "unknown class"),) if problem else ()))
     total = sum(p.egress_bytes["internet"] for p in pods)
     received = sum(p.ingress_bytes["internet"] for p in pods)
     return NodeView(node=node, pods=pods, egress_bytes={"internal": total * 3, "internet": total},
                     ingress_bytes={"internal": total, "internet": received}, allocation_bps=1e9, ready=True,
                     controller="http://controller", controller_reachable=True, last_reconcile_success=time.time(),
-                    leaf_qdisc="pfifo", iptables_backend="nft", unknown_source_egress_bytes=int(1000 * elapsed))
+                    leaf_qdisc="pfifo", iptables_backend="nft", unknown_source_egress_bytes=int(1000 * elapsed),
+                    ingress_allocation_bps=250e6, unknown_destination_ingress_bytes=int(800 * elapsed))
 
 
 @dataclass
@@ -498,7 +519,7 @@ def test_alerts_fire_on_what_the_exporters_say(live_prometheus):
     must_not = {"NetagentAgentNotReady", "NetagentControllerUnreachable", "NetagentFailStatic",
                 "NetagentControllerNoLeader", "NetagentAgentDrifting", "NetagentReconcileFailing", "NetagentDropsHigh",
                 "NetagentAllocationFailing", "NetagentTeamStarved", "NetagentTeamIngressStarved",
-                "NetagentIngressBudgetExceeded", "NetagentIngressNotShaped"}
+                "NetagentIngressBudgetExceeded", "NetagentIngressNotShaped", "NetagentIngressDropsHigh"}
     deadline = time.monotonic() + 120
     while True:
         firing = {a["labels"]["alertname"] for a in _get(f"{live_prometheus.url}/api/v1/alerts")["data"]["alerts"]
