@@ -50,6 +50,7 @@ from typing import Callable, Iterator, NamedTuple
 import numpy as np
 
 from core.engine import ColumnarResult, PodColumns, TeamColumns, allocate_columns
+from core.quantity import MAX_BPS
 from core.policy import Policy, resolve_pod
 from core.quantity import TRICKLE_BPS
 from core.wire import NodeReport, PodAllocation, PodReport
@@ -329,6 +330,10 @@ class Allocator:
                                             down.used_bps, len(in_nodes))
         else:
             self._ingress = _Direction()  # no agent shapes downloads now: start afresh when one does
+            if policy.ingress_total_bps < MAX_BPS:
+                # a download budget no agent keeps: exported (0 nodes) so NetagentIngressNotShaped can say so
+                summary.ingress = Summary(policy.budget_name, float(policy.ingress_total_bps), 0.0, 0.0, 0.0,
+                                          pods=0, nodes=0, oversubscribed=False)
 
         spans: dict[str, tuple[int, list[PodReport]]] = {}
         start = 0

@@ -2,7 +2,8 @@
 
 Each budget metric has a download twin named with `ingress_` after `netagent_controller_`
 (`netagent_controller_ingress_budget_bytes_per_second`...), present while an agent that
-shapes downloads reports.
+shapes downloads reports; the download budget and `ingress_agents` (0) also whenever
+spec.ingressTotal is set and none does.
 
 Event counts (reports, rejections, rounds, status writes) are counters updated as they
 happen; the budget view (by team and class) is yielded at scrape time from the latest

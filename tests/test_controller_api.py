@@ -719,7 +719,16 @@ def test_controller_metrics_have_download_twins():
     state.run_round()
     before = generate_latest(metrics.registry).decode()
     assert "netagent_controller_budget_bytes_per_second 1.25e+07" in before
-    assert "netagent_controller_ingress_" not in before  # no agent shapes downloads yet: no download view
+    # no agent shapes downloads yet: the download budget alone, with no agent keeping it (the
+    # NetagentIngressNotShaped alert reads exactly this), and no per-team download view
+    assert "netagent_controller_ingress_agents 0.0" in before
+    assert "netagent_controller_ingress_budget_bytes_per_second 7.5e+06" in before
+    assert "netagent_controller_ingress_allocated_bytes_per_second{" not in before
+    plain = new_state()  # a budget without spec.ingressTotal: no download view at all
+    plain_metrics = ControllerMetrics(plain, lambda: True)
+    plain.submit(None, NodeReport("node-old", [PodReport("web", "o", 0, 1e6)]))
+    plain.run_round()
+    assert "netagent_controller_ingress_" not in generate_latest(plain_metrics.registry).decode()
     state.submit(None, NodeReport("node-a", [PodReport("web", "w", 0, 1e6, ingress_demand_bps=1e9)],
                                   shapes_ingress=True))
     state.run_round()
