@@ -26,11 +26,12 @@ REFRESH_SECONDS = 10.0  # the node count is recounted at most this often (the po
 
 def advised_period(nodes: int, base: float, max_reports_per_s: float, lease_seconds: float) -> float:
     """Seconds between reports that keep `nodes` agents at or under `max_reports_per_s` on the
-    leader: `base` (the round period) for small clusters, 0 when pacing is off (rate <= 0)."""
-    if max_reports_per_s <= 0:
-        return 0.0
+    leader; 0 (the agents' own period) while that rate is met at `base` (the round period) or when
+    pacing is off (rate <= 0)."""
+    if max_reports_per_s <= 0 or nodes / max_reports_per_s <= base:
+        return 0.0  # the agents' own period (a shorter one than `base` stays theirs)
     ceiling = min(MAX_ADVISED_PERIOD, lease_seconds / 4)
-    return round(min(ceiling, max(base, nodes / max_reports_per_s)), 3)
+    return round(min(ceiling, nodes / max_reports_per_s), 3)
 
 
 class ReportPacer:

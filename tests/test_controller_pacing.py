@@ -13,8 +13,8 @@ from core.wire import MAX_ADVISED_PERIOD, NodeReport, PodReport, answer_decoder
 
 
 def test_small_clusters_keep_the_base_period_and_large_ones_are_paced():
-    assert advised_period(200, 5.0, 400, 120) == 5.0  # 40 reports/s: nothing changes
-    assert advised_period(2000, 5.0, 400, 120) == 5.0  # exactly the rate
+    assert advised_period(200, 5.0, 400, 120) == 0.0  # 40 reports/s: the agents' own period
+    assert advised_period(2000, 5.0, 400, 120) == 0.0  # exactly the rate
     assert advised_period(5000, 5.0, 400, 120) == 12.5  # 5,000 / 400
     assert advised_period(10000, 5.0, 400, 120) == 25.0
     assert advised_period(100000, 5.0, 400, 120) == 30.0  # a quarter of the lease at most
@@ -29,7 +29,7 @@ def test_the_pacer_recounts_at_most_every_refresh_interval():
         counted.append(nodes[0])
         return nodes[0]
 
-    pacer = ReportPacer(count, base=5.0, max_reports_per_s=10, lease_seconds=120, clock=lambda: now[0])
+    pacer = ReportPacer(count, base=5.0, max_reports_per_s=10, lease_seconds=400, clock=lambda: now[0])
     assert pacer.period() == 10.0
     nodes[0] = 200
     now[0] += REFRESH_SECONDS / 2
