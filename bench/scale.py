@@ -43,6 +43,7 @@ import os
 import platform
 import random
 import resource
+import signal
 import shutil
 import ssl
 import subprocess
@@ -58,6 +59,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from core.engine import PodDemandIn, allocate  # noqa: E402
 from core.objects import ANNOTATION_BANDWIDTH, ANNOTATION_CLASS, PodRecord  # noqa: E402
 from core.policy import load_policy, resolve_pods  # noqa: E402
 from core.wire import answer_decoder, encoder  # noqa: E402
@@ -65,7 +67,10 @@ from lab.kube import CONTROL_PLANE_BINARIES, ControlPlane, find_assets, free_por
 from lab.procs import stop_process  # noqa: E402
 from netagent.agent import ReportInputs  # noqa: E402
 from netagent.demand import PodDemand, Sample  # noqa: E402
-from netagent.reporter import build_report  # noqa: E402
+from netagent.metrics import AgentMetrics  # noqa: E402
+from netagent.view import NodeView, PodView  # noqa: E402
+from prometheus_client import generate_latest  # noqa: E402
+from netagent.reporter import advised_period, build_report  # noqa: E402
 
 SYSTEM_NS = "netagent-system"
 AGENT_SA = "netagent-agent"
@@ -75,9 +80,9 @@ TLS_SECRET = "netagent-controller-tls"  # the controller's default --tls-secret,
 SERVICE_NAME = f"netagent-controller.{SYSTEM_NS}.svc"  # a name in its certificate
 TEAMS = 20
 NAMESPACES_PER_TEAM = 5
-# The budget is about half of what the pods want (appetite() averages ~33 Mbit/s a pod), so
-# the allocation is contended everywhere: 1.5 Gbit/s a node.
-BUDGET_PER_NODE_BPS = 1.5e9
+# The budget is about 40 % of what the pods want (appetite() averages ~33 Mbit/s a pod), so
+# the allocation is contended everywhere: 1.5 Gbit/s for a node of 110 pods.
+BUDGET_PER_POD_BPS = 1.5e9 / 110
 FLOOR_BPS = 1e6  # what an agent enforces before its first answer (the controller's safe floor is smaller)
 WATCH_TIMEOUT_S = 300  # as core/reflector.py
 # A large cluster's apiserver (kube-up's settings for 5,000 nodes; the watch cache sizes itself).
@@ -109,12 +114,13 @@ def team_namespaces(t: int) -> list[str]:
     return [f"team{t:02d}-ns{k}" for k in range(NAMESPACES_PER_TEAM)]
 
 
-def budget_object(nodes: int) -> dict:
-    guarantee = f"{nodes * BUDGET_PER_NODE_BPS / TEAMS / 2 / 1e6:.0f}M"  # every 5th team: half its even share
+def budget_object(nodes: int, pods_per_node: int) -> dict:
+    total = nodes * pods_per_node * BUDGET_PER_POD_BPS
+    guarantee = f"{total / TEAMS / 2 / 1e6:.0f}M"  # every 5th team: half its even share
     teams = [{"name": f"team{t:02d}", "namespaces": team_namespaces(t), "weight": 1 + t % 4,
               "defaultClass": "bulk", **({"min": guarantee} if t % 5 == 0 else {})} for t in range(TEAMS)]
     return {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressBudget", "metadata": {"name": "default"},
-            "spec": {"total": f"{nodes * BUDGET_PER_NODE_BPS / 1e6:.0f}M", "teams": teams}}
+            "spec": {"total": f"{total / 1e6:.0f}M", "teams": teams}}
 
 
 def node_name(i: int) -> str:
@@ -277,9 +283,12 @@ class SimAgent:
         self.bytes: dict[str, int] = {}
         self.overlimits: dict[str, int] = {}
         self.limits: dict[str, float] = {}
+        self.team_of: dict[str, str] = {}
         self.node_rate = 0.0
         self.leader: str | None = None
         self.seq = 0
+        self._session: aiohttp.ClientSession | None = None
+        self.advised = 0.0  # the period the leader asks for (netagent.reporter.advised_period)
         self.resolved: list = []
         self._resolved_key = None
         self._dirty = True
@@ -357,14 +366,15 @@ class SimAgent:
             self.resolved = resolve_pods(policy, self.pods.values())
             self._resolved_key, self._dirty = key, False
         total = 0.0
-        dt = self.bench.period
+        dt = self.period()
         for rp in self.resolved:
             k = rp.key
             if k not in self.appetite:
+                self.team_of[k] = rp.team
                 self.appetite[k] = appetite(self.rng)
                 self.bytes[k] = self.overlimits[k] = 0
                 self.demand[k] = PodDemand()
-            want = self.appetite[k] * self.bench.demand_factor
+            want = self.appetite[k] * self.bench.factor(rp.team)
             limit = self.limits.get(k, FLOOR_BPS)
             sent = min(want, limit)
             total += sent
@@ -373,6 +383,20 @@ class SimAgent:
                 self.overlimits[k] += 1
             self.demand[k].update(Sample(t, self.bytes[k], 0, self.overlimits[k], 0), int(limit), rp.max_bps)
         return total
+
+    def session(self) -> aiohttp.ClientSession:
+        """This agent's connection to the controller, from its own address (127.x.y.z, as each node
+        has its own IP: the controller bounds unverified tokens per client address)."""
+        if self._session is None:
+            i = self.i + 1
+            local = (f"127.{1 + i // 65536}.{(i // 256) % 256}.{i % 256}", 0)
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=2, ssl=self.bench.controller_ctx, local_addr=local),
+                timeout=aiohttp.ClientTimeout(total=3))  # the agent's 3 s
+        return self._session
+
+    def period(self) -> float:
+        return max(self.bench.period, self.advised)  # as netagent.reporter.Reporter.effective_period
 
     async def report_loop(self) -> None:
         b = self.bench
@@ -383,9 +407,9 @@ class SimAgent:
             egress = self.advance(started)
             self.seq += 1
             inputs = ReportInputs(self.node, tuple((rp, self.demand.get(rp.key)) for rp in self.resolved), None)
-            body = encoder.encode(build_report(inputs, self.seq, b.period, egress))
+            body = encoder.encode(build_report(inputs, self.seq, self.period(), egress))
             await self.post(body, started)
-            await asyncio.sleep(max(0.0, b.period * self.rng.uniform(0.8, 1.2) - (time.monotonic() - started)))
+            await asyncio.sleep(max(0.0, self.period() * self.rng.uniform(0.8, 1.2) - (time.monotonic() - started)))
 
     async def post(self, body: bytes, started: float) -> None:
         b = self.bench
@@ -395,7 +419,7 @@ class SimAgent:
         for _ in range(3):
             try:
                 # connect to a replica's address, verify the Service's name against the pinned CA
-                async with b.controller_session.post(url, data=body, headers=headers, allow_redirects=False,
+                async with self.session().post(url, data=body, headers=headers, allow_redirects=False,
                                                      server_hostname=SERVICE_NAME) as r:
                     raw = await r.read()
                     status = r.status
@@ -416,11 +440,22 @@ class SimAgent:
                 self.leader = None
                 return
             answer = answer_decoder.decode(raw)
+            self.advised = advised_period(answer)
             if b.stats.window:
                 b.stats.latencies.append(time.monotonic() - started)
             b.last_answer = time.monotonic()
-            if answer.generation:
-                self.limits = {f"{p.namespace}/{p.name}": float(p.limit_bps) for p in answer.pods}
+            if answer.generation:  # generation 0 (a new leader without a round): keep what we have
+                if b.killed and url.startswith(b.killed):
+                    b.errors["answer from the killed leader"] += 1
+                elif b.killed and b.first_new_answer is None:
+                    b.first_new_answer = time.monotonic()
+                limits = {f"{p.namespace}/{p.name}": float(p.limit_bps) for p in answer.pods}
+                if b.killed and self.i not in b.answered_after_kill:
+                    b.answered_after_kill.add(self.i)
+                    # until the new leader's first answer from a round, the agent held its limits
+                    held = b.held_at_kill.get(self.i, {})
+                    b.changed_before_first_answer += sum(1 for k, v in self.limits.items() if held.get(k) != v)
+                self.limits = limits
                 self.node_rate = float(answer.node_rate_bps)
             return
 
@@ -441,17 +476,54 @@ class Bench:
     def __init__(self, args):
         self.args = args
         self.period = args.period
-        self.demand_factor = 1.0
+        self.shifted = False  # after the demand shift: even teams want 3x, odd teams 0.3x
+        self.killed: str | None = None  # the leader's URL once it was killed (failover)
+        self.first_new_answer: float | None = None
+        self.held_at_kill: dict[int, dict[str, float]] = {}
+        self.answered_after_kill: set[int] = set()
+        self.changed_before_first_answer = 0
         self.stopping = False
         self.stats = Stats()
         self.errors: Counter = Counter()
         self.controller_urls: list[str] = []
-        self.controller_session: aiohttp.ClientSession | None = None
+        self.controller_ctx: ssl.SSLContext | None = None
         self.agent_api: Api | None = None
         self.last_answer = 0.0
         self._synced_kinds: dict[int, set] = {}
         self.all_synced = asyncio.Event()
         self.agents: list[SimAgent] = []
+
+    def factor(self, team: str) -> float:
+        if not self.shifted:
+            return 1.0
+        return 3.0 if int(team[4:] or 0) % 2 == 0 else 0.3
+
+    def fair_shares(self) -> dict[tuple[int, str], float]:
+        """Every pod's fair share of the budget for its true demand now (the engine's allocation
+        of the budget with nothing censored), as bench/simulation.py judges it."""
+        policy = load_policy(CLASSES, [budget_object(self.args.nodes, self.args.pods_per_node)])[0]
+        rows = [PodDemandIn(f"{a.i}|{rp.key}", rp.team, rp.egress_class, rp.weight, rp.min_bps, rp.max_bps,
+                            a.appetite.get(rp.key, 0.0) * self.factor(rp.team))
+                for a in self.agents for rp in a.resolved]
+        out = {}
+        for k, r in allocate(policy, rows).pods.items():
+            i, key = k.split("|", 1)
+            out[(int(i), key)] = r.allocation_bps
+        return out
+
+    def share_within(self, fair: dict[tuple[int, str], float], tolerance: float = 0.05) -> float:
+        """Share of pods whose rate, min(want, limit), is within `tolerance` of their fair share
+        (shares under 5 % of the mean count as 5 % of it, as bench/simulation.py)."""
+        floor = 0.05 * self.args.nodes * self.args.pods_per_node * BUDGET_PER_POD_BPS / max(1, len(fair))
+        ok = 0
+        for a in self.agents:
+            for k, want in a.appetite.items():
+                f = fair.get((a.i, k))
+                if f is None:
+                    continue
+                rate = min(want * self.factor(a.team_of.get(k, "")), a.limits.get(k, FLOOR_BPS))
+                ok += abs(rate - f) <= tolerance * max(f, floor)
+        return ok / max(1, len(fair))
 
     def mark_synced(self, agent: SimAgent, kind: str) -> None:
         kinds = self._synced_kinds.setdefault(agent.i, set())
@@ -510,7 +582,7 @@ async def load_cluster(cp: ControlPlane, args, admin: Api) -> dict[str, float]:
                                                 {"metadata": {"name": ns}}) for ns in namespaces])
     await bounded(args.concurrency, [admin.call("POST", f"/api/v1/namespaces/{ns}/serviceaccounts",
                                                 {"metadata": {"name": "default"}}) for ns in namespaces])
-    for obj in CLASSES + [budget_object(args.nodes)]:
+    for obj in CLASSES + [budget_object(args.nodes, args.pods_per_node)]:
         plural = "egressclasses" if obj["kind"] == "EgressClass" else "egressbudgets"
         await admin.call("POST", f"/apis/netagent.io/v1alpha1/{plural}", obj)
     await bounded(args.concurrency, [admin.call("POST", "/api/v1/nodes", node_object(i)) for i in range(args.nodes)],
@@ -566,7 +638,9 @@ def start_controllers(cp: ControlPlane, args, token: str, workdir: Path) -> list
             [sys.executable, "-m", "netagent", "controller", "--kubeconfig", str(kubeconfig),
              "--listen", f"127.0.0.1:{port}", "--advertise", f"127.0.0.1:{port}",
              "--namespace", SYSTEM_NS, "--identity", f"scale-controller-{r}@127.0.0.1:{port}",
-             "--agent-service-account", f"{SYSTEM_NS}:{AGENT_SA}", "--log-format", "json"],
+             "--agent-service-account", f"{SYSTEM_NS}:{AGENT_SA}", "--log-format", "json",
+             *(["--max-reports-per-second", str(args.max_reports_per_second)]
+               if args.max_reports_per_second is not None else [])],
             cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
         out.append((proc, f"https://127.0.0.1:{port}", log))
     return out
@@ -602,6 +676,31 @@ async def wait_ready(urls: list[str], ctx: ssl.SSLContext, timeout: float) -> fl
     raise RuntimeError(f"no controller replica ready within {timeout:.0f} s")
 
 
+def series_of(exposition: bytes) -> int:
+    return sum(1 for line in exposition.decode().splitlines() if line and not line.startswith("#"))
+
+
+def agent_series(pods: int) -> int:
+    """Series one agent's /metrics exports with `pods` pods (its own registry, every pod in a class,
+    as AgentMetrics renders them; one policy problem on no pod)."""
+    view = NodeView("n", [PodView(f"ns{j % 5}", f"p{j}", "team00", "bulk", minor=j + 2) for j in range(pods)])
+    metrics = AgentMetrics(lambda: view)
+    return series_of(generate_latest(metrics.registry))
+
+
+async def controller_series(urls: list[str], ctx: ssl.SSLContext) -> list[int]:
+    out = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10),
+                                     connector=aiohttp.TCPConnector(ssl=ctx)) as s:
+        for u in urls:
+            try:
+                async with s.get(u + "/metrics", server_hostname=SERVICE_NAME) as r:
+                    out.append(series_of(await r.read()) if r.status == 200 else -1)
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                out.append(-1)
+    return out
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -611,9 +710,13 @@ def pct(values: list[float], q: float) -> float:
 
 async def run(args) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    if hard < 4 * args.nodes + 1000:
-        raise SystemExit(f"open files limit {hard} is too small for {args.nodes} agents (4 connections each)")
+    need = 4 * args.nodes + 1000  # 4 connections an agent; the API server inherits the limit (its watches)
+    try:  # root may raise the hard limit (up to fs.nr_open)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(hard, need), max(hard, need)))
+    except (ValueError, OSError):
+        if hard < need:
+            raise SystemExit(f"open files limit {hard} is too small for {args.nodes} agents (4 connections each)")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     assets = find_assets(CONTROL_PLANE_BINARIES)
     workdir = Path(tempfile.mkdtemp(prefix="netagent-scale-"))
     audit_policy = workdir / "audit-policy.yaml"
@@ -662,8 +765,7 @@ async def run(args) -> None:
 
         # -- the agents
         bench.agent_api = Api(cp.url, cp.ca_file, limit=0)
-        bench.controller_session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ssl=ctx), timeout=aiohttp.ClientTimeout(total=3))  # the agent's 3 s
+        bench.controller_ctx = ctx
         bench.agents = [SimAgent(bench, i, tok) for i, tok in enumerate(tokens)]
         t_agents = time.time()
         tasks = [t for a in bench.agents for t in a.start()]
@@ -686,7 +788,7 @@ async def run(args) -> None:
         bench_cpu = (time.process_time() - cpu_w0) / args.measure
         m3 = apiserver_metrics(cp)
         allocated = sum(a.node_rate for a in bench.agents)
-        budget = args.nodes * BUDGET_PER_NODE_BPS
+        budget = args.nodes * args.pods_per_node * BUDGET_PER_POD_BPS
         sent = sum(min(a.appetite.get(k, 0.0), a.limits.get(k, FLOOR_BPS)) for a in bench.agents for k in a.appetite)
 
         # -- report
@@ -712,7 +814,9 @@ async def run(args) -> None:
               f" (expected {3 * args.nodes}); after start (window): {agent_lists_after}; relists after 410: {bench.stats.relists_410}")
         tr = sum(n for (k, v, r), n in counts_start.items() if k == "controller" and r == "tokenreviews")
         status_w = sum(n for (k, v, r), n in counts_window.items() if k == "controller" and r.endswith("/status"))
-        print(f"TokenReviews by the controller since agents started: {tr} ({args.nodes} distinct agents)")
+        tr_w = sum(n for (k, v, r), n in counts_window.items() if k == "controller" and r == "tokenreviews")
+        print(f"TokenReviews by the controller since agents started: {tr} ({args.nodes} distinct agents); "
+              f"in the window {tr_w * 60 / args.measure:.0f}/min (--token-cache-seconds 60)")
         print(f"status writes: {status_w * 60 / args.measure:.1f}/min")
         for k, (cpu, rss) in busy_use.items():
             if k.startswith("controller"):
@@ -725,6 +829,67 @@ async def run(args) -> None:
         print(f"allocated (sum of node rates) {allocated / 1e9:.2f} Gbit/s, sent {sent / 1e9:.2f} Gbit/s, "
               f"budget {budget / 1e9:.0f} Gbit/s: {(sent / budget - 1) * 100:+.1f} %")
         print(f"simulated agents' own CPU (this process, not netagent): {bench_cpu:.2f} cores")
+        per_node = agent_series(args.pods_per_node)
+        ctl_series = await controller_series(bench.controller_urls, ctx)
+        cluster_series = per_node * args.nodes + sum(max(0, n) for n in ctl_series)
+        print(f"metric series: one agent with {args.pods_per_node} pods {per_node} "
+              f"({(per_node - agent_series(0)) / max(1, args.pods_per_node):.0f} per pod); controllers {ctl_series}; "
+              f"cluster {cluster_series:,} series, {cluster_series / 30:,.0f} samples/s at a 30 s scrape")
+        advised = Counter(round(a.advised, 1) for a in bench.agents)
+        period = max(args.period, max(advised, default=0.0))
+        print(f"report period advised by the leader: {dict(advised)} (agents' own {args.period:g} s)")
+        print(f"leader CPU per report: {max(c for k, (c, _) in busy_use.items() if k.startswith('controller')) / max(ok / args.measure, 1e-9) * 1e3:.2f} ms "
+              f"(the busier replica's CPU over the reports it answered)", flush=True)
+
+        # -- a demand shift: even teams want 3x, odd teams 0.3x; pods within 5 % of fair per period
+        if args.shift_periods:
+            fair_before = bench.fair_shares()
+            print(f"before the shift: {bench.share_within(fair_before):.1%} of pods within 5 % of fair")
+            bench.shifted = True
+            fair = bench.fair_shares()
+            t_shift = time.monotonic()
+            shares = []
+            for k in range(args.shift_periods):
+                await asyncio.sleep(period)
+                shares.append(bench.share_within(fair))
+            first95 = next((k + 1 for k, v in enumerate(shares) if v >= 0.95), None)
+            print(f"after the shift (one sample per {period:g} s period): " + " ".join(f"{v:.1%}" for v in shares))
+            print(f"pods within 5 % of fair: 95 % after {first95 if first95 else '>' + str(len(shares))} periods "
+                  f"({(first95 or len(shares)) * period:.0f} s); {shares[-1]:.1%} after {len(shares)} periods "
+                  f"({time.monotonic() - t_shift:.0f} s)", flush=True)
+
+        # -- failover: the leader killed (SIGKILL); time until the other replica answers from a round
+        if args.failover and len(controllers) > 1:
+            leaders = Counter(a.leader for a in bench.agents if a.leader)
+            leader_url = leaders.most_common(1)[0][0] if leaders else None
+            victim = next((c for c in controllers if c[1] == leader_url), None)
+            if victim is None:
+                print("failover: no leader known to the agents; skipped")
+            else:
+                bench.held_at_kill = {a.i: dict(a.limits) for a in bench.agents}
+                sent_before = sum(min(a.appetite.get(k, 0.0) * bench.factor(a.team_of.get(k, "")), a.limits.get(k, FLOOR_BPS))
+                                  for a in bench.agents for k in a.appetite)
+                bench.stats.answers.clear()
+                victim[0].send_signal(signal.SIGKILL)
+                bench.killed = leader_url
+                t_kill = time.monotonic()
+                peak = 0.0
+                while time.monotonic() - t_kill < args.failover_timeout and \
+                        len(bench.answered_after_kill) < len(bench.agents):
+                    await asyncio.sleep(1.0)
+                    sent = sum(min(a.appetite.get(k, 0.0) * bench.factor(a.team_of.get(k, "")), a.limits.get(k, FLOOR_BPS))
+                               for a in bench.agents for k in a.appetite)
+                    peak = max(peak, sent)
+                first = bench.first_new_answer
+                print(f"failover: leader killed; first answer from a round of the new leader after "
+                      f"{(first - t_kill) if first else float('nan'):.1f} s; "
+                      f"{len(bench.answered_after_kill)}/{len(bench.agents)} agents answered after "
+                      f"{time.monotonic() - t_kill:.0f} s; answers meanwhile {dict(bench.stats.answers)}")
+                print(f"failover: pods whose limit changed between the kill and their agent's first answer from "
+                      f"the new leader's round: {bench.changed_before_first_answer} (so none above its limit); "
+                      f"sent total at the kill {(sent_before / budget - 1) * 100:+.1f} % of the budget, "
+                      f"peak after {(peak / budget - 1) * 100:+.1f} %", flush=True)
+
         if bench.errors:
             print("errors:", dict(bench.errors.most_common(8)))
         bench.stopping = True
@@ -737,8 +902,9 @@ async def run(args) -> None:
             stop_process(proc, 10)
         if admin:
             await admin.close()
-        if bench.controller_session:
-            await bench.controller_session.close()
+        for a in bench.agents:
+            if a._session is not None:
+                await a._session.close()
         if bench.agent_api:
             await bench.agent_api.close()
         cp.stop()
@@ -754,6 +920,12 @@ def main() -> None:
     p.add_argument("--baseline", type=float, default=20.0, help="window without netagent, seconds")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=48, help="loader requests in flight")
+    p.add_argument("--shift-periods", type=int, default=6,
+                   help="report periods followed after a demand shift (0: no shift)")
+    p.add_argument("--no-failover", dest="failover", action="store_false", help="do not kill the leader at the end")
+    p.add_argument("--failover-timeout", type=float, default=120.0, help="seconds to wait for the new leader")
+    p.add_argument("--max-reports-per-second", type=float, default=None,
+                   help="the controller's flag of that name (default: the controller's default)")
     p.add_argument("--no-pod-status", dest="pod_status", action="store_false",
                    help="leave pods Pending without IPs (faster loading; netagent reports them all the same)")
     asyncio.run(run(p.parse_args()))

@@ -232,6 +232,12 @@ def _controller_flags(p: argparse.ArgumentParser) -> None:
                         "the answers in force always add up to the budget, so a long lease is safe and rides out "
                         "an API server outage or a failover")
     p.add_argument("--report-rate", type=float, default=2.0, help="reports per second allowed per node (burst 3x)")
+    p.add_argument("--max-reports-per-second", type=float, default=controller_config.DEFAULT_MAX_REPORTS_PER_SECOND,
+                   metavar="RATE",
+                   help="reports per second the leader takes from all agents together: above RATE x --period nodes it "
+                        "asks agents to report less often (nodes / RATE seconds, at most a quarter of --lease-seconds), "
+                        "so one leader carries any cluster; reaction time grows with the period (docs/scale.md); "
+                        "0 turns pacing off")
     p.add_argument("--report-ttl", type=float, default=150.0,
                    help="a node silent this long leaves the allocation (at least --lease-seconds: until then it may "
                         "still enforce its last answer)")

@@ -38,6 +38,7 @@ from .config import ControllerConfig, service_account_username
 from .events import EventWriter, kube_event_creator
 from .leader import LeaderElector
 from .metrics import ControllerMetrics
+from .pacing import ReportPacer
 from .sources import ClusterCaches, FilePolicy
 from .state import ControllerState
 from .status import StatusWriter
@@ -120,6 +121,10 @@ class Controller:
             leader_address=(lambda: self.elector.leader_address()) if self.elector else (lambda: None),
             readiness=readiness, answer_wait=cfg.answer_wait,
         )
+        node_count = self.cluster.node_count if self.cluster else self.files.node_count if self.files else (lambda: 0)
+        self.pacer = ReportPacer(lambda: max(self.state.nodes(), node_count()), cfg.period,
+                                 cfg.max_reports_per_second, cfg.lease_seconds)
+        self.state.report_period = self.pacer.period
         self.metrics = ControllerMetrics(self.state, leading)
         self.state.on_round = self._round_done
         self.state.on_round_failure = self.metrics.round_failures.inc

@@ -91,6 +91,10 @@ class ClusterCaches:
         """Scheduled pods in the cluster (every one could be on an agent's node): sizes the floor."""
         return len(self.pods.items)
 
+    def node_count(self) -> int:
+        """Nodes with scheduled pods (each may run an agent): the report pacing's count."""
+        return len(set(self.pods.values()) - {None})
+
     def policy_objects(self) -> tuple[list[dict], list[dict]]:
         return self.classes.values(), self.budgets.values()
 
@@ -137,3 +141,6 @@ class FilePolicy:
 
     def pod_count(self) -> int:
         return len(self._where)
+
+    def node_count(self) -> int:
+        return len(set(self._where.values()))

@@ -73,6 +73,8 @@ class ControllerState:
         self.on_round_failure: Callable[[], None] = lambda: None
         # (node, refused pods) for each report that had some: metrics and Events (never blocks)
         self.on_refused: Callable[[str, list[Refused]], None] = lambda node, refused: None
+        # the report period advised in every answer (controller/pacing.py); 0: the agents' own
+        self.report_period: Callable[[], float] = lambda: 0.0
 
     # -- ReportSink ------------------------------------------------------------
     def is_leader(self) -> bool:
@@ -156,13 +158,15 @@ class ControllerState:
     def _answer(self, node: str, result: RoundResult | None, problems: list[str],
                 refused: list[Refused]) -> NodeAnswer:
         if result is None or node not in result.node_rate:  # a node the round has not seen: the agent keeps what it has
-            return NodeAnswer(node, 0, self.lease_seconds, 0.0, 0.0, [], problems + [NO_ROUND], refused)
+            return NodeAnswer(node, 0, self.lease_seconds, 0.0, 0.0, [], problems + [NO_ROUND], refused,
+                              report_period_seconds=self.report_period())
         # downloads: only for a node whose agent shapes them (its pods' answers carry them too)
         ingress_rate = result.node_ingress_rate.get(node)
         return NodeAnswer(node, result.generation, self.lease_seconds, result.safe_floor_bps,
                           result.node_rate[node], result.by_node[node], problems, refused,
                           node_ingress_rate_bps=ingress_rate,
-                          safe_ingress_floor_bps=result.safe_ingress_floor_bps if ingress_rate is not None else None)
+                          safe_ingress_floor_bps=result.safe_ingress_floor_bps if ingress_rate is not None else None,
+                          report_period_seconds=self.report_period())
 
     # -- the allocation loop -----------------------------------------------------
     def nodes(self) -> int:

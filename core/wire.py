@@ -70,6 +70,7 @@ class NodeReport(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 
 AGENT_ANSWER_TIMEOUT = 3.0  # seconds an agent waits for the controller's answer (the controller answers sooner)
 MAX_LEASE_SECONDS = 3600.0  # an answer's lease is bounded: a controller bug cannot pin allocations forever
+MAX_ADVISED_PERIOD = 300.0  # the longest report period a controller may ask for (controller/pacing.py)
 MAX_PROBLEMS = 2 * MAX_PODS_PER_REPORT
 
 # why a pod was refused (the only values `Refused.reason` takes; docs/controller.md explains each)
@@ -115,6 +116,9 @@ class NodeAnswer(msgspec.Struct):
     # downloads (None: no download allocation in this answer, see PodAllocation.ingress_limit_bps)
     node_ingress_rate_bps: Rate | None = None  # the node's download class rate
     safe_ingress_floor_bps: Rate | None = None  # per pod download floor after the lease ran out
+    # seconds between this node's reports that the leader asks for (0: the agent's own period;
+    # absent in older controllers' answers). Agents never report faster than their own period.
+    report_period_seconds: Annotated[float, msgspec.Meta(ge=0, le=MAX_ADVISED_PERIOD)] = 0.0
 
 
 class ErrorBody(msgspec.Struct, omit_defaults=True):

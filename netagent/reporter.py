@@ -32,7 +32,7 @@ from .allocations import Allocation, AllocationSet
 from .outbound import bounded_annotations, bounded_ingress_annotation, bounded_pods
 from .transport import ControllerClient, ControllerError
 
-__all__ = ["ControllerError", "Reporter", "allocations_from", "build_report"]
+__all__ = ["ControllerError", "Reporter", "advised_period", "allocations_from", "build_report"]
 
 log = logging.getLogger(__name__)
 MAX_ANSWER_BYTES = 4 << 20  # a 1,024-pod answer is ~200 KiB
@@ -118,6 +118,12 @@ def ingress_allocations_from(answer: NodeAnswer, now: float, node_rate_bps: int 
     )
 
 
+def advised_period(answer: NodeAnswer) -> float:
+    """The report period the leader asks for (0: none): at most a third of the answer's lease, so
+    a lease outlives several reports whatever the controller says."""
+    return min(answer.report_period_seconds, answer.lease_seconds / 3)
+
+
 class Reporter:
     def __init__(self, agent: Agent, url: str, token_path: str | None, period: float = 5.0,
                  timeout: float = 3.0, on_failure: Callable[[], None] | None = None, rng: random.Random | None = None,
@@ -131,7 +137,8 @@ class Reporter:
         self.url = self.client.url
         self.leader_url: str | None = None  # where the last redirect pointed; used until it fails
         self.token_path = token_path
-        self.period = period
+        self.period = period  # our own; the leader may ask for a longer one (effective_period)
+        self.advised_period = 0.0  # from the last answer (controller/pacing.py); 0: none
         self.timeout = timeout
         self.on_failure = on_failure or (lambda: None)
         self.on_refused = on_refused or (lambda reason: None)  # per pod the controller refused: count by reason
@@ -160,7 +167,12 @@ class Reporter:
                     log.warning("controller report failed: %s (keeping allocations until the lease ends)", exc)
                 self.last_error = str(exc)
                 self.on_failure()
-            self._stop.wait(self.period * self.rng.uniform(0.8, 1.2))
+            self._stop.wait(self.effective_period() * self.rng.uniform(0.8, 1.2))
+
+    def effective_period(self) -> float:
+        """Our own period, or the longer one the leader asked for (large clusters): never shorter than
+        our own, and (the wire bounds it) never longer than MAX_ADVISED_PERIOD."""
+        return max(self.period, self.advised_period)
 
     def _node_egress_bps(self, total: int | None, pods_usage: float, direction: str = "_egress") -> float:
         """The node's measured internet egress (or ingress: `direction` "_ingress"; host traffic
@@ -179,8 +191,8 @@ class Reporter:
         usage = sum(float(d.usage_bps) for _, d in inputs.pods if d)
         ingress_usage = sum(float(d.usage_bps) for d in inputs.ingress_demand.values())
         self.seq += 1
-        return build_report(inputs, self.seq, self.period, self._node_egress_bps(inputs.node_internet_egress_bytes, usage),
-                            self.on_omitted,
+        return build_report(inputs, self.seq, self.effective_period(),
+                            self._node_egress_bps(inputs.node_internet_egress_bytes, usage), self.on_omitted,
                             self._node_egress_bps(inputs.node_internet_ingress_bytes, ingress_usage, "_ingress"))
 
     def _token(self) -> str | None:
@@ -220,6 +232,7 @@ class Reporter:
                 answer = self._exchange(None, path, body)
         else:
             answer = self._exchange(None, path, body)
+        self.advised_period = advised_period(answer)
         fresh_leader = answer.generation == 0
         now = time.monotonic()
         allocs = None if fresh_leader else allocations_from(answer, now, self.agent.cfg.node)

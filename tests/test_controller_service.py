@@ -160,6 +160,8 @@ def test_pods_in_the_policy_files_bind_pods_to_nodes(tmp_path):
     (["--from-file", "{policy}", "--no-auth", "--kubeconfig", "{policy}"], "not both"),
     (["--kubeconfig", "{policy}.missing", "--no-auth"], "cannot load kubeconfig"),
     (["--from-file", "{policy}", "--no-auth", "--agent-service-account", "nocolon"], "must be NAMESPACE:NAME"),
+    (["--from-file", "{policy}", "--no-auth", "--insecure-http", "--max-reports-per-second", "-1"],
+     "--max-reports-per-second (-1) must be 0 (no pacing)"),
 ])
 def test_bad_flags_are_a_clear_error(tmp_path, argv, message):
     policy = tmp_path / "policy.yaml"
@@ -301,3 +303,26 @@ def test_reporter_counts_refused_pods_and_reads_answers_without_the_field(tmp_pa
     assert set(refused) == {"PodNotOnNode"}
     assert list(agent.allocations.current.pods) == ["web/w1"]  # the neighbour is allocated
     assert "controller refused pod web/w2 (PodNotOnNode)" in caplog.text
+
+
+def test_a_large_cluster_asks_reporters_for_a_longer_period(tmp_path):
+    """10 nodes' pods in the files, a leader that takes 2 reports/s: it asks for 10 / 2 = 5 s, but a
+    lease of 5 s caps the advice at 1.25 s; the reporter adopts it (jittered around it, and named in
+    its reports), and goes back to its own period with a controller that does not pace."""
+    from netagent.reporter import Reporter
+
+    policy = tmp_path / "policy.yaml"
+    pods = [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"w{n}", "namespace": "web"},
+             "spec": {"nodeName": f"node-{n}", "containers": [{"name": "c", "image": "x"}]}} for n in range(10)]
+    policy.write_text(yaml.safe_dump_all([*CLASSES, budget("100M"), *pods]))
+    agent = make_agent("node-0", [("web", "w0")])
+    with controller_process(tmp_path, "--from-file", str(policy), "--no-auth", "--max-reports-per-second", "2") as (_, base):
+        reporter = Reporter(agent, base, token_path=None, period=0.2, insecure_http=True)
+        assert reporter.effective_period() == 0.2
+        reporter.report_once()
+        assert reporter.advised_period == 1.25 and reporter.effective_period() == 1.25
+        assert reporter.build_report().period_seconds == 1.25  # the allocator times its feedback by it
+    with controller_process(tmp_path, "--from-file", str(policy), "--no-auth", "--max-reports-per-second", "0") as (_, base):
+        reporter.client = Reporter(agent, base, token_path=None, insecure_http=True).client
+        reporter.report_once()
+        assert reporter.advised_period == 0 and reporter.effective_period() == 0.2
