@@ -292,6 +292,7 @@ class SimAgent:
         self.resolved: list = []
         self._resolved_key = None
         self._dirty = True
+        self.sampled_at: float | None = None  # when advance() last added bytes (the counters' clock)
 
     # API server side: list once, then resumable watches, relist only on 410
     async def list_watch(self, path: str, store: dict, kind: str, convert) -> None:
@@ -366,7 +367,13 @@ class SimAgent:
             self.resolved = resolve_pods(policy, self.pods.values())
             self._resolved_key, self._dirty = key, False
         total = 0.0
-        dt = self.period()
+        # the bytes of the time that really passed since the last sample, as a kernel counter
+        # counts them: not the nominal period (the sleep has +-20 % jitter and this loop can lag;
+        # bytes for 5 s divided by the 4..6 s the estimator measured made every pod's usage
+        # +-20 % wrong, and demand, the max of two such samples, ~10 % high: budget given to
+        # pods that did not use it)
+        dt = t - self.sampled_at if self.sampled_at is not None else self.period()
+        self.sampled_at = t
         for rp in self.resolved:
             k = rp.key
             if k not in self.appetite:
@@ -492,6 +499,11 @@ class Bench:
         self._synced_kinds: dict[int, set] = {}
         self.all_synced = asyncio.Event()
         self.agents: list[SimAgent] = []
+
+    def sent(self) -> float:
+        """What all pods send now, bit/s: min(appetite, limit) each."""
+        return sum(min(a.appetite.get(k, 0.0) * self.factor(a.team_of.get(k, "")), a.limits.get(k, FLOOR_BPS))
+                   for a in self.agents for k in a.appetite)
 
     def factor(self, team: str) -> float:
         if not self.shifted:
@@ -640,7 +652,9 @@ def start_controllers(cp: ControlPlane, args, token: str, workdir: Path) -> list
              "--namespace", SYSTEM_NS, "--identity", f"scale-controller-{r}@127.0.0.1:{port}",
              "--agent-service-account", f"{SYSTEM_NS}:{AGENT_SA}", "--log-format", "json",
              *(["--max-reports-per-second", str(args.max_reports_per_second)]
-               if args.max_reports_per_second is not None else [])],
+               if args.max_reports_per_second is not None else []),
+             *(["--period", str(args.round_period)] if args.round_period is not None else []),
+             *(["--answer-wait", str(args.answer_wait)] if args.answer_wait is not None else [])],
             cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
         out.append((proc, f"https://127.0.0.1:{port}", log))
     return out
@@ -782,14 +796,20 @@ async def run(args) -> None:
         bench.stats.window = True
         bench.stats.answers.clear()
         cpu_w0 = time.process_time()
-        await asyncio.sleep(args.measure)
+        # the cluster's sending rate sampled through the window (one instant is one draw of the
+        # agents' jittered report phases)
+        sent_samples = []
+        t_end = time.monotonic() + args.measure
+        while (left := t_end - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, args.period))
+            sent_samples.append(bench.sent())
         bench.stats.window = False
         busy_use = busy.read()
         bench_cpu = (time.process_time() - cpu_w0) / args.measure
         m3 = apiserver_metrics(cp)
         allocated = sum(a.node_rate for a in bench.agents)
         budget = args.nodes * args.pods_per_node * BUDGET_PER_POD_BPS
-        sent = sum(min(a.appetite.get(k, 0.0), a.limits.get(k, FLOOR_BPS)) for a in bench.agents for k in a.appetite)
+        sent = sum(sent_samples) / max(1, len(sent_samples))
 
         # -- report
         counts_start = audit_counts(audit_log, t_agents)
@@ -826,7 +846,8 @@ async def run(args) -> None:
               f"others: {dict((k, v) for k, v in bench.stats.answers.items() if k != 200)}; redirects {bench.stats.redirects}")
         print(f"answer latency p50 {pct(bench.stats.latencies, 0.5) * 1e3:.1f} ms, "
               f"p99 {pct(bench.stats.latencies, 0.99) * 1e3:.1f} ms")
-        print(f"allocated (sum of node rates) {allocated / 1e9:.2f} Gbit/s, sent {sent / 1e9:.2f} Gbit/s, "
+        print(f"allocated (sum of node rates) {allocated / 1e9:.2f} Gbit/s, sent {sent / 1e9:.2f} Gbit/s "
+              f"(mean of {len(sent_samples)} samples, {min(sent_samples) / 1e9:.2f}..{max(sent_samples) / 1e9:.2f}), "
               f"budget {budget / 1e9:.0f} Gbit/s: {(sent / budget - 1) * 100:+.1f} %")
         print(f"simulated agents' own CPU (this process, not netagent): {bench_cpu:.2f} cores")
         per_node = agent_series(args.pods_per_node)
@@ -867,8 +888,7 @@ async def run(args) -> None:
                 print("failover: no leader known to the agents; skipped")
             else:
                 bench.held_at_kill = {a.i: dict(a.limits) for a in bench.agents}
-                sent_before = sum(min(a.appetite.get(k, 0.0) * bench.factor(a.team_of.get(k, "")), a.limits.get(k, FLOOR_BPS))
-                                  for a in bench.agents for k in a.appetite)
+                sent_before = bench.sent()
                 bench.stats.answers.clear()
                 victim[0].send_signal(signal.SIGKILL)
                 bench.killed = leader_url
@@ -877,9 +897,7 @@ async def run(args) -> None:
                 while time.monotonic() - t_kill < args.failover_timeout and \
                         len(bench.answered_after_kill) < len(bench.agents):
                     await asyncio.sleep(1.0)
-                    sent = sum(min(a.appetite.get(k, 0.0) * bench.factor(a.team_of.get(k, "")), a.limits.get(k, FLOOR_BPS))
-                               for a in bench.agents for k in a.appetite)
-                    peak = max(peak, sent)
+                    peak = max(peak, bench.sent())
                 first = bench.first_new_answer
                 print(f"failover: leader killed; first answer from a round of the new leader after "
                       f"{(first - t_kill) if first else float('nan'):.1f} s; "
@@ -926,6 +944,10 @@ def main() -> None:
     p.add_argument("--failover-timeout", type=float, default=120.0, help="seconds to wait for the new leader")
     p.add_argument("--max-reports-per-second", type=float, default=None,
                    help="the controller's flag of that name (default: the controller's default)")
+    p.add_argument("--round-period", type=float, default=None,
+                   help="the controller's --period (seconds between rounds; default: the controller's)")
+    p.add_argument("--answer-wait", type=float, default=None,
+                   help="the controller's --answer-wait (default: the controller's)")
     p.add_argument("--no-pod-status", dest="pod_status", action="store_false",
                    help="leave pods Pending without IPs (faster loading; netagent reports them all the same)")
     asyncio.run(run(p.parse_args()))
