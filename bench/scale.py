@@ -694,11 +694,11 @@ def series_of(exposition: bytes) -> int:
     return sum(1 for line in exposition.decode().splitlines() if line and not line.startswith("#"))
 
 
-def agent_series(pods: int) -> int:
+def agent_series(pods: int, lean: bool = False) -> int:
     """Series one agent's /metrics exports with `pods` pods (its own registry, every pod in a class,
-    as AgentMetrics renders them; one policy problem on no pod)."""
+    as AgentMetrics renders them; one policy problem on no pod; downloads not shaped)."""
     view = NodeView("n", [PodView(f"ns{j % 5}", f"p{j}", "team00", "bulk", minor=j + 2) for j in range(pods)])
-    metrics = AgentMetrics(lambda: view)
+    metrics = AgentMetrics(lambda: view, lean=lean)
     return series_of(generate_latest(metrics.registry))
 
 
@@ -856,6 +856,11 @@ async def run(args) -> None:
         print(f"metric series: one agent with {args.pods_per_node} pods {per_node} "
               f"({(per_node - agent_series(0)) / max(1, args.pods_per_node):.0f} per pod); controllers {ctl_series}; "
               f"cluster {cluster_series:,} series, {cluster_series / 30:,.0f} samples/s at a 30 s scrape")
+        lean_node = agent_series(args.pods_per_node, lean=True)
+        lean_cluster = lean_node * args.nodes + sum(max(0, n) for n in ctl_series)
+        print(f"with the agents' --lean-metrics: one agent {lean_node} "
+              f"({(lean_node - agent_series(0, lean=True)) / max(1, args.pods_per_node):.0f} per pod); "
+              f"cluster {lean_cluster:,} series, {lean_cluster / 30:,.0f} samples/s at a 30 s scrape")
         advised = Counter(round(a.advised, 1) for a in bench.agents)
         period = max(args.period, max(advised, default=0.0))
         print(f"report period advised by the leader: {dict(advised)} (agents' own {args.period:g} s)")

@@ -109,6 +109,10 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ingress-ifb", default=DataPathOptions.ingress_ifb,
                    help="name of the IFB device netagent owns for downloads")
     p.add_argument("--report-period", type=float, default=5.0, help="seconds between controller reports")
+    p.add_argument("--lean-metrics", action="store_true",
+                   help="export 4 series a pod instead of 10 (internet bytes both ways, throttled seconds, info; "
+                        "no per-pod limit/allocation/demand/drops, no in-cluster scope): for very large clusters, "
+                        "docs/scale.md")
     p.add_argument("--resync-period", type=float, default=30.0,
                    help="seconds between resyncs that re-read the whole kernel state and repair drift")
     _iptables_backend(p)

@@ -46,6 +46,7 @@ class AgentConfig:
     iptables_backend: str = "auto"
     shape_ingress: bool = True  # downloads (internet -> pod) shaped on the pods' devices
     ingress_rate_bps: int | None = None  # --ingress-rate: the node's download rate with no controller answer
+    lean_metrics: bool = False  # --lean-metrics: fewer per-pod series (netagent/metrics.py)
 
 
 def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None, controller: str | None,
@@ -54,7 +55,7 @@ def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None
                report_period: float, resync_period: float, iptables_backend: str, controller_ca: str | None = None,
                controller_insecure_http: bool = False, state_listen: str = DEFAULT_STATE_LISTEN,
                ingress_rate: str | None = None, ingress_default_rate: str = "1M",
-               ingress_ifb: str = DataPathOptions.ingress_ifb) -> AgentConfig:
+               ingress_ifb: str = DataPathOptions.ingress_ifb, lean_metrics: bool = False) -> AgentConfig:
     """The command line's values -> AgentConfig. Discovers the uplinks (default routes) when none
     is named and adds their connected subnets to the internal CIDRs. The leaf qdisc is the
     data path's choice after probing the kernel (`Daemon.build`)."""
@@ -109,6 +110,7 @@ def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None
         token_path=token_path, report_period=report_period, resync_seconds=resync_period,
         default_floor_bps=default_bps, from_file=tuple(from_file), kubeconfig=kubeconfig,
         listen=listen_at, state_listen=state_at, uplinks_learnt=not uplink, iptables_backend=iptables_backend,
+        lean_metrics=lean_metrics,
     )
 
 

@@ -48,7 +48,7 @@ class Daemon:
             datapath.close()
             raise
         holder: dict[str, Agent] = {}
-        metrics = AgentMetrics(lambda: holder["agent"].view())
+        metrics = AgentMetrics(lambda: holder["agent"].view(), lean=cfg.lean_metrics)
         emit_event = None
         # A part is loaded only in the mode that uses it (tests/test_layers.py holds this): the
         # kubernetes client only with Kubernetes, the engine (numpy) only in single-node mode.
