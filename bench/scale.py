@@ -1,7 +1,7 @@
 """netagent at cluster scale against a real API server: N nodes, 110 pods each, 10k agents.
 
     python3 bench/scale.py [--nodes 1000] [--pods-per-node 110] [--period 5] [--measure 60]
-                           [--baseline 20] [--replicas 2] [--concurrency 48] [--no-pod-status]
+                           [--baseline 20] [--replicas 2] [--concurrency 48] [--no-pod-status] [--settle 10]
 
 What runs (all on this machine):
 - the harness's real etcd + kube-apiserver (lab/kube.py), tuned as a large cluster's would be
@@ -397,8 +397,11 @@ class SimAgent:
         if self._session is None:
             i = self.i + 1
             local = (f"127.{1 + i // 65536}.{(i // 256) % 256}.{i % 256}", 0)
+            # a new connection (and TLS handshake) per report, as the agent's transport
+            # (netagent/transport.py sends Connection: close)
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=2, ssl=self.bench.controller_ctx, local_addr=local),
+                connector=aiohttp.TCPConnector(limit=2, ssl=self.bench.controller_ctx, local_addr=local,
+                                               force_close=True),
                 timeout=aiohttp.ClientTimeout(total=3))  # the agent's 3 s
         return self._session
 
@@ -724,12 +727,12 @@ def pct(values: list[float], q: float) -> float:
 
 async def run(args) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = 4 * args.nodes + 1000  # 4 connections an agent; the API server inherits the limit (its watches)
+    need = 3 * args.nodes + 1000  # 3 watches an agent (+ a report's connection now and then); the API server inherits the limit
     try:  # root may raise the hard limit (up to fs.nr_open)
         resource.setrlimit(resource.RLIMIT_NOFILE, (max(hard, need), max(hard, need)))
     except (ValueError, OSError):
         if hard < need:
-            raise SystemExit(f"open files limit {hard} is too small for {args.nodes} agents (4 connections each)")
+            raise SystemExit(f"open files limit {hard} is too small for {args.nodes} agents (3 watches each)")
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     assets = find_assets(CONTROL_PLANE_BINARIES)
     workdir = Path(tempfile.mkdtemp(prefix="netagent-scale-"))
@@ -743,7 +746,8 @@ async def run(args) -> None:
     admin = None
     bench = Bench(args)
     print(f"# bench/scale.py --nodes {args.nodes} --pods-per-node {args.pods_per_node} --period {args.period} "
-          f"--measure {args.measure} --replicas {args.replicas}")
+          f"--measure {args.measure} --replicas {args.replicas} --settle {args.settle:g}"
+          + ("" if args.pod_status else " --no-pod-status"))
     print(f"# machine: {platform.node()} {os.cpu_count()} CPUs, "
           f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, Python {platform.python_version()}")
     try:
@@ -787,6 +791,10 @@ async def run(args) -> None:
         await asyncio.wait_for(bench.all_synced.wait(), timeout=max(300, args.nodes * 0.2))
         print(f"{args.nodes} agents synced (3 lists each) after {time.monotonic() - t_sync0:.1f} s", flush=True)
         await asyncio.sleep(3 * args.period)  # the first reports, TokenReviews, first rounds
+        # the cold start: every pod begins at the floor and climbs by probing (~2 periods a doubling)
+        advised_now = max((a.advised for a in bench.agents), default=0.0)
+        print(f"settling for {args.settle} report periods of {max(args.period, advised_now):g} s", flush=True)
+        await asyncio.sleep(args.settle * max(args.period, advised_now))
 
         # -- steady state window
         m2 = apiserver_metrics(cp)
@@ -942,6 +950,8 @@ def main() -> None:
     p.add_argument("--measure", type=float, default=60.0, help="steady-state window, seconds")
     p.add_argument("--baseline", type=float, default=20.0, help="window without netagent, seconds")
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--settle", type=float, default=10.0,
+                   help="report periods between the agents' first reports and the window (the cold start's climb)")
     p.add_argument("--concurrency", type=int, default=48, help="loader requests in flight")
     p.add_argument("--shift-periods", type=int, default=6,
                    help="report periods followed after a demand shift (0: no shift)")
