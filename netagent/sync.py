@@ -177,7 +177,8 @@ class NodeSync:
         # a part (tc, or iptables with its ipsets) planned exactly as in the last good sync, yet the
         # kernel needed changes there: someone else changed it
         drift = {kind: n for kind, n in changes.items() if n and before is not None and (
-            desired.shaper == before.shaper if kind == "tc" else desired.classifier == before.classifier)}
+            (desired.shaper, desired.ingress_shaper) == (before.shaper, before.ingress_shaper) if kind == "tc"
+            else desired.classifier == before.classifier)}
         if self.metrics:
             self.metrics.reconcile_duration.observe(elapsed)
             for kind, n in changes.items():
