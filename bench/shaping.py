@@ -9,7 +9,9 @@ after a warm-up and again at the end of a window, divided by the time between th
 The unshaped path (no netagent) is measured first in the same run: it says what this
 machine can carry at all. Then: the pod's internal traffic while it is shaped, against
 that unshaped baseline and against the CNI bandwidth plugin's TBF (which shapes every
-destination), and two pods sharing a node class (HTB's expected split).
+destination), and two pods sharing a node class (HTB's expected split). Then the same for
+downloads (internet -> pod, issue 13): the pod's download class, TCP and a UDP flood from the
+internet host, and the pod's internal download against the unshaped path.
 Exits 1 when any rate error exceeds 5%.
 
     sudo python3 bench/shaping.py [--rates 10M,100M,1G] [--runs 1] [--window 2.4]
@@ -27,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from iptables.apply import Classifier  # noqa: E402
 from lab.topology import INTERNAL_CIDRS, INTERNET_V4, PEER_V4, UPLINK, Lab, run  # noqa: E402
-from netagent.desired import NodeInputs, DataPathOptions, PodShape, desired_state  # noqa: E402
+from netagent.desired import NodeInputs, DataPathOptions, PodShape, desired_state, ip_bytes  # noqa: E402
 from tc import sizing  # noqa: E402
 from tc.netlink import Shaper  # noqa: E402
 from tc.probe import probe  # noqa: E402
@@ -182,6 +184,101 @@ class Bench:
         return statistics.median(unshaped), statistics.median(shaped)
 
 
+class DownloadBench:
+    """Downloads (internet -> pod, issue 13): the same table for the pod's download class. The pod's
+    iperf3 client runs in reverse mode (the internet host sends through the node's NAT); the UDP
+    flood comes from the internet host (`Lab.download_flood`). Measured in IP bytes (HTB class
+    bytes - 14 x packets), the unit of every configured rate."""
+
+    def __init__(self, bench: Bench):
+        self.b = bench
+
+    def program(self, rate: int) -> None:
+        b = self.b
+        shapes = (PodShape(b.key, (b.pod.ip4, b.pod.ip6), 100 * 10**9, 100 * 10**9, rate, rate),)
+        devices = b.shaper.devices_of_kind(("veth",), exclude=(UPLINK,))
+        b.state = desired_state(NodeInputs((UPLINK,), INTERNAL_CIDRS, shapes, 100 * 10**9, b.options,
+                                           ingress_node_rate=10 * rate, pod_devices=devices))
+        b.shaper.apply(b.state.shaper)
+        b.shaper.apply(b.state.ingress_shaper)
+        b.classifier.apply(b.state.classifier)
+
+    def remove(self) -> None:
+        self.b.remove()
+        self.b.shaper.cleanup(self.b.options.ingress_ifb, (), self.b.options.filter_pref)
+
+    def class_ip_bytes(self) -> tuple[int, int]:
+        s = self.b.state.ingress_shaper
+        st = self.b.shaper.stats(s.ifb, s.major)[self.b.state.minors[self.b.key]]
+        return ip_bytes(st.bytes, st.packets, self.b.options), st.drops
+
+    def run(self, proto: str, rate: int) -> dict:
+        b = self.b
+        seconds = b.warmup + b.window + 0.8
+        if proto == "tcp":
+            procs, tool = [b.lab.iperf_async(b.pod.netns, INTERNET_V4, 5201, seconds=seconds, extra=["-R"])], "iperf3"
+        elif rate <= IPERF_UDP_LIMIT:  # (the GSO flood's 61 KB packets would sit in the pfifo, not overflow it)
+            procs, tool = [b.lab.iperf_async(b.pod.netns, INTERNET_V4, 5201, seconds=seconds, udp_bitrate=str(2 * rate),
+                                             extra=["-R"])], "iperf3"
+        else:
+            procs, tool = [b.lab.download_flood(b.pod.netns, b.lab.internet, INTERNET_V4, 5299, 2 * rate, seconds)], "udp-gso"
+        try:
+            time.sleep(b.warmup)
+            b1, d1 = self.class_ip_bytes()
+            t1 = time.monotonic()
+            time.sleep(b.window)
+            b2, d2 = self.class_ip_bytes()
+            t2 = time.monotonic()
+            outs = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        sent = sum(o["end"]["sum_sent"]["bits_per_second"] if "end" in o else o["bits_per_second"] for o in outs)
+        measured = (b2 - b1) * 8 / (t2 - t1)
+        return {"measured": measured, "error": (measured - rate) / rate, "drops": d2 - d1, "sender": sent, "tool": tool}
+
+    def internal(self, rate: int, pairs: int = 3) -> tuple[float, float]:
+        """The pod's download from the internal peer (TCP, iperf3 -R), without netagent and with the
+        pod's internet downloads shaped at `rate`, alternated; medians."""
+        b = self.b
+        unshaped, shaped = [], []
+        for i in range(pairs):
+            for on in ((False, True) if i % 2 == 0 else (True, False)):
+                self.program(rate) if on else self.remove()
+                got = b.lab.iperf(b.pod.netns, PEER_V4, 5202, seconds=2, reverse=True)["end"]["sum_received"]["bits_per_second"]
+                (shaped if on else unshaped).append(got)
+        return statistics.median(unshaped), statistics.median(shaped)
+
+
+def download_table(bench: Bench, rates: list[int], runs: int) -> list[str]:
+    """Print the download table; -> the failures (error above TOLERANCE)."""
+    dl = DownloadBench(bench)
+    failed = []
+    bench.remove()
+    print(f"download accuracy (internet -> pod): measured = the pod's download class in IP bytes over a "
+          f"{bench.window:g} s window after {bench.warmup:g} s; median of {runs} run(s)")
+    print(f"{'configured':>12}{'proto':>6}{'sender':>9}{'offered':>14}{'measured':>14}{'error':>9}{'drops':>9}")
+    try:
+        for rate in rates:
+            dl.program(rate)
+            for proto in ("tcp", "udp"):
+                got = [dl.run(proto, rate) for _ in range(runs)]
+                mid = sorted(got, key=lambda r: r["measured"])[len(got) // 2]
+                err = statistics.median(r["error"] for r in got)
+                print(f"{fmt(rate):>12}{proto:>6}{mid['tool']:>9}{fmt(mid['sender']):>14}{fmt(mid['measured']):>14}"
+                      f"{err * 100:+8.2f}%{mid['drops']:9d}")
+                if abs(err) > TOLERANCE:
+                    failed.append(f"download {proto} at {fmt(rate)}bit/s: {err:+.2%}")
+        unshaped, shaped = dl.internal(rates[0])
+        print(f"internal download (peer -> pod, TCP, median of 3 alternated pairs): {fmt(shaped)}bit/s with the pod's "
+              f"internet downloads shaped at {fmt(rates[0])}bit/s, {fmt(unshaped)}bit/s without netagent: "
+              f"{shaped / unshaped:.2f}x")
+    finally:
+        dl.remove()
+    return failed
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", default="10M,100M,1G")
@@ -237,6 +334,8 @@ def main() -> int:
                 for (label, want, got), (rate, _) in zip(bench.sharing(node_rate, a, b), (a, b)):
                     print(f"{label:>32}{sizing.quantum_bytes(rate):>9}B{fmt(want):>12}{fmt(got):>12}"
                           f"{(got - want) / want * 100:+8.2f}%")
+            print()
+            failed += download_table(bench, rates, args.runs)
         finally:
             bench.remove()
             bench.shaper.close()

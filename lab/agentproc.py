@@ -27,6 +27,7 @@ from .nsexec import NetnsWorker, http_get
 from .procs import wait_for
 
 IFB = "netagent0"
+INGRESS_IFB = "netagent-in"  # downloads
 
 
 def pod_object(pod: Pod, node: Node, namespace: str = "team-a", name: str | None = None,
@@ -139,11 +140,11 @@ class AgentProcess:
 
 # -- kernel state, read without the agent ------------------------------------------------------
 
-def tc_classes(netns: str) -> dict[int, tuple[int, int]]:
-    """HTB classes on the IFB: minor -> (rate, ceil) in bit/s."""
+def tc_classes(netns: str, ifb: str = IFB, major: int = 0x1) -> dict[int, tuple[int, int]]:
+    """HTB classes on the IFB (the download one: INGRESS_IFB, major 2): minor -> (rate, ceil) in bit/s."""
 
     with Shaper(netns) as s:
-        return {m: (st.rate_bytes * 8, st.ceil_bytes * 8) for m, st in s.stats(IFB).items()}
+        return {m: (st.rate_bytes * 8, st.ceil_bytes * 8) for m, st in s.stats(ifb, major).items()}
 
 
 def tc_class_bytes(netns: str, minor: int) -> int:

@@ -84,9 +84,10 @@ class Daemon:
                                 on_refused=lambda reason: metrics.refused_pods.labels(reason).inc())
         http = AgentHTTP(cfg.listen, metrics.registry, agent.health, agent.readiness, lambda: agent.view().as_dict(),
                          state_listen=cfg.state_listen, on_rejected=lambda r: metrics.http_rejected.labels(r).inc())
-        log.info("uplinks %s; internal %s; leaf qdisc %s; iptables %s; mark bit %#x; %s",
+        log.info("uplinks %s; internal %s; leaf qdisc %s; iptables %s; mark bit %#x; downloads %s; %s",
                  ",".join(cfg.uplinks), ",".join(cfg.internal_cidrs), leaf, datapath.iptables_backend,
                  cfg.datapath.mark_bit,
+                 f"shaped on the pod devices through {cfg.datapath.ingress_ifb}" if cfg.shape_ingress else "not shaped",
                  f"controller {cfg.controller}" if cfg.controller else "local allocation (no controller)")
         drift = DriftWatch(cfg.datapath.ifb, lambda: agent.cfg.uplinks, agent.wake_full, datapath.hooks_fingerprint,
                            set_uplinks=agent.set_uplinks if cfg.uplinks_learnt else None,

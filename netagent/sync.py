@@ -61,7 +61,6 @@ class NodeSync:
         self.ingress_allocations = ingress_allocations
         self.ingress_demand = ingress_demand if ingress_demand is not None else {}
         self.ingress_local: LocalAllocate | None = None  # single-node mode: the engine on policy.for_ingress()
-        self._ingress_allocated_inputs: dict[str, object] | None = None
         self.datapath = datapath
         self.allocations = allocations
         self.demand = demand  # written by the sampler; read here for local allocation
@@ -72,7 +71,8 @@ class NodeSync:
         self._policy_objects: tuple | None = None
         self.policy = PolicyCache(self._current_policy_objects)
         self.local = local
-        self._allocated_inputs: dict[str, object] | None = None  # pods (and budget) the local engine last saw
+        # per direction: the pods (and budget) the local engine last saw
+        self._allocated_inputs: dict[str, dict[str, object]] = {}
         self._lock = threading.Lock()  # one sync at a time (the runner's thread, or a test)
 
     # -- inputs ---------------------------------------------------------------
@@ -158,16 +158,7 @@ class NodeSync:
         floor = self.cfg.datapath.ingress_default_rate
         views = [ingress_view(p) for p in pods]
         budget = self.cfg.ingress_rate_bps or int(policy.ingress_total_bps)
-        if self.ingress_local is not None:
-            inputs: dict[str, object] = {p.key: (p.team, p.egress_class, p.weight, p.min_bps, p.max_bps, bool(p.ips))
-                                         for p in views}
-            inputs[""] = budget
-            if inputs != self._ingress_allocated_inputs:
-                first = self._ingress_allocated_inputs is None
-                self._ingress_allocated_inputs = inputs
-                adopted = self.ingress_allocations.adopted
-                if not (first and adopted and all(self.minor_of(p) in adopted for p in views if p.ips)):
-                    self.ingress_allocations.replace(self.ingress_local(views, self.ingress_demand, budget))
+        self._allocate_locally_if_inputs_changed(views, budget, "ingress")
         eff = self.ingress_allocations.effective(views, self.minor_of, time.monotonic())
         rate = self.ingress_allocations.node_rate(eff, floor)
         return rate, cap_to_node(eff, rate, floor), budget
@@ -177,7 +168,8 @@ class NodeSync:
         # a part (tc, or iptables with its ipsets) planned exactly as in the last good sync, yet the
         # kernel needed changes there: someone else changed it
         drift = {kind: n for kind, n in changes.items() if n and before is not None and (
-            desired.shaper == before.shaper if kind == "tc" else desired.classifier == before.classifier)}
+            (desired.shaper, desired.ingress_shaper) == (before.shaper, before.ingress_shaper) if kind == "tc"
+            else desired.classifier == before.classifier)}
         if self.metrics:
             self.metrics.reconcile_duration.observe(elapsed)
             for kind, n in changes.items():
@@ -201,21 +193,25 @@ class NodeSync:
             self.metrics.reconcile_errors.labels(stage).inc()
         log.error("reconcile failed (%s); the previous kernel state stays in force", reason)
 
-    def _allocate_locally_if_inputs_changed(self, pods: list[ResolvedPod], budget: int) -> None:
+    def _allocate_locally_if_inputs_changed(self, pods: list[ResolvedPod], budget: int,
+                                            direction: str = "egress") -> None:
         """Single-node mode: a pod that appears, gets its IP or changes class (or a new budget
         total) gets its share in this sync, not at the next allocation round. Right after a
-        restart, pods whose class the kernel already holds keep it (adoption) until the next round."""
-        if self.local is None:
+        restart, pods whose class the kernel already holds keep it (adoption) until the next round.
+        `direction` "ingress": the same for downloads (`pods` are the pods' download views)."""
+        local, allocations, demand = (self.local, self.allocations, self.demand) if direction == "egress" else (
+            self.ingress_local, self.ingress_allocations, self.ingress_demand)
+        if local is None:
             return
         inputs: dict[str, object] = {p.key: (p.team, p.egress_class, p.weight, p.min_bps, p.max_bps, bool(p.ips))
                                      for p in pods}
         inputs[""] = budget  # a new budget total is a change too
-        if inputs == self._allocated_inputs:
+        if inputs == self._allocated_inputs.get(direction):
             return
-        first = self._allocated_inputs is None
-        self._allocated_inputs = inputs
-        adopted = self.allocations.adopted
+        first = direction not in self._allocated_inputs
+        self._allocated_inputs[direction] = inputs
+        adopted = allocations.adopted
         if first and adopted and all(self.minor_of(p) in adopted for p in pods if p.ips):
             return
-        self.allocations.replace(self.local(pods, self.demand, budget))
+        allocations.replace(local(pods, demand, budget))
 

@@ -26,6 +26,7 @@ NLM_F_DUMP = 0x300
 RTM_GETLINK = 18
 RTM_GETQDISC = 38
 RTM_GETTCLASS = 42
+RTM_GETTFILTER = 46
 NETLINK_ROUTE = 0
 SOL_NETLINK = 270
 NETLINK_EXT_ACK = 11
@@ -128,12 +129,12 @@ class NetlinkChannel:
                     kind=_text(info[IFLA_INFO_KIND]) if IFLA_INFO_KIND in info else None,
                 )
 
-    def dump_links(self) -> list[tuple[str, str | None]]:
-        """Every device of the namespace as (name, kind): one RTM_GETLINK dump."""
+    def dump_links(self) -> list[tuple[str, str | None, int]]:
+        """Every device of the namespace as (name, kind, ifindex): one RTM_GETLINK dump."""
         seq = self._next()
         body = _IFINFO.pack(socket.AF_UNSPEC, 0, 0, 0, 0)
         self.sock.send(_HDR.pack(_HDR.size + len(body), RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body)
-        out: list[tuple[str, str | None]] = []
+        out: list[tuple[str, str | None, int]] = []
         while True:
             for mtype, _flags, mseq, payload in _messages(self.sock.recv(1 << 20)):
                 if mseq != seq:
@@ -145,9 +146,11 @@ class NetlinkChannel:
                     if err:
                         raise OSError(-err, f"link dump failed: {os.strerror(-err)}")
                     return out
+                _, _, index, _, _ = _IFINFO.unpack_from(payload, 0)
                 a = attrs(payload[_IFINFO.size :])
                 info = attrs(a.get(IFLA_LINKINFO, b""))
-                out.append((_text(a.get(IFLA_IFNAME, b"")), _text(info[IFLA_INFO_KIND]) if IFLA_INFO_KIND in info else None))
+                out.append((_text(a.get(IFLA_IFNAME, b"")), _text(info[IFLA_INFO_KIND]) if IFLA_INFO_KIND in info else None,
+                            index))
 
     def dump_classes(self, ifindex: int) -> list[tuple[int, int, bytes]]:
         """RTM_GETTCLASS dump of one device: (handle, parent, attributes) per class."""
@@ -156,6 +159,52 @@ class NetlinkChannel:
     def dump_qdiscs(self, ifindex: int) -> list[tuple[int, int, bytes]]:
         """RTM_GETQDISC dump, kept to one device: (handle, parent, attributes) per qdisc."""
         return self._dump(RTM_GETQDISC, ifindex)
+
+    def dump_filters(self, ifindex: int, parent: int) -> list[tuple[int, int, bytes]]:
+        """RTM_GETTFILTER dump of one device and parent (e.g. clsact egress): (handle, info, attributes)
+        per filter; info is (priority << 16) | protocol. Raw: one request, no decoding beyond the header."""
+        seq = self._next()
+        body = _TCMSG.pack(socket.AF_UNSPEC, ifindex, 0, parent, 0)
+        self.sock.send(_HDR.pack(_HDR.size + len(body), RTM_GETTFILTER, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body)
+        out = []
+        while True:
+            for mtype, _flags, mseq, payload in _messages(self.sock.recv(1 << 20)):
+                if mseq != seq:
+                    continue
+                if mtype == NLMSG_DONE:
+                    return out
+                if mtype == NLMSG_ERROR:
+                    (err,) = struct.unpack_from("=i", payload, 0)
+                    if err and -err not in (errno.EINVAL, errno.ENOENT):  # no such parent: no filters
+                        raise OSError(-err, f"filter dump failed: {os.strerror(-err)}")
+                    return out
+                _, index, handle, _parent, info = _TCMSG.unpack_from(payload, 0)
+                if index == ifindex:
+                    out.append((handle, info, payload[_TCMSG.size :]))
+
+    def clsact_devices(self) -> set[int]:
+        """Indexes of every device with a clsact qdisc: one RTM_GETQDISC dump of the namespace."""
+        return {index for index, handle, parent, payload in self._dump_all(RTM_GETQDISC)
+                if parent == 0xFFFFFFF1 and attrs(payload).get(TCA_KIND, b"").rstrip(b"\0") == b"clsact"}
+
+    def _dump_all(self, msg_type: int) -> list[tuple[int, int, int, bytes]]:
+        seq = self._next()
+        body = _TCMSG.pack(socket.AF_UNSPEC, 0, 0, 0, 0)
+        self.sock.send(_HDR.pack(_HDR.size + len(body), msg_type, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body)
+        out = []
+        while True:
+            for mtype, _flags, mseq, payload in _messages(self.sock.recv(1 << 20)):
+                if mseq != seq:
+                    continue
+                if mtype == NLMSG_DONE:
+                    return out
+                if mtype == NLMSG_ERROR:
+                    (err,) = struct.unpack_from("=i", payload, 0)
+                    if err:
+                        raise OSError(-err, f"tc dump failed: {os.strerror(-err)}")
+                    return out
+                _, index, handle, parent, _ = _TCMSG.unpack_from(payload, 0)
+                out.append((index, handle, parent, payload[_TCMSG.size :]))
 
     def _dump(self, msg_type: int, ifindex: int) -> list[tuple[int, int, bytes]]:
         seq = self._next()
@@ -290,6 +339,37 @@ def parse_qdisc(handle: int, parent: int, payload: bytes) -> RawQdisc:
             if TCA_HTB_INIT in o:  # struct tc_htb_glob: version, rate2quantum, defcls, debug, direct_pkts
                 default = struct.unpack_from("=IIIII", o[TCA_HTB_INIT], 0)[2]
     return RawQdisc(handle, parent, kind, limit, default)
+
+
+TCA_BPF_ACT, TCA_BPF_OPS = 1, 5
+TCA_ACT_KIND, TCA_ACT_OPTIONS = 1, 2
+TCA_MIRRED_PARMS = 2
+_MIRRED = struct.Struct("=IIiiiiI")  # struct tc_mirred: tc_gen (index, capab, action, refcnt, bindcnt), eaction, ifindex
+
+
+@dataclass(frozen=True)
+class RawFilter:
+    kind: str
+    bpf_ops: bytes | None  # cls_bpf's classic program, as the kernel holds it
+    mirred_eaction: int | None  # the first mirred action's eaction (1: egress redirect)
+    mirred_ifindex: int | None
+
+
+def parse_filter(payload: bytes) -> RawFilter:
+    a = attrs(payload)
+    kind = a.get(TCA_KIND, b"").rstrip(b"\0").decode()
+    ops = eaction = ifindex = None
+    if kind == "bpf" and TCA_OPTIONS in a:
+        o = attrs(a[TCA_OPTIONS])
+        ops = o.get(TCA_BPF_OPS)
+        for _, act in sorted(attrs(o.get(TCA_BPF_ACT, b"")).items()):
+            act_attrs = attrs(act)
+            if act_attrs.get(TCA_ACT_KIND, b"").rstrip(b"\0") == b"mirred":
+                parms = attrs(act_attrs.get(TCA_ACT_OPTIONS, b"")).get(TCA_MIRRED_PARMS)
+                if parms is not None and len(parms) >= _MIRRED.size:
+                    *_, eaction, ifindex = _MIRRED.unpack_from(parms, 0)
+                break
+    return RawFilter(kind, ops, eaction, ifindex)
 
 
 def errno_name(code: int) -> str:

@@ -195,6 +195,10 @@ def test_local_mode_shares_the_download_total_and_honours_the_ingress_annotation
     from netagent.status import render
     text = render(state)
     assert "downloads (internet -> pod): node allocation 400.0 Mbit/s" in text and "dl limit" in text
+    # a new pod device gets the download filter: a planned tc change, not drift
+    dp.devices, dp.next_changes = ("eth0", "vp0", "vp1", "vp2"), {"tc": 2}
+    assert agent.sync() and dp.applied[-1].ingress_shaper.uplinks == ("vp0", "vp1", "vp2")
+    assert sample(metrics, "netagent_drift_repairs_total", kind="tc") == 0
 
 
 def test_a_bad_ingress_annotation_keeps_the_default_download_class_and_is_told():

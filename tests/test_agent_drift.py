@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from lab.agentproc import IFB, AgentProcess, iptables_text, pod_object, tc_classes, wait_for, write_objects
+from lab.agentproc import IFB, INGRESS_IFB, AgentProcess, iptables_text, pod_object, tc_classes, wait_for, write_objects
 from lab.faults import delete_link, flush_mangle, link_down, rename_link
 from lab.netns import require_root, run
 from lab.topology import Lab
@@ -74,3 +74,34 @@ def test_drift_is_repaired_before_the_periodic_resync(setup, fault):
     if fault == "uplink renamed":  # put the name back: the lab removes the device by its name
         rename_link(node.netns, current_uplink(node), node.uplink)
         wait_for(lambda: shaped(node), timeout=REPAIR_WAIT, interval=0.1, what="shaped under the old name")
+
+
+def download_filtered(node) -> bool:
+    dev = node.pods[0].node_veth
+    filters = run(["tc", "filter", "show", "dev", dev, "egress"], node.netns, check=False)
+    link = run(["ip", "-o", "link", "show", INGRESS_IFB], node.netns, check=False)
+    return "bpf" in filters and INGRESS_IFB in filters and ",UP" in link
+
+
+@pytest.mark.parametrize("fault", ["pod device re-created", "download IFB deleted"])
+def test_download_shaper_repaired_and_new_pod_devices_filtered(setup, fault):
+    """A pod's veth made again (a sandbox restart keeps the pod object and its IP: only the link
+    watcher can tell) gets the download filter; a deleted download IFB comes back, before the
+    periodic resync."""
+    lab, node, agent = setup
+    wait_for(lambda: download_filtered(node), timeout=REPAIR_WAIT, what="the download filter")
+    pod = node.pods[0]
+    if fault == "pod device re-created":
+        run(["ip", "link", "del", pod.node_veth], node.netns)
+        run(["ip", "link", "add", pod.node_veth, "type", "veth", "peer", "name", "eth0", "netns", pod.netns], node.netns)
+        run(["ip", "addr", "add", f"{pod.ip4}/32", "dev", "eth0"], pod.netns)
+        run(["ip", "link", "set", "eth0", "up"], pod.netns)
+        run(["ip", "route", "add", "169.254.1.1", "dev", "eth0", "scope", "link"], pod.netns)
+        run(["ip", "route", "add", "default", "via", "169.254.1.1", "dev", "eth0"], pod.netns)
+        run(["sysctl", "-qw", f"net.ipv4.conf.{pod.node_veth}.proxy_arp=1"], node.netns)
+        run(["ip", "link", "set", pod.node_veth, "up"], node.netns)
+        run(["ip", "route", "add", f"{pod.ip4}/32", "dev", pod.node_veth], node.netns)
+    else:
+        delete_link(node.netns, INGRESS_IFB)
+    wait_for(lambda: download_filtered(node), timeout=REPAIR_WAIT, interval=0.1, what=f"repair after {fault}")
+    run(["ping", "-c", "2", "-i", "0.1", "-W", "2", "203.0.113.10"], pod.netns)  # the pod's internet path works

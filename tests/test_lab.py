@@ -7,6 +7,7 @@ import textwrap
 import pytest
 
 from lab.topology import (
+    BRIDGE,
     INTERNET_V4,
     INTERNET_V6,
     PEER_V4,
@@ -170,3 +171,21 @@ def test_ipv4_only_lab():
 def test_bad_size_is_refused():
     with pytest.raises(LabError, match="lab size"):
         Lab(nodes=0)
+
+
+def test_bridge_lab_pods_behind_a_bridge():
+    """Lab(pod_network="bridge"): the pods' veths are ports of the node's bridge, which holds the pod
+    subnet's gateway; pods reach the internet host (through the node's NAT), the peer and each
+    other (bridged), IPv4 and IPv6; close() leaves no namespace."""
+    require_root()
+    with Lab(nodes=1, pods_per_node=2, pod_network="bridge") as lab:
+        node = lab.nodes[0]
+        a, b = node.pods
+        ports = run(["ip", "-o", "link", "show", "master", BRIDGE], node.netns)
+        assert a.node_veth in ports and b.node_veth in ports
+        for dst in (INTERNET_V4, PEER_V4, INTERNET_V6, PEER_V6, b.ip4, b.ip6):
+            assert ping(a.netns, dst), f"{a.name} cannot reach {dst} behind the bridge"
+        prefix = lab.prefix
+    assert lab_namespaces(prefix) == set()
+    with pytest.raises(LabError, match="pod_network"):
+        Lab(pod_network="overlay")
