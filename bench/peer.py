@@ -1,0 +1,286 @@
+"""netagent beside the real CNI bandwidth plugin: the same pod, the same lab, the same run.
+
+Run as root, alone on the machine's traffic lock:
+
+    flock /tmp/netagent-traffic.lock python3 bench/peer.py [--rates 20M,100M,1G] [--direction upload]
+        [--internal-runs 5] [--pings 40] [--goodput-runs 3] [--plugin PATH]
+
+The plugin is the binary `make node-assets` builds from its Go module
+(github.com/containernetworking/plugins/plugins/meta/bandwidth), called as a container runtime
+calls it: CNI ADD as a chained plugin after the pod's veth exists, with
+runtimeConfig.bandwidth rate and burst (the burst is 25 ms at the rate, the plugin's own TBF
+latency), CNI DEL after. netagent's side is its desired state applied as the agent applies it
+(Shaper + Classifier), with the leaf the capability probe picks. One shaper at a time on the
+pod; nothing between the rounds but the shaper changes.
+
+For each limit and shaper:
+  goodput error   iperf3 TCP payload rate against the limit (median of --goodput-runs 4 s runs);
+                  -3.5 % is a perfect IP-rate shaper (1448 B of payload in 1500 B IP packets),
+                  -4.4 % a perfect shaper of Ethernet frames (1514 B)
+  internal        the pod's TCP to the internal peer through the same uplink, as a share of the
+                  same without any shaper: median over --internal-runs rounds, each round
+                  unshaped / plugin / netagent in turn (rotated), 2 s each
+  loaded RTT      median of --pings pings (0.1 s apart) from the pod to the internet host while
+                  the pod's TCP transfer in the direction benched saturates its limit
+and the verdict against the aims: rate error no worse than the plugin's, internal >= 0.97 of
+unshaped, loaded RTT no higher than the plugin's. Exits 1 when an aim is missed.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from iptables.apply import Classifier  # noqa: E402
+from lab.netns import run  # noqa: E402
+from lab.topology import INTERNAL_CIDRS, INTERNET_V4, PEER_V4, UPLINK, Lab, Pod  # noqa: E402
+from netagent.desired import DataPathOptions, NodeInputs, PodShape, desired_state  # noqa: E402
+from tc.netlink import Shaper  # noqa: E402
+from tc.probe import probe  # noqa: E402
+
+UNITS = {"k": 1_000, "M": 1_000_000, "G": 1_000_000_000}
+INET_PORT, PEER_PORT = 5201, 5202
+CNI_NETWORK = "netagent-peer-bench"
+CNI_LATENCY_S = 0.025  # the plugin's TBF latency (ifb_creator.go latencyInMillis); its burst here too
+INTERNAL_AIM = 0.97
+
+
+@dataclass(frozen=True)
+class Direction:
+    """What "shaping a pod's traffic in one direction" means to each side of the comparison."""
+    name: str
+    reverse: bool  # iperf3 -R: the internet host sends, the pod receives
+    cni_rate_key: str  # the plugin's runtimeConfig.bandwidth keys for this direction
+    cni_burst_key: str
+    netagent_pod: Callable[[str, Pod, int], PodShape]  # the pod as netagent's desired state shapes it
+
+
+UPLOAD = Direction("upload", False, "egressRate", "egressBurst",
+                   lambda key, pod, rate: PodShape(key, (pod.ip4, pod.ip6), rate, rate))
+# Downloads plug in here as a second Direction (reverse=True, ingressRate/ingressBurst, and the pod
+# with a download rate) once netagent's desired state shapes internet ingress.
+DIRECTIONS = {d.name: d for d in (UPLOAD,)}
+
+
+def parse_rate(text: str) -> int:
+    text = text.strip()
+    return int(float(text[:-1]) * UNITS[text[-1]]) if text[-1] in UNITS else int(text)
+
+
+def fmt(bps: float) -> str:
+    return f"{bps / 1e9:.3f}G" if bps >= 1e9 else f"{bps / 1e6:.1f}M"
+
+
+def default_plugin() -> str | None:
+    root = os.environ.get("NETAGENT_NODE_ASSETS")
+    if root:
+        found = [os.path.join(root, "cni", "bandwidth")]
+    else:
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+        found = sorted(glob.glob(os.path.join(cache, "netagent", "node-assets", "*", "bin", "cni", "bandwidth")))
+    return next((p for p in reversed(found) if os.access(p, os.X_OK)), None)
+
+
+class CniPlugin:
+    """The CNI bandwidth plugin on the lab pod: ADD as a chained plugin, DEL, and what DEL leaves."""
+    label = "CNI plugin"
+
+    def __init__(self, binary: str, lab: Lab, pod: Pod, direction: Direction):
+        self.binary, self.lab, self.pod, self.direction = binary, lab, pod, direction
+        self.node = lab.nodes[0]
+        self.container_id = f"peer-{os.getpid()}"
+
+    def _call(self, command: str, rate: int) -> None:
+        conf = {
+            "cniVersion": "1.0.0", "name": CNI_NETWORK, "type": "bandwidth",
+            "runtimeConfig": {"bandwidth": {self.direction.cni_rate_key: rate,
+                                            self.direction.cni_burst_key: int(rate * CNI_LATENCY_S)}},
+            "prevResult": {"cniVersion": "1.0.0",
+                           "interfaces": [{"name": self.pod.node_veth},
+                                          {"name": "eth0", "sandbox": f"/var/run/netns/{self.pod.netns}"}],
+                           "ips": [{"address": f"{self.pod.ip4}/32", "interface": 1}]},
+        }
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CNI_COMMAND": command,
+               "CNI_CONTAINERID": self.container_id, "CNI_NETNS": f"/var/run/netns/{self.pod.netns}",
+               "CNI_IFNAME": "eth0", "CNI_PATH": os.path.dirname(self.binary)}
+        p = subprocess.run(["ip", "netns", "exec", self.node.netns, self.binary], input=json.dumps(conf),
+                           env=env, capture_output=True, text=True, timeout=30)
+        if p.returncode:
+            raise RuntimeError(f"CNI bandwidth {command}: {p.stdout.strip()} {p.stderr.strip()}")
+
+    def install(self, rate: int) -> None:
+        self._call("ADD", rate)
+
+    def remove(self, rate: int) -> None:
+        self._call("DEL", rate)
+        # DEL removes the IFB but leaves the ingress qdisc on the host veth (a second ADD then fails)
+        run(f"tc qdisc del dev {self.pod.node_veth} ingress", self.node.netns, check=False)
+
+
+class Netagent:
+    """netagent's data path for the pod, programmed as the agent does it."""
+    label = "netagent"
+
+    def __init__(self, lab: Lab, pod: Pod, direction: Direction, leaf: str | None):
+        self.node, self.pod, self.direction = lab.nodes[0], pod, direction
+        self.shaper, self.classifier = Shaper(self.node.netns), Classifier(netns=self.node.netns)
+        self.options = DataPathOptions(leaf_qdisc=leaf or probe(self.node.netns).leaf_qdisc)
+        self.state = None
+
+    def install(self, rate: int) -> None:
+        pod = self.direction.netagent_pod("bench/pod", self.pod, rate)
+        self.state = desired_state(NodeInputs((UPLINK,), INTERNAL_CIDRS, (pod,), 10 * rate, self.options))
+        self.shaper.apply(self.state.shaper)
+        self.classifier.apply(self.state.classifier)
+
+    def remove(self, rate: int) -> None:
+        if self.state:
+            s = self.state.shaper
+            self.shaper.cleanup(s.ifb, s.uplinks, s.filter_pref)
+            self.state = None
+        self.classifier.cleanup()
+
+    def close(self) -> None:
+        self.remove(0)
+        self.shaper.close()
+
+
+class Bench:
+    def __init__(self, lab: Lab, direction: Direction, args):
+        self.lab, self.direction, self.args = lab, direction, args
+        self.pod = lab.nodes[0].pods[0]
+
+    def iperf_args(self) -> list[str]:
+        return ["-R"] if self.direction.reverse else []
+
+    def goodput(self, seconds: float = 4) -> float:
+        out = self.lab.iperf(self.pod.netns, INTERNET_V4, INET_PORT, seconds=seconds, extra=self.iperf_args())
+        return out["end"]["sum_received"]["bits_per_second"]
+
+    def internal(self) -> float:
+        out = self.lab.iperf(self.pod.netns, PEER_V4, PEER_PORT, seconds=2, extra=self.iperf_args())
+        return out["end"]["sum_received"]["bits_per_second"]
+
+    def loaded_rtt(self) -> list[float]:
+        seconds = 2 + self.args.pings * 0.1 + 2
+        load = self.lab.iperf_async(self.pod.netns, INTERNET_V4, INET_PORT, seconds=seconds, extra=self.iperf_args())
+        try:
+            time.sleep(2)
+            out = run(["ping", "-c", str(self.args.pings), "-i", "0.1", INTERNET_V4], self.pod.netns, check=False,
+                      timeout=self.args.pings + 30)
+            load.communicate(timeout=seconds + 30)
+        finally:
+            if load.poll() is None:
+                load.kill()
+        return [float(v) for v in re.findall(r"time=([\d.]+) ms", out)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rates", default="20M,100M,1G")
+    ap.add_argument("--direction", default="upload", choices=sorted(DIRECTIONS))
+    ap.add_argument("--internal-runs", type=int, default=5)
+    ap.add_argument("--goodput-runs", type=int, default=3)
+    ap.add_argument("--pings", type=int, default=40)
+    ap.add_argument("--leaf", default=None, help="netagent's leaf qdisc (default: what the probe picks)")
+    ap.add_argument("--plugin", default=default_plugin(), help="the CNI bandwidth plugin binary")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("bench/peer.py needs root (network namespaces)", file=sys.stderr)
+        return 2
+    if not args.plugin or not os.access(args.plugin, os.X_OK):
+        print("no CNI bandwidth plugin binary: run `make node-assets` or pass --plugin", file=sys.stderr)
+        return 2
+    direction = DIRECTIONS[args.direction]
+    rates = [parse_rate(r) for r in args.rates.split(",")]
+    results: dict[tuple[int, str], dict] = {}
+    with Lab(nodes=1, pods_per_node=1, prefix=f"nape{os.getpid() % 10000}") as lab:
+        lab.iperf_server(lab.internet, INET_PORT)
+        lab.iperf_server(lab.peer, PEER_PORT)
+        bench = Bench(lab, direction, args)
+        agent = Netagent(lab, bench.pod, direction, args.leaf)
+        shapers = (CniPlugin(args.plugin, lab, bench.pod, direction), agent)
+        try:
+            idle = run(["ping", "-c", "20", "-i", "0.1", INTERNET_V4], bench.pod.netns)
+            idle_rtt = statistics.median(float(v) for v in re.findall(r"time=([\d.]+) ms", idle))
+            print(f"{direction.name}, plugin {args.plugin}, netagent leaf {agent.options.leaf_qdisc}; "
+                  f"unloaded RTT {idle_rtt:.3f} ms", flush=True)
+            for rate in rates:
+                for s in shapers:
+                    results[rate, s.label] = {"goodput": [], "rtt": [], "internal": []}
+                unshaped = []
+                for r in range(args.internal_runs):  # alternated rounds; the order rotates
+                    order = [None, *shapers]
+                    order = order[r % 3:] + order[:r % 3]
+                    got = {}
+                    for s in order:
+                        if s is None:
+                            got[None] = bench.internal()
+                            continue
+                        s.install(rate)
+                        try:
+                            got[s.label] = bench.internal()
+                            if r < args.goodput_runs:
+                                results[rate, s.label]["goodput"].append(bench.goodput())
+                            if r == 0:
+                                results[rate, s.label]["rtt"] = bench.loaded_rtt()
+                        finally:
+                            s.remove(rate)
+                    unshaped.append(got[None])
+                    for s in shapers:
+                        results[rate, s.label]["internal"].append(got[s.label] / got[None])
+                for s in shapers:
+                    res = results[rate, s.label]
+                    res["goodput_error"] = statistics.median(res["goodput"]) / rate - 1
+                    res["internal_share"] = statistics.median(res["internal"])
+                    res["rtt_p50"] = statistics.median(res["rtt"])
+                    print(f"  {fmt(rate):>7} {s.label:11} goodput {fmt(statistics.median(res['goodput']))} "
+                          f"({res['goodput_error']:+.2%}), internal {res['internal_share']:.3f} of "
+                          f"{fmt(statistics.median(unshaped))}, loaded RTT p50 {res['rtt_p50']:.2f} ms "
+                          f"({len(res['rtt'])} pings)", flush=True)
+        finally:
+            agent.close()  # the plugin is removed after each use, in the round's own finally
+    return verdict(rates, results)
+
+
+def verdict(rates: list[int], results: dict) -> int:
+    print()
+    print(f"{'limit':>7} {'shaper':11} {'goodput err':>12} {'internal':>9} {'RTT p50':>9}   aims (netagent vs plugin)")
+    missed = []
+    for rate in rates:
+        cni, na = results[rate, CniPlugin.label], results[rate, Netagent.label]
+        for res, label in ((cni, CniPlugin.label), (na, Netagent.label)):
+            line = f"{fmt(rate):>7} {label:11} {res['goodput_error']:>+11.2%} {res['internal_share']:>9.3f} {res['rtt_p50']:>7.2f}ms"
+            if res is na:
+                err_ok = abs(na["goodput_error"]) <= abs(cni["goodput_error"])
+                int_ok = na["internal_share"] >= INTERNAL_AIM
+                rtt_ok = na["rtt_p50"] <= cni["rtt_p50"]
+                line += (f"   |err| {abs(na['goodput_error']) / max(abs(cni['goodput_error']), 1e-9):.2f}x "
+                         f"{'ok' if err_ok else 'MISSED'}, internal {na['internal_share'] / INTERNAL_AIM:.2f} of aim "
+                         f"{'ok' if int_ok else 'MISSED'}, RTT {na['rtt_p50'] / cni['rtt_p50']:.2f}x "
+                         f"{'ok' if rtt_ok else 'MISSED'}")
+                missed += [f"{fmt(rate)} {what}" for what, ok in (("rate error", err_ok), ("internal", int_ok),
+                                                                    ("loaded RTT", rtt_ok)) if not ok]
+            print(line)
+    print()
+    print("goodput err: TCP payload vs the limit (-3.5 % = exact in IP bytes, -4.4 % = exact in Ethernet frames); "
+          f"internal: share of the unshaped path (aim >= {INTERNAL_AIM}); RTT: ping under a saturating transfer")
+    if missed:
+        print("MISSED: " + "; ".join(missed))
+        return 1
+    print("all aims met")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
