@@ -13,9 +13,10 @@ The lab around the node (all removed afterwards, also on failure):
   small TCP relay forwards each to the apiserver or to a ready controller pod. Agents use the
   ClusterIP in `controller.url` for want of DNS.
 
-Until the controller's TLS serving is on main (the TLS contract's flags), the chart is installed
-with `tls.enabled=false`, and the two insecure-HTTP flags that value renders are dropped from a
-copy of the chart when the CLI in the image does not know them; the test says so in its output.
+TLS as the chart's defaults have it: the controller makes its Secret at first start and serves
+HTTPS; agents pin its ca.crt and verify the Service's name, which they resolve to the fixed ClusterIP
+through the hostAliases the chart gives them with `controller.service.clusterIP` (the relay passes
+the TLS stream through untouched).
 """
 from __future__ import annotations
 
@@ -35,9 +36,9 @@ import pytest
 import yaml
 
 from lab.netns import require_root, run
-from lab.procs import wait_for
-from tests.kube import REPO
-from tests.node import BUSYBOX_IMAGE_NAME, busybox_image, require_node_assets
+from lab.procs import stop_process, wait_for
+from tests.kube import REPO, KubeAssetsMissing, free_port, required
+from tests.node import busybox_image, node_assets_dir, require_image_builder, require_node_assets
 
 pytestmark = [pytest.mark.kube, pytest.mark.cluster, pytest.mark.root, pytest.mark.traffic]
 
@@ -178,35 +179,35 @@ def services(kube_api):
 # --- helpers -----------------------------------------------------------------------------------
 
 
-def helm(kube_api, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+def helm(kube_api, *args: str, check: bool = True, timeout: float = 330) -> subprocess.CompletedProcess:
     binary = require_node_assets(["helm"]) / "helm"
-    result = subprocess.run([str(binary), f"--kubeconfig={kube_api.kubeconfig}", *args],
-                            capture_output=True, text=True, timeout=timeout)
-    if check:
-        assert result.returncode == 0, f"helm {' '.join(args)}:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    try:
+        result = subprocess.run([str(binary), f"--kubeconfig={kube_api.kubeconfig}", *args],
+                                capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"helm {' '.join(args)}: no answer in {timeout} s\n{release_diagnostics(kube_api)}") from e
+    if check and result.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)}:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}\n"
+                             f"{release_diagnostics(kube_api)}")
     return result
 
 
-def image_knows(flag: str) -> bool:
-    from cli.main import build_parser
-
-    parser = build_parser()
-    return any(flag in getattr(sub, "_option_string_actions", {})
-               for action in parser._actions for sub in (getattr(action, "choices", None) or {}).values())
+def release_diagnostics(kube_api) -> str:
+    """What a failed install or upgrade left: the release's pods, events and containers' last logs."""
+    out = [kube_api.kubectl("get", "pods,secrets,podmonitors", "-n", NAMESPACE, "-o", "wide", check=False).stdout,
+           kube_api.kubectl("get", "events", "-n", NAMESPACE, "--sort-by=.lastTimestamp", check=False).stdout[-3000:]]
+    pods = kube_api.kubectl("get", "pods", "-n", NAMESPACE, "-o", "name", check=False).stdout.split()
+    for pod in pods:
+        for previous in ("--previous=false", "--previous=true"):
+            logs = kube_api.kubectl("logs", "-n", NAMESPACE, pod, "--tail=15", "--all-containers", previous, check=False)
+            out.append(f"--- {pod} {previous}\n{logs.stdout[-2500:]}{logs.stderr[-300:]}")
+    return "\n".join(out)
 
 
 def chart_copy(tmp: Path, version: str | None = None, crd_note: str | None = None) -> Path:
-    """The chart as users get it; adapted only where the code on this branch lags the contract."""
+    """The chart as users get it, with another version and a changed CRD for the upgrade."""
     chart = tmp / f"chart-{len(list(tmp.glob('chart-*')))}" / "netagent"
     shutil.copytree(CHART, chart, symlinks=False)
-    dropped = [f for f in ("--insecure-http", "--controller-insecure-http") if not image_knows(f)]
-    for template in (chart / "templates").glob("*.yaml"):
-        text = template.read_text()
-        for flag in dropped:
-            text = "\n".join(line for line in text.splitlines() if line.strip() != f"- {flag}") + "\n"
-        template.write_text(text)
-    if dropped:
-        print(f"NOTE: the CLI lacks {dropped} (TLS contract not on this branch): dropped from the chart copy")
     if version:
         meta = yaml.safe_load((chart / "Chart.yaml").read_text())
         meta["version"] = version
@@ -287,9 +288,14 @@ def pod_class_rate(pod_ip: str) -> int | None:
 
 @contextlib.contextmanager
 def traffic_lock():
-    """Measurements are serialised machine-wide (the lock the other traffic tests take)."""
+    """Measurements are serialised machine-wide (the lock the benches take). A run already inside
+    `flock /tmp/netagent-traffic.lock env NETAGENT_TRAFFIC_LOCKED=1 ...` holds it: taking it again
+    through another open file would wait for itself."""
     import fcntl
 
+    if os.environ.get("NETAGENT_TRAFFIC_LOCKED") == "1":
+        yield
+        return
     with open(TRAFFIC_LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
@@ -328,11 +334,145 @@ def residue() -> list[str]:
     return found
 
 
+# --- Prometheus through the chart's PodMonitors -----------------------------------------------
+
+
+def _sanitized(label: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_]", "_", label)
+
+
+def scrape_configs(podmonitors: list[dict], kubeconfig: Path, secret_file) -> list[dict]:
+    """The Prometheus scrape configs the Prometheus operator generates for these PodMonitors
+    (its pod-role service discovery, selector and port relabelling, jobLabel, honorLabels,
+    interval, scheme, TLS with the CA from a Secret and serverName, the monitor's relabelings),
+    with `secret_file(namespace, name, key)` the file holding a Secret key's value."""
+    configs = []
+    for pm in podmonitors:
+        meta, spec = pm["metadata"], pm["spec"]
+        ns = meta["namespace"]
+        keep = [{"action": "drop", "source_labels": ["__meta_kubernetes_pod_phase"], "regex": "(Failed|Succeeded)"}]
+        for key, value in spec["selector"].get("matchLabels", {}).items():
+            keep.append({"action": "keep", "source_labels": [f"__meta_kubernetes_pod_label_{_sanitized(key)}",
+                                                             f"__meta_kubernetes_pod_labelpresent_{_sanitized(key)}"],
+                         "regex": f"({value});true"})
+        assert not spec["selector"].get("matchExpressions"), "not translated here"
+        for i, ep in enumerate(spec["podMetricsEndpoints"]):
+            relabel = keep + [
+                {"action": "keep", "source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": ep["port"]},
+                {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+                {"source_labels": ["__meta_kubernetes_pod_container_name"], "target_label": "container"},
+                {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
+                {"target_label": "job", "replacement": f"{ns}/{meta['name']}"},
+            ]
+            if spec.get("jobLabel"):
+                relabel.append({"source_labels": [f"__meta_kubernetes_pod_label_{_sanitized(spec['jobLabel'])}"],
+                                "target_label": "job", "regex": "(.+)", "replacement": "${1}"})
+            relabel.append({"target_label": "endpoint", "replacement": ep["port"]})
+            for r in ep.get("relabelings", []):
+                relabel.append({"source_labels": r.get("sourceLabels"), "target_label": r.get("targetLabel"),
+                                **({"regex": r["regex"]} if "regex" in r else {}),
+                                **({"replacement": r["replacement"]} if "replacement" in r else {}),
+                                **({"action": r["action"].lower()} if "action" in r else {})})
+            config = {"job_name": f"podMonitor/{ns}/{meta['name']}/{i}",
+                      "honor_labels": bool(ep.get("honorLabels")),
+                      "scrape_interval": ep.get("interval", "30s"),
+                      "metrics_path": ep.get("path", "/metrics"),
+                      "scheme": ep.get("scheme", "http"),
+                      "kubernetes_sd_configs": [{"role": "pod", "kubeconfig_file": str(kubeconfig),
+                                                 "namespaces": {"names": [ns]}}],
+                      "relabel_configs": relabel}
+            tls = ep.get("tlsConfig")
+            if tls:
+                ref = tls["ca"]["secret"]
+                config["tls_config"] = {"ca_file": str(secret_file(ns, ref["name"], ref["key"])),
+                                        "server_name": tls["serverName"]}
+            configs.append(config)
+    return configs
+
+
+@contextlib.contextmanager
+def prometheus_scraping_the_chart(kube_api, workdir: Path):
+    """Debian's Prometheus configured from the PodMonitors and PrometheusRule the chart made."""
+    from kubernetes import client
+
+    from tests.test_dashboards import _wait_ready, tool
+
+    objects = client.CustomObjectsApi(kube_api.admin)
+    core = client.CoreV1Api(kube_api.admin)
+    podmonitors = objects.list_namespaced_custom_object("monitoring.coreos.com", "v1", NAMESPACE, "podmonitors")["items"]
+    rules = objects.list_namespaced_custom_object("monitoring.coreos.com", "v1", NAMESPACE, "prometheusrules")["items"]
+    assert {p["metadata"]["name"] for p in podmonitors} == {"netagent-agent", "netagent-controller"}
+    assert len(rules) == 1
+
+    def secret_file(ns: str, name: str, key: str) -> Path:
+        import base64
+
+        path = workdir / f"{ns}-{name}-{key}"
+        path.write_bytes(base64.b64decode(core.read_namespaced_secret(name, ns).data[key]))
+        return path
+
+    (workdir / "rules.yaml").write_text(yaml.safe_dump({"groups": rules[0]["spec"]["groups"]}))
+    (workdir / "prometheus.yml").write_text(yaml.safe_dump({
+        "global": {"evaluation_interval": "15s"}, "rule_files": ["rules.yaml"],
+        "scrape_configs": scrape_configs(podmonitors, kube_api.kubeconfig, secret_file)}))
+    port = free_port()
+    log = (workdir / "prometheus.log").open("w")
+    proc = subprocess.Popen([tool("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_ready(f"http://127.0.0.1:{port}", proc, workdir / "prometheus.log")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_process(proc, 20)
+        log.close()
+
+
+def prom_query(url: str, query: str) -> list[dict]:
+    import urllib.parse
+
+    with urllib.request.urlopen(f"{url}/api/v1/query?" + urllib.parse.urlencode({"query": query}), timeout=10) as r:
+        return json.load(r)["data"]["result"]
+
+
+OPERATOR_CRDS = ("podmonitors", "servicemonitors", "prometheusrules")
+
+
+def find_operator_crds(names) -> Path:
+    directory = node_assets_dir() / "crds"
+    missing = [n for n in names if not (directory / f"monitoring.coreos.com_{n}.yaml").is_file()]
+    if missing:
+        raise KubeAssetsMissing(f"the Prometheus operator's CRDs ({', '.join(missing)}) missing from {directory}: "
+                                "`make node-assets` copies them from its Go module")
+    return directory
+
+
+@pytest.fixture
+def operator_crds(kube_api):
+    """The Prometheus operator's PodMonitor, ServiceMonitor and PrometheusRule CRDs in the cluster
+    (their real schemas check the chart's objects), removed afterwards."""
+    directory = required(find_operator_crds, OPERATOR_CRDS)
+    files = [str(directory / f"monitoring.coreos.com_{n}.yaml") for n in OPERATOR_CRDS]
+    kube_api.kubectl("create", *[a for f in files for a in ("-f", f)])
+    try:
+        for n in OPERATOR_CRDS:
+            kube_api.kubectl("wait", "--for=condition=Established", f"crd/{n}.monitoring.coreos.com", "--timeout=60s")
+        yield
+    finally:
+        kube_api.kubectl("delete", "--ignore-not-found", *[a for f in files for a in ("-f", f)], check=False)
+
+
 # --- the test ----------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def image_builder() -> Path:
+    """hack/image/build.sh with its tools (checked before the node starts)."""
+    return require_image_builder()
+
+
 def test_helm_install_shapes_upgrades_and_uninstalls_on_the_real_node(
-        kube_api, kube_cluster, real_node, internet, services, tmp_path):
+        image_builder, kube_api, kube_cluster, operator_crds, real_node, internet, services, tmp_path):
     from kubernetes import client
 
     core, apps = client.CoreV1Api(kube_api.admin), client.AppsV1Api(kube_api.admin)
@@ -340,7 +480,7 @@ def test_helm_install_shapes_upgrades_and_uninstalls_on_the_real_node(
 
     # the image, built as users build it, imported into the node's containerd (no registry)
     archive = tmp_path / "netagent.tar"
-    build = subprocess.run([str(REPO / "hack" / "image" / "build.sh"), "--archive", str(archive)],
+    build = subprocess.run([str(image_builder), "--archive", str(archive)],
                            capture_output=True, text=True, timeout=1800)
     assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-3000:]
     image = build.stdout.strip().splitlines()[-1]
@@ -352,13 +492,13 @@ def test_helm_install_shapes_upgrades_and_uninstalls_on_the_real_node(
     values = tmp_path / "values.yaml"
     values.write_text(yaml.safe_dump({
         "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
-        "tls": {"enabled": False},  # until the controller's TLS serving is on main (module docstring)
         "internalCIDRs": ["10.0.0.0/8"],  # the lab's: pods, services and the internal peer
         "podCIDRs": [str(real_node.pod_cidr)],
         "serviceCIDRs": ["10.96.0.0/16"],
         "uplinks": [UPLINK],
-        "controller": {"url": f"http://{CONTROLLER_SVC}:{CONTROLLER_PORT}",
-                       "service": {"clusterIP": CONTROLLER_SVC}},
+        # the Prometheus operator's objects (its CRDs are installed; a Prometheus made from them scrapes)
+        "monitoring": {"podMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}, "interval": "5s"},
+        "controller": {"service": {"clusterIP": CONTROLLER_SVC}},  # no cluster DNS here (module docstring)
         "classes": [{"name": "bronze", "spec": {"weight": 1, "max": "20M"}},
                     {"name": "silver", "spec": {"weight": 2, "max": "40M"}}],
         "budget": {"name": "default", "spec": {"total": "1G", "teams": [{
@@ -398,6 +538,18 @@ def test_helm_install_shapes_upgrades_and_uninstalls_on_the_real_node(
             assert ("ro" in mount[5].split(",")) == bool(m.read_only), f"{path}: {mount[5]}"
         hostpaths = {v.host_path.path for v in agent_pod.spec.volumes if v.host_path}
         assert hostpaths == {"/run/xtables.lock"}
+
+        # TLS by default: the controller made its Secret; the agent reports over HTTPS to the
+        # Service's name, pinning the Secret's CA (mounted alone, no key in the agent)
+        secret = core.read_namespaced_secret("netagent-controller-tls", NAMESPACE)
+        assert set(secret.data) == {"ca.crt", "ca.key", "tls.crt", "tls.key"}
+        ca_dir, = [x for x in mounts if x[4] == "/etc/netagent/controller-ca"]
+        ca_files = subprocess.run(["nsenter", "-t", str(pid), "-m", "ls", "/etc/netagent/controller-ca"],
+                                  capture_output=True, text=True, check=True).stdout.split()
+        assert ca_files == ["ca.crt"], ca_files
+        state = wait_for(lambda: (s := agent_state())["controller_reachable"] and s, 60,
+                         what="the agent reaching the controller over HTTPS", interval=0.5)
+        assert state["controller"] == f"https://netagent-controller.{NAMESPACE}.svc:{CONTROLLER_PORT}", state["controller"]
 
         # pods through the CNI, with iperf3 in their image, shaped on their internet egress only
         def pod(name, annotations):
@@ -462,6 +614,37 @@ def test_helm_install_shapes_upgrades_and_uninstalls_on_the_real_node(
             assert internal > 5 * limits[name], f"{name}'s internal traffic slowed: {internal / 1e6:.0f} Mbit/s"
         print("goodput (Mbit/s):", {k: round(v / 1e6, 2) for k, v in figures.items()})
 
+        # a real Prometheus scraping both parts through the chart's PodMonitors: the agent on the
+        # node's address (its series keep the shaped pods' namespace and pod, and get `node`), both
+        # controller replicas over HTTPS verified against the CA in the controller's Secret
+        (tmp_path / "prometheus").mkdir()
+        with prometheus_scraping_the_chart(kube_api, tmp_path / "prometheus") as prom:
+            up = wait_for(lambda: (r := prom_query(prom, "up == 1")) and len(r) >= 3 and r, 90,
+                          what="the agent and both controllers scraped", interval=1)
+            jobs = sorted((r["metric"]["job"], r["metric"].get("node", "")) for r in up)
+            assert jobs == [("netagent-agent", real_node.name), ("netagent-controller", ""),
+                            ("netagent-controller", "")], jobs
+            limit = wait_for(lambda: prom_query(prom, 'netagent_pod_egress_limit_bytes_per_second'
+                                                      f'{{job="netagent-agent",namespace="{WORKLOADS}",pod="capped"}}'),
+                             60, what="the agent's pod series", interval=1)
+            assert limit[0]["metric"]["node"] == real_node.name
+            leaders = wait_for(lambda: prom_query(prom, 'netagent_controller_is_leader{job="netagent-controller"}'),
+                               60, what="the controllers' series", interval=1)
+            assert sorted(float(r["value"][1]) for r in leaders) == [0.0, 1.0], leaders
+            with urllib.request.urlopen(f"{prom}/api/v1/rules", timeout=10) as r:
+                assert json.load(r)["data"]["groups"], "the PrometheusRule's rules not loaded"
+
+        # `kubectl get egressbudgets` shows the controller's view: total, allocated, used
+        def budget_row():
+            out = kube_api.kubectl("get", "egressbudgets", "default", "--no-headers",
+                                   "-o", "custom-columns=T:.spec.total,A:.status.allocated,U:.status.used").stdout.split()
+            return out if len(out) == 3 and "<none>" not in out else None
+
+        total, allocated, used = wait_for(budget_row, 60, what="the budget's status", interval=1)
+        header = kube_api.kubectl("get", "egressbudgets").stdout.splitlines()[0].split()
+        assert header[:4] == ["NAME", "TOTAL", "ALLOCATED", "USED"], header
+        print(f"kubectl get egressbudgets: total {total}, allocated {allocated}, used {used}")
+
         # a new class on the running pod: its class's rate follows (polled, not timed by wall clock)
         silver_ip = pods["silver"].status.pod_ip
         kube_api.kubectl("annotate", "pod", "silver", "-n", WORKLOADS, "--overwrite", "netagent.io/egress-class=bronze")
@@ -511,6 +694,7 @@ def test_helm_install_shapes_upgrades_and_uninstalls_on_the_real_node(
         kube_api.kubectl("-n", NAMESPACE, "rollout", "status", "daemonset/netagent-cleanup", "--timeout=120s")
         helm(kube_api, "uninstall", "netagent", "-n", NAMESPACE, "--wait", "--timeout", "5m")
         installed = False
+        kube_api.kubectl("-n", NAMESPACE, "delete", "secret", "netagent-controller-tls")  # the controller made it
         kube_api.kubectl("delete", "crd", "egressclasses.netagent.io", "egressbudgets.netagent.io")
         left = residue()
         assert not left, f"left on the node: {left}"
@@ -525,6 +709,8 @@ def test_helm_install_shapes_upgrades_and_uninstalls_on_the_real_node(
         if installed:
             helm(kube_api, "uninstall", "netagent", "-n", NAMESPACE, "--wait", check=False)
         core.delete_namespace(WORKLOADS)
+        kube_api.kubectl("-n", NAMESPACE, "delete", "secret", "netagent-controller-tls", "--ignore-not-found",
+                         check=False)
         for crd in ("egressclasses.netagent.io", "egressbudgets.netagent.io"):
             kube_api.kubectl("delete", "crd", crd, "--ignore-not-found", check=False)
         subprocess.run([sys_python(), "-m", "netagent", "cleanup"], capture_output=True, cwd=REPO,
