@@ -53,7 +53,7 @@ SERVICE_LINK = "natsvc0"
 KUBERNETES_SVC = "10.96.0.1"
 CONTROLLER_SVC = "10.96.200.1"
 CONTROLLER_PORT = 9561
-AGENT_STATE = "http://127.0.0.1:9560/state"
+AGENT_STATE = "http://127.0.0.1:9562/state"  # the agent serves /state on loopback only (--state-listen)
 IFB = "netagent0"
 TRAFFIC_LOCK = "/tmp/netagent-traffic.lock"
 CAPABILITY_BITS = {"NET_ADMIN": 12, "NET_RAW": 13}
@@ -341,11 +341,12 @@ def _sanitized(label: str) -> str:
     return re.sub(r"[^a-zA-Z0-9_]", "_", label)
 
 
-def scrape_configs(podmonitors: list[dict], kubeconfig: Path, secret_file) -> list[dict]:
+def scrape_configs(podmonitors: list[dict], discovery, secret_file) -> list[dict]:
     """The Prometheus scrape configs the Prometheus operator generates for these PodMonitors
-    (its pod-role service discovery, selector and port relabelling, jobLabel, honorLabels,
+    (selector and port relabelling of pod-role discovery's labels, jobLabel, honorLabels,
     interval, scheme, TLS with the CA from a Secret and serverName, the monitor's relabelings),
-    with `secret_file(namespace, name, key)` the file holding a Secret key's value."""
+    with `discovery(namespace)` the service-discovery config for a namespace's pods and
+    `secret_file(namespace, name, key)` the file holding a Secret key's value."""
     configs = []
     for pm in podmonitors:
         meta, spec = pm["metadata"], pm["spec"]
@@ -378,8 +379,7 @@ def scrape_configs(podmonitors: list[dict], kubeconfig: Path, secret_file) -> li
                       "scrape_interval": ep.get("interval", "30s"),
                       "metrics_path": ep.get("path", "/metrics"),
                       "scheme": ep.get("scheme", "http"),
-                      "kubernetes_sd_configs": [{"role": "pod", "kubeconfig_file": str(kubeconfig),
-                                                 "namespaces": {"names": [ns]}}],
+                      **discovery(ns),
                       "relabel_configs": relabel}
             tls = ep.get("tlsConfig")
             if tls:
@@ -388,6 +388,31 @@ def scrape_configs(podmonitors: list[dict], kubeconfig: Path, secret_file) -> li
                                         "server_name": tls["serverName"]}
             configs.append(config)
     return configs
+
+
+def pod_role_targets(pods) -> list[dict]:
+    """What Prometheus' kubernetes_sd_configs `role: pod` discovers: a target per declared
+    container port, with its __meta_kubernetes_* labels (Debian's prometheus is built without
+    Kubernetes discovery, so the test discovers, and writes it for file_sd; relabelling, TLS and
+    scraping are Prometheus' own)."""
+    groups = []
+    for pod in pods:
+        labels = {"__meta_kubernetes_namespace": pod.metadata.namespace,
+                  "__meta_kubernetes_pod_name": pod.metadata.name,
+                  "__meta_kubernetes_pod_node_name": pod.spec.node_name or "",
+                  "__meta_kubernetes_pod_phase": pod.status.phase or "",
+                  "__meta_kubernetes_pod_ip": pod.status.pod_ip or ""}
+        for key, value in (pod.metadata.labels or {}).items():
+            labels[f"__meta_kubernetes_pod_label_{_sanitized(key)}"] = value
+            labels[f"__meta_kubernetes_pod_labelpresent_{_sanitized(key)}"] = "true"
+        for c in pod.spec.containers:
+            for port in c.ports or []:
+                if pod.status.pod_ip:
+                    groups.append({"targets": [f"{pod.status.pod_ip}:{port.container_port}"], "labels": {
+                        **labels, "__meta_kubernetes_pod_container_name": c.name,
+                        "__meta_kubernetes_pod_container_port_name": port.name or "",
+                        "__meta_kubernetes_pod_container_port_number": str(port.container_port)}})
+    return groups
 
 
 @contextlib.contextmanager
@@ -411,10 +436,15 @@ def prometheus_scraping_the_chart(kube_api, workdir: Path):
         path.write_bytes(base64.b64decode(core.read_namespaced_secret(name, ns).data[key]))
         return path
 
+    def discovery(ns: str) -> dict:
+        path = workdir / f"pods-{ns}.json"
+        path.write_text(json.dumps(pod_role_targets(core.list_namespaced_pod(ns).items)))
+        return {"file_sd_configs": [{"files": [str(path)]}]}
+
     (workdir / "rules.yaml").write_text(yaml.safe_dump({"groups": rules[0]["spec"]["groups"]}))
     (workdir / "prometheus.yml").write_text(yaml.safe_dump({
         "global": {"evaluation_interval": "15s"}, "rule_files": ["rules.yaml"],
-        "scrape_configs": scrape_configs(podmonitors, kube_api.kubeconfig, secret_file)}))
+        "scrape_configs": scrape_configs(podmonitors, discovery, secret_file)}))
     port = free_port()
     log = (workdir / "prometheus.log").open("w")
     proc = subprocess.Popen([tool("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
