@@ -29,10 +29,12 @@ RUN pip wheel --no-cache-dir --no-deps --no-build-isolation --wheel-dir /wheels 
 FROM ${BASE}
 # Debian's security updates land under the same package names: pinning versions would only
 # make the build fail when the mirror drops the pinned one. apt verifies every package against
-# the archive's signed Release file.
+# the archive's signed Release file. `apt-get clean`: a base built by debootstrap has no
+# docker-clean hook, so the downloaded .debs (80 MB) would stay in the layer.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends iptables ipset iproute2 \
+    && apt-get clean \
     && rm -rf /var/lib/apt/lists/*
 COPY requirements.lock /tmp/requirements.lock
 RUN pip install --no-cache-dir --no-compile --require-hashes --no-deps -r /tmp/requirements.lock \

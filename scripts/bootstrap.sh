@@ -3,7 +3,7 @@
 #   bootstrap.sh --demo   the demo only: kernel tools (apt) and the project with its demo extra (a minute or two)
 #   bootstrap.sh          everything the tests need: also prometheus, the test extras, the Kubernetes
 #                         test and real-node assets built from Go modules, and the netagent image
-#                         (about 23 minutes on 2 cores the first time)
+#                         (about 25 minutes on 2 cores the first time; docs/real-node.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 demo_only=0

@@ -495,6 +495,27 @@ def operator_crds(kube_api):
 # --- the test ----------------------------------------------------------------------------------
 
 
+NETAGENT_CRDS = ("egressclasses.netagent.io", "egressbudgets.netagent.io")
+
+
+def leftovers(kube_api) -> list[str]:
+    """netagent objects in the cluster (other tests of the session share its API server)."""
+    names = kube_api.kubectl("get", "all,sa,role,rolebinding,pdb,cm,secret", "-n", NAMESPACE, "-o", "name",
+                             check=False).stdout.split()
+    names += kube_api.kubectl("get", "clusterrole,clusterrolebinding,validatingadmissionpolicy,"
+                              "validatingadmissionpolicybinding", "-o", "name", check=False).stdout.split()
+    return [n for n in names if "netagent" in n and "kube-root-ca" not in n]
+
+
+@pytest.fixture
+def clean_slate(kube_api):
+    """The session's API server as a new cluster is to `helm install`: the objects of deploy/ that
+    earlier tests applied gone (they are deleted without waiting), and the CRDs they left for the
+    session deleted (Helm will not adopt objects it did not make; later modules apply them again)."""
+    kube_api.kubectl("delete", "crd", "--ignore-not-found", *NETAGENT_CRDS)
+    wait_for(lambda: not leftovers(kube_api), 180, what="earlier tests' netagent objects gone", interval=1)
+
+
 @pytest.fixture
 def image_builder() -> Path:
     """hack/image/build.sh with its tools (checked before the node starts)."""
@@ -502,7 +523,7 @@ def image_builder() -> Path:
 
 
 def test_helm_install_shapes_upgrades_and_uninstalls_on_the_real_node(
-        image_builder, kube_api, kube_cluster, operator_crds, real_node, internet, services, tmp_path):
+        image_builder, kube_api, kube_cluster, clean_slate, operator_crds, real_node, internet, services, tmp_path):
     from kubernetes import client
 
     core, apps = client.CoreV1Api(kube_api.admin), client.AppsV1Api(kube_api.admin)

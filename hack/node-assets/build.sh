@@ -97,7 +97,7 @@ done
 # The Prometheus operator's CRDs: the files of its module as go.sum pins it (no build).
 operator_version=$(mod_version "$here/prometheus-operator" github.com/prometheus-operator/prometheus-operator)
 operator_crds=(podmonitors servicemonitors prometheusrules)
-operator_stamp=$(sha256sum "$here/prometheus-operator/go.mod" "$here/prometheus-operator/go.sum" | sha256sum | cut -c1-16)
+operator_stamp=$(cat "$here/prometheus-operator/go.mod" "$here/prometheus-operator/go.sum" | sha256sum | cut -c1-16)
 if [[ -z ${NODE_ASSETS_ONLY:-} ]] && [[ ! -f $bin_dir/crds/.stamp || $(<"$bin_dir/crds/.stamp") != "$operator_stamp" ]]; then
   if ! command -v go >/dev/null 2>&1 && [[ -x /usr/local/go/bin/go ]]; then
     export PATH="$PATH:/usr/local/go/bin"
