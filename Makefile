@@ -12,3 +12,10 @@ kube-assets:
 .PHONY: node-assets
 node-assets:
 	@bash hack/node-assets/build.sh
+
+# The netagent image (tests/test_install.py builds it too, the way users do): hack/image/build.sh
+# with buildah, on a base built once from Debian's packages (localhost/netagent-base:bookworm in
+# buildah's storage) and buildah's layer cache; an unchanged tree rebuilds in seconds.
+.PHONY: image
+image:
+	@bash hack/image/build.sh

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Install what netagent's demo or tests need on a fresh Debian machine, idempotently.
 #   bootstrap.sh --demo   the demo only: kernel tools (apt) and the project with its demo extra (a minute or two)
-#   bootstrap.sh          everything the tests need: also prometheus, the test extras, and the Kubernetes
-#                         test assets built from Go modules (about 15 minutes on 2 cores the first time)
+#   bootstrap.sh          everything the tests need: also prometheus, the test extras, the Kubernetes
+#                         test and real-node assets built from Go modules, and the netagent image
+#                         (about 25 minutes on 2 cores the first time; docs/real-node.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 demo_only=0
@@ -18,8 +19,9 @@ if [[ $(id -u) -ne 0 ]]; then
 fi
 
 apt_packages=(iproute2 iptables ipset iperf3 conntrack iputils-ping kmod procps)
-# the tests: also prometheus and wrk; runc under containerd and busybox for the real node's images (tests/node.py)
-((demo_only)) || apt_packages+=(make openssl prometheus wrk ca-certificates runc busybox-static)
+# the tests: also prometheus and wrk; runc under containerd and busybox for the real node's images (tests/node.py);
+# buildah and debootstrap build the netagent image (hack/image/build.sh, tests/test_install.py)
+((demo_only)) || apt_packages+=(make openssl prometheus wrk ca-certificates runc busybox-static buildah debootstrap)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -49,4 +51,8 @@ fi
 # kubelet, containerd, CNI plugins, helm: after kube-assets, whose build cache makes the kubelet quick
 if [[ -f Makefile ]] && grep -q '^node-assets:' Makefile; then
   make --no-print-directory node-assets
+fi
+# the netagent image (its Debian base once, then the Dockerfile with buildah's layer cache)
+if [[ -f Makefile ]] && grep -q '^image:' Makefile; then
+  make --no-print-directory image
 fi

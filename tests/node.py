@@ -139,6 +139,25 @@ def require_node_assets(names: Iterable[str] = NODE_BINARIES) -> Path:
     return required(find_node_assets, names)
 
 
+IMAGE_BUILD = REPO / "hack" / "image" / "build.sh"
+IMAGE_TOOLS = ("buildah", "debootstrap")
+
+
+def find_image_builder(tools: Iterable[str] = IMAGE_TOOLS) -> Path:
+    """hack/image/build.sh, when the tools it builds the netagent image with are installed."""
+    missing = [t for t in tools if shutil.which(t) is None]
+    if missing:
+        raise KubeAssetsMissing(f"{', '.join(missing)} not installed: the netagent image is built with "
+                                f"hack/image/build.sh (apt-get install {' '.join(IMAGE_TOOLS)}; "
+                                "scripts/bootstrap.sh installs them)")
+    return IMAGE_BUILD
+
+
+def require_image_builder() -> Path:
+    """hack/image/build.sh, or skip (fail under NETAGENT_REQUIRE_KUBE=1; see tests.kube.required)."""
+    return required(find_image_builder, IMAGE_TOOLS)
+
+
 # ---------------------------------------------------------------------------------------------
 # Images without a registry
 

@@ -71,28 +71,9 @@ def pod_spec(docs, kind, name) -> dict:
     return find(docs, kind, name)["spec"]["template"]["spec"]
 
 
-# The TLS contract's flags (docs/install.md), being added to the CLI by the TLS work. Until the
-# parser knows them they are set aside here (and only then): every other flag must parse.
-TLS_FLAGS = ("--tls-secret", "--tls-manage", "--tls-dns-names", "--controller-ca", "--insecure-http",
-             "--controller-insecure-http")
-
-
-def _known_flags() -> set[str]:
-    parser = build_parser()
-    flags = set()
-    for action in parser._actions:  # the subcommands' parsers and their options
-        for sub in getattr(action, "choices", None) or {}:
-            sub_parser = action.choices[sub]
-            if hasattr(sub_parser, "_option_string_actions"):
-                flags |= set(sub_parser._option_string_actions)
-    return flags
-
-
 def cli_args(container: dict):
     """The container's arguments as netagent's own argparse reads them (unknown flags fail)."""
-    known = _known_flags()
-    pending = [f for f in TLS_FLAGS if f not in known]
-    argv = [a for a in container["args"] if a.split("=", 1)[0] not in pending]
+    argv = container["args"]
     try:
         return build_parser().parse_args(argv)
     except SystemExit as exc:

@@ -8,6 +8,9 @@
 #   containerd, containerd-shim-runc-v2, ctr   github.com/containerd/containerd/v2 (containerd/)
 #   cni/{ptp,bridge,host-local,loopback,portmap,bandwidth}   github.com/containernetworking/plugins (cni/)
 #   helm                             helm.sh/helm/v4 (helm/)
+#   crds/monitoring.coreos.com_{podmonitors,servicemonitors,prometheusrules}.yaml
+#                                    the Prometheus operator's CRDs, copied from its module
+#                                    (prometheus-operator/; checked against go.sum, nothing built)
 #
 # runc is not built here: it comes from Debian (apt-get install runc), as do buildah (images
 # without a Docker engine) and busybox-static (the test images); see scripts/bootstrap.sh.
@@ -91,6 +94,25 @@ for b in "${binaries[@]}"; do
   fi
 done
 
+# The Prometheus operator's CRDs: the files of its module as go.sum pins it (no build).
+operator_version=$(mod_version "$here/prometheus-operator" github.com/prometheus-operator/prometheus-operator)
+operator_crds=(podmonitors servicemonitors prometheusrules)
+operator_stamp=$(cat "$here/prometheus-operator/go.mod" "$here/prometheus-operator/go.sum" | sha256sum | cut -c1-16)
+if [[ -z ${NODE_ASSETS_ONLY:-} ]] && [[ ! -f $bin_dir/crds/.stamp || $(<"$bin_dir/crds/.stamp") != "$operator_stamp" ]]; then
+  if ! command -v go >/dev/null 2>&1 && [[ -x /usr/local/go/bin/go ]]; then
+    export PATH="$PATH:/usr/local/go/bin"
+  fi
+  command -v go >/dev/null 2>&1 || { echo "node-assets: Go is not installed (it downloads the Prometheus operator's CRDs)" >&2; exit 1; }
+  echo "node-assets: the Prometheus operator's CRDs ($operator_version)"
+  dir=$( (cd "$here/prometheus-operator" && GOFLAGS=-mod=mod timeout 900 go mod download -json \
+    github.com/prometheus-operator/prometheus-operator) | awk -F'"' '$2 == "Dir" { print $4 }')
+  [[ -n $dir ]] || { echo "node-assets: downloading github.com/prometheus-operator/prometheus-operator failed" >&2; exit 1; }
+  mkdir -p "$bin_dir/crds"
+  for crd in "${operator_crds[@]}"; do
+    install -m 0644 "$dir/example/prometheus-operator-crd/monitoring.coreos.com_$crd.yaml" "$bin_dir/crds/"
+  done
+  echo "$operator_stamp" >"$bin_dir/crds/.stamp"
+fi
 if ! command -v runc >/dev/null 2>&1; then
   echo "node-assets: warning: runc is not installed (apt-get install runc); containerd cannot start containers without it" >&2
 fi

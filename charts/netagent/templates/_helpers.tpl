@@ -49,6 +49,14 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
+{{/* The controller Service's names, as agents in the cluster use them: the serving certificate's
+SANs (with tls.dnsNames), and the agents' host aliases for a fixed ClusterIP. */}}
+{{- define "netagent.serviceNames" -}}
+{{- $svc := include "netagent.controller" . -}}
+{{- $ns := .Release.Namespace -}}
+{{- list $svc (printf "%s.%s" $svc $ns) (printf "%s.%s.svc" $svc $ns) (printf "%s.%s.svc.cluster.local" $svc $ns) | toJson -}}
+{{- end -}}
+
 {{/* The agent's and the cleanup's container securityContext: NET_ADMIN and NET_RAW, nothing else. */}}
 {{- define "netagent.nodeSecurityContext" -}}
 privileged: false
