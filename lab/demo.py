@@ -3,11 +3,14 @@
 It builds the namespace lab (two nodes with three pods each, an "internet" host and
 an internal peer), runs one real controller and one real agent per node (the same
 `netagent controller` / `netagent run` a cluster runs, fed from YAML files), and
-drives iperf3 traffic from every pod to the internet host, with a budget smaller
-than the pods' combined demand. A live table shows each pod's class, fair share
-(what `netagent plan` computes from the same policy), allocation and measured rate;
-halfway through it moves one pod to another class and raises one team's weight,
-so allocations visibly move. At the end it writes a PNG of the rates over time.
+drives iperf3 traffic from every pod to the internet host (uploads) and from the
+internet host to every pod (a dataset download), with an upload budget and a download
+budget each smaller than the pods' combined demand, while one pod also downloads from
+the internal peer: that download is never shaped. A live table shows each pod's class,
+fair share (what `netagent plan` computes from the same policy), allocation and measured
+rate in both directions; halfway through it moves one pod to another class and raises one
+team's weight, so allocations visibly move. At the end it writes a PNG of the rates over
+time, uploads above, downloads below.
 Ctrl-C or the end removes everything it created.
 """
 from __future__ import annotations
@@ -33,13 +36,15 @@ from core.engine import PodDemandIn, allocate
 from core.policy import load_policy, resolve_pod
 
 from .nsexec import NetnsWorker, http_get
-from .topology import INTERNAL_CIDRS, INTERNET_V4, UPLINK, Lab
+from .topology import INTERNAL_CIDRS, INTERNET_V4, PEER_V4, UPLINK, Lab
 
 CONTROLLER_IP = "10.0.0.1"  # the lab fabric's bridge address: reachable from every node
 CONTROLLER_PORT = 9561
 AGENT_PORT = 9560
 STATE_ADDRESS = "127.0.0.1:9562"  # the agent's default --state-listen
 FIRST_IPERF_PORT = 5201
+FIRST_DOWNLOAD_PORT = 5301  # the internet host's servers the pods download from (iperf3 -R)
+INTERNAL_DOWNLOAD_PORT = 5401  # the internal peer's server
 
 CLASSES = {
     # name: (weight, min, max)
@@ -57,6 +62,11 @@ PODS = [
     (1, "web", "frontend", None),  # no annotation: its team's default class
 ]
 BUDGET_TOTAL = "120M"
+DOWNLOAD_TOTAL = "200M"  # spec.ingressTotal: what the cluster's NAT gateways carry in
+# the same classes for downloads (spec.ingress): weights and guarantees as for uploads
+# (namespace, pod) downloading from the internal peer at this rate, above the download
+# budget: internal traffic is never shaped, so it runs at what it offers
+INTERNAL_DOWNLOAD = (("research", "train-1"), "300M")
 CHANGE_POD = ("data", "crawl", "gold")  # halfway: this pod moves to this class...
 CHANGE_TEAM = ("data", 3)  # ...and this team's weight rises to this
 
@@ -64,8 +74,11 @@ CHANGE_TEAM = ("data", 3)  # ...and this team's weight rises to this
 @dataclass
 class Series:
     t: list[float] = field(default_factory=list)
-    rate: dict[str, list[float]] = field(default_factory=dict)
+    rate: dict[str, list[float]] = field(default_factory=dict)  # uploads to the internet, Mbit/s
     limit: dict[str, list[float]] = field(default_factory=dict)
+    down: dict[str, list[float]] = field(default_factory=dict)  # downloads from the internet, Mbit/s
+    down_limit: dict[str, list[float]] = field(default_factory=dict)
+    internal_down: list[float] = field(default_factory=list)  # INTERNAL_DOWNLOAD's 1 s intervals (iperf3), Mbit/s
 
 
 @dataclass(frozen=True)
@@ -80,7 +93,8 @@ def policy_objects(team_weights: dict[str, int]) -> list[dict]:
     objs: list[dict] = []
     for name, (weight, lo, hi) in CLASSES.items():
         objs.append({"apiVersion": "netagent.io/v1alpha1", "kind": "EgressClass", "metadata": {"name": name},
-                     "spec": {"weight": weight, "min": lo, "max": hi}})
+                     "spec": {"weight": weight, "min": lo, "max": hi,
+                              "ingress": {"weight": weight, "min": lo, "max": hi}}})
     teams = [
         {"name": "research", "namespaces": ["research"], "weight": team_weights["research"],
          "defaultClass": "silver", "allowedClasses": ["gold", "silver", "bronze"]},
@@ -90,7 +104,8 @@ def policy_objects(team_weights: dict[str, int]) -> list[dict]:
          "defaultClass": "silver", "allowedClasses": ["silver", "bronze"]},
     ]
     objs.append({"apiVersion": "netagent.io/v1alpha1", "kind": "EgressBudget", "metadata": {"name": "cluster"},
-                 "spec": {"total": BUDGET_TOTAL, "teams": teams, "defaultTeam": "web"}})
+                 "spec": {"total": BUDGET_TOTAL, "ingressTotal": DOWNLOAD_TOTAL, "teams": teams,
+                          "defaultTeam": "web"}})
     return objs
 
 
@@ -115,15 +130,21 @@ def write_yaml(path: Path, objs: list[dict]) -> None:
     os.replace(tmp, path)  # atomic: the file watchers never see half a file
 
 
-def fair_shares(policy: list[dict], classes: dict[tuple[str, str], str | None]) -> dict[str, float]:
-    """What `netagent plan` says each pod deserves when every pod wants more than the budget."""
+def fair_shares(policy: list[dict], classes: dict[tuple[str, str], str | None],
+                download: bool = False) -> dict[str, float]:
+    """What `netagent plan` says each pod deserves when every pod wants more than the budget
+    (the download budget and values with `download`)."""
     pol, _ = load_policy([o for o in policy if o["kind"] == "EgressClass"],
                          [o for o in policy if o["kind"] == "EgressBudget"])
     pods = []
     for _, ns, name, _ in PODS:
         pp = resolve_pod(pol, ns, classes[(ns, name)], None)
-        pods.append(PodDemandIn(f"{ns}/{name}", pp.team, pp.egress_class, pp.weight, pp.min_bps, pp.max_bps, 1e9))
-    res = allocate(pol, pods)
+        if download:
+            pods.append(PodDemandIn(f"{ns}/{name}", pp.team, pp.egress_class, pp.ingress_weight, pp.ingress_min_bps,
+                                    pp.ingress_max_bps, 1e9))
+        else:
+            pods.append(PodDemandIn(f"{ns}/{name}", pp.team, pp.egress_class, pp.weight, pp.min_bps, pp.max_bps, 1e9))
+    res = allocate(pol.for_ingress() if download else pol, pods)
     return {k: v.allocation_bps for k, v in res.pods.items()}
 
 
@@ -141,7 +162,8 @@ class Demo:
         self.classes = {(ns, name): cls for _, ns, name, cls in PODS}
         self.team_weights = {"research": 1, "data": 1, "web": 1}
         self.series = Series()
-        self.moved: dict[str, float] = {}  # pod key -> seconds until its flow first moved
+        self.moved: dict[str, float] = {}  # pod key -> seconds until its upload first moved
+        self.moved_down: dict[str, float] = {}  # pod key -> seconds until its download first moved
         self.events: list[tuple[float, str]] = []
 
     # -- set-up -----------------------------------------------------------------
@@ -187,43 +209,74 @@ class Demo:
                                f"their logs are in {self.dir / 'logs'}")
 
     def start_traffic(self, seconds: float) -> None:
-        for i, (n, ns, name, _) in enumerate(PODS):
-            port = FIRST_IPERF_PORT + i
-            self.lab.iperf_server(self.lab.internet, port)
+        for i in range(len(PODS)):
+            self.lab.iperf_server(self.lab.internet, FIRST_IPERF_PORT + i)
+            self.lab.iperf_server(self.lab.internet, FIRST_DOWNLOAD_PORT + i)
+        self.lab.iperf_server(self.lab.peer, INTERNAL_DOWNLOAD_PORT)
+        run_for = ["-t", str(int(seconds) + 2), "-P", "2", "-i", "0.2", "--forceflush"]
         for i, (n, ns, name, _) in enumerate(PODS):
             pod = self.lab.nodes[n].pods[[p[2] for p in PODS if p[0] == n].index(name)]
             # per-interval lines, flushed as they come: `first_moved` says when each pod's flow first moved
-            proc = self.lab.spawn(pod.netns, ["iperf3", "-c", INTERNET_V4, "-p", str(FIRST_IPERF_PORT + i),
-                                              "-t", str(int(seconds) + 2), "-P", "2", "-i", "0.2", "--forceflush"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            threading.Thread(target=self._watch_flow, args=(f"{ns}/{name}", proc, time.monotonic()),
-                             name=f"iperf-{name}", daemon=True).start()
+            for moved, port, reverse in ((self.moved, FIRST_IPERF_PORT + i, []),
+                                         (self.moved_down, FIRST_DOWNLOAD_PORT + i, ["-R"])):
+                proc = self.lab.spawn(pod.netns, ["iperf3", "-c", INTERNET_V4, "-p", str(port), *reverse, *run_for],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                threading.Thread(target=self._watch_flow, args=(f"{ns}/{name}", proc, time.monotonic(), moved,
+                                                                "down" if reverse else "up"),
+                                 name=f"iperf-{name}", daemon=True).start()
+            if (ns, name) == INTERNAL_DOWNLOAD[0]:
+                proc = self.lab.spawn(pod.netns, ["iperf3", "-c", PEER_V4, "-p", str(INTERNAL_DOWNLOAD_PORT), "-R",
+                                                  "-b", INTERNAL_DOWNLOAD[1], "-t", str(int(seconds) + 2), "-i", "1",
+                                                  "--forceflush"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                threading.Thread(target=self._watch_internal, args=(proc,), name="iperf-internal", daemon=True).start()
 
-    def _watch_flow(self, key: str, proc: subprocess.Popen, started: float) -> None:
+    def _internal_now(self) -> float:
+        """The internal download's latest 1 s interval, Mbit/s (NaN before the first)."""
+        return self.series.internal_down[-1] if self.series.internal_down else float("nan")
+
+    def _watch_internal(self, proc: subprocess.Popen) -> None:
+        """The internal download's 1 s intervals as iperf3 received them (its -R client is the receiver)."""
+        with open(self.dir / "logs" / "iperf-internal-download.log", "w") as log:
+            for line in proc.stdout:
+                log.write(line)
+                parts = line.split()
+                # "[  5]   1.00-2.00   sec  35.8 MBytes   300 Mbits/sec" (the summary lines end in sender/receiver)
+                if len(parts) == 8 and parts[0] == "[" and parts[7] == "Mbits/sec":
+                    self.series.internal_down.append(float(parts[6]))
+                elif len(parts) == 7 and parts[0].startswith("[") and parts[6] == "Mbits/sec":
+                    self.series.internal_down.append(float(parts[5]))
+
+    def _watch_flow(self, key: str, proc: subprocess.Popen, started: float, moved: dict[str, float],
+                    direction: str) -> None:
         """Read one client's interval lines as iperf3 flushes them; the first [SUM] interval that moved
         bytes marks the moment the flow moved (at most one 0.2 s interval late). The lines go to its log."""
-        with open(self.dir / "logs" / f"iperf-{key.replace('/', '-')}.log", "w") as log:
+        with open(self.dir / "logs" / f"iperf-{direction}-{key.replace('/', '-')}.log", "w") as log:
             for line in proc.stdout:
                 log.write(line)
                 parts = line.split()
                 # "[SUM]   0.00-0.20   sec  1.23 MBytes  ..." (with -P 2 the SUM line is the pod's total)
-                if key not in self.moved and len(parts) > 4 and parts[0] == "[SUM]" and parts[2] == "sec":
+                if key not in moved and len(parts) > 4 and parts[0] == "[SUM]" and parts[2] == "sec":
                     try:
-                        moved = float(parts[3]) > 0
+                        bytes_moved = float(parts[3]) > 0
                     except ValueError:
                         continue
-                    if moved:
-                        self.moved[key] = round(time.monotonic() - started, 2)
+                    if bytes_moved:
+                        moved[key] = round(time.monotonic() - started, 2)
 
-    def first_moved(self) -> dict[str, float | None]:
-        """Pod key -> seconds from starting its iperf3 to the first interval that moved bytes (None: never)."""
-        return {f"{ns}/{name}": self.moved.get(f"{ns}/{name}") for _, ns, name, _ in PODS}
+    def first_moved(self, moved: dict[str, float] | None = None) -> dict[str, float | None]:
+        """Pod key -> seconds from starting its iperf3 to the first interval that moved bytes (None: never);
+        uploads unless `moved` is self.moved_down."""
+        moved = self.moved if moved is None else moved
+        return {f"{ns}/{name}": moved.get(f"{ns}/{name}") for _, ns, name, _ in PODS}
 
-    def steady_total(self) -> dict:
+    def steady_total(self, rates: dict[str, list[float]] | None = None, budget: str = BUDGET_TOTAL) -> dict:
         """The measured total against the budget in steady state: the mean over the last 10 s before
-        the change and the last 10 s of the run (IP bytes, the budget's unit)."""
+        the change and the last 10 s of the run (IP bytes, the budget's unit); uploads unless given
+        the download series and budget."""
+        rates = self.series.rate if rates is None else rates
         n, t = len(self.series.t), self.series.t
-        total = [sum(v[i] for v in self.series.rate.values() if i < len(v) and v[i] == v[i]) for i in range(n)]
+        total = [sum(v[i] for v in rates.values() if i < len(v) and v[i] == v[i]) for i in range(n)]
         change = self.events[0][0] if self.events else t[-1]
         out = {}
         for label, lo, hi in (("before_change", change - 10, change), ("end", t[-1] - 10, t[-1] + 1)):
@@ -231,7 +284,7 @@ class Demo:
             if window:
                 mean = sum(window) / len(window)
                 out[label] = {"total_mbps": round(mean, 3),
-                              "error": round(mean / (float(BUDGET_TOTAL.rstrip("M"))) - 1, 4), "samples": len(window)}
+                              "error": round(mean / (float(budget.rstrip("M"))) - 1, 4), "samples": len(window)}
         return out
 
     # -- the changes halfway ---------------------------------------------------------
@@ -260,7 +313,7 @@ class Demo:
                 pass
         return out
 
-    def rows(self, states: dict[str, dict], fair: dict[str, float]) -> list[dict]:
+    def rows(self, states: dict[str, dict], fair: dict[str, float], fair_down: dict[str, float]) -> list[dict]:
         rows = []
         for node, st in sorted(states.items()):
             for p in st.get("pods", []):
@@ -268,28 +321,38 @@ class Demo:
                 rows.append({"node": node, "key": key, "team": p.get("team", ""), "class": p.get("egress_class", ""),
                              "fair": fair.get(key, 0.0), "allocation": p.get("allocation_bps", 0.0),
                              "limit": p.get("limit_bps", 0.0), "rate": p.get("usage_bps", 0.0),
+                             "down_fair": fair_down.get(key, 0.0),
+                             "down_allocation": p.get("ingress_allocation_bps", 0.0),
+                             "down_limit": p.get("ingress_limit_bps", 0.0), "down_rate": p.get("ingress_usage_bps", 0.0),
                              "problems": "; ".join(m for _, m in p.get("problems", []))})
         return rows
 
     def table(self, rows: list[dict], t: float, note: str):
 
-        tab = Table(title=f"netagent demo — t={t:4.0f}s of {self.opts.duration:.0f}s — budget {BUDGET_TOTAL}bit/s"
-                          + (f"\n{note}" if note else ""))
-        for col in ("node", "pod", "team", "class", "fair share", "allocation", "limit", "measured"):
-            tab.add_column(col, justify="right" if col in ("fair share", "allocation", "limit", "measured") else "left")
-        total = 0.0
+        tab = Table(title=f"netagent demo — t={t:4.0f}s of {self.opts.duration:.0f}s — upload budget {BUDGET_TOTAL}"
+                          f"bit/s, download budget {DOWNLOAD_TOTAL}bit/s" + (f"\n{note}" if note else ""))
+        numbers = ("up fair", "up alloc", "up measured", "down fair", "down alloc", "down measured")
+        for col in ("node", "pod", "team", "class", *numbers):
+            tab.add_column(col, justify="right" if col in numbers else "left")
+        total = total_down = 0.0
         for r in rows:
             total += r["rate"]
-            tab.add_row(r["node"], r["key"], r["team"], r["class"], _mbit(r["fair"]) + " M",
-                        _mbit(r["allocation"]) + " M", _mbit(r["limit"]) + " M", _mbit(r["rate"]) + " M")
-        tab.add_row("", "[b]total[/]", "", "", "", "", "", f"[b]{_mbit(total)} M[/]")
+            total_down += r["down_rate"]
+            tab.add_row(r["node"], r["key"], r["team"], r["class"], *(_mbit(r[k]) + " M" for k in (
+                "fair", "allocation", "rate", "down_fair", "down_allocation", "down_rate")))
+        tab.add_row("", "[b]total[/]", "", "", "", "", f"[b]{_mbit(total)} M[/]", "", "", f"[b]{_mbit(total_down)} M[/]")
+        internal = self._internal_now()
+        (ns, name), offered = INTERNAL_DOWNLOAD
+        tab.caption = (f"{ns}/{name} also downloads from the internal peer at {offered}bit/s offered: "
+                       f"{internal:.1f} Mbit/s measured (internal traffic is never shaped)")
         return tab
 
     def record(self, t: float, rows: list[dict]) -> None:
         self.series.t.append(t)
         n = len(self.series.t)
         for r in rows:
-            for store, value in ((self.series.rate, r["rate"]), (self.series.limit, r["limit"])):
+            for store, value in ((self.series.rate, r["rate"]), (self.series.limit, r["limit"]),
+                                 (self.series.down, r["down_rate"]), (self.series.down_limit, r["down_limit"])):
                 seq = store.setdefault(r["key"], [])
                 seq.extend([float("nan")] * (n - 1 - len(seq)))
                 seq.append(value / 1e6)
@@ -300,23 +363,31 @@ class Demo:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(11, 6), dpi=100)
+        fig, (up, down) = plt.subplots(2, 1, figsize=(11, 10), dpi=100, sharex=True)
         n = len(self.series.t)
-        for key in sorted(self.series.rate):
-            seq = self.series.rate[key] + [float("nan")] * (n - len(self.series.rate[key]))
-            ax.plot(self.series.t, seq, label=key, linewidth=1.6)
-        total = [sum(v for v in (self.series.rate[k][i] if i < len(self.series.rate[k]) else float("nan")
-                                 for k in self.series.rate) if v == v) for i in range(n)]
-        ax.plot(self.series.t, total, label="total", color="black", linewidth=2.2)
-        ax.axhline(float(BUDGET_TOTAL.rstrip("M")), color="red", linestyle="--", label=f"budget {BUDGET_TOTAL}")
-        for t, what in self.events:
-            ax.axvline(t, color="grey", linestyle=":")
-            ax.annotate(what, (t, ax.get_ylim()[1] * 0.95), fontsize=8, ha="left")
-        ax.set_xlabel("seconds")
-        ax.set_ylabel("internet egress, Mbit/s (measured from kernel counters)")
-        ax.set_title("netagent: pods' internet egress converging to their fair shares")
-        ax.legend(loc="center right", fontsize=8)
-        ax.grid(alpha=0.3)
+        for ax, rates, budget, what in ((up, self.series.rate, BUDGET_TOTAL, "uploads: internet egress"),
+                                        (down, self.series.down, DOWNLOAD_TOTAL, "downloads: internet ingress")):
+            for key in sorted(rates):
+                seq = rates[key] + [float("nan")] * (n - len(rates[key]))
+                ax.plot(self.series.t, seq, label=key, linewidth=1.6)
+            total = [sum(v for v in (rates[k][i] if i < len(rates[k]) else float("nan") for k in rates) if v == v)
+                     for i in range(n)]
+            ax.plot(self.series.t, total, label="total", color="black", linewidth=2.2)
+            ax.axhline(float(budget.rstrip("M")), color="red", linestyle="--", label=f"budget {budget}")
+            ax.set_ylabel(f"{what}, Mbit/s")
+            ax.grid(alpha=0.3)
+        (ns, name), offered = INTERNAL_DOWNLOAD
+        internal = self.series.internal_down
+        down.plot([self.series.t[0] + i + 1 for i in range(len(internal))] if self.series.t else [], internal,
+                  color="grey", linestyle="-.", linewidth=1.6,
+                  label=f"{ns}/{name} from the internal peer ({offered} offered, not shaped)")
+        for ax in (up, down):
+            for t, what in self.events:
+                ax.axvline(t, color="grey", linestyle=":")
+                ax.annotate(what, (t, ax.get_ylim()[1] * 0.95), fontsize=8, ha="left")
+            ax.legend(loc="center right", fontsize=8)
+        down.set_xlabel("seconds (rates measured from kernel counters)")
+        up.set_title("netagent: pods' internet uploads and downloads converging to their fair shares")
         fig.tight_layout()
         fig.savefig(path)
         plt.close(fig)
@@ -331,6 +402,7 @@ class Demo:
         self.start()
         self.start_traffic(self.opts.duration)
         fair = fair_before = fair_shares(policy_objects(self.team_weights), self.classes)
+        fair_down = fair_down_before = fair_shares(policy_objects(self.team_weights), self.classes, download=True)
         note = ""
         t0 = time.monotonic()
         changed = False
@@ -343,17 +415,22 @@ class Demo:
                     changed = True
                     note = "changed: " + self.change(t)
                     fair = fair_shares(policy_objects(self.team_weights), self.classes)
+                    fair_down = fair_shares(policy_objects(self.team_weights), self.classes, download=True)
                     if plain:
                         console.print(f"t={t:.0f}s {note}")
-                rows = self.rows(self.states(), fair)
+                rows = self.rows(self.states(), fair, fair_down)
                 self.record(t, rows)
                 if live:
                     live.update(self.table(rows, t, note))
                 else:
                     total = sum(r["rate"] for r in rows)
-                    console.print(f"t={t:4.0f}s total={_mbit(total).strip()}M  " + "  ".join(
+                    total_down = sum(r["down_rate"] for r in rows)
+                    console.print(f"t={t:4.0f}s up total={_mbit(total).strip()}M  " + "  ".join(
                         f"{r['key']}={_mbit(r['rate']).strip()}/{_mbit(r['fair']).strip()}" for r in rows),
                         soft_wrap=True, highlight=False)
+                    console.print(f"       down total={_mbit(total_down).strip()}M  " + "  ".join(
+                        f"{r['key']}={_mbit(r['down_rate']).strip()}/{_mbit(r['down_fair']).strip()}" for r in rows)
+                        + f"  internal={self._internal_now():.1f}M", soft_wrap=True, highlight=False)
                 time.sleep(1.0)
         finally:
             if live:
@@ -365,7 +442,14 @@ class Demo:
                 "budget_bps": float(BUDGET_TOTAL.rstrip("M")) * 1e6, "events": self.events, "t": self.series.t,
                 "rate_mbps": self.series.rate, "limit_mbps": self.series.limit,
                 "fair_before_bps": fair_before, "fair_after_bps": fair,
-                "steady_total": self.steady_total(), "first_moved_s": self.first_moved()}, indent=1))
+                "steady_total": self.steady_total(), "first_moved_s": self.first_moved(),
+                "download": {
+                    "budget_bps": float(DOWNLOAD_TOTAL.rstrip("M")) * 1e6, "rate_mbps": self.series.down,
+                    "limit_mbps": self.series.down_limit, "fair_before_bps": fair_down_before,
+                    "fair_after_bps": fair_down, "first_moved_s": self.first_moved(self.moved_down),
+                    "steady_total": self.steady_total(self.series.down, DOWNLOAD_TOTAL),
+                    "internal": {"pod": "/".join(INTERNAL_DOWNLOAD[0]), "offered": INTERNAL_DOWNLOAD[1],
+                                 "rate_mbps": self.series.internal_down}}}, indent=1))
         console.print(f"chart of rates over time: {png}")
         fab = self.lab.fabric
         console.print("metrics (inside the lab; they go away with it):")

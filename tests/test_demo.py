@@ -51,7 +51,8 @@ def test_demo_runs_shapes_to_the_budget_moves_allocations_and_cleans_up(tmp_path
     for window in (late_first, late_second):
         total = sum(_mean([rates[k][i] for i in window if i < len(rates[k])]) for k in rates)
         # the six pods together offer Gbit/s: without shaping the total would be far above the budget
-        assert 0.75 * budget <= total <= 1.15 * budget, f"total {total:.1f} Mbit/s against a {budget:.0f} Mbit/s budget"
+        # (the low bound is loose: uploads share two cores with the six downloads and the internal one)
+        assert 0.7 * budget <= total <= 1.15 * budget, f"total {total:.1f} Mbit/s against a {budget:.0f} Mbit/s budget"
     # every pod's flow moved (iperf3's own 0.2 s intervals, read as they were flushed)
     assert all(v is not None for v in s["first_moved_s"].values()), s["first_moved_s"]
     assert set(s["steady_total"]) == {"before_change", "end"}  # the ±1 % figure: docs/datapath.md (40 s runs)
@@ -61,3 +62,27 @@ def test_demo_runs_shapes_to_the_budget_moves_allocations_and_cleans_up(tmp_path
     # data/crawl moved from bronze to gold and its team's weight tripled: its share must grow a lot
     assert s["fair_after_bps"]["data/crawl"] > 2 * s["fair_before_bps"]["data/crawl"]
     assert after_change > 1.5 * before_change, f"data/crawl {before_change:.1f} -> {after_change:.1f} Mbit/s"
+
+    # downloads: the same pods share the download budget by the same classes and teams
+    down = s["download"]
+    drates, dbudget = down["rate_mbps"], down["budget_bps"] / 1e6
+    assert len(drates) == 6, f"expected six pods' downloads, saw {sorted(drates)}"
+    for window in (late_first, late_second):
+        total = sum(_mean([drates[k][i] for i in window if i < len(drates[k])]) for k in drates)
+        # six pods download at Gbit/s from the internet host: unshaped, far above the download budget.
+        # The low bound is loose on purpose: on two shared cores the downloads run 15-50 % under their
+        # budget (docs/datapath.md, Downloads: an open finding), the high bound is the promise
+        assert 0.4 * dbudget <= total <= 1.15 * dbudget, \
+            f"download total {total:.1f} Mbit/s against a {dbudget:.0f} Mbit/s download budget"
+    assert all(v is not None for v in down["first_moved_s"].values()), down["first_moved_s"]
+    assert set(down["steady_total"]) == {"before_change", "end"}
+    assert down["fair_after_bps"]["data/crawl"] > 2 * down["fair_before_bps"]["data/crawl"]
+    dcrawl = drates["data/crawl"]
+    assert _mean([dcrawl[i] for i in late_second]) > 1.5 * _mean([dcrawl[i] for i in late_first])
+    # the internal download beside them is never shaped: it runs at what it offers, above the budget
+    internal = down["internal"]
+    offered = float(internal["offered"].rstrip("M"))
+    measured = sorted(v for v in internal["rate_mbps"][len(internal["rate_mbps"]) // 3:] if v == v)
+    assert measured and measured[len(measured) // 2] >= 0.95 * offered, \
+        f"{internal['pod']}'s internal download at {measured[len(measured) // 2] if measured else None} Mbit/s " \
+        f"of {offered:.0f} offered"
