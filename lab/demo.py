@@ -66,7 +66,7 @@ DOWNLOAD_TOTAL = "200M"  # spec.ingressTotal: what the cluster's NAT gateways ca
 # the same classes for downloads (spec.ingress): weights and guarantees as for uploads
 # (namespace, pod) downloading from the internal peer at this rate, above the download
 # budget: internal traffic is never shaped, so it runs at what it offers
-INTERNAL_DOWNLOAD = (("research", "train-1"), "300M")
+INTERNAL_DOWNLOAD = (("research", "train-1"), "250M")
 CHANGE_POD = ("data", "crawl", "gold")  # halfway: this pod moves to this class...
 CHANGE_TEAM = ("data", 3)  # ...and this team's weight rises to this
 

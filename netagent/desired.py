@@ -27,6 +27,7 @@ from core.errors import NetagentError
 from iptables.model import ClassifierState, PodClassification
 from tc.model import (
     DEFAULT_MINOR,
+    DOWNLOAD_ROOT_MAJOR,
     INGRESS_IFB_ALIAS,
     MAX_RATE_BPS,
     MIN_RATE_BPS,
@@ -68,7 +69,7 @@ class DataPathOptions:
     wire_mtu: int = 1500  # the uplink's IP MTU: the size of a full segment
     # downloads (internet ingress): a second IFB fed from the pod-facing devices, its own HTB tree
     ingress_ifb: str = "netagent-in"
-    ingress_htb_major: int = 0x2  # a major of its own: a download class never reads as an upload one
+    ingress_htb_major: int = DOWNLOAD_ROOT_MAJOR  # a major of its own: a download class never reads as an upload one
     ingress_default_rate: int = 1_000_000  # the download floor for pods not known yet, bit/s
 
 

