@@ -75,7 +75,8 @@ def test_stats_one_dump(node):
         stats = s.stats("na-ifb0")
     assert set(stats) == {0x1, 0x10A, 0x10B, DEFAULT_MINOR}
     assert stats[0x10B].rate_bytes == 5_000_000_000
-    assert all(st.bytes == 0 and st.drops == 0 for st in stats.values())
+    # fresh classes: no drops, and at most a link-local packet of the lab's IPv6 autoconfiguration
+    assert all(st.bytes < 1024 and st.drops == 0 for st in stats.values())
 
 
 def test_missing_uplink_changes_nothing(node):
