@@ -129,12 +129,12 @@ class NetlinkChannel:
                     kind=_text(info[IFLA_INFO_KIND]) if IFLA_INFO_KIND in info else None,
                 )
 
-    def dump_links(self) -> list[tuple[str, str | None, int]]:
-        """Every device of the namespace as (name, kind, ifindex): one RTM_GETLINK dump."""
+    def _dump_payloads(self, msg_type: int, body: bytes, what: str, absent: tuple[int, ...] = ()) -> list[bytes]:
+        """One NLM_F_DUMP request; -> the payload of every answer message. An error whose errno is in
+        `absent` means "nothing to dump" (an empty list); any other raises OSError naming `what`."""
         seq = self._next()
-        body = _IFINFO.pack(socket.AF_UNSPEC, 0, 0, 0, 0)
-        self.sock.send(_HDR.pack(_HDR.size + len(body), RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body)
-        out: list[tuple[str, str | None, int]] = []
+        self.sock.send(_HDR.pack(_HDR.size + len(body), msg_type, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body)
+        out: list[bytes] = []
         while True:
             for mtype, _flags, mseq, payload in _messages(self.sock.recv(1 << 20)):
                 if mseq != seq:
@@ -143,14 +143,21 @@ class NetlinkChannel:
                     return out
                 if mtype == NLMSG_ERROR:
                     (err,) = struct.unpack_from("=i", payload, 0)
-                    if err:
-                        raise OSError(-err, f"link dump failed: {os.strerror(-err)}")
+                    if err and -err not in absent:
+                        raise OSError(-err, f"{what} dump failed: {os.strerror(-err)}")
                     return out
-                _, _, index, _, _ = _IFINFO.unpack_from(payload, 0)
-                a = attrs(payload[_IFINFO.size :])
-                info = attrs(a.get(IFLA_LINKINFO, b""))
-                out.append((_text(a.get(IFLA_IFNAME, b"")), _text(info[IFLA_INFO_KIND]) if IFLA_INFO_KIND in info else None,
-                            index))
+                out.append(payload)
+
+    def dump_links(self) -> list[tuple[str, str | None, int]]:
+        """Every device of the namespace as (name, kind, ifindex): one RTM_GETLINK dump."""
+        out: list[tuple[str, str | None, int]] = []
+        for payload in self._dump_payloads(RTM_GETLINK, _IFINFO.pack(socket.AF_UNSPEC, 0, 0, 0, 0), "link"):
+            _, _, index, _, _ = _IFINFO.unpack_from(payload, 0)
+            a = attrs(payload[_IFINFO.size :])
+            info = attrs(a.get(IFLA_LINKINFO, b""))
+            out.append((_text(a.get(IFLA_IFNAME, b"")), _text(info[IFLA_INFO_KIND]) if IFLA_INFO_KIND in info else None,
+                        index))
+        return out
 
     def dump_classes(self, ifindex: int) -> list[tuple[int, int, bytes]]:
         """RTM_GETTCLASS dump of one device: (handle, parent, attributes) per class."""
@@ -163,69 +170,27 @@ class NetlinkChannel:
     def dump_filters(self, ifindex: int, parent: int) -> list[tuple[int, int, bytes]]:
         """RTM_GETTFILTER dump of one device and parent (e.g. clsact egress): (handle, info, attributes)
         per filter; info is (priority << 16) | protocol. Raw: one request, no decoding beyond the header."""
-        seq = self._next()
         body = _TCMSG.pack(socket.AF_UNSPEC, ifindex, 0, parent, 0)
-        self.sock.send(_HDR.pack(_HDR.size + len(body), RTM_GETTFILTER, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body)
-        out = []
-        while True:
-            for mtype, _flags, mseq, payload in _messages(self.sock.recv(1 << 20)):
-                if mseq != seq:
-                    continue
-                if mtype == NLMSG_DONE:
-                    return out
-                if mtype == NLMSG_ERROR:
-                    (err,) = struct.unpack_from("=i", payload, 0)
-                    if err and -err not in (errno.EINVAL, errno.ENOENT):  # no such parent: no filters
-                        raise OSError(-err, f"filter dump failed: {os.strerror(-err)}")
-                    return out
-                _, index, handle, _parent, info = _TCMSG.unpack_from(payload, 0)
-                if index == ifindex:
-                    out.append((handle, info, payload[_TCMSG.size :]))
+        # no such parent (no clsact yet): no filters
+        return [(handle, info, payload[_TCMSG.size :]) for index, handle, _parent, info, payload in
+                self._tc_messages(RTM_GETTFILTER, body, "filter", (errno.EINVAL, errno.ENOENT)) if index == ifindex]
 
     def clsact_devices(self) -> set[int]:
         """Indexes of every device with a clsact qdisc: one RTM_GETQDISC dump of the namespace."""
-        return {index for index, handle, parent, payload in self._dump_all(RTM_GETQDISC)
-                if parent == 0xFFFFFFF1 and attrs(payload).get(TCA_KIND, b"").rstrip(b"\0") == b"clsact"}
-
-    def _dump_all(self, msg_type: int) -> list[tuple[int, int, int, bytes]]:
-        seq = self._next()
         body = _TCMSG.pack(socket.AF_UNSPEC, 0, 0, 0, 0)
-        self.sock.send(_HDR.pack(_HDR.size + len(body), msg_type, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body)
-        out = []
-        while True:
-            for mtype, _flags, mseq, payload in _messages(self.sock.recv(1 << 20)):
-                if mseq != seq:
-                    continue
-                if mtype == NLMSG_DONE:
-                    return out
-                if mtype == NLMSG_ERROR:
-                    (err,) = struct.unpack_from("=i", payload, 0)
-                    if err:
-                        raise OSError(-err, f"tc dump failed: {os.strerror(-err)}")
-                    return out
-                _, index, handle, parent, _ = _TCMSG.unpack_from(payload, 0)
-                out.append((index, handle, parent, payload[_TCMSG.size :]))
+        return {index for index, _handle, parent, _info, payload in self._tc_messages(RTM_GETQDISC, body, "tc")
+                if parent == 0xFFFFFFF1 and attrs(payload[_TCMSG.size :]).get(TCA_KIND, b"").rstrip(b"\0") == b"clsact"}
+
+    def _tc_messages(self, msg_type: int, body: bytes, what: str, absent: tuple[int, ...] = ()):
+        """A tc dump's messages as (ifindex, handle, parent, info, whole payload)."""
+        for payload in self._dump_payloads(msg_type, body, what, absent):
+            _, index, handle, parent, info = _TCMSG.unpack_from(payload, 0)
+            yield index, handle, parent, info, payload
 
     def _dump(self, msg_type: int, ifindex: int) -> list[tuple[int, int, bytes]]:
-        seq = self._next()
         body = _TCMSG.pack(socket.AF_UNSPEC, ifindex, 0, 0, 0)
-        self.sock.send(_HDR.pack(_HDR.size + len(body), msg_type, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body)
-        out = []
-        while True:
-            data = self.sock.recv(1 << 20)
-            for mtype, flags, mseq, payload in _messages(data):
-                if mseq != seq:
-                    continue
-                if mtype == NLMSG_DONE:
-                    return out
-                if mtype == NLMSG_ERROR:
-                    (err,) = struct.unpack_from("=i", payload, 0)
-                    if err:
-                        raise OSError(-err, f"tc dump failed: {os.strerror(-err)}")
-                    return out
-                _, index, handle, parent, _ = _TCMSG.unpack_from(payload, 0)
-                if index == ifindex:
-                    out.append((handle, parent, payload[_TCMSG.size :]))
+        return [(handle, parent, payload[_TCMSG.size :]) for index, handle, parent, _info, payload in
+                self._tc_messages(msg_type, body, "tc") if index == ifindex]
 
 
 def _messages(data: bytes):
