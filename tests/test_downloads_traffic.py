@@ -18,13 +18,11 @@ import time
 
 import pytest
 
-from iptables.apply import Classifier
 from lab.netns import require_root
 from lab.topology import INTERNAL_CIDRS, INTERNET_V4, INTERNET_V6, PEER_V4, UPLINK, Lab, run
-from netagent.desired import DataPathOptions, DesiredState, NodeInputs, PodShape, desired_state, ip_bytes
-from tc.netlink import Shaper
+from netagent.desired import DataPathOptions, NodeInputs, PodShape, desired_state, ip_bytes
 from tc.probe import probe
-from tests.test_datapath_traffic import ip_rate, rate_error, residue_snapshot
+from tests.test_datapath_traffic import NodeUnderTest, ip_rate, pod_key, rate_error, residue_snapshot
 
 pytestmark = [pytest.mark.root, pytest.mark.traffic]
 
@@ -37,21 +35,8 @@ FLOOD_PORT = 5399
 UNSHAPED_UPLOAD = 100 * G  # uploads are not what these tests look at
 
 
-def pod_key(pod) -> str:
-    return f"default/{pod.name}"
-
-
-class DownloadNode:
+class DownloadNode(NodeUnderTest):
     """One lab node driven the way the agent drives it, with both shapers."""
-
-    def __init__(self, lab: Lab, leaf: str):
-        self.lab = lab
-        self.node = lab.nodes[0]
-        self.pods = self.node.pods
-        self.options = DataPathOptions(leaf_qdisc=leaf)
-        self.shaper = Shaper(self.node.netns)
-        self.classifier = Classifier(netns=self.node.netns)
-        self.state: DesiredState | None = None
 
     def devices(self) -> tuple[str, ...]:
         return self.shaper.devices_of_kind(("veth",), exclude=(UPLINK,))
@@ -71,18 +56,12 @@ class DownloadNode:
         spec = self.state.ingress_shaper
         return self.shaper.stats(spec.ifb, spec.major)
 
-    def minor(self, pod) -> int:
-        return self.state.minors[pod_key(pod)]
-
     def remove(self) -> None:
         o = self.options
         self.shaper.cleanup(o.ifb, (UPLINK, *self.devices()), o.filter_pref)
         self.shaper.cleanup(o.ingress_ifb, (), o.filter_pref)
         self.classifier.cleanup()
         self.state = None
-
-    def close(self) -> None:
-        self.shaper.close()
 
 
 def make_lab(pod_network: str):
