@@ -317,15 +317,16 @@ def build(state: ClassifierState, family: int, prefix: str = "NETAGENT") -> Rule
             return tuple(f"{'-s' if where == 'src' else '-d'} {net} {rest}" for net in internal)
         return (f"-m set --match-set {s['internal']} {where} {rest}",)
 
+    def to_default_class(counted_as: str, target: tuple[int, int]) -> tuple[str, ...]:
+        """A packet of no known pod: our mark (so it is counted and shaped) and the default class."""
+        return (f"{comment(counted_as)} -j MARK --set-xmark {mark}", f"-j CLASSIFY --set-class {classify_target(target)}")
+
     unknown: tuple[str, ...] = ()
     if state.default_class is not None:
         # after the pods' SET: a known pod's internet packet already carries our mark (and its own
         # class). Forwarded only: a source that is one of the node's addresses is host traffic.
         unknown = (f"-m mark ! --mark {mark} -m addrtype ! --src-type LOCAL -j {n['UNKNOWN']}",)
-        chains[n["UNKNOWN"]] = (
-            f"{comment('unknown source egress internet')} -j MARK --set-xmark {mark}",
-            f"-j CLASSIFY --set-class {classify_target(state.default_class)}",
-        )
+        chains[n["UNKNOWN"]] = to_default_class("unknown source egress internet", state.default_class)
     chains[n["NODE-OUT"]] = (
         *scope("dst", f"{comment('node egress internal')} -g {n['EGRESS-INT']}"),
         f"-j SET --map-set {s['egress-inet']} src --map-mark --map-prio",
@@ -365,10 +366,7 @@ def build(state: ClassifierState, family: int, prefix: str = "NETAGENT") -> Rule
             f"-m mark ! --mark {mark} -j {n['UNKNOWN-IN']}",
         )
         chains[n["FROM-HOST"]] = (f"-m set --match-set {s['ingress-inet']} dst -j RETURN",)
-        chains[n["UNKNOWN-IN"]] = (
-            f"{comment('unknown destination ingress internet')} -j MARK --set-xmark {mark}",
-            f"-j CLASSIFY --set-class {classify_target(state.ingress_default_class)}",
-        )
+        chains[n["UNKNOWN-IN"]] = to_default_class("unknown destination ingress internet", state.ingress_default_class)
     chains[n["POSTROUTING"]] = (
         *(f"-o {dev} -g {n['NODE-OUT']}" for dev in state.uplinks),
         f"-m set --match-set {s['peer']} src -g {n['FROM-PEER']}",
