@@ -122,21 +122,26 @@ class Bench:
 
     def run(self, proto: str, rate: int) -> dict:
         proc, tool = self.senders(self.pod, 5201, proto, rate, self.warmup + self.window + 0.8)
-        procs = [proc]
+        s1, s2, seconds, sent = self.window_of([proc], self.class_stats)
+        measured = self.ip_bits(s1, s2) / seconds
+        return {"measured": measured, "error": (measured - rate) / rate, "drops": s2.drops - s1.drops, "sender": sent,
+                "tool": tool}
+
+    def window_of(self, procs, read):
+        """`read()` after the warm-up and again after the window while `procs` send; then their
+        JSON results. -> (first read, second read, seconds between them, what the senders sent)."""
         try:
             time.sleep(self.warmup)
-            s1, t1 = self.class_stats(), time.monotonic()
+            first, t1 = read(), time.monotonic()
             time.sleep(self.window)
-            s2, t2 = self.class_stats(), time.monotonic()
+            second, t2 = read(), time.monotonic()
             outs = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
         sent = sum(o["end"]["sum_sent"]["bits_per_second"] if "end" in o else o["bits_per_second"] for o in outs)
-        measured = self.ip_bits(s1, s2) / (t2 - t1)
-        return {"measured": measured, "error": (measured - rate) / rate, "drops": s2.drops - s1.drops, "sender": sent,
-                "tool": tool}
+        return first, second, t2 - t1, sent
 
     def unshaped(self) -> dict[str, float]:
         self.remove()
@@ -227,20 +232,8 @@ class DownloadBench:
                                              extra=["-R"])], "iperf3"
         else:
             procs, tool = [b.lab.download_flood(b.pod.netns, b.lab.internet, INTERNET_V4, 5299, 2 * rate, seconds)], "udp-gso"
-        try:
-            time.sleep(b.warmup)
-            b1, d1 = self.class_ip_bytes()
-            t1 = time.monotonic()
-            time.sleep(b.window)
-            b2, d2 = self.class_ip_bytes()
-            t2 = time.monotonic()
-            outs = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        sent = sum(o["end"]["sum_sent"]["bits_per_second"] if "end" in o else o["bits_per_second"] for o in outs)
-        measured = (b2 - b1) * 8 / (t2 - t1)
+        (b1, d1), (b2, d2), seconds, sent = b.window_of(procs, self.class_ip_bytes)
+        measured = (b2 - b1) * 8 / seconds
         return {"measured": measured, "error": (measured - rate) / rate, "drops": d2 - d1, "sender": sent, "tool": tool}
 
     def internal(self, rate: int, pairs: int = 3) -> tuple[float, float]:
