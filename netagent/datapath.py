@@ -128,10 +128,8 @@ class KernelDataPath:
         self._stats: tuple[float, dict[int, ClassStats]] | None = None
         self._ingress_stats: tuple[float, dict[int, ClassStats]] | None = None
         self._counters: tuple[float, tuple[PodCounters, NodeCounters]] | None = None
-        self._unshaped = 0  # host egress (bypassing the shaper) accumulated between reads
-        self._unshaped_prev: tuple[frozenset, int] | None = None
-        self._host_in = 0  # host ingress (bypassing the download shaper) accumulated between reads
-        self._host_in_prev: tuple[frozenset, int] | None = None
+        # per direction: (host traffic bypassing its shaper, accumulated between reads; (pods, last count))
+        self._bypass: dict[str, tuple[int, tuple[frozenset, int] | None]] = {"egress": (0, None), "ingress": (0, None)}
         self.reads = {"class_stats": 0, "counters": 0}  # kernel reads done (bench/agent.py, tests)
 
     def check_conflicts(self) -> None:
@@ -240,44 +238,31 @@ class KernelDataPath:
                     t = time.monotonic()
                     found = self._classifier.counters()
             self.reads["counters"] += 1
-            found[1]["egress_internet_wire"] = self._wire_egress(*found)
-            found[1]["ingress_internet_wire"] = self._wire_ingress(*found)
+            found[1]["egress_internet_wire"] = self._wire("egress", self.sample_stats()[1].get(NODE_MINOR), *found)
+            found[1]["ingress_internet_wire"] = self._wire("ingress", self.sample_ingress_stats()[1].get(NODE_MINOR),
+                                                           *found)
             self._counters = (t, found)
             return _copy(found)
 
-    def _wire_egress(self, pods: PodCounters, node: NodeCounters) -> int:
-        """The node's internet egress in IP bytes as it left: what the shaper sent (its node class,
-        per segment, after its drops) plus the traffic that bypasses it (host and hostNetwork pods).
+    def _wire(self, direction: str, node_class: ClassStats | None, pods: PodCounters, node: NodeCounters) -> int:
+        """The node's internet traffic in `direction` ("egress", "ingress") in IP bytes on the wire:
+        what its shaper let through (the node class, per segment, after its drops) plus the traffic
+        that bypasses it (host and hostNetwork pods).
 
         The iptables counters cannot say it alone: they count before the shaper (bytes it then drops
         and TCP sends again count twice) and a GSO packet once with one header (bulk TCP undercounts
-        by ~3.5 %). The unshaped part is the node's iptables egress minus what the pod sets and the
-        unknown-source rule counted (the same units); it is accumulated by difference between reads
+        by ~3.5 %). The unshaped part is the node's iptables count minus what the pod sets and the
+        unknown-pod rule counted (the same units); it is accumulated by difference between reads
         with the same pods, so a pod that goes (its bytes leave the sum) is not mistaken for host traffic."""
-        st = self.sample_stats()[1].get(NODE_MINOR)
-        shaped = ip_bytes(st.bytes, st.packets, self.options) if st else 0
-        rest = node.get("egress_internet", 0) - node.get("egress_unknown_internet", 0) - sum(
-            c.get("egress_internet", 0) for c in pods.values())
+        shaped = ip_bytes(node_class.bytes, node_class.packets, self.options) if node_class else 0
+        rest = node.get(f"{direction}_internet", 0) - node.get(f"{direction}_unknown_internet", 0) - sum(
+            c.get(f"{direction}_internet", 0) for c in pods.values())
         keys = frozenset(pods)
-        if self._unshaped_prev is not None and self._unshaped_prev[0] == keys:
-            self._unshaped += max(0, rest - self._unshaped_prev[1])
-        self._unshaped_prev = (keys, rest)
-        return shaped + self._unshaped
-
-    def _wire_ingress(self, pods: PodCounters, node: NodeCounters) -> int:
-        """The node's internet ingress in IP bytes, as `_wire_egress` for uploads: what the download
-        shaper let through to the pods (its node class) plus what reached the node itself (host and
-        hostNetwork traffic: the uplinks' internet ingress minus what the pods' sets and the
-        unknown-destination rule counted)."""
-        st = self.sample_ingress_stats()[1].get(NODE_MINOR)
-        shaped = ip_bytes(st.bytes, st.packets, self.options) if st else 0
-        rest = node.get("ingress_internet", 0) - node.get("ingress_unknown_internet", 0) - sum(
-            c.get("ingress_internet", 0) for c in pods.values())
-        keys = frozenset(pods)
-        if self._host_in_prev is not None and self._host_in_prev[0] == keys:
-            self._host_in += max(0, rest - self._host_in_prev[1])
-        self._host_in_prev = (keys, rest)
-        return shaped + self._host_in
+        total, previous = self._bypass[direction]
+        if previous is not None and previous[0] == keys:
+            total += max(0, rest - previous[1])
+        self._bypass[direction] = (total, (keys, rest))
+        return shaped + total
 
     def adopted_rates(self) -> dict[int, tuple[int, int]]:
         """minor -> (rate, ceil) in IP bit/s of every HTB class the kernel holds now (the node
