@@ -393,10 +393,15 @@ def test_daemonset_runs_one_pod_per_kwok_node(kube_api, kube_cluster, kube_names
     running = wait_for(running_pods, timeout=120, what="20 DaemonSet pods Running")
     assert sorted(p.spec.node_name for p in running) == sorted(nodes)
     assert len({p.status.pod_ip for p in running}) == len(nodes)
-    status = apps.read_namespaced_daemon_set_status("probe", kube_namespace).status
-    wait_for(lambda: apps.read_namespaced_daemon_set_status("probe", kube_namespace).status.number_ready == len(nodes),
-             what="the DaemonSet status to count 20 ready pods")
+    # The DaemonSet controller writes its status after the pods run, so read it once it counts
+    # them all, and then check that it schedules exactly one per node.
+    def counted_status():
+        status = apps.read_namespaced_daemon_set_status("probe", kube_namespace).status
+        return status if status.number_ready == len(nodes) else None
+
+    status = wait_for(counted_status, timeout=60, what="the DaemonSet status to count 20 ready pods")
     assert status.desired_number_scheduled == len(nodes)
+    assert status.current_number_scheduled == len(nodes)
 
 
 # ---------------------------------------------------------------------------------------------
