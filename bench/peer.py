@@ -42,7 +42,7 @@ from typing import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from iptables.apply import Classifier  # noqa: E402
-from lab.netns import run  # noqa: E402
+from lab.netns import residue_snapshot, run  # noqa: E402
 from lab.topology import INTERNAL_CIDRS, INTERNET_V4, PEER_V4, UPLINK, Lab, Pod  # noqa: E402
 from netagent.desired import DataPathOptions, NodeInputs, PodShape, desired_state  # noqa: E402
 from tc.netlink import Shaper  # noqa: E402
@@ -53,6 +53,7 @@ INET_PORT, PEER_PORT = 5201, 5202
 CNI_NETWORK = "netagent-peer-bench"
 CNI_LATENCY_S = 0.025  # the plugin's TBF latency (ifb_creator.go latencyInMillis); its burst here too
 INTERNAL_AIM = 0.97
+UNSHAPED_BPS = 100 * 10**9  # the other direction's rate while one is benched: never the limit
 
 
 @dataclass(frozen=True)
@@ -67,9 +68,22 @@ class Direction:
 
 UPLOAD = Direction("upload", False, "egressRate", "egressBurst",
                    lambda key, pod, rate: PodShape(key, (pod.ip4, pod.ip6), rate, rate))
-# Downloads plug in here as a second Direction (reverse=True, ingressRate/ingressBurst, and the pod
-# with a download rate) once netagent's desired state shapes internet ingress.
-DIRECTIONS = {d.name: d for d in (UPLOAD,)}
+# The plugin's ingressRate is a TBF on the host-side veth (everything towards the pod); netagent's is
+# the pod's class in the download tree (the netagent-in IFB fed from the pod-facing veths), with the
+# pod's uploads left unshaped.
+DOWNLOAD = Direction("download", True, "ingressRate", "ingressBurst",
+                     lambda key, pod, rate: PodShape(key, (pod.ip4, pod.ip6), UNSHAPED_BPS, UNSHAPED_BPS, rate, rate))
+DIRECTIONS = {d.name: d for d in (UPLOAD, DOWNLOAD)}
+
+
+def parse_directions(text: str) -> list[Direction]:
+    """`--direction`: a name, a comma list of names, or `both`; each once, in the order given."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    names = [d for n in names for d in (DIRECTIONS if n == "both" else (n,))]
+    unknown = [n for n in names if n not in DIRECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"direction {text!r}: use {', '.join(DIRECTIONS)}, a comma list of them, or both")
+    return [DIRECTIONS[n] for n in dict.fromkeys(names)]
 
 
 def parse_rate(text: str) -> int:
@@ -123,8 +137,11 @@ class CniPlugin:
 
     def remove(self, rate: int) -> None:
         self._call("DEL", rate)
-        # DEL removes the IFB but leaves the ingress qdisc on the host veth (a second ADD then fails)
-        run(f"tc qdisc del dev {self.pod.node_veth} ingress", self.node.netns, check=False)
+        # DEL removes the IFB of egressRate but leaves the qdiscs on the host veth: the ingress qdisc
+        # that feeds the IFB (a second ADD then fails), and ingressRate's root TBF (a container
+        # runtime deletes the veth with the pod; here the pod stays)
+        hook = "root" if self.direction.reverse else "ingress"
+        run(f"tc qdisc del dev {self.pod.node_veth} {hook}", self.node.netns, check=False)
 
 
 class Netagent:
@@ -139,14 +156,23 @@ class Netagent:
 
     def install(self, rate: int) -> None:
         pod = self.direction.netagent_pod("bench/pod", self.pod, rate)
-        self.state = desired_state(NodeInputs((UPLINK,), INTERNAL_CIDRS, (pod,), 10 * rate, self.options))
-        self.shaper.apply(self.state.shaper)
+        if self.direction.reverse:  # both shapers, as the agent runs them; the download tree fed from the pod veths
+            devices = self.shaper.devices_of_kind(("veth",), exclude=(UPLINK,))
+            inputs = NodeInputs((UPLINK,), INTERNAL_CIDRS, (pod,), UNSHAPED_BPS, self.options,
+                                ingress_node_rate=10 * rate, pod_devices=devices)
+        else:
+            inputs = NodeInputs((UPLINK,), INTERNAL_CIDRS, (pod,), 10 * rate, self.options)
+        self.state = desired_state(inputs)
+        for spec in (self.state.shaper, self.state.ingress_shaper):
+            if spec:
+                self.shaper.apply(spec)
         self.classifier.apply(self.state.classifier)
 
     def remove(self, rate: int) -> None:
         if self.state:
-            s = self.state.shaper
-            self.shaper.cleanup(s.ifb, s.uplinks, s.filter_pref)
+            for s in (self.state.shaper, self.state.ingress_shaper):
+                if s:
+                    self.shaper.cleanup(s.ifb, s.uplinks, s.filter_pref)
             self.state = None
         self.classifier.cleanup()
 
@@ -188,7 +214,8 @@ class Bench:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", default="20M,100M,1G")
-    ap.add_argument("--direction", default="upload", choices=sorted(DIRECTIONS))
+    ap.add_argument("--direction", default="upload", type=parse_directions,
+                    help=f"{', '.join(DIRECTIONS)}, a comma list of them, or both (one lab, one run, a table each)")
     ap.add_argument("--internal-runs", type=int, default=5)
     ap.add_argument("--goodput-runs", type=int, default=3)
     ap.add_argument("--pings", type=int, default=40)
@@ -201,60 +228,85 @@ def main() -> int:
     if not args.plugin or not os.access(args.plugin, os.X_OK):
         print("no CNI bandwidth plugin binary: run `make node-assets` or pass --plugin", file=sys.stderr)
         return 2
-    direction = DIRECTIONS[args.direction]
     rates = [parse_rate(r) for r in args.rates.split(",")]
-    results: dict[tuple[int, str], dict] = {}
+    worst = 0
     with Lab(nodes=1, pods_per_node=1, prefix=f"nape{os.getpid() % 10000}") as lab:
         lab.iperf_server(lab.internet, INET_PORT)
         lab.iperf_server(lab.peer, PEER_PORT)
-        bench = Bench(lab, direction, args)
-        agent = Netagent(lab, bench.pod, direction, args.leaf)
-        shapers = (CniPlugin(args.plugin, lab, bench.pod, direction), agent)
-        try:
-            idle = run(["ping", "-c", "20", "-i", "0.1", INTERNET_V4], bench.pod.netns)
-            idle_rtt = statistics.median(float(v) for v in re.findall(r"time=([\d.]+) ms", idle))
-            print(f"{direction.name}, plugin {args.plugin}, netagent leaf {agent.options.leaf_qdisc}; "
-                  f"unloaded RTT {idle_rtt:.3f} ms", flush=True)
-            for rate in rates:
-                for s in shapers:
-                    results[rate, s.label] = {"goodput": [], "rtt": [], "internal": []}
-                unshaped = []
-                for r in range(args.internal_runs):  # alternated rounds; the order rotates
-                    order = [None, *shapers]
-                    order = order[r % 3:] + order[:r % 3]
-                    got = {}
-                    for s in order:
-                        if s is None:
-                            got[None] = bench.internal()
-                            continue
-                        s.install(rate)
-                        try:
-                            got[s.label] = bench.internal()
-                            if r < args.goodput_runs:
-                                results[rate, s.label]["goodput"].append(bench.goodput())
-                            if r == 0:
-                                results[rate, s.label]["rtt"] = bench.loaded_rtt()
-                        finally:
-                            s.remove(rate)
-                    unshaped.append(got[None])
-                    for s in shapers:
-                        results[rate, s.label]["internal"].append(got[s.label] / got[None])
-                for s in shapers:
-                    res = results[rate, s.label]
-                    res["goodput_error"] = statistics.median(res["goodput"]) / rate - 1
-                    res["internal_share"] = statistics.median(res["internal"])
-                    res["rtt_p50"] = statistics.median(res["rtt"])
-                    print(f"  {fmt(rate):>7} {s.label:11} goodput {fmt(statistics.median(res['goodput']))} "
-                          f"({res['goodput_error']:+.2%}), internal {res['internal_share']:.3f} of "
-                          f"{fmt(statistics.median(unshaped))}, loaded RTT p50 {res['rtt_p50']:.2f} ms "
-                          f"({len(res['rtt'])} pings)", flush=True)
-        finally:
-            agent.close()  # the plugin is removed after each use, in the round's own finally
-    return verdict(rates, results)
+        for tool in ("iptables", "ip6tables"):  # kubelet's mangle chain, as on every kube-proxy node: the table
+            run(f"{tool} -t mangle -N KUBE-IPTABLES-HINT", lab.nodes[0].netns)  # exists before netagent's first rule
+        clean = residue_snapshot(lab.nodes[0].netns)
+        for i, direction in enumerate(args.direction):
+            if i:
+                print()
+            results = measure(lab, direction, args, rates, clean)
+            worst = max(worst, verdict(rates, results, direction.name if len(args.direction) > 1 else ""))
+    return worst
 
 
-def verdict(rates: list[int], results: dict) -> int:
+def measure(lab: Lab, direction: Direction, args, rates: list[int], clean: dict[str, str]) -> dict[tuple[int, str], dict]:
+    """Both shapers on the lab's pod in `direction`, each removed after each use and the node checked
+    against `clean` (the snapshot before any shaper): what one leaves must not bias the other."""
+    results: dict[tuple[int, str], dict] = {}
+    bench = Bench(lab, direction, args)
+    agent = Netagent(lab, bench.pod, direction, args.leaf)
+    shapers = (CniPlugin(args.plugin, lab, bench.pod, direction), agent)
+    try:
+        idle = run(["ping", "-c", "20", "-i", "0.1", INTERNET_V4], bench.pod.netns)
+        idle_rtt = statistics.median(float(v) for v in re.findall(r"time=([\d.]+) ms", idle))
+        print(f"{direction.name}, plugin {args.plugin}, netagent leaf {agent.options.leaf_qdisc}; "
+              f"unloaded RTT {idle_rtt:.3f} ms", flush=True)
+        for rate in rates:
+            for s in shapers:
+                results[rate, s.label] = {"goodput": [], "rtt": [], "internal": []}
+            unshaped = []
+            for r in range(args.internal_runs):  # alternated rounds; the order rotates
+                order = [None, *shapers]
+                order = order[r % 3:] + order[:r % 3]
+                got = {}
+                for s in order:
+                    if s is None:
+                        got[None] = bench.internal()
+                        continue
+                    s.install(rate)
+                    try:
+                        got[s.label] = bench.internal()
+                        if r < args.goodput_runs:
+                            results[rate, s.label]["goodput"].append(bench.goodput())
+                        if r == 0:
+                            results[rate, s.label]["rtt"] = bench.loaded_rtt()
+                    finally:
+                        s.remove(rate)
+                    left = residue_of(clean, residue_snapshot(lab.nodes[0].netns))
+                    if left:
+                        raise RuntimeError(f"{s.label} left state behind after its cleanup: {left}")
+                unshaped.append(got[None])
+                for s in shapers:
+                    results[rate, s.label]["internal"].append(got[s.label] / got[None])
+            for s in shapers:
+                res = results[rate, s.label]
+                res["goodput_error"] = statistics.median(res["goodput"]) / rate - 1
+                res["internal_share"] = statistics.median(res["internal"])
+                res["rtt_p50"] = statistics.median(res["rtt"])
+                print(f"  {fmt(rate):>7} {s.label:11} goodput {fmt(statistics.median(res['goodput']))} "
+                      f"({res['goodput_error']:+.2%}), internal {res['internal_share']:.3f} of "
+                      f"{fmt(statistics.median(unshaped))}, loaded RTT p50 {res['rtt_p50']:.2f} ms "
+                      f"({len(res['rtt'])} pings)", flush=True)
+    finally:
+        agent.close()  # the plugin is removed after each use, in the round's own finally
+    return results
+
+
+def residue_of(clean: dict[str, str], now: dict[str, str]) -> list[str]:
+    """The parts of the node that differ from the clean snapshot (by name)."""
+    return sorted(k for k in clean.keys() | now.keys() if clean.get(k) != now.get(k))
+
+
+def verdict(rates: list[int], results: dict, title: str = "") -> int:
+    """The table and the aims; `title` (the direction, when a run benches more than one) heads it."""
     print()
+    if title:
+        print(f"{title}:")
     print(f"{'limit':>7} {'shaper':11} {'goodput err':>12} {'internal':>9} {'RTT p50':>9}   aims (netagent vs plugin)")
     missed = []
     for rate in rates:
@@ -276,9 +328,9 @@ def verdict(rates: list[int], results: dict) -> int:
     print("goodput err: TCP payload vs the limit (-3.5 % = exact in IP bytes, -4.4 % = exact in Ethernet frames); "
           f"internal: share of the unshaped path (aim >= {INTERNAL_AIM}); RTT: ping under a saturating transfer")
     if missed:
-        print("MISSED: " + "; ".join(missed))
+        print(f"{title + ' ' if title else ''}MISSED: " + "; ".join(missed))
         return 1
-    print("all aims met")
+    print(f"{title + ': ' if title else ''}all aims met")
     return 0
 
 

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import secrets
 import shlex
 import subprocess
@@ -26,6 +28,32 @@ def run(cmd: str | list[str], netns: str | None = None, check: bool = True, time
     if check and p.returncode != 0:
         raise LabError(f"{' '.join(argv)} failed ({p.returncode}): {p.stderr.strip() or p.stdout.strip()}")
     return p.stdout
+
+
+def normalised(text: str) -> str:
+    """An iptables dump without counters and comment lines: equal means the same rules."""
+    text = re.sub(r"\[\d+:\d+\]", "", text)
+    return "\n".join(line for line in text.splitlines() if not line.startswith("#"))
+
+
+def residue_snapshot(netns: str) -> dict[str, str]:
+    """What a data path leaves in `netns`: rules, sets, qdiscs, classes, filters, links. Two equal
+    snapshots around an install and its cleanup mean the cleanup was exact."""
+    devices = [d["ifname"] for d in json.loads(run("ip -j link show", netns))]
+    snap = {
+        "iptables-save": normalised(run("iptables-save", netns)),
+        "ip6tables-save": normalised(run("ip6tables-save", netns)),
+        "ipset list": run("ipset list", netns),
+        "tc qdisc": run("tc qdisc show", netns),
+        "ip link": re.sub(r"link/ether \S+", "", run("ip -o link show", netns)),
+    }
+    for legacy in ("iptables-legacy-save", "ip6tables-legacy-save"):
+        snap[legacy] = normalised(run(legacy, netns, check=False))
+    for dev in devices:
+        snap[f"tc class {dev}"] = run(["tc", "class", "show", "dev", dev], netns)
+        for hook in ("ingress", "egress"):
+            snap[f"tc filter {dev} {hook}"] = run(["tc", "filter", "show", "dev", dev, hook], netns, check=False)
+    return snap
 
 
 def sh(cmd: str, netns: str | None = None, check: bool = True) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import re
 import statistics
 import subprocess
 import textwrap
@@ -26,6 +25,7 @@ import pytest
 
 from iptables.apply import Classifier
 from iptables.errors import IptablesError
+from lab.netns import normalised, residue_snapshot  # noqa: F401 (other tests import them from here)
 from lab.topology import INTERNAL_CIDRS, INTERNET_V4, INTERNET_V6, PEER_V4, PEER_V6, UPLINK, Lab, run
 from netagent.desired import DataPathOptions, DesiredState, NodeInputs, PodShape, desired_state, ip_bytes
 from tc.model import DEFAULT_MINOR
@@ -63,30 +63,6 @@ def pod_key(pod) -> str:
 
 def rate_error(measured: float, configured: float) -> float:
     return (measured - configured) / configured
-
-
-def normalised(text: str) -> str:
-    """A dump without counters and comment lines: equal means the same rules."""
-    text = re.sub(r"\[\d+:\d+\]", "", text)
-    return "\n".join(line for line in text.splitlines() if not line.startswith("#"))
-
-
-def residue_snapshot(netns: str) -> dict[str, str]:
-    devices = [d["ifname"] for d in json.loads(run("ip -j link show", netns))]
-    snap = {
-        "iptables-save": normalised(run("iptables-save", netns)),
-        "ip6tables-save": normalised(run("ip6tables-save", netns)),
-        "ipset list": run("ipset list", netns),
-        "tc qdisc": run("tc qdisc show", netns),
-        "ip link": re.sub(r"link/ether \S+", "", run("ip -o link show", netns)),
-    }
-    for legacy in ("iptables-legacy-save", "ip6tables-legacy-save"):
-        snap[legacy] = normalised(run(legacy, netns, check=False))
-    for dev in devices:
-        snap[f"tc class {dev}"] = run(["tc", "class", "show", "dev", dev], netns)
-        for hook in ("ingress", "egress"):
-            snap[f"tc filter {dev} {hook}"] = run(["tc", "filter", "show", "dev", dev, hook], netns, check=False)
-    return snap
 
 
 class NodeUnderTest:
