@@ -2,8 +2,9 @@
 
 Run as root, alone on the machine's traffic lock:
 
-    flock /tmp/netagent-traffic.lock python3 bench/peer.py [--rates 20M,100M,1G] [--direction upload]
-        [--internal-runs 5] [--pings 40] [--goodput-runs 3] [--plugin PATH]
+    flock /tmp/netagent-traffic.lock python3 bench/peer.py [--rates 20M,100M,1G]
+        [--direction upload|download|both|upload,download] [--internal-runs 5] [--pings 40]
+        [--goodput-runs 3] [--plugin PATH]
 
 The plugin is the binary `make node-assets` builds from its Go module
 (github.com/containernetworking/plugins/plugins/meta/bandwidth), called as a container runtime
@@ -11,17 +12,30 @@ calls it: CNI ADD as a chained plugin after the pod's veth exists, with
 runtimeConfig.bandwidth rate and burst (the burst is 25 ms at the rate, the plugin's own TBF
 latency), CNI DEL after. netagent's side is its desired state applied as the agent applies it
 (Shaper + Classifier), with the leaf the capability probe picks. One shaper at a time on the
-pod; nothing between the rounds but the shaper changes.
+pod; nothing between the rounds but the shaper changes, and after every removal the node is
+compared with a snapshot taken before the first shaper (qdiscs, classes, filters, links, rules,
+sets): a difference stops the bench.
+
+Directions (`Direction`; `both` or a comma list benches each in turn in one lab and prints a
+table each):
+  upload    plugin egressRate: TBF on an IFB fed from the host veth's ingress (all the pod sends);
+            netagent: the pod's class in the upload tree (internet egress only)
+  download  plugin ingressRate: TBF as the host veth's root qdisc (all the pod receives);
+            netagent: the pod's class in the download tree (the netagent-in IFB fed by a BPF
+            redirect on the pod-facing veths; internet ingress only), uploads unshaped;
+            the transfers are iperf3 -R (the far end sends to the pod)
 
 For each limit and shaper:
   goodput error   iperf3 TCP payload rate against the limit (median of --goodput-runs 4 s runs);
                   -3.5 % is a perfect IP-rate shaper (1448 B of payload in 1500 B IP packets),
                   -4.4 % a perfect shaper of Ethernet frames (1514 B)
-  internal        the pod's TCP to the internal peer through the same uplink, as a share of the
-                  same without any shaper: median over --internal-runs rounds, each round
-                  unshaped / plugin / netagent in turn (rotated), 2 s each
+  internal        the pod's TCP with the internal peer (to it for uploads, from it for downloads)
+                  through the same uplink, as a share of the same without any shaper: median over
+                  --internal-runs rounds, each round unshaped / plugin / netagent in turn
+                  (rotated), 2 s each
   loaded RTT      median of --pings pings (0.1 s apart) from the pod to the internet host while
-                  the pod's TCP transfer in the direction benched saturates its limit
+                  the pod's TCP transfer in the direction benched saturates its limit (downloads:
+                  the replies queue behind it)
 and the verdict against the aims: rate error no worse than the plugin's, internal >= 0.97 of
 unshaped, loaded RTT no higher than the plugin's. Exits 1 when an aim is missed.
 """
