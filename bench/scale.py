@@ -634,7 +634,10 @@ def raise_open_files(need: int) -> None:
 def agent_worker(conn, cfg: dict) -> None:
     """A worker process's entry: its slice of the agents until the parent says stop."""
     raise_open_files(3 * len(cfg["agents"]) + 1000)  # 3 watches an agent + reports now and then
-    asyncio.run(AgentHost(cfg).serve(conn))
+    async def serve() -> None:  # the sessions need the running loop
+        await AgentHost(cfg).serve(conn)
+
+    asyncio.run(serve())
 
 
 # -- the benchmark -------------------------------------------------------------------------------
