@@ -2,9 +2,10 @@
 
     python3 bench/scale.py [--nodes 1000] [--pods-per-node 110] [--period 5] [--measure 60]
                            [--baseline 20] [--replicas 2] [--concurrency 48] [--no-pod-status] [--settle 10]
+                           [--agent-processes 1] [--apiservers 1]
 
 What runs (all on this machine):
-- the harness's real etcd + kube-apiserver (lab/kube.py), tuned as a large cluster's would be
+- the harness's real etcd + kube-apiserver (lab/kube.py; --apiservers more on the same etcd), tuned as a large cluster's would be
   (see APISERVER_ARGS / ETCD_ARGS), with an audit policy that logs netagent's own requests only
   (level Metadata for the netagent-system service accounts, None for everything else);
 - N fake Nodes (Ready, as kwok would report them, but with no heartbeats: their lease traffic is
@@ -13,7 +14,8 @@ What runs (all on this machine):
   annotations), the EgressClasses and an EgressBudget, netagent's CRDs and RBAC from deploy/;
 - the real controller, --replicas processes with leader election, each with its own
   ServiceAccount token (`netagent controller --kubeconfig ...`);
-- N simulated agents in this process (asyncio), behaving towards the API server and the
+- N simulated agents in --agent-processes worker processes (asyncio, a slice of the nodes each;
+  the figures are computed in this process from their state), behaving towards the API server and the
   controller as the real agent does: one agent pod per node (as the DaemonSet's) and a
   TokenRequest token bound to it (so it carries the node claim); a list + resumable watch of its
   own node's pods (fieldSelector=spec.nodeName), of EgressClasses and of EgressBudgets, each on
@@ -39,6 +41,7 @@ import asyncio
 import base64
 import datetime
 import json
+import multiprocessing
 import os
 import platform
 import random
@@ -53,6 +56,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import aiohttp
 
@@ -200,6 +204,36 @@ class Usage:
         return {k: ((cpu_seconds(p) - self.c0[k]) / dt, rss_mib(p)) for k, p in self.pids.items()}
 
 
+class MemoryGuard:
+    """Cancels the run when the machine's available memory falls below `floor_mib`: the machine is
+    shared, and the OOM killer would pick a process of someone else's. Keeps every watched
+    process's peak RSS, printed either way (what a size costs, and what gave first)."""
+
+    def __init__(self, floor_mib: float):
+        self.floor_mib = floor_mib
+        self.pids: dict[str, int] = {"bench": os.getpid()}
+        self.peak: Counter = Counter()
+        self.tripped = ""
+
+    async def run(self, task: asyncio.Task) -> None:
+        while True:
+            for name, pid in list(self.pids.items()):
+                try:
+                    self.peak[name] = max(self.peak[name], rss_mib(pid))
+                except OSError:  # exited (a killed leader)
+                    pass
+            available = next(int(line.split()[1]) / 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                             if line.startswith("MemAvailable:"))
+            if available < self.floor_mib:
+                self.tripped = f"MemAvailable {available:.0f} MiB < {self.floor_mib:.0f} MiB"
+                task.cancel()
+                return
+            await asyncio.sleep(2.0)
+
+    def summary(self) -> str:
+        return ", ".join(f"{k} {v / 1024:.1f} GiB" for k, v in sorted(self.peak.items()))
+
+
 # -- the API server over aiohttp -----------------------------------------------------------------
 
 class Api:
@@ -271,8 +305,8 @@ class SimAgent:
 
     policy_cache: dict = {}
 
-    def __init__(self, bench: "Bench", i: int, token: str):
-        self.bench, self.i, self.node, self.token = bench, i, node_name(i), token
+    def __init__(self, host: "AgentHost", i: int, token: str):
+        self.host, self.i, self.node, self.token = host, i, node_name(i), token
         self.rng = random.Random(i)
         self.pods: dict[str, PodRecord] = {}
         self.classes: dict[str, dict] = {}
@@ -283,7 +317,6 @@ class SimAgent:
         self.bytes: dict[str, int] = {}
         self.overlimits: dict[str, int] = {}
         self.limits: dict[str, float] = {}
-        self.team_of: dict[str, str] = {}
         self.node_rate = 0.0
         self.leader: str | None = None
         self.seq = 0
@@ -296,16 +329,16 @@ class SimAgent:
 
     # API server side: list once, then resumable watches, relist only on 410
     async def list_watch(self, path: str, store: dict, kind: str, convert) -> None:
-        api, stats = self.bench.agent_api, self.bench.stats
+        api, stats = self.host.agent_api, self.host.stats
         headers = {"Authorization": f"Bearer {self.token}"}
         sep = "&" if "?" in path else "?"
         rv = None
         backoff = 0.5
-        while not self.bench.stopping:
+        while not self.host.stopping:
             try:
                 if rv is None:
                     stats.lists[(kind, "window" if stats.window else "start")] += 1
-                    async with api.session.get(api.url + path, headers=headers) as r:
+                    async with api.session.get(self.host.api_url(self) + path, headers=headers) as r:
                         if r.status != 200:
                             raise RuntimeError(f"list {kind}: {r.status}")
                         body = await r.json()
@@ -315,8 +348,8 @@ class SimAgent:
                               f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"] = convert(obj)
                     rv = body["metadata"]["resourceVersion"]
                     self._dirty = True
-                    self.bench.mark_synced(self, kind)
-                url = (f"{api.url}{path}{sep}watch=1&allowWatchBookmarks=true&timeoutSeconds={WATCH_TIMEOUT_S}"
+                    self.host.mark_synced(self, kind)
+                url = (f"{self.host.api_url(self)}{path}{sep}watch=1&allowWatchBookmarks=true&timeoutSeconds={WATCH_TIMEOUT_S}"
                        f"&resourceVersion={rv}")
                 async with api.session.get(url, headers=headers,
                                            timeout=aiohttp.ClientTimeout(sock_connect=10, sock_read=WATCH_TIMEOUT_S + 30)) as r:
@@ -346,9 +379,9 @@ class SimAgent:
                             store[key] = convert(obj)
                         self._dirty = True
             except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as e:
-                if self.bench.stopping:
+                if self.host.stopping:
                     return
-                self.bench.errors[f"{kind}: {type(e).__name__}: {str(e)[:80]}"] += 1
+                self.host.errors[f"{kind}: {type(e).__name__}: {str(e)[:80]}"] += 1
                 await asyncio.sleep(self.rng.uniform(0, backoff))
                 backoff = min(backoff * 2, 30)
 
@@ -377,11 +410,10 @@ class SimAgent:
         for rp in self.resolved:
             k = rp.key
             if k not in self.appetite:
-                self.team_of[k] = rp.team
                 self.appetite[k] = appetite(self.rng)
                 self.bytes[k] = self.overlimits[k] = 0
                 self.demand[k] = PodDemand()
-            want = self.appetite[k] * self.bench.factor(rp.team)
+            want = self.appetite[k] * self.host.factor(rp.team)
             limit = self.limits.get(k, FLOOR_BPS)
             sent = min(want, limit)
             total += sent
@@ -400,16 +432,16 @@ class SimAgent:
             # a new connection (and TLS handshake) per report, as the agent's transport
             # (netagent/transport.py sends Connection: close)
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=2, ssl=self.bench.controller_ctx, local_addr=local,
+                connector=aiohttp.TCPConnector(limit=2, ssl=self.host.controller_ctx, local_addr=local,
                                                force_close=True),
                 timeout=aiohttp.ClientTimeout(total=3))  # the agent's 3 s
         return self._session
 
     def period(self) -> float:
-        return max(self.bench.period, self.advised)  # as netagent.reporter.Reporter.effective_period
+        return max(self.host.period, self.advised)  # as netagent.reporter.Reporter.effective_period
 
     async def report_loop(self) -> None:
-        b = self.bench
+        b = self.host
         await self.synced.wait()
         await asyncio.sleep(self.rng.uniform(0, b.period))
         while not b.stopping:
@@ -422,7 +454,7 @@ class SimAgent:
             await asyncio.sleep(max(0.0, self.period() * self.rng.uniform(0.8, 1.2) - (time.monotonic() - started)))
 
     async def post(self, body: bytes, started: float) -> None:
-        b = self.bench
+        b = self.host
         path = f"/v1/nodes/{self.node}/report"
         url = (self.leader or self.rng.choice(b.controller_urls)) + path
         headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
@@ -480,113 +512,298 @@ class SimAgent:
         )]
 
 
-# -- the benchmark -------------------------------------------------------------------------------
+# -- the simulated agents' processes ---------------------------------------------------------------
+# The agents run in --agent-processes worker processes, each owning a slice of the nodes (one
+# process cannot hold 10,000 agents' watches under this VM's 20,000 open files). A worker only
+# simulates: it answers the parent's commands with its agents' state and counters, and every
+# figure is computed from those in the parent (Bench), whatever the number of workers.
 
-class Bench:
-    def __init__(self, args):
-        self.args = args
-        self.period = args.period
+class PodRow(NamedTuple):
+    """One simulated pod as the parent's measurements see it (a tuple: cheap to pickle by the 100,000)."""
+    node: int
+    key: str
+    team: str
+    egress_class: str
+    weight: float
+    min_bps: float
+    max_bps: float
+    want: float  # its appetite now (after a demand shift), bit/s
+    rate: float  # what it sends: min(want, its limit)
+
+
+class AgentHost:
+    """What one worker's simulated agents share: the API server and controller clients, the
+    demand shift, the failover bookkeeping and the counters the parent collects."""
+
+    def __init__(self, cfg: dict):
+        self.period = cfg["period"]
+        self.controller_urls = cfg["controller_urls"]
+        self.controller_ctx = ssl.create_default_context(cadata=cfg["controller_ca"])
+        self.agent_api = Api(cfg["api_urls"][0], Path(cfg["api_ca_file"]), limit=0)
+        self.api_urls = cfg["api_urls"]
         self.shifted = False  # after the demand shift: even teams want 3x, odd teams 0.3x
         self.killed: str | None = None  # the leader's URL once it was killed (failover)
-        self.first_new_answer: float | None = None
+        self.first_new_answer: float | None = None  # time.monotonic(): one clock for all processes
         self.held_at_kill: dict[int, dict[str, float]] = {}
         self.answered_after_kill: set[int] = set()
         self.changed_before_first_answer = 0
         self.stopping = False
         self.stats = Stats()
         self.errors: Counter = Counter()
-        self.controller_urls: list[str] = []
-        self.controller_ctx: ssl.SSLContext | None = None
-        self.agent_api: Api | None = None
         self.last_answer = 0.0
         self._synced_kinds: dict[int, set] = {}
-        self.all_synced = asyncio.Event()
-        self.agents: list[SimAgent] = []
+        self.agents = [SimAgent(self, i, tok) for i, tok in cfg["agents"]]
 
-    def sent(self) -> float:
-        """What all pods send now, bit/s: min(appetite, limit) each."""
-        return sum(min(a.appetite.get(k, 0.0) * self.factor(a.team_of.get(k, "")), a.limits.get(k, FLOOR_BPS))
-                   for a in self.agents for k in a.appetite)
+    def api_url(self, agent: "SimAgent") -> str:
+        """The agent's API server (a real cluster's Service spreads agents over its apiservers)."""
+        return self.api_urls[agent.i % len(self.api_urls)]
 
     def factor(self, team: str) -> float:
         if not self.shifted:
             return 1.0
         return 3.0 if int(team[4:] or 0) % 2 == 0 else 0.3
 
-    def fair_shares(self) -> dict[tuple[int, str], float]:
-        """Every pod's fair share of the budget for its true demand now (the engine's allocation
-        of the budget with nothing censored), as bench/simulation.py judges it."""
-        policy = load_policy(CLASSES, [budget_object(self.args.nodes, self.args.pods_per_node)])[0]
-        rows = [PodDemandIn(f"{a.i}|{rp.key}", rp.team, rp.egress_class, rp.weight, rp.min_bps, rp.max_bps,
-                            a.appetite.get(rp.key, 0.0) * self.factor(rp.team))
-                for a in self.agents for rp in a.resolved]
-        out = {}
-        for k, r in allocate(policy, rows).pods.items():
-            i, key = k.split("|", 1)
-            out[(int(i), key)] = r.allocation_bps
-        return out
-
-    def share_within(self, fair: dict[tuple[int, str], float], tolerance: float = 0.05) -> float:
-        """Share of pods whose rate, min(want, limit), is within `tolerance` of their fair share
-        (shares under 5 % of the mean count as 5 % of it, as bench/simulation.py)."""
-        floor = 0.05 * self.args.nodes * self.args.pods_per_node * BUDGET_PER_POD_BPS / max(1, len(fair))
-        ok = 0
-        for a in self.agents:
-            for k, want in a.appetite.items():
-                f = fair.get((a.i, k))
-                if f is None:
-                    continue
-                rate = min(want * self.factor(a.team_of.get(k, "")), a.limits.get(k, FLOOR_BPS))
-                ok += abs(rate - f) <= tolerance * max(f, floor)
-        return ok / max(1, len(fair))
-
-    def mark_synced(self, agent: SimAgent, kind: str) -> None:
+    def mark_synced(self, agent: "SimAgent", kind: str) -> None:
         kinds = self._synced_kinds.setdefault(agent.i, set())
         kinds.add(kind)
         if len(kinds) == 3:
             agent.synced.set()
-            if len(self._synced_kinds) == len(self.agents) and all(len(k) == 3 for k in self._synced_kinds.values()):
-                self.all_synced.set()
+
+    def state(self, pods: bool) -> dict:
+        rows = []
+        if pods:
+            for a in self.agents:
+                for rp in a.resolved:
+                    want = a.appetite.get(rp.key, 0.0) * self.factor(rp.team)
+                    rows.append(PodRow(a.i, rp.key, rp.team, rp.egress_class, rp.weight, rp.min_bps, rp.max_bps,
+                                       want, min(want, a.limits.get(rp.key, FLOOR_BPS))))
+        return {"stats": self.stats, "errors": self.errors, "pods": rows,
+                "synced": sum(1 for k in self._synced_kinds.values() if len(k) == 3),
+                "agents": [(a.leader, a.advised, a.node_rate) for a in self.agents],
+                "first_new_answer": self.first_new_answer, "answered_after_kill": len(self.answered_after_kill),
+                "changed_before_first_answer": self.changed_before_first_answer}
+
+    def command(self, cmd: str, arg):
+        if cmd == "state":
+            return self.state(pods=arg)
+        if cmd == "window":  # the steady window starts (answers counted afresh) or ends
+            self.stats.window = arg
+            if arg:
+                self.stats.answers.clear()
+        elif cmd == "shift":
+            self.shifted = True
+        elif cmd == "kill":  # the parent killed the leader at `arg`
+            self.held_at_kill = {a.i: dict(a.limits) for a in self.agents}
+            self.stats.answers.clear()
+            self.killed = arg
+        else:
+            raise ValueError(cmd)
+        return None
+
+    async def serve(self, conn) -> None:
+        tasks = [t for a in self.agents for t in a.start()]
+        try:
+            while True:
+                cmd, arg = await asyncio.to_thread(conn.recv)
+                if cmd == "stop":
+                    break
+                conn.send(self.command(cmd, arg))
+        finally:
+            self.stopping = True
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for a in self.agents:
+                if a._session is not None:
+                    await a._session.close()
+            await self.agent_api.close()
+            conn.send("stopped")
+
+
+def raise_open_files(need: int) -> None:
+    """Soft limit to the hard one (root may raise the hard one too, up to fs.nr_open)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(hard, need), max(hard, need)))
+    except (ValueError, OSError):
+        if hard < need:
+            raise SystemExit(f"open files limit {hard} is too small: {need} needed")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def agent_worker(conn, cfg: dict) -> None:
+    """A worker process's entry: its slice of the agents until the parent says stop."""
+    raise_open_files(3 * len(cfg["agents"]) + 1000)  # 3 watches an agent + reports now and then
+    async def serve() -> None:  # the sessions need the running loop
+        await AgentHost(cfg).serve(conn)
+
+    asyncio.run(serve())
+
+
+# -- the benchmark -------------------------------------------------------------------------------
+
+class Bench:
+    """The parent's side: starts the agents' workers, sends them the run's events and computes
+    every figure from their state."""
+
+    def __init__(self, args):
+        self.args = args
+        self.workers: list[tuple[multiprocessing.Process, object]] = []
+
+    def start_agents(self, tokens: list[str], cfg: dict) -> None:
+        n = max(1, min(self.args.agent_processes, len(tokens)))
+        ctx = multiprocessing.get_context("spawn")  # not fork: this process runs an event loop
+        for w in range(n):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=agent_worker, name=f"scale-agents-{w}", daemon=True, args=(child, {
+                **cfg, "agents": [(i, tokens[i]) for i in range(w, len(tokens), n)]}))
+            proc.start()
+            child.close()
+            self.workers.append((proc, parent))
+
+    @property
+    def worker_pids(self) -> dict[str, int]:
+        return {f"agents-{w}": proc.pid for w, (proc, _) in enumerate(self.workers)}
+
+    async def ask(self, cmd: str, arg=None) -> list:
+        for _, conn in self.workers:
+            conn.send((cmd, arg))
+        return [await asyncio.to_thread(conn.recv) for _, conn in self.workers]
+
+    async def state(self, pods: bool = False) -> dict:
+        """All workers' state merged: counters summed, lists joined."""
+        parts = await self.ask("state", pods)
+        stats, errors = Stats(), Counter()
+        for p in parts:
+            s = p["stats"]
+            stats.lists.update(s.lists)
+            stats.answers.update(s.answers)
+            stats.latencies.extend(s.latencies)
+            stats.relists_410 += s.relists_410
+            stats.redirects += s.redirects
+            errors.update(p["errors"])
+        firsts = [p["first_new_answer"] for p in parts if p["first_new_answer"] is not None]
+        return {"stats": stats, "errors": errors, "pods": [r for p in parts for r in p["pods"]],
+                "synced": sum(p["synced"] for p in parts), "agents": [a for p in parts for a in p["agents"]],
+                "first_new_answer": min(firsts) if firsts else None,
+                "answered_after_kill": sum(p["answered_after_kill"] for p in parts),
+                "changed_before_first_answer": sum(p["changed_before_first_answer"] for p in parts)}
+
+    async def sent(self) -> float:
+        """What all pods send now, bit/s: min(appetite, limit) each."""
+        return sum(r.rate for r in (await self.state(pods=True))["pods"])
+
+    def fair_shares(self, rows: list[PodRow]) -> dict[tuple[int, str], float]:
+        """Every pod's fair share of the budget for its true demand now (the engine's allocation
+        of the budget with nothing censored), as bench/simulation.py judges it."""
+        policy = load_policy(CLASSES, [budget_object(self.args.nodes, self.args.pods_per_node)])[0]
+        out = {}
+        result = allocate(policy, [PodDemandIn(f"{r.node}|{r.key}", r.team, r.egress_class, r.weight, r.min_bps,
+                                               r.max_bps, r.want) for r in rows])
+        for k, r in result.pods.items():
+            i, key = k.split("|", 1)
+            out[(int(i), key)] = r.allocation_bps
+        return out
+
+    def share_within(self, rows: list[PodRow], fair: dict[tuple[int, str], float], tolerance: float = 0.05) -> float:
+        """Share of pods whose rate, min(want, limit), is within `tolerance` of their fair share
+        (shares under 5 % of the mean count as 5 % of it, as bench/simulation.py)."""
+        floor = 0.05 * self.args.nodes * self.args.pods_per_node * BUDGET_PER_POD_BPS / max(1, len(fair))
+        ok = 0
+        for r in rows:
+            f = fair.get((r.node, r.key))
+            if f is not None:
+                ok += abs(r.rate - f) <= tolerance * max(f, floor)
+        return ok / max(1, len(fair))
+
+    async def stop_agents(self) -> None:
+        for proc, conn in self.workers:
+            try:
+                conn.send(("stop", None))
+                await asyncio.wait_for(asyncio.to_thread(conn.recv), 30)
+            except (OSError, EOFError, asyncio.TimeoutError):
+                pass
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
 
 
 def kubectl(cp: ControlPlane, *args: str) -> None:
     cp.kubectl(*args, timeout=300)
 
 
-def audit_counts(path: Path, since: float) -> Counter:
-    """(client kind, verb, resource) -> requests from the audit log after `since` (epoch s)."""
+def audit_counts(paths: list[Path], since: float) -> Counter:
+    """(client kind, verb, resource) -> requests from the apiservers' audit logs after `since` (epoch s)."""
     counts: Counter = Counter()
-    if not path.exists():
-        return counts
-    with path.open() as f:
-        for line in f:
-            ev = json.loads(line)
-            verb, stage = ev.get("verb"), ev.get("stage")
-            if not (stage == "ResponseComplete" or (verb == "watch" and stage == "ResponseStarted")):
-                continue
-            if verb == "watch" and stage == "ResponseComplete":
-                continue
-            ts = ev.get("requestReceivedTimestamp", "")
-            if not ts or datetime.datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp() < since:
-                continue
-            user = ev.get("user", {}).get("username", "")
-            kind = "agent" if user.endswith(":" + AGENT_SA) else "controller" if user.endswith(":" + CONTROLLER_SA) else user
-            ref = ev.get("objectRef") or {}
-            res = ref.get("resource", "") + ("/" + ref["subresource"] if ref.get("subresource") else "")
-            counts[(kind, verb, res)] += 1
+    for path in paths:
+        if path.exists():
+            with path.open() as f:
+                _count_audit(f, since, counts)
     return counts
 
 
-def apiserver_metrics(cp: ControlPlane) -> dict[str, float]:
-    """apiserver_request_total summed (all clients) and long-running watches open."""
-    out = cp.kubectl("get", "--raw", "/metrics").stdout
+def _count_audit(f, since: float, counts: Counter) -> None:
+    for line in f:
+        ev = json.loads(line)
+        verb, stage = ev.get("verb"), ev.get("stage")
+        if not (stage == "ResponseComplete" or (verb == "watch" and stage == "ResponseStarted")):
+            continue
+        if verb == "watch" and stage == "ResponseComplete":
+            continue
+        ts = ev.get("requestReceivedTimestamp", "")
+        if not ts or datetime.datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp() < since:
+            continue
+        user = ev.get("user", {}).get("username", "")
+        kind = "agent" if user.endswith(":" + AGENT_SA) else "controller" if user.endswith(":" + CONTROLLER_SA) else user
+        ref = ev.get("objectRef") or {}
+        res = ref.get("resource", "") + ("/" + ref["subresource"] if ref.get("subresource") else "")
+        counts[(kind, verb, res)] += 1
+
+
+async def apiserver_metrics(admin: Api, urls: list[str]) -> dict[str, float]:
+    """apiserver_request_total summed (all clients) and long-running watches open, over all apiservers."""
     total = watches = 0.0
-    for line in out.splitlines():
-        if line.startswith("apiserver_request_total{"):
-            total += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("apiserver_longrunning_requests{") and 'verb="WATCH"' in line:
-            watches += float(line.rsplit(" ", 1)[1])
+    for url in urls:
+        async with admin.session.get(url + "/metrics") as r:
+            out = await r.text()
+        for line in out.splitlines():
+            if line.startswith("apiserver_request_total{"):
+                total += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("apiserver_longrunning_requests{") and 'verb="WATCH"' in line:
+                watches += float(line.rsplit(" ", 1)[1])
     return {"requests": total, "watches": watches}
+
+
+def start_more_apiservers(cp: ControlPlane, n: int, workdir: Path) -> tuple[list[str], list[Path]]:
+    """n-1 further kube-apiservers with the first one's flags, PKI and etcd (a large cluster runs
+    several behind its Service; here each holds its share of the agents' watches under the
+    machine's open-files limit); their URLs and audit logs, the first one's included."""
+    first = next(p for p in cp.processes if p.name == "kube-apiserver")
+    urls, logs = [cp.url], [Path(next(a for a in first.argv if a.startswith("--audit-log-path=")).split("=", 1)[1])]
+    for k in range(1, n):
+        port = free_port()
+        logs.append(workdir / f"audit-{k}.log")
+        cp.spawn(f"kube-apiserver-{k}", [f"--secure-port={port}" if a.startswith("--secure-port=") else
+                                         f"--audit-log-path={logs[-1]}" if a.startswith("--audit-log-path=") else a
+                                         for a in first.argv])
+        urls.append(f"https://127.0.0.1:{port}")
+    return urls, logs
+
+
+async def wait_apiservers(admin: Api, urls: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for url in urls:
+        while True:
+            try:
+                async with admin.session.get(url + "/readyz") as r:
+                    if r.status == 200:
+                        break
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} not ready within {timeout:.0f} s")
+            await asyncio.sleep(0.5)
 
 
 async def load_cluster(cp: ControlPlane, args, admin: Api) -> dict[str, float]:
@@ -663,13 +880,13 @@ def start_controllers(cp: ControlPlane, args, token: str, workdir: Path) -> list
     return out
 
 
-async def controller_ca(admin: Api, timeout: float) -> ssl.SSLContext:
+async def controller_ca(admin: Api, timeout: float) -> str:
     """The agents' pinned CA: ca.crt of the Secret the controller creates (as the DaemonSet mounts it)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             secret = await admin.call("GET", f"/api/v1/namespaces/{SYSTEM_NS}/secrets/{TLS_SECRET}")
-            return ssl.create_default_context(cadata=base64.b64decode(secret["data"]["ca.crt"]).decode())
+            return base64.b64decode(secret["data"]["ca.crt"]).decode()
         except RuntimeError:
             if time.monotonic() > deadline:
                 raise
@@ -726,14 +943,9 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def run(args) -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = 3 * args.nodes + 1000  # 3 watches an agent (+ a report's connection now and then); the API server inherits the limit
-    try:  # root may raise the hard limit (up to fs.nr_open)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (max(hard, need), max(hard, need)))
-    except (ValueError, OSError):
-        if hard < need:
-            raise SystemExit(f"open files limit {hard} is too small for {args.nodes} agents (3 watches each)")
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    # the API servers inherit this limit: each holds its share of the agents' 3 watches (the
+    # agents' processes raise their own, agent_worker)
+    raise_open_files(3 * -(-args.nodes // args.apiservers) + 1000)
     assets = find_assets(CONTROL_PLANE_BINARIES)
     workdir = Path(tempfile.mkdtemp(prefix="netagent-scale-"))
     audit_policy = workdir / "audit-policy.yaml"
@@ -746,13 +958,17 @@ async def run(args) -> None:
     admin = None
     bench = Bench(args)
     print(f"# bench/scale.py --nodes {args.nodes} --pods-per-node {args.pods_per_node} --period {args.period} "
-          f"--measure {args.measure} --replicas {args.replicas} --settle {args.settle:g}"
+          f"--measure {args.measure} --replicas {args.replicas} --settle {args.settle:g} "
+          f"--agent-processes {args.agent_processes} --apiservers {args.apiservers}"
           + ("" if args.pod_status else " --no-pod-status"))
     print(f"# machine: {platform.node()} {os.cpu_count()} CPUs, "
           f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, Python {platform.python_version()}")
+    guard = MemoryGuard(args.min_available_mib)
+    guard_task = asyncio.create_task(guard.run(asyncio.current_task()))
     try:
         cp.start()
         pids = {p.name: p.popen.pid for p in cp.processes}
+        guard.pids.update(pids)
         kubectl(cp, "apply", "-f", str(REPO / "deploy/crds/egressclasses.yaml"), "-f", str(REPO / "deploy/crds/egressbudgets.yaml"))
         kubectl(cp, "wait", "--for=condition=Established", "crd/egressclasses.netagent.io", "crd/egressbudgets.netagent.io")
         kubectl(cp, "apply", "-n", SYSTEM_NS, "-f", str(REPO / "deploy/base/namespace.yaml"), "-f", str(REPO / "deploy/base/rbac-agent.yaml"),
@@ -763,72 +979,83 @@ async def run(args) -> None:
         timings = await load_cluster(cp, args, admin)
         print(f"loaded: nodes {timings['nodes_s']:.0f} s, pods {timings['pods_s']:.0f} s "
               f"({timings['pods_per_s']:.0f}/s), pod status {timings['status_s']:.0f} s", flush=True)
+        # further apiservers once the cluster is loaded (their watch caches start with one list)
+        api_urls, audit_logs = start_more_apiservers(cp, args.apiservers, workdir)
+        await wait_apiservers(admin, api_urls, 300)
+        pids = {p.name: p.popen.pid for p in cp.processes}
+        guard.pids.update(pids)
         tokens = await agent_tokens(cp, args, admin)
         ctl_token = (await admin.call("POST", f"/api/v1/namespaces/{SYSTEM_NS}/serviceaccounts/{CONTROLLER_SA}/token", {
             "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 7200}}))["status"]["token"]
         # -- without netagent
         await asyncio.sleep(5)
-        m0 = apiserver_metrics(cp)
+        m0 = await apiserver_metrics(admin, api_urls)
         idle = Usage(pids)
         await asyncio.sleep(args.baseline)
         idle_use = idle.read()
-        m1 = apiserver_metrics(cp)
+        m1 = await apiserver_metrics(admin, api_urls)
 
         # -- the controller
         controllers = start_controllers(cp, args, ctl_token, workdir)
-        bench.controller_urls = [u for _, u, _ in controllers]
-        ctx = await controller_ca(admin, 120)
-        ready_s = await wait_ready(bench.controller_urls, ctx, 600)
+        guard.pids.update({f"controller-{k}": p.pid for k, (p, _, _) in enumerate(controllers)})
+        controller_ca_pem = await controller_ca(admin, 120)
+        ctx = ssl.create_default_context(cadata=controller_ca_pem)
+        ready_s = await wait_ready([u for _, u, _ in controllers], ctx, 600)
         print(f"controller ready after {ready_s:.1f} s", flush=True)
 
-        # -- the agents
-        bench.agent_api = Api(cp.url, cp.ca_file, limit=0)
-        bench.controller_ctx = ctx
-        bench.agents = [SimAgent(bench, i, tok) for i, tok in enumerate(tokens)]
+        # -- the agents, in --agent-processes workers
+        bench.start_agents(tokens, {
+            "period": args.period, "controller_urls": [u for _, u, _ in controllers],
+            "controller_ca": controller_ca_pem, "api_urls": api_urls, "api_ca_file": str(cp.ca_file)})
+        guard.pids.update(bench.worker_pids)
         t_agents = time.time()
-        tasks = [t for a in bench.agents for t in a.start()]
         t_sync0 = time.monotonic()
-        await asyncio.wait_for(bench.all_synced.wait(), timeout=max(300, args.nodes * 0.2))
-        print(f"{args.nodes} agents synced (3 lists each) after {time.monotonic() - t_sync0:.1f} s", flush=True)
+        sync_deadline = t_sync0 + max(300, args.nodes * 0.2)
+        while (await bench.state())["synced"] < args.nodes:
+            if time.monotonic() > sync_deadline:
+                raise RuntimeError(f"agents not synced within {sync_deadline - t_sync0:.0f} s")
+            await asyncio.sleep(1.0)
+        print(f"{args.nodes} agents synced (3 lists each) after {time.monotonic() - t_sync0:.1f} s "
+              f"({len(bench.workers)} agent processes)", flush=True)
         await asyncio.sleep(3 * args.period)  # the first reports, TokenReviews, first rounds
         # the cold start: every pod begins at the floor and climbs by probing (~2 periods a doubling)
-        advised_now = max((a.advised for a in bench.agents), default=0.0)
+        advised_now = max((adv for _, adv, _ in (await bench.state())["agents"]), default=0.0)
         print(f"settling for {args.settle} report periods of {max(args.period, advised_now):g} s", flush=True)
         await asyncio.sleep(args.settle * max(args.period, advised_now))
 
         # -- steady state window
-        m2 = apiserver_metrics(cp)
+        m2 = await apiserver_metrics(admin, api_urls)
         ctl_pids = {f"controller-{k}": p.pid for k, (p, _, _) in enumerate(controllers)}
-        busy = Usage({**pids, **ctl_pids})
+        busy = Usage({**pids, **ctl_pids, **bench.worker_pids})
         t_window = time.time()
-        bench.stats.window = True
-        bench.stats.answers.clear()
-        cpu_w0 = time.process_time()
+        await bench.ask("window", True)
         # the cluster's sending rate sampled through the window (one instant is one draw of the
         # agents' jittered report phases)
         sent_samples = []
         t_end = time.monotonic() + args.measure
         while (left := t_end - time.monotonic()) > 0:
             await asyncio.sleep(min(left, args.period))
-            sent_samples.append(bench.sent())
-        bench.stats.window = False
+            sent_samples.append(await bench.sent())
+        await bench.ask("window", False)
         busy_use = busy.read()
-        bench_cpu = (time.process_time() - cpu_w0) / args.measure
-        m3 = apiserver_metrics(cp)
-        allocated = sum(a.node_rate for a in bench.agents)
+        bench_cpu = sum(busy_use[k][0] for k in bench.worker_pids)
+        m3 = await apiserver_metrics(admin, api_urls)
+        st = await bench.state()
+        stats = st["stats"]
+        allocated = sum(rate for _, _, rate in st["agents"])
         budget = args.nodes * args.pods_per_node * BUDGET_PER_POD_BPS
         sent = sum(sent_samples) / max(1, len(sent_samples))
 
         # -- report
-        counts_start = audit_counts(audit_log, t_agents)
-        counts_window = audit_counts(audit_log, t_window)
+        counts_start = audit_counts(audit_logs, t_agents)
+        counts_window = audit_counts(audit_logs, t_window)
         ours = {k: v for k, v in counts_window.items() if k[0] in ("agent", "controller")}
         all_reqs = (m3["requests"] - m2["requests"]) / args.measure
         our_rate = sum(ours.values()) / args.measure
         print()
         print(f"| {args.nodes} nodes, {args.nodes * args.pods_per_node} pods | without netagent | with netagent |")
         print("|---|---|---|")
-        for name in ("kube-apiserver", "etcd"):
+        for name in pids:
             print(f"| {name} CPU (cores) / RSS (MiB) | {idle_use[name][0]:.2f} / {idle_use[name][1]:.0f} | "
                   f"{busy_use[name][0]:.2f} / {busy_use[name][1]:.0f} |")
         print(f"| API requests/s (all clients) | {(m1['requests'] - m0['requests']) / args.baseline:.1f} | {all_reqs:.1f} |")
@@ -839,7 +1066,7 @@ async def run(args) -> None:
             print(f"  {kind:10s} {verb:8s} {res:28s} {n / args.measure:8.2f}/s")
         agent_lists_after = sum(n for (k, v, _), n in counts_window.items() if k == "agent" and v == "list")
         print(f"agent LISTs at start: {sum(n for (k, v, _), n in counts_start.items() if k == 'agent' and v == 'list')}"
-              f" (expected {3 * args.nodes}); after start (window): {agent_lists_after}; relists after 410: {bench.stats.relists_410}")
+              f" (expected {3 * args.nodes}); after start (window): {agent_lists_after}; relists after 410: {stats.relists_410}")
         tr = sum(n for (k, v, r), n in counts_start.items() if k == "controller" and r == "tokenreviews")
         status_w = sum(n for (k, v, r), n in counts_window.items() if k == "controller" and r.endswith("/status"))
         tr_w = sum(n for (k, v, r), n in counts_window.items() if k == "controller" and r == "tokenreviews")
@@ -849,17 +1076,18 @@ async def run(args) -> None:
         for k, (cpu, rss) in busy_use.items():
             if k.startswith("controller"):
                 print(f"{k}: CPU {cpu:.2f} cores, RSS {rss:.0f} MiB")
-        ok = bench.stats.answers.get(200, 0)
+        ok = stats.answers.get(200, 0)
         print(f"reports answered 200: {ok / args.measure:.1f}/s (expected {args.nodes / args.period:.1f}/s); "
-              f"others: {dict((k, v) for k, v in bench.stats.answers.items() if k != 200)}; redirects {bench.stats.redirects}")
-        print(f"answer latency p50 {pct(bench.stats.latencies, 0.5) * 1e3:.1f} ms, "
-              f"p99 {pct(bench.stats.latencies, 0.99) * 1e3:.1f} ms")
+              f"others: {dict((k, v) for k, v in stats.answers.items() if k != 200)}; redirects {stats.redirects}")
+        print(f"answer latency p50 {pct(stats.latencies, 0.5) * 1e3:.1f} ms, "
+              f"p99 {pct(stats.latencies, 0.99) * 1e3:.1f} ms")
         print(f"allocated (sum of node rates) {allocated / 1e9:.2f} Gbit/s, sent {sent / 1e9:.2f} Gbit/s "
               f"(mean of {len(sent_samples)} samples, {min(sent_samples) / 1e9:.2f}..{max(sent_samples) / 1e9:.2f}), "
               f"budget {budget / 1e9:.0f} Gbit/s: {(sent / budget - 1) * 100:+.1f} %")
-        print(f"simulated agents' own CPU (this process, not netagent): {bench_cpu:.2f} cores")
+        print(f"simulated agents' own CPU ({len(bench.workers)} processes, not netagent): {bench_cpu:.2f} cores, "
+              f"RSS {sum(busy_use[k][1] for k in bench.worker_pids):.0f} MiB")
         per_node = agent_series(args.pods_per_node)
-        ctl_series = await controller_series(bench.controller_urls, ctx)
+        ctl_series = await controller_series([u for _, u, _ in controllers], ctx)
         cluster_series = per_node * args.nodes + sum(max(0, n) for n in ctl_series)
         print(f"metric series: one agent with {args.pods_per_node} pods {per_node} "
               f"({(per_node - agent_series(0)) / max(1, args.pods_per_node):.0f} per pod); controllers {ctl_series}; "
@@ -869,7 +1097,7 @@ async def run(args) -> None:
         print(f"with the agents' --lean-metrics: one agent {lean_node} "
               f"({(lean_node - agent_series(0, lean=True)) / max(1, args.pods_per_node):.0f} per pod); "
               f"cluster {lean_cluster:,} series, {lean_cluster / 30:,.0f} samples/s at a 30 s scrape")
-        advised = Counter(round(a.advised, 1) for a in bench.agents)
+        advised = Counter(round(adv, 1) for _, adv, _ in st["agents"])
         period = max(args.period, max(advised, default=0.0))
         print(f"report period advised by the leader: {dict(advised)} (agents' own {args.period:g} s)")
         print(f"leader CPU per report: {max(c for k, (c, _) in busy_use.items() if k.startswith('controller')) / max(ok / args.measure, 1e-9) * 1e3:.2f} ms "
@@ -877,15 +1105,15 @@ async def run(args) -> None:
 
         # -- a demand shift: even teams want 3x, odd teams 0.3x; pods within 5 % of fair per period
         if args.shift_periods:
-            fair_before = bench.fair_shares()
-            print(f"before the shift: {bench.share_within(fair_before):.1%} of pods within 5 % of fair")
-            bench.shifted = True
-            fair = bench.fair_shares()
+            rows = (await bench.state(pods=True))["pods"]
+            print(f"before the shift: {bench.share_within(rows, bench.fair_shares(rows)):.1%} of pods within 5 % of fair")
+            await bench.ask("shift")
+            fair = bench.fair_shares((await bench.state(pods=True))["pods"])
             t_shift = time.monotonic()
             shares = []
             for k in range(args.shift_periods):
                 await asyncio.sleep(period)
-                shares.append(bench.share_within(fair))
+                shares.append(bench.share_within((await bench.state(pods=True))["pods"], fair))
             first95 = next((k + 1 for k, v in enumerate(shares) if v >= 0.95), None)
             print(f"after the shift (one sample per {period:g} s period): " + " ".join(f"{v:.1%}" for v in shares))
             print(f"pods within 5 % of fair: 95 % after {first95 if first95 else '>' + str(len(shares))} periods "
@@ -894,50 +1122,47 @@ async def run(args) -> None:
 
         # -- failover: the leader killed (SIGKILL); time until the other replica answers from a round
         if args.failover and len(controllers) > 1:
-            leaders = Counter(a.leader for a in bench.agents if a.leader)
+            leaders = Counter(leader for leader, _, _ in (await bench.state())["agents"] if leader)
             leader_url = leaders.most_common(1)[0][0] if leaders else None
             victim = next((c for c in controllers if c[1] == leader_url), None)
             if victim is None:
                 print("failover: no leader known to the agents; skipped")
             else:
-                bench.held_at_kill = {a.i: dict(a.limits) for a in bench.agents}
-                sent_before = bench.sent()
-                bench.stats.answers.clear()
+                sent_before = await bench.sent()
                 victim[0].send_signal(signal.SIGKILL)
-                bench.killed = leader_url
                 t_kill = time.monotonic()
+                await bench.ask("kill", leader_url)  # the agents keep their limits as they are now
                 peak = 0.0
                 while time.monotonic() - t_kill < args.failover_timeout and \
-                        len(bench.answered_after_kill) < len(bench.agents):
+                        (st := await bench.state())["answered_after_kill"] < args.nodes:
                     await asyncio.sleep(1.0)
-                    peak = max(peak, bench.sent())
-                first = bench.first_new_answer
+                    peak = max(peak, await bench.sent())
+                st = await bench.state()
+                first = st["first_new_answer"]
                 print(f"failover: leader killed; first answer from a round of the new leader after "
                       f"{(first - t_kill) if first else float('nan'):.1f} s; "
-                      f"{len(bench.answered_after_kill)}/{len(bench.agents)} agents answered after "
-                      f"{time.monotonic() - t_kill:.0f} s; answers meanwhile {dict(bench.stats.answers)}")
+                      f"{st['answered_after_kill']}/{args.nodes} agents answered after "
+                      f"{time.monotonic() - t_kill:.0f} s; answers meanwhile {dict(st['stats'].answers)}")
                 print(f"failover: pods whose limit changed between the kill and their agent's first answer from "
-                      f"the new leader's round: {bench.changed_before_first_answer} (so none above its limit); "
+                      f"the new leader's round: {st['changed_before_first_answer']} (so none above its limit); "
                       f"sent total at the kill {(sent_before / budget - 1) * 100:+.1f} % of the budget, "
                       f"peak after {(peak / budget - 1) * 100:+.1f} %", flush=True)
 
-        if bench.errors:
-            print("errors:", dict(bench.errors.most_common(8)))
-        bench.stopping = True
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        errors = (await bench.state())["errors"]
+        if errors:
+            print("errors:", dict(errors.most_common(8)))
+    except asyncio.CancelledError:
+        if not guard.tripped:
+            raise
+        print(f"STOPPED after the last step above: {guard.tripped}", flush=True)
     finally:
-        bench.stopping = True
+        guard_task.cancel()
+        print(f"peak RSS: {guard.summary()}", flush=True)
+        await bench.stop_agents()
         for proc, _, _ in controllers:
             stop_process(proc, 10)
         if admin:
             await admin.close()
-        for a in bench.agents:
-            if a._session is not None:
-                await a._session.close()
-        if bench.agent_api:
-            await bench.agent_api.close()
         cp.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -950,6 +1175,14 @@ def main() -> None:
     p.add_argument("--measure", type=float, default=60.0, help="steady-state window, seconds")
     p.add_argument("--baseline", type=float, default=20.0, help="window without netagent, seconds")
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--min-available-mib", type=float, default=1536,
+                   help="stop the run when the machine's MemAvailable falls below this (shared machine)")
+    p.add_argument("--apiservers", type=int, default=1,
+                   help="kube-apiservers on the one etcd, the agents spread over them (each holds its "
+                        "share of the watches under the open-files limit)")
+    p.add_argument("--agent-processes", type=int, default=1,
+                   help="processes the simulated agents are split over (each holds 3 watches an agent "
+                        "under this machine's open-files limit)")
     p.add_argument("--settle", type=float, default=10.0,
                    help="report periods between the agents' first reports and the window (the cold start's climb)")
     p.add_argument("--concurrency", type=int, default=48, help="loader requests in flight")
