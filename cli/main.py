@@ -242,6 +242,11 @@ def _controller_flags(p: argparse.ArgumentParser) -> None:
                         "asks agents to report less often (nodes / RATE seconds, at most a quarter of --lease-seconds), "
                         "so one leader carries any cluster; reaction time grows with the period (docs/scale.md); "
                         "0 turns pacing off")
+    p.add_argument("--max-pending-reports", type=int, default=controller_config.DEFAULT_MAX_PENDING_REPORTS,
+                   metavar="N",
+                   help="reports one replica holds at once (authenticating, reading, waiting for a round); more are "
+                        "shed at once with 503 Overloaded and a Retry-After of the paced period, which agents honour: "
+                        "a leader offered more than it answers keeps its memory flat")
     p.add_argument("--report-ttl", type=float, default=150.0,
                    help="a node silent this long leaves the allocation (at least --lease-seconds: until then it may "
                         "still enforce its last answer)")

@@ -4,7 +4,9 @@ POST /v1/nodes/{node}/report   an agent's node report -> its pods' allocations +
 GET  /healthz /readyz          liveness; readiness (see ReportSink.ready)
 
 Every request is bounded: body size and read time, pods per report, field ranges
-(core.wire), per-node rate, uncached TokenReviews (ReviewGate). The order is fixed: the
+(core.wire), per-node rate, uncached TokenReviews (ReviewGate), reports held at once
+(--max-pending-reports: beyond it a 503 Overloaded before anything else, which tells the caller
+nothing but when to come back). Then the order is fixed: the
 token is checked first (so a follower never tells an unauthenticated caller where the
 leader is), then leadership: a follower answers 307 with the leader's https address in
 Location and in the JSON body, so agents, which reach any replica through the Service,
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -28,9 +31,10 @@ import msgspec
 from aiohttp import web
 
 from core.objects import DNS_NAME
-from core.wire import MAX_REPORT_BYTES, ErrorBody, NodeAnswer, NodeReport, encoder, report_decoder
+from core.wire import MAX_ADVISED_PERIOD, MAX_REPORT_BYTES, ErrorBody, NodeAnswer, NodeReport, encoder, report_decoder
 
 from .auth import AuthError, Identity, TokenAuthenticator
+from .config import DEFAULT_MAX_PENDING_REPORTS
 
 log = logging.getLogger(__name__)
 MAX_BODY = MAX_REPORT_BYTES
@@ -38,6 +42,7 @@ BODY_TIMEOUT = 10.0  # seconds to receive a report's body: a slow sender does no
 MAX_REVIEWS_IN_FLIGHT = 16  # TokenReviews of unknown tokens at once (their own threads)
 MAX_REVIEWS_PENDING = 256  # reviews waiting or in flight, all clients together; beyond: 429 at once
 MAX_REVIEWS_PER_CLIENT = 4  # ... from one client address
+MIN_OVERLOAD_RETRY = 2  # seconds: the shortest Retry-After an overloaded leader sends
 REVIEW_RATE_PER_CLIENT = 5.0  # uncached reviews per second one client address may cause (burst 2x)
 
 
@@ -118,16 +123,30 @@ def _error(status: int, reason: str, message: str, headers: dict | None = None,
                         content_type="application/json", headers=headers)
 
 
+def overload_retry_after(advised_period: float) -> int:
+    """Retry-After (whole seconds) for a report shed by an overloaded leader: the paced period when
+    pacing is on (agents then come back at the rate the leader can take), at least MIN_OVERLOAD_RETRY."""
+    period = advised_period if math.isfinite(advised_period) else 0.0
+    return int(min(MAX_ADVISED_PERIOD, max(MIN_OVERLOAD_RETRY, math.ceil(period))))
+
+
 def make_app(sink: ReportSink, auth: TokenAuthenticator | None, stats: APIStats | None = None,
              per_node_rate: float = 2.0, per_node_burst: float = 6.0,
-             self_address: str | None = None, scheme: str = "https", gate: ReviewGate | None = None) -> web.Application:
+             self_address: str | None = None, scheme: str = "https", gate: ReviewGate | None = None,
+             max_pending: int = DEFAULT_MAX_PENDING_REPORTS,
+             advised_period: Callable[[], float] = lambda: 0.0) -> web.Application:
     """auth=None disables authentication: for the single-machine demo and tests only.
     self_address is this replica's own host:port, so a stale lease naming us is never
     turned into a redirect to ourselves; `scheme` is the one this replica serves (and the
-    leader with it): redirects keep it."""
+    leader with it): redirects keep it. At most `max_pending` reports are held at once (being
+    authenticated, read, or waiting for their round); more are shed at once with a 503
+    Overloaded and a Retry-After of the paced period (`advised_period`, controller/pacing.py):
+    a leader offered more reports than it answers keeps its memory flat instead of queueing
+    them (docs/scale.md, the 5,000-node run)."""
     stats = stats or APIStats()
     limiter = TokenBucket(per_node_rate, per_node_burst)
     gate = gate or ReviewGate()
+    pending = 0
 
     async def authenticate(header: str | None, client: str) -> Identity:
         identity = auth.cached(header)  # cheap checks and the cache: no API call, no thread
@@ -140,15 +159,26 @@ def make_app(sink: ReportSink, auth: TokenAuthenticator | None, stats: APIStats 
         finally:
             gate.release(client)
 
+    def reject(status: int, reason: str, message: str, **kw) -> web.Response:
+        stats.count_rejected(reason)
+        return _error(status, reason, message, **kw)
+
     async def report(request: web.Request) -> web.Response:
+        nonlocal pending
         node = request.match_info["node"]
-
-        def reject(status: int, reason: str, message: str, **kw) -> web.Response:
-            stats.count_rejected(reason)
-            return _error(status, reason, message, **kw)
-
         if not DNS_NAME.match(node):
             return reject(404, "NotFound", "the path must name a node: /v1/nodes/<node name>/report")
+        if pending >= max_pending:  # before the token review: shedding must cost next to nothing
+            return reject(503, "Overloaded", f"the controller holds {pending} reports already; keep your "
+                                             "allocations and report again after Retry-After",
+                          headers={"Retry-After": str(overload_retry_after(advised_period()))})
+        pending += 1
+        try:
+            return await handle(request, node)
+        finally:
+            pending -= 1
+
+    async def handle(request: web.Request, node: str) -> web.Response:
         identity = None
         if auth is not None:  # first: nothing, not even the leader's address, for an unauthenticated caller
             try:

@@ -159,7 +159,8 @@ class Controller:
                          count_rejected=lambda reason: self.metrics.rejected.labels(reason).inc())
         app = make_app(self.state, self.auth, stats, per_node_rate=self.cfg.report_rate,
                        per_node_burst=3 * self.cfg.report_rate, self_address=self.cfg.advertise,
-                       scheme="http" if self.tls is None else "https")
+                       scheme="http" if self.tls is None else "https",
+                       max_pending=self.cfg.max_pending_reports, advised_period=self.pacer.period)
         if self.cfg.metrics_listen is None:
             app.router.add_get("/metrics", self.serve_metrics)
         return app

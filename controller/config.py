@@ -14,6 +14,7 @@ DEFAULT_PORT = 9561
 EXAMPLE = f"0.0.0.0:{DEFAULT_PORT}"
 # what one leader's event loop carries with CPU to spare for rounds and watches (docs/scale.md)
 DEFAULT_MAX_REPORTS_PER_SECOND = 400.0
+DEFAULT_MAX_PENDING_REPORTS = 1000  # reports one replica holds at once; beyond: 503 Overloaded (controller/api.py)
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class ControllerConfig:
     lease_seconds: float = 120.0  # answers in force add up to the budget: keeping them is safe
     report_rate: float = 2.0
     max_reports_per_second: float = DEFAULT_MAX_REPORTS_PER_SECOND  # all nodes together (controller/pacing.py)
+    max_pending_reports: int = DEFAULT_MAX_PENDING_REPORTS
     report_ttl: float = 150.0  # >= lease_seconds: a silent node's share is held while it may still use it
     status_interval: float = 30.0
     namespace: str = "netagent"
@@ -77,7 +79,8 @@ def default_advertise(listen_host: str, port: int) -> str:
 def from_flags(*, listen: str, metrics_listen: str | None, advertise: str | None, from_file: list[str],
                kubeconfig: str | None, period: float, answer_wait: float, lease_seconds: float,
                report_rate: float, report_ttl: float, status_interval: float,
-               max_reports_per_second: float = DEFAULT_MAX_REPORTS_PER_SECOND, namespace: str, lease_name: str,
+               max_reports_per_second: float = DEFAULT_MAX_REPORTS_PER_SECOND,
+               max_pending_reports: int = DEFAULT_MAX_PENDING_REPORTS, namespace: str, lease_name: str,
                identity: str | None, election_lease_seconds: float, no_auth: bool,
                agent_service_account: str | None, token_cache_seconds: float, insecure_http: bool = False,
                tls_cert_file: str | None = None, tls_key_file: str | None = None,
@@ -94,6 +97,8 @@ def from_flags(*, listen: str, metrics_listen: str | None, advertise: str | None
     if not 0 <= max_reports_per_second < float("inf"):
         raise ConfigError(f"--max-reports-per-second ({max_reports_per_second:g}) must be 0 (no pacing) or a "
                           "positive number of reports per second")
+    if not 1 <= max_pending_reports <= 100_000:
+        raise ConfigError(f"--max-pending-reports ({max_pending_reports}) must be between 1 and 100000")
     if report_ttl < lease_seconds:
         raise ConfigError(f"--report-ttl ({report_ttl:g}) must be at least --lease-seconds ({lease_seconds:g}): a "
                           "node that cannot reach the controller keeps enforcing its last answer for the lease, so "
@@ -128,6 +133,7 @@ def from_flags(*, listen: str, metrics_listen: str | None, advertise: str | None
         advertise=advertise, from_file=tuple(from_file), kubeconfig=kubeconfig, period=period,
         answer_wait=answer_wait, lease_seconds=lease_seconds, report_rate=report_rate, report_ttl=report_ttl,
         max_reports_per_second=max_reports_per_second,
+        max_pending_reports=max_pending_reports,
         status_interval=status_interval, namespace=namespace, lease_name=lease_name,
         identity=identity or f"{socket.gethostname()}@{advertise}", election_lease_seconds=election_lease_seconds,
         no_auth=no_auth, agent_service_account=agent_service_account, token_cache_seconds=token_cache_seconds,

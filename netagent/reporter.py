@@ -139,6 +139,7 @@ class Reporter:
         self.token_path = token_path
         self.period = period  # our own; the leader may ask for a longer one (effective_period)
         self.advised_period = 0.0  # from the last answer (controller/pacing.py); 0: none
+        self.retry_after = 0.0  # from the last refusal's Retry-After (an overloaded leader); 0: none
         self.timeout = timeout
         self.on_failure = on_failure or (lambda: None)
         self.on_refused = on_refused or (lambda reason: None)  # per pod the controller refused: count by reason
@@ -159,15 +160,32 @@ class Reporter:
     def run(self) -> None:
         self._stop.wait(self.rng.uniform(0, self.period))  # spread the first reports too
         while not self._stop.is_set():
-            try:
-                self.report_once()
-            except Exception as exc:
-                self.agent.set_controller_reachable(False)
-                if str(exc) != self.last_error:
-                    log.warning("controller report failed: %s (keeping allocations until the lease ends)", exc)
-                self.last_error = str(exc)
-                self.on_failure()
-            self._stop.wait(self.effective_period() * self.rng.uniform(0.8, 1.2))
+            self._stop.wait(self.tick())
+
+    def tick(self) -> float:
+        """One report, its failure logged and counted; -> seconds until the next one."""
+        self.retry_after = 0.0
+        try:
+            self.report_once()
+        except ControllerError as exc:
+            self.retry_after = exc.retry_after or 0.0
+            self._failed(exc)
+        except Exception as exc:
+            self._failed(exc)
+        return self.next_wait()
+
+    def _failed(self, exc: Exception) -> None:
+        self.agent.set_controller_reachable(False)
+        if str(exc) != self.last_error:
+            log.warning("controller report failed: %s (keeping allocations until the lease ends)", exc)
+        self.last_error = str(exc)
+        self.on_failure()
+
+    def next_wait(self) -> float:
+        """Seconds until the next report: the effective period with +-20 % jitter, and never sooner
+        than a refusal's Retry-After (an overloaded leader sheds reports and says when to come
+        back; the jitter spreads the agents it shed at once)."""
+        return max(self.effective_period(), self.retry_after) * self.rng.uniform(0.8, 1.2)
 
     def effective_period(self) -> float:
         """Our own period, or the longer one the leader asked for (large clusters): never shorter than
@@ -225,8 +243,8 @@ class Reporter:
             try:
                 answer = self._exchange(self.leader_url, path, body)
             except ControllerError as exc:
-                if exc.status not in (None, 503):
-                    raise  # the leader answered and refused the report: asking again elsewhere would not help
+                if exc.status not in (None, 503) or exc.reason == "Overloaded":
+                    raise  # the leader answered and refused the report (or shed it): asking again elsewhere would not help
                 log.info("leader %s failed (%s); asking the controller Service again", self.leader_url, exc)
                 self.leader_url = None
                 answer = self._exchange(None, path, body)

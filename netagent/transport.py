@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import http.client
 import logging
+import math
 import os
 import socket
 import ssl
@@ -26,21 +27,49 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+import msgspec
+
 from core.errors import NetagentError
+from core.wire import ErrorBody
 
 log = logging.getLogger(__name__)
 
 MAX_REDIRECTS = 3
 FOLLOWED_REDIRECTS = (307, 308)  # keep method and body; everything else (301/302/303) is refused
 MAX_ERROR_DETAIL = 300
+MAX_RETRY_AFTER = 60.0  # the longest Retry-After honoured: well inside any lease (default 120 s)
+error_decoder = msgspec.json.Decoder(ErrorBody)
 
 
 class ControllerError(NetagentError):
     """The controller could not be reached (status None) or refused the report; the message says which."""
 
-    def __init__(self, message: str, status: int | None = None):
+    def __init__(self, message: str, status: int | None = None, reason: str = "", retry_after: float | None = None):
         super().__init__(message)
         self.status = status
+        self.reason = reason  # the refusal's reason (core.wire.ErrorBody), "" when there was none
+        self.retry_after = retry_after  # seconds the controller asked us to wait (Retry-After), bounded
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """A Retry-After header in seconds (the HTTP-date form is not used by the controller), bounded
+    to MAX_RETRY_AFTER so a wrong value cannot silence the agent past its lease; None when absent
+    or not a number."""
+    try:
+        seconds = float(value) if value is not None else float("nan")
+    except ValueError:
+        return None
+    if not math.isfinite(seconds) or seconds < 0:
+        return None
+    return min(seconds, MAX_RETRY_AFTER)
+
+
+def refusal_reason(data: bytes) -> str:
+    """The `reason` of a refusal's JSON body (core.wire.ErrorBody), "" when it has none."""
+    try:
+        return error_decoder.decode(data).reason
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return ""
 
 
 @dataclass(frozen=True)
@@ -182,7 +211,7 @@ class ControllerClient:
             headers["Authorization"] = "Bearer " + token
         redirected: str | None = None
         for _ in range(MAX_REDIRECTS + 1):
-            status, location, data = self._once(target, url_path, body, headers)
+            status, location, data, retry_after = self._once(target, url_path, body, headers)
             if status == 200:
                 return data, redirected
             if 300 <= status < 400:
@@ -192,10 +221,12 @@ class ControllerClient:
                 redirected = target.base + (new_path.split(suffix, 1)[0] if suffix in new_path else "")
                 continue
             detail = data[:MAX_ERROR_DETAIL].decode(errors="replace")
-            raise ControllerError(f"controller {target.base} answered {status}: {detail}", status)
+            raise ControllerError(f"controller {target.base} answered {status}: {detail}", status,
+                                  refusal_reason(data), retry_after_seconds(retry_after))
         raise ControllerError(f"controller redirected more than {MAX_REDIRECTS} times (last: {target.base})")
 
-    def _once(self, target: Endpoint, path: str, body: bytes, headers: dict) -> tuple[int, str | None, bytes]:
+    def _once(self, target: Endpoint, path: str, body: bytes,
+              headers: dict) -> tuple[int, str | None, bytes, str | None]:
         conn = self._connection(target)
         deadline = time.monotonic() + self.timeout * 2  # the whole exchange, not only each socket read
         try:
@@ -217,7 +248,7 @@ class ControllerClient:
             if len(data) > self.max_answer_bytes:
                 raise ControllerError(f"controller {target.base} answered more than {self.max_answer_bytes} "
                                       f"bytes; answer refused", resp.status)
-            return resp.status, resp.getheader("Location"), bytes(data)
+            return resp.status, resp.getheader("Location"), bytes(data), resp.getheader("Retry-After")
         except ssl.SSLCertVerificationError as exc:
             raise ControllerError(f"controller {target.base} is not a controller: its certificate does not verify "
                                   f"against the pinned CA for {self.endpoint.host!r} ({exc.verify_message}); "

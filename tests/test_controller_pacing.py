@@ -61,3 +61,23 @@ def test_answers_bound_the_advised_period():
     for raw in (b"1e999", b"NaN", b"Infinity"):  # infinite or not JSON: refused all the same
         with pytest.raises(msgspec.DecodeError):  # (ValidationError is a DecodeError)
             answer_decoder.decode(answer_with().replace(b'"pods"', b'"report_period_seconds": ' + raw + b', "pods"'))
+
+
+def test_an_overloaded_leader_asks_for_the_paced_period_in_whole_seconds():
+    from controller.api import MIN_OVERLOAD_RETRY, overload_retry_after
+
+    assert overload_retry_after(0.0) == MIN_OVERLOAD_RETRY  # not paced: the shortest wait
+    assert overload_retry_after(12.5) == 13  # paced: come back at the paced period, never sooner
+    assert overload_retry_after(float("nan")) == MIN_OVERLOAD_RETRY
+    assert overload_retry_after(1e9) == MAX_ADVISED_PERIOD
+
+
+def test_the_agent_honours_a_bounded_retry_after_only():
+    from netagent.transport import MAX_RETRY_AFTER, refusal_reason, retry_after_seconds
+
+    assert retry_after_seconds("3") == 3.0
+    assert retry_after_seconds("1e9") == MAX_RETRY_AFTER  # never silent past its lease
+    for bad in (None, "", "soon", "-1", "nan", "inf", "Wed, 21 Oct 2015 07:28:00 GMT"):
+        assert retry_after_seconds(bad) is None, bad
+    assert refusal_reason(b'{"error": "busy", "reason": "Overloaded"}') == "Overloaded"
+    assert refusal_reason(b"<html>proxy error</html>") == ""

@@ -162,6 +162,8 @@ def test_pods_in_the_policy_files_bind_pods_to_nodes(tmp_path):
     (["--from-file", "{policy}", "--no-auth", "--agent-service-account", "nocolon"], "must be NAMESPACE:NAME"),
     (["--from-file", "{policy}", "--no-auth", "--insecure-http", "--max-reports-per-second", "-1"],
      "--max-reports-per-second (-1) must be 0 (no pacing)"),
+    (["--from-file", "{policy}", "--no-auth", "--insecure-http", "--max-pending-reports", "0"],
+     "--max-pending-reports (0) must be between 1 and 100000"),
 ])
 def test_bad_flags_are_a_clear_error(tmp_path, argv, message):
     policy = tmp_path / "policy.yaml"
@@ -326,3 +328,48 @@ def test_a_large_cluster_asks_reporters_for_a_longer_period(tmp_path):
         reporter.client = Reporter(agent, base, token_path=None, insecure_http=True).client
         reporter.report_once()
         assert reporter.advised_period == 0 and reporter.effective_period() == 0.2
+
+
+def test_an_overloaded_leader_sheds_reports_and_agents_come_back_after_retry_after(tmp_path):
+    """A leader that holds at most one report at a time (--max-pending-reports 1; each report waits
+    up to 1.5 s for its round) and paces 10 nodes at 2 reports/s (5 s, capped at a quarter of the
+    10 s lease: 2.5 s): eight agents report at once; one is held and answered, the others are shed
+    with 503 Overloaded and Retry-After 3 (the paced period, whole seconds) before their token or
+    body is looked at; each shed agent waits at least that long (with its jitter) before its next
+    report, does not ask the Service again, and keeps what it has. The leader counts them by reason."""
+    from netagent.reporter import Reporter
+
+    policy = tmp_path / "policy.yaml"
+    pods = [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"w{n}", "namespace": "web"},
+             "spec": {"nodeName": f"node-{n}", "containers": [{"name": "c", "image": "x"}]}} for n in range(10)]
+    policy.write_text(yaml.safe_dump_all([*CLASSES, budget("100M"), *pods]))
+    with controller_process(tmp_path, "--from-file", str(policy), "--no-auth", "--period", "2",
+                            "--lease-seconds", "10", "--answer-wait", "1.5", "--max-pending-reports", "1",
+                            "--max-reports-per-second", "2") as (_, base):
+        reporters = [Reporter(make_agent(f"node-{n}", [("web", f"w{n}")]), base, token_path=None, period=0.2,
+                              insecure_http=True) for n in range(8)]
+        start = threading.Barrier(len(reporters))
+        waits: dict[int, float] = {}
+
+        def report(n: int) -> None:
+            start.wait()
+            waits[n] = reporters[n].tick()
+
+        threads = [threading.Thread(target=report, args=(n,)) for n in range(len(reporters))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        shed = [n for n, r in enumerate(reporters) if "Overloaded" in r.last_error]
+        answered = [n for n, r in enumerate(reporters) if not r.last_error]
+        assert answered and shed, [r.last_error for r in reporters]
+        assert len(answered) + len(shed) == len(reporters), [r.last_error for r in reporters]
+        for n in shed:
+            assert reporters[n].retry_after == 3.0
+            assert waits[n] >= 0.8 * 3.0  # not its own 0.2 s, nor the 1.25 s it would be advised
+            assert reporters[n].leader_url is None
+        for n in answered:
+            assert reporters[n].retry_after == 0 and waits[n] < 3.0 * 1.2
+        metrics = http("GET", base + "/metrics")[1]
+        line = next(li for li in metrics.splitlines() if 'reason="Overloaded"' in li and not li.startswith("#"))
+        assert float(line.split()[-1]) == len(shed)
