@@ -214,8 +214,10 @@ class DownloadBench:
         b.classifier.apply(b.state.classifier)
 
     def remove(self) -> None:
+        # the redirect filters hang on the pod devices (and their clsact qdiscs), not on the uplink
+        devices = self.b.state.ingress_shaper.uplinks if self.b.state is not None else ()
         self.b.remove()
-        self.b.shaper.cleanup(self.b.options.ingress_ifb, (), self.b.options.filter_pref)
+        self.b.shaper.cleanup(self.b.options.ingress_ifb, tuple(devices), self.b.options.filter_pref)
 
     def class_ip_bytes(self) -> tuple[int, int]:
         s = self.b.state.ingress_shaper
