@@ -36,10 +36,13 @@ def leaf_limit_packets(bps: int) -> int:
 
 
 LEAF_QUEUE_MS = 5  # bfifo: what the queue may hold at the ceil, beyond one GSO packet
+# The kernel's bfifo limit is 32 bits (pyroute2 packs it signed); 5 ms at 400 Gbit/s is 250 MB, so
+# a larger ceil (an uncapped pod's, up to MAX_BPS) gets this, a queue its ceil never fills anyway.
+LEAF_LIMIT_MAX_BYTES = 1 << 28
 
 
 def leaf_limit_bytes(bps: int) -> int:
     """bfifo length in bytes: a few milliseconds at the ceil plus one GSO packet (the largest
     skb TCP hands down; a byte limit below it would drop every full-size GSO packet). A packet
     count cannot bound the delay: GSO makes one "packet" anything from 64 B to 64 KiB."""
-    return bytes_per_second(bps) * LEAF_QUEUE_MS // 1000 + GSO_MAX_BYTES + MTU_BYTES
+    return min(LEAF_LIMIT_MAX_BYTES, bytes_per_second(bps) * LEAF_QUEUE_MS // 1000 + GSO_MAX_BYTES + MTU_BYTES)

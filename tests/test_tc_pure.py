@@ -145,6 +145,9 @@ def test_bfifo_leaf_is_sized_in_bytes_and_kept_when_converged():
     """A byte-limited leaf: 5 ms at the ceil plus one 64 KiB GSO packet (a GSO packet can always pass)."""
     assert sizing.leaf_limit_bytes(20_000_000) == 2_500_000 * 5 // 1000 + 65536 + 1514
     assert sizing.leaf_limit_bytes(10**9) == 125_000_000 * 5 // 1000 + 65536 + 1514
+    # an uncapped pod's ceil (up to MAX_BPS) must still fit the kernel's 32-bit limit
+    assert sizing.leaf_limit_bytes(2**53) == sizing.LEAF_LIMIT_MAX_BYTES < 2**31
+    assert sizing.leaf_limit_bytes(400 * 10**9) == 50_000_000 * 5 + 65536 + 1514
     s = spec(leaf="bfifo")
     assert plan_ops(s, converged(s), ticks) == []
     obs = converged(s)
