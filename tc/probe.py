@@ -9,13 +9,13 @@ by the next probe (ours: that exact name pattern and kind ifb).
 
 Only what netagent uses is tried (each try loads the kernel module behind it, and loading
 netem, cake or sfq on every node of a cluster is not the agent's business): the IFB, HTB,
-clsact, fq_codel (the leaf, else bfifo, else pfifo), cls_bpf and act_mirred. Every feature is created,
+clsact, fq_codel (the leaf, else pfifo), cls_bpf and act_mirred. Every feature is created,
 then read back; a feature counts only if the kernel shows
 it as created. (An option the kernel accepts and ignores, like u32 `match mark`
 without CONFIG_CLS_U32_MARK, is exactly what reading back catches.) The result
 decides the leaf qdisc and whether netagent can run at all ("unsupported" is told
 apart from "misconfigured" by the caller: a missing HTB or cls_bpf is fatal, a
-missing fq_codel only means a bfifo (or pfifo) leaf).
+missing fq_codel only means a pfifo leaf).
 """
 from __future__ import annotations
 
@@ -34,16 +34,14 @@ from .netlink import Shaper
 
 log = logging.getLogger(__name__)
 
-# the shaper, and the leaf: fq_codel where the kernel has it, else bfifo (a byte limit), else pfifo
-QDISCS = ("htb", "fq_codel", "bfifo", "pfifo")
+QDISCS = ("htb", "fq_codel", "pfifo")  # the shaper, and the leaf: fq_codel where the kernel has it, else pfifo
 REQUIRED_QDISCS = ("htb", "clsact")
 PROBE_DEVICE = re.compile(r"nap-[0-9a-f]{8}")  # the one "is ours" test for probe devices
 PROBE_ALIAS = "netagent: tc capability probe (short-lived)"  # for whoever sees it in `ip link`
 ROOT = 0xFFFFFFFF
 PFIFO_LIMIT = 100
 # options a qdisc needs to be created at all; pfifo's limit is read back (the leaf must be bounded)
-BFIFO_LIMIT = 100_000
-QDISC_OPTIONS = {"htb": {"default": 0x10}, "pfifo": {"limit": PFIFO_LIMIT}, "bfifo": {"limit": BFIFO_LIMIT}}
+QDISC_OPTIONS = {"htb": {"default": 0x10}, "pfifo": {"limit": PFIFO_LIMIT}}
 
 
 @dataclass(frozen=True)
@@ -55,12 +53,9 @@ class Capabilities:
 
     @property
     def leaf_qdisc(self) -> str:
-        # fq_codel where the kernel has it; else bfifo, limited in bytes (tc/sizing.leaf_limit_bytes): a
-        # pfifo's packet count holds up to 64 KiB per GSO packet, and a pod uploading at its limit then
-        # queued its own downloads' ACKs for up to 1.4 s (docs/datapath.md, "Downloads in the demo")
-        if "fq_codel" in self.qdiscs:
-            return "fq_codel"
-        return "bfifo" if "bfifo" in self.qdiscs else "pfifo"
+        # fq_codel where the kernel has it, else pfifo. A byte-limited bfifo leaf (tc/sizing.leaf_limit_bytes)
+        # is supported and was measured (bench/latency.py): no lower loaded RTT than pfifo here, more drops
+        return "fq_codel" if "fq_codel" in self.qdiscs else "pfifo"
 
     def missing(self) -> list[str]:
         """What netagent needs and this kernel lacks (empty: we can run)."""

@@ -126,14 +126,14 @@ def links(ns):
 
 
 def test_probe_finds_what_the_data_path_needs_and_leaves_nothing():
-    expected_leaf = "fq_codel" if kernel_has_fq_codel() else "bfifo"
+    expected_leaf = "fq_codel" if kernel_has_fq_codel() else "pfifo"
     with scratch_netns("probe") as ns:
         sh("ip link add eth0 type veth peer name eth1", ns)
         before = snapshot(ns)
         caps = probe(ns)
         assert snapshot(ns) == before
     require(caps)  # raises with the missing features named
-    assert {"htb", "clsact", "bfifo", "pfifo"} <= caps.qdiscs
+    assert {"htb", "clsact", "pfifo"} <= caps.qdiscs
     assert "bpf" in caps.classifiers and "mirred" in caps.actions and caps.ifb
     assert caps.leaf_qdisc == expected_leaf
 
@@ -160,7 +160,7 @@ print(json.dumps({"caps": probe().as_dict(), "cap_eff": int(status.split("CapEff
 def test_probe_works_with_only_the_agent_pods_capabilities():
     """The agent's pod has NET_ADMIN and NET_RAW, no SYS_ADMIN: no namespace of its own, so the
     probe runs on a device of its own in the namespace it is in, and says what the kernel has."""
-    expected_leaf = "fq_codel" if kernel_has_fq_codel() else "bfifo"
+    expected_leaf = "fq_codel" if kernel_has_fq_codel() else "pfifo"
     setpriv = ["setpriv", f"--bounding-set=-all,{','.join('+' + c for c in AGENT_POD_CAPABILITIES)}",
                "--inh-caps=-all", "--no-new-privs", "--"]
     with scratch_netns("probe") as ns:
@@ -177,7 +177,7 @@ def test_probe_works_with_only_the_agent_pods_capabilities():
     assert out["cap_eff"] == sum(1 << bit for bit in AGENT_POD_CAPABILITIES.values())
     caps = out["caps"]
     assert caps["missing"] == [] and caps["ifb"]
-    assert {"htb", "clsact", "bfifo", "pfifo"} <= set(caps["qdiscs"])
+    assert {"htb", "clsact", "pfifo"} <= set(caps["qdiscs"])
     assert "bpf" in caps["classifiers"] and "mirred" in caps["actions"]
     assert caps["leaf_qdisc"] == expected_leaf
 

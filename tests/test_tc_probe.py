@@ -5,7 +5,7 @@ from __future__ import annotations
 from lab.netns import scratch_netns
 from tc import probe as tc_probe
 
-USED_QDISCS = {"htb", "clsact", "fq_codel", "bfifo", "pfifo"}
+USED_QDISCS = {"htb", "clsact", "fq_codel", "pfifo"}
 
 
 def test_the_probe_tries_only_what_netagent_uses(monkeypatch):
@@ -29,4 +29,4 @@ def test_the_probe_tries_only_what_netagent_uses(monkeypatch):
     assert kinds and kinds <= USED_QDISCS, kinds
     assert not any(command == "add-filter" for command, _ in tried)  # other classifiers are not tried
     assert caps.missing() == [] and {"htb", "clsact"} <= caps.qdiscs and caps.classifiers == {"bpf"}
-    assert caps.leaf_qdisc in ("fq_codel", "bfifo")
+    assert caps.leaf_qdisc in ("fq_codel", "pfifo")
