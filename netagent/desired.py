@@ -62,7 +62,7 @@ class DataPathOptions:
     mark_bit: int = DEFAULT_MARK_BIT
     ifb: str = "netagent0"
     htb_major: int = 0x1
-    leaf_qdisc: str = "pfifo"  # the probe picks fq_codel where the kernel has it, else bfifo
+    leaf_qdisc: str = "pfifo"  # the probe picks fq_codel where the kernel has it
     default_rate: int = 1_000_000  # the floor for internet traffic from unknown sources, bit/s
     filter_pref: int = 0xC000
     wire_l2_bytes: int = 14  # what HTB counts per packet beyond the IP packet (Ethernet header)
