@@ -725,8 +725,20 @@ def test_helm_install_shapes_upgrades_and_uninstalls_on_the_real_node(
         try:
             helm(kube_api, "upgrade", "netagent", str(chart_copy(tmp_path, "0.1.1", "upgraded")), "-n", NAMESPACE,
                  "--reuse-values", "--set", f"image.tag={tag}-next", "--wait", "--timeout", "5m")
-            # adopted from the kernel's HTB ceil (frame units) until its first answer: within rounding of 20M
-            wait_for(lambda: abs((pod_class_rate(silver_ip) or 0) - 20_000_000) <= 20_000, 60,
+            # adopted from the kernel's HTB ceil (frame units) until its first answer: within rounding of
+            # 20M; once the new leader has answered, its allocation, which the new leader's feedback gain
+            # may put below the cap (CI read 16.67M: a gain of 0.833 after its first rounds), never above
+            def adopted_or_answered():
+                rate = pod_class_rate(silver_ip) or 0
+                if abs(rate - 20_000_000) <= 20_000:
+                    return True
+                try:
+                    source = agent_state().get("allocation_source")
+                except (OSError, ValueError):
+                    return False
+                return source == "controller" and 0 < rate <= 20_020_000
+
+            wait_for(adopted_or_answered, 60,
                      what=f"the new agent adopting the classes (last read {pod_class_rate(silver_ip)})")
         finally:
             stop.set()
