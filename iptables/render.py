@@ -17,6 +17,7 @@ the internal set:
         -o <uplink> -g P-NODE-OUT            leaves by an uplink (never to a pod of this node)
              dst internal? count node egress internal -g P-EGRESS-INT: src in egress-int (the pod's count)
              SET --map-set egress-inet src --map-mark --map-prio   (the pod's count, our bit, its HTB class)
+             small TCP ACK: SET --map-set egress-ack src --map-prio (the pod's control leaf instead)
              [not marked, not a node address -> P-UNKNOWN: MARK, CLASSIFY default]; count node egress internet
         src in peer (internal, no pod here) -g P-FROM-PEER:   dst in ingress-int (the pod's count)
         src a pod here                      -g P-FROM-POD:    egress by dst scope, then P-TO-POD
@@ -24,6 +25,7 @@ the internal set:
       with downloads shaped (`ingress_default_class`), that last rule becomes:
         src a node address                  -g P-FROM-HOST:   dst in ingress-inet (count; never shaped)
         SET --map-set ingress-inet dst --map-mark --map-prio   (the pod's count, our bit, its download class)
+        small TCP ACK: SET --map-set ingress-ack dst --map-prio  (the pod's download control leaf)
         [not marked -> P-UNKNOWN-IN: MARK, CLASSIFY download default]
 """
 from __future__ import annotations
@@ -59,7 +61,14 @@ NODE_KINDS = (*KINDS, UNKNOWN_KIND, UNKNOWN_INGRESS_KIND)
 # per-pod sets (hash:ip, one member per pod address, the pod key as comment): what their counters count
 POD_SET_KINDS = {"egress-int": "egress_internal", "egress-inet": "egress_internet",
                  "ingress-int": "ingress_internal", "ingress-inet": "ingress_internet"}
-SET_SUFFIXES = ("internal", "peer", *POD_SET_KINDS)
+# per-pod sets that steer a pod's small TCP segments to its control leaf (skbprio only, uncounted)
+ACK_SET_SUFFIXES = ("egress-ack", "ingress-ack")
+SET_SUFFIXES = ("internal", "peer", *POD_SET_KINDS, *ACK_SET_SUFFIXES)
+# what goes to a pod's control leaf: TCP segments with ACK and none of SYN/FIN/RST, of at most this
+# many bytes (IP header included): pure ACKs (at most 100 bytes in IPv6 with every option), and
+# keystroke-sized data, never a full segment
+ACK_MAX_BYTES = 128
+ACK_MATCH = f"-p tcp -m length --length 0:{ACK_MAX_BYTES} -m tcp --tcp-flags FIN,SYN,RST,ACK ACK"
 COUNTED = ("counters", "comment")
 SWAP_SUFFIX = "-tmp"  # uncounted sets are refilled as <name>-tmp and swapped in
 # up to this many internal CIDRs per family (link-local and multicast included) the scope test is
@@ -203,6 +212,10 @@ def _validate_pod(pod: PodClassification) -> None:
     _validate_class(pod.tc_class, f"pod {pod.key}")
     if pod.ingress_class is not None:
         _validate_class(pod.ingress_class, f"pod {pod.key} download")
+    if pod.ack_class is not None:
+        _validate_class(pod.ack_class, f"pod {pod.key} control leaf")
+    if pod.ingress_ack_class is not None:
+        _validate_class(pod.ingress_ack_class, f"pod {pod.key} download control leaf")
     if not pod.ips:
         raise IptablesError(f"pod {pod.key} has no IP address: leave it out of the state until it has one")
 
@@ -270,6 +283,9 @@ def build_sets(state: ClassifierState, family: int, prefix: str = "NETAGENT") ->
                       ("skbprio", skbprio(pod.ingress_class)))
                  if pod.ingress_class is not None and state.ingress_default_class is not None
                  else (("comment", _key_text(pod.key)),) for ip, pod in pods}
+    acks = {ip: (("skbprio", skbprio(pod.ack_class)),) for ip, pod in pods if pod.ack_class is not None}
+    ingress_acks = {ip: (("skbprio", skbprio(pod.ingress_ack_class)),) for ip, pod in pods
+                     if pod.ingress_ack_class is not None and state.ingress_default_class is not None}
     peer = {net: () for net in internal}
     peer.update({_host(ipaddress.ip_address(ip)): (("nomatch", ""),) for ip, _ in pods})
     sets = [
@@ -280,6 +296,8 @@ def build_sets(state: ClassifierState, family: int, prefix: str = "NETAGENT") ->
         _set(prefix, family, "ingress-int", "hash:ip", COUNTED, named),
         # skbinfo always (a counted set is never re-created); members carry it when downloads are shaped
         _set(prefix, family, "ingress-inet", "hash:ip", COUNTED + ("skbinfo",), downloads),
+        _set(prefix, family, "egress-ack", "hash:ip", ("skbinfo",), acks),
+        _set(prefix, family, "ingress-ack", "hash:ip", ("skbinfo",), ingress_acks),
     ]
     return {s.name: s for s in sets}
 
@@ -330,6 +348,7 @@ def build(state: ClassifierState, family: int, prefix: str = "NETAGENT") -> Rule
     chains[n["NODE-OUT"]] = (
         *scope("dst", f"{comment('node egress internal')} -g {n['EGRESS-INT']}"),
         f"-j SET --map-set {s['egress-inet']} src --map-mark --map-prio",
+        f"{ACK_MATCH} -j SET --map-set {s['egress-ack']} src --map-prio",
         *unknown,
         f"{comment('node egress internet')} -j RETURN",
     )
@@ -363,6 +382,7 @@ def build(state: ClassifierState, family: int, prefix: str = "NETAGENT") -> Rule
         to_pod_internet = (
             f"-m addrtype --src-type LOCAL -g {n['FROM-HOST']}",
             f"-j SET --map-set {s['ingress-inet']} dst --map-mark --map-prio",
+            f"{ACK_MATCH} -j SET --map-set {s['ingress-ack']} dst --map-prio",
             f"-m mark ! --mark {mark} -j {n['UNKNOWN-IN']}",
         )
         chains[n["FROM-HOST"]] = (f"-m set --match-set {s['ingress-inet']} dst -j RETURN",)

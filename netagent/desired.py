@@ -31,9 +31,12 @@ from tc.model import (
     INGRESS_IFB_ALIAS,
     MAX_RATE_BPS,
     MIN_RATE_BPS,
+    POD_MINOR_MAX,
     RESERVED_MINORS,
     HtbClassSpec,
     ShaperSpec,
+    ack_minor,
+    bulk_minor,
 )
 
 # Not used by kube-proxy (0x4000, 0x8000), portmap (0x2000), Calico (0xff000000),
@@ -113,7 +116,7 @@ class DesiredState:
     """The kernel state to apply: the tc shaper, the iptables classifier, and the pods' minors."""
     shaper: ShaperSpec
     classifier: ClassifierState
-    minors: dict[str, int]  # pod key -> HTB minor (and CLASSIFY target), the same in both shapers
+    minors: dict[str, int]  # pod key -> its HTB class's minor (its leaves': tc.model), the same in both shapers
     skipped: dict[str, str]  # pod key -> why it is not programmed yet (e.g. no IP)
     ingress_shaper: ShaperSpec | None = None  # downloads; None: not shaped on this node
 
@@ -140,19 +143,23 @@ def _check_rate(value: int, what: str) -> None:
 
 def _minor_seed(ips: tuple[str, ...]) -> int:
     addrs = sorted((ipaddress.ip_address(ip) for ip in ips), key=lambda a: (a.version, a))
-    return int(addrs[0]) & 0xFFFF
+    return int(addrs[0]) & POD_MINOR_MAX
 
 
 def assign_minors(pods: list[PodShape]) -> dict[str, int]:
-    """Pod key -> HTB minor: the low 16 bits of its lowest address, probing upward on collision
-    in a fixed order, so the same pods get the same minors after a restart."""
+    """Pod key -> HTB minor: the low 14 bits of its lowest address (the minors above are its
+    leaves'), probing upward on collision in a fixed order, so the same pods get the same minors
+    after a restart."""
+    free = POD_MINOR_MAX + 1 - len(RESERVED_MINORS & set(range(POD_MINOR_MAX + 1)))
+    if len(pods) > free:
+        raise DesiredStateError(f"{len(pods)} pods on one node: HTB has room for {free}")
     taken = set(RESERVED_MINORS)
     out: dict[str, int] = {}
     # IPv4-addressed pods first, then by key: a fixed order makes probing deterministic
     for pod in sorted(pods, key=lambda p: (_minor_seed(p.ips), p.key)):
         minor = _minor_seed(pod.ips)
         while minor in taken:
-            minor = (minor + 1) & 0xFFFF
+            minor = (minor + 1) & POD_MINOR_MAX
         taken.add(minor)
         out[pod.key] = minor
     return out
@@ -214,8 +221,12 @@ def desired_state(inputs: NodeInputs) -> DesiredState:
     if inputs.ingress_node_rate is not None:
         ingress_shaper = _ingress_shaper(inputs, ready, minors)
     dl = ingress_shaper is not None
-    classify = [PodClassification(p.key, p.ips, (opts.htb_major, minors[p.key]),
-                                  (opts.ingress_htb_major, minors[p.key]) if dl else None) for p in ready]
+    # packets go straight to the pod's leaves: bulk by its address, its small TCP segments to its control leaf
+    classify = [PodClassification(p.key, p.ips, (opts.htb_major, bulk_minor(minors[p.key])),
+                                  (opts.ingress_htb_major, bulk_minor(minors[p.key])) if dl else None,
+                                  ack_class=(opts.htb_major, ack_minor(minors[p.key])),
+                                  ingress_ack_class=(opts.ingress_htb_major, ack_minor(minors[p.key])) if dl else None)
+                for p in ready]
     classifier = ClassifierState(
         mark_bit=opts.mark_bit,
         internal_cidrs=internal,

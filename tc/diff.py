@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import sizing
-from .model import NODE_MINOR, HtbClassSpec, ObservedShaper, ShaperSpec
+from .model import MIN_RATE_BPS, NODE_MINOR, HtbClassSpec, ObservedShaper, ShaperSpec, ack_minor, bulk_minor
 
 # (rate bytes/s, size bytes) -> kernel ticks; the executor passes the kernel's clock.
 TickFn = Callable[[int, int], int]
@@ -29,6 +29,16 @@ class ClassParams:
     quantum: int
     buffer: int
     cbuffer: int
+    prio: int = 0  # leaves only: HTB serves a lower prio first (the kernel keeps it for leaves alone)
+    inner: bool = False  # has children: HTB fixes quantum and prio at creation and ignores later values
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A leaf class and the queue under it."""
+
+    minor: int
+    ceil: int  # bit/s: sizes the queue
 
 
 @dataclass(frozen=True)
@@ -47,7 +57,8 @@ class Op:
         return f"{self.action}{where}{what}{(' ' + self.detail) if self.detail else ''}"
 
 
-def class_params(spec: HtbClassSpec | None, minor: int, parent: int, rate: int, ceil: int, ticks: TickFn) -> ClassParams:
+def class_params(spec: HtbClassSpec | None, minor: int, parent: int, rate: int, ceil: int, ticks: TickFn,
+                 prio: int = 0, inner: bool = False) -> ClassParams:
     rate_b, ceil_b = sizing.bytes_per_second(rate), sizing.bytes_per_second(ceil)
     burst, cburst = sizing.burst_bytes(rate), sizing.burst_bytes(ceil)
     return ClassParams(
@@ -60,17 +71,34 @@ def class_params(spec: HtbClassSpec | None, minor: int, parent: int, rate: int, 
         quantum=sizing.quantum_bytes(rate),
         buffer=ticks(rate_b, burst),
         cbuffer=ticks(ceil_b, cburst),
+        prio=prio,
+        inner=inner,
     )
 
 
 def desired_classes(spec: ShaperSpec, ticks: TickFn) -> dict[int, ClassParams]:
-    out = {NODE_MINOR: class_params(None, NODE_MINOR, 0, spec.node_rate, spec.node_rate, ticks)}
-    for c in spec.classes:
-        out[c.minor] = class_params(c, c.minor, NODE_MINOR, c.rate, c.ceil, ticks)
+    """node class -> pod classes (inner: the pod's rate and ceil) -> each pod's control leaf (prio 0)
+    and bulk leaf (prio 1), and the default class (a leaf) beside the pods."""
+    out = {NODE_MINOR: class_params(None, NODE_MINOR, 0, spec.node_rate, spec.node_rate, ticks, inner=True)}
+    out[spec.default.minor] = class_params(spec.default, spec.default.minor, NODE_MINOR, spec.default.rate,
+                                           spec.default.ceil, ticks)
+    for c in spec.pods:
+        out[c.minor] = class_params(c, c.minor, NODE_MINOR, c.rate, c.ceil, ticks, inner=True)
+        ack_rate, bulk_rate = sizing.split_rate(c.rate, MIN_RATE_BPS)
+        out[ack_minor(c.minor)] = class_params(c, ack_minor(c.minor), c.minor, ack_rate, c.ceil, ticks, prio=0)
+        out[bulk_minor(c.minor)] = class_params(c, bulk_minor(c.minor), c.minor, bulk_rate, c.ceil, ticks, prio=1)
     return out
 
 
-def leaf_limit(spec: ShaperSpec, c: HtbClassSpec) -> int:
+def desired_leaves(spec: ShaperSpec) -> list[Leaf]:
+    """Every leaf class, in minor order: the default class and both leaves of each pod."""
+    out = [Leaf(spec.default.minor, spec.default.ceil)]
+    for c in spec.pods:
+        out += [Leaf(ack_minor(c.minor), c.ceil), Leaf(bulk_minor(c.minor), c.ceil)]
+    return sorted(out, key=lambda leaf: leaf.minor)
+
+
+def leaf_limit(spec: ShaperSpec, c: HtbClassSpec | Leaf) -> int:
     """The leaf's limit: bytes for bfifo, packets for pfifo (fq_codel has none of ours)."""
     if spec.leaf == "bfifo":
         return sizing.leaf_limit_bytes(c.ceil)
@@ -101,7 +129,8 @@ def plan_ops(spec: ShaperSpec, obs: ObservedShaper, ticks: TickFn) -> list[Op]:
     observed_classes = obs.classes if root_ok else {}
     observed_leaves = obs.leaves if root_ok else {}
 
-    # 3. classes: node class first (parents before children), then leaves
+    # 3. classes: parents before children (the node class, then pods below 0x4000, then their
+    # leaves above it), then the leaves' queues
     want = desired_classes(spec, ticks)
     for minor in sorted(want, key=lambda m: (m != NODE_MINOR, m)):
         p = want[minor]
@@ -112,9 +141,9 @@ def plan_ops(spec: ShaperSpec, obs: ObservedShaper, ticks: TickFn) -> list[Op]:
             have.parent_minor != p.parent_minor
             or have.rate_bytes != p.rate_bytes
             or have.ceil_bytes != p.ceil_bytes
-            # HTB sets an inner class's quantum only while it is a leaf and ignores it after
-            # (htb_change_class): the node class keeps its creation-time value, unused
-            or (minor != NODE_MINOR and have.quantum != p.quantum)
+            # HTB sets a class's quantum and prio only while it is a leaf and ignores them after
+            # (htb_change_class): an inner class keeps its creation-time values, unused
+            or (not p.inner and (have.quantum != p.quantum or have.prio != p.prio))
             or have.buffer != p.buffer
             or have.cbuffer != p.cbuffer
         ):
@@ -123,7 +152,7 @@ def plan_ops(spec: ShaperSpec, obs: ObservedShaper, ticks: TickFn) -> list[Op]:
                 ops.append(Op("add_class", ifb, minor, p))
             else:
                 ops.append(Op("change_class", ifb, minor, p))
-    for c in spec.classes:
+    for c in desired_leaves(spec):
         limit = leaf_limit(spec, c)
         have_leaf = observed_leaves.get(c.minor)
         if have_leaf is None or have_leaf.kind != spec.leaf or have_leaf.handle_major != c.minor:

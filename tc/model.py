@@ -15,6 +15,35 @@ DOWNLOAD_ROOT_MAJOR = 0x2
 DEFAULT_MINOR = 0xFFFE
 RESERVED_MINORS = frozenset({0x0, NODE_MINOR, DOWNLOAD_ROOT_MAJOR, DEFAULT_MINOR, 0xFFFF})
 
+# A pod's class (minor P, at most POD_MINOR_MAX) is an inner class with the pod's rate and ceil and
+# two leaves that share them: its TCP control segments (pure ACKs and other small segments, prio 0)
+# ahead of its bulk data (prio 1). One FIFO for both made a pod's download ACKs wait behind up to
+# a whole queue of its own 64 KiB GSO uploads (and an upload's ACKs behind its downloads), so a
+# pod that moved data both ways could fill neither limit. The leaves' minors are P with one high
+# bit set, so they never collide with a pod's minor, each other, or the reserved ones.
+POD_MINOR_MAX = 0x3FFF
+BULK_LEAF_BIT = 0x4000
+ACK_LEAF_BIT = 0x8000
+
+
+def bulk_minor(pod_minor: int) -> int:
+    """The pod's bulk leaf: everything but its small TCP control segments."""
+    return pod_minor | BULK_LEAF_BIT
+
+
+def ack_minor(pod_minor: int) -> int:
+    """The pod's control leaf: pure ACKs and other TCP segments of at most 128 bytes."""
+    return pod_minor | ACK_LEAF_BIT
+
+
+def pod_of_leaf(minor: int) -> int | None:
+    """The pod minor whose leaf `minor` is, or None when it is no pod leaf."""
+    if minor == DEFAULT_MINOR or not minor & (BULK_LEAF_BIT | ACK_LEAF_BIT):
+        return None
+    if minor & BULK_LEAF_BIT and minor & ACK_LEAF_BIT:
+        return None
+    return minor & POD_MINOR_MAX
+
 # Largest rate we accept: HTB's 64-bit rate attribute holds bytes/s as u64.
 MAX_RATE_BPS = (1 << 64) - 1
 MIN_RATE_BPS = 8  # one byte per second: HTB cannot express less
@@ -81,6 +110,10 @@ class ShaperSpec:
             raise ValueError("two pod classes share one HTB minor")
         if RESERVED_MINORS & set(minors):
             raise ValueError(f"pod classes use reserved HTB minors {sorted(RESERVED_MINORS & set(minors))}")
+        beyond = [m for m in minors if m > POD_MINOR_MAX]
+        if beyond:
+            raise ValueError(f"pod classes use HTB minors above {POD_MINOR_MAX:#x} (kept for their leaves): "
+                             f"{[hex(m) for m in sorted(beyond)[:5]]}")
         if self.default.minor != DEFAULT_MINOR:
             raise ValueError(f"the default class must use minor {DEFAULT_MINOR:#x}")
         if not 0 < self.major < 0xFFFF:
@@ -88,7 +121,7 @@ class ShaperSpec:
 
     @property
     def classes(self) -> tuple[HtbClassSpec, ...]:
-        """Leaf classes (pods and default) in minor order."""
+        """The node class's children (pods and default) in minor order."""
         return tuple(sorted((*self.pods, self.default)))
 
 
@@ -163,3 +196,20 @@ class ClassStats:
     backlog_packets: int
     rate_bytes: int
     ceil_bytes: int
+
+
+def fold_leaves(raw: dict[int, ClassStats]) -> dict[int, ClassStats]:
+    """Class counters as the agent reads them: one entry per pod (its inner class, which counts what
+    both its leaves sent) with its leaves' drops, backlog and overlimits added; the leaves dropped.
+    A leaf whose pod class is missing (a half-made tree) keeps its own entry."""
+    out = dict(raw)
+    for minor, leaf in raw.items():
+        pod = pod_of_leaf(minor)
+        if pod is None or pod not in out:
+            continue
+        del out[minor]
+        p = out[pod]
+        out[pod] = ClassStats(pod, p.bytes, p.packets, p.drops + leaf.drops, p.overlimits + leaf.overlimits,
+                              p.backlog_bytes + leaf.backlog_bytes, p.backlog_packets + leaf.backlog_packets,
+                              p.rate_bytes, p.ceil_bytes)
+    return out

@@ -37,6 +37,7 @@ from .model import (
     ObservedLeaf,
     ObservedShaper,
     ShaperSpec,
+    fold_leaves,
 )
 
 log = logging.getLogger(__name__)
@@ -365,7 +366,7 @@ class Shaper:
             parent = root | p.parent_minor if p.parent_minor else root
             opts = sched_htb.get_class_parameters({
                 "rate": p.rate_bytes, "ceil": p.ceil_bytes, "burst": p.burst_bytes, "cburst": p.cburst_bytes,
-                "quantum": p.quantum, "prio": 0,
+                "quantum": p.quantum, "prio": p.prio,
             })
             # rate tables are legacy (the kernel computes rates itself); skip their 2 KB per class
             opts["attrs"] = [x for x in opts["attrs"] if x[0] not in ("TCA_HTB_RTAB", "TCA_HTB_CTAB")]
@@ -431,11 +432,12 @@ class Shaper:
 
     # -- stats ----------------------------------------------------------------
     def stats(self, ifb: str, major: int = 0x1) -> dict[int, ClassStats]:
-        """Counters of every HTB class on the IFB, from one class dump."""
+        """Counters of every HTB class on the IFB but the pods' leaves, from one class dump; a pod's
+        entry (its inner class) carries its leaves' drops, backlog and overlimits too."""
         idx = self._index(ifb)
         if idx is None:
             return {}
-        return {
+        raw = {
             c.handle & 0xFFFF: ClassStats(
                 minor=c.handle & 0xFFFF,
                 bytes=c.bytes,
@@ -449,6 +451,7 @@ class Shaper:
             )
             for c in self._htb_classes(idx, major)
         }
+        return fold_leaves(raw)
 
     # -- cleanup --------------------------------------------------------------
     def cleanup(self, ifb: str, uplinks: tuple[str, ...], filter_pref: int = 0xC000) -> list[str]:

@@ -46,3 +46,17 @@ def leaf_limit_bytes(bps: int) -> int:
     skb TCP hands down; a byte limit below it would drop every full-size GSO packet). A packet
     count cannot bound the delay: GSO makes one "packet" anything from 64 B to 64 KiB."""
     return min(LEAF_LIMIT_MAX_BYTES, bytes_per_second(bps) * LEAF_QUEUE_MS // 1000 + GSO_MAX_BYTES + MTU_BYTES)
+
+
+# The pod's control leaf is guaranteed this share of the pod's rate (and may borrow the pod's whole
+# ceil, first among the pod's leaves): an ACK stream is ~2 % of the data it acknowledges (52 bytes
+# per two 1448-byte segments), so a pod's download at 8x its upload guarantee still gets its ACKs
+# out at the control leaf's own rate, before the pod's bulk data.
+ACK_SHARE_DIVISOR = 8
+
+
+def split_rate(bps: int, least: int = 8) -> tuple[int, int]:
+    """(control leaf, bulk leaf) guarantees that add up to the pod's rate `bps` (HTB lets a class
+    under its own rate send without asking its parent, so the leaves' rates must not add up to more)."""
+    ack = max(least, bps // ACK_SHARE_DIVISOR)
+    return ack, max(least, bps - ack)

@@ -28,7 +28,7 @@ from iptables.errors import IptablesError
 from lab.netns import normalised, residue_snapshot  # noqa: F401 (other tests import them from here)
 from lab.topology import INTERNAL_CIDRS, INTERNET_V4, INTERNET_V6, PEER_V4, PEER_V6, UPLINK, Lab, run
 from netagent.desired import DataPathOptions, DesiredState, NodeInputs, PodShape, desired_state, ip_bytes
-from tc.model import DEFAULT_MINOR
+from tc.model import DEFAULT_MINOR, bulk_minor
 from tc.netlink import Shaper
 from tc.probe import probe
 from lab.netns import require_root
@@ -356,7 +356,7 @@ def test_two_pods_share_the_node_class(lab, node):
 def test_rate_change_applies_in_place(lab, node):
     pod = node.pods[0]
     node.program({pod.name: (20 * M, 20 * M)})
-    leaf_before = node.shaper.observe(node.state.shaper).leaves[node.minor(pod)]
+    leaf_before = node.shaper.observe(node.state.shaper).leaves[bulk_minor(node.minor(pod))]
     client = lab.iperf_async(pod.netns, INTERNET_V4, PORTS[0], seconds=6, extra=["-i", "0.5"])
     try:
         time.sleep(0.8)
@@ -374,7 +374,7 @@ def test_rate_change_applies_in_place(lab, node):
             client.kill()
     assert {op.action for op in ops} <= {"change_class", "replace_leaf"}, [str(o) for o in ops]
     assert changes == {"iptables": 0, "ipset": 0}  # the pod keeps its class: no rule is touched
-    leaf_after = node.shaper.observe(node.state.shaper).leaves[node.minor(pod)]
+    leaf_after = node.shaper.observe(node.state.shaper).leaves[bulk_minor(node.minor(pod))]
     assert (leaf_after.kind, leaf_after.handle_major) == (leaf_before.kind, leaf_before.handle_major)
     assert s0.bytes <= s1.bytes <= s2.bytes <= s3.bytes, "the class counter went backwards: the class was recreated"
     before, after = ip_rate(s0, s1, t1 - t0), ip_rate(s2, s3, t3 - t2)

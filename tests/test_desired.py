@@ -21,7 +21,12 @@ def test_minors_follow_the_ip_and_are_stable():
     b = desired_state(inputs([pod("ns/b", "10.244.0.12", "fd00::12"), pod("ns/a", "10.244.0.11")]))
     assert a == b
     assert a.minors == {"ns/a": 11, "ns/b": 12}
-    assert {c.tc_class for c in a.classifier.pods} == {(1, 11), (1, 12)}
+    # packets are steered to the pod's leaves: bulk data, and small TCP segments to the control leaf
+    assert {c.tc_class for c in a.classifier.pods} == {(1, 0x4000 | 11), (1, 0x4000 | 12)}
+    assert {c.ack_class for c in a.classifier.pods} == {(1, 0x8000 | 11), (1, 0x8000 | 12)}
+    assert {c.ingress_class for c in a.classifier.pods} == {None}  # downloads not shaped here
+    # the low 14 bits of the address: the minors above 0x3fff are the pods' leaves
+    assert assign_minors([pod("ns/c", "10.244.64.5")]) == {"ns/c": 5}
 
 
 def test_minor_collisions_and_reserved_values_probe_upward():

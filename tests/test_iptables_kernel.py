@@ -25,7 +25,8 @@ BACKENDS = ("nft", "legacy")
 
 def pods(n: int) -> tuple[PodClassification, ...]:
     a4, a6 = ipaddress.ip_address("10.244.0.10"), ipaddress.ip_address("fd00:244::10")
-    return tuple(PodClassification(f"ns/p{i}", (str(a4 + i), str(a6 + i)), (1, 0x10 + i)) for i in range(n))
+    return tuple(PodClassification(f"ns/p{i}", (str(a4 + i), str(a6 + i)), (1, 0x10 + i), ack_class=(1, 0x8010 + i))
+                 for i in range(n))
 
 
 DEFAULT_CLASS = (1, 0xFFFE)
@@ -87,15 +88,18 @@ def netns():
 def test_apply_is_idempotent_and_adopted_by_a_fresh_classifier(netns, backend):
     clf = Classifier(backend=backend, netns=netns)
     first = clf.apply(state(4))
-    assert first["iptables"] > 0 and first["ipset"] == 12  # 6 sets per family
+    assert first["iptables"] > 0 and first["ipset"] == 16  # 8 sets per family (the download steering set empty)
     # the kernel holds exactly what we rendered: SET (mark and priority from the set), MARK and CLASSIFY
     # (the default class) work in this backend, both families
     for family, tool in ((4, "iptables"), (6, "ip6tables")):
         dump = sh(f"{tool}-{backend}-save -t mangle", netns)
         assert f"-j SET --map-set netagent-egress-inet{family} src --map-mark --map-prio" in dump
         assert "-j MARK --set-xmark 0x1000/0x1000" in dump and "-j CLASSIFY --set-class 0001:fffe" in dump
+        assert (f"-p tcp -m length --length 0:128 -m tcp --tcp-flags FIN,SYN,RST,ACK ACK "
+                f"-j SET --map-set netagent-egress-ack{family} src --map-prio") in dump
     assert "add netagent-egress-inet6 fd00:244::10 packets 0 bytes 0 comment \"ns/p0\" skbmark 0x1000/0x1000 skbprio 1:10" \
         in sh("ipset save netagent-egress-inet6", netns)
+    assert "add netagent-egress-ack4 10.244.0.10 skbprio 1:8010" in sh("ipset save netagent-egress-ack4", netns)
     calls = count_restores(clf)
     assert clf.apply(state(4)) == {"iptables": 0, "ipset": 0}
     assert calls == []
@@ -124,14 +128,15 @@ def test_change_one_pod_then_remove_one(netns, backend):
     clf.apply(state(4))
     before = our_dump(netns, backend)
     changed = list(pods(4))
-    changed[1] = PodClassification(changed[1].key, changed[1].ips, (1, 0xABC))
+    changed[1] = PodClassification(changed[1].key, changed[1].ips, (1, 0xABC), ack_class=(1, 0x8ABC))
     calls = count_restores(clf)
-    assert clf.apply(state(pod_list=tuple(changed))) == {"iptables": 0, "ipset": 2}  # one member per family
+    # per family: its member of the marking set and of the control-leaf set
+    assert clf.apply(state(pod_list=tuple(changed))) == {"iptables": 0, "ipset": 4}
     assert calls == [] and our_dump(netns, backend) == before  # no rule touched
     assert 'fd00:244::11 packets 0 bytes 0 comment "ns/p1" skbmark 0x1000/0x1000 skbprio 1:abc' in \
         sh("ipset save netagent-egress-inet6", netns)
     removed = clf.apply(state(pod_list=tuple(changed[:3])))
-    assert removed == {"iptables": 0, "ipset": 10}  # per family: the peer set and the four pod sets
+    assert removed == {"iptables": 0, "ipset": 12}  # per family: the peer set, the four pod sets, the control-leaf set
     for name in R.set_names("NETAGENT"):
         if not name.endswith("-tmp") and "internal" not in name:
             assert not [m for m in members(netns, name) if "10.244.0.13" in m or "fd00:244::13" in m], name

@@ -76,7 +76,8 @@ def test_pod_sets_count_each_direction_and_scope():
     assert {n: R.set_kind(n, "NETAGENT") for n in rs.sets} == {
         "netagent-internal4": None, "netagent-peer4": None,
         "netagent-egress-int4": "egress_internal", "netagent-egress-inet4": "egress_internet",
-        "netagent-ingress-int4": "ingress_internal", "netagent-ingress-inet4": "ingress_internet"}
+        "netagent-ingress-int4": "ingress_internal", "netagent-ingress-inet4": "ingress_internet",
+        "netagent-egress-ack4": None, "netagent-ingress-ack4": None}
     for name in ("netagent-egress-int4", "netagent-ingress-int4", "netagent-ingress-inet4"):
         assert rs.sets[name].members == {"10.244.0.10": (("comment", "ns/p0"),)}
         # the download set carries skbinfo always (a counted set is never re-created), used when shaped
@@ -310,7 +311,8 @@ def test_detection_follows_kubelet_hint_then_ours_then_rule_count():
 DEFAULT = (1, 0xFFFE)
 
 
-def evaluate(state: ClassifierState, family: int, src: str, dst: str, oif: str, local_src: bool = False) -> dict:
+def evaluate(state: ClassifierState, family: int, src: str, dst: str, oif: str, local_src: bool = False,
+             proto: str = "udp", length: int = 1400, tcp_flags: frozenset = frozenset()) -> dict:
     """Run one packet through a parse of the rendered POSTROUTING rules and the built sets, as the kernel would.
 
     -> {"mark": skb mark, "priority": (major, minor) or None, "lookups": set lookups made,
@@ -363,6 +365,14 @@ def evaluate(state: ClassifierState, family: int, src: str, dst: str, oif: str, 
                 negate, step = False, 1
             elif tok == "--src-type" and arg == "LOCAL":
                 result = local_src
+            elif tok == "-p":
+                result = arg == proto
+            elif tok == "--length":
+                lo, hi = (int(v) for v in arg.split(":"))
+                result = lo <= length <= hi
+            elif tok == "--tcp-flags":
+                mask, want = set(arg.split(",")), set(rule[i + 2].split(","))
+                result, step = proto == "tcp" and (tcp_flags & mask) == want, 3
             elif tok not in ("-m", "--comment"):
                 raise AssertionError(f"this fake does not know {tok} {arg}")
             if result is not None and result == negate:
@@ -393,9 +403,11 @@ def evaluate(state: ClassifierState, family: int, src: str, dst: str, oif: str, 
                 ext = lookup(name, rule[where + 4])
                 if ext is not None:
                     count(name, ext)
-                    value, mask = (int(v, 16) for v in ext["skbmark"].split("/"))
-                    pkt["mark"] = (pkt["mark"] & ~mask) ^ value
-                    pkt["priority"] = tuple(int(v, 16) for v in ext["skbprio"].split(":"))
+                    if "--map-mark" in rule:
+                        value, mask = (int(v, 16) for v in ext["skbmark"].split("/"))
+                        pkt["mark"] = (pkt["mark"] & ~mask) ^ value
+                    if "--map-prio" in rule:
+                        pkt["priority"] = tuple(int(v, 16) for v in ext["skbprio"].split(":"))
             elif verb == "-g":
                 run(target)
                 return False  # a goto's chain returns to our caller
@@ -498,6 +510,7 @@ def test_catch_all_is_in_the_node_egress_chain_after_the_pods_set():
         *(f'-d {net} -m comment --comment "node egress internal" -g NETAGENT-EGRESS-INT'
           for net in ("fd00::/8", "fe80::/10", "ff00::/8")),
         "-j SET --map-set netagent-egress-inet6 src --map-mark --map-prio",
+        "-p tcp -m length --length 0:128 -m tcp --tcp-flags FIN,SYN,RST,ACK ACK -j SET --map-set netagent-egress-ack6 src --map-prio",
         "-m mark ! --mark 0x1000/0x1000 -m addrtype ! --src-type LOCAL -j NETAGENT-UNKNOWN",
         '-m comment --comment "node egress internet" -j RETURN')
     assert rs.chains["NETAGENT-UNKNOWN"] == (
@@ -559,6 +572,43 @@ def test_downloads_are_marked_to_the_pods_download_class_and_nothing_else_is(fam
         with_dl, without = evaluate(st, family, src, dst, oif, local), evaluate(state(n, default_class=DEFAULT), family, src, dst, oif, local)
         assert with_dl == without, f"{src} -> {dst} via {oif}: {with_dl} != {without}"
         assert with_dl["priority"] in (None, (1, 0x10)), with_dl
+
+
+def ack_state(n: int = 3) -> ClassifierState:
+    """Pods whose small TCP segments go to their control leaves (minor | 0x8000) in both shapers."""
+    steered = tuple(PodClassification(p.key, p.ips, p.tc_class, (2, p.tc_class[1]), ack_class=(1, 0x8000 | p.tc_class[1]),
+                                      ingress_ack_class=(2, 0x8000 | p.tc_class[1])) for p in pods(n))
+    return state(n, default_class=DEFAULT, ingress_default_class=DL_DEFAULT, pods=steered)
+
+
+@pytest.mark.parametrize("family", [4, 6])
+def test_a_pods_small_tcp_acks_go_to_its_control_leaf_and_nothing_else_does(family):
+    """A pod's pure ACKs (both ways) go to its control leaf, still marked and counted as its internet
+    traffic; a full TCP segment, a SYN/FIN/RST, UDP, an unknown pod's ACK and internal traffic do not."""
+    st, a = ack_state(3), NET[family]
+    ack = frozenset({"ACK"})
+    up = evaluate(st, family, a["pod"], a["internet"], "eth0", proto="tcp", length=52, tcp_flags=ack)
+    assert (up["counted"], up["mark"], up["priority"]) == (["ns/p0 egress_internet", "node egress internet"], 0x1000, (1, 0x8010))
+    down = evaluate(st, family, a["internet"], a["pod"], "vp0", proto="tcp", length=72, tcp_flags=ack | {"PSH"})
+    assert (down["counted"], down["mark"], down["priority"]) == (["ns/p0 ingress_internet"], 0x1000, (2, 0x8010))
+    for kw in (dict(proto="tcp", length=1500, tcp_flags=ack),                  # a data segment
+               dict(proto="tcp", length=60, tcp_flags=ack | {"FIN"}),          # closing
+               dict(proto="tcp", length=60, tcp_flags=frozenset({"SYN"})),
+               dict(proto="udp", length=60)):
+        assert evaluate(st, family, a["pod"], a["internet"], "eth0", **kw)["priority"] == (1, 0x10), kw
+        assert evaluate(st, family, a["internet"], a["pod"], "vp0", **kw)["priority"] == (2, 0x10), kw
+    small = dict(proto="tcp", length=52, tcp_flags=ack)
+    assert evaluate(st, family, a["stranger"], a["internet"], "eth0", **small)["priority"] == DEFAULT
+    assert evaluate(st, family, a["pod"], a["peer"], "eth0", **small)["priority"] is None
+    assert evaluate(st, family, a["peer"], a["pod"], "vp0", **small)["priority"] is None
+    # the steering sets hold the leaves only; without a download shaper the download one stays empty
+    rs = R.build(st, family)
+    assert rs.sets[f"netagent-egress-ack{family}"].create.endswith("skbinfo")
+    assert not rs.sets[f"netagent-egress-ack{family}"].counted
+    assert rs.sets[f"netagent-egress-ack{family}"].members[a["pod"]] == (("skbprio", "1:8010"),)
+    unshaped = state(3, pods=tuple(PodClassification(p.key, p.ips, p.tc_class, ack_class=(1, 0x8000 | p.tc_class[1]))
+                                   for p in pods(3)))
+    assert R.build(unshaped, family).sets[f"netagent-ingress-ack{family}"].members == {}
 
 
 def test_download_members_carry_the_mark_and_class_only_when_shaped():

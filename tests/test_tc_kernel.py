@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from tc.errors import TcError
-from tc.model import DEFAULT_MINOR, HtbClassSpec, ShaperSpec
+from tc.model import DEFAULT_MINOR, NODE_MINOR, HtbClassSpec, ShaperSpec, ack_minor, bulk_minor
 from tc.netlink import Shaper
 from tc.probe import probe, require
 from lab.netns import scratch_netns, sh
@@ -211,7 +211,38 @@ def test_bfifo_leaf_holds_its_byte_limit_and_is_adopted(node):
     with Shaper(node) as s:
         s.apply(spec)
         leaves = s.observe(spec).leaves
-        assert (leaves[0x10A].kind, leaves[0x10A].limit) == ("bfifo", sizing.leaf_limit_bytes(20_000_000))
+        for leaf in (bulk_minor(0x10A), ack_minor(0x10A)):
+            assert (leaves[leaf].kind, leaves[leaf].limit) == ("bfifo", sizing.leaf_limit_bytes(20_000_000))
         assert s.apply(spec).changes == 0
     with Shaper(node) as fresh:
         assert fresh.apply(spec).changes == 0
+
+
+def test_a_pod_class_holds_a_control_leaf_first_and_a_bulk_leaf_and_an_older_flat_tree_is_adopted(node):
+    """The kernel's view of a pod: an inner class with two prio-ordered leaves and their queues. A
+    tree made by an older netagent (each pod class a leaf with its own pfifo) is turned into it in
+    place: the pod class keeps its minor, HTB makes it an inner class when its first leaf is added."""
+    spec = make_spec()
+    sh("ip link add na-ifb0 type ifb && ip link set na-ifb0 up && ip link set dev na-ifb0 alias "
+       "'netagent: internet egress shaper' && tc qdisc add dev na-ifb0 root handle 1: htb default fffe && "
+       "tc class add dev na-ifb0 parent 1: classid 1:1 htb rate 1Gbit && "
+       "tc class add dev na-ifb0 parent 1:1 classid 1:fffe htb rate 1Mbit && "
+       "tc class add dev na-ifb0 parent 1:1 classid 1:10a htb rate 10Mbit ceil 20Mbit && "
+       "tc qdisc add dev na-ifb0 parent 1:10a handle 10a: pfifo limit 64", node)
+    with Shaper(node) as s:
+        assert s.apply(spec).changes > 0
+        assert s.apply(spec).changes == 0
+        classes = s.observe(spec).classes
+        stats = s.stats("na-ifb0")
+    for pod in (0x10A, 0x10B):
+        assert classes[pod].parent_minor == NODE_MINOR
+        assert classes[ack_minor(pod)].parent_minor == classes[bulk_minor(pod)].parent_minor == pod
+        assert classes[ack_minor(pod)].prio == 0 and classes[bulk_minor(pod)].prio == 1
+        assert classes[ack_minor(pod)].rate_bytes + classes[bulk_minor(pod)].rate_bytes == classes[pod].rate_bytes
+    leaves = {line.split()[4] for line in sh("tc qdisc show dev na-ifb0", node).splitlines() if " parent 1:" in line}
+    assert leaves == {"1:fffe", "1:410a", "1:810a", "1:410b", "1:810b"}  # no queue left under a pod class
+    assert set(stats) == {NODE_MINOR, DEFAULT_MINOR, 0x10A, 0x10B}  # the leaves are folded into their pods
+    with Shaper(node) as fresh:
+        assert fresh.plan(spec) == []
+        fresh.apply(make_spec(pods=()))
+    assert sh("tc class show dev na-ifb0", node).count("class htb") == 2

@@ -2,8 +2,21 @@
 import pytest
 
 from tc import bpf, sizing
-from tc.diff import desired_classes, plan_ops
-from tc.model import DEFAULT_MINOR, HtbClassSpec, ObservedClass, ObservedFilter, ObservedLeaf, ObservedShaper, ShaperSpec
+from tc.diff import desired_classes, desired_leaves, plan_ops
+from tc.model import (
+    DEFAULT_MINOR,
+    NODE_MINOR,
+    ClassStats,
+    HtbClassSpec,
+    ObservedClass,
+    ObservedFilter,
+    ObservedLeaf,
+    ObservedShaper,
+    ShaperSpec,
+    ack_minor,
+    bulk_minor,
+    fold_leaves,
+)
 
 
 def ticks(rate, size):
@@ -25,8 +38,8 @@ def converged(s: ShaperSpec) -> ObservedShaper:
     obs = ObservedShaper(ifb_index=7, ifb_ours=True, ifb_up=True, ifb_txqueuelen=s.ifb_txqueuelen,
                          root_kind="htb", root_handle_major=s.major, root_default_minor=DEFAULT_MINOR)
     for m, p in desired_classes(s, ticks).items():
-        obs.classes[m] = ObservedClass(m, p.parent_minor, p.rate_bytes, p.ceil_bytes, p.buffer, p.cbuffer, p.quantum, 0)
-    for c in s.classes:
+        obs.classes[m] = ObservedClass(m, p.parent_minor, p.rate_bytes, p.ceil_bytes, p.buffer, p.cbuffer, p.quantum, p.prio)
+    for c in desired_leaves(s):
         limit = sizing.leaf_limit_bytes(c.ceil) if s.leaf == "bfifo" else sizing.leaf_limit_packets(c.ceil)
         obs.leaves[c.minor] = ObservedLeaf(c.minor, s.leaf, c.minor, limit)
     for up in s.uplinks:
@@ -64,6 +77,61 @@ def test_empty_kernel_builds_everything_in_safe_order():
 def test_converged_state_plans_nothing():
     s = spec()
     assert plan_ops(s, converged(s), ticks) == []
+
+
+def test_a_pod_is_an_inner_class_whose_control_leaf_goes_first_and_whose_leaves_share_its_rate():
+    s = spec(pods=(HtbClassSpec(0x10, 10_000_000, 20_000_000, "a/p"), HtbClassSpec(0x3FFF, 8, 8, "a/tiny")))
+    want = desired_classes(s, ticks)
+    assert set(want) == {NODE_MINOR, DEFAULT_MINOR, 0x10, 0x4010, 0x8010, 0x3FFF, 0x7FFF, 0xBFFF}
+    pod, ack, bulk = want[0x10], want[ack_minor(0x10)], want[bulk_minor(0x10)]
+    assert pod.parent_minor == NODE_MINOR and pod.inner and want[DEFAULT_MINOR].parent_minor == NODE_MINOR
+    assert (ack.parent_minor, bulk.parent_minor) == (0x10, 0x10)
+    assert ack.prio < bulk.prio and not ack.inner and not bulk.inner
+    # HTB lets a leaf under its own rate send without asking its parent: the leaves' rates add up to the pod's
+    assert ack.rate_bytes + bulk.rate_bytes == pod.rate_bytes and 0 < ack.rate_bytes < bulk.rate_bytes
+    assert ack.ceil_bytes == bulk.ceil_bytes == pod.ceil_bytes
+    assert [leaf.minor for leaf in desired_leaves(s)] == sorted([DEFAULT_MINOR, 0x4010, 0x8010, 0x7FFF, 0xBFFF])
+    with pytest.raises(ValueError, match="above 0x3fff"):
+        spec(pods=(HtbClassSpec(0x4010, 8, 8, "a/p"),))
+
+
+def test_an_inner_classs_quantum_and_prio_are_not_compared_a_leafs_are():
+    s = spec()
+    obs = converged(s)
+    pod = obs.classes[0x10]
+    obs.classes[0x10] = ObservedClass(0x10, pod.parent_minor, pod.rate_bytes, pod.ceil_bytes, pod.buffer, pod.cbuffer,
+                                      12345, 3)  # the creation-time values HTB keeps once a class has children
+    assert plan_ops(s, obs, ticks) == []
+    leaf = obs.classes[0x8010]
+    obs.classes[0x8010] = ObservedClass(0x8010, leaf.parent_minor, leaf.rate_bytes, leaf.ceil_bytes, leaf.buffer,
+                                        leaf.cbuffer, leaf.quantum, 1)
+    assert [(o.action, o.minor) for o in plan_ops(s, obs, ticks)] == [("change_class", 0x8010)]
+
+
+def test_an_older_layouts_pod_leaf_gains_its_two_leaves_and_a_gone_pods_leaves_go_before_it():
+    """Upgrade: a pod class that was a leaf (its pfifo under it) keeps its minor and gets its two
+    leaves added under it (HTB turns it into an inner class); removal deletes children first."""
+    s = spec()
+    obs = converged(s)
+    for m in (0x4010, 0x8010):
+        del obs.classes[m], obs.leaves[m]
+    obs.leaves[0x10] = ObservedLeaf(0x10, "pfifo", 0x10, 64)
+    actions = [(o.action, o.minor) for o in plan_ops(s, obs, ticks)]
+    assert actions == [("add_class", 0x4010), ("add_class", 0x8010),
+                       ("replace_leaf", 0x4010), ("replace_leaf", 0x8010)]
+    gone = plan_ops(spec(pods=()), converged(s), ticks)
+    assert [(o.action, o.minor) for o in gone] == [("delete_class", 0x8010), ("delete_class", 0x4010), ("delete_class", 0x10)]
+
+
+def test_class_stats_fold_a_pods_leaves_into_the_pod():
+    def st(minor, nbytes, drops, over, backlog):
+        return ClassStats(minor, nbytes, nbytes // 1000, drops, over, backlog, backlog // 1000, 125, 250)
+    raw = {0x10: st(0x10, 9000, 0, 1, 0), 0x4010: st(0x4010, 8000, 3, 2, 5000), 0x8010: st(0x8010, 1000, 1, 0, 64),
+           DEFAULT_MINOR: st(DEFAULT_MINOR, 7, 0, 0, 0), NODE_MINOR: st(NODE_MINOR, 9007, 0, 0, 0),
+           0x8011: st(0x8011, 5, 0, 0, 0)}  # a leaf whose pod class is missing keeps its own entry
+    out = fold_leaves(raw)
+    assert set(out) == {0x10, DEFAULT_MINOR, NODE_MINOR, 0x8011}
+    assert out[0x10] == ClassStats(0x10, 9000, 9, 4, 3, 5064, 5, 125, 250)
 
 
 def test_rate_change_is_in_place_and_deletion_last():
@@ -148,6 +216,6 @@ def test_bfifo_leaf_is_sized_in_bytes_and_kept_when_converged():
     s = spec(leaf="bfifo")
     assert plan_ops(s, converged(s), ticks) == []
     obs = converged(s)
-    obs.leaves[0x10] = ObservedLeaf(0x10, "bfifo", 0x10, 1000)  # someone shrank it
+    obs.leaves[0x4010] = ObservedLeaf(0x4010, "bfifo", 0x4010, 1000)  # someone shrank it
     ops = plan_ops(s, obs, ticks)
     assert [(o.action, o.leaf_kind, o.leaf_limit) for o in ops] == [("replace_leaf", "bfifo", sizing.leaf_limit_bytes(20_000_000))]
