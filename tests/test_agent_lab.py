@@ -31,6 +31,7 @@ from lab.agentproc import (
     write_objects,
 )
 from lab.netns import require_root
+from tc.model import bulk_minor
 
 pytestmark = [pytest.mark.root, pytest.mark.traffic]
 
@@ -168,10 +169,11 @@ def test_status_table_and_drift_repair(lab, files, agent):
     out = run([sys.executable, "-m", "netagent", "status", "--agent", f"127.0.0.1:{agent.port}"], node.netns)
     assert pod.name in out and "silver" in out and "team-a" in out and "ready" in out
 
-    # someone deletes the pod's class and unhooks our chain: the periodic resync puts both back
-    run(["tc", "class", "del", "dev", IFB, "classid", f"1:{minor_of(pod):x}"], node.netns)
+    # someone deletes the pod's bulk leaf (the class its data goes to) and unhooks our chain: the
+    # periodic resync puts both back
+    run(["tc", "class", "del", "dev", IFB, "classid", f"1:{bulk_minor(minor_of(pod)):x}"], node.netns)
     run(["iptables", "-t", "mangle", "-D", "POSTROUTING", "-j", "NETAGENT-POSTROUTING"], node.netns)
-    wait_for(lambda: ceil_of(node.netns, minor_of(pod)) == SILVER, what="the class restored")
+    wait_for(lambda: ceil_of(node.netns, bulk_minor(minor_of(pod))) == SILVER, what="the class restored")
     wait_for(lambda: "-A POSTROUTING -j NETAGENT-POSTROUTING" in iptables_text(node.netns), what="the hook restored")
     wait_for(lambda: agent.metric("netagent_drift_repairs_total", 'kind="tc"') >= 1, what="tc drift counted")
     wait_for(lambda: agent.metric("netagent_drift_repairs_total", 'kind="iptables"') >= 1, what="iptables drift counted")

@@ -50,9 +50,9 @@ def test_demo_runs_shapes_to_the_budget_moves_allocations_and_cleans_up(tmp_path
     late_second = [i for i, x in enumerate(t) if x >= t[-1] - 5]  # the end
     for window in (late_first, late_second):
         total = sum(_mean([rates[k][i] for i in window if i < len(rates[k])]) for k in rates)
-        # the six pods together offer Gbit/s: without shaping the total would be far above the budget
-        # (the low bound is loose: uploads share two cores with the six downloads and the internal one)
-        assert 0.7 * budget <= total <= 1.15 * budget, f"total {total:.1f} Mbit/s against a {budget:.0f} Mbit/s budget"
+        # the six pods together offer Gbit/s: without shaping the total would be far above the budget;
+        # held within ±5 % while the same pods download (runs here: -0.4 to -1.8 %, docs/datapath.md)
+        assert 0.95 * budget <= total <= 1.05 * budget, f"total {total:.1f} Mbit/s against a {budget:.0f} Mbit/s budget"
     # every pod's flow moved (iperf3's own 0.2 s intervals, read as they were flushed)
     assert all(v is not None for v in s["first_moved_s"].values()), s["first_moved_s"]
     assert set(s["steady_total"]) == {"before_change", "end"}  # the ±1 % figure: docs/datapath.md (40 s runs)
@@ -70,15 +70,21 @@ def test_demo_runs_shapes_to_the_budget_moves_allocations_and_cleans_up(tmp_path
     for window in (late_first, late_second):
         total = sum(_mean([drates[k][i] for i in window if i < len(drates[k])]) for k in drates)
         # six pods download at Gbit/s from the internet host: unshaped, far above the download budget.
-        # The low bound is loose on purpose: on two shared cores the downloads run 15-50 % under their
-        # budget (docs/datapath.md, Downloads: an open finding), the high bound is the promise
-        assert 0.4 * dbudget <= total <= 1.15 * dbudget, \
+        # Held within ±5 % while they upload too: each pod's ACKs go ahead of its data in its control
+        # leaf (one FIFO held them behind its GSO uploads: 25-62 % under, docs/datapath.md)
+        assert 0.95 * dbudget <= total <= 1.05 * dbudget, \
             f"download total {total:.1f} Mbit/s against a {dbudget:.0f} Mbit/s download budget"
+    # each pod's download at the end near its fair share after the change (runs here: within 1.2 %; the
+    # bound leaves room for a shared CI machine)
+    for pod, fair in down["fair_after_bps"].items():
+        got = _mean([drates[pod][i] for i in late_second if i < len(drates[pod])]) * 1e6
+        assert abs(got / fair - 1) <= 0.10, f"{pod} downloads {got / 1e6:.1f} Mbit/s, fair {fair / 1e6:.1f}"
     assert all(v is not None for v in down["first_moved_s"].values()), down["first_moved_s"]
     assert set(down["steady_total"]) == {"before_change", "end"}
     assert down["fair_after_bps"]["data/crawl"] > 2 * down["fair_before_bps"]["data/crawl"]
-    # (its measured download is not asserted to grow: downloads run under their limits on two shared
-    # cores, docs/datapath.md "Downloads in the demo"; the allocation's move is checked above)
+    dcrawl = drates["data/crawl"]
+    before_dl, after_dl = _mean([dcrawl[i] for i in late_first]), _mean([dcrawl[i] for i in late_second])
+    assert after_dl > 1.5 * before_dl, f"data/crawl downloads {before_dl:.1f} -> {after_dl:.1f} Mbit/s"
     # the internal download beside them is never shaped: it runs at what it offers, above the budget
     internal = down["internal"]
     offered = float(internal["offered"].rstrip("M"))
