@@ -57,10 +57,23 @@ class Op:
         return f"{self.action}{where}{what}{(' ' + self.detail) if self.detail else ''}"
 
 
+MAX_TICKS = 0xFFFFFFFF  # HTB's buffer and cbuffer are 32-bit tick counts
+
+
+def _fitting(rate_b: int, size: int, ticks: TickFn) -> int:
+    """The bucket size, cut so that its time at `rate_b` fits HTB's 32-bit buffer field: a 64 KiB
+    bucket at a few hundred bit/s (a pod's control leaf at a tiny guarantee) is days of ticks."""
+    t = ticks(rate_b, size)
+    if t <= MAX_TICKS:
+        return size
+    return max(1, size * MAX_TICKS // t - 1)
+
+
 def class_params(spec: HtbClassSpec | None, minor: int, parent: int, rate: int, ceil: int, ticks: TickFn,
                  prio: int = 0, inner: bool = False) -> ClassParams:
     rate_b, ceil_b = sizing.bytes_per_second(rate), sizing.bytes_per_second(ceil)
-    burst, cburst = sizing.burst_bytes(rate), sizing.burst_bytes(ceil)
+    burst = _fitting(rate_b, sizing.burst_bytes(rate), ticks)
+    cburst = _fitting(ceil_b, sizing.burst_bytes(ceil), ticks)
     return ClassParams(
         minor=minor,
         parent_minor=parent,

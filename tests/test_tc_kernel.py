@@ -246,3 +246,13 @@ def test_a_pod_class_holds_a_control_leaf_first_and_a_bulk_leaf_and_an_older_fla
         assert fresh.plan(spec) == []
         fresh.apply(make_spec(pods=()))
     assert sh("tc class show dev na-ifb0", node).count("class htb") == 2
+
+
+def test_a_pod_with_a_tiny_guarantee_and_a_large_ceil_applies_and_converges(node):
+    """8 bit/s guaranteed (its control leaf: 8 bit/s, its bulk leaf: 8 bit/s), 1 Gbit/s ceil: every
+    bucket fits HTB's 32-bit buffer and a second apply changes nothing."""
+    spec = make_spec(pods=(HtbClassSpec(0x10A, 8, 1_000_000_000, "a/tiny"), HtbClassSpec(0x10B, 8_000, 8_000, "a/slow")))
+    with Shaper(node) as s:
+        s.apply(spec)
+        assert s.apply(spec).changes == 0
+    assert sh("tc class show dev na-ifb0", node).count("class htb") == 2 + 2 * 3

@@ -219,3 +219,18 @@ def test_bfifo_leaf_is_sized_in_bytes_and_kept_when_converged():
     obs.leaves[0x4010] = ObservedLeaf(0x4010, "bfifo", 0x4010, 1000)  # someone shrank it
     ops = plan_ops(s, obs, ticks)
     assert [(o.action, o.leaf_kind, o.leaf_limit) for o in ops] == [("replace_leaf", "bfifo", sizing.leaf_limit_bytes(20_000_000))]
+
+
+def test_a_tiny_guarantee_keeps_its_buckets_within_htbs_32_bit_buffer():
+    """A pod guaranteed a few kbit/s gives its control leaf an eighth of that: a 64 KiB bucket at
+    ~1 kbit/s is more ticks than HTB's 32-bit buffer holds, so the bucket is cut to fit."""
+    from tc.diff import MAX_TICKS, class_params
+
+    def kernel_ticks(rate_b, size):  # psched ticks as the kernel counts them: 64 ns each
+        return int(size * 1_000_000_000 / rate_b / 64)
+
+    for bps in (8, 800, 8_000, 10**6, 10**10):
+        p = class_params(None, 0x8010, 0x10, bps, max(bps, 10**9), kernel_ticks)
+        assert 0 < p.buffer <= MAX_TICKS and 0 < p.cbuffer <= MAX_TICKS
+        if bps >= 10**6:
+            assert p.burst_bytes == sizing.burst_bytes(bps)  # only buckets that cannot fit are cut
