@@ -211,18 +211,28 @@ class Bench:
         out = self.lab.iperf(self.pod.netns, PEER_V4, PEER_PORT, seconds=2, extra=self.iperf_args())
         return out["end"]["sum_received"]["bits_per_second"]
 
-    def loaded_rtt(self) -> list[float]:
+    def loaded_rtt(self) -> tuple[list[float], float | None]:
+        """(ping RTTs in ms, the saturating TCP flow's own mean smoothed RTT in ms): a ping is a small
+        packet of its own; the flow's RTT is what its data waits. iperf3 reports the sender's, so the
+        flow's figure exists for uploads only (for downloads the sender is the far end)."""
         seconds = 2 + self.args.pings * 0.1 + 2
         load = self.lab.iperf_async(self.pod.netns, INTERNET_V4, INET_PORT, seconds=seconds, extra=self.iperf_args())
         try:
             time.sleep(2)
             out = run(["ping", "-c", str(self.args.pings), "-i", "0.1", INTERNET_V4], self.pod.netns, check=False,
                       timeout=self.args.pings + 30)
-            load.communicate(timeout=seconds + 30)
+            report, _ = load.communicate(timeout=seconds + 30)
         finally:
             if load.poll() is None:
                 load.kill()
-        return [float(v) for v in re.findall(r"time=([\d.]+) ms", out)]
+        flow = None
+        try:
+            sender = json.loads(report)["end"]["streams"][0]["sender"]
+            if sender.get("sender", True) and sender.get("mean_rtt"):
+                flow = sender["mean_rtt"] / 1000
+        except (ValueError, KeyError, IndexError, TypeError):
+            pass
+        return [float(v) for v in re.findall(r"time=([\d.]+) ms", out)], flow
 
 
 def main() -> int:
@@ -288,7 +298,7 @@ def measure(lab: Lab, direction: Direction, args, rates: list[int], clean: dict[
                         if r < args.goodput_runs:
                             results[rate, s.label]["goodput"].append(bench.goodput())
                         if r == 0:
-                            results[rate, s.label]["rtt"] = bench.loaded_rtt()
+                            results[rate, s.label]["rtt"], results[rate, s.label]["flow_rtt"] = bench.loaded_rtt()
                     finally:
                         s.remove(rate)
                     left = residue_of(clean, residue_snapshot(lab.nodes[0].netns))
@@ -305,10 +315,14 @@ def measure(lab: Lab, direction: Direction, args, rates: list[int], clean: dict[
                 print(f"  {fmt(rate):>7} {s.label:11} goodput {fmt(statistics.median(res['goodput']))} "
                       f"({res['goodput_error']:+.2%}), internal {res['internal_share']:.3f} of "
                       f"{fmt(statistics.median(unshaped))}, loaded RTT p50 {res['rtt_p50']:.2f} ms "
-                      f"({len(res['rtt'])} pings)", flush=True)
+                      f"({len(res['rtt'])} pings), the flow's own {fmt_ms(res.get('flow_rtt'))}", flush=True)
     finally:
         agent.close()  # the plugin is removed after each use, in the round's own finally
     return results
+
+
+def fmt_ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}ms"
 
 
 def residue_of(clean: dict[str, str], now: dict[str, str]) -> list[str]:
@@ -321,12 +335,14 @@ def verdict(rates: list[int], results: dict, title: str = "") -> int:
     print()
     if title:
         print(f"{title}:")
-    print(f"{'limit':>7} {'shaper':11} {'goodput err':>12} {'internal':>9} {'RTT p50':>9}   aims (netagent vs plugin)")
+    print(f"{'limit':>7} {'shaper':11} {'goodput err':>12} {'internal':>9} {'RTT p50':>9} {'flow RTT':>9}   "
+          "aims (netagent vs plugin)")
     missed = []
     for rate in rates:
         cni, na = results[rate, CniPlugin.label], results[rate, Netagent.label]
         for res, label in ((cni, CniPlugin.label), (na, Netagent.label)):
-            line = f"{fmt(rate):>7} {label:11} {res['goodput_error']:>+11.2%} {res['internal_share']:>9.3f} {res['rtt_p50']:>7.2f}ms"
+            line = (f"{fmt(rate):>7} {label:11} {res['goodput_error']:>+11.2%} {res['internal_share']:>9.3f} "
+                    f"{res['rtt_p50']:>7.2f}ms {fmt_ms(res.get('flow_rtt')):>9}")
             if res is na:
                 err_ok = abs(na["goodput_error"]) <= abs(cni["goodput_error"])
                 int_ok = na["internal_share"] >= INTERNAL_AIM
@@ -340,7 +356,8 @@ def verdict(rates: list[int], results: dict, title: str = "") -> int:
             print(line)
     print()
     print("goodput err: TCP payload vs the limit (-3.5 % = exact in IP bytes, -4.4 % = exact in Ethernet frames); "
-          f"internal: share of the unshaped path (aim >= {INTERNAL_AIM}); RTT: ping under a saturating transfer")
+          f"internal: share of the unshaped path (aim >= {INTERNAL_AIM}); RTT: ping under a saturating transfer; "
+          "flow RTT: that transfer's own mean smoothed RTT (iperf3's sender: uploads only)")
     if missed:
         print(f"{title + ' ' if title else ''}MISSED: " + "; ".join(missed))
         return 1

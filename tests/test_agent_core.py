@@ -17,6 +17,7 @@ import pytest
 from netagent.desired import DataPathOptions, PodShape, assign_minors, from_wire, to_wire
 from netagent.local import LocalAllocator
 from netagent.metrics import AgentMetrics
+from tc.model import ack_minor, bulk_minor
 
 M = 1_000_000
 CLASSES = ({"kind": "EgressClass", "metadata": {"name": "bronze"}, "spec": {"max": "20M"}},)
@@ -184,7 +185,9 @@ def test_local_mode_shares_the_download_total_and_honours_the_ingress_annotation
     assert got["ns/a"][1] <= wire(300 * M) and got["ns/b"][1] <= wire(50 * M)
     # uploads are unchanged by it: bronze's 20M
     assert {c.key: c.ceil for c in desired.shaper.pods}["ns/a"] == wire(20 * M)
-    assert [p.ingress_class for p in desired.classifier.pods] == [(2, m) for m in sorted(desired.minors.values())]
+    # each pod's downloads go to its bulk leaf in the download tree, its small TCP segments to its control leaf
+    assert [p.ingress_class for p in desired.classifier.pods] == [(2, bulk_minor(m)) for m in sorted(desired.minors.values())]
+    assert [p.ingress_ack_class for p in desired.classifier.pods] == [(2, ack_minor(m)) for m in sorted(desired.minors.values())]
     # metrics and /state show both directions
     assert sample(metrics, "netagent_pod_ingress_limit_bytes_per_second", namespace="ns", pod="b") == pytest.approx(
         from_wire(got["ns/b"][1], DataPathOptions()) / 8)

@@ -173,7 +173,8 @@ def test_status_table_and_drift_repair(lab, files, agent):
     # periodic resync puts both back
     run(["tc", "class", "del", "dev", IFB, "classid", f"1:{bulk_minor(minor_of(pod)):x}"], node.netns)
     run(["iptables", "-t", "mangle", "-D", "POSTROUTING", "-j", "NETAGENT-POSTROUTING"], node.netns)
-    wait_for(lambda: ceil_of(node.netns, bulk_minor(minor_of(pod))) == SILVER, what="the class restored")
+    bulk = f"class htb 1:{bulk_minor(minor_of(pod)):x} parent 1:{minor_of(pod):x} "
+    wait_for(lambda: bulk in run(["tc", "class", "show", "dev", IFB], node.netns), what="the class restored")
     wait_for(lambda: "-A POSTROUTING -j NETAGENT-POSTROUTING" in iptables_text(node.netns), what="the hook restored")
     wait_for(lambda: agent.metric("netagent_drift_repairs_total", 'kind="tc"') >= 1, what="tc drift counted")
     wait_for(lambda: agent.metric("netagent_drift_repairs_total", 'kind="iptables"') >= 1, what="iptables drift counted")
