@@ -9,13 +9,17 @@ flushes. The internal-CIDR ipsets are replaced atomically (build a temporary set
 from __future__ import annotations
 
 import ipaddress
+import logging
 import shutil
 
 from iptables import render as R
 from iptables.backend import BACKENDS, Runner, detect
 from iptables.errors import IptablesError
 from iptables.model import ClassifierState
+from iptables.nfnl import NetfilterReader, NetlinkUnavailable
 from iptables.parse import SavedTable, comment_of, counted_comments, jump_target, mark_masks, parse_ipset_entries, parse_save
+
+log = logging.getLogger(__name__)
 
 FAMILIES = (4, 6)
 BUILTIN = ("PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING")
@@ -93,6 +97,8 @@ class Classifier:
         self._node_carried = _empty_counts(R.NODE_KINDS)
         self._built: tuple[ClassifierState | None, dict[int, R.Ruleset]] = (None, {})
         self._other_backend_clear = False  # our chains in the other backend are removed by the first apply
+        self._nl: NetfilterReader | None = None  # the in-process counter reader (counters())
+        self._nl_error: str | None = None  # why it cannot be used here: the tools read the counters
 
     def _keep(self, chain: str) -> bool:
         return chain in BUILTIN or R.is_ours(chain, self.prefix)
@@ -274,18 +280,40 @@ class Classifier:
             return None, kind
         return None  # per-pod bytes are counted by the pod sets, not by rules
 
-    def counters(self) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+    def counters(self, source: str = "auto") -> tuple[dict[str, dict[str, int]], dict[str, int]]:
         """Bytes per pod and for the node by direction and scope, IPv4 and IPv6 summed.
 
-        Per pod: the counters of its members in the four pod sets of each family (one batch of
-        `ipset save`). Node: one `iptables-save -c -t mangle` per family. Node totals count
-        everything through the uplinks, host traffic included; the node's `egress_unknown_internet`
-        is the part of its internet egress that it forwarded from no known pod (shaped in the
-        default class; 0 without one).
+        Per pod: the counters of its members in the four pod sets of each family. Node: the
+        commented rules of our node chains, per family. Node totals count everything through the
+        uplinks, host traffic included; the node's `egress_unknown_internet` is the part of its
+        internet egress that it forwarded from no known pod (shaped in the default class; 0 without
+        one).
+
+        `source`: "netlink" reads in-process (`iptables/nfnl.py`: the sets, and the rules on the nft
+        backend; on legacy the rules still come from `iptables-legacy-save -c`), "exec" with the
+        tools only (`ipset save` in one batch, `iptables-save -c -t mangle` per family), "auto" over
+        netlink unless it proved unavailable here, then with the tools for good. Both read the same.
         """
-        pods: dict[str, dict[str, int]] = {k: dict(v) for k, v in self._carried.items()}
-        node = dict(self._node_carried)
-        names = [f"{self.prefix.lower()}-{suffix}{family}" for family in FAMILIES for suffix in R.POD_SET_KINDS]
+        if source not in ("auto", "netlink", "exec"):
+            raise ValueError(f"counters source {source!r} is not one of auto, netlink, exec")
+        reader = self._netlink() if source != "exec" else None
+        if source == "netlink" and reader is None:
+            raise NetlinkUnavailable(self._nl_error or "netfilter netlink is not available")
+        if reader is not None:
+            try:
+                return self._count(*self._read_counters_netlink(reader))
+            except NetlinkUnavailable as exc:
+                if source == "netlink":
+                    raise
+                self._netlink_failed(exc)
+        return self._count(*self._read_counters_exec())
+
+    def _pod_set_names(self) -> list[str]:
+        return [f"{self.prefix.lower()}-{suffix}{family}" for family in FAMILIES for suffix in R.POD_SET_KINDS]
+
+    def _read_counters_exec(self) -> tuple[dict[str, dict[str, tuple[int, str | None]]], list[tuple[str, str, int]]]:
+        """(set -> canonical member -> (bytes, comment), [(chain, comment, bytes)] of both families) by the tools."""
+        names = self._pod_set_names()
         proc = self.runner.run(["ipset", "restore"], stdin="".join(f"save {n}\n" for n in names), check=False)
         if proc.returncode == 0:
             text = proc.stdout
@@ -293,23 +321,70 @@ class Classifier:
             listed = set(self.runner.run(["ipset", "list", "-n"]).stdout.split())
             present = [n for n in names if n in listed]
             text = self.runner.run(["ipset", "restore"], stdin="".join(f"save {n}\n" for n in present)).stdout if present else ""
-        for name, (_, members) in parse_ipset_entries(text).items():
+        sets = {name: {_canonical_member("hash:ip", m): (nbytes, dict(ext).get("comment")) for m, (ext, nbytes) in members.items()}
+                for name, (_, members) in parse_ipset_entries(text).items()}
+        rules = [found for family in FAMILIES for found in self._rule_counters_exec(family)]
+        return sets, rules
+
+    def _rule_counters_exec(self, family: int) -> list[tuple[str, str, int]]:
+        return counted_comments(self.runner.save(family, self.backend, R.TABLE, counters=True), self.prefix)
+
+    def _read_counters_netlink(self, reader: NetfilterReader) -> tuple[dict[str, dict[str, tuple[int, str | None]]],
+                                                                         list[tuple[str, str, int]]]:
+        """As `_read_counters_exec`, in-process (no process started on the nft backend)."""
+        sets = {}
+        for name in self._pod_set_names():
+            members = reader.set_members(name)
+            if members is not None:
+                sets[name] = members
+        if self.backend == "nft":
+            rules = [found for family in FAMILIES for found in reader.rule_counters(family, R.TABLE, self.prefix)]
+        else:
+            rules = [found for family in FAMILIES for found in self._rule_counters_exec(family)]
+        return sets, rules
+
+    def _count(self, sets: dict[str, dict[str, tuple[int, str | None]]],
+               rules: list[tuple[str, str, int]]) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+        pods: dict[str, dict[str, int]] = {k: dict(v) for k, v in self._carried.items()}
+        node = dict(self._node_carried)
+        for name, members in sets.items():
             kind = R.set_kind(name, self.prefix)
             if kind is None:
                 continue
-            for member, (ext, nbytes) in members.items():
-                key = self._ip_keys.get(_canonical_member("hash:ip", member)) or dict(ext).get("comment", member)
+            for member, (nbytes, comment) in members.items():
+                key = self._ip_keys.get(member) or (member if comment is None else comment)
                 pods.setdefault(key, _empty_counts())[kind] += nbytes
-        for family in FAMILIES:
-            dump = self.runner.save(family, self.backend, R.TABLE, counters=True)
-            for chain, text, nbytes in counted_comments(dump, self.prefix):
-                found = self._classify_counter(chain, text)
-                if found is None:
-                    continue
-                key, kind = found
-                if key is None:
-                    node[kind] += nbytes
+        for chain, text, nbytes in rules:
+            found = self._classify_counter(chain, text)
+            if found is None:
+                continue
+            key, kind = found
+            if key is None:
+                node[kind] += nbytes
         return dict(sorted(pods.items())), node
+
+    def _netlink(self) -> NetfilterReader | None:
+        """The in-process counter reader, opened on first use; None once it proved unavailable."""
+        if self._nl is None and self._nl_error is None:
+            try:
+                self._nl = NetfilterReader(self.netns)
+            except NetlinkUnavailable as exc:
+                self._netlink_failed(exc)
+        return self._nl
+
+    def _netlink_failed(self, exc: Exception) -> None:
+        if self._nl_error is None:
+            log.warning("reading the byte counters with ipset and iptables-save from now on: %s", exc)
+        self._nl_error = str(exc)
+        if self._nl is not None:
+            self._nl.close()
+            self._nl = None
+
+    def close(self) -> None:
+        """Close the counter reader's socket (a later counters() opens it again)."""
+        if self._nl is not None:
+            self._nl.close()
+            self._nl = None
 
     # -- coexistence ----------------------------------------------------------------------
     def check_conflicts(self, mark_bit: int) -> None:

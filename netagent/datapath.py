@@ -279,3 +279,4 @@ class KernelDataPath:
     def close(self) -> None:
         for s in (self._shaper, self._stats_shaper):
             s.close()
+        self._classifier.close()
