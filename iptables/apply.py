@@ -16,7 +16,7 @@ from iptables import render as R
 from iptables.backend import BACKENDS, Runner, detect
 from iptables.errors import IptablesError
 from iptables.model import ClassifierState
-from iptables.nfnl import NetfilterReader, NetlinkUnavailable
+from iptables.nfnl import NetfilterReader, NetlinkUnavailable, XtablesReader
 from iptables.parse import SavedTable, comment_of, counted_comments, jump_target, mark_masks, parse_ipset_entries, parse_save
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,7 @@ class Classifier:
         self._built: tuple[ClassifierState | None, dict[int, R.Ruleset]] = (None, {})
         self._other_backend_clear = False  # our chains in the other backend are removed by the first apply
         self._nl: NetfilterReader | None = None  # the in-process counter reader (counters())
+        self._xt: XtablesReader | None = None  # ... of the legacy backend's rules
         self._nl_error: str | None = None  # why it cannot be used here: the tools read the counters
 
     def _keep(self, chain: str) -> bool:
@@ -289,9 +290,9 @@ class Classifier:
         internet egress that it forwarded from no known pod (shaped in the default class; 0 without
         one).
 
-        `source`: "netlink" reads in-process (`iptables/nfnl.py`: the sets, and the rules on the nft
-        backend; on legacy the rules still come from `iptables-legacy-save -c`), "exec" with the
-        tools only (`ipset save` in one batch, `iptables-save -c -t mangle` per family), "auto" over
+        `source`: "netlink" reads in-process (`iptables/nfnl.py`: the sets and, on the nft backend,
+        the rules over netfilter netlink; on legacy the rules through the xtables socket options
+        that iptables-legacy-save uses), "exec" with the tools only (`ipset save` in one batch, `iptables-save -c -t mangle` per family), "auto" over
         netlink unless it proved unavailable here, then with the tools for good. Both read the same.
         """
         if source not in ("auto", "netlink", "exec"):
@@ -331,16 +332,14 @@ class Classifier:
 
     def _read_counters_netlink(self, reader: NetfilterReader) -> tuple[dict[str, dict[str, tuple[int, str | None]]],
                                                                          list[tuple[str, str, int]]]:
-        """As `_read_counters_exec`, in-process (no process started on the nft backend)."""
+        """As `_read_counters_exec`, in-process: no process started."""
         sets = {}
         for name in self._pod_set_names():
             members = reader.set_members(name)
             if members is not None:
                 sets[name] = members
-        if self.backend == "nft":
-            rules = [found for family in FAMILIES for found in reader.rule_counters(family, R.TABLE, self.prefix)]
-        else:
-            rules = [found for family in FAMILIES for found in self._rule_counters_exec(family)]
+        rules_reader = reader if self.backend == "nft" else self._xt
+        rules = [found for family in FAMILIES for found in rules_reader.rule_counters(family, R.TABLE, self.prefix)]
         return sets, rules
 
     def _count(self, sets: dict[str, dict[str, tuple[int, str | None]]],
@@ -368,6 +367,8 @@ class Classifier:
         if self._nl is None and self._nl_error is None:
             try:
                 self._nl = NetfilterReader(self.netns)
+                if self.backend == "legacy":
+                    self._xt = XtablesReader(self.netns)
             except NetlinkUnavailable as exc:
                 self._netlink_failed(exc)
         return self._nl
@@ -376,15 +377,14 @@ class Classifier:
         if self._nl_error is None:
             log.warning("reading the byte counters with ipset and iptables-save from now on: %s", exc)
         self._nl_error = str(exc)
-        if self._nl is not None:
-            self._nl.close()
-            self._nl = None
+        self.close()
 
     def close(self) -> None:
         """Close the counter reader's socket (a later counters() opens it again)."""
-        if self._nl is not None:
-            self._nl.close()
-            self._nl = None
+        for reader in (self._nl, self._xt):
+            if reader is not None:
+                reader.close()
+        self._nl = self._xt = None
 
     # -- coexistence ----------------------------------------------------------------------
     def check_conflicts(self, mark_bit: int) -> None:

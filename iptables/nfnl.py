@@ -1,11 +1,13 @@
-"""Reading the byte counters in-process: ipset members and nftables rules over netfilter netlink.
+"""Reading the byte counters in-process: ipset members and nftables rules over netfilter netlink,
+and the legacy backend's rules through the xtables socket options (what iptables-legacy-save reads).
 
 `Classifier.counters()` runs every few seconds. By exec'ing `ipset save` and two
 `iptables-save -c` it cost ~20-30 ms of CPU for 110 pods, most of it starting the three
 processes. Here the same counters are one NETLINK_NETFILTER socket, opened once in the
 node's (or a test's) network namespace, and a few dumps read with `struct`, decoding only
 what the counters need: per member of a pod set its address, byte counter and comment; per
-rule of our nftables chains its counter and comment. (pyroute2's own decoder is not used:
+rule of our nftables chains its counter and comment. On the legacy backend the rules come
+from IPT_SO_GET_ENTRIES on a raw socket of each family (the kernel's rule blob, one copy). (pyroute2's own decoder is not used:
 it decodes every attribute of every member and took ~40 ms for the same 880 members.)
 
 What cannot be read here raises `NetlinkUnavailable`, and the classifier goes back to the
@@ -14,6 +16,7 @@ module does not read). A set or table that does not exist reads as None / nothin
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import ipaddress
 import os
@@ -242,3 +245,100 @@ def _udata_comment(data: bytes | memoryview) -> str | None:
             return _text(data[off + 2:off + 2 + length])
         off += 2 + length
     return None
+
+
+# -- legacy xtables ------------------------------------------------------------------------
+# struct ipt_getinfo / ipt_get_entries and the offsets of ipt_entry / ip6t_entry (linux/netfilter_ipv{4,6}/)
+SO_GET_INFO, SO_GET_ENTRIES = 64, 65  # IPT_SO_GET_* and IP6T_SO_GET_* alike
+_GETINFO = struct.Struct("=32sI5I5III")  # name, valid_hooks, hook_entry, underflow, num_entries, size
+_GET_ENTRIES_HEAD = 40  # name[32], size, then the entries aligned to 8
+# family -> (socket family, getsockopt level, offset of target_offset/next_offset, of the byte counter, of the matches)
+_XT_LAYOUT = {4: (socket.AF_INET, socket.IPPROTO_IP, 88, 104, 112),
+              6: (socket.AF_INET6, socket.IPPROTO_IPV6, 140, 160, 168)}
+_HOOKS = ("PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING")
+_OFFSETS = struct.Struct("=HH")
+_U64 = struct.Struct("=Q")
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+class XtablesReader:
+    """Raw sockets of both families in a network namespace, to read legacy iptables tables."""
+
+    def __init__(self, netns: str | None = None):
+        self.socks: dict[int, socket.socket] = {}
+        try:
+            if netns:
+                pr_netns.pushns(netns)
+            try:
+                for family, (sfamily, *_rest) in _XT_LAYOUT.items():
+                    self.socks[family] = socket.socket(sfamily, socket.SOCK_RAW, socket.IPPROTO_RAW)
+            finally:
+                if netns:
+                    pr_netns.popns()
+        except OSError as exc:
+            self.close()
+            raise NetlinkUnavailable(f"cannot open raw sockets in network namespace {netns!r}: {exc}") from exc
+
+    def close(self) -> None:
+        for sock in self.socks.values():
+            sock.close()
+
+    def _get(self, family: int, option: int, buf: ctypes.Array) -> None:
+        size = ctypes.c_uint(len(buf))
+        if _LIBC.getsockopt(self.socks[family].fileno(), _XT_LAYOUT[family][1], option, buf, ctypes.byref(size)) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+
+    def rule_counters(self, family: int, table: str, prefix: str) -> list[tuple[str, str, int]]:
+        """(chain, comment, bytes) of every commented rule in `prefix`-chains of a legacy table, in
+        the kernel's order: what `counted_comments` finds in `iptables-legacy-save -c -t <table>`."""
+        _, _, offsets_at, bytes_at, matches_at = _XT_LAYOUT[family]
+        name = table.encode()
+        for _ in range(5):  # the table may change between the two calls: its size then differs (EAGAIN)
+            info = ctypes.create_string_buffer(name, _GETINFO.size)
+            try:
+                self._get(family, SO_GET_INFO, info)
+                fields = _GETINFO.unpack(info.raw)
+                valid, hooks, size = fields[1], fields[2:7], fields[13]
+                blob = ctypes.create_string_buffer(_GET_ENTRIES_HEAD + size)
+                ctypes.memmove(blob, name, len(name))
+                struct.pack_into("=I", blob, 32, size)
+                self._get(family, SO_GET_ENTRIES, blob)
+                break
+            except OSError as exc:
+                if exc.errno == errno.EAGAIN:
+                    continue
+                if exc.errno == errno.ENOENT:
+                    return []
+                raise NetlinkUnavailable(f"reading the legacy {table} table failed: {exc}") from exc
+        else:
+            raise NetlinkUnavailable(f"the legacy {table} table kept changing while it was read")
+        data = memoryview(blob.raw)[_GET_ENTRIES_HEAD:_GET_ENTRIES_HEAD + size]
+        starts = {hooks[i]: hook for i, hook in enumerate(_HOOKS) if valid & (1 << i)}
+        out: list[tuple[str, str, int]] = []
+        head = prefix + "-"
+        chain = ""
+        off = 0
+        while off < size:
+            target_offset, next_offset = _OFFSETS.unpack_from(data, off + offsets_at)
+            if next_offset == 0:
+                break
+            if off in starts:
+                chain = starts[off]
+            target = off + target_offset
+            if bytes(data[target + 2:target + 8]) == b"ERROR\0":  # a user chain's head: its name is the data
+                chain = _text(data[target + 32:off + next_offset])
+            elif chain.startswith(head):
+                comment = None
+                m = off + matches_at
+                while m < target:
+                    (match_size,) = struct.unpack_from("=H", data, m)
+                    if match_size == 0:
+                        break
+                    if bytes(data[m + 2:m + 10]) == b"comment\0":
+                        comment = _text(data[m + 32:m + match_size])
+                    m += match_size
+                if comment:
+                    out.append((chain, comment, _U64.unpack_from(data, off + bytes_at)[0]))
+            off += next_offset
+        return out
