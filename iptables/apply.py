@@ -362,6 +362,21 @@ class Classifier:
                 node[kind] += nbytes
         return dict(sorted(pods.items())), node
 
+    def rules_version(self) -> object | None:
+        """A token that changes whenever our backend's mangle table may have changed, read in-process
+        (nft: the ruleset generation, any table's commit bumps it; legacy: a digest of both families'
+        rules, counters left out); None when it cannot be read so (read the rules every time)."""
+        reader = self._netlink()
+        if reader is None:
+            return None
+        try:
+            if self.backend == "nft":
+                return reader.generation()
+            return tuple(self._xt.digest(family, R.TABLE) for family in FAMILIES)
+        except NetlinkUnavailable as exc:
+            self._netlink_failed(exc)
+            return None
+
     def _netlink(self) -> NetfilterReader | None:
         """The in-process counter reader, opened on first use; None once it proved unavailable."""
         if self._nl is None and self._nl_error is None:

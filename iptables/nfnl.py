@@ -20,8 +20,10 @@ import ctypes
 import errno
 import ipaddress
 import os
+import hashlib
 import socket
 import struct
+import threading
 
 from pyroute2 import netns as pr_netns
 
@@ -40,7 +42,8 @@ IPSET_ATTR_PROTOCOL, IPSET_ATTR_SETNAME, IPSET_ATTR_ADT = 1, 2, 8
 IPSET_ATTR_DATA, IPSET_ATTR_IP, IPSET_ATTR_BYTES, IPSET_ATTR_COMMENT = 7, 1, 24, 26
 IPSET_ATTR_IPADDR_IPV4, IPSET_ATTR_IPADDR_IPV6 = 1, 2
 
-NFT_MSG_GETRULE = 7
+NFT_MSG_GETRULE, NFT_MSG_GETGEN = 7, 16
+NFTA_GEN_ID = 1
 NFTA_RULE_TABLE, NFTA_RULE_CHAIN, NFTA_RULE_EXPRESSIONS, NFTA_RULE_USERDATA = 1, 2, 4, 7
 NFTA_LIST_ELEM, NFTA_EXPR_NAME, NFTA_EXPR_DATA = 1, 1, 2
 NFTA_COUNTER_BYTES = 1
@@ -102,19 +105,25 @@ class NetfilterReader:
             raise NetlinkUnavailable(f"cannot open netfilter netlink in network namespace {netns!r}: {exc}") from exc
         self.netns = netns
         self.seq = 0
+        self._lock = threading.Lock()  # one request at a time: the counters and the drift watch share the socket
         self._addresses: dict[bytes, str] = {}  # packed -> canonical text: pod addresses repeat every read
 
     def close(self) -> None:
         self.sock.close()
 
-    def _dump(self, msg_type: int, family: int, attrs: bytes, what: str) -> list[memoryview] | None:
+    def _dump(self, msg_type: int, family: int, attrs: bytes, what: str, dump: bool = True) -> list[memoryview] | None:
         """One NLM_F_DUMP request; -> the attributes (after nfgenmsg) of every answer, or None when
-        the object asked for does not exist (ENOENT)."""
+        the object asked for does not exist (ENOENT). Not `dump`: a plain request, one answer."""
+        with self._lock:
+            return self._exchange(msg_type, family, attrs, what, dump)
+
+    def _exchange(self, msg_type: int, family: int, attrs: bytes, what: str, dump: bool) -> list[memoryview] | None:
         self.seq = (self.seq + 1) & 0x7FFFFFFF or 1
         seq = self.seq
         body = _NFGEN.pack(family, 0, 0) + attrs
+        flags = NLM_F_REQUEST | (NLM_F_DUMP if dump else 0)
         try:
-            self.sock.send(_HDR.pack(_HDR.size + len(body), msg_type, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body)
+            self.sock.send(_HDR.pack(_HDR.size + len(body), msg_type, flags, seq, 0) + body)
             out: list[memoryview] = []
             while True:
                 data = memoryview(self.sock.recv(1 << 20))
@@ -139,6 +148,8 @@ class NetfilterReader:
                             raise NetlinkUnavailable(f"{what} over netlink refused: {os.strerror(-err) if -err < 4096 else -err}")
                         raise IptablesError(f"{what} over netlink failed: {os.strerror(-err)}")
                     out.append(payload[_NFGEN.size:])
+                    if not dump:
+                        return out
         except OSError as exc:  # a timeout included: the caller may fall back to the tools
             raise NetlinkUnavailable(f"{what} over netlink failed: {exc}") from exc
 
@@ -190,6 +201,15 @@ class NetfilterReader:
         return out
 
     # -- nftables --------------------------------------------------------------------------
+    def generation(self) -> int:
+        """The namespace's nftables generation: every commit of any table by any program bumps it."""
+        answers = self._dump((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETGEN, socket.AF_UNSPEC, b"", "nftables generation",
+                             dump=False)
+        for kind, value in _attrs(answers[0] if answers else b""):
+            if kind == NFTA_GEN_ID:
+                return struct.unpack_from(">I", value, 0)[0]
+        raise NetlinkUnavailable("the nftables generation was not in the answer")
+
     def rule_counters(self, family: int, table: str, prefix: str) -> list[tuple[str, str, int]]:
         """(chain, comment, bytes) of every commented rule in `prefix`-chains of an nftables table
         made by iptables-nft (family 4: ip, 6: ip6), in the kernel's order: what `counted_comments`
@@ -289,10 +309,8 @@ class XtablesReader:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
 
-    def rule_counters(self, family: int, table: str, prefix: str) -> list[tuple[str, str, int]]:
-        """(chain, comment, bytes) of every commented rule in `prefix`-chains of a legacy table, in
-        the kernel's order: what `counted_comments` finds in `iptables-legacy-save -c -t <table>`."""
-        _, _, offsets_at, bytes_at, matches_at = _XT_LAYOUT[family]
+    def _entries(self, family: int, table: str) -> tuple[memoryview, dict[int, str]] | None:
+        """(the table's rule blob, offset -> builtin chain starting there), None: no such table."""
         name = table.encode()
         for _ in range(5):  # the table may change between the two calls: its size then differs (EAGAIN)
             info = ctypes.create_string_buffer(name, _GETINFO.size)
@@ -309,12 +327,40 @@ class XtablesReader:
                 if exc.errno == errno.EAGAIN:
                     continue
                 if exc.errno == errno.ENOENT:
-                    return []
+                    return None
                 raise NetlinkUnavailable(f"reading the legacy {table} table failed: {exc}") from exc
         else:
             raise NetlinkUnavailable(f"the legacy {table} table kept changing while it was read")
         data = memoryview(blob.raw)[_GET_ENTRIES_HEAD:_GET_ENTRIES_HEAD + size]
-        starts = {hooks[i]: hook for i, hook in enumerate(_HOOKS) if valid & (1 << i)}
+        return data, {hooks[i]: hook for i, hook in enumerate(_HOOKS) if valid & (1 << i)}
+
+    def digest(self, family: int, table: str) -> bytes:
+        """A digest of a legacy table's rules, counters left out: any change of a rule or chain changes it."""
+        found = self._entries(family, table)
+        if found is None:
+            return b""
+        data, _ = found
+        bytes_at = _XT_LAYOUT[family][3]
+        h = hashlib.blake2b(digest_size=16)
+        off = 0
+        while off < len(data):
+            next_offset = _OFFSETS.unpack_from(data, off + _XT_LAYOUT[family][2])[1]
+            if next_offset == 0:
+                break
+            h.update(data[off:off + bytes_at - 8])  # up to the packet and byte counters
+            h.update(data[off + bytes_at + 8:off + next_offset])
+            off += next_offset
+        return h.digest()
+
+    def rule_counters(self, family: int, table: str, prefix: str) -> list[tuple[str, str, int]]:
+        """(chain, comment, bytes) of every commented rule in `prefix`-chains of a legacy table, in
+        the kernel's order: what `counted_comments` finds in `iptables-legacy-save -c -t <table>`."""
+        _, _, offsets_at, bytes_at, matches_at = _XT_LAYOUT[family]
+        found = self._entries(family, table)
+        if found is None:
+            return []
+        data, starts = found
+        size = len(data)
         out: list[tuple[str, str, int]] = []
         head = prefix + "-"
         chain = ""

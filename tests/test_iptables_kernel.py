@@ -424,14 +424,13 @@ def test_unknown_sources_are_marked_and_counted(backend):
             clf.cleanup()
 
 
-def settled_reads(clf: Classifier):
-    """(exec read, netlink read) of the raw counters, taken between two exec reads that agree (a
-    stray neighbour solicitation between reads would make them differ): at most five tries."""
+def settled_reads(exec_read, netlink_read):
+    """(exec read, netlink read), the netlink read taken between two exec reads that agree (a stray
+    neighbour solicitation between reads would make them differ): at most five tries."""
     for _ in range(5):
-        before = clf._read_counters_exec()
-        nl = clf._read_counters_netlink(clf._netlink())
-        after = clf._read_counters_exec()
-        if before == after:
+        before = exec_read()
+        nl = netlink_read()
+        if exec_read() == before:
             return before, nl
     raise AssertionError("the counters never held still for three reads")
 
@@ -457,7 +456,8 @@ def test_netlink_counters_read_what_the_tools_read(backend, caplog):
             send_udp(known.netns, [(INTERNET_V4, 501), (INTERNET_V6, 502), (PEER_V4, 503), (PEER_V6, 504)])
             send_udp(stranger.netns, [(INTERNET_V4, 301), (INTERNET_V6, 303)])
             sh(f"ping -c 1 -s 600 {INTERNET_V4} && ping -6 -c 1 -s 600 {INTERNET_V6}", node.netns)
-            (sets, rules), (nl_sets, nl_rules) = settled_reads(clf)
+            (sets, rules), (nl_sets, nl_rules) = settled_reads(clf._read_counters_exec,
+                                                               lambda: clf._read_counters_netlink(clf._netlink()))
             # not vacuous: the pod's members in all eight sets, and every kind of counted rule, moved
             assert len(sets) == 8 and all(members for members in sets.values())
             assert all(nbytes > 0 for members in sets.values() for nbytes, _ in members.values())
@@ -467,20 +467,45 @@ def test_netlink_counters_read_what_the_tools_read(backend, caplog):
             assert any(":" in member for members in sets.values() for member in members)  # IPv6 read too
             assert nl_sets == sets
             assert sorted(nl_rules) == sorted(rules)  # iptables-save lists chains by name, the kernel by creation
-            assert clf.counters("netlink") == clf.counters("exec")
+            exec_read, nl_read = settled_reads(lambda: clf.counters("exec"), lambda: clf.counters("netlink"))
+            assert nl_read == exec_read
             # a set that is not there reads as absent, as with the tools
             sh("ipset create netagent-extra4 hash:ip counters", node.netns)
             assert clf._netlink().set_members("netagent-gone4") is None
             assert clf._netlink().set_members("netagent-extra4") == {}
             # netlink breaks under the reader (its socket is closed): the tools read the same, for good
-            before = clf.counters("exec")
             clf._netlink().sock.close()
             with caplog.at_level("WARNING", logger="iptables.apply"):
-                assert clf.counters() == before
-                assert clf.counters() == before
+                for _ in range(2):
+                    exec_read, fallback = settled_reads(lambda: clf.counters("exec"), clf.counters)
+                    assert fallback == exec_read
             assert caplog.text.count("reading the byte counters with ipset and iptables-save") == 1
             with pytest.raises(IptablesError):
                 clf.counters("netlink")
         finally:
             clf.cleanup()
             clf.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rules_version_moves_with_the_rules_not_the_counters(netns, backend):
+    """The drift watch re-reads our hooks only when the in-process rules version moved: packets and
+    reads leave it, any rule change (ours or a neighbour's, either family) moves it."""
+    clf = Classifier(backend=backend, netns=netns)
+    clf.apply(state(4))
+    try:
+        first = clf.rules_version()
+        assert first is not None
+        sh("ping -c 2 -i 0.2 127.0.0.1 && ping -6 -c 1 ::1", netns)  # counted by our hooks in PREROUTING/POSTROUTING
+        clf.counters()
+        assert clf.rules_version() == first
+        seen = {first}
+        for change in (f"ip6tables-{backend} -t mangle -F NETAGENT-NODE-IN",
+                       f"iptables-{backend} -t mangle -A OUTPUT -m comment --comment neighbour"):
+            sh(change, netns)
+            now = clf.rules_version()
+            assert now not in seen, change
+            seen.add(now)
+    finally:
+        clf.cleanup()
+        clf.close()
