@@ -352,7 +352,10 @@ class Classifier:
                 continue
             for member, (nbytes, comment) in members.items():
                 key = self._ip_keys.get(member) or (member if comment is None else comment)
-                pods.setdefault(key, _empty_counts())[kind] += nbytes
+                counts = pods.get(key)
+                if counts is None:
+                    counts = pods[key] = _empty_counts()
+                counts[kind] += nbytes
         for chain, text, nbytes in rules:
             found = self._classify_counter(chain, text)
             if found is None:

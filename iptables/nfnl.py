@@ -107,6 +107,7 @@ class NetfilterReader:
         self.seq = 0
         self._lock = threading.Lock()  # one request at a time: the counters and the drift watch share the socket
         self._addresses: dict[bytes, str] = {}  # packed -> canonical text: pod addresses repeat every read
+        self._comments: dict[bytes, str] = {}  # ... and so do their comments
 
     def close(self) -> None:
         self.sock.close()
@@ -162,9 +163,10 @@ class NetfilterReader:
         if answers is None:
             return None
         out: dict[str, tuple[int, str | None]] = {}
-        names = self._addresses
-        if len(names) > 1 << 16:
+        names, comments = self._addresses, self._comments
+        if len(names) + len(comments) > 1 << 16:
             names.clear()
+            comments.clear()
         unpack, be64 = _NLA.unpack_from, _BE64.unpack_from
         for msg in answers:
             for kind, adt in _attrs(msg):
@@ -194,7 +196,10 @@ class NetfilterReader:
                         elif akind == IPSET_ATTR_BYTES:
                             nbytes = be64(adt, eoff + 4)[0]
                         elif akind == IPSET_ATTR_COMMENT:
-                            comment = _text(adt[eoff + 4:eoff + alen])
+                            raw = bytes(adt[eoff + 4:eoff + alen])
+                            comment = comments.get(raw)
+                            if comment is None:
+                                comment = comments[raw] = _text(raw)
                         eoff += (alen + 3) & ~3
                     if member is not None:
                         out[member] = (nbytes, comment)
