@@ -142,28 +142,53 @@ class Classifier:
         self._carried = {k: v for k, v in self._carried.items() if k in keys}
         return {"iptables": changes, "ipset": set_changes}
 
-    def _read_sets(self, names: list[str] | None = None) -> dict[str, SetView]:
+    def _read_sets(self, names: list[str] | None = None, source: str = "auto") -> dict[str, SetView]:
         """Our existing ipsets (all of `R.set_names`, or `names`), as they are, with member byte counts.
 
-        Two execs whatever the number of sets: `ipset list -n`, then one batch of `save <set>`.
+        In-process, one ipset netlink dump per set (`source` "auto" or "netlink", as `counters`);
+        with the tools ("exec", or netlink unavailable) two execs whatever the number of sets:
+        `ipset list -n`, then one batch of `save <set>`.
         """
+        wanted = [n for n in (names or R.set_names(self.prefix)) if not n.endswith(R.SWAP_SUFFIX)]
+        reader = self._netlink() if source != "exec" else None
+        if source == "netlink" and reader is None:
+            raise NetlinkUnavailable(self._nl_error or "netfilter netlink is not available")
+        if reader is not None:
+            try:
+                found = {name: reader.read_set(name) for name in wanted}
+            except NetlinkUnavailable as exc:
+                if source == "netlink":
+                    raise
+                self._netlink_failed(exc)
+            else:
+                return {name: self._set_view(name, kind, (family, extensions), members)
+                        for name, (kind, family, extensions, members) in ((n, f) for n, f in found.items() if f)}
         listed = set(self.runner.run(["ipset", "list", "-n"]).stdout.split())
-        ours = [n for n in (names or R.set_names(self.prefix)) if n in listed and not n.endswith(R.SWAP_SUFFIX)]
+        ours = [n for n in wanted if n in listed]
         if not ours:
             return {}
         text = self.runner.run(["ipset", "restore"], stdin="".join(f"save {n}\n" for n in ours)).stdout
         out: dict[str, SetView] = {}
         for name, (opts, members) in parse_ipset_entries(text).items():
             words = opts.split()
-            if len(words) < 3 or words[0] not in ("hash:net", "hash:ip") or words[1] != "family" \
-                    or words[2] not in ("inet", "inet6"):
-                raise IptablesError(f"ipset {name} exists but is not a hash:net or hash:ip set ({opts}): "
-                                    "another program owns that name; remove it or choose another prefix")
-            kind = words[0]
-            current = R.IpSet(name, kind, 4 if words[2] == "inet" else 6, tuple(w for w in words if w in _EXTENSIONS),
-                              {_canonical_member(kind, m): ext for m, (ext, _) in members.items()})
-            out[name] = (current, {_canonical_member(kind, m): nbytes for m, (_, nbytes) in members.items()})
+            kind = words[0] if words else ""
+            if len(words) < 3 or words[1] != "family" or words[2] not in ("inet", "inet6"):
+                kind = ""
+            family = 4 if len(words) > 2 and words[2] == "inet" else 6
+            out[name] = self._set_view(name, kind, (family, tuple(w for w in words if w in _EXTENSIONS)),
+                                       {_canonical_member(kind, m) if kind in ("hash:net", "hash:ip") else m: entry
+                                        for m, entry in members.items()}, opts)
         return out
+
+    @staticmethod
+    def _set_view(name: str, kind: str, family_ext: tuple[int, tuple[str, ...]],
+                  members: dict[str, tuple[tuple[tuple[str, str], ...], int]], opts: str | None = None) -> SetView:
+        family, extensions = family_ext
+        if kind not in ("hash:net", "hash:ip") or family not in (4, 6):
+            raise IptablesError(f"ipset {name} exists but is not a hash:net or hash:ip set ({opts or kind}): "
+                                "another program owns that name; remove it or choose another prefix")
+        return (R.IpSet(name, kind, family, extensions, {m: ext for m, (ext, _) in members.items()}),
+                {m: nbytes for m, (_, nbytes) in members.items()})
 
     def _apply_sets(self, wanted: dict[str, R.IpSet], current: dict[str, SetView], carry: bool = False) -> int:
         """Make our ipsets hold `wanted` in one `ipset -exist restore`; -> how many sets changed.

@@ -38,8 +38,12 @@ NFNL_SUBSYS_IPSET, NFNL_SUBSYS_NFTABLES = 6, 10
 IPSET_CMD_LIST = 7
 IPSET_PROTOCOL_MIN = 6  # every kernel with ipset in netlink speaks 6; 7 only adds header attributes
 IPSET_ERR_PROTOCOL = 4097
-IPSET_ATTR_PROTOCOL, IPSET_ATTR_SETNAME, IPSET_ATTR_ADT = 1, 2, 8
+IPSET_ATTR_PROTOCOL, IPSET_ATTR_SETNAME, IPSET_ATTR_TYPENAME, IPSET_ATTR_FAMILY, IPSET_ATTR_ADT = 1, 2, 3, 5, 8
 IPSET_ATTR_DATA, IPSET_ATTR_IP, IPSET_ATTR_BYTES, IPSET_ATTR_COMMENT = 7, 1, 24, 26
+IPSET_ATTR_CIDR, IPSET_ATTR_CADT_FLAGS, IPSET_ATTR_SKBMARK, IPSET_ATTR_SKBPRIO = 3, 8, 27, 28
+IPSET_FLAG_NOMATCH = 1 << 2
+# a set's CADT_FLAGS -> its create options, in the order `ipset save` prints them
+IPSET_SET_EXTENSIONS = ((1 << 3, "counters"), (1 << 4, "comment"), (1 << 6, "skbinfo"))
 IPSET_ATTR_IPADDR_IPV4, IPSET_ATTR_IPADDR_IPV6 = 1, 2
 
 NFT_MSG_GETRULE, NFT_MSG_GETGEN = 7, 16
@@ -204,6 +208,65 @@ class NetfilterReader:
                     if member is not None:
                         out[member] = (nbytes, comment)
         return out
+
+    def read_set(self, name: str) -> tuple[str, int, tuple[str, ...], dict[str, tuple[tuple[tuple[str, str], ...], int]]] | None:
+        """One whole set as `ipset save` shows it: (type, family 4/6, extensions, canonical member ->
+        ((option, value) in `parse_ipset_entries`' order and spelling, bytes)). None: no such set."""
+        request = _nla(IPSET_ATTR_PROTOCOL, bytes([IPSET_PROTOCOL_MIN])) + _nla(IPSET_ATTR_SETNAME, name.encode() + b"\0")
+        answers = self._dump((NFNL_SUBSYS_IPSET << 8) | IPSET_CMD_LIST, socket.AF_INET, request, f"ipset list {name}")
+        if answers is None:
+            return None
+        kind, family, extensions = "", 0, ()
+        members: dict[str, tuple[tuple[tuple[str, str], ...], int]] = {}
+        for msg in answers:
+            for akind, value in _attrs(msg):
+                if akind == IPSET_ATTR_TYPENAME:
+                    kind = _text(value)
+                elif akind == IPSET_ATTR_FAMILY:
+                    family = {socket.AF_INET: 4, socket.AF_INET6: 6}.get(value[0], 0)
+                elif akind == IPSET_ATTR_DATA:
+                    for hkind, hvalue in _attrs(value):
+                        if hkind == IPSET_ATTR_CADT_FLAGS:
+                            flags = struct.unpack_from(">I", hvalue, 0)[0]
+                            extensions = tuple(opt for bit, opt in IPSET_SET_EXTENSIONS if flags & bit)
+                elif akind == IPSET_ATTR_ADT:
+                    for dkind, entry in _attrs(value):
+                        if dkind == IPSET_ATTR_DATA:
+                            found = self._member(entry)
+                            if found is not None:
+                                members[found[0]] = found[1:]
+        return kind, family, extensions, members
+
+    def _member(self, entry: bytes | memoryview) -> tuple[str, tuple[tuple[str, str], ...], int] | None:
+        """(canonical member, extensions, bytes) of one IPSET_ATTR_DATA entry of a hash:ip or hash:net set."""
+        raw, cidr, nbytes = None, b"", 0
+        ext: dict[str, str] = {}
+        for kind, value in _attrs(entry):
+            if kind == IPSET_ATTR_IP:
+                raw = bytes(value[4:_NLA.unpack_from(value, 0)[0]])  # the one nested IPADDR_IPV4/_IPV6
+            elif kind == IPSET_ATTR_CIDR:
+                cidr = bytes(value[:1])
+            elif kind == IPSET_ATTR_CADT_FLAGS:
+                if struct.unpack_from(">I", value, 0)[0] & IPSET_FLAG_NOMATCH:
+                    ext["nomatch"] = ""
+            elif kind == IPSET_ATTR_BYTES:
+                nbytes = _BE64.unpack_from(value, 0)[0]
+            elif kind == IPSET_ATTR_COMMENT:
+                ext["comment"] = _text(value)
+            elif kind == IPSET_ATTR_SKBMARK:
+                mark, mask = struct.unpack_from(">II", value, 0)
+                ext["skbmark"] = f"0x{mark:x}/0x{mask:x}"
+            elif kind == IPSET_ATTR_SKBPRIO:
+                prio = struct.unpack_from(">I", value, 0)[0]
+                ext["skbprio"] = f"{prio >> 16:x}:{prio & 0xFFFF:x}"
+        if raw is None:
+            return None
+        key = raw + b"/" + cidr
+        member = self._addresses.get(key)
+        if member is None:
+            addr = ipaddress.ip_address(raw)
+            member = self._addresses[key] = str(addr) if not cidr else str(ipaddress.ip_network(f"{addr}/{cidr[0]}", strict=False))
+        return member, tuple((k, ext[k]) for k in ("nomatch", "comment", "skbmark", "skbprio") if k in ext), nbytes
 
     # -- nftables --------------------------------------------------------------------------
     def generation(self) -> int:
