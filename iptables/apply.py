@@ -161,8 +161,7 @@ class Classifier:
                     raise
                 self._netlink_failed(exc)
             else:
-                return {name: self._set_view(name, kind, (family, extensions), members)
-                        for name, (kind, family, extensions, members) in ((n, f) for n, f in found.items() if f)}
+                return {name: self._set_view(name, *view) for name, view in found.items() if view is not None}
         listed = set(self.runner.run(["ipset", "list", "-n"]).stdout.split())
         ours = [n for n in wanted if n in listed]
         if not ours:
@@ -171,21 +170,22 @@ class Classifier:
         out: dict[str, SetView] = {}
         for name, (opts, members) in parse_ipset_entries(text).items():
             words = opts.split()
-            kind = words[0] if words else ""
-            if len(words) < 3 or words[1] != "family" or words[2] not in ("inet", "inet6"):
-                kind = ""
-            family = 4 if len(words) > 2 and words[2] == "inet" else 6
-            out[name] = self._set_view(name, kind, (family, tuple(w for w in words if w in _EXTENSIONS)),
-                                       {_canonical_member(kind, m) if kind in ("hash:net", "hash:ip") else m: entry
-                                        for m, entry in members.items()}, opts)
+            known = len(words) >= 3 and words[0] in ("hash:net", "hash:ip") and words[1] == "family" \
+                and words[2] in ("inet", "inet6")
+            if not known:
+                raise IptablesError(f"ipset {name} exists but is not a hash:net or hash:ip set ({opts}): "
+                                    "another program owns that name; remove it or choose another prefix")
+            kind = words[0]
+            out[name] = self._set_view(name, kind, 4 if words[2] == "inet" else 6,
+                                       tuple(w for w in words if w in _EXTENSIONS),
+                                       {_canonical_member(kind, m): entry for m, entry in members.items()})
         return out
 
     @staticmethod
-    def _set_view(name: str, kind: str, family_ext: tuple[int, tuple[str, ...]],
-                  members: dict[str, tuple[tuple[tuple[str, str], ...], int]], opts: str | None = None) -> SetView:
-        family, extensions = family_ext
+    def _set_view(name: str, kind: str, family: int, extensions: tuple[str, ...],
+                  members: dict[str, tuple[tuple[tuple[str, str], ...], int]]) -> SetView:
         if kind not in ("hash:net", "hash:ip") or family not in (4, 6):
-            raise IptablesError(f"ipset {name} exists but is not a hash:net or hash:ip set ({opts or kind}): "
+            raise IptablesError(f"ipset {name} exists but is not a hash:net or hash:ip set ({kind}, family {family}): "
                                 "another program owns that name; remove it or choose another prefix")
         return (R.IpSet(name, kind, family, extensions, {m: ext for m, (ext, _) in members.items()}),
                 {m: nbytes for m, (_, nbytes) in members.items()})
@@ -317,8 +317,9 @@ class Classifier:
 
         `source`: "netlink" reads in-process (`iptables/nfnl.py`: the sets and, on the nft backend,
         the rules over netfilter netlink; on legacy the rules through the xtables socket options
-        that iptables-legacy-save uses), "exec" with the tools only (`ipset save` in one batch, `iptables-save -c -t mangle` per family), "auto" over
-        netlink unless it proved unavailable here, then with the tools for good. Both read the same.
+        that iptables-legacy-save uses), "exec" with the tools only (`ipset save` in one batch,
+        `iptables-save -c -t mangle` per family), "auto" over netlink unless it proved unavailable
+        here, then with the tools for good. Both read the same.
         """
         if source not in ("auto", "netlink", "exec"):
             raise ValueError(f"counters source {source!r} is not one of auto, netlink, exec")

@@ -63,6 +63,7 @@ _BE64 = struct.Struct(">Q")
 _UNAVAILABLE = (errno.EPERM, errno.EACCES, errno.EOPNOTSUPP, errno.EPROTONOSUPPORT, errno.EAFNOSUPPORT,
                 errno.EINVAL, IPSET_ERR_PROTOCOL)
 TIMEOUT = 10.0
+RECV_BYTES = 64 << 10  # a dump datagram is at most 32 KiB (the kernel's netlink_dump)
 
 
 class NetlinkUnavailable(IptablesError):
@@ -131,7 +132,7 @@ class NetfilterReader:
             self.sock.send(_HDR.pack(_HDR.size + len(body), msg_type, flags, seq, 0) + body)
             out: list[memoryview] = []
             while True:
-                data = memoryview(self.sock.recv(1 << 20))
+                data = memoryview(self.sock.recv(RECV_BYTES))
                 off = 0
                 while off + _HDR.size <= len(data):
                     length, mtype, _flags, mseq, _pid = _HDR.unpack_from(data, off)

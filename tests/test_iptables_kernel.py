@@ -516,3 +516,24 @@ def test_rules_version_moves_with_the_rules_not_the_counters(netns, backend):
     finally:
         clf.cleanup()
         clf.close()
+
+
+@pytest.mark.parametrize("foreign", ["hash:ip,port family inet", "bitmap:port range 1-100", "hash:net family inet6"])
+def test_a_foreign_set_with_our_name_is_refused_by_both_reads(netns, foreign):
+    """A set of another type (or family) under one of our names is another program's: both reads
+    of the apply refuse a type we never make, or read the same; the apply refuses it and leaves it alone."""
+    sh(f"ipset create netagent-peer4 {foreign}", netns)
+    clf = Classifier(backend="nft", netns=netns)
+    try:
+        if foreign.startswith("hash:net"):
+            assert clf._read_sets(source="netlink") == clf._read_sets(source="exec")
+            assert clf._read_sets()["netagent-peer4"][0].family == 6
+        else:
+            for source in ("netlink", "exec"):
+                with pytest.raises(IptablesError, match="another program owns that name"):
+                    clf._read_sets(source=source)
+        with pytest.raises(IptablesError, match="another program owns that name"):
+            clf.apply(state(2))
+        assert sh("ipset list -n", netns).split() == ["netagent-peer4"]
+    finally:
+        clf.close()
