@@ -1,26 +1,28 @@
-"""Reading the byte counters in-process: ipset members and nftables rules over netfilter netlink,
-and the legacy backend's rules through the xtables socket options (what iptables-legacy-save reads).
+"""Reading netfilter state in-process: ipset sets and nftables rules over netfilter netlink, and
+the legacy backend's rules through the xtables socket options (what iptables-legacy-save reads).
 
 `Classifier.counters()` runs every few seconds. By exec'ing `ipset save` and two
 `iptables-save -c` it cost ~20-30 ms of CPU for 110 pods, most of it starting the three
 processes. Here the same counters are one NETLINK_NETFILTER socket, opened once in the
 node's (or a test's) network namespace, and a few dumps read with `struct`, decoding only
-what the counters need: per member of a pod set its address, byte counter and comment; per
-rule of our nftables chains its counter and comment. On the legacy backend the rules come
-from IPT_SO_GET_ENTRIES on a raw socket of each family (the kernel's rule blob, one copy). (pyroute2's own decoder is not used:
-it decodes every attribute of every member and took ~40 ms for the same 880 members.)
+what is needed: per member of a pod set its address, byte counter and comment; per rule of
+our nftables chains its counter and comment. On the legacy backend the rules come from
+IPT_SO_GET_ENTRIES on a raw socket of each family (the kernel's rule blob, one copy).
+pyroute2's own decoder is not used: it decodes every attribute of every member and took
+~40 ms for the same 880 members. The same socket reads an apply's view of our sets
+(`read_set`) and the rules' version for the drift watch (`generation`, `digest`).
 
 What cannot be read here raises `NetlinkUnavailable`, and the classifier goes back to the
-tools for good (no netfilter netlink in a sandbox, the ipset protocol refused, a backend this
-module does not read). A set or table that does not exist reads as None / nothing.
+tools for good (no netfilter netlink in a sandbox, the ipset protocol refused, a socket that
+fails). A set or table that does not exist reads as None / nothing.
 """
 from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import ipaddress
 import os
-import hashlib
 import socket
 import struct
 import threading
