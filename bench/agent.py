@@ -11,7 +11,10 @@ Figures (all in the same run, same node):
   (the counters are read once per report period whatever the scrape rate);
 - scrape duration of /metrics and /state (110 pods), p50/p99; against the baseline of exec'ing
   `iptables-save -c -t mangle` twice (IPv4, IPv6) and `tc -s class show`, what a shell-out
-  exporter pays for the same counters.
+  exporter pays for the same counters;
+- one read of the byte counters (`Classifier.counters`, the rules and ipsets the agent programmed
+  for the pods) in-process over netlink and with the tools (`ipset save`, `iptables-save -c` x2),
+  CPU (this process and the tools it waits for) and wall time per read, alternated.
 
     sudo python3 bench/agent.py [--pods 110] [--changes 60] [--window 30]
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -31,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lab.topology import Lab  # noqa: E402
 from netagent.desired import DataPathOptions, PodShape, assign_minors, from_wire  # noqa: E402
+from iptables.apply import Classifier  # noqa: E402
 from tc.netlink import Shaper  # noqa: E402
 from bench.timing import pct, timed_ms  # noqa: E402
 from lab.agentproc import IFB, AgentProcess, pod_object, wait_for, write_objects  # noqa: E402
@@ -57,6 +62,27 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+def own_cpu_s() -> float:
+    """User + system time of this process and of the children it waited for."""
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+def counter_reads(netns: str, rounds: int = 10, per_round: int = 5) -> dict[str, tuple[float, float]]:
+    """source -> (CPU ms per read, p50 wall ms) of `Classifier.counters`, netlink and exec alternated."""
+    clf = Classifier(netns=netns)
+    assert clf.counters("netlink") == clf.counters("exec"), "the two reads differ"
+    cpu: dict[str, float] = {"netlink": 0.0, "exec": 0.0}
+    wall: dict[str, list[float]] = {"netlink": [], "exec": []}
+    for _ in range(rounds):
+        for source in cpu:
+            c0 = own_cpu_s()
+            wall[source] += timed_ms(lambda: clf.counters(source), per_round)
+            cpu[source] += own_cpu_s() - c0
+    clf.close()
+    return {source: (1000 * cpu[source] / (rounds * per_round), pct(wall[source], 50)) for source in cpu}
 
 
 def steady_cpu(agent: AgentProcess, window: float, scrape_every: float = 10.0) -> tuple[float, float]:
@@ -158,6 +184,11 @@ def main() -> int:
                   f"p99 {pct(scrape, 99):.1f} ms (aim <= 20 ms); "
                   f"/state p50 {pct(state, 50):.1f} ms; baseline shell-out of the same counters: "
                   f"p50 {pct(shell, 50):.1f} ms (ratio {pct(scrape, 50) / pct(shell, 50):.2f})")
+
+            reads = counter_reads(node.netns)
+            print(f"byte counters, one read ({args.pods} pods, {Classifier(netns=node.netns).backend} backend): "
+                  f"netlink CPU {reads['netlink'][0]:.1f} ms, p50 {reads['netlink'][1]:.1f} ms; "
+                  f"exec (ipset save, iptables-save -c x2) CPU {reads['exec'][0]:.1f} ms, p50 {reads['exec'][1]:.1f} ms")
 
             # -- steady-state cost ---------------------------------------------------------------
             cpu, rss = steady_cpu(agent, args.window)

@@ -12,7 +12,8 @@ Measured, for IPv4 and IPv6 together:
                  refilled, the catch-all chain created); a pod's change is no rule change since
                  issue 12 (its ipset members change), so this is the smallest rule change left
 plus, for the agent's steady state, `Classifier.apply` when nothing changed (the
-read-back diff) and `Classifier.counters` (one iptables-save -c per family), and
+read-back diff) and `Classifier.counters` (with the tools: one iptables-save -c per family and an
+ipset batch; in-process over netlink), and
 the per-packet cost: a pod's TCP goodput to an internal peer in the lab with no
 rules and with the rules of 110 pods (nft, legacy).
 """
@@ -148,7 +149,8 @@ def worker(pods: int, reps: int) -> dict[str, list[float]]:
     teardown(clf, base)
     out: dict[str, list[float]] = {k: [] for k in (
         "restore_from_nothing", "restore_change_one", "classifier_change_one",
-        "iptc_from_nothing", "iptc_change_one", "classifier_apply_unchanged", "classifier_counters")}
+        "iptc_from_nothing", "iptc_change_one", "classifier_apply_unchanged", "classifier_counters",
+        "classifier_counters_netlink")}
     texts = {f: R.render(base, f, PREFIX) for f in (4, 6)}
     for _ in range(reps):
         out["restore_from_nothing"].append(timed(lambda: [restore(f, texts[f]) for f in (4, 6)]))
@@ -159,7 +161,8 @@ def worker(pods: int, reps: int) -> dict[str, list[float]]:
         out["restore_change_one"].append(timed(lambda: [restore(f, updates[f]) for f in (4, 6)]))
         out["classifier_change_one"].append(timed(lambda: clf.apply(base)))  # back, with read-back and diff
         out["classifier_apply_unchanged"].append(timed(lambda: clf.apply(base)))
-        out["classifier_counters"].append(timed(clf.counters))
+        out["classifier_counters"].append(timed(lambda: clf.counters("exec")))
+        out["classifier_counters_netlink"].append(timed(lambda: clf.counters("netlink")))
         teardown(clf, base)
 
         out["iptc_from_nothing"].append(timed(lambda: iptc_from_nothing(iptc, base)))
@@ -170,7 +173,8 @@ def worker(pods: int, reps: int) -> dict[str, list[float]]:
     nft = Classifier(backend="nft", prefix=PREFIX)
     nft.apply(base)
     out["nft_apply_unchanged"] = [timed(lambda: nft.apply(base)) for _ in range(reps)]
-    out["nft_counters"] = [timed(nft.counters) for _ in range(reps)]
+    out["nft_counters"] = [timed(lambda: nft.counters("exec")) for _ in range(reps)]
+    out["nft_counters_netlink"] = [timed(lambda: nft.counters("netlink")) for _ in range(reps)]
     nft.cleanup()
     return out
 
@@ -236,6 +240,8 @@ def main() -> int:
     print(f"{'apply, nothing to change (read-back)':40}{res['classifier_apply_unchanged']:>10.1f}"
           f"{res['nft_apply_unchanged']:>10.1f}")
     print(f"{'counters (iptables-save -c + ipset)':40}{res['classifier_counters']:>10.1f}{res['nft_counters']:>10.1f}")
+    print(f"{'counters (in-process, netlink)':40}{res['classifier_counters_netlink']:>10.1f}"
+          f"{res['nft_counters_netlink']:>10.1f}")
     if args.throughput_seconds > 0:
         gbit = throughput(args.pods, args.throughput_seconds)
         print(f"per-packet cost: pod -> internal peer TCP goodput, Gbit/s, median of 3 interleaved "

@@ -9,13 +9,17 @@ flushes. The internal-CIDR ipsets are replaced atomically (build a temporary set
 from __future__ import annotations
 
 import ipaddress
+import logging
 import shutil
 
 from iptables import render as R
 from iptables.backend import BACKENDS, Runner, detect
 from iptables.errors import IptablesError
 from iptables.model import ClassifierState
+from iptables.nfnl import NetfilterReader, NetlinkUnavailable, XtablesReader
 from iptables.parse import SavedTable, comment_of, counted_comments, jump_target, mark_masks, parse_ipset_entries, parse_save
+
+log = logging.getLogger(__name__)
 
 FAMILIES = (4, 6)
 BUILTIN = ("PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING")
@@ -93,6 +97,9 @@ class Classifier:
         self._node_carried = _empty_counts(R.NODE_KINDS)
         self._built: tuple[ClassifierState | None, dict[int, R.Ruleset]] = (None, {})
         self._other_backend_clear = False  # our chains in the other backend are removed by the first apply
+        self._nl: NetfilterReader | None = None  # the in-process counter reader (counters())
+        self._xt: XtablesReader | None = None  # ... of the legacy backend's rules
+        self._nl_error: str | None = None  # why it cannot be used here: the tools read the counters
 
     def _keep(self, chain: str) -> bool:
         return chain in BUILTIN or R.is_ours(chain, self.prefix)
@@ -135,28 +142,53 @@ class Classifier:
         self._carried = {k: v for k, v in self._carried.items() if k in keys}
         return {"iptables": changes, "ipset": set_changes}
 
-    def _read_sets(self, names: list[str] | None = None) -> dict[str, SetView]:
+    def _read_sets(self, names: list[str] | None = None, source: str = "auto") -> dict[str, SetView]:
         """Our existing ipsets (all of `R.set_names`, or `names`), as they are, with member byte counts.
 
-        Two execs whatever the number of sets: `ipset list -n`, then one batch of `save <set>`.
+        In-process, one ipset netlink dump per set (`source` "auto" or "netlink", as `counters`);
+        with the tools ("exec", or netlink unavailable) two execs whatever the number of sets:
+        `ipset list -n`, then one batch of `save <set>`.
         """
+        wanted = [n for n in (names or R.set_names(self.prefix)) if not n.endswith(R.SWAP_SUFFIX)]
+        reader = self._netlink() if source != "exec" else None
+        if source == "netlink" and reader is None:
+            raise NetlinkUnavailable(self._nl_error or "netfilter netlink is not available")
+        if reader is not None:
+            try:
+                found = {name: reader.read_set(name) for name in wanted}
+            except NetlinkUnavailable as exc:
+                if source == "netlink":
+                    raise
+                self._netlink_failed(exc)
+            else:
+                return {name: self._set_view(name, *view) for name, view in found.items() if view is not None}
         listed = set(self.runner.run(["ipset", "list", "-n"]).stdout.split())
-        ours = [n for n in (names or R.set_names(self.prefix)) if n in listed and not n.endswith(R.SWAP_SUFFIX)]
+        ours = [n for n in wanted if n in listed]
         if not ours:
             return {}
         text = self.runner.run(["ipset", "restore"], stdin="".join(f"save {n}\n" for n in ours)).stdout
         out: dict[str, SetView] = {}
         for name, (opts, members) in parse_ipset_entries(text).items():
             words = opts.split()
-            if len(words) < 3 or words[0] not in ("hash:net", "hash:ip") or words[1] != "family" \
-                    or words[2] not in ("inet", "inet6"):
+            known = len(words) >= 3 and words[0] in ("hash:net", "hash:ip") and words[1] == "family" \
+                and words[2] in ("inet", "inet6")
+            if not known:
                 raise IptablesError(f"ipset {name} exists but is not a hash:net or hash:ip set ({opts}): "
                                     "another program owns that name; remove it or choose another prefix")
             kind = words[0]
-            current = R.IpSet(name, kind, 4 if words[2] == "inet" else 6, tuple(w for w in words if w in _EXTENSIONS),
-                              {_canonical_member(kind, m): ext for m, (ext, _) in members.items()})
-            out[name] = (current, {_canonical_member(kind, m): nbytes for m, (_, nbytes) in members.items()})
+            out[name] = self._set_view(name, kind, 4 if words[2] == "inet" else 6,
+                                       tuple(w for w in words if w in _EXTENSIONS),
+                                       {_canonical_member(kind, m): entry for m, entry in members.items()})
         return out
+
+    @staticmethod
+    def _set_view(name: str, kind: str, family: int, extensions: tuple[str, ...],
+                  members: dict[str, tuple[tuple[tuple[str, str], ...], int]]) -> SetView:
+        if kind not in ("hash:net", "hash:ip") or family not in (4, 6):
+            raise IptablesError(f"ipset {name} exists but is not a hash:net or hash:ip set ({kind}, family {family}): "
+                                "another program owns that name; remove it or choose another prefix")
+        return (R.IpSet(name, kind, family, extensions, {m: ext for m, (ext, _) in members.items()}),
+                {m: nbytes for m, (_, nbytes) in members.items()})
 
     def _apply_sets(self, wanted: dict[str, R.IpSet], current: dict[str, SetView], carry: bool = False) -> int:
         """Make our ipsets hold `wanted` in one `ipset -exist restore`; -> how many sets changed.
@@ -274,18 +306,41 @@ class Classifier:
             return None, kind
         return None  # per-pod bytes are counted by the pod sets, not by rules
 
-    def counters(self) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+    def counters(self, source: str = "auto") -> tuple[dict[str, dict[str, int]], dict[str, int]]:
         """Bytes per pod and for the node by direction and scope, IPv4 and IPv6 summed.
 
-        Per pod: the counters of its members in the four pod sets of each family (one batch of
-        `ipset save`). Node: one `iptables-save -c -t mangle` per family. Node totals count
-        everything through the uplinks, host traffic included; the node's `egress_unknown_internet`
-        is the part of its internet egress that it forwarded from no known pod (shaped in the
-        default class; 0 without one).
+        Per pod: the counters of its members in the four pod sets of each family. Node: the
+        commented rules of our node chains, per family. Node totals count everything through the
+        uplinks, host traffic included; the node's `egress_unknown_internet` is the part of its
+        internet egress that it forwarded from no known pod (shaped in the default class; 0 without
+        one).
+
+        `source`: "netlink" reads in-process (`iptables/nfnl.py`: the sets and, on the nft backend,
+        the rules over netfilter netlink; on legacy the rules through the xtables socket options
+        that iptables-legacy-save uses), "exec" with the tools only (`ipset save` in one batch,
+        `iptables-save -c -t mangle` per family), "auto" over netlink unless it proved unavailable
+        here, then with the tools for good. Both read the same.
         """
-        pods: dict[str, dict[str, int]] = {k: dict(v) for k, v in self._carried.items()}
-        node = dict(self._node_carried)
-        names = [f"{self.prefix.lower()}-{suffix}{family}" for family in FAMILIES for suffix in R.POD_SET_KINDS]
+        if source not in ("auto", "netlink", "exec"):
+            raise ValueError(f"counters source {source!r} is not one of auto, netlink, exec")
+        reader = self._netlink() if source != "exec" else None
+        if source == "netlink" and reader is None:
+            raise NetlinkUnavailable(self._nl_error or "netfilter netlink is not available")
+        if reader is not None:
+            try:
+                return self._count(*self._read_counters_netlink(reader))
+            except NetlinkUnavailable as exc:
+                if source == "netlink":
+                    raise
+                self._netlink_failed(exc)
+        return self._count(*self._read_counters_exec())
+
+    def _pod_set_names(self) -> list[str]:
+        return [f"{self.prefix.lower()}-{suffix}{family}" for family in FAMILIES for suffix in R.POD_SET_KINDS]
+
+    def _read_counters_exec(self) -> tuple[dict[str, dict[str, tuple[int, str | None]]], list[tuple[str, str, int]]]:
+        """(set -> canonical member -> (bytes, comment), [(chain, comment, bytes)] of both families) by the tools."""
+        names = self._pod_set_names()
         proc = self.runner.run(["ipset", "restore"], stdin="".join(f"save {n}\n" for n in names), check=False)
         if proc.returncode == 0:
             text = proc.stdout
@@ -293,23 +348,87 @@ class Classifier:
             listed = set(self.runner.run(["ipset", "list", "-n"]).stdout.split())
             present = [n for n in names if n in listed]
             text = self.runner.run(["ipset", "restore"], stdin="".join(f"save {n}\n" for n in present)).stdout if present else ""
-        for name, (_, members) in parse_ipset_entries(text).items():
+        sets = {name: {_canonical_member("hash:ip", m): (nbytes, dict(ext).get("comment")) for m, (ext, nbytes) in members.items()}
+                for name, (_, members) in parse_ipset_entries(text).items()}
+        rules = [found for family in FAMILIES for found in self._rule_counters_exec(family)]
+        return sets, rules
+
+    def _rule_counters_exec(self, family: int) -> list[tuple[str, str, int]]:
+        return counted_comments(self.runner.save(family, self.backend, R.TABLE, counters=True), self.prefix)
+
+    def _read_counters_netlink(self, reader: NetfilterReader) -> tuple[dict[str, dict[str, tuple[int, str | None]]],
+                                                                         list[tuple[str, str, int]]]:
+        """As `_read_counters_exec`, in-process: no process started."""
+        sets = {}
+        for name in self._pod_set_names():
+            members = reader.set_members(name)
+            if members is not None:
+                sets[name] = members
+        rules_reader = reader if self.backend == "nft" else self._xt
+        rules = [found for family in FAMILIES for found in rules_reader.rule_counters(family, R.TABLE, self.prefix)]
+        return sets, rules
+
+    def _count(self, sets: dict[str, dict[str, tuple[int, str | None]]],
+               rules: list[tuple[str, str, int]]) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+        pods: dict[str, dict[str, int]] = {k: dict(v) for k, v in self._carried.items()}
+        node = dict(self._node_carried)
+        for name, members in sets.items():
             kind = R.set_kind(name, self.prefix)
             if kind is None:
                 continue
-            for member, (ext, nbytes) in members.items():
-                key = self._ip_keys.get(_canonical_member("hash:ip", member)) or dict(ext).get("comment", member)
-                pods.setdefault(key, _empty_counts())[kind] += nbytes
-        for family in FAMILIES:
-            dump = self.runner.save(family, self.backend, R.TABLE, counters=True)
-            for chain, text, nbytes in counted_comments(dump, self.prefix):
-                found = self._classify_counter(chain, text)
-                if found is None:
-                    continue
-                key, kind = found
-                if key is None:
-                    node[kind] += nbytes
+            for member, (nbytes, comment) in members.items():
+                key = self._ip_keys.get(member) or (member if comment is None else comment)
+                counts = pods.get(key)
+                if counts is None:
+                    counts = pods[key] = _empty_counts()
+                counts[kind] += nbytes
+        for chain, text, nbytes in rules:
+            found = self._classify_counter(chain, text)
+            if found is None:
+                continue
+            key, kind = found
+            if key is None:
+                node[kind] += nbytes
         return dict(sorted(pods.items())), node
+
+    def rules_version(self) -> object | None:
+        """A token that changes whenever our backend's mangle table may have changed, read in-process
+        (nft: the ruleset generation, any table's commit bumps it; legacy: a digest of both families'
+        rules, counters left out); None when it cannot be read so (read the rules every time)."""
+        reader = self._netlink()
+        if reader is None:
+            return None
+        try:
+            if self.backend == "nft":
+                return reader.generation()
+            return tuple(self._xt.digest(family, R.TABLE) for family in FAMILIES)
+        except NetlinkUnavailable as exc:
+            self._netlink_failed(exc)
+            return None
+
+    def _netlink(self) -> NetfilterReader | None:
+        """The in-process counter reader, opened on first use; None once it proved unavailable."""
+        if self._nl is None and self._nl_error is None:
+            try:
+                self._nl = NetfilterReader(self.netns)
+                if self.backend == "legacy":
+                    self._xt = XtablesReader(self.netns)
+            except NetlinkUnavailable as exc:
+                self._netlink_failed(exc)
+        return self._nl
+
+    def _netlink_failed(self, exc: Exception) -> None:
+        if self._nl_error is None:
+            log.warning("reading the byte counters with ipset and iptables-save from now on: %s", exc)
+        self._nl_error = str(exc)
+        self.close()
+
+    def close(self) -> None:
+        """Close the counter reader's socket (a later counters() opens it again)."""
+        for reader in (self._nl, self._xt):
+            if reader is not None:
+                reader.close()
+        self._nl = self._xt = None
 
     # -- coexistence ----------------------------------------------------------------------
     def check_conflicts(self, mark_bit: int) -> None:

@@ -6,8 +6,9 @@ Two cheap watchers wake the sync loop for a full reconcile (which re-reads and r
     it into the download shaper) wakes an ordinary sync, which re-reads tc anyway. With learnt uplinks (no --uplink) the default-route devices are
     looked up again first, so a new default-route device is shaped from then on;
   * our iptables hooks: every HOOK_CHECK_S the mangle table's lines of our chains are counted
-    (`DataPath.hooks_fingerprint`, one iptables-save per family, no lock taken) and compared
-    with what the last apply left; a flushed table or chain shows at once.
+    (`DataPath.hooks_fingerprint`, one iptables-save per family, no lock taken, and only when
+    the rules' version read in-process moved) and compared with what the last apply left; a
+    flushed table or chain shows at once.
 The watchers only wake the sync; they never touch the kernel themselves.
 """
 from __future__ import annotations

@@ -427,3 +427,118 @@ def test_unknown_sources_are_marked_and_counted(backend):
             assert marked_packets(node.netns, backend) - marked0 == 5
         finally:
             clf.cleanup()
+
+
+def settled_reads(exec_read, netlink_read):
+    """(exec read, netlink read), the netlink read taken between two exec reads that agree (a stray
+    neighbour solicitation between reads would make them differ): at most five tries."""
+    for _ in range(5):
+        before = exec_read()
+        nl = netlink_read()
+        if exec_read() == before:
+            return before, nl
+    raise AssertionError("the counters never held still for three reads")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_netlink_counters_read_what_the_tools_read(backend, caplog):
+    """The in-process read (ipset and nftables over netlink) and the tools' read (ipset save,
+    iptables-save -c) of a real ruleset with moving counters, both families, agree member by member
+    and rule by rule; when netlink fails the classifier falls back to the tools and says so once."""
+    require_root()
+    with Lab(nodes=1, pods_per_node=2) as lab:
+        node = lab.nodes[0]
+        known, stranger = node.pods
+        key = f"default/{known.name}"
+        st = ClassifierState(0x1000, INTERNAL_CIDRS, (PodClassification(key, (known.ip4, known.ip6), (1, 0x10)),),
+                             (node.uplink,), DEFAULT_CLASS)
+        clf = Classifier(backend=backend, netns=node.netns)
+        clf.apply(st)
+        try:
+            for p in (known, stranger):
+                sh(f"ping -c 1 {INTERNET_V4} && ping -6 -c 1 {INTERNET_V6} && ping -c 1 {PEER_V4} "
+                   f"&& ping -6 -c 1 -s 300 {PEER_V6}", p.netns)
+            send_udp(known.netns, [(INTERNET_V4, 501), (INTERNET_V6, 502), (PEER_V4, 503), (PEER_V6, 504)])
+            send_udp(stranger.netns, [(INTERNET_V4, 301), (INTERNET_V6, 303)])
+            sh(f"ping -c 1 -s 600 {INTERNET_V4} && ping -6 -c 1 -s 600 {INTERNET_V6}", node.netns)
+            (sets, rules), (nl_sets, nl_rules) = settled_reads(clf._read_counters_exec,
+                                                               lambda: clf._read_counters_netlink(clf._netlink()))
+            # not vacuous: the pod's members in all eight sets, and every kind of counted rule, moved
+            assert len(sets) == 8 and all(members for members in sets.values())
+            assert all(nbytes > 0 for members in sets.values() for nbytes, _ in members.values())
+            assert {(chain, text) for chain, text, nbytes in rules if nbytes > 0} >= {
+                ("NETAGENT-NODE-OUT", "node egress internet"), ("NETAGENT-NODE-IN", "node ingress internet"),
+                ("NETAGENT-UNKNOWN", "unknown source egress internet")}
+            assert any(":" in member for members in sets.values() for member in members)  # IPv6 read too
+            assert nl_sets == sets
+            assert sorted(nl_rules) == sorted(rules)  # iptables-save lists chains by name, the kernel by creation
+            exec_read, nl_read = settled_reads(lambda: clf.counters("exec"), lambda: clf.counters("netlink"))
+            assert nl_read == exec_read
+            # the apply's read-back of all twelve sets (types, extensions, members with nomatch, comment,
+            # skbmark and skbprio, their bytes) is the same read too
+            exec_sets, nl_sets = settled_reads(lambda: clf._read_sets(source="exec"), lambda: clf._read_sets(source="netlink"))
+            assert len(exec_sets) == 12 and any(("nomatch", "") in ext for view in exec_sets.values()
+                                                 for ext in view[0].members.values())
+            assert any(dict(ext).get("skbprio") == "1:10" for view in exec_sets.values() for ext in view[0].members.values())
+            assert nl_sets == exec_sets
+            # a set that is not there reads as absent, as with the tools
+            sh("ipset create netagent-extra4 hash:ip counters", node.netns)
+            assert clf._netlink().set_members("netagent-gone4") is None
+            assert clf._netlink().set_members("netagent-extra4") == {}
+            # netlink breaks under the reader (its socket is closed): the tools read the same, for good
+            clf._netlink().sock.close()
+            with caplog.at_level("WARNING", logger="iptables.apply"):
+                for _ in range(2):
+                    exec_read, fallback = settled_reads(lambda: clf.counters("exec"), clf.counters)
+                    assert fallback == exec_read
+            assert caplog.text.count("reading the byte counters with ipset and iptables-save") == 1
+            with pytest.raises(IptablesError):
+                clf.counters("netlink")
+        finally:
+            clf.cleanup()
+            clf.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rules_version_moves_with_the_rules_not_the_counters(netns, backend):
+    """The drift watch re-reads our hooks only when the in-process rules version moved: packets and
+    reads leave it, any rule change (ours or a neighbour's, either family) moves it."""
+    clf = Classifier(backend=backend, netns=netns)
+    clf.apply(state(4))
+    try:
+        first = clf.rules_version()
+        assert first is not None
+        sh("ping -c 2 -i 0.2 127.0.0.1 && ping -6 -c 1 ::1", netns)  # counted by our hooks in PREROUTING/POSTROUTING
+        clf.counters()
+        assert clf.rules_version() == first
+        seen = {first}
+        for change in (f"ip6tables-{backend} -t mangle -F NETAGENT-NODE-IN",
+                       f"iptables-{backend} -t mangle -A OUTPUT -m comment --comment neighbour"):
+            sh(change, netns)
+            now = clf.rules_version()
+            assert now not in seen, change
+            seen.add(now)
+    finally:
+        clf.cleanup()
+        clf.close()
+
+
+@pytest.mark.parametrize("foreign", ["hash:ip,port family inet", "bitmap:port range 1-100", "hash:net family inet6"])
+def test_a_foreign_set_with_our_name_is_refused_by_both_reads(netns, foreign):
+    """A set of another type (or family) under one of our names is another program's: both reads
+    of the apply refuse a type we never make, or read the same; the apply refuses it and leaves it alone."""
+    sh(f"ipset create netagent-peer4 {foreign}", netns)
+    clf = Classifier(backend="nft", netns=netns)
+    try:
+        if foreign.startswith("hash:net"):
+            assert clf._read_sets(source="netlink") == clf._read_sets(source="exec")
+            assert clf._read_sets()["netagent-peer4"][0].family == 6
+        else:
+            for source in ("netlink", "exec"):
+                with pytest.raises(IptablesError, match="another program owns that name"):
+                    clf._read_sets(source=source)
+        with pytest.raises(IptablesError, match="another program owns that name"):
+            clf.apply(state(2))
+        assert sh("ipset list -n", netns).split() == ["netagent-peer4"]
+    finally:
+        clf.close()
