@@ -450,7 +450,8 @@ def test_netlink_counters_read_what_the_tools_read(backend, caplog):
         node = lab.nodes[0]
         known, stranger = node.pods
         key = f"default/{known.name}"
-        st = ClassifierState(0x1000, INTERNAL_CIDRS, (PodClassification(key, (known.ip4, known.ip6), (1, 0x10)),),
+        st = ClassifierState(0x1000, INTERNAL_CIDRS, (PodClassification(key, (known.ip4, known.ip6), (1, 0x10),
+                                                                        ack_class=(1, 0x8010)),),
                              (node.uplink,), DEFAULT_CLASS)
         clf = Classifier(backend=backend, netns=node.netns)
         clf.apply(st)
@@ -474,12 +475,13 @@ def test_netlink_counters_read_what_the_tools_read(backend, caplog):
             assert sorted(nl_rules) == sorted(rules)  # iptables-save lists chains by name, the kernel by creation
             exec_read, nl_read = settled_reads(lambda: clf.counters("exec"), lambda: clf.counters("netlink"))
             assert nl_read == exec_read
-            # the apply's read-back of all twelve sets (types, extensions, members with nomatch, comment,
-            # skbmark and skbprio, their bytes) is the same read too
+            # the apply's read-back of all sixteen sets (types, extensions, members with nomatch, comment,
+            # skbmark and skbprio, their bytes; the control-leaf sets' skbprio-only members) is the same read too
             exec_sets, nl_sets = settled_reads(lambda: clf._read_sets(source="exec"), lambda: clf._read_sets(source="netlink"))
-            assert len(exec_sets) == 12 and any(("nomatch", "") in ext for view in exec_sets.values()
+            assert len(exec_sets) == 16 and any(("nomatch", "") in ext for view in exec_sets.values()
                                                  for ext in view[0].members.values())
             assert any(dict(ext).get("skbprio") == "1:10" for view in exec_sets.values() for ext in view[0].members.values())
+            assert exec_sets["netagent-egress-ack4"][0].members == {known.ip4: (("skbprio", "1:8010"),)}
             assert nl_sets == exec_sets
             # a set that is not there reads as absent, as with the tools
             sh("ipset create netagent-extra4 hash:ip counters", node.netns)
