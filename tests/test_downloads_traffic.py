@@ -30,6 +30,10 @@ M = 1_000_000
 G = 1_000_000_000
 TOLERANCE = 0.02
 WARMUP_S, WINDOW_S, RUN_S = 0.8, 2.4, 4
+# The class counts whole packets when it sends them, and a TCP download arrives as GSO packets of up
+# to 64 KiB: at 10 Mbit/s one packet more or less in a 2.4 s window is 2.2 %, more than the
+# tolerance (CI read -2.02 % and -2.17 %). Below this rate the window holds at least 150 of them.
+SLOW_RATE, SLOW_WINDOW_S = 50_000_000, 8.0
 PORTS = (5301, 5302)
 FLOOD_PORT = 5399
 UNSHAPED_UPLOAD = 100 * G  # uploads are not what these tests look at
@@ -114,16 +118,17 @@ def download(lab, pod, dst: str, port: int, seconds: float = RUN_S, udp_bitrate:
     return lab.iperf_async(pod.netns, dst, port, seconds=seconds, udp_bitrate=udp_bitrate, extra=["-R"])
 
 
-def window(node: DownloadNode, minors: list[int], clients: list[subprocess.Popen]) -> tuple[list[float], list[int], list[dict]]:
+def window(node: DownloadNode, minors: list[int], clients: list[subprocess.Popen],
+           seconds: float = WINDOW_S) -> tuple[list[float], list[int], list[dict]]:
     """(IP rate per minor over the window, drops per minor, the clients' JSON results)."""
     try:
         time.sleep(WARMUP_S)
         s1, t1 = node.stats(), time.monotonic()
-        time.sleep(WINDOW_S)
+        time.sleep(seconds)
         s2, t2 = node.stats(), time.monotonic()
         results = []
         for c in clients:
-            out, err = c.communicate(timeout=RUN_S + 30)
+            out, err = c.communicate(timeout=RUN_S + seconds + 30)
             assert c.returncode == 0, f"traffic generator failed: {err or out}"
             results.append(json.loads(out))
     finally:
@@ -144,15 +149,17 @@ def test_download_held_to_its_rate(lab, node, rate, proto, dst):
     download class within ±2 %; the flood's drops prove it was held, not merely under the rate."""
     pod = node.pods[0]
     node.program({pod.name: (rate, rate)})
+    seconds = SLOW_WINDOW_S if rate < SLOW_RATE else WINDOW_S
+    run_s = RUN_S - WINDOW_S + seconds
     if proto == "tcp":
-        clients = [download(lab, pod, dst, PORTS[0])]
+        clients = [download(lab, pod, dst, PORTS[0], seconds=run_s)]
     elif rate < G:
         # iperf3's own datagrams (one per send): the GSO flood's 61 KB packets would sit in the leaf
         # pfifo (a packet limit) for seconds at these rates instead of overflowing it
-        clients = [download(lab, pod, dst, PORTS[0], udp_bitrate=str(2 * rate))]
+        clients = [download(lab, pod, dst, PORTS[0], seconds=run_s, udp_bitrate=str(2 * rate))]
     else:
-        clients = [lab.download_flood(pod.netns, lab.internet, dst, FLOOD_PORT, 2 * rate, seconds=RUN_S)]
-    (measured,), (drops,), results = window(node, [node.minor(pod)], clients)
+        clients = [lab.download_flood(pod.netns, lab.internet, dst, FLOOD_PORT, 2 * rate, seconds=run_s)]
+    (measured,), (drops,), results = window(node, [node.minor(pod)], clients, seconds)
     err = rate_error(measured, rate)
     assert abs(err) <= TOLERANCE, f"{proto} download from {dst} at {rate / M:g} Mbit/s: {measured / M:.2f} ({err:+.2%})"
     if proto == "udp":
