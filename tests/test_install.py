@@ -37,6 +37,7 @@ import yaml
 
 from lab.netns import require_root, run
 from lab.procs import stop_process, wait_for
+from tc.model import ack_minor, bulk_minor
 from tests.kube import REPO, KubeAssetsMissing, free_port, required
 from tests.node import busybox_image, node_assets_dir, require_image_builder, require_node_assets
 
@@ -708,7 +709,9 @@ def test_helm_install_shapes_upgrades_and_uninstalls_on_the_real_node(
         before = {p.metadata.uid for p in core.list_namespaced_pod(NAMESPACE).items}
         # the controller's own pods are replaced by the upgrade (their classes go with them): every
         # other class (node, default, the workloads' pods) must stay in force throughout
-        replaced = {f"{p['minor']:x}" for p in agent_state()["pods"] if p["namespace"] == NAMESPACE}
+        # (a pod's class and its two leaves: tc.model)
+        replaced = {f"{m:x}" for p in agent_state()["pods"] if p["namespace"] == NAMESPACE
+                    for m in (p["minor"], ack_minor(p["minor"]), bulk_minor(p["minor"]))}
         classes_before = {c for c in tc_class_rates() if c.split(":")[1] not in replaced}
         assert len(classes_before) >= 3, classes_before
         gaps, stop = [], threading.Event()
