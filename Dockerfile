@@ -24,6 +24,7 @@ COPY controller ./controller
 COPY core ./core
 COPY tc ./tc
 COPY iptables ./iptables
+COPY nlwire ./nlwire
 RUN pip wheel --no-cache-dir --no-deps --no-build-isolation --wheel-dir /wheels .
 
 FROM ${BASE}

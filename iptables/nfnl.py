@@ -27,14 +27,11 @@ import socket
 import struct
 import threading
 
-from pyroute2 import netns as pr_netns
-
+import nlwire
 from iptables.errors import IptablesError
+from nlwire import NLA_TYPE_MASK, NLM_F_DUMP, NLM_F_REQUEST, NLMSG_DONE, NLMSG_ERROR
 
 NETLINK_NETFILTER = 12
-NLMSG_ERROR, NLMSG_DONE = 2, 3
-NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
-NLA_TYPE_MASK = 0x3FFF  # less NLA_F_NESTED and NLA_F_NET_BYTEORDER
 
 NFNL_SUBSYS_IPSET, NFNL_SUBSYS_NFTABLES = 6, 10
 IPSET_CMD_LIST = 7
@@ -57,9 +54,7 @@ NFTA_MATCH_NAME, NFTA_MATCH_INFO = 1, 3
 NFTNL_UDATA_RULE_COMMENT = 0
 NFPROTO = {4: socket.AF_INET, 6: socket.AF_INET6}  # NFPROTO_IPV4 = 2, NFPROTO_IPV6 = 10
 
-_HDR = struct.Struct("=IHHII")  # nlmsghdr
 _NFGEN = struct.Struct("=BBH")  # nfgenmsg: family, version, res_id (big-endian, unused here)
-_NLA = struct.Struct("=HH")
 _BE64 = struct.Struct(">Q")
 # errors that mean "this kernel (or sandbox) will not answer over netlink": use the tools
 _UNAVAILABLE = (errno.EPERM, errno.EACCES, errno.EOPNOTSUPP, errno.EPROTONOSUPPORT, errno.EAFNOSUPPORT,
@@ -72,24 +67,8 @@ class NetlinkUnavailable(IptablesError):
     """Netfilter netlink cannot be used here: read the counters with the tools instead."""
 
 
-def _attrs(data: bytes | memoryview, off: int = 0, end: int | None = None):
-    """(type, value) of each attribute in data[off:end], in order (a type may repeat)."""
-    end = len(data) if end is None else end
-    while off + 4 <= end:
-        length, kind = _NLA.unpack_from(data, off)
-        if length < 4:
-            return
-        yield kind & NLA_TYPE_MASK, data[off + 4:off + length]
-        off += (length + 3) & ~3
-
-
-def _text(value: bytes | memoryview) -> str:
-    raw = bytes(value)
-    return raw.split(b"\0", 1)[0].decode(errors="replace")
-
-
 def _nla(kind: int, value: bytes) -> bytes:
-    body = _NLA.pack(4 + len(value), kind) + value
+    body = nlwire.NLA.pack(4 + len(value), kind) + value
     return body + b"\0" * (-len(body) % 4)
 
 
@@ -98,13 +77,7 @@ class NetfilterReader:
 
     def __init__(self, netns: str | None = None):
         try:
-            if netns:
-                pr_netns.pushns(netns)
-            try:
-                self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
-            finally:
-                if netns:
-                    pr_netns.popns()
+            self.sock = nlwire.socket_in(netns, NETLINK_NETFILTER)
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
             self.sock.settimeout(TIMEOUT)
             self.sock.bind((0, 0))
@@ -131,17 +104,10 @@ class NetfilterReader:
         body = _NFGEN.pack(family, 0, 0) + attrs
         flags = NLM_F_REQUEST | (NLM_F_DUMP if dump else 0)
         try:
-            self.sock.send(_HDR.pack(_HDR.size + len(body), msg_type, flags, seq, 0) + body)
+            self.sock.send(nlwire.HDR.pack(nlwire.HDR.size + len(body), msg_type, flags, seq, 0) + body)
             out: list[memoryview] = []
             while True:
-                data = memoryview(self.sock.recv(RECV_BYTES))
-                off = 0
-                while off + _HDR.size <= len(data):
-                    length, mtype, _flags, mseq, _pid = _HDR.unpack_from(data, off)
-                    if length < _HDR.size:
-                        break
-                    payload = data[off + _HDR.size:off + length]
-                    off += (length + 3) & ~3
+                for mtype, _flags, mseq, payload in nlwire.messages(memoryview(self.sock.recv(RECV_BYTES))):
                     if mseq != seq:
                         continue
                     if mtype == NLMSG_DONE:
@@ -174,9 +140,9 @@ class NetfilterReader:
         if len(names) + len(comments) > 1 << 16:
             names.clear()
             comments.clear()
-        unpack, be64 = _NLA.unpack_from, _BE64.unpack_from
+        unpack, be64 = nlwire.NLA.unpack_from, _BE64.unpack_from
         for msg in answers:
-            for kind, adt in _attrs(msg):
+            for kind, adt in nlwire.iter_attrs(msg):
                 if kind != IPSET_ATTR_ADT:
                     continue
                 # the hot loop (one pass per member): offsets, no generators
@@ -206,7 +172,7 @@ class NetfilterReader:
                             raw = bytes(adt[eoff + 4:eoff + alen])
                             comment = comments.get(raw)
                             if comment is None:
-                                comment = comments[raw] = _text(raw)
+                                comment = comments[raw] = nlwire.text(raw)
                         eoff += (alen + 3) & ~3
                     if member is not None:
                         out[member] = (nbytes, comment)
@@ -222,18 +188,18 @@ class NetfilterReader:
         kind, family, extensions = "", 0, ()
         members: dict[str, tuple[tuple[tuple[str, str], ...], int]] = {}
         for msg in answers:
-            for akind, value in _attrs(msg):
+            for akind, value in nlwire.iter_attrs(msg):
                 if akind == IPSET_ATTR_TYPENAME:
-                    kind = _text(value)
+                    kind = nlwire.text(value)
                 elif akind == IPSET_ATTR_FAMILY:
                     family = {socket.AF_INET: 4, socket.AF_INET6: 6}.get(value[0], 0)
                 elif akind == IPSET_ATTR_DATA:
-                    for hkind, hvalue in _attrs(value):
+                    for hkind, hvalue in nlwire.iter_attrs(value):
                         if hkind == IPSET_ATTR_CADT_FLAGS:
                             flags = struct.unpack_from(">I", hvalue, 0)[0]
                             extensions = tuple(opt for bit, opt in IPSET_SET_EXTENSIONS if flags & bit)
                 elif akind == IPSET_ATTR_ADT:
-                    for dkind, entry in _attrs(value):
+                    for dkind, entry in nlwire.iter_attrs(value):
                         if dkind == IPSET_ATTR_DATA:
                             found = self._member(entry)
                             if found is not None:
@@ -244,9 +210,9 @@ class NetfilterReader:
         """(canonical member, extensions, bytes) of one IPSET_ATTR_DATA entry of a hash:ip or hash:net set."""
         raw, cidr, nbytes = None, b"", 0
         ext: dict[str, str] = {}
-        for kind, value in _attrs(entry):
+        for kind, value in nlwire.iter_attrs(entry):
             if kind == IPSET_ATTR_IP:
-                raw = bytes(value[4:_NLA.unpack_from(value, 0)[0]])  # the one nested IPADDR_IPV4/_IPV6
+                raw = bytes(value[4:nlwire.NLA.unpack_from(value, 0)[0]])  # the one nested IPADDR_IPV4/_IPV6
             elif kind == IPSET_ATTR_CIDR:
                 cidr = bytes(value[:1])
             elif kind == IPSET_ATTR_CADT_FLAGS:
@@ -255,7 +221,7 @@ class NetfilterReader:
             elif kind == IPSET_ATTR_BYTES:
                 nbytes = _BE64.unpack_from(value, 0)[0]
             elif kind == IPSET_ATTR_COMMENT:
-                ext["comment"] = _text(value)
+                ext["comment"] = nlwire.text(value)
             elif kind == IPSET_ATTR_SKBMARK:
                 mark, mask = struct.unpack_from(">II", value, 0)
                 ext["skbmark"] = f"0x{mark:x}/0x{mask:x}"
@@ -276,7 +242,7 @@ class NetfilterReader:
         """The namespace's nftables generation: every commit of any table by any program bumps it."""
         answers = self._dump((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETGEN, socket.AF_UNSPEC, b"", "nftables generation",
                              dump=False)
-        for kind, value in _attrs(answers[0] if answers else b""):
+        for kind, value in nlwire.iter_attrs(answers[0] if answers else b""):
             if kind == NFTA_GEN_ID:
                 return struct.unpack_from(">I", value, 0)[0]
         raise NetlinkUnavailable("the nftables generation was not in the answer")
@@ -294,17 +260,17 @@ class NetfilterReader:
             chain = comment = None
             nbytes = 0
             in_table = False
-            for kind, value in _attrs(msg):
+            for kind, value in nlwire.iter_attrs(msg):
                 if kind == NFTA_RULE_TABLE:
-                    in_table = _text(value) == table
+                    in_table = nlwire.text(value) == table
                 elif kind == NFTA_RULE_CHAIN:
                     if not bytes(value).startswith(head):
                         break
-                    chain = _text(value)
+                    chain = nlwire.text(value)
                 elif kind == NFTA_RULE_EXPRESSIONS and chain is not None:
-                    for _, expr in _attrs(value):
+                    for _, expr in nlwire.iter_attrs(value):
                         name = data = None
-                        for ekind, evalue in _attrs(expr):
+                        for ekind, evalue in nlwire.iter_attrs(expr):
                             if ekind == NFTA_EXPR_NAME:
                                 name = bytes(evalue).rstrip(b"\0")
                             elif ekind == NFTA_EXPR_DATA:
@@ -312,13 +278,13 @@ class NetfilterReader:
                         if data is None:
                             continue
                         if name == b"counter":
-                            for ckind, cvalue in _attrs(data):
+                            for ckind, cvalue in nlwire.iter_attrs(data):
                                 if ckind == NFTA_COUNTER_BYTES:
                                     nbytes = _BE64.unpack_from(cvalue, 0)[0]
                         elif name == b"match" and comment is None:  # xt comment match (older iptables-nft)
-                            found = dict(_attrs(data))
-                            if _text(found.get(NFTA_MATCH_NAME, b"")) == "comment":
-                                comment = _text(found.get(NFTA_MATCH_INFO, b""))
+                            found = dict(nlwire.iter_attrs(data))
+                            if nlwire.text(found.get(NFTA_MATCH_NAME, b"")) == "comment":
+                                comment = nlwire.text(found.get(NFTA_MATCH_INFO, b""))
                 elif kind == NFTA_RULE_USERDATA and chain is not None:
                     comment = _udata_comment(value) or comment
             else:
@@ -333,7 +299,7 @@ def _udata_comment(data: bytes | memoryview) -> str | None:
     while off + 2 <= len(data):
         kind, length = data[off], data[off + 1]
         if kind == NFTNL_UDATA_RULE_COMMENT:
-            return _text(data[off + 2:off + 2 + length])
+            return nlwire.text(data[off + 2:off + 2 + length])
         off += 2 + length
     return None
 
@@ -358,14 +324,8 @@ class XtablesReader:
     def __init__(self, netns: str | None = None):
         self.socks: dict[int, socket.socket] = {}
         try:
-            if netns:
-                pr_netns.pushns(netns)
-            try:
-                for family, (sfamily, *_rest) in _XT_LAYOUT.items():
-                    self.socks[family] = socket.socket(sfamily, socket.SOCK_RAW, socket.IPPROTO_RAW)
-            finally:
-                if netns:
-                    pr_netns.popns()
+            for family, (sfamily, *_rest) in _XT_LAYOUT.items():
+                self.socks[family] = nlwire.socket_in(netns, socket.IPPROTO_RAW, sfamily)
         except OSError as exc:
             self.close()
             raise NetlinkUnavailable(f"cannot open raw sockets in network namespace {netns!r}: {exc}") from exc
@@ -444,7 +404,7 @@ class XtablesReader:
                 chain = starts[off]
             target = off + target_offset
             if bytes(data[target + 2:target + 8]) == b"ERROR\0":  # a user chain's head: its name is the data
-                chain = _text(data[target + 32:off + next_offset])
+                chain = nlwire.text(data[target + 32:off + next_offset])
             elif chain.startswith(head):
                 comment = None
                 m = off + matches_at
@@ -453,7 +413,7 @@ class XtablesReader:
                     if match_size == 0:
                         break
                     if bytes(data[m + 2:m + 10]) == b"comment\0":
-                        comment = _text(data[m + 32:m + match_size])
+                        comment = nlwire.text(data[m + 32:m + match_size])
                     m += match_size
                 if comment:
                     out.append((chain, comment, _U64.unpack_from(data, off + bytes_at)[0]))

@@ -17,6 +17,8 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
+import nlwire
+
 from .rawnl import IFLA_IFNAME, IFLA_INFO_KIND, IFLA_LINKINFO, route_socket
 
 RTMGRP_LINK = 0x1
@@ -27,10 +29,8 @@ IFF_UP = 0x1
 RT_TABLE_MAIN = 254
 RTA_OIF = 4
 
-_HDR = struct.Struct("=IHHII")
 _IFINFO = struct.Struct("=BxHiII")
 _RTMSG = struct.Struct("=BBBBBBBBI")  # family, dst_len, src_len, tos, table, protocol, scope, type, flags
-_NLA = struct.Struct("=HH")
 
 
 @dataclass(frozen=True)
@@ -44,45 +44,30 @@ class LinkEvent:
     link_kind: str = ""  # links only: "veth", "bridge", "ifb"... ("" when the message does not say)
 
 
-def _attrs(data: bytes, offset: int, end: int):
-    while offset + 4 <= end:
-        length, kind = _NLA.unpack_from(data, offset)
-        if length < 4:
-            return
-        yield kind & 0x3FFF, data[offset + 4:offset + length]
-        offset += (length + 3) & ~3
-
-
 def parse(data: bytes) -> list[LinkEvent]:
     """The link and route events in one datagram of notifications. Pure."""
     out: list[LinkEvent] = []
-    offset = 0
-    while offset + _HDR.size <= len(data):
-        length, msg_type, _, _, _ = _HDR.unpack_from(data, offset)
-        if length < _HDR.size:
-            break
-        body, end = offset + _HDR.size, min(offset + length, len(data))
-        if msg_type in (RTM_NEWLINK, RTM_DELLINK) and body + _IFINFO.size <= end:
-            _, _, index, flags, _ = _IFINFO.unpack_from(data, body)
+    for msg_type, _flags, _seq, body in nlwire.messages(data):
+        if msg_type in (RTM_NEWLINK, RTM_DELLINK) and _IFINFO.size <= len(body):
+            _, _, index, flags, _ = _IFINFO.unpack_from(body, 0)
             name = link_kind = ""
-            for kind, value in _attrs(data, body + _IFINFO.size, end):
+            for kind, value in nlwire.iter_attrs(body, _IFINFO.size):
                 if kind == IFLA_IFNAME:
-                    name = value.split(b"\0", 1)[0].decode(errors="replace")
+                    name = nlwire.text(value)
                 elif kind == IFLA_LINKINFO:
-                    for sub, subvalue in _attrs(value, 0, len(value)):
+                    for sub, subvalue in nlwire.iter_attrs(value):
                         if sub == IFLA_INFO_KIND:
-                            link_kind = subvalue.split(b"\0", 1)[0].decode(errors="replace")
+                            link_kind = nlwire.text(subvalue)
             out.append(LinkEvent("link", msg_type == RTM_DELLINK, index, name, bool(flags & IFF_UP),
                                  link_kind=link_kind))
-        elif msg_type in (RTM_NEWROUTE, RTM_DELROUTE) and body + _RTMSG.size <= end:
-            _, dst_len, _, _, table, _, _, _, _ = _RTMSG.unpack_from(data, body)
+        elif msg_type in (RTM_NEWROUTE, RTM_DELROUTE) and _RTMSG.size <= len(body):
+            _, dst_len, _, _, table, _, _, _, _ = _RTMSG.unpack_from(body, 0)
             oif = 0
-            for kind, value in _attrs(data, body + _RTMSG.size, end):
+            for kind, value in nlwire.iter_attrs(body, _RTMSG.size):
                 if kind == RTA_OIF and len(value) >= 4:
                     oif = struct.unpack_from("=i", value)[0]
             out.append(LinkEvent("route", msg_type == RTM_DELROUTE, oif,
                                  default_route=dst_len == 0 and table == RT_TABLE_MAIN))
-        offset += (length + 3) & ~3
     return out
 
 

@@ -15,14 +15,11 @@ import socket
 import struct
 from dataclasses import dataclass
 
-from pyroute2 import netns as pr_netns
+import nlwire
+from nlwire import NLM_F_DUMP, NLM_F_REQUEST, NLMSG_DONE, NLMSG_ERROR
 
-NLMSG_ERROR = 2
-NLMSG_DONE = 3
-NLM_F_REQUEST = 0x1
 NLM_F_MULTI = 0x2
 NLM_F_ACK = 0x4
-NLM_F_DUMP = 0x300
 RTM_GETLINK = 18
 RTM_GETQDISC = 38
 RTM_GETTCLASS = 42
@@ -32,9 +29,7 @@ SOL_NETLINK = 270
 NETLINK_EXT_ACK = 11
 NETLINK_GET_STRICT_CHK = 12
 
-_HDR = struct.Struct("=IHHII")  # nlmsghdr
 _TCMSG = struct.Struct("=BxxxiIII")  # family, pad, ifindex, handle, parent, info
-_NLA = struct.Struct("=HH")
 _IFINFO = struct.Struct("=BxHiII")  # family, pad, type, ifindex, flags, change
 
 IFLA_IFNAME, IFLA_TXQLEN, IFLA_LINKINFO, IFLA_IFALIAS, IFLA_INFO_KIND = 3, 13, 18, 20, 1
@@ -46,13 +41,7 @@ TCA_HTB_PARMS, TCA_HTB_RATE64, TCA_HTB_CEIL64 = 1, 6, 7
 
 def route_socket(netns: str | None, rcvbuf: int) -> socket.socket:
     """A raw NETLINK_ROUTE socket opened inside a network namespace (None: this one)."""
-    if netns:
-        pr_netns.pushns(netns)
-    try:
-        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_ROUTE)
-    finally:
-        if netns:
-            pr_netns.popns()
+    sock = nlwire.socket_in(netns, NETLINK_ROUTE)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     return sock
 
@@ -95,7 +84,7 @@ class NetlinkChannel:
                 i += 1
             self.sock.send(bytes(chunk))
             while pending:
-                for mtype, _flags, seq, payload in _messages(self.sock.recv(1 << 20)):
+                for mtype, _flags, seq, payload in nlwire.messages(self.sock.recv(1 << 20)):
                     if mtype == NLMSG_ERROR and seq in pending:
                         (err,) = struct.unpack_from("=i", payload, 0)
                         results[pending.pop(seq)] = -err
@@ -105,12 +94,12 @@ class NetlinkChannel:
         """One device by name (RTM_GETLINK with IFLA_IFNAME), or None when it does not exist."""
         seq = self._next()
         ifname = name.encode() + b"\0"
-        nla = _NLA.pack(4 + len(ifname), IFLA_IFNAME) + ifname
+        nla = nlwire.NLA.pack(4 + len(ifname), IFLA_IFNAME) + ifname
         nla += b"\0" * (-len(nla) % 4)
         body = _IFINFO.pack(socket.AF_UNSPEC, 0, 0, 0, 0) + nla
-        self.sock.send(_HDR.pack(_HDR.size + len(body), RTM_GETLINK, NLM_F_REQUEST, seq, 0) + body)
+        self.sock.send(nlwire.HDR.pack(nlwire.HDR.size + len(body), RTM_GETLINK, NLM_F_REQUEST, seq, 0) + body)
         while True:
-            for mtype, _flags, mseq, payload in _messages(self.sock.recv(1 << 16)):
+            for mtype, _flags, mseq, payload in nlwire.messages(self.sock.recv(1 << 16)):
                 if mseq != seq:
                     continue
                 if mtype == NLMSG_ERROR:
@@ -125,18 +114,18 @@ class NetlinkChannel:
                     index=index,
                     up=bool(flags & 1),
                     txqlen=struct.unpack_from("=I", a[IFLA_TXQLEN], 0)[0] if IFLA_TXQLEN in a else 0,
-                    alias=_text(a[IFLA_IFALIAS]) if IFLA_IFALIAS in a else None,
-                    kind=_text(info[IFLA_INFO_KIND]) if IFLA_INFO_KIND in info else None,
+                    alias=nlwire.text(a[IFLA_IFALIAS]) if IFLA_IFALIAS in a else None,
+                    kind=nlwire.text(info[IFLA_INFO_KIND]) if IFLA_INFO_KIND in info else None,
                 )
 
     def _dump_payloads(self, msg_type: int, body: bytes, what: str, absent: tuple[int, ...] = ()) -> list[bytes]:
         """One NLM_F_DUMP request; -> the payload of every answer message. An error whose errno is in
         `absent` means "nothing to dump" (an empty list); any other raises OSError naming `what`."""
         seq = self._next()
-        self.sock.send(_HDR.pack(_HDR.size + len(body), msg_type, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body)
+        self.sock.send(nlwire.HDR.pack(nlwire.HDR.size + len(body), msg_type, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body)
         out: list[bytes] = []
         while True:
-            for mtype, _flags, mseq, payload in _messages(self.sock.recv(1 << 20)):
+            for mtype, _flags, mseq, payload in nlwire.messages(self.sock.recv(1 << 20)):
                 if mseq != seq:
                     continue
                 if mtype == NLMSG_DONE:
@@ -155,7 +144,7 @@ class NetlinkChannel:
             _, _, index, _, _ = _IFINFO.unpack_from(payload, 0)
             a = attrs(payload[_IFINFO.size :])
             info = attrs(a.get(IFLA_LINKINFO, b""))
-            out.append((_text(a.get(IFLA_IFNAME, b"")), _text(info[IFLA_INFO_KIND]) if IFLA_INFO_KIND in info else None,
+            out.append((nlwire.text(a.get(IFLA_IFNAME, b"")), nlwire.text(info[IFLA_INFO_KIND]) if IFLA_INFO_KIND in info else None,
                         index))
         return out
 
@@ -193,30 +182,9 @@ class NetlinkChannel:
                 self._tc_messages(msg_type, body, "tc") if index == ifindex]
 
 
-def _messages(data: bytes):
-    off = 0
-    while off + _HDR.size <= len(data):
-        length, mtype, flags, seq, _pid = _HDR.unpack_from(data, off)
-        if length < _HDR.size:
-            break
-        yield mtype, flags, seq, data[off + _HDR.size : off + length]
-        off += (length + 3) & ~3
-
-
 def attrs(buf: bytes) -> dict[int, bytes]:
-    out = {}
-    off = 0
-    while off + 4 <= len(buf):
-        length, atype = _NLA.unpack_from(buf, off)
-        if length < 4:
-            break
-        out[atype & 0x3FFF] = buf[off + 4 : off + length]
-        off += (length + 3) & ~3
-    return out
-
-
-def _text(b: bytes) -> str:
-    return b.rstrip(b"\0").decode(errors="replace")
+    """Attributes by type (the last of a repeated type)."""
+    return dict(nlwire.iter_attrs(buf))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-PRODUCT = ("cli", "netagent", "controller", "core", "tc", "iptables")
+PRODUCT = ("cli", "netagent", "controller", "core", "tc", "iptables", "nlwire")
 PACKAGES = (*PRODUCT, "lab", "tests", "bench")
 
 
@@ -36,6 +36,7 @@ def test_the_layer_contracts_hold():
     ("core/policy.py", "import controller.allocator", "layers"),  # the core above a process
     ("controller/app.py", "import lab.topology", "layers"),  # the product imports the lab
     ("tc/model.py", "import iptables.model", "layers"),  # sibling libraries
+    ("nlwire/__init__.py", "import tc.rawnl", "layers"),  # the wire above what speaks it
     ("core/quantity.py", "import pyroute2", "pyroute2"),  # netlink outside tc/ and iptables/
     ("netagent/sync.py", "import tests.kube", "tests"),
     ("core/wire.py", "import aiohttp", "core needs"),

@@ -1,0 +1,58 @@
+"""Netlink on the wire, shared by tc/ (rtnetlink) and iptables/ (netfilter netlink): a raw socket
+opened in a network namespace, and the framing of messages and attributes. Pure but for the socket;
+what a message means stays with the layer that asks."""
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Iterator
+
+from pyroute2 import netns as pr_netns
+
+NLMSG_ERROR, NLMSG_DONE = 2, 3
+NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
+NLA_TYPE_MASK = 0x3FFF  # less NLA_F_NESTED and NLA_F_NET_BYTEORDER
+
+HDR = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, seq, pid
+NLA = struct.Struct("=HH")  # nlattr: length, type
+
+Buffer = bytes | memoryview
+
+
+def socket_in(netns: str | None, protocol: int, family: int = socket.AF_NETLINK) -> socket.socket:
+    """A raw socket (netlink of `protocol` by default), opened inside a network namespace (None:
+    this one): a socket stays in the namespace it was made in."""
+    if netns:
+        pr_netns.pushns(netns)
+    try:
+        return socket.socket(family, socket.SOCK_RAW, protocol)
+    finally:
+        if netns:
+            pr_netns.popns()
+
+
+def messages(data: Buffer) -> Iterator[tuple[int, int, int, Buffer]]:
+    """(type, flags, seq, payload) of each message in one datagram; a memoryview stays a view."""
+    off = 0
+    while off + HDR.size <= len(data):
+        length, mtype, flags, seq, _pid = HDR.unpack_from(data, off)
+        if length < HDR.size:
+            return
+        yield mtype, flags, seq, data[off + HDR.size:off + length]
+        off += (length + 3) & ~3
+
+
+def iter_attrs(data: Buffer, off: int = 0, end: int | None = None) -> Iterator[tuple[int, Buffer]]:
+    """(type, value) of each attribute in data[off:end], in order (a type may repeat)."""
+    end = len(data) if end is None else end
+    while off + 4 <= end:
+        length, kind = NLA.unpack_from(data, off)
+        if length < 4:
+            return
+        yield kind & NLA_TYPE_MASK, data[off + 4:off + length]
+        off += (length + 3) & ~3
+
+
+def text(value: Buffer) -> str:
+    """A C string attribute: up to its first NUL."""
+    return bytes(value).split(b"\0", 1)[0].decode(errors="replace")
