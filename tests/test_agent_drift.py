@@ -47,6 +47,13 @@ def shaped(node) -> bool:
             and node.pods[0].ip4 in iptables_text(node.netns) and "-j NETAGENT" in iptables_text(node.netns))
 
 
+def told(agent) -> float:
+    """Drift the agent told about: noticed by the watch (which wakes a full sync), or found by a sync
+    that ran anyway (the start-up's queued syncs can beat the watch's 1 s hook check, CI saw it) and
+    counted as repaired. Either way the user sees it; neither is the periodic resync."""
+    return agent.metric("netagent_drift_detected_total") + agent.metric("netagent_drift_repairs_total")
+
+
 def current_uplink(node) -> str:
     return run("ip -o route show default", node.netns).split(" dev ", 1)[1].split()[0]
 
@@ -55,7 +62,7 @@ def current_uplink(node) -> str:
 def test_drift_is_repaired_before_the_periodic_resync(setup, fault):
     lab, node, agent = setup
     assert shaped(node)
-    before = agent.metric("netagent_drift_detected_total")
+    before = told(agent)
     if fault == "mangle flushed":
         flush_mangle(node.netns)
     elif fault == "IFB deleted":
@@ -67,9 +74,8 @@ def test_drift_is_repaired_before_the_periodic_resync(setup, fault):
                     else node.uplink)
     # (the repair may beat any check here: netlink events arrive within milliseconds)
     wait_for(lambda: shaped(node), timeout=REPAIR_WAIT, interval=0.1, what=f"repair after {fault}")
-    # the repair came from the drift watch (not the 600 s resync); a scrape may lag the repair
-    wait_for(lambda: agent.metric("netagent_drift_detected_total") > before, timeout=REPAIR_WAIT,
-             what="the drift counted")
+    # the repair is told (not left to the 600 s resync); a scrape may lag the repair
+    wait_for(lambda: told(agent) > before, timeout=REPAIR_WAIT, what="the drift counted")
     wait_for(lambda: agent.get("/readyz")[0] == 200, timeout=REPAIR_WAIT, what="ready again")
     if fault == "uplink renamed":  # put the name back: the lab removes the device by its name
         rename_link(node.netns, current_uplink(node), node.uplink)
