@@ -142,6 +142,16 @@ class Classifier:
         self._carried = {k: v for k, v in self._carried.items() if k in keys}
         return {"iptables": changes, "ipset": set_changes}
 
+    def expected_lines(self, state: ClassifierState) -> tuple[int, ...]:
+        """Per family (FAMILIES), the lines naming our prefix that `iptables-save -t mangle` shows once
+        `state` is applied: our chains' declarations and rules, and the hooks into them. Computed from
+        the desired rules, never read back: a flush that lands between an apply and a read-back would
+        otherwise become the expected state, and the drift watch would never see it."""
+        if state != self._built[0]:
+            self._built = (state, {f: R.build(state, f, self.prefix) for f in FAMILIES})
+        return tuple(len(rs.chains) + sum(len(rules) for rules in rs.chains.values()) + len(rs.jumps)
+                     for rs in (self._built[1][f] for f in FAMILIES))
+
     def _read_sets(self, names: list[str] | None = None, source: str = "auto") -> dict[str, SetView]:
         """Our existing ipsets (all of `R.set_names`, or `names`), as they are, with member byte counts.
 

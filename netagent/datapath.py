@@ -126,7 +126,7 @@ class KernelDataPath:
         self._counters_lock = threading.Lock()  # one counters read at a time; the others take its result
         self._ipt_seq = 0  # odd while an iptables apply runs; bumped at its start and end
         self._applied_classifier = None  # the classifier state the kernel was last made to match
-        self._hooks: tuple[int, ...] | None = None  # our mangle lines per family after the last apply
+        self._hooks: tuple[int, ...] | None = None  # our mangle lines per family the last apply made (from its rules)
         self._hooks_read: tuple[object, tuple[int, ...]] | None = None  # (rules version, the lines then)
         self._stats: tuple[float, dict[int, ClassStats]] | None = None
         self._ingress_stats: tuple[float, dict[int, ClassStats]] | None = None
@@ -165,7 +165,7 @@ class KernelDataPath:
                 finally:
                     self._ipt_seq += 1
                 self._applied_classifier = desired.classifier
-                self._hooks = self._read_hooks()
+                self._hooks = self._classifier.expected_lines(desired.classifier)
         if desired.ingress_shaper is None:
             with self._tc_lock:  # download shaping turned off: nothing marks for it any more
                 changes["tc"] += len(self._remove_ingress_shaper())

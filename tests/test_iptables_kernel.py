@@ -100,6 +100,8 @@ def test_apply_is_idempotent_and_adopted_by_a_fresh_classifier(netns, backend):
     assert "add netagent-egress-inet6 fd00:244::10 packets 0 bytes 0 comment \"ns/p0\" skbmark 0x1000/0x1000 skbprio 1:10" \
         in sh("ipset save netagent-egress-inet6", netns)
     assert "add netagent-egress-ack4 10.244.0.10 skbprio 1:8010" in sh("ipset save netagent-egress-ack4", netns)
+    # what the drift watch expects is computed from the rules: it must be what the kernel shows
+    assert clf.expected_lines(state(4)) == (len(our_dump(netns, backend)), len(our_dump(netns, backend, "ip6tables")))
     calls = count_restores(clf)
     assert clf.apply(state(4)) == {"iptables": 0, "ipset": 0}
     assert calls == []
