@@ -17,11 +17,12 @@ import dataclasses
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from core.policy import ResolvedPod
 from core.quantity import MAX_BPS, TRICKLE_BPS
 from tc.model import NODE_MINOR
+from tc.sizing import LEAST_CEIL_BPS
 
 log = logging.getLogger(__name__)
 
@@ -114,19 +115,33 @@ class Allocations:
         return min(max(int(rate), at_least, 8), MAX_BPS)
 
 
-def cap_to_node(effective: dict[str, Allocation], node_rate: int, reserved: int = 0) -> dict[str, Allocation]:
+def cap_to_node(effective: dict[str, Allocation], node_rate: int, reserved: int = 0,
+                caps: Mapping[str, int] | None = None) -> dict[str, Allocation]:
     """`effective` within the node class: every ceil at most `node_rate`, and the HTB rates (the
     shares HTB grants without asking the parent) scaled down together, above the trickle every
     class keeps, when they add up to more than `node_rate - reserved` (`reserved`: the default
-    class's guaranteed floor). Pure."""
+    class's guaranteed floor). Pure.
+
+    Every ceil of a pod in `caps` is also at least min(its cap there, LEAST_CEIL_BPS, `node_rate`): below
+    that one GSO packet puts the class in a debt HTB keeps after the ceil is raised (a pod whose
+    flow started just after its report was answered as idle stalled 19 s). The node class's ceil
+    still bounds the node's total, so the budget holds: such a pod only borrows what its node's
+    other pods leave."""
     room = node_rate - reserved if node_rate > reserved else node_rate
     rates = {k: max(TRICKLE_BPS, int(a.allocation_bps)) for k, a in effective.items()}
     above = sum(r - TRICKLE_BPS for r in rates.values())
     avail = max(0, room - TRICKLE_BPS * len(rates))
     if sum(rates.values()) > room and above > 0:
         rates = {k: TRICKLE_BPS + int((r - TRICKLE_BPS) * avail / above) for k, r in rates.items()}
-    return {k: Allocation(min(rates[k], node_rate), min(max(a.limit_bps, rates[k]), node_rate))
+    least = {k: min(cap, LEAST_CEIL_BPS) for k, cap in (caps or {}).items()}
+    return {k: Allocation(min(rates[k], node_rate), min(max(a.limit_bps, rates[k], least.get(k, 0)), node_rate))
             for k, a in effective.items()}
+
+
+def least_ceils(allocations: Allocations, pods: Iterable[ResolvedPod]) -> dict[str, int] | None:
+    """`cap_to_node`'s caps: each pod's cap, or None in fail-static (the safe floors then add up to
+    the budget across the cluster only as ceils: no pod may borrow above its floor). Pure."""
+    return None if allocations.fail_static else {p.key: p.max_bps for p in pods}
 
 
 def pod_rates(a: Allocation) -> tuple[int, int]:

@@ -19,7 +19,7 @@ from typing import Callable
 from core.objects import Snapshot
 from core.policy import PolicyCache, ResolvedPod, resolve_pods
 
-from .allocations import Allocation, Allocations, AllocationSet, cap_to_node, ingress_view, pod_rates
+from .allocations import Allocation, Allocations, AllocationSet, cap_to_node, ingress_view, least_ceils, pod_rates
 from .config import AgentConfig
 from .datapath import DataPath
 from .demand import PodDemand
@@ -123,7 +123,7 @@ class NodeSync:
             effective = self.allocations.effective(pods, self.minor_of, time.monotonic())
             stage = "plan"
             node_rate = self.allocations.node_rate(effective, self.cfg.datapath.default_rate)
-            effective = cap_to_node(effective, node_rate, self.cfg.datapath.default_rate)
+            effective = cap_to_node(effective, node_rate, self.cfg.datapath.default_rate, least_ceils(self.allocations, pods))
             ingress_rate, ingress_eff, ingress_budget = None, {}, 0
             if self.ingress_allocations is not None:
                 ingress_rate, ingress_eff, ingress_budget = self._ingress(pods, policy)
@@ -161,7 +161,7 @@ class NodeSync:
         self._allocate_locally_if_inputs_changed(views, budget, "ingress")
         eff = self.ingress_allocations.effective(views, self.minor_of, time.monotonic())
         rate = self.ingress_allocations.node_rate(eff, floor)
-        return rate, cap_to_node(eff, rate, floor), budget
+        return rate, cap_to_node(eff, rate, floor, least_ceils(self.ingress_allocations, views)), budget
 
     def _count(self, changes: dict[str, int], before: DesiredState | None, desired: DesiredState,
                elapsed: float) -> None:

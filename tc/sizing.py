@@ -13,6 +13,14 @@ R2Q = 100  # root r2q; quanta are always set explicitly, this only silences kern
 MAX_QUANTUM = 1 << 21
 
 
+# HTB charges a whole packet against a class's ceil when it sends it, and keeps the debt in time
+# at the ceil of that moment: one 64 KiB GSO packet at 27 kbit/s owes 19 s, and raising the ceil
+# later does not shorten it (measured: a TCP flow held at 27 kbit/s for 1 s, then given 100 Mbit/s,
+# moved nothing for 12 s). At LEAST_CEIL_BPS one such packet owes at most MAX_PACKET_DEBT_S.
+MAX_PACKET_DEBT_S = 0.125
+LEAST_CEIL_BPS = int(GSO_MAX_BYTES * 8 / MAX_PACKET_DEBT_S)  # 4.19 Mbit/s
+
+
 def bytes_per_second(bps: int) -> int:
     """bit/s -> byte/s, never 0 (HTB treats 0 as 'unset')."""
     return max(1, bps // 8)

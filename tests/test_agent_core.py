@@ -18,6 +18,7 @@ from netagent.desired import DataPathOptions, PodShape, assign_minors, from_wire
 from netagent.local import LocalAllocator
 from netagent.metrics import AgentMetrics
 from tc.model import ack_minor, bulk_minor
+from tc.sizing import LEAST_CEIL_BPS
 
 M = 1_000_000
 CLASSES = ({"kind": "EgressClass", "metadata": {"name": "bronze"}, "spec": {"max": "20M"}},)
@@ -110,6 +111,24 @@ def test_controller_lease_then_floor_and_drift_accounting():
     assert [(c.rate, c.ceil) for c in dp.applied[-1].shaper.pods] == [wire(2 * M, 2 * M)]
     assert agent.fail_static and agent.view().allocation_source == "floor"
     assert sample(metrics, "netagent_drift_repairs_total", kind="tc") == 2  # a planned change is not drift
+
+
+def test_an_answer_near_zero_still_leaves_the_least_ceil_within_the_node():
+    """A pod answered with 27 kbit/s (idle when it was reported) gets a ceil of LEAST_CEIL_BPS: HTB
+    would keep a GSO packet's debt at 27k for 19 s. A pod capped lower keeps its cap, and the
+    node's rate bounds every ceil (the budget holds: the floor is only borrowed inside the node)."""
+    small = ({"kind": "EgressClass", "metadata": {"name": "tiny"}, "spec": {"max": "1M"}},)
+    for node_rate, classes, ann, want in ((50 * M, CLASSES, {}, LEAST_CEIL_BPS),
+                                         (50 * M, CLASSES + small, {"netagent.io/egress-class": "tiny"}, 1 * M),
+                                         (2 * M, CLASSES, {}, 2 * M)):
+        dp = FakeDataPath()
+        agent, _ = make_agent(dp, controller="http://controller")
+        agent.on_snapshot(Snapshot((pod("p", "10.244.0.10", **ann),), classes, BUDGETS))
+        agent.set_allocations(AllocationSet(pods={"ns/p": Allocation(27_000, 27_000)}, node_rate_bps=node_rate,
+                                            safe_floor_bps=10_000, lease_expires=time.monotonic() + 60,
+                                            source="controller"))
+        assert agent.sync()
+        assert [(c.rate, c.ceil) for c in dp.applied[-1].shaper.pods] == [wire(27_000, want)], (node_rate, ann)
 
 
 def wait_until(predicate, timeout=10.0):

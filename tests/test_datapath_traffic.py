@@ -31,6 +31,7 @@ from netagent.desired import DataPathOptions, DesiredState, NodeInputs, PodShape
 from tc.model import DEFAULT_MINOR, bulk_minor
 from tc.netlink import Shaper
 from tc.probe import probe
+from tc.sizing import LEAST_CEIL_BPS
 from lab.netns import require_root
 
 pytestmark = [pytest.mark.root, pytest.mark.traffic]
@@ -382,6 +383,36 @@ def test_rate_change_applies_in_place(lab, node):
     assert abs(rate_error(after, 40 * M)) <= TOLERANCE, after
     intervals = [i["sum"]["bytes"] for i in json.loads(out)["intervals"]]
     assert all(b > 0 for b in intervals), f"traffic stalled during the change: {intervals}"
+
+
+@pytest.mark.parametrize("low,stalls", [(LEAST_CEIL_BPS, False), (27_000, True)], ids=["least-ceil", "27k"])
+def test_a_short_cut_costs_no_stall_at_the_least_ceil(lab, node, low, stalls):
+    """HTB keeps a class's debt for a packet it sent in time at the ceil of that moment: one second
+    at 27 kbit/s (an answer computed before the pod's flow started) leaves a 64 KiB GSO packet's
+    19 s debt, and the flow stalls after the ceil is raised again. At LEAST_CEIL_BPS, the least
+    ceil the agent ever gives a pod (`cap_to_node`), the flow is back at once. The 27k case shows
+    that this test sees the stall it guards against."""
+    pod = node.pods[0]
+    node.program({pod.name: (40 * M, 40 * M)})
+    client = lab.iperf_async(pod.netns, INTERNET_V4, PORTS[0], seconds=6, extra=["-i", "0.5"])
+    try:
+        time.sleep(1.0)
+        node.program({pod.name: (8_000, low)})
+        time.sleep(1.0)
+        node.program({pod.name: (40 * M, 40 * M)})
+        time.sleep(0.4)
+        s0, t0 = node.class_stats(pod), time.monotonic()
+        time.sleep(1.6)
+        s1, t1 = node.class_stats(pod), time.monotonic()
+        client.communicate(timeout=40)
+    finally:
+        if client.poll() is None:
+            client.kill()
+    after = ip_rate(s0, s1, t1 - t0)
+    if stalls:
+        assert after < 0.1 * 40 * M, f"{after / M:.2f} Mbit/s: the flow did not stall; LEAST_CEIL_BPS may be too careful"
+    else:
+        assert after > 0.8 * 40 * M, f"{after / M:.2f} Mbit/s after the ceil went back to 40M: the flow stalled"
 
 
 # -- classification and accounting --------------------------------------------------------
