@@ -48,11 +48,19 @@ def test_demo_runs_shapes_to_the_budget_moves_allocations_and_cleans_up(tmp_path
     (change_t, what), = s["events"]
     late_first = [i for i, x in enumerate(t) if change_t - 6 <= x < change_t]  # settled, before the change
     late_second = [i for i, x in enumerate(t) if x >= t[-1] - 5]  # the end
-    for window in (late_first, late_second):
-        total = sum(_mean([rates[k][i] for i in window if i < len(rates[k])]) for k in rates)
+    for window, fair in ((late_first, s["fair_before_bps"]), (late_second, s["fair_after_bps"])):
+        means = {k: _mean([rates[k][i] for i in window if i < len(rates[k])]) for k in rates}
+        total = sum(means.values())
         # the six pods together offer Gbit/s: without shaping the total would be far above the budget;
-        # held within ±5 % while the same pods download (runs here: -0.4 to -1.8 %, docs/datapath.md)
+        # held within ±5 % while the same pods download (20 runs of bench/demo_runs.py: -0.3 to -2.3 %)
         assert 0.95 * budget <= total <= 1.05 * budget, f"total {total:.1f} Mbit/s against a {budget:.0f} Mbit/s budget"
+        # every pod within 5 % of its fair share (`netagent plan`'s answer) at the end, 10+ periods after
+        # the change (20 runs of bench/demo_runs.py: -3.1 to +0.0 %). Not before the change: in 1 of 20
+        # runs the first answer gave three pods 1 Mbit/s and one 60, and the probe's x1.25-x2 climb
+        # took 13 s (docs/datapath.md, open)
+        off = {k: round(means[k] * 1e6 / fair[k] - 1, 3) for k in rates}
+        assert window is late_first or all(abs(e) <= 0.05 for e in off.values()), \
+            f"uploads against their fair shares at the end: {off}"
     # every pod's flow moved (iperf3's own 0.2 s intervals, read as they were flushed)
     assert all(v is not None for v in s["first_moved_s"].values()), s["first_moved_s"]
     assert set(s["steady_total"]) == {"before_change", "end"}  # the ±1 % figure: docs/datapath.md (40 s runs)
@@ -67,17 +75,19 @@ def test_demo_runs_shapes_to_the_budget_moves_allocations_and_cleans_up(tmp_path
     down = s["download"]
     drates, dbudget = down["rate_mbps"], down["budget_bps"] / 1e6
     assert len(drates) == 6, f"expected six pods' downloads, saw {sorted(drates)}"
-    for window in (late_first, late_second):
-        total = sum(_mean([drates[k][i] for i in window if i < len(drates[k])]) for k in drates)
+    for window, fair in ((late_first, down["fair_before_bps"]), (late_second, down["fair_after_bps"])):
+        means = {k: _mean([drates[k][i] for i in window if i < len(drates[k])]) for k in drates}
+        total = sum(means.values())
         # six pods download at Gbit/s from the internet host: unshaped, far above the download budget.
         # Each pod's ACKs go ahead of its data in its control leaf (one FIFO held them behind its GSO
-        # uploads: 25-62 % under, docs/datapath.md); runs here: -0.4 to -1.7 %. The low bound is not
-        # -5 %: one CI run read -8.5 % when one pod's download stalled for 19 s after a one-period
-        # allocation of 27 kbit/s (TCP's retransmission backoff; docs/datapath.md, an open finding)
-        assert 0.85 * dbudget <= total <= 1.05 * dbudget, \
+        # uploads: 25-62 % under), and no ceil goes below 4.19 Mbit/s (a one-period 27 kbit/s answer
+        # left an HTB debt that stalled a pod for 19 s); 20 runs of bench/demo_runs.py here: totals
+        # +0.0 to -2.4 %, no stall (docs/datapath.md)
+        assert 0.95 * dbudget <= total <= 1.05 * dbudget, \
             f"download total {total:.1f} Mbit/s against a {dbudget:.0f} Mbit/s download budget"
-    # (each pod's download against its fair share is measured, not asserted: the stall above can
-    # last to the end of a 30 s run; docs/datapath.md has the figures)
+        off = {k: round(means[k] * 1e6 / fair[k] - 1, 3) for k in drates}  # at the end, as for uploads
+        assert window is late_first or all(abs(e) <= 0.05 for e in off.values()), \
+            f"downloads against their fair shares at the end: {off}"
     assert all(v is not None for v in down["first_moved_s"].values()), down["first_moved_s"]
     assert set(down["steady_total"]) == {"before_change", "end"}
     assert down["fair_after_bps"]["data/crawl"] > 2 * down["fair_before_bps"]["data/crawl"]
