@@ -63,8 +63,9 @@ def leaf_limit_bytes(bps: int) -> int:
 ACK_SHARE_DIVISOR = 8
 
 
-def split_rate(bps: int, least: int = 8) -> tuple[int, int]:
+def split_rate(bps: int, least: int) -> tuple[int, int]:
     """(control leaf, bulk leaf) guarantees that add up to the pod's rate `bps` (HTB lets a class
-    under its own rate send without asking its parent, so the leaves' rates must not add up to more)."""
+    under its own rate send without asking its parent, so the leaves' rates must not add up to more);
+    neither below `least` (the caller's MIN_RATE_BPS: HTB cannot express less)."""
     ack = max(least, bps // ACK_SHARE_DIVISOR)
     return ack, max(least, bps - ack)
