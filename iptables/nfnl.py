@@ -67,11 +67,6 @@ class NetlinkUnavailable(IptablesError):
     """Netfilter netlink cannot be used here: read the counters with the tools instead."""
 
 
-def _nla(kind: int, value: bytes) -> bytes:
-    body = nlwire.NLA.pack(4 + len(value), kind) + value
-    return body + b"\0" * (-len(body) % 4)
-
-
 class NetfilterReader:
     """One NETLINK_NETFILTER socket in a network namespace (None: this process's)."""
 
@@ -104,7 +99,7 @@ class NetfilterReader:
         body = _NFGEN.pack(family, 0, 0) + attrs
         flags = NLM_F_REQUEST | (NLM_F_DUMP if dump else 0)
         try:
-            self.sock.send(nlwire.HDR.pack(nlwire.HDR.size + len(body), msg_type, flags, seq, 0) + body)
+            self.sock.send(nlwire.message(msg_type, flags, seq, body))
             out: list[memoryview] = []
             while True:
                 for mtype, _flags, mseq, payload in nlwire.messages(memoryview(self.sock.recv(RECV_BYTES))):
@@ -128,11 +123,15 @@ class NetfilterReader:
             raise NetlinkUnavailable(f"{what} over netlink failed: {exc}") from exc
 
     # -- ipset -----------------------------------------------------------------------------
+    def _list_set(self, name: str) -> list[memoryview] | None:
+        """IPSET_CMD_LIST of one set: its answer messages, None when it does not exist."""
+        request = nlwire.attr(IPSET_ATTR_PROTOCOL, bytes([IPSET_PROTOCOL_MIN])) + nlwire.attr(IPSET_ATTR_SETNAME, name.encode() + b"\0")
+        return self._dump((NFNL_SUBSYS_IPSET << 8) | IPSET_CMD_LIST, socket.AF_INET, request, f"ipset list {name}")
+
     def set_members(self, name: str) -> dict[str, tuple[int, str | None]] | None:
         """Members of one hash:ip set with the counters extension: canonical address -> (bytes,
         comment). None when the set does not exist."""
-        request = _nla(IPSET_ATTR_PROTOCOL, bytes([IPSET_PROTOCOL_MIN])) + _nla(IPSET_ATTR_SETNAME, name.encode() + b"\0")
-        answers = self._dump((NFNL_SUBSYS_IPSET << 8) | IPSET_CMD_LIST, socket.AF_INET, request, f"ipset list {name}")
+        answers = self._list_set(name)
         if answers is None:
             return None
         out: dict[str, tuple[int, str | None]] = {}
@@ -181,8 +180,7 @@ class NetfilterReader:
     def read_set(self, name: str) -> tuple[str, int, tuple[str, ...], dict[str, tuple[tuple[tuple[str, str], ...], int]]] | None:
         """One whole set as `ipset save` shows it: (type, family 4/6, extensions, canonical member ->
         ((option, value) in `parse_ipset_entries`' order and spelling, bytes)). None: no such set."""
-        request = _nla(IPSET_ATTR_PROTOCOL, bytes([IPSET_PROTOCOL_MIN])) + _nla(IPSET_ATTR_SETNAME, name.encode() + b"\0")
-        answers = self._dump((NFNL_SUBSYS_IPSET << 8) | IPSET_CMD_LIST, socket.AF_INET, request, f"ipset list {name}")
+        answers = self._list_set(name)
         if answers is None:
             return None
         kind, family, extensions = "", 0, ()
@@ -251,7 +249,7 @@ class NetfilterReader:
         """(chain, comment, bytes) of every commented rule in `prefix`-chains of an nftables table
         made by iptables-nft (family 4: ip, 6: ip6), in the kernel's order: what `counted_comments`
         finds in `iptables-nft-save -c -t <table>`. No such table: []."""
-        request = _nla(NFTA_RULE_TABLE, table.encode() + b"\0")
+        request = nlwire.attr(NFTA_RULE_TABLE, table.encode() + b"\0")
         answers = self._dump((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETRULE, NFPROTO[family], request,
                              f"nftables rules of {table}")
         out: list[tuple[str, str, int]] = []

@@ -31,6 +31,17 @@ def socket_in(netns: str | None, protocol: int, family: int = socket.AF_NETLINK)
             pr_netns.popns()
 
 
+def message(msg_type: int, flags: int, seq: int, body: bytes) -> bytes:
+    """One request: the header (this socket's port id left 0 for the kernel to fill) and `body`."""
+    return HDR.pack(HDR.size + len(body), msg_type, flags, seq, 0) + body
+
+
+def attr(kind: int, value: bytes) -> bytes:
+    """One attribute, padded to 4 bytes."""
+    out = NLA.pack(4 + len(value), kind) + value
+    return out + b"\0" * (-len(out) % 4)
+
+
 def messages(data: Buffer) -> Iterator[tuple[int, int, int, Buffer]]:
     """(type, flags, seq, payload) of each message in one datagram; a memoryview stays a view."""
     off = 0

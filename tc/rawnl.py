@@ -93,11 +93,8 @@ class NetlinkChannel:
     def get_link(self, name: str) -> "RawLink | None":
         """One device by name (RTM_GETLINK with IFLA_IFNAME), or None when it does not exist."""
         seq = self._next()
-        ifname = name.encode() + b"\0"
-        nla = nlwire.NLA.pack(4 + len(ifname), IFLA_IFNAME) + ifname
-        nla += b"\0" * (-len(nla) % 4)
-        body = _IFINFO.pack(socket.AF_UNSPEC, 0, 0, 0, 0) + nla
-        self.sock.send(nlwire.HDR.pack(nlwire.HDR.size + len(body), RTM_GETLINK, NLM_F_REQUEST, seq, 0) + body)
+        body = _IFINFO.pack(socket.AF_UNSPEC, 0, 0, 0, 0) + nlwire.attr(IFLA_IFNAME, name.encode() + b"\0")
+        self.sock.send(nlwire.message(RTM_GETLINK, NLM_F_REQUEST, seq, body))
         while True:
             for mtype, _flags, mseq, payload in nlwire.messages(self.sock.recv(1 << 16)):
                 if mseq != seq:
@@ -122,7 +119,7 @@ class NetlinkChannel:
         """One NLM_F_DUMP request; -> the payload of every answer message. An error whose errno is in
         `absent` means "nothing to dump" (an empty list); any other raises OSError naming `what`."""
         seq = self._next()
-        self.sock.send(nlwire.HDR.pack(nlwire.HDR.size + len(body), msg_type, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body)
+        self.sock.send(nlwire.message(msg_type, NLM_F_REQUEST | NLM_F_DUMP, seq, body))
         out: list[bytes] = []
         while True:
             for mtype, _flags, mseq, payload in nlwire.messages(self.sock.recv(1 << 20)):
