@@ -105,10 +105,14 @@ class Classifier:
         return chain in BUILTIN or R.is_ours(chain, self.prefix)
 
     # -- apply ------------------------------------------------------------------------
-    def apply(self, state: ClassifierState) -> dict[str, int]:
+    def _rulesets(self, state: ClassifierState) -> dict[int, R.Ruleset]:
+        """`state` rendered per family (validating all input first), kept while the state stays."""
         if state != self._built[0]:
-            self._built = (state, {f: R.build(state, f, self.prefix) for f in FAMILIES})  # validates all input first
-        rulesets = self._built[1]
+            self._built = (state, {f: R.build(state, f, self.prefix) for f in FAMILIES})
+        return self._built[1]
+
+    def apply(self, state: ClassifierState) -> dict[str, int]:
+        rulesets = self._rulesets(state)
         wanted = {name: s for rs in rulesets.values() for name, s in rs.sets.items()}
         previous_sets = self._read_sets()
         done: list[tuple[int, dict, list]] = []
@@ -147,10 +151,9 @@ class Classifier:
         `state` is applied: our chains' declarations and rules, and the hooks into them. Computed from
         the desired rules, never read back: a flush that lands between an apply and a read-back would
         otherwise become the expected state, and the drift watch would never see it."""
-        if state != self._built[0]:
-            self._built = (state, {f: R.build(state, f, self.prefix) for f in FAMILIES})
+        rulesets = self._rulesets(state)
         return tuple(len(rs.chains) + sum(len(rules) for rules in rs.chains.values()) + len(rs.jumps)
-                     for rs in (self._built[1][f] for f in FAMILIES))
+                     for rs in (rulesets[f] for f in FAMILIES))
 
     def _read_sets(self, names: list[str] | None = None, source: str = "auto") -> dict[str, SetView]:
         """Our existing ipsets (all of `R.set_names`, or `names`), as they are, with member byte counts.
