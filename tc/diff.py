@@ -60,20 +60,22 @@ class Op:
 MAX_TICKS = 0xFFFFFFFF  # HTB's buffer and cbuffer are 32-bit tick counts
 
 
-def _fitting(rate_b: int, size: int, ticks: TickFn) -> int:
-    """The bucket size, cut so that its time at `rate_b` fits HTB's 32-bit buffer field: a 64 KiB
-    bucket at a few hundred bit/s (a pod's control leaf at a tiny guarantee) is days of ticks."""
+def _bucket(rate_b: int, size: int, ticks: TickFn) -> tuple[int, int]:
+    """(bucket bytes, its ticks at `rate_b`), the size cut so that its time fits HTB's 32-bit buffer
+    field: a 64 KiB bucket at a few hundred bit/s (a pod's control leaf at a tiny guarantee) is days
+    of ticks."""
     t = ticks(rate_b, size)
     if t <= MAX_TICKS:
-        return size
-    return max(1, size * MAX_TICKS // t - 1)
+        return size, t
+    size = max(1, size * MAX_TICKS // t - 1)
+    return size, ticks(rate_b, size)
 
 
 def class_params(spec: HtbClassSpec | None, minor: int, parent: int, rate: int, ceil: int, ticks: TickFn,
                  prio: int = 0, inner: bool = False) -> ClassParams:
     rate_b, ceil_b = sizing.bytes_per_second(rate), sizing.bytes_per_second(ceil)
-    burst = _fitting(rate_b, sizing.burst_bytes(rate), ticks)
-    cburst = _fitting(ceil_b, sizing.burst_bytes(ceil), ticks)
+    burst, buffer = _bucket(rate_b, sizing.burst_bytes(rate), ticks)
+    cburst, cbuffer = _bucket(ceil_b, sizing.burst_bytes(ceil), ticks)
     return ClassParams(
         minor=minor,
         parent_minor=parent,
@@ -82,8 +84,8 @@ def class_params(spec: HtbClassSpec | None, minor: int, parent: int, rate: int, 
         burst_bytes=burst,
         cburst_bytes=cburst,
         quantum=sizing.quantum_bytes(rate),
-        buffer=ticks(rate_b, burst),
-        cbuffer=ticks(ceil_b, cburst),
+        buffer=buffer,
+        cbuffer=cbuffer,
         prio=prio,
         inner=inner,
     )

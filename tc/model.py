@@ -37,10 +37,9 @@ def ack_minor(pod_minor: int) -> int:
 
 
 def pod_of_leaf(minor: int) -> int | None:
-    """The pod minor whose leaf `minor` is, or None when it is no pod leaf."""
-    if minor == DEFAULT_MINOR or not minor & (BULK_LEAF_BIT | ACK_LEAF_BIT):
-        return None
-    if minor & BULK_LEAF_BIT and minor & ACK_LEAF_BIT:
+    """The pod minor whose leaf `minor` is, or None when it is no pod leaf (no leaf bit, or both:
+    the default class 0xfffe and 0xffff among them)."""
+    if bool(minor & BULK_LEAF_BIT) == bool(minor & ACK_LEAF_BIT):
         return None
     return minor & POD_MINOR_MAX
 
