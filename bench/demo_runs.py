@@ -25,11 +25,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lab.demo import mean_rate, settled_windows  # noqa: E402
 
 TOTAL_AIM = 0.05
 POD_AIM = 0.05
@@ -39,25 +44,12 @@ FIRST_MOVE_AIM_S = 1.0
 SKIP_S = 3  # the flows start and the first answers arrive
 
 
-def _mean(values: list[float]) -> float:
-    vals = [v for v in values if v == v]  # NaN while a pod was not yet visible
-    return sum(vals) / len(vals) if vals else 0.0
-
-
-def windows(summary: dict) -> tuple[list[int], list[int]]:
-    """The settled seconds before the change and at the end, as tests/test_demo.py reads them."""
-    t = summary["t"]
-    (change_t, _), = summary["events"]
-    return ([i for i, x in enumerate(t) if change_t - 6 <= x < change_t],
-            [i for i, x in enumerate(t) if x >= t[-1] - 5])
-
-
 def figures(summary: dict, direction: dict) -> dict:
     """total error, worst pod error (signed, largest magnitude) per window, and the longest stall."""
     rates, budget = direction["rate_mbps"], direction["budget_bps"] / 1e6
     out = {"total": [], "pod": []}
-    for window, fair in zip(windows(summary), (direction["fair_before_bps"], direction["fair_after_bps"])):
-        means = {k: _mean([v[i] for i in window if i < len(v)]) for k, v in rates.items()}
+    for window, fair in zip(settled_windows(summary), (direction["fair_before_bps"], direction["fair_after_bps"])):
+        means = {k: mean_rate([v[i] for i in window if i < len(v)]) for k, v in rates.items()}
         out["total"].append(sum(means.values()) / budget - 1)
         errors = [means[k] * 1e6 / fair[k] - 1 for k in rates]
         out["pod"].append(max(errors, key=abs))

@@ -148,6 +148,21 @@ def fair_shares(policy: list[dict], classes: dict[tuple[str, str], str | None],
     return {k: v.allocation_bps for k, v in res.pods.items()}
 
 
+def mean_rate(values: list[float]) -> float:
+    """The mean of a series' seconds, skipping NaN (a pod not yet visible); 0 for none. Pure."""
+    vals = [v for v in values if v == v]
+    return sum(vals) / len(vals) if vals else 0.0
+
+
+def settled_windows(summary: dict) -> tuple[list[int], list[int]]:
+    """Indexes of a summary's settled seconds: the 6 s before the change, and the last 5 s (what
+    tests/test_demo.py asserts on and bench/demo_runs.py reports). Pure."""
+    t = summary["t"]
+    (change_t, _), = summary["events"]
+    return ([i for i, x in enumerate(t) if change_t - 6 <= x < change_t],
+            [i for i, x in enumerate(t) if x >= t[-1] - 5])
+
+
 def _mbit(bps: float) -> str:
     return f"{bps / 1e6:7.1f}"
 

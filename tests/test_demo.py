@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+from lab.demo import mean_rate, settled_windows
 from lab.netns import require_root
 
 DURATION = 30  # the change lands at 15 s; the second half shows allocations moving
@@ -14,11 +15,6 @@ DURATION = 30  # the change lands at 15 s; the second half shows allocations mov
 def _netns() -> set[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return {line.split()[0] for line in out.splitlines() if line.strip()}
-
-
-def _mean(seq: list[float]) -> float:
-    vals = [v for v in seq if v == v]  # NaN while a pod was not yet visible
-    return sum(vals) / len(vals) if vals else 0.0
 
 
 def test_demo_runs_shapes_to_the_budget_moves_allocations_and_cleans_up(tmp_path):
@@ -41,15 +37,12 @@ def test_demo_runs_shapes_to_the_budget_moves_allocations_and_cleans_up(tmp_path
     assert not leftovers.strip(), f"demo processes survived: {leftovers}"
 
     s = json.loads(summary.read_text())
-    t = s["t"]
     rates = s["rate_mbps"]
     budget = s["budget_bps"] / 1e6
     assert len(rates) == 6, f"expected six pods in the table, saw {sorted(rates)}"
-    (change_t, what), = s["events"]
-    late_first = [i for i, x in enumerate(t) if change_t - 6 <= x < change_t]  # settled, before the change
-    late_second = [i for i, x in enumerate(t) if x >= t[-1] - 5]  # the end
+    late_first, late_second = settled_windows(s)  # settled before the change, and the end
     for window, fair in ((late_first, s["fair_before_bps"]), (late_second, s["fair_after_bps"])):
-        means = {k: _mean([rates[k][i] for i in window if i < len(rates[k])]) for k in rates}
+        means = {k: mean_rate([rates[k][i] for i in window if i < len(rates[k])]) for k in rates}
         total = sum(means.values())
         # the six pods together offer Gbit/s: without shaping the total would be far above the budget;
         # held within ±5 % while the same pods download (20 runs of bench/demo_runs.py: -0.3 to -2.3 %)
@@ -65,8 +58,8 @@ def test_demo_runs_shapes_to_the_budget_moves_allocations_and_cleans_up(tmp_path
     assert all(v is not None for v in s["first_moved_s"].values()), s["first_moved_s"]
     assert set(s["steady_total"]) == {"before_change", "end"}  # the ±1 % figure: docs/datapath.md (40 s runs)
     crawl = rates["data/crawl"]
-    before_change = _mean([crawl[i] for i in late_first])
-    after_change = _mean([crawl[i] for i in late_second])
+    before_change = mean_rate([crawl[i] for i in late_first])
+    after_change = mean_rate([crawl[i] for i in late_second])
     # data/crawl moved from bronze to gold and its team's weight tripled: its share must grow a lot
     assert s["fair_after_bps"]["data/crawl"] > 2 * s["fair_before_bps"]["data/crawl"]
     assert after_change > 1.5 * before_change, f"data/crawl {before_change:.1f} -> {after_change:.1f} Mbit/s"
@@ -76,7 +69,7 @@ def test_demo_runs_shapes_to_the_budget_moves_allocations_and_cleans_up(tmp_path
     drates, dbudget = down["rate_mbps"], down["budget_bps"] / 1e6
     assert len(drates) == 6, f"expected six pods' downloads, saw {sorted(drates)}"
     for window, fair in ((late_first, down["fair_before_bps"]), (late_second, down["fair_after_bps"])):
-        means = {k: _mean([drates[k][i] for i in window if i < len(drates[k])]) for k in drates}
+        means = {k: mean_rate([drates[k][i] for i in window if i < len(drates[k])]) for k in drates}
         total = sum(means.values())
         # six pods download at Gbit/s from the internet host: unshaped, far above the download budget.
         # Each pod's ACKs go ahead of its data in its control leaf (one FIFO held them behind its GSO
@@ -92,7 +85,7 @@ def test_demo_runs_shapes_to_the_budget_moves_allocations_and_cleans_up(tmp_path
     assert set(down["steady_total"]) == {"before_change", "end"}
     assert down["fair_after_bps"]["data/crawl"] > 2 * down["fair_before_bps"]["data/crawl"]
     dcrawl = drates["data/crawl"]
-    before_dl, after_dl = _mean([dcrawl[i] for i in late_first]), _mean([dcrawl[i] for i in late_second])
+    before_dl, after_dl = mean_rate([dcrawl[i] for i in late_first]), mean_rate([dcrawl[i] for i in late_second])
     assert after_dl > 1.5 * before_dl, f"data/crawl downloads {before_dl:.1f} -> {after_dl:.1f} Mbit/s"
     # the internal download beside them is never shaped: it runs at what it offers, above the budget
     internal = down["internal"]
