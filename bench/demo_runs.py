@@ -3,6 +3,7 @@
 Run as root, alone on the machine's traffic lock:
 
     flock /tmp/netagent-traffic.lock python3 bench/demo_runs.py [--runs 10] [--duration 30] [--keep DIR]
+                                                                [--stagger SECONDS]
 
 Each run is `python3 -m netagent demo --plain --summary-json` (two nodes, one controller, six pods
 uploading and downloading at once, an internal download beside them; a class and team weight
@@ -68,9 +69,10 @@ def figures(summary: dict, direction: dict) -> dict:
     return out
 
 
-def run_once(duration: int, path: Path) -> dict:
+def run_once(duration: int, path: Path, stagger: float = 0.0) -> dict:
     proc = subprocess.run([sys.executable, "-m", "netagent", "demo", "--duration", str(duration), "--plain",
-                           "--summary-json", str(path)], capture_output=True, text=True, timeout=duration + 180)
+                           "--summary-json", str(path), "--stagger", str(stagger)],
+                          capture_output=True, text=True, timeout=duration + 180)
     if proc.returncode != 0:
         raise SystemExit(f"the demo failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     return json.loads(path.read_text())
@@ -81,13 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--duration", type=int, default=30)
     ap.add_argument("--keep", type=Path, help="keep each run's summary JSON here")
+    ap.add_argument("--stagger", type=float, default=0.0,
+                    help="start the second node's pods this many seconds late (the demo's --stagger: a cold start)")
     args = ap.parse_args(argv)
     keep = args.keep or Path(tempfile.mkdtemp(prefix="netagent-demo-runs-"))
     keep.mkdir(parents=True, exist_ok=True)
     rows = []
     print(f"{'run':>3}  {'dir':8} {'total before/end':>18} {'worst pod before/end':>22} {'stall':>6} {'first move':>10}")
     for n in range(1, args.runs + 1):
-        summary = run_once(args.duration, keep / f"demo-{n}.json")
+        summary = run_once(args.duration, keep / f"demo-{n}.json", args.stagger)
         for name, direction in (("upload", summary), ("download", summary["download"])):
             f = figures(summary, direction)
             rows.append((name, f))

@@ -301,6 +301,10 @@ def _demo_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--png", default="netagent-demo.png", help="where to write the chart of rates over time")
     p.add_argument("--plain", action="store_true", help="print lines instead of a live table (default when not a TTY)")
     p.add_argument("--summary-json", metavar="PATH", help="also write the measured series and fair shares as JSON")
+    p.add_argument("--stagger", type=float, default=0.0, metavar="SECONDS",
+                   help="start the second node's pods this long after the first node's (a cold start where one "
+                        "node's first report comes before its flows; default 0)")
+    p.add_argument("--keep-logs", metavar="DIR", help="copy the agents', controller's and iperf3's logs here at the end")
 
 
 def _demo(a: argparse.Namespace) -> int:
@@ -315,7 +319,8 @@ def _demo(a: argparse.Namespace) -> int:
             print(f"netagent demo needs {exc.name}: pip install -e '.[demo]' (or `sudo bash scripts/bootstrap.sh --demo`)",
                   file=sys.stderr)
         return 2
-    return demo.run(demo.DemoOptions(duration=a.duration, png=a.png, plain=a.plain, summary_json=a.summary_json))
+    return demo.run(demo.DemoOptions(duration=a.duration, png=a.png, plain=a.plain, summary_json=a.summary_json,
+                                     stagger=a.stagger, keep_logs=a.keep_logs))
 
 
 # name -> (help, flags, run)

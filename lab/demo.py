@@ -87,6 +87,8 @@ class DemoOptions:
     png: str = "netagent-demo.png"  # the chart of rates over time
     plain: bool = False  # lines instead of a live table (also when not a TTY)
     summary_json: str | None = None  # also write the measured series and fair shares as JSON
+    stagger: float = 0.0  # seconds the second node's pods start after the first node's
+    keep_logs: str | None = None  # copy the run's logs here before the lab goes
 
 
 def policy_objects(team_weights: dict[str, int]) -> list[dict]:
@@ -228,23 +230,35 @@ class Demo:
             self.lab.iperf_server(self.lab.internet, FIRST_IPERF_PORT + i)
             self.lab.iperf_server(self.lab.internet, FIRST_DOWNLOAD_PORT + i)
         self.lab.iperf_server(self.lab.peer, INTERNAL_DOWNLOAD_PORT)
+        late = [i for i, (n, *_) in enumerate(PODS) if n == 1 and self.opts.stagger > 0]
+        for i in range(len(PODS)):
+            if i not in late:
+                self._start_pod(i, seconds)
+        if late:
+            # the second node's pods start later (their node has reported them idle by then): the
+            # first answers give them a trickle and the first node's pods everything else
+            timer = threading.Timer(self.opts.stagger, lambda: [self._start_pod(i, seconds) for i in late])
+            timer.daemon = True
+            timer.start()
+
+    def _start_pod(self, i: int, seconds: float) -> None:
+        n, ns, name, _ = PODS[i]
         run_for = ["-t", str(int(seconds) + 2), "-P", "2", "-i", "0.2", "--forceflush"]
-        for i, (n, ns, name, _) in enumerate(PODS):
-            pod = self.lab.nodes[n].pods[[p[2] for p in PODS if p[0] == n].index(name)]
-            # per-interval lines, flushed as they come: `first_moved` says when each pod's flow first moved
-            for moved, port, reverse in ((self.moved, FIRST_IPERF_PORT + i, []),
-                                         (self.moved_down, FIRST_DOWNLOAD_PORT + i, ["-R"])):
-                proc = self.lab.spawn(pod.netns, ["iperf3", "-c", INTERNET_V4, "-p", str(port), *reverse, *run_for],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                threading.Thread(target=self._watch_flow, args=(f"{ns}/{name}", proc, time.monotonic(), moved,
-                                                                "down" if reverse else "up"),
-                                 name=f"iperf-{name}", daemon=True).start()
-            if (ns, name) == INTERNAL_DOWNLOAD[0]:
-                proc = self.lab.spawn(pod.netns, ["iperf3", "-c", PEER_V4, "-p", str(INTERNAL_DOWNLOAD_PORT), "-R",
-                                                  "-b", INTERNAL_DOWNLOAD[1], "-t", str(int(seconds) + 2), "-i", "1",
-                                                  "--forceflush"],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                threading.Thread(target=self._watch_internal, args=(proc,), name="iperf-internal", daemon=True).start()
+        pod = self.lab.nodes[n].pods[[p[2] for p in PODS if p[0] == n].index(name)]
+        # per-interval lines, flushed as they come: `first_moved` says when each pod's flow first moved
+        for moved, port, reverse in ((self.moved, FIRST_IPERF_PORT + i, []),
+                                     (self.moved_down, FIRST_DOWNLOAD_PORT + i, ["-R"])):
+            proc = self.lab.spawn(pod.netns, ["iperf3", "-c", INTERNET_V4, "-p", str(port), *reverse, *run_for],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            threading.Thread(target=self._watch_flow, args=(f"{ns}/{name}", proc, time.monotonic(), moved,
+                                                            "down" if reverse else "up"),
+                             name=f"iperf-{name}", daemon=True).start()
+        if (ns, name) == INTERNAL_DOWNLOAD[0]:
+            proc = self.lab.spawn(pod.netns, ["iperf3", "-c", PEER_V4, "-p", str(INTERNAL_DOWNLOAD_PORT), "-R",
+                                              "-b", INTERNAL_DOWNLOAD[1], "-t", str(int(seconds) + 2), "-i", "1",
+                                              "--forceflush"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            threading.Thread(target=self._watch_internal, args=(proc,), name="iperf-internal", daemon=True).start()
 
     def _internal_now(self) -> float:
         """The internal download's latest 1 s interval, Mbit/s (NaN before the first)."""
@@ -480,6 +494,8 @@ class Demo:
             worker.close()
         if self.lab:
             self.lab.close()  # kills agents, controller and iperf3, removes every namespace
+        if self.opts.keep_logs and (self.dir / "logs").is_dir():
+            shutil.copytree(self.dir / "logs", self.opts.keep_logs, dirs_exist_ok=True)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
