@@ -17,7 +17,13 @@ The estimate must follow a pod's real appetite within a period or two both ways
   new limit: a pod that only jittered over its limit costs others little, a pod that
   really grew doubles its ask with every answer until it is no longer throttled (or
   its fair share stops it). Samples (every second) come faster than answers (every
-  report period): repeated samples under the same limit do not escalate.
+  report period): repeated samples under the same limit do not escalate, and a cut
+  while probing (an answer to older demand) rebases the probe so the next raise counts.
+- Woken: throttled under a limit it had room under when last unthrottled (idle, or
+  well below it), the pod's appetite grew past that room; that is no jitter, and
+  climbing from an idle pod's trickle by doublings took 11-13 answers (issue 13: one
+  node's first report came before its flows). It asks its cap until an answer raises
+  its limit: the engine gives it its fair share at once.
 
 Usage near the limit alone is not throttling: a pod whose limit is exactly what it
 asked for (the budget saturated, no headroom) runs at its limit unthrottled, and
@@ -57,6 +63,8 @@ class PodDemand:
     recent_usage: deque = field(default_factory=lambda: deque(maxlen=RECENT_PERIODS))
     probe_gain: float = 0.0  # while throttled: the multiple of the limit asked (0: not probing)
     probed_limit: float = 0.0  # the limit that multiple was first asked at
+    roomy_below: float | None = None  # the last unthrottled sample had room under any limit from this (usage / CLEAR_DROP)
+    waking: bool = False  # throttled right after slack: asks its cap until an answer raises its limit
 
     def update(self, s: Sample, limit_bps: int, cap_bps: int) -> None:
         prev, self.last = self.last, s
@@ -71,12 +79,19 @@ class PodDemand:
             # escalate only once an answer raised the limit and the pod is still held: samples
             # come faster than answers, and the same limit asked about twice is no new evidence
             if not self.probe_gain:
+                # throttled under a limit it had room under when last unthrottled: not jitter, its
+                # appetite grew past that room (an idle pod started, a pod woke from a lull)
                 self.probe_gain, self.probed_limit = FIRST_PROBE_GAIN, limit_bps
+                self.waking = self.roomy_below is not None and self.roomy_below <= limit_bps
             elif limit_bps > self.probed_limit:
-                self.probe_gain, self.probed_limit = PROBE_GAIN, limit_bps
-            want = max(self.usage_bps, limit_bps) * self.probe_gain
+                self.probe_gain, self.probed_limit, self.waking = PROBE_GAIN, limit_bps, False
+            elif limit_bps < self.probed_limit:
+                self.probed_limit = limit_bps  # cut while probing (an answer to older demand): the next raise counts
+            self.roomy_below = None
+            want = cap_bps if self.waking else max(self.usage_bps, limit_bps) * self.probe_gain
         else:
-            self.probe_gain = 0.0
+            self.probe_gain, self.waking = 0.0, False
+            self.roomy_below = self.usage_bps / CLEAR_DROP if self.usage_bps < CLEAR_DROP * limit_bps else None
             recent = max(self.recent_usage)
             want = max(self.usage_bps, FALL_FLOOR * recent) if self.usage_bps < CLEAR_DROP * recent else recent
         self.demand_bps = float(min(max(want, MIN_DEMAND_BPS), cap_bps))

@@ -48,6 +48,45 @@ def test_samples_under_the_same_limit_do_not_escalate_the_probe():
     assert d.demand_bps == 12.5e6 * PROBE_GAIN
 
 
+def test_a_pod_that_wakes_from_idle_asks_its_cap_until_an_answer_raises_its_limit():
+    """Idle, its answers were a trickle (the budget went to the pods that were sending); when it
+    starts it is throttled under a limit it had room under a second ago: not jitter but a new
+    appetite, so it asks its cap (the engine answers with its fair share) instead of climbing
+    from the trickle by doublings (issue 13's cold start: 13 answers)."""
+    d = PodDemand()
+    for t in range(3):
+        _second(d, t, 0, 8_000)
+    _second(d, 3, 8_000, 8_000, throttled=True)
+    assert d.waking and d.demand_bps == 10**9
+    _second(d, 4, 8_000, 8_000, throttled=True)  # no answer yet: the same ask
+    assert d.demand_bps == 10**9
+    _second(d, 5, 30e6, 30e6, throttled=True)  # answered with its fair share, still held: probe from there
+    assert not d.waking and d.demand_bps == 30e6 * PROBE_GAIN
+    _second(d, 6, 20e6, 30e6)  # it wanted 20M: the share goes back at once
+    assert not d.throttled and d.demand_bps == 20e6
+
+
+def test_a_pod_cut_after_a_drop_that_jitters_over_its_new_limit_does_not_wake():
+    """Room under the old limit is no evidence once an answer cut the limit to what the pod sends."""
+    d = PodDemand()
+    _second(d, 0, 30e6, 30e6)
+    _second(d, 1, 10e6, 30e6)  # it dropped: room under 30M
+    _second(d, 2, 10.3e6, 10.5e6, throttled=True)  # cut to 10.5M, jitters over it
+    assert not d.waking and d.demand_bps == 10.5e6 * FIRST_PROBE_GAIN
+
+
+def test_a_cut_while_probing_rebases_the_probe():
+    """An answer to older demand cut the limit while the pod probed: the next raise is an answer to
+    the probe and doubles, even though the limit is still below where the probe began."""
+    d = PodDemand()
+    _second(d, 0, 35e6, 35e6, throttled=True)
+    _second(d, 1, 35e6, 35e6, throttled=True)
+    assert d.demand_bps == 35e6 * FIRST_PROBE_GAIN
+    _second(d, 2, 1e6, 1e6, throttled=True)  # cut
+    _second(d, 3, 10e6, 10e6, throttled=True)  # raised again, below 35M
+    assert d.demand_bps == 10e6 * PROBE_GAIN
+
+
 def test_running_at_the_limit_unthrottled_is_not_throttling():
     """A pod that got exactly what it asked for (no headroom left) and sent exactly that: no
     drops, no overlimits, no backlog. Probing it would take share from pods that need it."""
