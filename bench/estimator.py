@@ -9,7 +9,7 @@ measured total). Variants:
 
   this one     netagent/demand.py as shipped: a throttled pod asks 1.25x its limit, then 2x per
                answer that raised it; a pod throttled right after it sat clearly under its limit
-               (idle, or room to spare) asks its cap until an answer raises its limit (the engine
+               (idle, or room to spare) asks its cap while it stays throttled (the engine
                gives it its fair share at once)
   no wake ask  the same without the wake ask (the estimator before this change; baseline)
 

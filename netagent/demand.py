@@ -22,8 +22,9 @@ The estimate must follow a pod's real appetite within a period or two both ways
 - Woken: throttled under a limit it had room under when last unthrottled (idle, or
   well below it), the pod's appetite grew past that room; that is no jitter, and
   climbing from an idle pod's trickle by doublings took 11-13 answers (issue 13: one
-  node's first report came before its flows). It asks its cap until an answer raises
-  its limit: the engine gives it its fair share at once.
+  node's first report came before its flows). It asks its cap while it stays
+  throttled: the engine's max-min answer is its fair share, at once, and an answer
+  computed before the ask (answers lag a report) does not end it.
 
 Usage near the limit alone is not throttling: a pod whose limit is exactly what it
 asked for (the budget saturated, no headroom) runs at its limit unthrottled, and
@@ -64,7 +65,7 @@ class PodDemand:
     probe_gain: float = 0.0  # while throttled: the multiple of the limit asked (0: not probing)
     probed_limit: float = 0.0  # the limit that multiple was first asked at
     roomy_below: float | None = None  # the last unthrottled sample had room under any limit from this (usage / CLEAR_DROP)
-    waking: bool = False  # throttled right after slack: asks its cap until an answer raises its limit
+    waking: bool = False  # throttled under a limit it had room under: asks its cap while it stays throttled
 
     def update(self, s: Sample, limit_bps: int, cap_bps: int) -> None:
         prev, self.last = self.last, s
@@ -84,7 +85,7 @@ class PodDemand:
                 self.probe_gain, self.probed_limit = FIRST_PROBE_GAIN, limit_bps
                 self.waking = self.roomy_below is not None and self.roomy_below <= limit_bps
             elif limit_bps > self.probed_limit:
-                self.probe_gain, self.probed_limit, self.waking = PROBE_GAIN, limit_bps, False
+                self.probe_gain, self.probed_limit = PROBE_GAIN, limit_bps
             elif limit_bps < self.probed_limit:
                 self.probed_limit = limit_bps  # cut while probing (an answer to older demand): the next raise counts
             self.roomy_below = None

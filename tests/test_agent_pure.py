@@ -48,7 +48,7 @@ def test_samples_under_the_same_limit_do_not_escalate_the_probe():
     assert d.demand_bps == 12.5e6 * PROBE_GAIN
 
 
-def test_a_pod_that_wakes_from_idle_asks_its_cap_until_an_answer_raises_its_limit():
+def test_a_pod_that_wakes_from_idle_asks_its_cap_while_it_stays_throttled():
     """Idle, its answers were a trickle (the budget went to the pods that were sending); when it
     starts it is throttled under a limit it had room under a second ago: not jitter but a new
     appetite, so it asks its cap (the engine answers with its fair share) instead of climbing
@@ -60,10 +60,12 @@ def test_a_pod_that_wakes_from_idle_asks_its_cap_until_an_answer_raises_its_limi
     assert d.waking and d.demand_bps == 10**9
     _second(d, 4, 8_000, 8_000, throttled=True)  # no answer yet: the same ask
     assert d.demand_bps == 10**9
-    _second(d, 5, 30e6, 30e6, throttled=True)  # answered with its fair share, still held: probe from there
-    assert not d.waking and d.demand_bps == 30e6 * PROBE_GAIN
-    _second(d, 6, 20e6, 30e6)  # it wanted 20M: the share goes back at once
-    assert not d.throttled and d.demand_bps == 20e6
+    _second(d, 5, 2e6, 2e6, throttled=True)  # a raise computed before its ask (answers lag a report)
+    assert d.waking and d.demand_bps == 10**9
+    _second(d, 6, 30e6, 30e6, throttled=True)  # its fair share, and it wants more still: the same ask,
+    assert d.demand_bps == 10**9  # which max-min answers with its fair share again
+    _second(d, 7, 20e6, 30e6)  # it wanted 20M: the share goes back at once
+    assert not d.throttled and not d.waking and d.demand_bps == 20e6
 
 
 def test_a_pod_cut_after_a_drop_that_jitters_over_its_new_limit_does_not_wake():
