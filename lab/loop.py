@@ -136,6 +136,5 @@ class ClimbOnly(PodDemand):
     """The estimator without its wake ask (the baseline the benchmark and the test compare with): a
     pod that starts climbs from its trickle by doublings."""
 
-    def update(self, s, limit_bps: int, cap_bps: int) -> None:
-        self.roomy_below = None
-        super().update(s, limit_bps, cap_bps)
+    def woke(self, jumped: bool, limit_bps: int) -> bool:
+        return False

@@ -73,17 +73,18 @@ class PodDemand:
             return  # first sample, clock oddity, or a class recreated: start over from here
         dt = s.t - prev.t
         self.usage_bps = (s.bytes - prev.bytes) * 8 / dt
+        before = self.recent_usage[-1] if self.recent_usage else None
         self.recent_usage.append(self.usage_bps)
+        # it sent clearly more than the sample before (jitter does not, nor does a pod held at its limit)
+        jumped = before is not None and self.usage_bps * CLEAR_DROP > max(before, MIN_DEMAND_BPS)
         self.throttled = s.drops > prev.drops or s.overlimits > prev.overlimits or s.backlog > 0
         if self.throttled:
             self.throttled_seconds += dt
             # escalate only once an answer raised the limit and the pod is still held: samples
             # come faster than answers, and the same limit asked about twice is no new evidence
             if not self.probe_gain:
-                # throttled under a limit it had room under when last unthrottled: not jitter, its
-                # appetite grew past that room (an idle pod started, a pod woke from a lull)
                 self.probe_gain, self.probed_limit = FIRST_PROBE_GAIN, limit_bps
-                self.waking = self.roomy_below is not None and self.roomy_below <= limit_bps
+                self.waking = self.woke(jumped, limit_bps)
             elif limit_bps > self.probed_limit:
                 self.probe_gain, self.probed_limit = PROBE_GAIN, limit_bps
             elif limit_bps < self.probed_limit:
@@ -96,3 +97,10 @@ class PodDemand:
             recent = max(self.recent_usage)
             want = max(self.usage_bps, FALL_FLOOR * recent) if self.usage_bps < CLEAR_DROP * recent else recent
         self.demand_bps = float(min(max(want, MIN_DEMAND_BPS), cap_bps))
+
+    def woke(self, jumped: bool, limit_bps: int) -> bool:
+        """Throttled for the first time since it was unthrottled: is it a new appetite rather than
+        jitter over its limit? Yes when it had room under this limit when last unthrottled (an idle
+        pod started, a pod woke from a lull), or when it sent clearly more than the sample before
+        (a pod that borrowed over a trickle limit shows no room, but its flows just started)."""
+        return jumped or (self.roomy_below is not None and self.roomy_below <= limit_bps)

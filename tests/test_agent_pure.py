@@ -68,6 +68,18 @@ def test_a_pod_that_wakes_from_idle_asks_its_cap_while_it_stays_throttled():
     assert not d.throttled and not d.waking and d.demand_bps == 20e6
 
 
+def test_a_pod_whose_flows_just_started_over_a_trickle_limit_wakes():
+    """Its first second borrowed over an 8 kbit/s limit (within its least ceil) with no throttle
+    sign, so it had no room under its limit; the next second it sent forty times more and was held:
+    a new appetite all the same (seen in the demo with --stagger 4: it climbed by doublings for 8 s)."""
+    d = PodDemand()
+    _second(d, 0, 0, 8_000)
+    _second(d, 1, 100_000, 8_000)
+    assert not d.throttled and d.roomy_below is None
+    _second(d, 2, 4e6, 4e6, throttled=True)
+    assert d.waking and d.demand_bps == 10**9
+
+
 def test_a_pod_cut_after_a_drop_that_jitters_over_its_new_limit_does_not_wake():
     """Room under the old limit is no evidence once an answer cut the limit to what the pod sends."""
     d = PodDemand()
