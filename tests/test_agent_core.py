@@ -174,6 +174,27 @@ def test_the_sampler_turns_class_counters_into_usage_and_demand():
     assert not view.throttled
 
 
+def test_a_woken_pod_asks_at_most_the_budget():
+    """A pod that starts throttled after idling asks its cap (the engine answers with its fair
+    share); with no cap of its own that ask is the budget, not 2**53 bit/s on every dashboard."""
+    from tc.model import ClassStats
+
+    budgets = ({"kind": "EgressBudget", "metadata": {"name": "default"},
+                "spec": {"total": "300M", "teams": [{"name": "a", "namespaces": ["ns"]}]}},)
+    dp = FakeDataPath()
+    agent, _ = make_agent(dp)
+    agent.on_snapshot(Snapshot((pod("p", "10.244.0.10"),), (), budgets))
+    assert agent.sync()
+    minor = agent.node.state.minors["ns/p"]
+    ceil = next(c.ceil for c in dp.applied[-1].shaper.pods if c.minor == minor)
+    for sent, backlog in ((0, 0), (0, 0), (1_000_000, 60_000)):  # idle, idle, then 8 Mbit/s and held
+        dp.stats = {minor: ClassStats(minor, sent, sent // 1000, 0, 0, backlog, backlog // 1500, ceil // 8, ceil // 8)}
+        agent.sampler.sample()
+        time.sleep(0.2)
+    view = {p.name: p for p in agent.view().pods}["p"]
+    assert view.throttled and view.demand_bps == 300 * M
+
+
 # -- downloads (issue 13) -------------------------------------------------------------------------
 
 DL_CLASSES = ({"kind": "EgressClass", "metadata": {"name": "bronze"},
