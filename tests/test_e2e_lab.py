@@ -8,7 +8,6 @@ test reaches its HTTP API through a thread that entered that namespace (lab.nsex
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -19,7 +18,7 @@ import pytest
 import yaml
 
 from dashboards import contract
-from lab.demo import AGENT_PORT, CONTROLLER_IP, CONTROLLER_PORT, Demo
+from lab.demo import AGENT_PORT, CONTROLLER_IP, CONTROLLER_PORT, Demo, DemoOptions
 from lab.nsexec import http_get
 from lab.netns import require_root
 
@@ -32,7 +31,7 @@ def lab_with_prometheus(tmp_path_factory):
     prometheus = shutil.which("prometheus")
     assert prometheus, "prometheus is not installed: scripts/bootstrap.sh installs Debian's package"
     work = tmp_path_factory.mktemp("e2e")
-    demo = Demo(argparse.Namespace(duration=90, png=str(work / "demo.png"), plain=True, summary_json=None))
+    demo = Demo(DemoOptions(duration=90, png=str(work / "demo.png"), plain=True))
     try:
         demo.start()
         demo.start_traffic(90)
