@@ -34,11 +34,9 @@ import os
 import statistics
 import sys
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lab.loop import TOLERANCE, ClimbOnly, Loop, cold_start  # noqa: E402
+from lab.loop import TOLERANCE, ClimbOnly, Loop, cold_start, jump_ratios  # noqa: E402
 from netagent.demand import PodDemand  # noqa: E402
 
 
@@ -49,29 +47,20 @@ def shift(seed: int, estimator, jitter: float = 0.0) -> tuple[bool, float, float
     """(settled within 2 answers, share of pods within 5 % from the second answer on, worst total)."""
     loop = Loop(seed, jitter=jitter, estimator=estimator)
     loop.run(12)
-    rng = np.random.default_rng(seed + 100)
-    for p in loop.pods[::2]:
-        p.demand *= rng.choice([0.3, 2.0])
-    within, totals, errors = [], [], []
+    loop.shift(seed)
+    within, totals, worst = [], [], []
     for i in range(8):
         loop.step()
         if i >= 2:
-            errors.append(loop.worst_error())
-            within.append(loop.within())
+            errors = list(loop.errors().values())
+            worst.append(max(errors))
+            within.append(sum(e <= TOLERANCE for e in errors) / len(errors))
             totals.append(abs(loop.total / loop.policy.total_bps - 1))
-    return max(errors) <= TOLERANCE, statistics.mean(within), max(totals)
+    return max(worst) <= TOLERANCE, statistics.mean(within), max(totals)
 
 
 def jump(seed: int, estimator) -> bool:
-    loop = Loop(seed, estimator=estimator)
-    loop.run(12)
-    jumper = min((p for p in loop.pods if p.team == "data"), key=lambda p: p.demand)
-    jumper.demand *= 10
-    ratios = []
-    for _ in range(6):
-        loop.step()
-        ratios.append(min(jumper.demand, jumper.limit) / loop.fair()[jumper.key])
-    return min(ratios[3:]) >= 1 - TOLERANCE
+    return min(jump_ratios(seed, estimator)[3:]) >= 1 - TOLERANCE
 
 
 def cold(seed: int, estimator, horizon: int = 30) -> int:

@@ -104,10 +104,11 @@ class Loop:
     def worst_error(self) -> float:
         return max(self.errors().values())
 
-    def within(self) -> float:
-        """The share of pods within TOLERANCE of their fair share."""
-        errors = self.errors().values()
-        return sum(e <= TOLERANCE for e in errors) / len(errors)
+    def shift(self, seed: int) -> None:
+        """Every other pod's demand changes, x0.3 or x2 (drawn from `seed`): the shift scenario."""
+        rng = np.random.default_rng(seed + 100)
+        for p in self.pods[::2]:
+            p.demand *= rng.choice([0.3, 2.0])
 
     def run(self, periods: int) -> list[float]:
         errors = []
@@ -130,6 +131,20 @@ def cold_start(seed: int, estimator: type[PodDemand] = PodDemand, idle_periods: 
     for p in late:
         p.demand = want[p.key]
     return loop.run(horizon)
+
+
+def jump_ratios(seed: int, estimator: type[PodDemand] = PodDemand, periods: int = 6) -> list[float]:
+    """After 12 settled periods the smallest data pod's demand jumps tenfold: what it can send over
+    its fair share, per period after."""
+    loop = Loop(seed, estimator=estimator)
+    loop.run(12)
+    jumper = min((p for p in loop.pods if p.team == "data"), key=lambda p: p.demand)
+    jumper.demand *= 10
+    ratios = []
+    for _ in range(periods):
+        loop.step()
+        ratios.append(min(jumper.demand, jumper.limit) / loop.fair()[jumper.key])
+    return ratios
 
 
 class ClimbOnly(PodDemand):
