@@ -163,8 +163,12 @@ class Reporter:
             self._stop.wait(self.tick())
 
     def tick(self) -> float:
-        """One report, its failure logged and counted; -> seconds until the next one."""
+        """One report, its failure logged and counted; -> seconds until the next one, counted from
+        this report's start: an answer the leader holds for its next round (--answer-wait) must not
+        stretch the period (a 1 s period with a 1.5 s hold reported every 2-2.5 s, and every answer
+        to a policy change came that much later)."""
         self.retry_after = 0.0
+        started = time.monotonic()
         try:
             self.report_once()
         except ControllerError as exc:
@@ -172,7 +176,7 @@ class Reporter:
             self._failed(exc)
         except Exception as exc:
             self._failed(exc)
-        return self.next_wait()
+        return self.next_wait(time.monotonic() - started)
 
     def _failed(self, exc: Exception) -> None:
         self.agent.set_controller_reachable(False)
@@ -181,11 +185,13 @@ class Reporter:
         self.last_error = str(exc)
         self.on_failure()
 
-    def next_wait(self) -> float:
-        """Seconds until the next report: the effective period with +-20 % jitter, and never sooner
-        than a refusal's Retry-After (an overloaded leader sheds reports and says when to come
-        back; the jitter spreads the agents it shed at once)."""
-        return max(self.effective_period(), self.retry_after) * self.rng.uniform(0.8, 1.2)
+    def next_wait(self, elapsed: float = 0.0) -> float:
+        """Seconds until the next report, `elapsed` after the last one started: the effective period
+        with +-20 % jitter from that start (a report that took longer than the period is followed
+        at once), and never sooner than a refusal's Retry-After from now (an overloaded leader sheds
+        reports and says when to come back; the jitter spreads the agents it shed at once)."""
+        jitter = self.rng.uniform(0.8, 1.2)
+        return max(self.effective_period() * jitter - elapsed, self.retry_after * jitter, 0.0)
 
     def effective_period(self) -> float:
         """Our own period, or the longer one the leader asked for (large clusters): never shorter than

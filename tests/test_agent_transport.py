@@ -144,6 +144,30 @@ def test_https_with_the_pinned_ca_and_a_307_to_the_leaders_address(pki, servers,
     assert len(leader.requests) == 2 and len(follower.requests) == 1
 
 
+def test_the_report_period_runs_from_each_reports_start(pki, servers, tmp_path):
+    """A leader that holds each answer for its next round (--answer-wait) must not stretch the
+    period: the next report is due a period (with its jitter) after this one started. In the demo
+    a 1 s period with a 1.5 s hold reported every 2-2.5 s, so every answer to a policy change came
+    that much later. A refusal's Retry-After still counts from the refusal."""
+    hold = 0.5
+
+    def held(handler):
+        time.sleep(hold)
+        return ok(handler)
+
+    leader = serve(servers, held, pki["cert"], tmp_path, "leader")
+    reporter = Reporter(make_agent(), leader.url("localhost"), token_file(tmp_path), period=1.0,
+                        ca_file=str(pki["ca_file"]))
+    wait = reporter.tick()
+    assert not reporter.last_error and len(leader.requests) == 1
+    assert wait <= 1.0 * 1.2 - hold  # jitter at most +20 %, and the hold already counts
+    reporter.rng.uniform = lambda a, b: 1.0  # no jitter below
+    assert reporter.next_wait(elapsed=0.3) == pytest.approx(0.7)
+    assert reporter.next_wait(elapsed=2.5) == 0.0  # a report slower than the period: the next one at once
+    reporter.retry_after = 3.0
+    assert reporter.next_wait(elapsed=2.5) == 3.0  # an overloaded leader's Retry-After counts from its refusal
+
+
 @pytest.mark.parametrize("fault", ["foreign-ca", "302", "301", "303", "to-http"])
 def test_a_redirect_elsewhere_gets_no_token_and_the_allocations_stay(fault, pki, servers, tmp_path):
     leader = serve(servers, ok, pki["cert"], tmp_path, "leader")
