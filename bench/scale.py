@@ -317,6 +317,7 @@ class SimAgent:
         self.bytes: dict[str, int] = {}
         self.overlimits: dict[str, int] = {}
         self.limits: dict[str, float] = {}
+        self.answers = 0  # answers received (the estimator counts them, as the agent does)
         self.node_rate = 0.0
         self.leader: str | None = None
         self.seq = 0
@@ -420,7 +421,8 @@ class SimAgent:
             self.bytes[k] += int(sent * dt / 8)
             if want > limit * 1.001:
                 self.overlimits[k] += 1
-            self.demand[k].update(Sample(t, self.bytes[k], 0, self.overlimits[k], 0), int(limit), rp.max_bps)
+            self.demand[k].update(Sample(t, self.bytes[k], 0, self.overlimits[k], 0), int(limit), rp.max_bps,
+                                  self.answers)
         return total
 
     def session(self) -> aiohttp.ClientSession:
@@ -498,6 +500,7 @@ class SimAgent:
                     held = b.held_at_kill.get(self.i, {})
                     b.changed_before_first_answer += sum(1 for k, v in self.limits.items() if held.get(k) != v)
                 self.limits = limits
+                self.answers += 1
                 self.node_rate = float(answer.node_rate_bps)
             return
 

@@ -32,7 +32,7 @@ def run(nodes, ppn, nominal_dt, period=5.0, round_s=5.0, steps=880, shift_at=640
         recs = [PodRecord.from_object(pod_object(i, j)) for j in range(ppn)]
         res = resolve_pods(policy, recs)
         r2 = random.Random(i)
-        a = dict(i=i, pods=res, app={rp.key: appetite(r2) for rp in res}, lim={}, est={rp.key: PodDemand() for rp in res},
+        a = dict(i=i, pods=res, app={rp.key: appetite(r2) for rp in res}, lim={}, answers=0, est={rp.key: PodDemand() for rp in res},
                  by={rp.key: 0 for rp in res}, ol={rp.key: 0 for rp in res}, next=rng.uniform(0, period), last=None, report=None)
         agents.append(a)
     shifted = [False]
@@ -67,10 +67,11 @@ def run(nodes, ppn, nominal_dt, period=5.0, round_s=5.0, steps=880, shift_at=640
                 k = rp.key; want = a['app'][k] * fac(rp.team); lim = a['lim'].get(k, FLOOR_BPS)
                 s = min(want, lim); tot += s
                 a['by'][k] += int(s * dt / 8); a['ol'][k] += want > lim * 1.001
-                a['est'][k].update(Sample(t, a['by'][k], 0, a['ol'][k], 0), int(lim), rp.max_bps)
+                a['est'][k].update(Sample(t, a['by'][k], 0, a['ol'][k], 0), int(lim), rp.max_bps, a['answers'])
             a['report'] = (tot, [(rp, a['est'][rp.key]) for rp in a['pods']])
             a['waiting'] = True
             if result is not None and not wait:
+                a['answers'] += 1
                 for rp in a['pods']:
                     a['lim'][rp.key] = result.pods[f"{a['i']}|{rp.key}"].limit_bps
             a['next'] = t + period * rng.uniform(0.8, 1.2)
@@ -81,6 +82,7 @@ def run(nodes, ppn, nominal_dt, period=5.0, round_s=5.0, steps=880, shift_at=640
             result = allocate(policy, rows, measured_total_bps=meas, shaped_usage_bps=usage, previous=result)
             for a in agents:  # --answer-wait: the held answers go out from this round
                 if wait and a.get('waiting'):
+                    a['answers'] += 1
                     for rp in a['pods']:
                         a['lim'][rp.key] = result.pods[f"{a['i']}|{rp.key}"].limit_bps
                 a['waiting'] = False

@@ -74,6 +74,7 @@ class SimPod:
     demand: float  # the true appetite, bit/s
     bursty: bool = False
     limit: float = 1e6  # what the agent enforces (HTB ceil); the floor until the first answer
+    answers: int = 0  # answers its node received (the estimator counts them, as the agent does)
     allocation: float = 0.0
     bytes: int = 0
     overlimits: int = 0
@@ -127,7 +128,7 @@ def advance(pods: list[SimPod], t: float, dt: float, jitter: float, rng: random.
         p.bytes += int(sent * dt / 8)
         if want > p.limit * 1.001:
             p.overlimits += 1
-        p.estimator.update(Sample(t, p.bytes, 0, p.overlimits, 0), int(p.limit), 2**62)
+        p.estimator.update(Sample(t, p.bytes, 0, p.overlimits, 0), int(p.limit), 2**62, p.answers)
     return total
 
 
@@ -149,6 +150,7 @@ async def post_reports(session, base: str, pods: list[SimPod], period: float, eg
             return 0
         got = {f"{a['namespace']}/{a['name']}": a for a in answer["pods"]}
         for p in members:
+            p.answers += 1
             a = got.get(p.key)
             if a is not None:
                 p.limit, p.allocation = max(a["limit_bps"], 1.0), a["allocation_bps"]

@@ -55,6 +55,7 @@ class Allocations:
         self.current = initial or AllocationSet(source="none")
         self.adopted: dict[int, tuple[int, int]] = {}  # HTB minor -> (rate, ceil) the kernel held at start
         self.fail_static = False
+        self.answers = 0  # allocation sets received (controller answers or local rounds): the demand estimator counts them
         self._lock = threading.Lock()
 
     def replace(self, allocs: AllocationSet) -> bool:
@@ -62,6 +63,7 @@ class Allocations:
         with self._lock:
             old = self.current
             self.current = allocs
+            self.answers += 1
             return allocs.pods != old.pods or allocs.node_rate_bps != old.node_rate_bps or self.fail_static
 
     def lease_expired(self, now: float) -> bool:

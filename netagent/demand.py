@@ -25,6 +25,12 @@ The estimate must follow a pod's real appetite within a period or two both ways
   node's first report came before its flows). It asks its cap while it stays
   throttled: the engine's max-min answer is its fair share, at once, and an answer
   computed before the ask (answers lag a report) does not end it.
+- Held: still throttled after HELD_ANSWERS answers that did not raise its limit, the pod sits
+  at its fair share and wants more (jitter over a limit is answered by the first probe, or its
+  next sample is unthrottled). It asks its cap as a woken pod does: the answer stays its fair
+  share while that is what it gets, and when a policy change or a neighbour leaving raises the
+  share, the next answer gives it all at once instead of 1.25x, then 2x per answer (issue 13: a
+  class change took 4 answers in the demo).
 
 Usage near the limit alone is not throttling: a pod whose limit is exactly what it
 asked for (the budget saturated, no headroom) runs at its limit unthrottled, and
@@ -37,6 +43,7 @@ from dataclasses import dataclass, field
 
 from core.quantity import TRICKLE_BPS
 
+HELD_ANSWERS = 2  # answers that left a throttled pod's limit where it was: it is held at its share
 FIRST_PROBE_GAIN = 1.25  # the first throttled period asks this multiple of the censored usage...
 PROBE_GAIN = 2.0  # ...and every further one this multiple
 RECENT_PERIODS = 2  # unthrottled demand: the max usage of this many periods
@@ -65,10 +72,17 @@ class PodDemand:
     probe_gain: float = 0.0  # while throttled: the multiple of the limit asked (0: not probing)
     probed_limit: float = 0.0  # the limit that multiple was first asked at
     roomy_below: float | None = None  # the last unthrottled sample had room under any limit from this (usage / CLEAR_DROP)
-    waking: bool = False  # throttled under a limit it had room under: asks its cap while it stays throttled
+    waking: bool = False  # woken or held: asks its cap while it stays throttled
+    answers_seen: int = 0  # the agent's answer count at the last sample
+    refusals: int = 0  # answers since the probe began (or was last raised) that did not raise the limit
 
-    def update(self, s: Sample, limit_bps: int, cap_bps: int) -> None:
+    held_answers = HELD_ANSWERS  # a class attribute: bench/estimator.py's baseline turns the rule off
+
+    def update(self, s: Sample, limit_bps: int, cap_bps: int, answers: int = 0) -> None:
+        """`answers`: how many answers (allocation sets) the agent has received so far; the count
+        moving is how the estimator knows an answer came between two samples."""
         prev, self.last = self.last, s
+        answered, self.answers_seen = answers != self.answers_seen, answers
         if prev is None or s.t <= prev.t or s.bytes < prev.bytes:
             return  # first sample, clock oddity, or a class recreated: start over from here
         dt = s.t - prev.t
@@ -83,16 +97,20 @@ class PodDemand:
             # escalate only once an answer raised the limit and the pod is still held: samples
             # come faster than answers, and the same limit asked about twice is no new evidence
             if not self.probe_gain:
-                self.probe_gain, self.probed_limit = FIRST_PROBE_GAIN, limit_bps
+                self.probe_gain, self.probed_limit, self.refusals = FIRST_PROBE_GAIN, limit_bps, 0
                 self.waking = self.woke(jumped, limit_bps)
             elif limit_bps > self.probed_limit:
-                self.probe_gain, self.probed_limit = PROBE_GAIN, limit_bps
-            elif limit_bps < self.probed_limit:
-                self.probed_limit = limit_bps  # cut while probing (an answer to older demand): the next raise counts
+                self.probe_gain, self.probed_limit, self.refusals = PROBE_GAIN, limit_bps, 0
+            else:
+                if limit_bps < self.probed_limit:
+                    self.probed_limit = limit_bps  # cut while probing (an answer to older demand): the next raise counts
+                # the first answer may predate the report that carried the probe; the second cannot
+                self.refusals += answered
+                self.waking = self.waking or self.refusals >= self.held_answers
             self.roomy_below = None
             want = cap_bps if self.waking else max(self.usage_bps, limit_bps) * self.probe_gain
         else:
-            self.probe_gain, self.waking = 0.0, False
+            self.probe_gain, self.waking, self.refusals = 0.0, False, 0
             self.roomy_below = self.usage_bps / CLEAR_DROP if self.usage_bps < CLEAR_DROP * limit_bps else None
             recent = max(self.recent_usage)
             want = max(self.usage_bps, FALL_FLOOR * recent) if self.usage_bps < CLEAR_DROP * recent else recent

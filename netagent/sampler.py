@@ -95,6 +95,6 @@ class Sampler:
             cap = min(pod.max_bps, budget_bps) if budget_bps > 0 else pod.max_bps
             # usage in IP bytes, the unit of every rate: the class counts each segment's frame
             d.update(Sample(now, ip_bytes(st.bytes, st.packets, opts), st.drops, st.overlimits, st.backlog_bytes),
-                     int(limit), cap)
+                     int(limit), cap, allocations.answers)
         for gone in set(demand) - set(state.minors):
             del demand[gone]

@@ -16,10 +16,13 @@ status: {phase: Running, podIP: %(ip)s, podIPs: [{ip: %(ip)s}]}
 """
 
 
-def _second(d: PodDemand, t: int, rate_bps: float, limit_bps: float, throttled: bool = False, cap=10**9):
-    """One second of traffic at `rate_bps` under `limit_bps`; throttled: the class went over its ceil."""
+def _second(d: PodDemand, t: int, rate_bps: float, limit_bps: float, throttled: bool = False, cap=10**9,
+            answers: int = 0):
+    """One second of traffic at `rate_bps` under `limit_bps`; throttled: the class went over its ceil;
+    `answers`: the agent's answer count by then."""
     last = d.last or Sample(t - 1, 0, 0, 0, 0)
-    d.update(Sample(t, last.bytes + int(rate_bps / 8), 0, last.overlimits + throttled, 0), int(limit_bps), cap)
+    d.update(Sample(t, last.bytes + int(rate_bps / 8), 0, last.overlimits + throttled, 0), int(limit_bps), cap,
+             answers)
 
 
 def test_demand_probes_above_censored_usage_gently_first_then_doubling():
@@ -99,6 +102,40 @@ def test_a_cut_while_probing_rebases_the_probe():
     _second(d, 2, 1e6, 1e6, throttled=True)  # cut
     _second(d, 3, 10e6, 10e6, throttled=True)  # raised again, below 35M
     assert d.demand_bps == 10e6 * PROBE_GAIN
+
+
+def test_a_pod_held_at_its_share_through_two_answers_asks_its_cap():
+    """Throttled, it asked 1.25x; two answers left its limit where it was (the first may predate the
+    report that carried the ask, the second cannot): it is held at its share and wants more. It asks
+    its cap, which max-min answers with the same share; when a class change raises the share, the
+    very next answer gives all of it (issue 13: the demo's class change took four answers)."""
+    d = PodDemand()
+    _second(d, 0, 10e6, 10e6, throttled=True, answers=5)
+    _second(d, 1, 10e6, 10e6, throttled=True, answers=5)
+    assert d.demand_bps == 10e6 * FIRST_PROBE_GAIN
+    for t in range(2, 6):  # samples without a new answer are no refusal
+        _second(d, t, 10e6, 10e6, throttled=True, answers=5)
+    assert d.demand_bps == 10e6 * FIRST_PROBE_GAIN
+    _second(d, 6, 10e6, 10e6, throttled=True, answers=6)  # one refusal: maybe an answer to older demand
+    assert d.demand_bps == 10e6 * FIRST_PROBE_GAIN
+    _second(d, 7, 10e6, 10e6, throttled=True, answers=7)  # two: held
+    assert d.waking and d.demand_bps == 10**9
+    _second(d, 8, 38e6, 38e6, throttled=True, answers=8)  # the share rose: still the same ask
+    assert d.demand_bps == 10**9
+    _second(d, 9, 30e6, 38e6, answers=8)  # it wanted 30M: unthrottled, back to what it sends
+    assert not d.waking and d.demand_bps == 30e6
+
+
+def test_a_pod_whose_probe_is_granted_is_not_held():
+    """Each answer raised its limit (it jittered over, or grows): it follows the probe, 1.25x then 2x,
+    and asks no more than that however many answers come."""
+    d = PodDemand()
+    _second(d, 0, 10e6, 10e6, throttled=True, answers=1)
+    _second(d, 1, 10e6, 10e6, throttled=True, answers=1)
+    _second(d, 2, 12.5e6, 12.5e6, throttled=True, answers=2)
+    _second(d, 3, 25e6, 25e6, throttled=True, answers=3)
+    _second(d, 4, 50e6, 50e6, throttled=True, answers=4)
+    assert not d.waking and d.demand_bps == 100e6
 
 
 def test_running_at_the_limit_unthrottled_is_not_throttling():
