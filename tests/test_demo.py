@@ -47,14 +47,14 @@ def test_demo_runs_shapes_to_the_budget_moves_allocations_and_cleans_up(tmp_path
         # the six pods together offer Gbit/s: without shaping the total would be far above the budget;
         # held within ±5 % while the same pods download (20 runs of bench/demo_runs.py: -0.3 to -2.3 %)
         assert 0.95 * budget <= total <= 1.05 * budget, f"total {total:.1f} Mbit/s against a {budget:.0f} Mbit/s budget"
-        # every pod within 5 % of its fair share (`netagent plan`'s answer) at the end, 10+ periods after
-        # the change (20 runs of bench/demo_runs.py: -3.1 to +0.0 %). Not before the change: in 3 of 35
-        # runs the first answer gave three pods 1 Mbit/s and one 60, and the probe's x1.25-x2 climb
-        # took 13 s; woken pods now ask their caps (~5 s), but a late node's pods can still be held
-        # 2-4 s (docs/datapath.md, "A cold start")
+        # every pod within 5 % of its fair share (`netagent plan`'s answer) in both windows: the
+        # 6 s before the change (9 s after the start) and the end. Woken and held pods ask their caps,
+        # so a node whose first report beat its flows and a class change settle within two answers
+        # (bench/demo_runs.py: worst pod -2.8 % in either window over 25+ plain runs; before that
+        # estimator, 3 of 35 runs read +340 % / -33 % in the first window: docs/datapath.md)
         off = {k: round(means[k] * 1e6 / fair[k] - 1, 3) for k in rates}
-        assert window is late_first or all(abs(e) <= 0.05 for e in off.values()), \
-            f"uploads against their fair shares at the end: {off}"
+        assert all(abs(e) <= 0.05 for e in off.values()), \
+            f"uploads against their fair shares {'before the change' if window is late_first else 'at the end'}: {off}"
     # every pod's flow moved (iperf3's own 0.2 s intervals, read as they were flushed)
     assert all(v is not None for v in s["first_moved_s"].values()), s["first_moved_s"]
     assert set(s["steady_total"]) == {"before_change", "end"}  # the ±1 % figure: docs/datapath.md (40 s runs)
@@ -79,9 +79,9 @@ def test_demo_runs_shapes_to_the_budget_moves_allocations_and_cleans_up(tmp_path
         # +0.0 to -2.4 %, no stall (docs/datapath.md)
         assert 0.95 * dbudget <= total <= 1.05 * dbudget, \
             f"download total {total:.1f} Mbit/s against a {dbudget:.0f} Mbit/s download budget"
-        off = {k: round(means[k] * 1e6 / fair[k] - 1, 3) for k in drates}  # at the end, as for uploads
-        assert window is late_first or all(abs(e) <= 0.05 for e in off.values()), \
-            f"downloads against their fair shares at the end: {off}"
+        off = {k: round(means[k] * 1e6 / fair[k] - 1, 3) for k in drates}  # both windows, as for uploads
+        assert all(abs(e) <= 0.05 for e in off.values()), \
+            f"downloads against their fair shares {'before the change' if window is late_first else 'at the end'}: {off}"
     assert all(v is not None for v in down["first_moved_s"].values()), down["first_moved_s"]
     assert set(down["steady_total"]) == {"before_change", "end"}
     assert down["fair_after_bps"]["data/crawl"] > 2 * down["fair_before_bps"]["data/crawl"]
