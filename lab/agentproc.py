@@ -224,9 +224,11 @@ class NetnsPortForward:
         return s
 
     def resume(self) -> None:
-        self._listener = self.worker.call(self._listen)
-        self.port = self._listener.getsockname()[1]
-        threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
+        listener = self.worker.call(self._listen)
+        with self._lock:
+            self._listener = listener
+        self.port = listener.getsockname()[1]
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
 
     def _accept(self, listener) -> None:
         while True:
@@ -241,7 +243,13 @@ class NetnsPortForward:
                 client.close()
                 continue
             with self._lock:
-                self._conns += [client, upstream]
+                stale = listener is not self._listener  # paused while this one connected upstream:
+                if not stale:  # it must not outlive the pause (an agent's watch kept flowing once)
+                    self._conns += [client, upstream]
+            if stale:
+                for c in (client, upstream):
+                    c.close()
+                return
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
@@ -259,9 +267,11 @@ class NetnsPortForward:
                     pass
 
     def pause(self) -> None:
-        self._listener.close()
         with self._lock:
+            listener, self._listener = self._listener, None
             conns, self._conns = self._conns, []
+        if listener is not None:
+            listener.close()
         for c in conns:
             try:
                 c.shutdown(self._socket.SHUT_RDWR)
