@@ -29,6 +29,14 @@ POLICY = [
 ]
 
 
+def load(objs: list[dict]):
+    """The loop's policy objects as the engine's Policy (they are the loop's own: no problems)."""
+    policy, problems = load_policy([o for o in objs if o["kind"] == "EgressClass"],
+                                   [o for o in objs if o["kind"] == "EgressBudget"])
+    assert not problems, problems
+    return policy
+
+
 @dataclasses.dataclass
 class Pod:
     key: str
@@ -50,9 +58,7 @@ class Loop:
     `estimator`: the PodDemand class the agents run."""
 
     def __init__(self, seed: int, n: int = 120, jitter: float = 0.0, estimator: type[PodDemand] = PodDemand):
-        self.policy, problems = load_policy([o for o in POLICY if o["kind"] == "EgressClass"],
-                                            [o for o in POLICY if o["kind"] == "EgressBudget"])
-        assert not problems, problems
+        self.policy = load(POLICY)
         rng = np.random.default_rng(seed)
         self.pods = []
         for i in range(n):
@@ -165,9 +171,7 @@ def class_change(seed: int, estimator: type[PodDemand] = PodDemand, periods: int
     objs = copy.deepcopy(POLICY)
     for team in objs[-1]["spec"]["teams"]:
         team["weight"] *= 3 if team["name"] == "data" else 1
-    loop.policy, problems = load_policy([o for o in objs if o["kind"] == "EgressClass"],
-                                        [o for o in objs if o["kind"] == "EgressBudget"])
-    assert not problems, problems
+    loop.policy = load(objs)
     spec = loop.policy.classes["interactive"]
     pod.cls, pod.weight, pod.min_bps, pod.max_bps = spec.name, spec.weight, spec.min_bps, spec.max_bps
     grew = loop.fair()[pod.key] / fair[pod.key]
