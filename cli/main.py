@@ -28,6 +28,7 @@ from netagent.desired import DEFAULT_MARK_BIT, DataPathOptions
 
 log = logging.getLogger("netagent")
 SHUTDOWN_GRACE_S = 10.0
+STOP_POLL_S = 0.25
 IPTABLES_BACKENDS = ("auto", "nft", "legacy")
 
 
@@ -136,10 +137,12 @@ def _run(a: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # `kill -USR1` writes every thread's stack to the log (a stuck agent, diagnosed in place)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     daemon.start()
     log.info("netagent running on node %r; /metrics /healthz /readyz at http://%s; /state at http://%s", cfg.node,
              daemon.http.address, daemon.http.state_address or "(not served)")
-    stop.wait()
+    wait_until_set(stop)
     # Stopping changes nothing in the kernel, so a stop that hangs (a tool blocked on the
     # xtables lock, a netlink socket) must not keep the pod past its grace period: after
     # SHUTDOWN_GRACE_S say where every thread stands and exit; the data path stays in force.
@@ -149,6 +152,16 @@ def _run(a: argparse.Namespace) -> int:
     daemon.stop()
     watchdog.cancel()
     return 0
+
+
+def wait_until_set(stop: threading.Event) -> None:
+    """Wait, in slices, for a signal handler to set `stop`. The kernel may hand SIGTERM to a
+    thread other than the main one (one spawning ipset, say: in a tests/test_shutdown.py loop
+    about one signal in four); that thread's C handler only flags it, Python runs the handler
+    in the main thread at its next bytecode, and an untimed wait never gets there. CI saw an
+    agent ignore SIGTERM for 20 s that way."""
+    while not stop.wait(STOP_POLL_S):
+        pass
 
 
 def _exit_stuck() -> None:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import yaml
@@ -89,7 +90,12 @@ class AgentProcess:
 
     def terminate(self) -> int:
         os.kill(self.proc.pid, signal.SIGTERM)
-        return self.proc.wait(timeout=20)
+        try:
+            return self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGUSR1)  # the agent writes every thread's stack to its log
+            time.sleep(1)
+            raise AssertionError(f"the agent did not stop within 20 s of SIGTERM; its threads:\n{self.log()}") from None
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -6,6 +6,8 @@ tests/test_agent_lab.py does for uploads). Behaviour is asserted by polling the 
 """
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import threading
 
@@ -106,7 +108,12 @@ def test_annotation_edits_apply_to_a_running_download(lab, files, agent):
 def test_cleanup_removes_the_download_shaper(lab, files, agent):
     node = lab.nodes[0]
     write_objects(files / "pods.yaml", [pod_object(p, node) for p in node.pods])
-    wait_for(lambda: len(tc_classes(node.netns, INGRESS_IFB, 0x2)) >= 4, what="download classes")
+    # the node class, the default class and one class for each of the two pods
+    wait_for(lambda: len(tc_classes(node.netns, INGRESS_IFB, 0x2)) >= 4, what="both pods' download classes")
+    # SIGUSR1 writes every thread's stack to the log and the agent runs on
+    os.kill(agent.proc.pid, signal.SIGUSR1)
+    wait_for(lambda: "most recent call first" in agent.log(), what="the thread dump in the log")
+    assert agent.alive() and agent.get("/readyz")[0] == 200
     assert agent.terminate() == 0
     assert "removed" in run([sys.executable, "-m", "netagent", "cleanup"], node.netns)
     assert "already clean" in run([sys.executable, "-m", "netagent", "cleanup"], node.netns)
