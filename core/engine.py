@@ -38,6 +38,11 @@ class EngineConfig:
     gain_smoothing: float = 0.5  # share of the distance to the measured ratio moved per round
     gain_deadband: float = 0.005  # the gain stays when the measured ratio is this close to it
     gain_min_usage: float = 0.05  # the pods' usage must be this share of the budget for a ratio to mean anything
+    # the gain moves only when the pods' usage and the measured total, each as a share of the
+    # capacity they ran under, both moved less than this since the last feedback: in a transient
+    # (a node's pods starting) the two cover different windows (the agent's last 1 s sample
+    # against its node's counter since the last report) and their ratio says nothing of the plant
+    gain_steady: float = 0.03
 
 
 # -- the water-fill: one level, many groups at once ------------------------------------------
@@ -172,6 +177,9 @@ class ColumnarResult:
     oversubscribed: bool  # configured guarantees exceed the budget
     scaled: bool  # this round the teams' guarantees exceeded the capacity and were scaled down
     held: int  # pods whose small change was not pushed (hysteresis)
+    # (shaped usage, measured total) / the capacity they ran under, at the last feedback: the
+    # next feedback moves the gain only if it is steady against this (EngineConfig.gain_steady)
+    feedback_point: tuple[float, float] | None = None
 
 
 def _check(pods: PodColumns, n_teams: int) -> None:
@@ -229,8 +237,7 @@ def allocate_columns(teams: TeamColumns, pods: PodColumns, total_bps: float,
     configured = np.minimum(teams.max_bps, np.maximum(teams.min_bps, np.bincount(team, pods.min_bps, n_teams)))
     guaranteed = float(configured.sum())
 
-    gain = feedback_gain(previous.gain if previous is not None else 1.0, total_bps, measured_total_bps,
-                         shaped_usage_bps, config)
+    gain, point = _gain(previous, total_bps, measured_total_bps, shaped_usage_bps, config)
     capacity = min(total_bps * gain, float(MAX_BPS))
 
     one = np.zeros(n_teams, dtype=np.intp)
@@ -255,7 +262,26 @@ def allocate_columns(teams: TeamColumns, pods: PodColumns, total_bps: float,
         team_demand=np.bincount(team, pods.demand_bps, n_teams), team_guarantee=team_floor,
         team_pods=np.bincount(team, minlength=n_teams), team_scaled=team_scaled, team_level=team_level,
         total_bps=float(total_bps), capacity_bps=capacity, gain=gain, guaranteed_bps=guaranteed,
-        oversubscribed=guaranteed > total_bps, scaled=bool(top_scaled[0]), held=held)
+        oversubscribed=guaranteed > total_bps, scaled=bool(top_scaled[0]), held=held, feedback_point=point)
+
+
+def _gain(previous: ColumnarResult | None, total_bps: float, measured_total_bps: float | None,
+          shaped_usage_bps: float | None, config: EngineConfig) -> tuple[float, tuple[float, float] | None]:
+    """This round's gain and feedback point: `feedback_gain` when this feedback is steady against the
+    last one (both numbers within `gain_steady` of the capacity they ran under); else the gain held.
+    The first feedback only sets the point: a start is a transient too."""
+    gain = previous.gain if previous is not None else 1.0
+    last = previous.feedback_point if previous is not None else None
+    if measured_total_bps is None or shaped_usage_bps is None:
+        return gain, last
+    ran_under = previous.capacity_bps if previous is not None else total_bps * gain
+    if not (ran_under > 0 and math.isfinite(ran_under) and math.isfinite(measured_total_bps)
+            and math.isfinite(shaped_usage_bps)):
+        return gain, last
+    point = (shaped_usage_bps / ran_under, measured_total_bps / ran_under)
+    if last is None or max(abs(point[0] - last[0]), abs(point[1] - last[1])) > config.gain_steady:
+        return gain, point
+    return feedback_gain(gain, total_bps, measured_total_bps, shaped_usage_bps, config), point
 
 
 def _headroom(team: np.ndarray, n_teams: int, teams: TeamColumns, pods: PodColumns, alloc: np.ndarray,

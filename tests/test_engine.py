@@ -244,6 +244,28 @@ def test_gain_converges_measured_total_to_the_budget():
     assert result.gain == pytest.approx(0.95 * 0.9, rel=0.01)
 
 
+def test_gain_holds_through_a_transient_and_moves_once_the_plant_is_steady():
+    """Issue 13's cold start, as the demo's agents reported it: a node's pods start, its counter
+    since the last report has seen their first 15M while their last 1 s samples (taken before the
+    report) show 5M. The ratio of the two (0.83) says nothing of the plant, and the gain cut on it
+    held every pod ~13 % below its share for five periods. Steady numbers move the gain as before."""
+    policy = budget()
+    pods = [pod("a/1", "a", 1e9), pod("b/1", "b", 1e9)]
+    result = allocate(policy, pods)
+    result = allocate(policy, pods, measured_total_bps=56 * M, previous=result, shaped_usage_bps=56 * M)
+    assert result.gain == 1.0  # the first feedback sets the point only
+    result = allocate(policy, pods, measured_total_bps=71 * M, previous=result, shaped_usage_bps=61 * M)
+    assert feedback_gain(1.0, 100 * M, 71 * M, 61 * M) < 0.94  # what the gain did before
+    assert result.gain == 1.0 and result.capacity_bps == 100 * M
+    # 10 % unshaped host traffic, steady: the gain follows it, a step per feedback after the first
+    gains = []
+    for _ in range(6):
+        used = result.capacity_bps
+        result = allocate(policy, pods, measured_total_bps=1.1 * used, previous=result, shaped_usage_bps=used)
+        gains.append(result.gain)
+    assert gains[0] == 1.0 and gains[1] < 0.96 and gains[-1] == pytest.approx(1 / 1.1, rel=0.01), gains
+
+
 # -- errors -----------------------------------------------------------------------------------
 
 def test_bad_input_is_refused_with_the_pod_named():
