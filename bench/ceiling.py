@@ -61,6 +61,7 @@ def main() -> int:
     ap.add_argument("--pods", default="1,10,100")
     ap.add_argument("--seconds", type=float, default=4)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--leaf", default=None, help="the leaf qdisc (default: what the probe picks)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench/ceiling.py needs root (network namespaces)", file=sys.stderr)
@@ -71,7 +72,7 @@ def main() -> int:
         for i in range(max(counts)):
             lab.iperf_server(lab.internet, BASE_PORT + i)
         shaper, classifier = Shaper(node.netns), Classifier(netns=node.netns)
-        options = DataPathOptions(leaf_qdisc=probe(node.netns).leaf_qdisc)
+        options = DataPathOptions(leaf_qdisc=args.leaf or probe(node.netns).leaf_qdisc)
         print(f"one node, one IFB/HTB, leaf {options.leaf_qdisc}, {os.cpu_count()} CPUs; one TCP flow per pod, "
               f"{args.seconds:g} s, median of {args.rounds} alternated rounds")
         print(f"{'pods':>5} {'unshaped':>12} {'through HTB':>12} {'share':>7}")

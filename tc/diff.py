@@ -10,7 +10,15 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import sizing
-from .model import MIN_RATE_BPS, NODE_MINOR, HtbClassSpec, ObservedShaper, ShaperSpec, ack_minor, bulk_minor
+from .model import (
+    MIN_RATE_BPS,
+    NODE_MINOR,
+    HtbClassSpec,
+    ObservedShaper,
+    ShaperSpec,
+    ack_minor,
+    bulk_minor,
+)
 
 # (rate bytes/s, size bytes) -> kernel ticks; the executor passes the kernel's clock.
 TickFn = Callable[[int, int], int]
@@ -49,6 +57,8 @@ class Op:
     params: ClassParams | None = None
     leaf_kind: str = ""
     leaf_limit: int = 0
+    leaf_rate: int = 0  # tbf: bytes/s
+    leaf_burst: int = 0  # tbf: bytes
     detail: str = ""
 
     def __str__(self) -> str:
@@ -113,9 +123,24 @@ def desired_leaves(spec: ShaperSpec) -> list[Leaf]:
     return sorted(out, key=lambda leaf: leaf.minor)
 
 
-def leaf_limit(spec: ShaperSpec, c: HtbClassSpec | Leaf) -> int:
-    """The leaf's limit: bytes for bfifo, packets for pfifo (fq_codel has none of ours)."""
-    if spec.leaf == "bfifo":
+def leaf_kind(spec: ShaperSpec, c: HtbClassSpec | Leaf, have: str | None = None) -> str:
+    """The leaf's qdisc kind. `spec.leaf == "tbf"` (the probe's choice where the kernel has no fq_codel)
+    segments where a GSO packet is a long wait and costs the least: classes whose ceil is at most
+    sizing.SEGMENT_CEIL_BPS get the segmenting tbf, faster ones pfifo. Between that ceil and twice it a
+    leaf keeps the kind it has (`have`), so a ceil moving around the boundary does not replace its queue
+    every period."""
+    if spec.leaf != "tbf":
+        return spec.leaf
+    if c.ceil <= sizing.SEGMENT_CEIL_BPS:
+        return "tbf"
+    if c.ceil <= 2 * sizing.SEGMENT_CEIL_BPS and have in ("tbf", "pfifo"):
+        return have
+    return "pfifo"
+
+
+def leaf_limit(kind: str, c: HtbClassSpec | Leaf) -> int:
+    """The leaf's limit: bytes for bfifo and tbf, packets for pfifo (fq_codel has none of ours)."""
+    if kind in ("bfifo", "tbf"):
         return sizing.leaf_limit_bytes(c.ceil)
     return sizing.leaf_limit_packets(c.ceil)
 
@@ -167,13 +192,23 @@ def plan_ops(spec: ShaperSpec, obs: ObservedShaper, ticks: TickFn) -> list[Op]:
                 ops.append(Op("add_class", ifb, minor, p))
             else:
                 ops.append(Op("change_class", ifb, minor, p))
+    burst = sizing.segmenter_burst_bytes(obs.feed_mtu)
     for c in desired_leaves(spec):
-        limit = leaf_limit(spec, c)
         have_leaf = observed_leaves.get(c.minor)
-        if have_leaf is None or have_leaf.kind != spec.leaf or have_leaf.handle_major != c.minor:
-            ops.append(Op("replace_leaf", ifb, c.minor, leaf_kind=spec.leaf, leaf_limit=limit))
-        elif spec.leaf in ("pfifo", "bfifo") and have_leaf.limit != limit:
-            ops.append(Op("replace_leaf", ifb, c.minor, leaf_kind=spec.leaf, leaf_limit=limit))
+        kind = leaf_kind(spec, c, have_leaf.kind if have_leaf else None)
+        limit = leaf_limit(kind, c)
+        if (
+            have_leaf is None or have_leaf.kind != kind or have_leaf.handle_major != c.minor
+            or (kind in ("pfifo", "bfifo", "tbf") and have_leaf.limit != limit)
+            or (kind == "tbf" and (have_leaf.tbf_rate, have_leaf.tbf_burst) != (sizing.SEGMENTER_RATE_BYTES, burst))
+        ):
+            tbf = kind == "tbf"
+            if have_leaf is not None and have_leaf.kind != kind and have_leaf.handle_major == c.minor:
+                # the kernel changes a qdisc in place only within its kind: another kind under our handle
+                # is deleted first (HTB puts a default queue there until the new one is grafted)
+                ops.append(Op("delete_leaf", ifb, c.minor, detail=f"(was {have_leaf.kind})"))
+            ops.append(Op("replace_leaf", ifb, c.minor, leaf_kind=kind, leaf_limit=limit,
+                          leaf_rate=sizing.SEGMENTER_RATE_BYTES if tbf else 0, leaf_burst=burst if tbf else 0))
 
     # 4. uplinks: clsact, then the redirect filter (only now is the IFB ready)
     for up in spec.uplinks:

@@ -88,7 +88,7 @@ class ShaperSpec:
     default: HtbClassSpec  # unknown-source internet traffic: shaped at a floor
     pods: tuple[HtbClassSpec, ...] = ()
     major: int = 0x1  # HTB handle major on the IFB
-    leaf: str = "pfifo"  # leaf qdisc kind: "fq_codel" where the kernel has it
+    leaf: str = "pfifo"  # leaf qdisc kind: fq_codel where the kernel has it, else tbf (tc/sizing.py: segmenting)
     filter_pref: int = 0xC000  # clsact filter priority on the uplinks (ours alone)
     ifb_txqueuelen: int = 5000
     ifb_alias: str = EGRESS_IFB_ALIAS
@@ -154,6 +154,8 @@ class ObservedLeaf:
     kind: str
     handle_major: int
     limit: int | None
+    tbf_rate: int | None = None  # the segmenting leaf's (tbf) rate, bytes/s
+    tbf_burst: int | None = None  # and its bucket in bytes, as netagent recorded it (tc.netlink.tbf_options)
 
 
 @dataclass(frozen=True)
@@ -180,6 +182,7 @@ class ObservedShaper:
     uplink_index: dict[str, int | None] = field(default_factory=dict)
     uplink_clsact: dict[str, bool] = field(default_factory=dict)
     filters: dict[str, list[ObservedFilter]] = field(default_factory=dict)
+    feed_mtu: int = 0  # the largest MTU of the feeding devices present (the tbf leaf's frame size)
 
 
 @dataclass(frozen=True)

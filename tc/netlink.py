@@ -103,6 +103,47 @@ class _FifoTcmsg(tcmsg):
     fifo_options = sched_pfifo.options
 
 
+class _TbfOptions(nla):
+    """tbf options: the parameters as raw struct tc_tbf_qopt, the 64-bit rate and the bucket in bytes
+    (pyroute2's encoder has neither TCA_TBF_RATE64 nor TCA_TBF_BURST, and sends rate tables)."""
+
+    nla_flags = 0x8000
+    nla_map = (
+        ("TCA_TBF_UNSPEC", "none"),
+        ("TCA_TBF_PARMS", "cdata"),
+        ("TCA_TBF_RTAB", "cdata"),
+        ("TCA_TBF_PTAB", "cdata"),
+        ("TCA_TBF_RATE64", "uint64"),
+        ("TCA_TBF_PRATE64", "uint64"),
+        ("TCA_TBF_BURST", "uint32"),
+    )
+
+
+class _TbfTcmsg(tcmsg):
+    _nlmsg_base__compiled_nla = False
+    nla_map = tuple(("TCA_OPTIONS", "tbf_options") if n[0] == "TCA_OPTIONS" else n for n in tcmsg.nla_map)
+    tbf_options = _TbfOptions
+
+
+TC_LINKLAYER_ETHERNET = 1  # a rate that names its link layer needs no rate table
+
+
+def tbf_options(rate_bytes: int, burst_bytes: int, limit_bytes: int) -> dict:
+    """A TBF with this rate (bytes/s), bucket (bytes: the largest packet it passes whole; a larger
+    GSO packet is split into segments) and queue limit (bytes).
+
+    The kernel reports the bucket only as its time in 64 ns ticks, 0 at the segmenter's rate, so a
+    restarted agent could not tell which MTU it was sized for. The bucket's bytes are therefore also
+    written to the peak bucket's field (struct tc_tbf_qopt.mtu), which TBF keeps and reports as given
+    and ignores while there is no peak rate."""
+    parms = rawnl.TBF_QOPT.pack(0, TC_LINKLAYER_ETHERNET, 0, 0, 0, min(rate_bytes, 0xFFFFFFFF),
+                                0, 0, 0, 0, 0, 0, limit_bytes, 0, burst_bytes)
+    attrs = [["TCA_TBF_PARMS", parms], ["TCA_TBF_BURST", burst_bytes]]
+    if rate_bytes > 0xFFFFFFFF:
+        attrs.append(["TCA_TBF_RATE64", rate_bytes])
+    return {"attrs": attrs}
+
+
 def _ticks(rate_bytes: int, size: int) -> int:
     return int(calc_xmittime(rate_bytes, size))
 
@@ -187,20 +228,23 @@ class Shaper:
             # many devices (the pod devices of the download shaper): one link dump and one qdisc
             # dump for all of them, then one filter dump each
             try:
-                index = {name: i for name, _, i in self.chan.dump_links()}
+                links = {name: (i, mtu) for name, _, i, mtu in self.chan.dump_links()}
                 clsact = self.chan.clsact_devices()
             except OSError as exc:
                 raise TcError(f"reading devices in network namespace {self.netns!r} failed: {exc}") from exc
             for up in spec.uplinks:
-                idx = obs.uplink_index[up] = index.get(up)
+                idx, mtu = links.get(up, (None, 0))
+                obs.uplink_index[up] = idx
                 if idx is not None:
+                    obs.feed_mtu = max(obs.feed_mtu, mtu)
                     self._observe_uplink(up, idx, spec, obs, idx in clsact)
             return obs
         for up in spec.uplinks:
-            idx = self._index(up)
-            obs.uplink_index[up] = idx
-            if idx is not None:
-                self._observe_uplink(up, idx, spec, obs)
+            up_link = self._link(up)
+            idx = obs.uplink_index[up] = up_link.index if up_link else None
+            if up_link is not None:
+                obs.feed_mtu = max(obs.feed_mtu, up_link.mtu)
+                self._observe_uplink(up, up_link.index, spec, obs)
         return obs
 
     def _observe_ifb_qdiscs(self, ifb: int, spec: ShaperSpec, obs: ObservedShaper) -> None:
@@ -211,7 +255,8 @@ class Shaper:
                 obs.root_handle_major = handle >> 16
                 obs.root_default_minor = q.htb_default
             elif (parent >> 16) == spec.major and q.kind:
-                obs.leaves[parent & 0xFFFF] = ObservedLeaf(parent & 0xFFFF, q.kind, handle >> 16, q.pfifo_limit)
+                obs.leaves[parent & 0xFFFF] = ObservedLeaf(parent & 0xFFFF, q.kind, handle >> 16, q.limit,
+                                                           q.tbf_rate, q.tbf_mtu)
         if obs.root_kind != "htb":
             return
         for c in self._htb_classes(ifb, spec.major):
@@ -375,10 +420,15 @@ class Shaper:
         if a == "delete_class":
             # HTB destroys the class's leaf qdisc with it
             return self._tcmsg(RTM_DELTCLASS, 0, ifb, root | op.minor, 0)
+        if a == "delete_leaf":
+            return self._tcmsg(RTM_DELQDISC, 0, ifb, op.minor << 16, root | op.minor)
         if a == "replace_leaf":
             if op.leaf_kind in ("pfifo", "bfifo"):
                 return self._tcmsg(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, ifb, op.minor << 16, root | op.minor,
                                    op.leaf_kind, {"limit": op.leaf_limit}, _FifoTcmsg)
+            if op.leaf_kind == "tbf":
+                return self._tcmsg(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, ifb, op.minor << 16, root | op.minor,
+                                   "tbf", tbf_options(op.leaf_rate, op.leaf_burst, op.leaf_limit), _TbfTcmsg)
             return self._tcmsg(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, ifb, op.minor << 16, root | op.minor,
                                op.leaf_kind, {"attrs": []})
         if a == "add_clsact":
@@ -405,6 +455,12 @@ class Shaper:
         msg["info"] = (spec.filter_pref << 16) | socket.htons(ETH_P_ALL)
         return msg
 
+    def add_tbf_root(self, index: int, rate_bytes: int, burst_bytes: int, limit_bytes: int) -> int:
+        """A tbf root qdisc (the probe's test); -> the kernel's errno, 0 on success."""
+        msg = self._tcmsg(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_EXCL, index, 0x10000, 0xFFFFFFFF, "tbf",
+                          tbf_options(rate_bytes, burst_bytes, limit_bytes), _TbfTcmsg)
+        return self.chan.batch([msg])[0]
+
     def add_fifo_root(self, index: int, kind: str, limit: int) -> int:
         """A pfifo or bfifo root qdisc with its limit (the probe's test; pyroute2 cannot encode bfifo's
         options); -> the kernel's errno, 0 on success."""
@@ -428,7 +484,7 @@ class Shaper:
             links = self.chan.dump_links()
         except OSError as exc:
             raise TcError(f"listing devices in network namespace {self.netns!r} failed: {exc}") from exc
-        return tuple(sorted(name for name, kind, _ in links if kind in kinds and name and name not in exclude))
+        return tuple(sorted(name for name, kind, _, _ in links if kind in kinds and name and name not in exclude))
 
     # -- stats ----------------------------------------------------------------
     def stats(self, ifb: str, major: int = 0x1) -> dict[int, ClassStats]:

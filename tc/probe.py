@@ -27,21 +27,23 @@ from dataclasses import dataclass, field
 
 from pyroute2.netlink.exceptions import NetlinkError
 
-from . import rawnl
+from . import rawnl, sizing
 from .errors import TcError
 from .model import DEFAULT_MINOR, HtbClassSpec, ObservedShaper, ShaperSpec
 from .netlink import Shaper
 
 log = logging.getLogger(__name__)
 
-QDISCS = ("htb", "fq_codel", "pfifo")  # the shaper, and the leaf: fq_codel where the kernel has it, else pfifo
+QDISCS = ("htb", "fq_codel", "tbf", "pfifo")  # the shaper, and the leaf: fq_codel, else a segmenting tbf, else pfifo
 REQUIRED_QDISCS = ("htb", "clsact")
 PROBE_DEVICE = re.compile(r"nap-[0-9a-f]{8}")  # the one "is ours" test for probe devices
 PROBE_ALIAS = "netagent: tc capability probe (short-lived)"  # for whoever sees it in `ip link`
 ROOT = 0xFFFFFFFF
 PFIFO_LIMIT = 100
 # options a qdisc needs to be created at all; pfifo's limit is read back (the leaf must be bounded)
-QDISC_OPTIONS = {"htb": {"default": 0x10}, "pfifo": {"limit": PFIFO_LIMIT}}
+QDISC_OPTIONS = {"htb": {"default": 0x10}, "pfifo": {"limit": PFIFO_LIMIT},
+                 # the segmenting leaf's settings: a 64-bit rate, and a bucket the kernel must report back
+                 "tbf": {"rate": sizing.SEGMENTER_RATE_BYTES, "burst": 1522, "limit": 100_000}}
 
 
 @dataclass(frozen=True)
@@ -53,11 +55,14 @@ class Capabilities:
 
     @property
     def leaf_qdisc(self) -> str:
-        # fq_codel where the kernel has it, else pfifo. A byte-limited bfifo leaf (tc/sizing.leaf_limit_bytes)
-        # is supported: it took the demo's downloads from -25..-62 % to -7..-19 % of their budget (their
-        # ACKs no longer wait behind seconds of GSO uploads), but cost single TCP flows goodput at
-        # 10 Mbit/s in the full test suite (tail drops of whole GSO packets); docs/datapath.md
-        return "fq_codel" if "fq_codel" in self.qdiscs else "pfifo"
+        # fq_codel where the kernel has it; else a tbf that splits GSO packets into frames with a byte
+        # limit (tc/sizing.py: it halves the loaded RTT of an HTB leaf, docs/datapath.md); else pfifo.
+        # A bfifo leaf (tc/sizing.leaf_limit_bytes) is supported but not chosen: it tail-drops whole
+        # GSO packets, which cost single TCP flows goodput at 10 Mbit/s.
+        for kind in ("fq_codel", "tbf"):
+            if kind in self.qdiscs:
+                return kind
+        return "pfifo"
 
     def missing(self) -> list[str]:
         """What netagent needs and this kernel lacks (empty: we can run)."""
@@ -157,8 +162,10 @@ def _try_features(shaper: Shaper, device: str) -> Capabilities:
 
 def _root_qdisc_works(shaper: Shaper, idx: int, kind: str) -> bool:
     try:
-        if kind in ("pfifo", "bfifo"):
-            err = shaper.add_fifo_root(idx, kind, QDISC_OPTIONS[kind]["limit"])
+        if kind in ("pfifo", "bfifo", "tbf"):
+            o = QDISC_OPTIONS[kind]
+            err = (shaper.add_tbf_root(idx, o["rate"], o["burst"], o["limit"]) if kind == "tbf"
+                   else shaper.add_fifo_root(idx, kind, o["limit"]))
             if err:
                 log.debug("tc probe: qdisc %s not available: errno %d", kind, err)
                 return False
@@ -170,8 +177,9 @@ def _root_qdisc_works(shaper: Shaper, idx: int, kind: str) -> bool:
     try:
         root = [rawnl.parse_qdisc(h, parent, payload) for h, parent, payload in shaper.chan.dump_qdiscs(idx)
                 if parent == ROOT]
-        return any(q.kind == kind and (kind not in ("pfifo", "bfifo") or q.pfifo_limit == QDISC_OPTIONS[kind]["limit"])
-                   for q in root)
+        o = QDISC_OPTIONS.get(kind, {})
+        return any(q.kind == kind and q.limit == o.get("limit", q.limit) and q.tbf_rate == o.get("rate", q.tbf_rate)
+                   and q.tbf_mtu == o.get("burst", q.tbf_mtu) for q in root)
     finally:
         shaper.ipr.tc("del", index=idx, parent=ROOT)
 

@@ -32,7 +32,7 @@ NETLINK_GET_STRICT_CHK = 12
 _TCMSG = struct.Struct("=BxxxiIII")  # family, pad, ifindex, handle, parent, info
 _IFINFO = struct.Struct("=BxHiII")  # family, pad, type, ifindex, flags, change
 
-IFLA_IFNAME, IFLA_TXQLEN, IFLA_LINKINFO, IFLA_IFALIAS, IFLA_INFO_KIND = 3, 13, 18, 20, 1
+IFLA_IFNAME, IFLA_MTU, IFLA_TXQLEN, IFLA_LINKINFO, IFLA_IFALIAS, IFLA_INFO_KIND = 3, 4, 13, 18, 20, 1
 
 TCA_KIND, TCA_OPTIONS, TCA_STATS2 = 1, 2, 7
 TCA_STATS_BASIC, TCA_STATS_QUEUE = 1, 3
@@ -113,6 +113,7 @@ class NetlinkChannel:
                     txqlen=struct.unpack_from("=I", a[IFLA_TXQLEN], 0)[0] if IFLA_TXQLEN in a else 0,
                     alias=nlwire.text(a[IFLA_IFALIAS]) if IFLA_IFALIAS in a else None,
                     kind=nlwire.text(info[IFLA_INFO_KIND]) if IFLA_INFO_KIND in info else None,
+                    mtu=_mtu(a),
                 )
 
     def _dump_payloads(self, msg_type: int, body: bytes, what: str, absent: tuple[int, ...] = ()) -> list[bytes]:
@@ -134,15 +135,15 @@ class NetlinkChannel:
                     return out
                 out.append(payload)
 
-    def dump_links(self) -> list[tuple[str, str | None, int]]:
-        """Every device of the namespace as (name, kind, ifindex): one RTM_GETLINK dump."""
-        out: list[tuple[str, str | None, int]] = []
+    def dump_links(self) -> list[tuple[str, str | None, int, int]]:
+        """Every device of the namespace as (name, kind, ifindex, MTU): one RTM_GETLINK dump."""
+        out: list[tuple[str, str | None, int, int]] = []
         for payload in self._dump_payloads(RTM_GETLINK, _IFINFO.pack(socket.AF_UNSPEC, 0, 0, 0, 0), "link"):
             _, _, index, _, _ = _IFINFO.unpack_from(payload, 0)
             a = attrs(payload[_IFINFO.size :])
             info = attrs(a.get(IFLA_LINKINFO, b""))
             out.append((nlwire.text(a.get(IFLA_IFNAME, b"")), nlwire.text(info[IFLA_INFO_KIND]) if IFLA_INFO_KIND in info else None,
-                        index))
+                        index, _mtu(a)))
         return out
 
     def dump_classes(self, ifindex: int) -> list[tuple[int, int, bytes]]:
@@ -179,6 +180,10 @@ class NetlinkChannel:
                 self._tc_messages(msg_type, body, "tc") if index == ifindex]
 
 
+def _mtu(a: dict[int, bytes]) -> int:
+    return struct.unpack_from("=I", a[IFLA_MTU], 0)[0] if IFLA_MTU in a and len(a[IFLA_MTU]) >= 4 else 0
+
+
 def attrs(buf: bytes) -> dict[int, bytes]:
     """Attributes by type (the last of a repeated type)."""
     return dict(nlwire.iter_attrs(buf))
@@ -191,6 +196,7 @@ class RawLink:
     txqlen: int
     alias: str | None
     kind: str | None
+    mtu: int = 0
 
 
 @dataclass(frozen=True)
@@ -249,26 +255,38 @@ class RawQdisc:
     handle: int
     parent: int
     kind: str
-    pfifo_limit: int | None  # pfifo/bfifo only
+    limit: int | None  # pfifo: packets; bfifo and tbf: bytes
     htb_default: int | None  # HTB root only
+    tbf_rate: int | None = None  # tbf only: bytes/s
+    tbf_mtu: int | None = None  # tbf only: the peak bucket's field (where netagent records its bucket's bytes)
 
 
 TCA_HTB_INIT = 2
+TCA_TBF_PARMS, TCA_TBF_RATE64 = 1, 4
+# struct tc_tbf_qopt: two struct tc_ratespec (cell_log, linklayer, overhead, cell_align, mpu, rate), limit, buffer, mtu
+TBF_QOPT = struct.Struct("=BBHhHI BBHhHI III")
 
 
 def parse_qdisc(handle: int, parent: int, payload: bytes) -> RawQdisc:
     a = attrs(payload)
     kind = a.get(TCA_KIND, b"").rstrip(b"\0").decode()
-    limit = default = None
+    limit = default = rate = mtu = None
     opts = a.get(TCA_OPTIONS)
     if opts is not None:
         if kind in ("pfifo", "bfifo") and len(opts) >= 4:
             (limit,) = struct.unpack_from("=I", opts, 0)
+        elif kind == "tbf":
+            o = attrs(opts)
+            if len(o.get(TCA_TBF_PARMS, b"")) >= TBF_QOPT.size:
+                q = TBF_QOPT.unpack_from(o[TCA_TBF_PARMS], 0)
+                rate, limit, mtu = q[5], q[12], q[14]
+            if len(o.get(TCA_TBF_RATE64, b"")) >= 8:
+                (rate,) = struct.unpack_from("=Q", o[TCA_TBF_RATE64], 0)
         elif kind == "htb":
             o = attrs(opts)
             if TCA_HTB_INIT in o:  # struct tc_htb_glob: version, rate2quantum, defcls, debug, direct_pkts
                 default = struct.unpack_from("=IIIII", o[TCA_HTB_INIT], 0)[2]
-    return RawQdisc(handle, parent, kind, limit, default)
+    return RawQdisc(handle, parent, kind, limit, default, rate, mtu)
 
 
 TCA_BPF_ACT, TCA_BPF_OPS = 1, 5

@@ -50,10 +50,36 @@ LEAF_LIMIT_MAX_BYTES = 1 << 28
 
 
 def leaf_limit_bytes(bps: int) -> int:
-    """bfifo length in bytes: a few milliseconds at the ceil plus one GSO packet (the largest
+    """bfifo (and the segmenting tbf leaf's) length in bytes: a few milliseconds at the ceil plus one GSO packet (the largest
     skb TCP hands down; a byte limit below it would drop every full-size GSO packet). A packet
     count cannot bound the delay: GSO makes one "packet" anything from 64 B to 64 KiB."""
     return min(LEAF_LIMIT_MAX_BYTES, bytes_per_second(bps) * LEAF_QUEUE_MS // 1000 + GSO_MAX_BYTES + MTU_BYTES)
+
+
+# The segmenting leaf (kind "tbf", where the kernel has no fq_codel). HTB sends a packet as soon as
+# its class has any tokens and pays for it afterwards, so a 64 KiB GSO packet is a queue of its own
+# that nothing shows: a ping behind a saturating upload waited twice what the CNI plugin's TBF makes
+# it wait with the same backlog in bytes (docs/datapath.md, "Latency under load"). A TBF whose
+# bucket holds one frame splits every larger GSO packet into frames as it enqueues them
+# (tbf_segment), so HTB's debt is one frame. Its rate must never hold a frame back: with a one-frame
+# bucket every wait is a timer, and at 10x a 1 Gbit/s ceil those waits cut a TCP flow to half the
+# ceil (measured). At 2^40 bytes/s a frame's tokens refill in about a nanosecond, faster than HTB
+# can hand it the next one.
+SEGMENTER_RATE_BYTES = 1 << 40
+# Splitting costs CPU per frame, in the sender's softirq: one IFB carried 3-4 Gbit/s of segmented TCP
+# on the 2-core development VM against 13-25 unsegmented (`bench/ceiling.py --leaf`), and a UDP GSO
+# flood into a 1 Gbit/s class could no longer offer twice the rate. So only classes whose ceil is at
+# most this are split: where a 64 KiB GSO packet is a wait of a millisecond or more.
+SEGMENT_CEIL_BPS = 500_000_000
+SEGMENTER_L2_BYTES = 22  # Ethernet header and two VLAN tags beyond the device's MTU
+SEGMENTER_LEAST_MTU = 1500
+
+
+def segmenter_burst_bytes(mtu: int) -> int:
+    """The segmenting leaf's bucket: the largest frame the feeding devices send. TBF drops a packet
+    larger than its bucket that is not a GSO packet, so the bucket follows their MTU (the agent
+    resyncs on every link change)."""
+    return max(mtu, SEGMENTER_LEAST_MTU) + SEGMENTER_L2_BYTES
 
 
 # The pod's control leaf is guaranteed this share of the pod's rate (and may borrow the pod's whole

@@ -126,7 +126,7 @@ def links(ns):
 
 
 def test_probe_finds_what_the_data_path_needs_and_leaves_nothing():
-    expected_leaf = "fq_codel" if kernel_has_fq_codel() else "pfifo"
+    expected_leaf = "fq_codel" if kernel_has_fq_codel() else "tbf"
     with scratch_netns("probe") as ns:
         sh("ip link add eth0 type veth peer name eth1", ns)
         before = snapshot(ns)
@@ -160,7 +160,7 @@ print(json.dumps({"caps": probe().as_dict(), "cap_eff": int(status.split("CapEff
 def test_probe_works_with_only_the_agent_pods_capabilities():
     """The agent's pod has NET_ADMIN and NET_RAW, no SYS_ADMIN: no namespace of its own, so the
     probe runs on a device of its own in the namespace it is in, and says what the kernel has."""
-    expected_leaf = "fq_codel" if kernel_has_fq_codel() else "pfifo"
+    expected_leaf = "fq_codel" if kernel_has_fq_codel() else "tbf"
     setpriv = ["setpriv", f"--bounding-set=-all,{','.join('+' + c for c in AGENT_POD_CAPABILITIES)}",
                "--inh-caps=-all", "--no-new-privs", "--"]
     with scratch_netns("probe") as ns:
@@ -216,6 +216,49 @@ def test_bfifo_leaf_holds_its_byte_limit_and_is_adopted(node):
         assert s.apply(spec).changes == 0
     with Shaper(node) as fresh:
         assert fresh.apply(spec).changes == 0
+
+
+def test_the_segmenting_tbf_leaf_is_adopted_and_its_bucket_follows_the_uplinks_mtu(node):
+    """tbf leaves (slow classes) at a 64-bit rate far above any ceil with a one-frame bucket: a restart
+    changes nothing. TBF drops a non-GSO packet larger than its bucket, so when the uplink's
+    MTU grows the bucket must grow with it: an 8000-byte ping through the shaper is lost with the old
+    bucket and passes once the leaves are re-applied."""
+    from tc import sizing
+    spec = make_spec(leaf="tbf")
+    with scratch_netns("tcpeer") as peer:
+        sh(f"ip link set eth1 netns {peer}", node)
+        sh("ip addr add 192.0.2.2/24 dev eth1 && ip link set eth1 up", peer)
+        sh("ip addr add 192.0.2.1/24 dev eth0", node)
+        with Shaper(node) as s:
+            s.apply(spec)
+            leaves = s.observe(spec).leaves
+            for minor in (bulk_minor(0x10A), ack_minor(0x10A)):
+                leaf = leaves[minor]
+                assert (leaf.kind, leaf.limit, leaf.tbf_rate, leaf.tbf_burst) == (
+                    "tbf", sizing.leaf_limit_bytes(20_000_000), sizing.SEGMENTER_RATE_BYTES, 1522)
+            assert leaves[bulk_minor(0x10B)].kind == "pfifo"  # 60 Gbit/s: splitting would cost more than it saves
+            assert s.apply(spec).changes == 0
+            with Shaper(node) as fresh:
+                assert fresh.plan(spec) == []
+            # the default class catches marked traffic from no known pod: the ping goes through it
+            big_ping = "ping -c 3 -W 1 -i 0.2 -M do -s 8000 -m 131072 192.0.2.2"
+            sh(f"ping -c 1 -W 1 -m 131072 192.0.2.2", node)
+            sh("ip link set eth0 mtu 9000", node)
+            sh("ip link set eth1 mtu 9000", peer)
+            lost = subprocess.run(["ip", "netns", "exec", node, *big_ping.split()], capture_output=True, text=True)
+            assert lost.returncode != 0, "a frame above the bucket passed: the test cannot see the bucket"
+            ops = s.apply(spec).ops
+            assert {(o.action, o.leaf_burst) for o in ops} == {("replace_leaf", 9022)} and len(ops) == 3
+            sh(big_ping, node)
+            assert s.apply(spec).changes == 0
+            # the 20 Mbit/s pod grows past the boundary: its leaves become pfifo (another kind under
+            # the same handle: deleted, then added), and back
+            fast = make_spec(leaf="tbf", pods=(HtbClassSpec(0x10A, 10_000_000, 4 * sizing.SEGMENT_CEIL_BPS, "a/p1"),))
+            assert [o.action for o in s.apply(fast).ops if "leaf" in o.action] == ["delete_leaf", "replace_leaf"] * 2
+            assert s.observe(fast).leaves[bulk_minor(0x10A)].kind == "pfifo" and s.apply(fast).changes == 0
+            s.apply(spec)
+            assert s.observe(spec).leaves[bulk_minor(0x10A)].kind == "tbf" and s.apply(spec).changes == 0
+            assert "dropped 0" not in sh("tc -s qdisc show dev na-ifb0 parent 1:fffe", node)  # the lost ones
 
 
 def test_a_pod_class_holds_a_control_leaf_first_and_a_bulk_leaf_and_an_older_flat_tree_is_adopted(node):

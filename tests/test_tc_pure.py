@@ -2,7 +2,7 @@
 import pytest
 
 from tc import bpf, sizing
-from tc.diff import desired_classes, desired_leaves, plan_ops
+from tc.diff import desired_classes, desired_leaves, leaf_kind, plan_ops
 from tc.model import (
     DEFAULT_MINOR,
     NODE_MINOR,
@@ -33,15 +33,21 @@ def spec(**kw):
     return ShaperSpec(**base)
 
 
-def converged(s: ShaperSpec) -> ObservedShaper:
+def converged(s: ShaperSpec, mtu: int = 1500) -> ObservedShaper:
     """What the kernel would report after applying s."""
     obs = ObservedShaper(ifb_index=7, ifb_ours=True, ifb_up=True, ifb_txqueuelen=s.ifb_txqueuelen,
                          root_kind="htb", root_handle_major=s.major, root_default_minor=DEFAULT_MINOR)
     for m, p in desired_classes(s, ticks).items():
         obs.classes[m] = ObservedClass(m, p.parent_minor, p.rate_bytes, p.ceil_bytes, p.buffer, p.cbuffer, p.quantum, p.prio)
+    obs.feed_mtu = mtu
     for c in desired_leaves(s):
-        limit = sizing.leaf_limit_bytes(c.ceil) if s.leaf == "bfifo" else sizing.leaf_limit_packets(c.ceil)
-        obs.leaves[c.minor] = ObservedLeaf(c.minor, s.leaf, c.minor, limit)
+        kind = leaf_kind(s, c)
+        limit = sizing.leaf_limit_bytes(c.ceil) if kind in ("bfifo", "tbf") else sizing.leaf_limit_packets(c.ceil)
+        if kind == "tbf":
+            obs.leaves[c.minor] = ObservedLeaf(c.minor, kind, c.minor, limit, sizing.SEGMENTER_RATE_BYTES,
+                                               sizing.segmenter_burst_bytes(mtu))
+        else:
+            obs.leaves[c.minor] = ObservedLeaf(c.minor, kind, c.minor, limit)
     for up in s.uplinks:
         obs.uplink_index[up] = 3
         obs.uplink_clsact[up] = True
@@ -219,6 +225,65 @@ def test_bfifo_leaf_is_sized_in_bytes_and_kept_when_converged():
     obs.leaves[0x4010] = ObservedLeaf(0x4010, "bfifo", 0x4010, 1000)  # someone shrank it
     ops = plan_ops(s, obs, ticks)
     assert [(o.action, o.leaf_kind, o.leaf_limit) for o in ops] == [("replace_leaf", "bfifo", sizing.leaf_limit_bytes(20_000_000))]
+
+
+def test_the_segmenting_leaf_follows_the_ceil_and_the_feeding_devices_mtu():
+    """tbf leaf: a rate far above any ceil (it never shapes), a bucket of one frame of the largest MTU
+    feeding the IFB (a larger non-GSO packet would be dropped), the byte limit of bfifo."""
+    s = spec(leaf="tbf")
+    assert sizing.segmenter_burst_bytes(1500) == 1522 and sizing.segmenter_burst_bytes(9001) == 9023
+    assert sizing.segmenter_burst_bytes(0) == 1522  # a device that reports no MTU: at least Ethernet's
+    r = sizing.SEGMENTER_RATE_BYTES
+    ops = plan_ops(s, ObservedShaper(), ticks)
+    leaves = [o for o in ops if o.action == "replace_leaf"]
+    assert {(o.minor, o.leaf_kind, o.leaf_rate, o.leaf_burst, o.leaf_limit) for o in leaves} == {
+        (DEFAULT_MINOR, "tbf", r, 1522, sizing.leaf_limit_bytes(1_000_000)),
+        (0x4010, "tbf", r, 1522, sizing.leaf_limit_bytes(20_000_000)),
+        (0x8010, "tbf", r, 1522, sizing.leaf_limit_bytes(20_000_000)),
+    }
+    assert plan_ops(s, converged(s), ticks) == []
+    # jumbo frames on the uplink: every leaf's bucket grows, nothing else changes
+    jumbo = converged(s)
+    jumbo.feed_mtu = 9000
+    ops = plan_ops(s, jumbo, ticks)
+    assert {(o.action, o.leaf_burst) for o in ops} == {("replace_leaf", 9022)} and len(ops) == 3
+    assert plan_ops(s, converged(s, mtu=9000), ticks) == []
+    # a ceil change changes the leaves' limit with the classes
+    faster = spec(leaf="tbf", pods=(HtbClassSpec(0x10, 10_000_000, 40_000_000, "a/p"),))
+    ops = plan_ops(faster, converged(s), ticks)
+    assert {(o.minor, o.leaf_limit) for o in ops if o.action == "replace_leaf"} == {
+        (0x4010, sizing.leaf_limit_bytes(40_000_000)), (0x8010, sizing.leaf_limit_bytes(40_000_000))}
+    # a pfifo leaf left by an older netagent is replaced
+    old = converged(spec(leaf="pfifo"))
+    assert {o.leaf_kind for o in plan_ops(s, old, ticks) if o.action == "replace_leaf"} == {"tbf"}
+
+
+def test_only_slow_classes_are_segmented_and_a_ceil_near_the_boundary_keeps_its_queue():
+    """Splitting costs CPU per frame: classes above SEGMENT_CEIL_BPS get pfifo. Between it and twice it
+    a leaf keeps its kind, so a ceil moving around the boundary does not replace its queue each period."""
+    t = sizing.SEGMENT_CEIL_BPS
+
+    def pod(ceil):
+        return spec(leaf="tbf", pods=(HtbClassSpec(0x10, 1_000_000, ceil, "a/p"),))
+
+    def kinds(s, obs):
+        return {o.minor: o.leaf_kind for o in plan_ops(s, obs, ticks) if o.action == "replace_leaf"}
+
+    assert kinds(pod(t), ObservedShaper())[0x4010] == "tbf"
+    assert kinds(pod(t + 8), ObservedShaper())[0x4010] == "pfifo"  # a new leaf in the band: the cheap kind
+    slow, fast = converged(pod(t)), converged(pod(4 * t))
+    assert slow.leaves[0x4010].kind == "tbf" and fast.leaves[0x4010].kind == "pfifo"
+    # in the band each keeps its kind: only the limit follows the ceil
+    assert kinds(pod(2 * t), slow) == {0x4010: "tbf", 0x8010: "tbf"}
+    assert set(kinds(pod(t + 8), fast).values()) <= {"pfifo"}  # (its packet limit is capped: nothing to do)
+    assert all(o.leaf_limit == sizing.leaf_limit_bytes(2 * t) for o in plan_ops(pod(2 * t), slow, ticks)
+               if o.action == "replace_leaf")
+    # beyond the band the kind changes
+    assert kinds(pod(2 * t + 8), slow) == {0x4010: "pfifo", 0x8010: "pfifo"}
+    assert kinds(pod(t), fast) == {0x4010: "tbf", 0x8010: "tbf"}
+    # a restart adopts a leaf of either kind in the band
+    for s, obs in ((pod(t), slow), (pod(4 * t), fast)):
+        assert plan_ops(s, obs, ticks) == []
 
 
 def test_a_tiny_guarantee_keeps_its_buckets_within_htbs_32_bit_buffer():
