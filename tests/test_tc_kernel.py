@@ -138,6 +138,34 @@ def test_stats_decode_only_the_counters_and_match_the_full_decoder(node):
         assert slow.overlimits > 0 and slow.packets > 0 and now[0x10A0].rate_bytes == 5_000_000_000
 
 
+def test_a_class_dump_decodes_only_the_classes_that_changed(node, monkeypatch):
+    """Idle classes read back the same bytes: the second of two dumps decodes none of them, and
+    after traffic through one pod only the classes it went through, with their new counters."""
+    decoded = []
+    full = rawnl.class_counters
+    monkeypatch.setattr(rawnl, "class_counters", lambda data, off, end: decoded.append(1) or full(data, off, end))
+    pods = [HtbClassSpec(0x100 + i, 10_000_000, 20_000_000, f"a/p{i}") for i in range(20)]
+    sh("ip addr add 10.9.0.1/24 dev eth0 && ip neigh add 10.9.0.9 lladdr 02:00:00:00:00:09 dev eth0", node)
+    sh(f"iptables -t mangle -A OUTPUT -p udp -j MARK --set-mark 0x20000 && "
+       f"iptables -t mangle -A OUTPUT -p udp -j CLASSIFY --set-class 1:{bulk_minor(0x105):x}", node)
+    with Shaper(node) as s:
+        s.apply(make_spec(pods=pods))
+        first = s.stats("na-ifb0")
+        assert len(decoded) == 3 * 20 + 2  # every class once: pods, their two leaves, node and default
+        decoded.clear()
+        assert s.stats("na-ifb0") == first and decoded == []
+        sh(f"{sys.executable} -c \"import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM)"
+           f".sendto(bytes(100), ('10.9.0.9', 9))\"", node)
+        for _ in range(100):
+            after = s.stats("na-ifb0")
+            if after[0x105].packets:
+                break
+            time.sleep(0.05)
+        assert after[0x105].packets == 1 and after[NODE_MINOR].packets == first[NODE_MINOR].packets + 1
+        assert after == reference_stats(s)
+        assert 0 < len(decoded) < 10  # the pod's class, its bulk leaf, the node class: not the 62
+
+
 def test_missing_uplink_changes_nothing(node):
     before = snapshot(node)
     with Shaper(node) as s, pytest.raises(TcError, match="bond7.*not found.*nothing was changed"):
