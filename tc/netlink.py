@@ -11,7 +11,8 @@ import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from pyroute2 import IPRoute, NetNS
+import nlwire  # noqa: F401  (first: pyroute2 without its __init__, see nlwire.lean_pyroute2)
+from pyroute2.iproute import IPRoute, NetNS
 from pyroute2.netlink import NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE, NLM_F_REQUEST, nla
 from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.rtnl import (
