@@ -7,6 +7,7 @@ import both processes and the lab; nothing imports it but `python -m netagent`.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import faulthandler
 import inspect
 import json
@@ -119,7 +120,23 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     _iptables_backend(p)
 
 
+M_ARENA_MAX = -8  # glibc's mallopt parameter
+
+
+def limit_malloc_arenas(arenas: int = 2) -> bool:
+    """At most `arenas` glibc malloc arenas for the whole process. glibc gives each thread that
+    allocates its own (up to 8 per core), and each keeps what it once held; the agent's ten threads
+    allocate mostly under the GIL, one at a time, so two arenas cost no waiting and hold ~1 MiB
+    less RSS (110 pods, local mode). Call it before starting threads. False where there is no
+    glibc mallopt (musl): nothing to tune there."""
+    try:
+        return bool(ctypes.CDLL(None).mallopt(M_ARENA_MAX, arenas))
+    except (OSError, AttributeError):
+        return False
+
+
 def _run(a: argparse.Namespace) -> int:
+    limit_malloc_arenas()
     setup_logging(a.log_format, a.log_level)
     try:
         from netagent.daemon import Daemon

@@ -3,10 +3,20 @@
 This is how one machine with no cluster runs netagent (and how the demo runs). Files
 hold objects in exactly their Kubernetes form, several per file (`---`). A file that
 fails to parse keeps its last good content: a typo while editing never drops pods.
+
+`FileSource.run` waits on inotify (the watched files' directories, through ctypes: the core
+stays stdlib-only) and re-reads on an event, on a slow safety poll, or ends on `stop`; where
+inotify is unavailable (no such call, or the user's inotify instances used up) it polls the
+files' modification times every `interval` as before, and says so once in the log.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import logging
+import os
+import select
+import struct
 import threading
 from pathlib import Path
 from typing import Callable
@@ -65,15 +75,123 @@ def load_objects(paths: list[str] | list[Path]) -> list[dict]:
     return out
 
 
-class FileSource:
-    """Watches files by modification time (cheap: a stat per file per tick)."""
+# inotify(7): what a write, an atomic rename (editors, kubectl-like tools, the tests) or a removal
+# of a watched file sends to its directory; IN_IGNORED: the directory's watch is gone
+IN_CLOSE_WRITE, IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x8, 0x40, 0x80, 0x100, 0x200
+IN_DELETE_SELF, IN_MOVE_SELF, IN_Q_OVERFLOW, IN_IGNORED = 0x400, 0x800, 0x4000, 0x8000
+IN_ONLYDIR = 0x01000000
+WATCH_MASK = IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_DELETE_SELF | IN_MOVE_SELF
+IN_NONBLOCK, IN_CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
+_EVENT = struct.Struct("=iIII")  # struct inotify_event: wd, mask, cookie, len (then the name)
+_fallback_logged = False
 
-    def __init__(self, paths: list[str], node: str | None = None, interval: float = 0.1):
+
+class Inotify:
+    """The directories of some paths watched with inotify; `wait` returns on an event, a timeout
+    or `wake`. OSError from the constructor when inotify is unavailable."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        try:
+            self._init1, self._add = libc.inotify_init1, libc.inotify_add_watch
+        except AttributeError:
+            raise OSError(errno.ENOSYS, "this C library has no inotify") from None
+        self._add.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+        fd = self._init1(IN_NONBLOCK | IN_CLOEXEC)
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"inotify_init1: {os.strerror(err)}")
+        self.fd = fd
+        try:
+            self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            os.close(fd)
+            raise
+        self._poll = select.poll()
+        self._poll.register(self.fd, select.POLLIN)
+        self._poll.register(self._wake_r, select.POLLIN)
+        self._lock = threading.Lock()  # `wake` (another thread) never writes to a closed descriptor
+        self.watched: dict[int, Path] = {}  # watch descriptor -> directory
+        self.complete = False  # every directory asked for has its watch
+        self.lost = False  # a watched directory went away (or the queue overflowed): watch again
+
+    def watch(self, dirs: set[Path]) -> None:
+        """Watch each directory of `dirs` (again: the kernel keeps one watch per directory). One
+        missing (or out of watches) leaves `complete` False: the caller polls until it is there."""
+        self.lost, self.complete = False, True
+        for d in dirs:
+            wd = self._add(self.fd, os.fsencode(d), WATCH_MASK | IN_ONLYDIR)
+            if wd >= 0:
+                self.watched[wd] = d
+            else:
+                self.complete = False
+
+    def wait(self, timeout: float) -> bool:
+        """Block until an event, `wake` or `timeout`; drain the events; True when there were any."""
+        try:
+            ready = {fd for fd, _ in self._poll.poll(timeout * 1000)}
+        except InterruptedError:
+            return False
+        if self._wake_r in ready:
+            try:
+                os.read(self._wake_r, 64)
+            except BlockingIOError:
+                pass
+        if self.fd not in ready:
+            return False
+        while True:
+            try:
+                buf = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return True
+            at = 0
+            while at + _EVENT.size <= len(buf):
+                wd, mask, _cookie, size = _EVENT.unpack_from(buf, at)
+                at += _EVENT.size + size
+                if mask & (IN_IGNORED | IN_DELETE_SELF | IN_MOVE_SELF | IN_Q_OVERFLOW):
+                    if mask & IN_IGNORED:
+                        self.watched.pop(wd, None)
+                    self.lost = True
+
+    def wake(self) -> None:
+        with self._lock:
+            if self._wake_w >= 0:
+                try:
+                    os.write(self._wake_w, b"x")
+                except BlockingIOError:
+                    pass  # already woken
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in (self.fd, self._wake_r, self._wake_w):
+                os.close(fd)
+            self.fd = self._wake_r = self._wake_w = -1
+
+
+def watch_dirs(paths: list[str] | list[Path]) -> set[Path]:
+    """The directories whose entries decide what `yaml_files(paths)` reads: a named directory itself,
+    a file's directory; and where a path is a symbolic link (a Kubernetes ConfigMap mount swaps
+    its `..data` link), also those of the target."""
+    out: set[Path] = set()
+    for p in map(Path, paths):
+        for q in {p.absolute(), p.resolve()}:
+            out.add(q if q.is_dir() else q.parent)
+    return out
+
+
+class FileSource:
+    """Watches files: woken by inotify on their directories (a safety poll every `safety_poll` s
+    besides), or by modification time every `interval` s where inotify is unavailable."""
+
+    def __init__(self, paths: list[str], node: str | None = None, interval: float = 0.1,
+                 safety_poll: float = 2.0):
         if not paths:
             raise ValueError("--from-file needs at least one path")
         self.paths = paths
         self.node = node
         self.interval = interval
+        self.safety_poll = max(interval, safety_poll)
+        self.watching = False  # True while run() waits on inotify (tests read it)
         self._stamps: dict[Path, tuple[float, int]] = {}
         self._docs: dict[Path, list[dict]] = {}
         self._errors: dict[Path, str] = {}
@@ -81,6 +199,7 @@ class FileSource:
         self._last: Snapshot | None = None
         self._errors_in_last: dict[Path, str] = {}
         self._stop = threading.Event()
+        self._inotify: Inotify | None = None
 
     def load(self) -> tuple[Snapshot, bool]:
         """Re-read changed files; return the snapshot and whether anything changed."""
@@ -94,6 +213,7 @@ class FileSource:
             try:
                 st = f.stat()
             except FileNotFoundError:
+                self._stamps.pop(f, None)  # back with the same time and size (renamed back): read again
                 if f in self._docs:
                     del self._docs[f]
                     changed = True
@@ -143,6 +263,37 @@ class FileSource:
 
     def run(self, on_change: Callable[[Snapshot], None]) -> None:
         """Call `on_change` with the first snapshot, then with each changed one, until `stop`."""
+        global _fallback_logged
+        try:
+            notify = Inotify()
+        except OSError as exc:
+            notify = None
+            if not _fallback_logged:
+                _fallback_logged = True
+                log.warning("files: inotify unavailable (%s); polling modification times every %g s instead",
+                            exc.strerror or exc, self.interval)
+        if notify is None:
+            return self._poll(on_change)
+        try:
+            notify.watch(watch_dirs(self.paths))  # before the first read: a change made meanwhile wakes the loop
+            self._inotify, self.watching = notify, True
+            snap, _ = self.load()
+            on_change(snap)
+            while not self._stop.is_set():
+                # a directory without its watch (not there yet): poll as without inotify until it has one
+                notify.wait(self.safety_poll if notify.complete else self.interval)
+                if self._stop.is_set():
+                    break
+                if notify.lost or not notify.complete:
+                    notify.watch(watch_dirs(self.paths))
+                snap, changed = self.load()
+                if changed:
+                    on_change(snap)
+        finally:
+            self._inotify, self.watching = None, False
+            notify.close()
+
+    def _poll(self, on_change: Callable[[Snapshot], None]) -> None:
         snap, _ = self.load()
         on_change(snap)
         while not self._stop.wait(self.interval):
@@ -151,5 +302,8 @@ class FileSource:
                 on_change(snap)
 
     def stop(self) -> None:
-        """End `run` at its next tick."""
+        """End `run` now (it is woken)."""
         self._stop.set()
+        notify = self._inotify
+        if notify is not None:
+            notify.wake()

@@ -83,7 +83,8 @@ class Daemon:
                                 on_omitted=lambda reason, n: metrics.report_omitted.labels(reason).inc(n),
                                 on_refused=lambda reason: metrics.refused_pods.labels(reason).inc())
         http = AgentHTTP(cfg.listen, metrics.registry, agent.health, agent.readiness, lambda: agent.view().as_dict(),
-                         state_listen=cfg.state_listen, on_rejected=lambda r: metrics.http_rejected.labels(r).inc())
+                         state_listen=cfg.state_listen, on_rejected=lambda r: metrics.http_rejected.labels(r).inc(),
+                         exposition=metrics.exposition)
         log.info("uplinks %s; internal %s; leaf qdisc %s; iptables %s; mark bit %#x; downloads %s; %s",
                  ",".join(cfg.uplinks), ",".join(cfg.internal_cidrs), leaf, datapath.iptables_backend,
                  cfg.datapath.mark_bit,

@@ -75,10 +75,13 @@ class _Listener:
 class AgentHTTP:
     def __init__(self, listen: tuple[str, int], registry, health: Callable[[], tuple[bool, str]],
                  ready: Callable[[], tuple[bool, str]], state: Callable[[], dict],
-                 state_listen: tuple[str, int] | None = None, on_rejected: Callable[[str], None] | None = None):
+                 state_listen: tuple[str, int] | None = None, on_rejected: Callable[[str], None] | None = None,
+                 exposition: Callable[[], bytes] | None = None):
         """`state_listen`: a loopback address for /state; None when `listen` is itself loopback (it
-        serves /state then) or /state is not served at all."""
+        serves /state then) or /state is not served at all. `exposition`: what /metrics answers
+        (the agent's fast rendering of `registry`); `generate_latest(registry)` without it."""
         self.registry, self.health, self.ready, self.state = registry, health, ready, state
+        self.exposition = exposition or (lambda: generate_latest(self.registry))
         self.on_rejected = on_rejected or (lambda reason: None)
         probes = {"/healthz", "/readyz"}
         main_paths = probes | {"/metrics"} | ({"/state"} if is_loopback(listen[0]) else set())
@@ -257,7 +260,7 @@ class AgentHTTP:
             sock, path, head = item
             try:
                 if path == "/metrics":
-                    data = response(200, generate_latest(self.registry), CONTENT_TYPE_LATEST, head)
+                    data = response(200, self.exposition(), CONTENT_TYPE_LATEST, head)
                 else:
                     data = response(200, json.dumps(self.state(), indent=1, default=str).encode(),
                                     "application/json", head)

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from . import __version__
@@ -34,113 +36,184 @@ class AgentCollector(Collector):
     def __init__(self, view: Callable[[], NodeView], lean: bool = False):
         self.view = view
         self.lean = lean
+        self._lines: dict[tuple[str, tuple[str, ...]], str] = {}
 
     def collect(self):
-        v = self.view()
-        pod_egress = CounterMetricFamily("netagent_pod_egress_bytes", "Bytes sent by the pod, by destination scope.",
-                                         labels=["namespace", "pod", "scope"])
-        pod_ingress = CounterMetricFamily("netagent_pod_ingress_bytes", "Bytes received by the pod, by source scope.",
-                                          labels=["namespace", "pod", "scope"])
-        dropped = CounterMetricFamily("netagent_pod_egress_dropped_packets",
-                                      "Internet-bound packets of the pod dropped by its shaper.", labels=["namespace", "pod"])
-        throttled = CounterMetricFamily(
+        for family, rows in self.families(self.view()):
+            for labels, value in rows:
+                family.add_metric(labels, value)
+            yield family
+
+    def render(self) -> str:
+        """What `generate_latest` makes of `collect()`, byte for byte (tests/test_agent_metrics_render.py
+        holds it to that), at a fraction of the cost: a sample's line up to its value is kept across
+        scrapes, since a pod's labels rarely change while its counters change every second."""
+        return render(self.families(self.view()), self._lines)
+
+    def families(self, v: NodeView) -> list[tuple[Metric, list[tuple[list[str], float]]]]:
+        """Every family of the view, empty, with its samples as (label values, value) rows, in order."""
+        out: list[tuple[Metric, list[tuple[list[str], float]]]] = []
+
+        def rows(family: Metric) -> list[tuple[list[str], float]]:
+            out.append((family, []))
+            return out[-1][1]
+
+        pod_egress = rows(CounterMetricFamily("netagent_pod_egress_bytes",
+                                              "Bytes sent by the pod, by destination scope.",
+                                              labels=["namespace", "pod", "scope"]))
+        pod_ingress = rows(CounterMetricFamily("netagent_pod_ingress_bytes", "Bytes received by the pod, by source scope.",
+                                               labels=["namespace", "pod", "scope"]))
+        dropped = rows(CounterMetricFamily("netagent_pod_egress_dropped_packets",
+                                           "Internet-bound packets of the pod dropped by its shaper.",
+                                           labels=["namespace", "pod"]))
+        throttled = rows(CounterMetricFamily(
             "netagent_pod_egress_throttled_seconds",
             "Seconds during which the pod's internet egress was held back by its limit (sampled each second).",
-            labels=["namespace", "pod"])
-        limit = GaugeMetricFamily("netagent_pod_egress_limit_bytes_per_second",
-                                  "Internet egress limit enforced for the pod (HTB ceil).", labels=["namespace", "pod"])
-        alloc = GaugeMetricFamily("netagent_pod_egress_allocation_bytes_per_second",
-                                  "The pod's fair share of the internet budget (HTB rate).", labels=["namespace", "pod"])
-        demand = GaugeMetricFamily("netagent_pod_egress_demand_bytes_per_second",
-                                   "Estimated internet egress demand of the pod.", labels=["namespace", "pod"])
-        info = GaugeMetricFamily("netagent_pod_info", "The pod's bandwidth class and team.",
-                                 labels=["namespace", "pod", "class", "team"])
-        problem = GaugeMetricFamily("netagent_pod_policy_problem",
-                                    "1 while the pod's netagent annotations are invalid and the default class applies.",
-                                    labels=["namespace", "pod", "reason"])
+            labels=["namespace", "pod"]))
+        limit = rows(GaugeMetricFamily("netagent_pod_egress_limit_bytes_per_second",
+                                       "Internet egress limit enforced for the pod (HTB ceil).",
+                                       labels=["namespace", "pod"]))
+        alloc = rows(GaugeMetricFamily("netagent_pod_egress_allocation_bytes_per_second",
+                                       "The pod's fair share of the internet budget (HTB rate).",
+                                       labels=["namespace", "pod"]))
+        demand = rows(GaugeMetricFamily("netagent_pod_egress_demand_bytes_per_second",
+                                        "Estimated internet egress demand of the pod.", labels=["namespace", "pod"]))
+        info = rows(GaugeMetricFamily("netagent_pod_info", "The pod's bandwidth class and team.",
+                                      labels=["namespace", "pod", "class", "team"]))
+        problem = rows(GaugeMetricFamily(
+            "netagent_pod_policy_problem",
+            "1 while the pod's netagent annotations are invalid and the default class applies.",
+            labels=["namespace", "pod", "reason"]))
         # each family named literally at its call: dashboards/contract.py reads the names from this source
-        dl = {f.name: f for f in (
-            GaugeMetricFamily("netagent_pod_ingress_limit_bytes_per_second",
-                              "Internet ingress (download) limit enforced for the pod (HTB ceil of its download class).",
-                              labels=["namespace", "pod"]),
-            GaugeMetricFamily("netagent_pod_ingress_allocation_bytes_per_second",
-                              "The pod's fair share of the download budget (HTB rate of its download class).",
-                              labels=["namespace", "pod"]),
-            GaugeMetricFamily("netagent_pod_ingress_demand_bytes_per_second",
-                              "Estimated internet ingress (download) demand of the pod.", labels=["namespace", "pod"]),
-            CounterMetricFamily("netagent_pod_ingress_dropped_packets",
-                                "Internet packets to the pod dropped by its download shaper.",
-                                labels=["namespace", "pod"]),
-            CounterMetricFamily("netagent_pod_ingress_throttled_seconds",
-                                "Seconds during which the pod's downloads were held back by its limit "
-                                "(sampled each second).", labels=["namespace", "pod"]))}
+        dl_limit = rows(GaugeMetricFamily(
+            "netagent_pod_ingress_limit_bytes_per_second",
+            "Internet ingress (download) limit enforced for the pod (HTB ceil of its download class).",
+            labels=["namespace", "pod"]))
+        dl_alloc = rows(GaugeMetricFamily(
+            "netagent_pod_ingress_allocation_bytes_per_second",
+            "The pod's fair share of the download budget (HTB rate of its download class).",
+            labels=["namespace", "pod"]))
+        dl_demand = rows(GaugeMetricFamily("netagent_pod_ingress_demand_bytes_per_second",
+                                           "Estimated internet ingress (download) demand of the pod.",
+                                           labels=["namespace", "pod"]))
+        dl_dropped = rows(CounterMetricFamily("netagent_pod_ingress_dropped_packets",
+                                              "Internet packets to the pod dropped by its download shaper.",
+                                              labels=["namespace", "pod"]))
+        dl_throttled = rows(CounterMetricFamily("netagent_pod_ingress_throttled_seconds",
+                                                "Seconds during which the pod's downloads were held back by its "
+                                                "limit (sampled each second).", labels=["namespace", "pod"]))
         shaped = v.ingress_allocation_bps is not None
         lean = self.lean
         scopes = LEAN_SCOPES if lean else SCOPES
         for p in v.pods:
             ids = [p.namespace, p.name]
             for scope in scopes:
-                pod_egress.add_metric([*ids, scope], p.egress_bytes.get(scope, 0))
-                pod_ingress.add_metric([*ids, scope], p.ingress_bytes.get(scope, 0))
-            throttled.add_metric(ids, p.throttled_seconds)
-            info.add_metric([*ids, p.egress_class, p.team], 1)
+                pod_egress.append(([*ids, scope], p.egress_bytes.get(scope, 0)))
+                pod_ingress.append(([*ids, scope], p.ingress_bytes.get(scope, 0)))
+            throttled.append((ids, p.throttled_seconds))
+            info.append(([*ids, p.egress_class, p.team], 1))
             for reason in sorted({r for r, _ in p.problems}):
-                problem.add_metric([*ids, reason], 1)
+                problem.append(([*ids, reason], 1))
             if shaped and p.minor is not None:
-                dl["netagent_pod_ingress_throttled_seconds"].add_metric(ids, p.ingress_throttled_seconds)
+                dl_throttled.append((ids, p.ingress_throttled_seconds))
             if lean:
                 continue
             if shaped and p.minor is not None:
-                dl["netagent_pod_ingress_limit_bytes_per_second"].add_metric(ids, p.ingress_limit_bps * BYTES_PER_BIT)
-                dl["netagent_pod_ingress_allocation_bytes_per_second"].add_metric(
-                    ids, p.ingress_allocation_bps * BYTES_PER_BIT)
-                dl["netagent_pod_ingress_demand_bytes_per_second"].add_metric(ids, p.ingress_demand_bps * BYTES_PER_BIT)
-                dl["netagent_pod_ingress_dropped_packets"].add_metric(ids, p.ingress_dropped_packets)
-            dropped.add_metric(ids, p.dropped_packets)
-            limit.add_metric(ids, p.limit_bps * BYTES_PER_BIT)
-            alloc.add_metric(ids, p.allocation_bps * BYTES_PER_BIT)
-            demand.add_metric(ids, p.demand_bps * BYTES_PER_BIT)
-        yield from (pod_egress, pod_ingress, dropped, throttled, limit, alloc, demand, info, problem)
-        yield from dl.values()
+                dl_limit.append((ids, p.ingress_limit_bps * BYTES_PER_BIT))
+                dl_alloc.append((ids, p.ingress_allocation_bps * BYTES_PER_BIT))
+                dl_demand.append((ids, p.ingress_demand_bps * BYTES_PER_BIT))
+                dl_dropped.append((ids, p.ingress_dropped_packets))
+            dropped.append((ids, p.dropped_packets))
+            limit.append((ids, p.limit_bps * BYTES_PER_BIT))
+            alloc.append((ids, p.allocation_bps * BYTES_PER_BIT))
+            demand.append((ids, p.demand_bps * BYTES_PER_BIT))
 
-        node_egress = CounterMetricFamily("netagent_node_egress_bytes",
-                                          "Bytes leaving the node's uplinks, host traffic included.", labels=["scope"])
-        node_ingress = CounterMetricFamily("netagent_node_ingress_bytes",
-                                           "Bytes entering the node's uplinks, host traffic included.", labels=["scope"])
+        node_egress = rows(CounterMetricFamily("netagent_node_egress_bytes",
+                                               "Bytes leaving the node's uplinks, host traffic included.",
+                                               labels=["scope"]))
+        node_ingress = rows(CounterMetricFamily("netagent_node_ingress_bytes",
+                                                "Bytes entering the node's uplinks, host traffic included.",
+                                                labels=["scope"]))
         for scope in SCOPES:
-            node_egress.add_metric([scope], v.egress_bytes.get(scope, 0))
-            node_ingress.add_metric([scope], v.ingress_bytes.get(scope, 0))
-        yield node_egress
-        yield node_ingress
-        yield CounterMetricFamily("netagent_node_unknown_source_egress_bytes",
-                                  "Internet egress the node forwarded from sources that are no known pod "
-                                  "(not yet learnt by the agent), shaped in the default class at the floor.",
-                                  value=v.unknown_source_egress_bytes)
-        yield GaugeMetricFamily("netagent_node_allocation_bytes_per_second",
-                                "The node class rate: this node's share of the internet budget.",
-                                value=v.allocation_bps * BYTES_PER_BIT)
+            node_egress.append(([scope], v.egress_bytes.get(scope, 0)))
+            node_ingress.append(([scope], v.ingress_bytes.get(scope, 0)))
+        # one sample without labels each (what `value=` would add)
+        rows(CounterMetricFamily("netagent_node_unknown_source_egress_bytes",
+                                 "Internet egress the node forwarded from sources that are no known pod "
+                                 "(not yet learnt by the agent), shaped in the default class at the floor.",
+                                 labels=[])).append(([], v.unknown_source_egress_bytes))
+        rows(GaugeMetricFamily("netagent_node_allocation_bytes_per_second",
+                               "The node class rate: this node's share of the internet budget.",
+                               labels=[])).append(([], v.allocation_bps * BYTES_PER_BIT))
         if shaped:
-            yield GaugeMetricFamily("netagent_node_ingress_allocation_bytes_per_second",
-                                    "The node's download class rate: this node's share of the download budget.",
-                                    value=v.ingress_allocation_bps * BYTES_PER_BIT)
-        yield CounterMetricFamily("netagent_node_unknown_destination_ingress_bytes",
-                                  "Internet ingress the node forwarded to addresses that are no known pod (not yet "
-                                  "learnt by the agent), shaped in the download default class at the floor.",
-                                  value=v.unknown_destination_ingress_bytes)
-        yield GaugeMetricFamily("netagent_ready", "1 when the kernel data path matches the desired state.",
-                                value=1 if v.ready else 0)
-        yield GaugeMetricFamily("netagent_controller_reachable", "1 when the last report to the controller succeeded.",
-                                value=1 if v.controller_reachable else 0)
-        yield GaugeMetricFamily("netagent_fail_static",
-                                "1 while the controller's lease ran out and pods run at the safe floor.",
-                                value=1 if v.fail_static else 0)
-        yield GaugeMetricFamily("netagent_last_reconcile_success_timestamp_seconds",
-                                "Unix time of the last reconcile that left the kernel as desired.",
-                                value=v.last_reconcile_success)
-        build = GaugeMetricFamily("netagent_build_info", "Version and what the kernel probe chose.",
-                                  labels=["version", "leaf_qdisc", "iptables_backend"])
-        build.add_metric([__version__, v.leaf_qdisc, v.iptables_backend], 1)
-        yield build
+            rows(GaugeMetricFamily("netagent_node_ingress_allocation_bytes_per_second",
+                                   "The node's download class rate: this node's share of the download budget.",
+                                   labels=[])).append(([], v.ingress_allocation_bps * BYTES_PER_BIT))
+        rows(CounterMetricFamily("netagent_node_unknown_destination_ingress_bytes",
+                                 "Internet ingress the node forwarded to addresses that are no known pod (not yet "
+                                 "learnt by the agent), shaped in the download default class at the floor.",
+                                 labels=[])).append(([], v.unknown_destination_ingress_bytes))
+        rows(GaugeMetricFamily("netagent_ready", "1 when the kernel data path matches the desired state.",
+                               labels=[])).append(([], 1 if v.ready else 0))
+        rows(GaugeMetricFamily("netagent_controller_reachable", "1 when the last report to the controller succeeded.",
+                               labels=[])).append(([], 1 if v.controller_reachable else 0))
+        rows(GaugeMetricFamily("netagent_fail_static",
+                               "1 while the controller's lease ran out and pods run at the safe floor.",
+                               labels=[])).append(([], 1 if v.fail_static else 0))
+        rows(GaugeMetricFamily("netagent_last_reconcile_success_timestamp_seconds",
+                               "Unix time of the last reconcile that left the kernel as desired.",
+                               labels=[])).append(([], v.last_reconcile_success))
+        rows(GaugeMetricFamily("netagent_build_info", "Version and what the kernel probe chose.",
+                               labels=["version", "leaf_qdisc", "iptables_backend"])).append(
+            ([__version__, v.leaf_qdisc, v.iptables_backend], 1))
+        return out
+
+
+def go_float(d) -> str:
+    """prometheus_client.utils.floatToGoString, with the common case first."""
+    d = float(d)
+    s = repr(d)
+    if s[-1] in "fn":  # inf, -inf, nan
+        return "+Inf" if d > 0 else "-Inf" if d < 0 else "NaN"
+    dot = s.find(".")
+    if d > 0 and dot > 6:  # Go switches to exponents sooner than Python
+        mantissa = f"{s[0]}.{s[1:dot]}{s[dot + 1:]}".rstrip("0.")
+        return f"{mantissa}e+{dot - 1:02d}"
+    return s
+
+
+def _label_value(v: str) -> str:
+    return v.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+
+
+def render(families: list[tuple[Metric, list[tuple[list[str], float]]]],
+           lines: dict[tuple[str, tuple[str, ...]], str]) -> str:
+    """The text format of `generate_latest` for counter and gauge families (legacy names, no
+    timestamps, no created samples): the families' samples given as rows. `lines` caches each
+    sample's line up to its value, by (sample name, label values); it is emptied when it holds
+    more than twice the lines of this call (pods come and go)."""
+    out: list[str] = []
+    new = 0
+    for family, rows in families:
+        name = family.name + "_total" if family.type == "counter" else family.name
+        doc = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
+        out.append(f"# HELP {name} {doc}\n# TYPE {name} {family.type}\n")
+        labelnames = family._labelnames  # what add_metric zips the values with
+        order = sorted(range(len(labelnames)), key=labelnames.__getitem__)
+        for values, value in rows:
+            key = (name, tuple(values))
+            head = lines.get(key)
+            if head is None:
+                new += 1
+                if values:
+                    labels = ",".join(f'{labelnames[i]}="{_label_value(values[i])}"' for i in order)
+                    head = lines[key] = f"{name}{{{labels}}} "
+                else:
+                    head = lines[key] = f"{name} "
+            out.append(f"{head}{go_float(value)}\n")
+    if new and len(lines) > 2 * (len(out)):
+        lines.clear()
+    return "".join(out)
 
 
 class AgentMetrics:
@@ -182,4 +255,21 @@ class AgentMetrics:
         self.drift_checks = Counter("netagent_drift_detected",
                                     "Changes to the kernel state noticed between syncs that triggered an "
                                     "immediate resync, by source (netlink, hooks, uplinks).", ["source"], registry=r)
-        r.register(AgentCollector(view, lean))
+        # the instruments above, in their registration order: the registry's collect() before the collector's
+        self._instruments = [c for c in vars(self).values() if isinstance(c, MetricWrapperBase)]
+        self.collector = AgentCollector(view, lean)
+        r.register(self.collector)
+
+    def collect_instruments(self):
+        for instrument in self._instruments:
+            yield from instrument.collect()
+
+    def exposition(self) -> bytes:
+        """`generate_latest(self.registry)`, byte for byte: the instruments through prometheus-client,
+        the pods' and node's families (nearly all of it) through `AgentCollector.render`."""
+        return generate_latest(_Collect(self.collect_instruments)) + self.collector.render().encode()
+
+
+class _Collect:
+    def __init__(self, collect: Callable):
+        self.collect = collect

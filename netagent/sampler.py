@@ -71,30 +71,36 @@ class Sampler:
     def sample(self) -> None:
         """One sample of every pod class, both directions: usage, throttling and demand per pod."""
         now, stats = self.datapath.sample_stats()  # the one read a second; the view shares it
-        self._sample(now, stats, {p.key: p for p in self.node.state.pods}, self.allocations, self.demand,
+        pods = self.node.state.pods
+        self._sample(now, stats, {p.key: p.max_bps for p in pods}, self.allocations, self.demand,
                      self.node.state.budget_bps)
         ingress = self.node.ingress_allocations
         if ingress is not None and self.node.state.desired is not None and self.node.state.desired.ingress_shaper:
             now, stats = self.datapath.sample_ingress_stats()
-            self._sample(now, stats, {p.key: ingress_view(p) for p in self.node.state.pods}, ingress,
+            # the download cap: what `ingress_view(p).max_bps` is, without copying every pod a second
+            self._sample(now, stats, {p.key: p.ingress_max_bps for p in pods}, ingress,
                          self.node.ingress_demand, self.node.state.ingress_budget_bps)
 
-    def _sample(self, now: float, stats: dict, pods: dict, allocations: Allocations, demand: dict[str, PodDemand],
-                budget_bps: int) -> None:
+    def _sample(self, now: float, stats: dict, caps: dict[str, int], allocations: Allocations,
+                demand: dict[str, PodDemand], budget_bps: int) -> None:
+        """`caps`: each pod's cap in this direction (its max_bps), by key."""
         state = self.node.state
         allocs = allocations.current.pods
         opts = self.node.cfg.datapath
+        answers = allocations.answers
         for key, minor in state.minors.items():
             st = stats.get(minor)
-            pod = pods.get(key)
-            if st is None or pod is None:
+            max_bps = caps.get(key)
+            if st is None or max_bps is None:
                 continue
-            d = demand.setdefault(key, PodDemand())
+            d = demand.get(key)
+            if d is None:
+                d = demand[key] = PodDemand()
             limit = allocs[key].limit_bps if key in allocs else from_wire(st.ceil_bytes * 8, opts)
             # no demand above the budget means anything: a woken pod asking its cap asks at most that
-            cap = min(pod.max_bps, budget_bps) if budget_bps > 0 else pod.max_bps
+            cap = min(max_bps, budget_bps) if budget_bps > 0 else max_bps
             # usage in IP bytes, the unit of every rate: the class counts each segment's frame
             d.update(Sample(now, ip_bytes(st.bytes, st.packets, opts), st.drops, st.overlimits, st.backlog_bytes),
-                     int(limit), cap, allocations.answers)
+                     int(limit), cap, answers)
         for gone in set(demand) - set(state.minors):
             del demand[gone]

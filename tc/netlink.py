@@ -11,7 +11,8 @@ import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from pyroute2 import IPRoute, NetNS
+import nlwire  # noqa: F401  (first: pyroute2 without its __init__, see nlwire.lean_pyroute2)
+from pyroute2.iproute import IPRoute, NetNS
 from pyroute2.netlink import NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE, NLM_F_REQUEST, nla
 from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.rtnl import (
@@ -37,7 +38,7 @@ from .model import (
     ObservedLeaf,
     ObservedShaper,
     ShaperSpec,
-    fold_leaves,
+    pod_of_leaf,
 )
 
 log = logging.getLogger(__name__)
@@ -489,25 +490,12 @@ class Shaper:
     # -- stats ----------------------------------------------------------------
     def stats(self, ifb: str, major: int = 0x1) -> dict[int, ClassStats]:
         """Counters of every HTB class on the IFB but the pods' leaves, from one class dump; a pod's
-        entry (its inner class) carries its leaves' drops, backlog and overlimits too."""
+        entry (its inner class) carries its leaves' drops, backlog and overlimits too (as
+        `fold_leaves` does; only the counters are decoded: `rawnl.class_counters`)."""
         idx = self._index(ifb)
         if idx is None:
             return {}
-        raw = {
-            c.handle & 0xFFFF: ClassStats(
-                minor=c.handle & 0xFFFF,
-                bytes=c.bytes,
-                packets=c.packets,
-                drops=c.drops,
-                overlimits=c.overlimits,
-                backlog_bytes=c.backlog,
-                backlog_packets=c.qlen,
-                rate_bytes=c.rate_bytes,
-                ceil_bytes=c.ceil_bytes,
-            )
-            for c in self._htb_classes(idx, major)
-        }
-        return fold_leaves(raw)
+        return fold_counters(self.chan.dump_class_counters(idx, major))
 
     # -- cleanup --------------------------------------------------------------
     def cleanup(self, ifb: str, uplinks: tuple[str, ...], filter_pref: int = 0xC000) -> list[str]:
@@ -548,6 +536,23 @@ class Shaper:
             else:
                 log.warning("tc cleanup: %s is not netagent's IFB; left alone", ifb)
         return done
+
+
+def fold_counters(raw: dict[int, tuple[int, ...]]) -> dict[int, ClassStats]:
+    """`fold_leaves` of `rawnl.class_counters` tuples (by minor), building a ClassStats only per
+    entry kept: a pod's leaves' drops, overlimits and backlog added to the pod's class."""
+    pods: dict[int, list[int]] = {}
+    for minor, c in raw.items():
+        pod = pod_of_leaf(minor)
+        if pod is not None and pod in raw:
+            # bytes, packets, drops, overlimits, backlog bytes, backlog packets, rate, ceil
+            p = pods.get(pod) or pods.setdefault(pod, list(raw[pod]))
+            p[2] += c[2]
+            p[3] += c[3]
+            p[4] += c[4]
+            p[5] += c[5]
+    return {minor: ClassStats(minor, *(pods.get(minor) or c)) for minor, c in raw.items()
+            if minor in pods or pod_of_leaf(minor) not in raw}
 
 
 @contextmanager

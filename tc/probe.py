@@ -25,6 +25,7 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
+import nlwire  # noqa: F401  (first: pyroute2 without its __init__, see nlwire.lean_pyroute2)
 from pyroute2.netlink.exceptions import NetlinkError
 
 from . import rawnl, sizing

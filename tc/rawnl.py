@@ -54,6 +54,8 @@ class NetlinkChannel:
         self.sock.setsockopt(SOL_NETLINK, NETLINK_EXT_ACK, 1)
         self.sock.bind((0, 0))
         self.seq = 1
+        # (ifindex, major) -> the last class dump's attributes -> what class_counters made of them
+        self._decoded: dict[tuple[int, int], dict[bytes, tuple[int, ...] | None]] = {}
 
     def close(self) -> None:
         self.sock.close()
@@ -119,21 +121,60 @@ class NetlinkChannel:
     def _dump_payloads(self, msg_type: int, body: bytes, what: str, absent: tuple[int, ...] = ()) -> list[bytes]:
         """One NLM_F_DUMP request; -> the payload of every answer message. An error whose errno is in
         `absent` means "nothing to dump" (an empty list); any other raises OSError naming `what`."""
+        return [data[start:end] for data, start, end in self._dump_spans(msg_type, body, what, absent)]
+
+    def _dump_spans(self, msg_type: int, body: bytes, what: str, absent: tuple[int, ...] = ()):
+        """As `_dump_payloads`, each payload as (datagram, start, end): read in place, not copied."""
         seq = self._next()
         self.sock.send(nlwire.message(msg_type, NLM_F_REQUEST | NLM_F_DUMP, seq, body))
-        out: list[bytes] = []
+        hdr = nlwire.HDR
         while True:
-            for mtype, _flags, mseq, payload in nlwire.messages(self.sock.recv(1 << 20)):
+            data = self.sock.recv(1 << 20)
+            off = 0
+            while off + hdr.size <= len(data):
+                length, mtype, _flags, mseq, _pid = hdr.unpack_from(data, off)
+                if length < hdr.size:
+                    break
+                start, end, off = off + hdr.size, min(off + length, len(data)), off + ((length + 3) & ~3)
                 if mseq != seq:
                     continue
                 if mtype == NLMSG_DONE:
-                    return out
+                    return
                 if mtype == NLMSG_ERROR:
-                    (err,) = struct.unpack_from("=i", payload, 0)
+                    (err,) = struct.unpack_from("=i", data, start)
                     if err and -err not in absent:
                         raise OSError(-err, f"{what} dump failed: {os.strerror(-err)}")
-                    return out
-                out.append(payload)
+                    return
+                yield data, start, end
+
+    def dump_class_counters(self, ifindex: int, major: int) -> dict[int, tuple[int, ...]]:
+        """The HTB classes of one device under `major`: minor -> the tuple of `class_counters`, read
+        from one RTM_GETTCLASS dump (the sampler's read, twice a second).
+
+        An idle class's attributes are the same bytes from one dump to the next (HTB updates its
+        counters and tokens only when it sends), so each dump keeps what it decoded by those
+        bytes and the next one decodes only the classes that changed: most of a node's pods are
+        idle at any second. The memory is one dump's classes per device."""
+        out: dict[int, tuple[int, ...]] = {}
+        body = _TCMSG.pack(socket.AF_UNSPEC, ifindex, 0, 0, 0)
+        size = _TCMSG.size
+        known = self._decoded.get((ifindex, major), {})
+        seen: dict[bytes, tuple[int, ...] | None] = {}
+        for data, start, end in self._dump_spans(RTM_GETTCLASS, body, "tc"):
+            if end - start < size:
+                continue
+            _, index, handle, _parent, _info = _TCMSG.unpack_from(data, start)
+            if index != ifindex or handle >> 16 != major:
+                continue
+            attributes = data[start + size:end]
+            counters = known.get(attributes, _UNKNOWN)
+            if counters is _UNKNOWN:
+                counters = class_counters(attributes, 0, len(attributes))
+            seen[attributes] = counters
+            if counters is not None:
+                out[handle & 0xFFFF] = counters
+        self._decoded[(ifindex, major)] = seen
+        return out
 
     def dump_links(self) -> list[tuple[str, str | None, int, int]]:
         """Every device of the namespace as (name, kind, ifindex, MTU): one RTM_GETLINK dump."""
@@ -248,6 +289,60 @@ def parse_htb_class(handle: int, parent: int, payload: bytes) -> RawClass | None
         if TCA_HTB_CEIL64 in o:
             (ceil,) = struct.unpack_from("=Q", o[TCA_HTB_CEIL64], 0)
     return RawClass(handle, parent, kind, nbytes, npkts, drops, overl, qlen, backlog, rate, ceil, buffer, cbuffer, quantum, prio)
+
+
+_NLA = nlwire.NLA
+_UNKNOWN = object()  # not decoded yet (class_counters gives None or a tuple)
+_BASIC = struct.Struct("=QI")  # struct gnet_stats_basic: bytes, packets
+_QUEUE = struct.Struct("=IIIII")  # struct gnet_stats_queue: qlen, backlog, drops, requeues, overlimits
+_RATES = struct.Struct("=8xI8xI")  # tc_htb_opt's two tc_ratespec: the rate (u32) of each, bytes/s
+_U64 = struct.Struct("=Q")
+_MASK = nlwire.NLA_TYPE_MASK
+
+
+def class_counters(data: bytes, off: int, end: int) -> tuple[int, ...] | None:
+    """What the sampler needs of one class message's attributes data[off:end], None when it is no
+    HTB class: (bytes, packets, drops, overlimits, backlog bytes, backlog packets, rate bytes/s,
+    ceil bytes/s), the values `parse_htb_class` gives, read in place with nothing else decoded. A
+    short or cut attribute is skipped (its values stay 0), never read past."""
+    htb = False
+    nbytes = npkts = drops = overl = qlen = backlog = rate = ceil = 0
+    rate64 = ceil64 = None  # above 4 GiB/s HTB gives the rate (and ceil) in attributes of their own
+    unpack = _NLA.unpack_from
+    while off + 4 <= end:
+        length, kind = unpack(data, off)
+        if length < 4:
+            break
+        vend = off + length if off + length <= end else end
+        kind &= _MASK
+        if kind == TCA_KIND:
+            htb = data[off + 4:vend].rstrip(b"\0") == b"htb"
+        elif kind == TCA_STATS2 or kind == TCA_OPTIONS:
+            stats2 = kind == TCA_STATS2
+            o = off + 4
+            while o + 4 <= vend:
+                ln, k = unpack(data, o)
+                if ln < 4:
+                    break
+                k &= _MASK
+                n = (ln if o + ln <= vend else vend - o) - 4  # the value's bytes present
+                if stats2:
+                    if k == TCA_STATS_BASIC and n >= 12:
+                        nbytes, npkts = _BASIC.unpack_from(data, o + 4)
+                    elif k == TCA_STATS_QUEUE and n >= 20:
+                        qlen, backlog, drops, _requeues, overl = _QUEUE.unpack_from(data, o + 4)
+                elif k == TCA_HTB_PARMS and n >= 24:
+                    rate, ceil = _RATES.unpack_from(data, o + 4)
+                elif k == TCA_HTB_RATE64 and n >= 8:
+                    rate64 = _U64.unpack_from(data, o + 4)[0]
+                elif k == TCA_HTB_CEIL64 and n >= 8:
+                    ceil64 = _U64.unpack_from(data, o + 4)[0]
+                o += (ln + 3) & ~3
+        off += (length + 3) & ~3
+    if not htb:
+        return None
+    return (nbytes, npkts, drops, overl, backlog, qlen, rate if rate64 is None else rate64,
+            ceil if ceil64 is None else ceil64)
 
 
 @dataclass(frozen=True)

@@ -244,6 +244,27 @@ def test_local_mode_shares_the_download_total_and_honours_the_ingress_annotation
     assert sample(metrics, "netagent_drift_repairs_total", kind="tc") == 0
 
 
+def test_a_woken_pod_asks_its_download_cap_downloads_and_its_upload_cap_uploads():
+    """The sampler's two directions each read the pod's own cap: kubernetes.io/ingress-bandwidth
+    (50M, under the class's ingress max of 300M) for downloads, the class's 20M for uploads."""
+    from tc.model import ClassStats
+
+    dp = FakeDataPath()
+    dp.devices = ("eth0", "vp0")
+    agent, _ = make_agent(dp)
+    agent.on_snapshot(Snapshot((pod("b", "10.244.0.11", **{"kubernetes.io/ingress-bandwidth": "50M"}),),
+                               DL_CLASSES, DL_BUDGETS))
+    assert agent.sync() and dp.applied[-1].ingress_shaper
+    minor = agent.node.state.minors["ns/b"]
+    for sent, backlog in ((0, 0), (0, 0), (1_000_000, 60_000)):  # idle, idle, then held both ways
+        st = ClassStats(minor, sent, sent // 1000, 0, 0, backlog, backlog // 1500, 1000, 1000)
+        dp.stats, dp.ingress_stats = {minor: st}, {minor: st}
+        agent.sampler.sample()
+        time.sleep(0.2)
+    assert agent.demand["ns/b"].demand_bps == 20 * M
+    assert agent.ingress_demand["ns/b"].demand_bps == 50 * M
+
+
 def test_a_bad_ingress_annotation_keeps_the_default_download_class_and_is_told():
     dp = FakeDataPath()
     agent, metrics = make_agent(dp)

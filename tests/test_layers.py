@@ -101,3 +101,26 @@ print(json.dumps(sorted(m for m in ("aiohttp", "rich", "matplotlib", "controller
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert set(json.loads(done.stdout)) == loaded
+
+
+def test_the_agent_loads_only_the_pyroute2_modules_it_uses():
+    """pyroute2's own __init__ imports the whole library (NDB and sqlite, IPDB, wireless...: ~6 MiB
+    of the agent's RSS aim); nlwire registers the package without it. A name only the __init__
+    defines still works, and loads the rest then."""
+    code = """
+import json, sys
+import cli.main
+from netagent import daemon
+from netagent.local import LocalAllocator
+from netagent.sources import KubeSource
+before = sorted(m for m in ("pyroute2.ndb.main", "pyroute2.ipdb", "sqlite3", "pyroute2.plan9.client") if m in sys.modules)
+import pyroute2.netns
+from pyroute2 import netlink
+quiet = "pyroute2.ndb.main" in sys.modules
+from pyroute2 import IPRoute, NDB
+import pyroute2
+print(json.dumps([before, quiet, IPRoute.__name__, NDB.__name__, pyroute2.__version__ != "unknown"]))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout) == [[], False, "IPRoute", "NDB", True]

@@ -2,12 +2,15 @@
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
 from tc.errors import TcError
-from tc.model import DEFAULT_MINOR, NODE_MINOR, HtbClassSpec, ShaperSpec, ack_minor, bulk_minor
-from tc.netlink import Shaper
+from tc import rawnl
+from tc.model import (DEFAULT_MINOR, NODE_MINOR, ClassStats, HtbClassSpec, ShaperSpec, ack_minor, bulk_minor,
+                      fold_leaves)
+from tc.netlink import Shaper, fold_counters
 from tc.probe import probe, require
 from lab.netns import scratch_netns, sh
 
@@ -77,6 +80,90 @@ def test_stats_one_dump(node):
     assert stats[0x10B].rate_bytes == 5_000_000_000
     # fresh classes: no drops, and at most a link-local packet of the lab's IPv6 autoconfiguration
     assert all(st.bytes < 1024 and st.drops == 0 for st in stats.values())
+
+
+def reference_stats(s: Shaper, ifb: str = "na-ifb0") -> dict[int, ClassStats]:
+    """Every class decoded in full (`parse_htb_class`) and folded by `fold_leaves`: what `stats` was."""
+    return fold_leaves({c.handle & 0xFFFF: ClassStats(c.handle & 0xFFFF, c.bytes, c.packets, c.drops, c.overlimits,
+                                                      c.backlog, c.qlen, c.rate_bytes, c.ceil_bytes)
+                        for c in s._htb_classes(s._index(ifb), 1)})
+
+
+def test_stats_decode_only_the_counters_and_match_the_full_decoder(node):
+    """110 pods (two above 4 GiB/s: 64-bit rate attributes) and one pod's bulk leaf flooded over its
+    1 Mbit/s ceil: the lean decoder gives each class what the full one gives, on the same bytes while
+    packets queue, and `stats` folds the leaves as `fold_leaves` does once they drained."""
+    pods = [HtbClassSpec(0x100 + i, 10_000_000, 20_000_000, f"a/p{i}") for i in range(108)]
+    pods += [HtbClassSpec(0x10A0, 40_000_000_000, 60_000_000_000, "a/big"),
+             HtbClassSpec(0x10A1, 1_000_000, 1_000_000, "a/slow")]
+    sh("ip addr add 10.9.0.1/24 dev eth0 && ip neigh add 10.9.0.9 lladdr 02:00:00:00:00:09 dev eth0", node)
+    sh(f"iptables -t mangle -A OUTPUT -p udp -j MARK --set-mark 0x20000 && "
+       f"iptables -t mangle -A OUTPUT -p udp -j CLASSIFY --set-class 1:{bulk_minor(0x10A1):x}", node)
+    burst = ("import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+             "for _ in range(300): s.sendto(bytes(1400), ('10.9.0.9', 9))")
+    with Shaper(node) as s:
+        s.apply(make_spec(pods=pods))
+        idx = s._index("na-ifb0")
+        sh(f"{sys.executable} -c \"{burst}\"", node)  # 420 KB at once: ~3 s of the leaf's 1 Mbit/s
+        payloads = s.chan.dump_classes(idx)
+        raw = s.chan.dump_class_counters(idx, 1)
+        assert fold_counters(raw) == fold_leaves({m: ClassStats(m, *c) for m, c in raw.items()})
+        queued = False
+        for handle, parent, payload in payloads:
+            full = rawnl.parse_htb_class(handle, parent, payload)
+            lean = rawnl.class_counters(payload, 0, len(payload))
+            assert lean == (full.bytes, full.packets, full.drops, full.overlimits, full.backlog, full.qlen,
+                            full.rate_bytes, full.ceil_bytes), hex(handle)
+            queued |= handle & 0xFFFF == bulk_minor(0x10A1) and full.backlog > 0 and full.overlimits > 0
+        assert queued, "the flooded leaf showed no backlog"
+        assert raw[bulk_minor(0x10A1)][4] > 0  # so was it in the counters folded above
+        # a message cut anywhere, or bytes flipped, is skipped or misread but never read past
+        for handle, parent, payload in payloads[:20]:
+            for cut in range(len(payload)):
+                rawnl.class_counters(payload, 0, cut)
+                rawnl.class_counters(payload[:cut], 0, cut)
+            broken = bytearray(payload)
+            for i in range(0, len(broken), 3):
+                broken[i] ^= 0xFF
+                rawnl.class_counters(bytes(broken), 0, len(broken))
+        for _ in range(300):  # drained: the counters stand still
+            before = reference_stats(s)
+            now = s.stats("na-ifb0")
+            if not any(st.backlog_bytes for st in before.values()) and before == reference_stats(s):
+                break
+            time.sleep(0.1)
+        assert now == before
+        assert set(now) == {0x1, DEFAULT_MINOR, *(p.minor for p in pods)}
+        slow = now[0x10A1]
+        assert slow.overlimits > 0 and slow.packets > 0 and now[0x10A0].rate_bytes == 5_000_000_000
+
+
+def test_a_class_dump_decodes_only_the_classes_that_changed(node, monkeypatch):
+    """Idle classes read back the same bytes: the second of two dumps decodes none of them, and
+    after traffic through one pod only the classes it went through, with their new counters."""
+    decoded = []
+    full = rawnl.class_counters
+    monkeypatch.setattr(rawnl, "class_counters", lambda data, off, end: decoded.append(1) or full(data, off, end))
+    pods = [HtbClassSpec(0x100 + i, 10_000_000, 20_000_000, f"a/p{i}") for i in range(20)]
+    sh("ip addr add 10.9.0.1/24 dev eth0 && ip neigh add 10.9.0.9 lladdr 02:00:00:00:00:09 dev eth0", node)
+    sh(f"iptables -t mangle -A OUTPUT -p udp -j MARK --set-mark 0x20000 && "
+       f"iptables -t mangle -A OUTPUT -p udp -j CLASSIFY --set-class 1:{bulk_minor(0x105):x}", node)
+    with Shaper(node) as s:
+        s.apply(make_spec(pods=pods))
+        first = s.stats("na-ifb0")
+        assert len(decoded) == 3 * 20 + 2  # every class once: pods, their two leaves, node and default
+        decoded.clear()
+        assert s.stats("na-ifb0") == first and decoded == []
+        sh(f"{sys.executable} -c \"import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM)"
+           f".sendto(bytes(100), ('10.9.0.9', 9))\"", node)
+        for _ in range(100):
+            after = s.stats("na-ifb0")
+            if after[0x105].packets:
+                break
+            time.sleep(0.05)
+        assert after[0x105].packets == 1 and after[NODE_MINOR].packets == first[NODE_MINOR].packets + 1
+        assert after == reference_stats(s)
+        assert 0 < len(decoded) < 10  # the pod's class, its bulk leaf, the node class: not the 62
 
 
 def test_missing_uplink_changes_nothing(node):
