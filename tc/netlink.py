@@ -50,6 +50,17 @@ ETH_P_ALL = 0x0003
 FILTER_HANDLE = 0x1
 
 
+def _tcmsg_with_options(options: type, name: str) -> type:
+    """A tcmsg whose TCA_OPTIONS are coded by `options` (our encoders for what pyroute2 codes
+    otherwise, or not at all). pyroute2 caches compiled NLA tables per class and subclasses inherit
+    the cache flag: it is reset so that this nla_map is compiled."""
+    return type(name, (tcmsg,), {
+        "_nlmsg_base__compiled_nla": False,
+        "nla_map": tuple(("TCA_OPTIONS", "own_options") if n[0] == "TCA_OPTIONS" else n for n in tcmsg.nla_map),
+        "own_options": options,
+    })
+
+
 class _CbpfOptions(nla):
     """cls_bpf options with TCA_BPF_OPS as raw bytes (pyroute2 types it as u32)."""
 
@@ -68,14 +79,6 @@ class _CbpfOptions(nla):
     bpf_act = sched_bpf.options.bpf_act
 
 
-class _CbpfTcmsg(tcmsg):
-    # pyroute2 caches compiled NLA tables per class and subclasses inherit the
-    # cache flag: reset it so our nla_map is compiled.
-    _nlmsg_base__compiled_nla = False
-    nla_map = tuple(("TCA_OPTIONS", "cbpf_options") if n[0] == "TCA_OPTIONS" else n for n in tcmsg.nla_map)
-    cbpf_options = _CbpfOptions
-
-
 class _HtbOptions(sched_htb.options):
     """HTB options whose parameters encode without rate tables.
 
@@ -88,20 +91,6 @@ class _HtbOptions(sched_htb.options):
     class htb_parms(sched_htb.options.htb_parms):
         def encode(self):
             nla.encode(self)
-
-
-class _HtbTcmsg(tcmsg):
-    _nlmsg_base__compiled_nla = False
-    nla_map = tuple(("TCA_OPTIONS", "htb_options") if n[0] == "TCA_OPTIONS" else n for n in tcmsg.nla_map)
-    htb_options = _HtbOptions
-
-
-class _FifoTcmsg(tcmsg):
-    """pfifo and bfifo share struct tc_fifo_qopt (a u32 limit: packets or bytes); pyroute2 knows
-    only pfifo's encoder, so bfifo's options are sent with it."""
-    _nlmsg_base__compiled_nla = False
-    nla_map = tuple(("TCA_OPTIONS", "fifo_options") if n[0] == "TCA_OPTIONS" else n for n in tcmsg.nla_map)
-    fifo_options = sched_pfifo.options
 
 
 class _TbfOptions(nla):
@@ -120,11 +109,12 @@ class _TbfOptions(nla):
     )
 
 
-class _TbfTcmsg(tcmsg):
-    _nlmsg_base__compiled_nla = False
-    nla_map = tuple(("TCA_OPTIONS", "tbf_options") if n[0] == "TCA_OPTIONS" else n for n in tcmsg.nla_map)
-    tbf_options = _TbfOptions
-
+_CbpfTcmsg = _tcmsg_with_options(_CbpfOptions, "_CbpfTcmsg")
+_HtbTcmsg = _tcmsg_with_options(_HtbOptions, "_HtbTcmsg")
+# pfifo and bfifo share struct tc_fifo_qopt (a u32 limit: packets or bytes); pyroute2 knows only
+# pfifo's encoder, so bfifo's options are sent with it
+_FifoTcmsg = _tcmsg_with_options(sched_pfifo.options, "_FifoTcmsg")
+_TbfTcmsg = _tcmsg_with_options(_TbfOptions, "_TbfTcmsg")
 
 TC_LINKLAYER_ETHERNET = 1  # a rate that names its link layer needs no rate table
 
