@@ -274,6 +274,16 @@ class Lab:
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+    def udp_burst(self, netns: str, dst: str, port: int) -> dict:
+        """One 61,600-byte UDP GSO packet from `netns` (lab.udpflood --burst); waits for it to be sent."""
+        argv = [sys.executable, "-m", "lab.udpflood", "--burst", dst, str(port)]
+        p = self.spawn(netns, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        out, err = p.communicate(timeout=30)
+        if p.returncode != 0:
+            raise LabError(f"udp burst from {netns} failed ({p.returncode}): {err.strip()}")
+        return json.loads(out)
+
     def download_flood(self, pod_netns: str, server_netns: str, dst: str, port: int, bitrate: float,
                        seconds: float = 5) -> subprocess.Popen:
         """A paced UDP GSO flood from `server_netns` to a pod (through the node's NAT): the server

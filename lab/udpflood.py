@@ -6,6 +6,9 @@ twice its rate. With UDP_SEGMENT the kernel cuts each 61 KB send into 1400-byte 
 (real, separate UDP packets on the wire), so one process offers several Gbit/s.
 Prints one JSON line: bytes (UDP payload), datagrams, seconds, bits_per_second (payload).
 
+`--burst DST PORT` sends one GSO send of 44 datagrams (61,600 bytes): a single packet of the
+largest size a socket hands the stack, for tests of what one such packet costs a shaper.
+
 Downloads (towards a pod behind the node's NAT): `--reply PORT BITRATE SECONDS` on the internet
 host floods whoever sends it a datagram; `--sink DST PORT SECONDS` in the pod sends that datagram.
 """
@@ -40,6 +43,16 @@ def flood(dst: str, port: int, bitrate: float, seconds: float, sock: socket.sock
             continue
     elapsed = time.monotonic() - start
     return {"bytes": sent, "datagrams": sent // DATAGRAM, "seconds": elapsed, "bits_per_second": sent * 8 / elapsed}
+
+
+def burst(dst: str, port: int) -> dict:
+    """One sendto of PER_SEND datagrams with UDP_SEGMENT: the stack keeps it one GSO packet as far
+    as the devices allow (veth and IFB do), so a qdisc sees one 61,600-byte packet."""
+    family = socket.AF_INET6 if ":" in dst else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        sock.setsockopt(socket.SOL_UDP, UDP_SEGMENT, DATAGRAM)
+        sent = sock.sendto(b"\0" * (DATAGRAM * PER_SEND), (dst, port))
+    return {"bytes": sent}
 
 
 def reply_flood(port: int, bitrate: float, seconds: float, wait: float = 30.0) -> dict:
@@ -78,6 +91,9 @@ def main(argv: list[str]) -> int:
         return 0
     if len(argv) == 4 and argv[0] == "--sink":
         print(json.dumps(sink(argv[1], int(argv[2]), float(argv[3]))), flush=True)
+        return 0
+    if len(argv) == 3 and argv[0] == "--burst":
+        print(json.dumps(burst(argv[1], int(argv[2]))), flush=True)
         return 0
     if len(argv) != 4:
         print(__doc__.splitlines()[0], file=sys.stderr)
