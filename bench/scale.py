@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import asyncio.sslproto
 import base64
 import datetime
 import json
@@ -342,12 +343,7 @@ class SimAgent:
                     async with api.session.get(self.host.api_url(self) + path, headers=headers) as r:
                         if r.status != 200:
                             raise RuntimeError(f"list {kind}: {r.status}")
-                        body = await r.json()
-                    store.clear()
-                    for obj in body.get("items") or []:
-                        store[obj["metadata"]["name"] if kind != "pods" else
-                              f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"] = convert(obj)
-                    rv = body["metadata"]["resourceVersion"]
+                        rv = self.fill(store, kind, convert, await r.json())
                     self._dirty = True
                     self.host.mark_synced(self, kind)
                 url = (f"{self.host.api_url(self)}{path}{sep}watch=1&allowWatchBookmarks=true&timeoutSeconds={WATCH_TIMEOUT_S}"
@@ -362,29 +358,48 @@ class SimAgent:
                         raise RuntimeError(f"watch {kind}: {r.status}")
                     backoff = 0.5
                     async for line in r.content:
-                        ev = json.loads(line)
-                        obj = ev["object"]
-                        if ev["type"] == "ERROR":
-                            if obj.get("code") == 410:
-                                stats.relists_410 += 1
-                                rv = None
+                        rv, gone = self.apply_event(store, kind, convert, line, rv)
+                        if gone:
                             break
-                        rv = obj["metadata"]["resourceVersion"]
-                        if ev["type"] == "BOOKMARK":
-                            continue
-                        key = (obj["metadata"]["name"] if kind != "pods" else
-                               f"{obj['metadata']['namespace']}/{obj['metadata']['name']}")
-                        if ev["type"] == "DELETED":
-                            store.pop(key, None)
-                        else:
-                            store[key] = convert(obj)
-                        self._dirty = True
             except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as e:
                 if self.host.stopping:
                     return
                 self.host.errors[f"{kind}: {type(e).__name__}: {str(e)[:80]}"] += 1
                 await asyncio.sleep(self.rng.uniform(0, backoff))
                 backoff = min(backoff * 2, 30)
+
+    @staticmethod
+    def fill(store: dict, kind: str, convert, body: dict) -> str:
+        """A LIST's items into `store`; its resourceVersion. Apart from list_watch so the decoded
+        body is freed here: a local of that coroutine stayed alive through the watch that followed
+        (4,500 objects an agent for 30 pods, the largest part of a simulated agent's Python heap)."""
+        store.clear()
+        for obj in body.get("items") or []:
+            store[obj["metadata"]["name"] if kind != "pods" else
+                  f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"] = convert(obj)
+        return body["metadata"]["resourceVersion"]
+
+    def apply_event(self, store: dict, kind: str, convert, line: bytes, rv: str) -> tuple[str | None, bool]:
+        """One watch event into `store`: (the resourceVersion to resume from, whether the watch
+        ended). A method, as fill(), so the decoded event is not held between events."""
+        ev = json.loads(line)
+        obj = ev["object"]
+        if ev["type"] == "ERROR":
+            if obj.get("code") == 410:
+                self.host.stats.relists_410 += 1
+                return None, True
+            return rv, True
+        rv = obj["metadata"]["resourceVersion"]
+        if ev["type"] == "BOOKMARK":
+            return rv, False
+        key = (obj["metadata"]["name"] if kind != "pods" else
+               f"{obj['metadata']['namespace']}/{obj['metadata']['name']}")
+        if ev["type"] == "DELETED":
+            store.pop(key, None)
+        else:
+            store[key] = convert(obj)
+        self._dirty = True
+        return rv, False
 
     def policy(self):
         key = tuple(sorted((k, v["metadata"]["resourceVersion"]) for k, v in self.classes.items())) + \
@@ -509,8 +524,10 @@ class SimAgent:
         grp = "/apis/netagent.io/v1alpha1"
         return [asyncio.create_task(c) for c in (
             self.list_watch(sel, self.pods, "pods", PodRecord.from_object),
-            self.list_watch(f"{grp}/egressclasses?limit=500", self.classes, "egressclasses", lambda o: o),
-            self.list_watch(f"{grp}/egressbudgets?limit=500", self.budgets, "egressbudgets", lambda o: o),
+            self.list_watch(f"{grp}/egressclasses?limit=500", self.classes, "egressclasses",
+                            lambda o: self.host.shared("egressclasses", o)),
+            self.list_watch(f"{grp}/egressbudgets?limit=500", self.budgets, "egressbudgets",
+                            lambda o: self.host.shared("egressbudgets", o)),
             self.report_loop(),
         )]
 
@@ -555,11 +572,25 @@ class AgentHost:
         self.errors: Counter = Counter()
         self.last_answer = 0.0
         self._synced_kinds: dict[int, set] = {}
+        self._shared: dict[tuple, dict] = {}
         self.agents = [SimAgent(self, i, tok) for i, tok in cfg["agents"]]
 
     def api_url(self, agent: "SimAgent") -> str:
         """The agent's API server (a real cluster's Service spreads agents over its apiservers)."""
         return self.api_urls[agent.i % len(self.api_urls)]
+
+    def shared(self, kind: str, obj: dict) -> dict:
+        """One copy of each version of a cluster-wide object (an EgressClass, the EgressBudget with
+        its status) for all of this worker's agents, which only read them: each agent decoding and
+        keeping its own was 60 % of a simulated agent's Python heap (tracemalloc, 500 agents). The
+        simulator's memory, not the agent's, which holds one copy as any node does."""
+        meta = obj.get("metadata") or {}
+        key = (kind, meta.get("name"))
+        seen = self._shared.get(key)
+        if seen is not None and seen.get("metadata", {}).get("resourceVersion") == meta.get("resourceVersion"):
+            return seen
+        self._shared[key] = obj
+        return obj
 
     def factor(self, team: str) -> float:
         if not self.shifted:
@@ -634,9 +665,18 @@ def raise_open_files(need: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+# asyncio's TLS (Python 3.11+) keeps a 256 KiB read buffer for every connection, 768 KiB an agent
+# for its three watches: half of what a simulated agent cost (1.6 MiB at 5,000 nodes). Watch
+# events and answers are a few KiB; 16 KiB is one TLS record. The simulator's cost, not the
+# agent's: the real agent's client (urllib3) reads into per-call buffers.
+SIM_TLS_READ_BYTES = 16 * 1024
+
+
 def agent_worker(conn, cfg: dict) -> None:
     """A worker process's entry: its slice of the agents until the parent says stop."""
     raise_open_files(3 * len(cfg["agents"]) + 1000)  # 3 watches an agent + reports now and then
+    if cfg.get("tls_read_bytes"):
+        asyncio.sslproto.SSLProtocol.max_size = cfg["tls_read_bytes"]
     async def serve() -> None:  # the sessions need the running loop
         await AgentHost(cfg).serve(conn)
 
@@ -1009,7 +1049,8 @@ async def run(args) -> None:
         # -- the agents, in --agent-processes workers
         bench.start_agents(tokens, {
             "period": args.period, "controller_urls": [u for _, u, _ in controllers],
-            "controller_ca": controller_ca_pem, "api_urls": api_urls, "api_ca_file": str(cp.ca_file)})
+            "controller_ca": controller_ca_pem, "api_urls": api_urls, "api_ca_file": str(cp.ca_file),
+            "tls_read_bytes": args.sim_tls_read_bytes})
         guard.pids.update(bench.worker_pids)
         t_agents = time.time()
         t_sync0 = time.monotonic()
@@ -1199,6 +1240,8 @@ def main() -> None:
                    help="the controller's --period (seconds between rounds; default: the controller's)")
     p.add_argument("--answer-wait", type=float, default=None,
                    help="the controller's --answer-wait (default: the controller's)")
+    p.add_argument("--sim-tls-read-bytes", type=int, default=SIM_TLS_READ_BYTES,
+                   help="the simulated agents' asyncio TLS read buffer per connection (0: Python's 256 KiB)")
     p.add_argument("--no-pod-status", dest="pod_status", action="store_false",
                    help="leave pods Pending without IPs (faster loading; netagent reports them all the same)")
     asyncio.run(run(p.parse_args()))
