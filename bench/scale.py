@@ -75,7 +75,8 @@ from netagent.demand import PodDemand, Sample  # noqa: E402
 from netagent.metrics import AgentMetrics  # noqa: E402
 from netagent.view import NodeView, PodView  # noqa: E402
 from prometheus_client import generate_latest  # noqa: E402
-from netagent.reporter import advised_period, build_report  # noqa: E402
+from netagent.reporter import advised_period, build_report, report_wait  # noqa: E402
+from netagent.transport import retry_after_seconds  # noqa: E402
 
 SYSTEM_NS = "netagent-system"
 AGENT_SA = "netagent-agent"
@@ -461,16 +462,22 @@ class SimAgent:
         b = self.host
         await self.synced.wait()
         await asyncio.sleep(self.rng.uniform(0, b.period))
+        failures = 0
         while not b.stopping:
             started = time.monotonic()
             egress = self.advance(started)
             self.seq += 1
             inputs = ReportInputs(self.node, tuple((rp, self.demand.get(rp.key)) for rp in self.resolved), None)
             body = encoder.encode(build_report(inputs, self.seq, self.period(), egress))
-            await self.post(body, started)
-            await asyncio.sleep(max(0.0, self.period() * self.rng.uniform(0.8, 1.2) - (time.monotonic() - started)))
+            answered, retry_after = await self.post(body, started)
+            failures = 0 if answered else failures + 1
+            # the agent's own wait (netagent.reporter.report_wait): longer after failures in a row,
+            # never sooner than a shedding leader's Retry-After
+            await asyncio.sleep(report_wait(self.period(), failures, retry_after, self.rng.uniform(0.8, 1.2),
+                                            time.monotonic() - started))
 
-    async def post(self, body: bytes, started: float) -> None:
+    async def post(self, body: bytes, started: float) -> tuple[bool, float]:
+        """One report as the agent's transport posts it: (answered, the refusal's Retry-After or 0)."""
         b = self.host
         path = f"/v1/nodes/{self.node}/report"
         url = (self.leader or self.rng.choice(b.controller_urls)) + path
@@ -483,11 +490,12 @@ class SimAgent:
                     raw = await r.read()
                     status = r.status
                     location = r.headers.get("Location")
+                    retry = r.headers.get("Retry-After")
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 b.errors[f"report: {type(e).__name__}"] += 1
                 b.stats.answers["error"] += 1
                 self.leader = None
-                return
+                return False, 0.0
             if status in (307, 308) and location:
                 b.stats.redirects += 1
                 url = location
@@ -497,7 +505,7 @@ class SimAgent:
             if status != 200:
                 b.errors[f"report {status}: {raw[:120].decode(errors='replace')}"] += 1
                 self.leader = None
-                return
+                return False, ((retry_after_seconds(retry) or 0.0) if status == 503 and retry else 0.0)
             answer = answer_decoder.decode(raw)
             self.advised = advised_period(answer)
             if b.stats.window:
@@ -517,7 +525,9 @@ class SimAgent:
                 self.limits = limits
                 self.answers += 1
                 self.node_rate = float(answer.node_rate_bps)
-            return
+            return True, 0.0
+        b.errors["report: too many redirects"] += 1
+        return False, 0.0
 
     def start(self) -> list[asyncio.Task]:
         sel = f"/api/v1/pods?fieldSelector=spec.nodeName%3D{self.node}&limit=500"

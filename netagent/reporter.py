@@ -124,6 +124,28 @@ def advised_period(answer: NodeAnswer) -> float:
     return min(answer.report_period_seconds, answer.lease_seconds / 3)
 
 
+# Failed reports in a row (a timeout, a refused connection, a 5xx) stretch the period: 1 after one
+# (a leader's failover or one lost report: back at once), then 2, 4 and at most 8 periods, and
+# never more than MAX_FAILURE_WAIT between reports. Without it an overloaded or restarting
+# controller met every agent every period: at 5,000 nodes and 5 s (bench/scale.py) no report was
+# answered, so no agent ever learned the paced period that would have relieved it.
+MAX_FAILURE_BACKOFF = 8
+MAX_FAILURE_WAIT = 60.0  # as transport.MAX_RETRY_AFTER: well inside a lease
+
+
+def failure_backoff(failures: int) -> float:
+    """Periods between reports after `failures` failed reports in a row."""
+    return float(min(2 ** max(min(failures, 16) - 1, 0), MAX_FAILURE_BACKOFF))
+
+
+def report_wait(period: float, failures: int, retry_after: float, jitter: float, elapsed: float) -> float:
+    """Seconds until the next report, `elapsed` after the last one started: the effective `period`,
+    stretched after failures in a row, with `jitter` (0.8..1.2) from that start (a report slower
+    than the period is followed at once), and never sooner than a refusal's Retry-After from now."""
+    stretched = min(period * failure_backoff(failures), max(period, MAX_FAILURE_WAIT))
+    return max(stretched * jitter - elapsed, retry_after * jitter, 0.0)
+
+
 class Reporter:
     def __init__(self, agent: Agent, url: str, token_path: str | None, period: float = 5.0,
                  timeout: float = 3.0, on_failure: Callable[[], None] | None = None, rng: random.Random | None = None,
@@ -140,6 +162,7 @@ class Reporter:
         self.period = period  # our own; the leader may ask for a longer one (effective_period)
         self.advised_period = 0.0  # from the last answer (controller/pacing.py); 0: none
         self.retry_after = 0.0  # from the last refusal's Retry-After (an overloaded leader); 0: none
+        self.failures = 0  # failed reports in a row (failure_backoff)
         self.timeout = timeout
         self.on_failure = on_failure or (lambda: None)
         self.on_refused = on_refused or (lambda reason: None)  # per pod the controller refused: count by reason
@@ -171,6 +194,7 @@ class Reporter:
         started = time.monotonic()
         try:
             self.report_once()
+            self.failures = 0
         except ControllerError as exc:
             self.retry_after = exc.retry_after or 0.0
             self._failed(exc)
@@ -179,6 +203,7 @@ class Reporter:
         return self.next_wait(time.monotonic() - started)
 
     def _failed(self, exc: Exception) -> None:
+        self.failures += 1
         self.agent.set_controller_reachable(False)
         if str(exc) != self.last_error:
             log.warning("controller report failed: %s (keeping allocations until the lease ends)", exc)
@@ -186,12 +211,11 @@ class Reporter:
         self.on_failure()
 
     def next_wait(self, elapsed: float = 0.0) -> float:
-        """Seconds until the next report, `elapsed` after the last one started: the effective period
-        with +-20 % jitter from that start (a report that took longer than the period is followed
-        at once), and never sooner than a refusal's Retry-After from now (an overloaded leader sheds
-        reports and says when to come back; the jitter spreads the agents it shed at once)."""
-        jitter = self.rng.uniform(0.8, 1.2)
-        return max(self.effective_period() * jitter - elapsed, self.retry_after * jitter, 0.0)
+        """Seconds until the next report, `elapsed` after the last one started (report_wait): the
+        effective period, longer after failed reports in a row, with +-20 % jitter from that start,
+        and never sooner than a refusal's Retry-After from now (an overloaded leader sheds reports
+        and says when to come back; the jitter spreads the agents it shed at once)."""
+        return report_wait(self.effective_period(), self.failures, self.retry_after, self.rng.uniform(0.8, 1.2), elapsed)
 
     def effective_period(self) -> float:
         """Our own period, or the longer one the leader asked for (large clusters): never shorter than

@@ -168,6 +168,39 @@ def test_the_report_period_runs_from_each_reports_start(pki, servers, tmp_path):
     assert reporter.next_wait(elapsed=2.5) == 3.0  # an overloaded leader's Retry-After counts from its refusal
 
 
+def test_failed_reports_in_a_row_stretch_the_period_and_an_answer_resets_it(pki, servers, tmp_path):
+    """A controller that does not answer (overloaded, restarting) is not met by every agent every
+    period: after one failure the next report comes at the period (a failover costs nothing), then
+    at 2, 4 and at most 8 periods (never more than a minute); the first answer resets it."""
+    from netagent.reporter import MAX_FAILURE_WAIT, failure_backoff, report_wait
+    assert [failure_backoff(n) for n in range(7)] == [1, 1, 2, 4, 8, 8, 8]
+    assert failure_backoff(10**9) == 8
+    assert report_wait(5.0, 4, 0.0, 1.0, 0.0) == 40.0
+    assert report_wait(30.0, 4, 0.0, 1.0, 0.0) == MAX_FAILURE_WAIT  # a paced period: still back within a minute
+    assert report_wait(120.0, 4, 0.0, 1.0, 0.0) == 120.0  # never sooner than the advised period
+    assert report_wait(5.0, 3, 90.0, 1.0, 0.0) == 90.0  # a Retry-After still holds
+
+    answering = {"yes": False}
+
+    def maybe(handler):
+        if not answering["yes"]:
+            handler.send_response(503)
+            handler.send_header("Content-Length", "0")
+            handler.end_headers()
+            return
+        return ok(handler)
+
+    leader = serve(servers, maybe, pki["cert"], tmp_path, "leader")
+    reporter = Reporter(make_agent(), leader.url("localhost"), token_file(tmp_path), period=1.0,
+                        ca_file=str(pki["ca_file"]))
+    reporter.rng.uniform = lambda a, b: 1.0
+    waits = [reporter.tick() for _ in range(5)]
+    assert reporter.last_error and reporter.failures == 5
+    assert [round(w) for w in waits] == [1, 2, 4, 8, 8], waits
+    answering["yes"] = True
+    assert reporter.tick() <= 1.0 and reporter.failures == 0 and not reporter.last_error
+
+
 @pytest.mark.parametrize("fault", ["foreign-ca", "302", "301", "303", "to-http"])
 def test_a_redirect_elsewhere_gets_no_token_and_the_allocations_stay(fault, pki, servers, tmp_path):
     leader = serve(servers, ok, pki["cert"], tmp_path, "leader")
