@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 
 from controller import config as controller_config
 from core.errors import NetagentError
@@ -155,7 +156,7 @@ def _run(a: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     # `kill -USR1` writes every thread's stack to the log (a stuck agent, diagnosed in place)
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    signal.signal(signal.SIGUSR1, dump_threads)
     daemon.start()
     log.info("netagent running on node %r; /metrics /healthz /readyz at http://%s; /state at http://%s", cfg.node,
              daemon.http.address, daemon.http.state_address or "(not served)")
@@ -179,6 +180,21 @@ def wait_until_set(stop: threading.Event) -> None:
     agent ignore SIGTERM for 20 s that way."""
     while not stop.wait(STOP_POLL_S):
         pass
+
+
+def dump_threads(signum=None, frame=None) -> None:
+    """Every thread's stack to stderr, from a Python signal handler: it runs in the main thread
+    with the GIL held, so no other thread changes its frames while they are read. faulthandler's
+    C handler (used before) walks them while they run, and CI saw it crash the agent in the
+    middle of a dump (a frame read mid-change). The main thread waits in slices
+    (wait_until_set), so the handler runs within STOP_POLL_S."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    lines = []
+    for ident, top in sys._current_frames().items():
+        lines.append(f"Thread {ident:#x} {names.get(ident, '?')!r} (most recent call first):")
+        lines.extend(entry.rstrip("\n") for entry in reversed(traceback.format_stack(top)))
+    sys.stderr.write("\n".join(lines) + "\n")
+    sys.stderr.flush()
 
 
 def _exit_stuck() -> None:
