@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import asyncio.sslproto
 import base64
 import datetime
 import json
@@ -64,6 +63,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from core.asynctls import TLS_READ_BUFFER_BYTES, set_tls_read_buffer  # noqa: E402
 from core.engine import PodDemandIn, allocate  # noqa: E402
 from core.objects import ANNOTATION_BANDWIDTH, ANNOTATION_CLASS, PodRecord  # noqa: E402
 from core.policy import load_policy, resolve_pods  # noqa: E402
@@ -376,9 +376,14 @@ class SimAgent:
         (4,500 objects an agent for 30 pods, the largest part of a simulated agent's Python heap)."""
         store.clear()
         for obj in body.get("items") or []:
-            store[obj["metadata"]["name"] if kind != "pods" else
-                  f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"] = convert(obj)
+            store[SimAgent.key(kind, obj)] = convert(obj)
         return body["metadata"]["resourceVersion"]
+
+    @staticmethod
+    def key(kind: str, obj: dict) -> str:
+        """An object's key in its store: namespace/name for pods, the name for the cluster-wide CRDs."""
+        meta = obj["metadata"]
+        return f"{meta['namespace']}/{meta['name']}" if kind == "pods" else meta["name"]
 
     def apply_event(self, store: dict, kind: str, convert, line: bytes, rv: str) -> tuple[str | None, bool]:
         """One watch event into `store`: (the resourceVersion to resume from, whether the watch
@@ -393,8 +398,7 @@ class SimAgent:
         rv = obj["metadata"]["resourceVersion"]
         if ev["type"] == "BOOKMARK":
             return rv, False
-        key = (obj["metadata"]["name"] if kind != "pods" else
-               f"{obj['metadata']['namespace']}/{obj['metadata']['name']}")
+        key = self.key(kind, obj)
         if ev["type"] == "DELETED":
             store.pop(key, None)
         else:
@@ -505,7 +509,7 @@ class SimAgent:
             if status != 200:
                 b.errors[f"report {status}: {raw[:120].decode(errors='replace')}"] += 1
                 self.leader = None
-                return False, ((retry_after_seconds(retry) or 0.0) if status == 503 and retry else 0.0)
+                return False, retry_after_seconds(retry) or 0.0  # as the agent's transport reads any refusal
             answer = answer_decoder.decode(raw)
             self.advised = advised_period(answer)
             if b.stats.window:
@@ -675,18 +679,17 @@ def raise_open_files(need: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-# asyncio's TLS (Python 3.11+) keeps a 256 KiB read buffer for every connection, 768 KiB an agent
-# for its three watches: half of what a simulated agent cost (1.6 MiB at 5,000 nodes). Watch
-# events and answers are a few KiB; 16 KiB is one TLS record. The simulator's cost, not the
-# agent's: the real agent's client (urllib3) reads into per-call buffers.
-SIM_TLS_READ_BYTES = 16 * 1024
+# asyncio's TLS (core/asynctls.py) keeps a 256 KiB read buffer for every connection, 768 KiB an
+# agent for its three watches: half of what a simulated agent cost (1.6 MiB at 5,000 nodes). The
+# simulator's cost, not the agent's: the real agent's client (urllib3) reads into per-call buffers.
+SIM_TLS_READ_BYTES = TLS_READ_BUFFER_BYTES
 
 
 def agent_worker(conn, cfg: dict) -> None:
     """A worker process's entry: its slice of the agents until the parent says stop."""
     raise_open_files(3 * len(cfg["agents"]) + 1000)  # 3 watches an agent + reports now and then
     if cfg.get("tls_read_bytes"):
-        asyncio.sslproto.SSLProtocol.max_size = cfg["tls_read_bytes"]
+        set_tls_read_buffer(cfg["tls_read_bytes"])
     async def serve() -> None:  # the sessions need the running loop
         await AgentHost(cfg).serve(conn)
 

@@ -20,7 +20,6 @@ Transport: HTTPS by default (controller/tls.py): the serving certificate from th
 from __future__ import annotations
 
 import asyncio
-import asyncio.sslproto
 import gc
 import logging
 import signal
@@ -29,6 +28,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from core.address import join_host_port
+from core.asynctls import set_tls_read_buffer
 from core.kubeapi import load_api_client
 from core.policy import PolicyCache
 
@@ -55,22 +55,6 @@ def configure_gc() -> None:
     Nothing the controller keeps forms cycles; refcounting frees it."""
     gc.set_threshold(50_000, 50, 50)
 
-
-
-# asyncio's TLS transport gives every accepted connection a 256 KiB read buffer
-# (sslproto.SSLProtocol.max_size, Python 3.11+). Agents open a connection per report and post a
-# few KiB; a loaded replica holds thousands of connections waiting for its event loop, and at
-# 5,000 nodes and a 5 s period (bench/scale.py) both replicas reached 6.2 GiB. One TLS record
-# (16 KiB) is what one read can return anyway. Measured: 280 KiB of RSS a connection before,
-# tests/test_controller_service.py::test_an_open_tls_connection_costs_the_controller_little_memory.
-TLS_READ_BUFFER_BYTES = 16 * 1024
-
-
-def small_tls_read_buffers() -> None:
-    """Cut asyncio's per-connection TLS read buffer for this process (a class attribute asyncio
-    reads for each new connection; left alone where a Python has none)."""
-    if isinstance(getattr(asyncio.sslproto.SSLProtocol, "max_size", None), int):
-        asyncio.sslproto.SSLProtocol.max_size = TLS_READ_BUFFER_BYTES
 
 class Controller:
     def __init__(self, cfg: ControllerConfig):
@@ -217,7 +201,7 @@ class Controller:
             self.files.stop()
 
     async def serve(self) -> None:
-        small_tls_read_buffers()
+        set_tls_read_buffer()  # connections per report: core/asynctls.py
         runners = []
         app_runner = web.AppRunner(self.app(), access_log=None)
         await app_runner.setup()
