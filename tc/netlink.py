@@ -415,13 +415,13 @@ class Shaper:
             return self._tcmsg(RTM_DELQDISC, 0, ifb, op.minor << 16, root | op.minor)
         if a == "replace_leaf":
             if op.leaf_kind in ("pfifo", "bfifo"):
-                return self._tcmsg(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, ifb, op.minor << 16, root | op.minor,
-                                   op.leaf_kind, {"limit": op.leaf_limit}, _FifoTcmsg)
-            if op.leaf_kind == "tbf":
-                return self._tcmsg(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, ifb, op.minor << 16, root | op.minor,
-                                   "tbf", tbf_options(op.leaf_rate, op.leaf_burst, op.leaf_limit), _TbfTcmsg)
+                options, cls = {"limit": op.leaf_limit}, _FifoTcmsg
+            elif op.leaf_kind == "tbf":
+                options, cls = tbf_options(op.leaf_rate, op.leaf_burst, op.leaf_limit), _TbfTcmsg
+            else:
+                options, cls = {"attrs": []}, tcmsg
             return self._tcmsg(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, ifb, op.minor << 16, root | op.minor,
-                               op.leaf_kind, {"attrs": []})
+                               op.leaf_kind, options, cls)
         if a == "add_clsact":
             return self._tcmsg(RTM_NEWQDISC, create, index[op.device], 0xFFFF0000, TC_H_CLSACT, "clsact")
         if a in ("add_filter", "replace_filter"):
