@@ -68,7 +68,7 @@ class Controller:
         auth = None
         locate_pods = None
         namespace_labels = None
-        known_pods = None
+        known_pods = known_nodes = None
         api = None
         if cfg.from_file:
             self.files = FilePolicy(list(cfg.from_file))
@@ -76,17 +76,19 @@ class Controller:
             self.files.on_change = policy.invalidate
             if self.files.has_pods():
                 locate_pods = self.files.locate_pods
-                known_pods = self.files.pod_count
+                known_pods, known_nodes = self.files.pod_count, self.files.node_count
             readiness = lambda: (True, "policy from files")  # noqa: E731
         else:
             api = load_api_client(cfg.kubeconfig)
             policy = PolicyCache(lambda: self.cluster.policy_objects())
+            agent_sa = tuple(cfg.agent_service_account.split(":", 1)) if cfg.agent_service_account else None
             self.cluster = ClusterCaches(api, on_policy_change=policy.invalidate,
                                          on_event=lambda resource, kind: self.metrics.watch_events.labels(
-                                             resource, kind).inc())
+                                             resource, kind).inc(),
+                                         agent_service_account=agent_sa)
             locate_pods, namespace_labels, readiness = (self.cluster.locate_pods, self.cluster.namespace_labels,
                                                       self.cluster.synced)
-            known_pods = self.cluster.pod_count
+            known_pods, known_nodes = self.cluster.pod_count, self.cluster.agent_node_count
             self.elector = LeaderElector(api, cfg.namespace, cfg.lease_name, cfg.identity,
                                          lease_seconds=cfg.election_lease_seconds,
                                          renew_deadline=cfg.election_lease_seconds * 2 / 3,
@@ -117,7 +119,9 @@ class Controller:
         self.auth = auth
         leading = (lambda: self.elector.leading) if self.elector else (lambda: True)
         self.state = ControllerState(
-            Allocator(policy, namespace_labels, known_pods=known_pods), locate_pods=locate_pods, lease_seconds=cfg.lease_seconds,
+            Allocator(policy, namespace_labels, known_pods=known_pods, known_nodes=known_nodes,
+                      takeover_seconds=cfg.report_ttl),
+            locate_pods=locate_pods, lease_seconds=cfg.lease_seconds,
             report_ttl=cfg.report_ttl, leader=leading,
             leader_address=(lambda: self.elector.leader_address()) if self.elector else (lambda: None),
             readiness=readiness, answer_wait=cfg.answer_wait,

@@ -56,6 +56,9 @@ class BudgetCollector:
             return
         yield GaugeMetricFamily(P + "policy_problems", "EgressClass/EgressBudget problems (objects or teams ignored)",
                                 value=float(len(summary.policy_problems)))
+        yield GaugeMetricFamily(P + "held_back_bytes_per_second", "budget a new leader holds back for the nodes "
+                                "it has not heard from yet (they keep the old leader's answers)",
+                                value=summary.held_back_bps / 8)
         yield from _direction(summary, (
             GaugeMetricFamily(P + "budget_bytes_per_second", "the EgressBudget's spec.total",
                               value=summary.budget_bps / 8),
@@ -75,6 +78,8 @@ class BudgetCollector:
             return
         yield GaugeMetricFamily(P + "ingress_agents", "nodes whose agent shapes downloads and reported",
                                 value=float(down.nodes))
+        yield GaugeMetricFamily(P + "ingress_held_back_bytes_per_second", "download budget a new leader holds "
+                                "back for the nodes it has not heard from yet", value=down.held_back_bps / 8)
         yield from _direction(down, (
             GaugeMetricFamily(P + "ingress_budget_bytes_per_second", "the EgressBudget's spec.ingressTotal "
                               "(downloads; 2^53/8 when unset)", value=down.budget_bps / 8),

@@ -7,6 +7,9 @@ jittered backoff; never a poll):
 - Pods, cluster-wide, one watch -> (namespace, name) -> spec.nodeName, the node-binding
   check. Only that pair is kept per pod, not the object, so 300,000 pods cost a few tens
   of MB; events are parsed from the raw stream, not into client models.
+- the agent's own pods (its ServiceAccount's, in its namespace: a field selector), the same
+  pair -> the nodes that run an agent, which a new leader waits to hear from (the takeover
+  hold-back, controller/allocator.py). One node's pod each, so 10,000 nodes cost little.
 
 Files (`--from-file`, no cluster): the same objects in YAML, reloaded on change
 (`FilePolicy`); pods in the files, if any, drive the node-binding check.
@@ -50,7 +53,8 @@ class ClusterCaches:
     """The watched caches the controller needs, and the callables the allocator and state take."""
 
     def __init__(self, api: client.ApiClient, on_policy_change: Callable[[], None] = lambda: None,
-                 on_event: Callable[[str, str], None] = lambda resource, kind: None):
+                 on_event: Callable[[str, str], None] = lambda resource, kind: None,
+                 agent_service_account: tuple[str, str] | None = None):
         self.stop_event = threading.Event()
         core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
 
@@ -68,6 +72,12 @@ class ClusterCaches:
         self.budgets = cache("egressbudgets", custom.list_cluster_custom_object, _meta_key, _policy_part,
                              on_policy_change, plural="egressbudgets", **crd)
         self.caches = (self.pods, self.namespaces, self.classes, self.budgets)
+        self.agent_pods: Reflector | None = None
+        if agent_service_account is not None:
+            namespace, name = agent_service_account
+            self.agent_pods = cache("agent-pods", core.list_namespaced_pod, _meta_key, _pod_node,
+                                    namespace=namespace, field_selector=f"spec.serviceAccountName={name}")
+            self.caches += (self.agent_pods,)
 
     def start(self) -> None:
         for c in self.caches:
@@ -94,6 +104,12 @@ class ClusterCaches:
     def node_count(self) -> int:
         """Nodes with scheduled pods (each may run an agent): the report pacing's count."""
         return len(set(self.pods.values()) - {None})
+
+    def agent_node_count(self) -> int:
+        """Nodes that run an agent pod (without the agent's ServiceAccount: every node with a pod)."""
+        if self.agent_pods is None:
+            return self.node_count()
+        return len(set(self.agent_pods.values()) - {None})
 
     def policy_objects(self) -> tuple[list[dict], list[dict]]:
         return self.classes.values(), self.budgets.values()

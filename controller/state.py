@@ -52,6 +52,8 @@ class ControllerState:
         self.allocate = allocate
         # per report, at submit time: the work a round would otherwise do per pod (allocator.prepare)
         self.prepare: Callable[[NodeReport], object] = getattr(allocate, "prepare", lambda report: report)
+        # a new term: the allocator holds back the share of the nodes not heard from yet (allocator.new_term)
+        self._new_term: Callable[[], None] = getattr(allocate, "new_term", lambda: None)
         self.locate_pods = locate_pods
         self.lease_seconds = lease_seconds
         self.report_ttl = report_ttl  # a node silent this long is dropped from the round
@@ -106,6 +108,8 @@ class ControllerState:
         with self._lock:
             self.latest.clear()
             self.result = None
+        if leading:
+            self._new_term()
 
     def refuse(self, report: NodeReport) -> dict[int, str]:
         """{index of a pod in the report: why it is refused}; empty for almost every report

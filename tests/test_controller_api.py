@@ -871,3 +871,55 @@ def test_events_are_written_from_a_bounded_queue_and_dropped_when_full():
     finally:
         release.set()
         events.stop()
+
+
+def test_a_new_leader_shares_only_the_heard_nodes_part_of_the_budget_until_the_report_ttl():
+    """After a failover the nodes not heard from yet keep the old leader's answers (then their floor):
+    the new leader holds their part of both budgets back (heard / known nodes) for the report TTL,
+    so the cluster total never passes the budget while agents find it; afterwards it shares it all."""
+    from core.wire import NodeReport, PodReport
+
+    now = [1000.0]
+    alloc = Allocator(policy_source(IN_CLASSES, (IN_BUDGET,)), clock=lambda: now[0],
+                      known_pods=lambda: 40, known_nodes=lambda: 4, takeover_seconds=150.0)
+    state = ControllerState(alloc, lease_seconds=30.0, report_ttl=1e9)
+
+    def node_report(node: str) -> NodeReport:  # ten pods that each want far more than the budget
+        pods = [PodReport("research", f"{node}-{i}", usage_bps=0.0, demand_bps=80e6, ingress_demand_bps=30e6)
+                for i in range(10)]
+        return NodeReport(node, pods, 1, 5.0, shapes_ingress=True)
+
+    def totals(result) -> tuple[float, float]:
+        up = sum(p.limit_bps for node in result.by_node for p in result.by_node[node])
+        down = sum(p.ingress_limit_bps for node in result.by_node for p in result.by_node[node])
+        return up, down
+
+    # the first term of a fresh replica holds back too: agents may hold answers of a controller before it
+    state.on_leadership(True)
+    state.submit(None, node_report("node-a"))
+    result = state.run_round()
+    up, down = totals(result)
+    assert up == pytest.approx(25e6, rel=0.01) and down == pytest.approx(15e6, rel=0.01)
+    assert (result.summary.held_back_bps, result.summary.ingress.held_back_bps) == (75e6, 45e6)
+    assert result.node_rate["node-a"] <= 25e6 * 1.01
+    assert result.safe_floor_bps == pytest.approx(100e6 / 40)  # the floor is the whole budget's, per pod
+
+    now[0] += 60.0
+    state.submit(None, node_report("node-b"))
+    up, down = totals(state.run_round())
+    assert up == pytest.approx(50e6, rel=0.01) and down == pytest.approx(30e6, rel=0.01)
+
+    now[0] += 91.0  # the report TTL since the term began: silent nodes are no longer held for
+    result = state.run_round()
+    up, down = totals(result)
+    assert up == pytest.approx(100e6, rel=0.01) and down == pytest.approx(60e6, rel=0.01)
+    assert result.summary.held_back_bps == 0.0
+
+    # a follower again, then leader again: a new term holds back again
+    state.on_leadership(False)
+    state.on_leadership(True)
+    state.submit(None, node_report("node-a"))
+    state.submit(None, node_report("node-b"))
+    state.submit(None, node_report("node-c"))
+    up, _ = totals(state.run_round())
+    assert up == pytest.approx(75e6, rel=0.01)

@@ -246,7 +246,10 @@ def test_download_budget_status_and_columns(kube_api, budget, nodes_and_pods, tm
     budget.patch_cluster_custom_object(GROUP, VERSION, "egressbudgets", "default", {"spec": {
         "ingressTotal": "50M",
         "teams": [{"name": "web", "namespaces": ["web"], "weight": 2, "min": "150M", "ingress": {"min": "80M"}}]}})
-    with controller(kube_api, tmp_path, namespace, "--no-auth", "--status-interval", "1") as (_, base, _):
+    # the agent's ServiceAccount names the nodes a new leader waits for (the takeover hold-back):
+    # both report; the shared API server's other tests' nodes do not count
+    with controller(kube_api, tmp_path, namespace, "--no-auth", "--status-interval", "1",
+                    "--agent-service-account", f"{namespace}:agent") as (_, base, _):
         wait_for(lambda: leading(base), what="the only replica to lead")
 
         def round_trip():
@@ -384,6 +387,35 @@ def test_budget_status_written_on_change_at_a_bounded_rate(kube_api, budget, nod
                 p["allocation_bps"] for p in answer["pods"]) <= 20e6 * (1 + 1e-9)
 
         wait_for(capped, timeout=30, what="allocations under the edited total")
+
+
+def test_a_new_leader_holds_back_the_share_of_agent_nodes_it_has_not_heard_from(
+        kube_api, budget, nodes_and_pods, tmp_path):
+    """The nodes a new leader waits for are those running a pod of the agent's ServiceAccount (a
+    field-selected watch), not every node of the shared API server: with node a heard and node b
+    not, node a's pods share half the budget; once b reports nothing is held back."""
+    namespace, nodes = nodes_and_pods
+
+    def held_back() -> float:
+        with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("netagent_controller_held_back_bytes_per_second "):
+                    return float(line.split()[1]) * 8
+        return float("nan")
+
+    with controller(kube_api, tmp_path, namespace, "--no-auth",
+                    "--agent-service-account", f"{namespace}:agent") as (_, base, _):
+        wait_for(lambda: leading(base), what="the only replica to lead")
+
+        def answered(node: str):
+            code, answer = post(base, nodes[node], [workload(namespace, f"work-{node}", 300e6)], None)
+            return code == 200 and answer["generation"] > 0 and answer
+
+        a = wait_for(lambda: answered("a"), timeout=30, what="node a answered from a round")
+        assert sum(p["limit_bps"] for p in a["pods"]) <= 50e6 * 1.01  # the whole budget would give it 80M
+        assert held_back() == pytest.approx(50e6, rel=0.01)
+        wait_for(lambda: answered("b"), timeout=30, what="node b answered from a round")
+        wait_for(lambda: held_back() == 0.0, timeout=30, what="nothing held back once both agents reported")
 
 
 def test_leader_killed_the_other_takes_over_while_the_agent_keeps_its_allocations(
