@@ -75,8 +75,8 @@ from netagent.demand import PodDemand, Sample  # noqa: E402
 from netagent.metrics import AgentMetrics  # noqa: E402
 from netagent.view import NodeView, PodView  # noqa: E402
 from prometheus_client import generate_latest  # noqa: E402
-from netagent.reporter import advised_period, build_report, report_wait  # noqa: E402
-from netagent.transport import retry_after_seconds  # noqa: E402
+from netagent.reporter import advised_period, build_report, report_wait, stretches_period  # noqa: E402
+from netagent.transport import refusal_reason, retry_after_seconds  # noqa: E402
 
 SYSTEM_NS = "netagent-system"
 AGENT_SA = "netagent-agent"
@@ -322,6 +322,7 @@ class SimAgent:
         self.answers = 0  # answers received (the estimator counts them, as the agent does)
         self.node_rate = 0.0
         self.leader: str | None = None
+        self.leader_failed = False  # the last post failed at the remembered leader: ask the Service again
         self.seq = 0
         self._session: aiohttp.ClientSession | None = None
         self.advised = 0.0  # the period the leader asks for (netagent.reporter.advised_period)
@@ -473,17 +474,23 @@ class SimAgent:
             self.seq += 1
             inputs = ReportInputs(self.node, tuple((rp, self.demand.get(rp.key)) for rp in self.resolved), None)
             body = encoder.encode(build_report(inputs, self.seq, self.period(), egress))
-            answered, retry_after = await self.post(body, started)
-            failures = 0 if answered else failures + 1
-            # the agent's own wait (netagent.reporter.report_wait): longer after failures in a row,
-            # never sooner than a shedding leader's Retry-After
+            answered, retry_after, stretches = await self.post(body, started)
+            if not answered and self.leader_failed:  # as the agent: a dead leader's address, then the Service
+                answered, retry_after, stretches = await self.post(body, started)
+            failures = 0 if answered else failures + stretches
+            # the agent's own wait (netagent.reporter.report_wait): longer after failures in a row
+            # that signal overload (stretches_period), never sooner than a Retry-After
             await asyncio.sleep(report_wait(self.period(), failures, retry_after, self.rng.uniform(0.8, 1.2),
                                             time.monotonic() - started))
 
-    async def post(self, body: bytes, started: float) -> tuple[bool, float]:
-        """One report as the agent's transport posts it: (answered, the refusal's Retry-After or 0)."""
+    async def post(self, body: bytes, started: float) -> tuple[bool, float, bool]:
+        """One report as the agent's transport posts it: (answered, the refusal's Retry-After or 0,
+        whether the failure stretches the period: netagent.reporter.stretches_period). When the
+        remembered leader failed short of refusing the report, `leader_failed` says to ask again."""
         b = self.host
         path = f"/v1/nodes/{self.node}/report"
+        self.leader_failed = False
+        to_leader = self.leader is not None
         url = (self.leader or self.rng.choice(b.controller_urls)) + path
         headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
         for _ in range(3):
@@ -499,7 +506,9 @@ class SimAgent:
                 b.errors[f"report: {type(e).__name__}"] += 1
                 b.stats.answers["error"] += 1
                 self.leader = None
-                return False, 0.0
+                self.leader_failed = to_leader
+                refused = isinstance(getattr(e, "os_error", None), ConnectionRefusedError)
+                return False, 0.0, stretches_period(None, "", refused)
             if status in (307, 308) and location:
                 b.stats.redirects += 1
                 url = location
@@ -508,8 +517,11 @@ class SimAgent:
             b.stats.answers[status] += 1
             if status != 200:
                 b.errors[f"report {status}: {raw[:120].decode(errors='replace')}"] += 1
+                reason = refusal_reason(raw)
+                self.leader_failed = to_leader and status == 503 and reason != "Overloaded"
                 self.leader = None
-                return False, retry_after_seconds(retry) or 0.0  # as the agent's transport reads any refusal
+                # as the agent's transport reads any refusal
+                return False, retry_after_seconds(retry) or 0.0, stretches_period(status, reason, False)
             answer = answer_decoder.decode(raw)
             self.advised = advised_period(answer)
             if b.stats.window:
@@ -529,9 +541,9 @@ class SimAgent:
                 self.limits = limits
                 self.answers += 1
                 self.node_rate = float(answer.node_rate_bps)
-            return True, 0.0
+            return True, 0.0, False
         b.errors["report: too many redirects"] += 1
-        return False, 0.0
+        return False, 0.0, True
 
     def start(self) -> list[asyncio.Task]:
         sel = f"/api/v1/pods?fieldSelector=spec.nodeName%3D{self.node}&limit=500"

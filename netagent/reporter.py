@@ -124,13 +124,30 @@ def advised_period(answer: NodeAnswer) -> float:
     return min(answer.report_period_seconds, answer.lease_seconds / 3)
 
 
-# Failed reports in a row (a timeout, a refused connection, a 5xx) stretch the period: 1 after one
+# Failed reports in a row (a timeout, a 429, a 5xx: stretches_period) stretch the period: 1 after one
 # (a leader's failover or one lost report: back at once), then 2, 4 and at most 8 periods, and
 # never more than MAX_FAILURE_WAIT between reports. Without it an overloaded or restarting
 # controller met every agent every period: at 5,000 nodes and 5 s (bench/scale.py) no report was
 # answered, so no agent ever learned the paced period that would have relieved it.
 MAX_FAILURE_BACKOFF = 8
 MAX_FAILURE_WAIT = 60.0  # as transport.MAX_RETRY_AFTER: well inside a lease
+
+
+# refusals that say "no leader to answer right now" (an election, a new leader's caches syncing):
+# cheap answers with a Retry-After, not a sign of overload
+NO_LEADER_YET = frozenset({"NotLeader", "NotReady"})
+
+
+def stretches_period(status: int | None, reason: str, connection_refused: bool) -> bool:
+    """Whether a failed report counts towards failure_backoff: a sign that the controller is
+    overloaded (a timeout or other failed exchange, a 429, a 5xx). A refused connection (a replica
+    gone: nothing listens, nothing is spent) and a 503 NotLeader/NotReady (a failover in progress)
+    are not: the agent comes back after its period or the Retry-After, so it reaches the new leader
+    as soon as that answers (at 5,000 nodes a failover's failures had spaced agents up to a
+    minute apart: 2,862 of 5,000 had their first answer from the new leader within 120 s)."""
+    if status is None:
+        return not connection_refused
+    return not (status == 503 and reason in NO_LEADER_YET)
 
 
 def failure_backoff(failures: int) -> float:
@@ -162,7 +179,7 @@ class Reporter:
         self.period = period  # our own; the leader may ask for a longer one (effective_period)
         self.advised_period = 0.0  # from the last answer (controller/pacing.py); 0: none
         self.retry_after = 0.0  # from the last refusal's Retry-After (an overloaded leader); 0: none
-        self.failures = 0  # failed reports in a row (failure_backoff)
+        self.failures = 0  # failed reports in a row that stretch the period (stretches_period, failure_backoff)
         self.timeout = timeout
         self.on_failure = on_failure or (lambda: None)
         self.on_refused = on_refused or (lambda reason: None)  # per pod the controller refused: count by reason
@@ -197,13 +214,15 @@ class Reporter:
             self.failures = 0
         except ControllerError as exc:
             self.retry_after = exc.retry_after or 0.0
-            self._failed(exc)
+            self._failed(exc, stretches_period(exc.status, exc.reason,
+                                               isinstance(exc.__cause__, ConnectionRefusedError)))
         except Exception as exc:
-            self._failed(exc)
+            self._failed(exc, True)
         return self.next_wait(time.monotonic() - started)
 
-    def _failed(self, exc: Exception) -> None:
-        self.failures += 1
+    def _failed(self, exc: Exception, stretches: bool) -> None:
+        if stretches:
+            self.failures += 1
         self.agent.set_controller_reachable(False)
         if str(exc) != self.last_error:
             log.warning("controller report failed: %s (keeping allocations until the lease ends)", exc)

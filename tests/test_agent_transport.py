@@ -201,6 +201,48 @@ def test_failed_reports_in_a_row_stretch_the_period_and_an_answer_resets_it(pki,
     assert reporter.tick() <= 1.0 and reporter.failures == 0 and not reporter.last_error
 
 
+def test_a_failover_in_progress_does_not_stretch_the_period(pki, servers, tmp_path):
+    """Only signs of overload stretch the period (a timeout, a 429, a 5xx). A replica that says no
+    one leads yet (503 NotLeader / NotReady, with Retry-After) and a replica that is gone (a refused
+    connection) keep the agent at its period, so it reaches the new leader as soon as that answers;
+    a plain 503 or a 429 still counts."""
+    import socket
+
+    from netagent.reporter import stretches_period
+    assert not stretches_period(503, "NotLeader", False) and not stretches_period(503, "NotReady", False)
+    assert not stretches_period(None, "", True)
+    assert stretches_period(None, "", False) and stretches_period(503, "Overloaded", False)
+    assert stretches_period(429, "TooManyReviews", False) and stretches_period(500, "", False)
+
+    answers = {"now": "NotLeader"}
+
+    def refusing(handler):
+        body = b'{"error":"no leader yet","reason":"%s"}' % answers["now"].encode()
+        return 503, {"Content-Type": "application/json", "Retry-After": "2"}, body
+
+    follower = serve(servers, refusing, pki["cert"], tmp_path, "follower")
+    reporter = Reporter(make_agent(), follower.url("localhost"), token_file(tmp_path), period=1.0,
+                        ca_file=str(pki["ca_file"]))
+    reporter.rng.uniform = lambda a, b: 1.0
+    waits = [reporter.tick() for _ in range(4)]
+    assert reporter.last_error and reporter.failures == 0
+    assert all(1.9 <= w <= 2.0 for w in waits), waits  # the Retry-After, never stretched
+    answers["now"] = "Overloaded"
+    reporter.tick()
+    reporter.tick()
+    assert reporter.failures == 2
+
+    with socket.socket() as s:  # a port nothing listens on: a replica that is gone
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    gone = Reporter(make_agent(), f"https://localhost:{port}", token_file(tmp_path), period=1.0,
+                    ca_file=str(pki["ca_file"]))
+    gone.rng.uniform = lambda a, b: 1.0
+    waits = [gone.tick() for _ in range(4)]
+    assert "unreachable" in gone.last_error and gone.failures == 0
+    assert all(w <= 1.0 for w in waits), waits
+
+
 @pytest.mark.parametrize("fault", ["foreign-ca", "302", "301", "303", "to-http"])
 def test_a_redirect_elsewhere_gets_no_token_and_the_allocations_stay(fault, pki, servers, tmp_path):
     leader = serve(servers, ok, pki["cert"], tmp_path, "leader")
