@@ -1,6 +1,6 @@
 """Convergence of the whole loop: N simulated nodes against the real controller over HTTP.
 
-    python3 bench/simulation.py [--nodes 20] [--pods 10] [--period 0.5] [--l3-per-l2 0.955] [--host 1.5e6]
+    python3 bench/simulation.py [--nodes 20] [--pods 10] [--period 0.5] [--l3-per-l2 1.0] [--host 1.5e6]
                                 [--jitter 0.03]
 
 Starts `netagent controller --from-file` (the real service: HTTP API, adapter, engine,
@@ -8,9 +8,11 @@ rounds every period/5) and simulates each node's agent faithfully: every report 
 pod sends min(its true demand, the limit the controller gave it), its class counters
 (bytes, overlimits) feed the agent's own demand estimator (netagent.demand.PodDemand, which
 probes above censored usage), and the node posts its report with the node's measured
-internet egress. The node's measured egress is not its pods' usage: it counts IP bytes
-(GSO: one header per 64 KiB; HTB counts frames, ~4.5% more) and includes unshaped host
-traffic, as on a real node; the feedback gain has to find that ratio. The "fair allocation"
+internet egress. The node's measured egress is not its pods' usage: it includes unshaped
+host traffic, as on a real node, and `--l3-per-l2` scales the pods' part of it. The agent
+reports both in IP bytes from the same class counters (docs/datapath.md, what a rate means),
+so the default is 1.0; 0.955 models the iptables node counter agents reported before (one
+header per GSO super-packet against HTB's frames). The feedback gain has to find that ratio. The "fair allocation"
 is the engine's answer for the *true* demands at the capacity that puts the measured total
 on the budget, (budget - host traffic) / (L3 per L2).
 
@@ -241,8 +243,9 @@ def main() -> int:
     ap.add_argument("--pods", type=int, default=10, help="pods per node")
     ap.add_argument("--period", type=float, default=0.5, help="report period (s); controller rounds every period/5")
     ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--l3-per-l2", type=float, default=0.955,
-                    help="measured (IP bytes, GSO) per byte the pod classes sent (frames)")
+    ap.add_argument("--l3-per-l2", type=float, default=1.0,
+                    help="the node's measured egress per byte the pod classes sent (1.0: both in IP bytes, as the "
+                         "agent reports them; 0.955: the iptables node counter against HTB frames)")
     ap.add_argument("--host", type=float, default=1.5e6, help="unshaped host traffic per node (bit/s)")
     ap.add_argument("--jitter", type=float, default=0.0,
                     help="each period a pod wants its demand x U(1-j, 1+j); the fair share is judged on the demand")
