@@ -518,8 +518,8 @@ class SimAgent:
             if status != 200:
                 b.errors[f"report {status}: {raw[:120].decode(errors='replace')}"] += 1
                 reason = refusal_reason(raw)
-                self.leader_failed = to_leader and status == 503 and reason != "Overloaded"
-                self.leader = None
+                if status == 503 and reason != "Overloaded":  # as the agent: the Service next, else the leader again
+                    self.leader_failed, self.leader = to_leader, None
                 # as the agent's transport reads any refusal
                 return False, retry_after_seconds(retry) or 0.0, stretches_period(status, reason, False)
             answer = answer_decoder.decode(raw)

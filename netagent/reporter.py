@@ -135,13 +135,13 @@ MAX_FAILURE_WAIT = 60.0  # as transport.MAX_RETRY_AFTER: well inside a lease
 
 # refusals that say "no leader to answer right now" (an election, a new leader's caches syncing):
 # cheap answers with a Retry-After, not a sign of overload
-NO_LEADER_YET = frozenset({"NotLeader", "NotReady"})
+NO_LEADER_YET = frozenset({"NoLeader", "NotReady"})
 
 
 def stretches_period(status: int | None, reason: str, connection_refused: bool) -> bool:
     """Whether a failed report counts towards failure_backoff: a sign that the controller is
     overloaded (a timeout or other failed exchange, a 429, a 5xx). A refused connection (a replica
-    gone: nothing listens, nothing is spent) and a 503 NotLeader/NotReady (a failover in progress)
+    gone: nothing listens, nothing is spent) and a 503 NoLeader/NotReady (a failover in progress)
     are not: the agent comes back after its period or the Retry-After, so it reaches the new leader
     as soon as that answers (at 5,000 nodes a failover's failures had spaced agents up to a
     minute apart: 2,862 of 5,000 had their first answer from the new leader within 120 s)."""

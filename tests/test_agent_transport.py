@@ -203,18 +203,18 @@ def test_failed_reports_in_a_row_stretch_the_period_and_an_answer_resets_it(pki,
 
 def test_a_failover_in_progress_does_not_stretch_the_period(pki, servers, tmp_path):
     """Only signs of overload stretch the period (a timeout, a 429, a 5xx). A replica that says no
-    one leads yet (503 NotLeader / NotReady, with Retry-After) and a replica that is gone (a refused
+    one leads yet (503 NoLeader / NotReady, with Retry-After: controller/api.py) and a replica that is gone (a refused
     connection) keep the agent at its period, so it reaches the new leader as soon as that answers;
     a plain 503 or a 429 still counts."""
     import socket
 
     from netagent.reporter import stretches_period
-    assert not stretches_period(503, "NotLeader", False) and not stretches_period(503, "NotReady", False)
+    assert not stretches_period(503, "NoLeader", False) and not stretches_period(503, "NotReady", False)
     assert not stretches_period(None, "", True)
     assert stretches_period(None, "", False) and stretches_period(503, "Overloaded", False)
     assert stretches_period(429, "TooManyReviews", False) and stretches_period(500, "", False)
 
-    answers = {"now": "NotLeader"}
+    answers = {"now": "NoLeader"}
 
     def refusing(handler):
         body = b'{"error":"no leader yet","reason":"%s"}' % answers["now"].encode()
