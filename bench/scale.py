@@ -505,10 +505,11 @@ class SimAgent:
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 b.errors[f"report: {type(e).__name__}"] += 1
                 b.stats.answers["error"] += 1
-                self.leader = None
-                self.leader_failed = to_leader
                 refused = isinstance(getattr(e, "os_error", None), ConnectionRefusedError)
-                return False, 0.0, stretches_period(None, "", refused)
+                stretches = stretches_period(None, "", refused)
+                # as the agent: the Service next time; at once only when the leader is gone (refused)
+                self.leader, self.leader_failed = None, to_leader and not stretches
+                return False, 0.0, stretches
             if status in (307, 308) and location:
                 b.stats.redirects += 1
                 url = location
@@ -518,10 +519,11 @@ class SimAgent:
             if status != 200:
                 b.errors[f"report {status}: {raw[:120].decode(errors='replace')}"] += 1
                 reason = refusal_reason(raw)
+                stretches = stretches_period(status, reason, False)
                 if status == 503 and reason != "Overloaded":  # as the agent: the Service next, else the leader again
-                    self.leader_failed, self.leader = to_leader, None
+                    self.leader, self.leader_failed = None, to_leader and not stretches
                 # as the agent's transport reads any refusal
-                return False, retry_after_seconds(retry) or 0.0, stretches_period(status, reason, False)
+                return False, retry_after_seconds(retry) or 0.0, stretches
             answer = answer_decoder.decode(raw)
             self.advised = advised_period(answer)
             if b.stats.window:
@@ -1153,6 +1155,8 @@ async def run(args) -> None:
         print(f"allocated (sum of node rates) {allocated / 1e9:.2f} Gbit/s, sent {sent / 1e9:.2f} Gbit/s "
               f"(mean of {len(sent_samples)} samples, {min(sent_samples) / 1e9:.2f}..{max(sent_samples) / 1e9:.2f}), "
               f"budget {budget / 1e9:.0f} Gbit/s: {(sent / budget - 1) * 100:+.1f} %")
+        print("sent in the window, one sample per period: "
+              + " ".join(f"{(v / budget - 1) * 100:+.1f}%" for v in sent_samples))
         print(f"simulated agents' own CPU ({len(bench.workers)} processes, not netagent): {bench_cpu:.2f} cores, "
               f"RSS {sum(busy_use[k][1] for k in bench.worker_pids):.0f} MiB")
         per_node = agent_series(args.pods_per_node)

@@ -150,6 +150,11 @@ def stretches_period(status: int | None, reason: str, connection_refused: bool) 
     return not (status == 503 and reason in NO_LEADER_YET)
 
 
+def connection_refused(exc: ControllerError) -> bool:
+    """The failure was a refused connection: nothing listens at that address (a replica gone)."""
+    return isinstance(exc.__cause__, ConnectionRefusedError)
+
+
 def failure_backoff(failures: int) -> float:
     """Periods between reports after `failures` failed reports in a row."""
     return float(min(2 ** max(min(failures, 16) - 1, 0), MAX_FAILURE_BACKOFF))
@@ -214,8 +219,7 @@ class Reporter:
             self.failures = 0
         except ControllerError as exc:
             self.retry_after = exc.retry_after or 0.0
-            self._failed(exc, stretches_period(exc.status, exc.reason,
-                                               isinstance(exc.__cause__, ConnectionRefusedError)))
+            self._failed(exc, stretches_period(exc.status, exc.reason, connection_refused(exc)))
         except Exception as exc:
             self._failed(exc, True)
         return self.next_wait(time.monotonic() - started)
@@ -294,8 +298,10 @@ class Reporter:
             except ControllerError as exc:
                 if exc.status not in (None, 503) or exc.reason == "Overloaded":
                     raise  # the leader answered and refused the report (or shed it): asking again elsewhere would not help
-                log.info("leader %s failed (%s); asking the controller Service again", self.leader_url, exc)
-                self.leader_url = None
+                leader, self.leader_url = self.leader_url, None  # the next report goes through the Service
+                if stretches_period(exc.status, exc.reason, connection_refused(exc)):
+                    raise  # a timeout: perhaps a leader with more than it can answer; a second report now adds to it
+                log.info("leader %s failed (%s); asking the controller Service again", leader, exc)
                 answer = self._exchange(None, path, body)
         else:
             answer = self._exchange(None, path, body)

@@ -35,6 +35,7 @@ class Endpoint:
 
     def __init__(self, answer, cert: tuple[bytes, bytes] | None, tmp: Path, name: str):
         self.requests: list[tuple[str, str | None]] = []
+        self.answer = answer  # may be replaced while serving
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -44,7 +45,7 @@ class Endpoint:
             def do_POST(self):  # noqa: N802
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 outer.requests.append((self.path, self.headers.get("Authorization")))
-                code, headers, body = answer(self)
+                code, headers, body = outer.answer(self)
                 self.send_response(code)
                 for k, v in headers.items():
                     self.send_header(k, v)
@@ -142,6 +143,39 @@ def test_https_with_the_pinned_ca_and_a_307_to_the_leaders_address(pki, servers,
     assert agent.allocations.current.pods["web/w1"] == Allocation(10 * M, 20 * M)
     reporter.report_once()
     assert len(leader.requests) == 2 and len(follower.requests) == 1
+
+
+def test_a_gone_leader_is_left_at_once_and_a_slow_one_at_the_next_report(pki, servers, tmp_path):
+    """The remembered leader refuses the connection (the replica is gone): the same report goes
+    through the Service at once. It times out (perhaps overloaded): the report fails and the next
+    one goes through the Service; a second report at once would add to what it cannot answer."""
+    slow = {"seconds": 0.0}
+
+    def leader_answer(handler):
+        time.sleep(slow["seconds"])
+        return ok(handler)
+
+    leader = serve(servers, leader_answer, pki["cert"], tmp_path, "leader")
+    follower = serve(servers, redirect(307, leader.url("127.0.0.1")), pki["cert"], tmp_path, "follower")
+    reporter = Reporter(make_agent(), follower.url("localhost"), token_file(tmp_path), timeout=0.5,
+                        ca_file=str(pki["ca_file"]))
+    assert reporter.report_once() and reporter.leader_url == leader.url("127.0.0.1")
+
+    slow["seconds"] = 1.5
+    with pytest.raises(ControllerError, match="unreachable"):
+        reporter.report_once()
+    assert len(follower.requests) == 1 and reporter.leader_url is None  # not asked again at once
+    slow["seconds"] = 0.0
+    assert reporter.report_once() and len(follower.requests) == 2  # the next one through the Service
+
+    gone = leader.url("127.0.0.1")
+    leader.close()  # nothing listens there now; the follower still points at it
+    other = serve(servers, ok, pki["cert"], tmp_path, "new-leader")
+    follower.answer = redirect(307, other.url("127.0.0.1"))
+    assert reporter.leader_url == gone
+    assert reporter.report_once()  # the same report, through the Service, to the new leader
+    assert len(follower.requests) == 3 and len(other.requests) == 1
+    assert reporter.leader_url == other.url("127.0.0.1")
 
 
 def test_the_report_period_runs_from_each_reports_start(pki, servers, tmp_path):
