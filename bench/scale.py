@@ -75,7 +75,8 @@ from netagent.demand import PodDemand, Sample  # noqa: E402
 from netagent.metrics import AgentMetrics  # noqa: E402
 from netagent.view import NodeView, PodView  # noqa: E402
 from prometheus_client import generate_latest  # noqa: E402
-from netagent.reporter import advised_period, build_report, report_wait, stretches_period  # noqa: E402
+from netagent.reporter import (advised_period, build_report, leader_failure, report_wait,  # noqa: E402
+                               stretches_period)
 from netagent.transport import refusal_reason, retry_after_seconds  # noqa: E402
 
 SYSTEM_NS = "netagent-system"
@@ -506,10 +507,8 @@ class SimAgent:
                 b.errors[f"report: {type(e).__name__}"] += 1
                 b.stats.answers["error"] += 1
                 refused = isinstance(getattr(e, "os_error", None), ConnectionRefusedError)
-                stretches = stretches_period(None, "", refused)
-                # as the agent: the Service next time; at once only when the leader is gone (refused)
-                self.leader, self.leader_failed = None, to_leader and not stretches
-                return False, 0.0, stretches
+                self.left_leader(to_leader, None, "", refused)
+                return False, 0.0, stretches_period(None, "", refused)
             if status in (307, 308) and location:
                 b.stats.redirects += 1
                 url = location
@@ -519,11 +518,9 @@ class SimAgent:
             if status != 200:
                 b.errors[f"report {status}: {raw[:120].decode(errors='replace')}"] += 1
                 reason = refusal_reason(raw)
-                stretches = stretches_period(status, reason, False)
-                if status == 503 and reason != "Overloaded":  # as the agent: the Service next, else the leader again
-                    self.leader, self.leader_failed = None, to_leader and not stretches
+                self.left_leader(to_leader, status, reason, False)
                 # as the agent's transport reads any refusal
-                return False, retry_after_seconds(retry) or 0.0, stretches
+                return False, retry_after_seconds(retry) or 0.0, stretches_period(status, reason, False)
             answer = answer_decoder.decode(raw)
             self.advised = advised_period(answer)
             if b.stats.window:
@@ -546,6 +543,15 @@ class SimAgent:
             return True, 0.0, False
         b.errors["report: too many redirects"] += 1
         return False, 0.0, True
+
+    def left_leader(self, to_leader: bool, status: int | None, reason: str, refused: bool) -> None:
+        """After a failed post, as the agent (netagent.reporter.leader_failure): forget the leader
+        unless it answered and refused; ask the Service again now only when it was the leader's
+        address that failed and that leader is gone."""
+        leave, again = leader_failure(status, reason, refused)
+        if leave:
+            self.leader = None
+        self.leader_failed = to_leader and again
 
     def start(self) -> list[asyncio.Task]:
         sel = f"/api/v1/pods?fieldSelector=spec.nodeName%3D{self.node}&limit=500"

@@ -24,7 +24,7 @@ allocation engine once over all of them, and splits the result back per node:
   a median: the sum must stay a sum of the nodes' traffic for the gain to mean anything);
 - takeover hold-back: for `takeover_seconds` (the report TTL) after this replica became leader
   (`new_term`), the engine shares only the heard nodes' part of the budget, total × heard nodes /
-  known nodes (the pod watch's nodes with pods), and holds the rest back for the nodes it has not
+  known nodes (the nodes that run an agent pod, controller/sources.py), and holds the rest back for the nodes it has not
   heard from yet. Those agents still enforce the previous leader's answers under their lease,
   then the safe floor, and either is about a node's share; a new leader that gave the whole
   budget to the first nodes to report would let the cluster overshoot until every node had
@@ -226,7 +226,7 @@ class Allocator:
         self.policy = policy
         self.namespace_labels = namespace_labels or (lambda ns: None)
         self.known_pods = known_pods or (lambda: 0)  # pods the cluster has (pod cache): sizes the floor
-        self.known_nodes = known_nodes or (lambda: 0)  # nodes with pods (pod cache): sizes the takeover hold-back
+        self.known_nodes = known_nodes or (lambda: 0)  # nodes that run an agent: sizes the takeover hold-back
         self.takeover_seconds = takeover_seconds
         self.clock = clock
         self._term_start = float("-inf")

@@ -49,6 +49,11 @@ def _pod_node(obj: dict) -> str | None:
     return sys.intern(node) if node else None  # unscheduled pods are on no node yet; one string per node
 
 
+def _nodes(cache: Reflector) -> int:
+    """Distinct nodes in a cache of (namespace, name) -> spec.nodeName (unscheduled pods: None)."""
+    return len(set(cache.values()) - {None})
+
+
 class ClusterCaches:
     """The watched caches the controller needs, and the callables the allocator and state take."""
 
@@ -103,13 +108,11 @@ class ClusterCaches:
 
     def node_count(self) -> int:
         """Nodes with scheduled pods (each may run an agent): the report pacing's count."""
-        return len(set(self.pods.values()) - {None})
+        return _nodes(self.pods)
 
     def agent_node_count(self) -> int:
         """Nodes that run an agent pod (without the agent's ServiceAccount: every node with a pod)."""
-        if self.agent_pods is None:
-            return self.node_count()
-        return len(set(self.agent_pods.values()) - {None})
+        return _nodes(self.agent_pods if self.agent_pods is not None else self.pods)
 
     def policy_objects(self) -> tuple[list[dict], list[dict]]:
         return self.classes.values(), self.budgets.values()

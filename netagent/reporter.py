@@ -150,6 +150,17 @@ def stretches_period(status: int | None, reason: str, connection_refused: bool) 
     return not (status == 503 and reason in NO_LEADER_YET)
 
 
+def leader_failure(status: int | None, reason: str, connection_refused: bool) -> tuple[bool, bool]:
+    """A failed report to the remembered leader: (leave it, so the next report goes through the
+    Service; ask the Service again now). A leader that answered and refused the report (any status
+    but 503, or 503 Overloaded) is kept. One that is gone or no longer leads (a refused connection,
+    503 NoLeader/NotReady) is left and the Service asked at once; one that timed out is left at the
+    next report: a second report now would add to what an overloaded leader cannot answer."""
+    if status not in (None, 503) or reason == "Overloaded":
+        return False, False
+    return True, not stretches_period(status, reason, connection_refused)
+
+
 def connection_refused(exc: ControllerError) -> bool:
     """The failure was a refused connection: nothing listens at that address (a replica gone)."""
     return isinstance(exc.__cause__, ConnectionRefusedError)
@@ -296,11 +307,12 @@ class Reporter:
             try:
                 answer = self._exchange(self.leader_url, path, body)
             except ControllerError as exc:
-                if exc.status not in (None, 503) or exc.reason == "Overloaded":
-                    raise  # the leader answered and refused the report (or shed it): asking again elsewhere would not help
+                leave, again = leader_failure(exc.status, exc.reason, connection_refused(exc))
+                if not leave:
+                    raise
                 leader, self.leader_url = self.leader_url, None  # the next report goes through the Service
-                if stretches_period(exc.status, exc.reason, connection_refused(exc)):
-                    raise  # a timeout: perhaps a leader with more than it can answer; a second report now adds to it
+                if not again:
+                    raise
                 log.info("leader %s failed (%s); asking the controller Service again", leader, exc)
                 answer = self._exchange(None, path, body)
         else:

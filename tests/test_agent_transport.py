@@ -131,6 +131,13 @@ def token_file(tmp_path) -> str:
     return str(path)
 
 
+def unjittered_reporter(url: str, pki, tmp_path) -> Reporter:
+    """A reporter with a 1 s period and no jitter, so its waits are exact."""
+    reporter = Reporter(make_agent(), url, token_file(tmp_path), period=1.0, ca_file=str(pki["ca_file"]))
+    reporter.rng.uniform = lambda a, b: 1.0
+    return reporter
+
+
 def test_https_with_the_pinned_ca_and_a_307_to_the_leaders_address(pki, servers, tmp_path):
     leader = serve(servers, ok, pki["cert"], tmp_path, "leader")
     # the follower points at the leader's pod IP: its certificate names only the Service ("localhost")
@@ -225,9 +232,7 @@ def test_failed_reports_in_a_row_stretch_the_period_and_an_answer_resets_it(pki,
         return ok(handler)
 
     leader = serve(servers, maybe, pki["cert"], tmp_path, "leader")
-    reporter = Reporter(make_agent(), leader.url("localhost"), token_file(tmp_path), period=1.0,
-                        ca_file=str(pki["ca_file"]))
-    reporter.rng.uniform = lambda a, b: 1.0
+    reporter = unjittered_reporter(leader.url("localhost"), pki, tmp_path)
     waits = [reporter.tick() for _ in range(5)]
     assert reporter.last_error and reporter.failures == 5
     assert [round(w) for w in waits] == [1, 2, 4, 8, 8], waits
@@ -255,9 +260,7 @@ def test_a_failover_in_progress_does_not_stretch_the_period(pki, servers, tmp_pa
         return 503, {"Content-Type": "application/json", "Retry-After": "2"}, body
 
     follower = serve(servers, refusing, pki["cert"], tmp_path, "follower")
-    reporter = Reporter(make_agent(), follower.url("localhost"), token_file(tmp_path), period=1.0,
-                        ca_file=str(pki["ca_file"]))
-    reporter.rng.uniform = lambda a, b: 1.0
+    reporter = unjittered_reporter(follower.url("localhost"), pki, tmp_path)
     waits = [reporter.tick() for _ in range(4)]
     assert reporter.last_error and reporter.failures == 0
     assert all(1.9 <= w <= 2.0 for w in waits), waits  # the Retry-After, never stretched
@@ -269,9 +272,7 @@ def test_a_failover_in_progress_does_not_stretch_the_period(pki, servers, tmp_pa
     with socket.socket() as s:  # a port nothing listens on: a replica that is gone
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    gone = Reporter(make_agent(), f"https://localhost:{port}", token_file(tmp_path), period=1.0,
-                    ca_file=str(pki["ca_file"]))
-    gone.rng.uniform = lambda a, b: 1.0
+    gone = unjittered_reporter(f"https://localhost:{port}", pki, tmp_path)
     waits = [gone.tick() for _ in range(4)]
     assert "unreachable" in gone.last_error and gone.failures == 0
     assert all(w <= 1.0 for w in waits), waits
