@@ -35,7 +35,12 @@ For each limit and shaper:
                   (rotated), 2 s each
   loaded RTT      median of --pings pings (0.1 s apart) from the pod to the internet host while
                   the pod's TCP transfer in the direction benched saturates its limit (downloads:
-                  the replies queue behind it)
+                  the replies queue behind it): what a small packet of another flow waits (a DNS
+                  query, a request, a keystroke). Beside it, printed and not judged, the same
+                  for full-size pings (1428-byte packets, sent at the same time: what a
+                  bulk-sized packet of another flow waits; netagent queues it with the pod's bulk
+                  data, where fq_codel would give it a queue of its own) and the saturating
+                  flow's own mean smoothed RTT (uploads: iperf3's sender; what its data waits)
 and the verdict against the aims: rate error no worse than the plugin's, internal >= 0.97 of
 unshaped, loaded RTT no higher than the plugin's. Exits 1 when an aim is missed.
 """
@@ -67,6 +72,13 @@ INET_PORT, PEER_PORT = 5201, 5202
 CNI_NETWORK = "netagent-peer-bench"
 CNI_LATENCY_S = 0.025  # the plugin's TBF latency (ifb_creator.go latencyInMillis); its burst here too
 INTERNAL_AIM = 0.97
+# the full-size ping: 1400 bytes of payload, a 1428-byte IP packet, the size of a bulk flow's frames
+FULL_PING_PAYLOAD = 1400
+
+
+def pings(out: str) -> list[float]:
+    """The RTTs in ms that ping printed."""
+    return [float(v) for v in re.findall(r"time=([\d.]+) ms", out)]
 UNSHAPED_BPS = 100 * 10**9  # the other direction's rate while one is benched: never the limit
 
 
@@ -211,20 +223,28 @@ class Bench:
         out = self.lab.iperf(self.pod.netns, PEER_V4, PEER_PORT, seconds=2, extra=self.iperf_args())
         return out["end"]["sum_received"]["bits_per_second"]
 
-    def loaded_rtt(self) -> tuple[list[float], float | None]:
-        """(ping RTTs in ms, the saturating TCP flow's own mean smoothed RTT in ms): a ping is a small
-        packet of its own; the flow's RTT is what its data waits. iperf3 reports the sender's, so the
+    def loaded_rtt(self) -> tuple[list[float], list[float], float | None]:
+        """(ping RTTs in ms, full-size ping RTTs in ms, the saturating TCP flow's own mean smoothed RTT
+        in ms): a ping is a small packet of its own (a DNS query, a request, a keystroke); a full-size
+        ping is a bulk-sized packet of another flow; the flow's RTT is what its own data waits. iperf3 reports the sender's, so the
         flow's figure exists for uploads only (for downloads the sender is the far end)."""
         seconds = 2 + self.args.pings * 0.1 + 2
         load = self.lab.iperf_async(self.pod.netns, INTERNET_V4, INET_PORT, seconds=seconds, extra=self.iperf_args())
+        full = None
         try:
             time.sleep(2)
+            # a full-size ping beside the small one: what a bulk-sized packet of another flow waits
+            full = subprocess.Popen(["ip", "netns", "exec", self.pod.netns, "ping", "-c", str(self.args.pings),
+                                     "-i", "0.1", "-s", str(FULL_PING_PAYLOAD), INTERNET_V4],
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             out = run(["ping", "-c", str(self.args.pings), "-i", "0.1", INTERNET_V4], self.pod.netns, check=False,
                       timeout=self.args.pings + 30)
+            full_out, _ = full.communicate(timeout=self.args.pings + 30)
             report, _ = load.communicate(timeout=seconds + 30)
         finally:
-            if load.poll() is None:
-                load.kill()
+            for proc in (load, full):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
         flow = None
         try:
             sender = json.loads(report)["end"]["streams"][0]["sender"]
@@ -232,7 +252,7 @@ class Bench:
                 flow = sender["mean_rtt"] / 1000
         except (ValueError, KeyError, IndexError, TypeError):
             pass
-        return [float(v) for v in re.findall(r"time=([\d.]+) ms", out)], flow
+        return pings(out), pings(full_out), flow
 
 
 def main() -> int:
@@ -298,7 +318,8 @@ def measure(lab: Lab, direction: Direction, args, rates: list[int], clean: dict[
                         if r < args.goodput_runs:
                             results[rate, s.label]["goodput"].append(bench.goodput())
                         if r == 0:
-                            results[rate, s.label]["rtt"], results[rate, s.label]["flow_rtt"] = bench.loaded_rtt()
+                            (results[rate, s.label]["rtt"], results[rate, s.label]["rtt_full"],
+                             results[rate, s.label]["flow_rtt"]) = bench.loaded_rtt()
                     finally:
                         s.remove(rate)
                     left = residue_of(clean, residue_snapshot(lab.nodes[0].netns))
@@ -312,10 +333,12 @@ def measure(lab: Lab, direction: Direction, args, rates: list[int], clean: dict[
                 res["goodput_error"] = statistics.median(res["goodput"]) / rate - 1
                 res["internal_share"] = statistics.median(res["internal"])
                 res["rtt_p50"] = statistics.median(res["rtt"])
+                res["rtt_full_p50"] = statistics.median(res["rtt_full"]) if res["rtt_full"] else None
                 print(f"  {fmt(rate):>7} {s.label:11} goodput {fmt(statistics.median(res['goodput']))} "
                       f"({res['goodput_error']:+.2%}), internal {res['internal_share']:.3f} of "
                       f"{fmt(statistics.median(unshaped))}, loaded RTT p50 {res['rtt_p50']:.2f} ms "
-                      f"({len(res['rtt'])} pings), the flow's own {fmt_ms(res.get('flow_rtt'))}", flush=True)
+                      f"({len(res['rtt'])} pings), full-size {fmt_ms(res['rtt_full_p50'])}, the flow's own "
+                      f"{fmt_ms(res.get('flow_rtt'))}", flush=True)
     finally:
         agent.close()  # the plugin is removed after each use, in the round's own finally
     return results
@@ -335,14 +358,15 @@ def verdict(rates: list[int], results: dict, title: str = "") -> int:
     print()
     if title:
         print(f"{title}:")
-    print(f"{'limit':>7} {'shaper':11} {'goodput err':>12} {'internal':>9} {'RTT p50':>9} {'flow RTT':>9}   "
+    print(f"{'limit':>7} {'shaper':11} {'goodput err':>12} {'internal':>9} {'RTT p50':>9} {'full-size':>9} "
+          f"{'flow RTT':>9}   "
           "aims (netagent vs plugin)")
     missed = []
     for rate in rates:
         cni, na = results[rate, CniPlugin.label], results[rate, Netagent.label]
         for res, label in ((cni, CniPlugin.label), (na, Netagent.label)):
             line = (f"{fmt(rate):>7} {label:11} {res['goodput_error']:>+11.2%} {res['internal_share']:>9.3f} "
-                    f"{res['rtt_p50']:>7.2f}ms {fmt_ms(res.get('flow_rtt')):>9}")
+                    f"{res['rtt_p50']:>7.2f}ms {fmt_ms(res['rtt_full_p50']):>9} {fmt_ms(res.get('flow_rtt')):>9}")
             if res is na:
                 err_ok = abs(na["goodput_error"]) <= abs(cni["goodput_error"])
                 int_ok = na["internal_share"] >= INTERNAL_AIM
@@ -351,13 +375,15 @@ def verdict(rates: list[int], results: dict, title: str = "") -> int:
                          f"{'ok' if err_ok else 'MISSED'}, internal {na['internal_share'] / INTERNAL_AIM:.2f} of aim "
                          f"{'ok' if int_ok else 'MISSED'}, RTT {na['rtt_p50'] / cni['rtt_p50']:.2f}x "
                          f"{'ok' if rtt_ok else 'MISSED'}")
+                if na["rtt_full_p50"] and cni["rtt_full_p50"]:
+                    line += f" (full-size {na['rtt_full_p50'] / cni['rtt_full_p50']:.2f}x)"
                 missed += [f"{fmt(rate)} {what}" for what, ok in (("rate error", err_ok), ("internal", int_ok),
                                                                     ("loaded RTT", rtt_ok)) if not ok]
             print(line)
     print()
     print("goodput err: TCP payload vs the limit (-3.5 % = exact in IP bytes, -4.4 % = exact in Ethernet frames); "
-          f"internal: share of the unshaped path (aim >= {INTERNAL_AIM}); RTT: ping under a saturating transfer; "
-          "flow RTT: that transfer's own mean smoothed RTT (iperf3's sender: uploads only)")
+          f"internal: share of the unshaped path (aim >= {INTERNAL_AIM}); RTT: ping under a saturating transfer "
+          f"(the aim); full-size: a {FULL_PING_PAYLOAD + 28}-byte ping beside it (shown, not judged); flow RTT: that transfer's own mean smoothed RTT (iperf3's sender: uploads only)")
     if missed:
         print(f"{title + ' ' if title else ''}MISSED: " + "; ".join(missed))
         return 1
