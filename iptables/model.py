@@ -19,8 +19,8 @@ class PodClassification:
     # the pod's class in the download shaper (the skbprio of its ingress-inet members); None: the
     # pod's downloads are counted only (no ingress shaper on this node)
     ingress_class: tuple[int, int] | None = None
-    # where its small TCP segments (pure ACKs above all) go instead, ahead of its bulk data: the
-    # pod's control leaf in each shaper; None: with the rest
+    # where its small packets (pure ACKs above all, pings, DNS-sized datagrams) go instead, ahead of
+    # its bulk data: the pod's control leaf in each shaper; None: with the rest
     ack_class: tuple[int, int] | None = None
     ingress_ack_class: tuple[int, int] | None = None
 

@@ -17,7 +17,7 @@ the internal set:
         -o <uplink> -g P-NODE-OUT            leaves by an uplink (never to a pod of this node)
              dst internal? count node egress internal -g P-EGRESS-INT: src in egress-int (the pod's count)
              SET --map-set egress-inet src --map-mark --map-prio   (the pod's count, our bit, its HTB class)
-             small TCP segment: SET --map-set egress-ack src --map-prio (the pod's control leaf instead)
+             small packet: SET --map-set egress-ack src --map-prio (the pod's control leaf instead)
              [not marked, not a node address -> P-UNKNOWN: MARK, CLASSIFY default]; count node egress internet
         src in peer (internal, no pod here) -g P-FROM-PEER:   dst in ingress-int (the pod's count)
         src a pod here                      -g P-FROM-POD:    egress by dst scope, then P-TO-POD
@@ -25,7 +25,7 @@ the internal set:
       with downloads shaped (`ingress_default_class`), that last rule becomes:
         src a node address                  -g P-FROM-HOST:   dst in ingress-inet (count; never shaped)
         SET --map-set ingress-inet dst --map-mark --map-prio   (the pod's count, our bit, its download class)
-        small TCP segment: SET --map-set ingress-ack dst --map-prio  (the pod's download control leaf)
+        small packet: SET --map-set ingress-ack dst --map-prio  (the pod's download control leaf)
         [not marked -> P-UNKNOWN-IN: MARK, CLASSIFY download default]
 """
 from __future__ import annotations
@@ -61,18 +61,21 @@ NODE_KINDS = (*KINDS, UNKNOWN_KIND, UNKNOWN_INGRESS_KIND)
 # per-pod sets (hash:ip, one member per pod address, the pod key as comment): what their counters count
 POD_SET_KINDS = {"egress-int": "egress_internal", "egress-inet": "egress_internet",
                  "ingress-int": "ingress_internal", "ingress-inet": "ingress_internet"}
-# per-pod sets that steer a pod's small TCP segments to its control leaf (skbprio only, uncounted;
+# per-pod sets that steer a pod's small packets to its control leaf (skbprio only, uncounted;
 # named for the pure ACKs they first carried)
 ACK_SET_SUFFIXES = ("egress-ack", "ingress-ack")
 SET_SUFFIXES = ("internal", "peer", *POD_SET_KINDS, *ACK_SET_SUFFIXES)
-# what goes to a pod's control leaf: TCP segments of at most this many bytes (IP header included):
-# pure ACKs (at most 100 bytes in IPv6 with every option), connection setup and teardown (SYN, FIN,
-# RST) and request-sized messages, never a full segment. Pure ACKs alone (<= 128 bytes) left a new
-# connection's handshake and first request behind the pod's own bulk data: a download started
-# beside the pod's upload first moved after 0.4-1.8 s in the demo, 0.42-0.44 s with this
-# (docs/datapath.md). Everything here stays within the pod's own rate and ceil.
+# what goes to a pod's control leaf: packets of at most this many bytes (IP header included), of
+# any protocol: pure ACKs (at most 100 bytes in IPv6 with every option), connection setup and
+# teardown (SYN, FIN, RST), request-sized messages, pings, DNS queries; never a full segment.
+# Pure ACKs alone (<= 128 bytes) left a new connection's handshake and first request behind the
+# pod's own bulk data: a download started beside the pod's upload first moved after 0.4-1.8 s in
+# the demo, 0.42-0.44 s with small TCP segments. TCP only left a ping or a DNS query behind the
+# pod's upload backlog, 1.15x the CNI plugin's TBF at 20M (docs/datapath.md): this is the sparse
+# lane fq_codel gives a new flow, where the kernel has no fq_codel. Everything here stays within
+# the pod's own rate and ceil, so a pod that floods small packets only delays its own bulk data.
 CONTROL_MAX_BYTES = 256
-CONTROL_MATCH = f"-p tcp -m length --length 0:{CONTROL_MAX_BYTES}"
+CONTROL_MATCH = f"-m length --length 0:{CONTROL_MAX_BYTES}"
 COUNTED = ("counters", "comment")
 SWAP_SUFFIX = "-tmp"  # uncounted sets are refilled as <name>-tmp and swapped in
 # up to this many internal CIDRs per family (link-local and multicast included) the scope test is

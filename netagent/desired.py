@@ -221,7 +221,7 @@ def desired_state(inputs: NodeInputs) -> DesiredState:
     if inputs.ingress_node_rate is not None:
         ingress_shaper = _ingress_shaper(inputs, ready, minors)
     dl = ingress_shaper is not None
-    # packets go straight to the pod's leaves: bulk by its address, its small TCP segments to its control leaf
+    # packets go straight to the pod's leaves: bulk by its address, its small packets to its control leaf
     classify = [PodClassification(p.key, p.ips, (opts.htb_major, bulk_minor(minors[p.key])),
                                   (opts.ingress_htb_major, bulk_minor(minors[p.key])) if dl else None,
                                   ack_class=(opts.htb_major, ack_minor(minors[p.key])),

@@ -16,7 +16,7 @@ DEFAULT_MINOR = 0xFFFE
 RESERVED_MINORS = frozenset({0x0, NODE_MINOR, DOWNLOAD_ROOT_MAJOR, DEFAULT_MINOR, 0xFFFF})
 
 # A pod's class (minor P, at most POD_MINOR_MAX) is an inner class with the pod's rate and ceil and
-# two leaves that share them: its small TCP segments (pure ACKs, handshakes, requests; prio 0)
+# two leaves that share them: its small packets (pure ACKs, handshakes, requests, pings, DNS; prio 0)
 # ahead of its bulk data (prio 1). One FIFO for both made a pod's download ACKs wait behind up to
 # a whole queue of its own 64 KiB GSO uploads (and an upload's ACKs behind its downloads), so a
 # pod that moved data both ways could fill neither limit. The leaves' minors are P with one high
@@ -27,12 +27,12 @@ ACK_LEAF_BIT = 0x8000
 
 
 def bulk_minor(pod_minor: int) -> int:
-    """The pod's bulk leaf: everything but its small TCP control segments."""
+    """The pod's bulk leaf: everything but its small packets."""
     return pod_minor | BULK_LEAF_BIT
 
 
 def ack_minor(pod_minor: int) -> int:
-    """The pod's control leaf: pure ACKs, SYN/FIN/RST and other TCP segments of at most 256 bytes."""
+    """The pod's control leaf: packets of at most 256 bytes (pure ACKs, SYN/FIN/RST, pings, DNS queries)."""
     return pod_minor | ACK_LEAF_BIT
 
 

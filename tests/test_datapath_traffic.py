@@ -29,7 +29,7 @@ from iptables.errors import IptablesError
 from lab.netns import normalised, residue_snapshot  # noqa: F401 (other tests import them from here)
 from lab.topology import INTERNAL_CIDRS, INTERNET_V4, INTERNET_V6, PEER_V4, PEER_V6, UPLINK, Lab, run
 from netagent.desired import DataPathOptions, DesiredState, NodeInputs, PodShape, desired_state, ip_bytes
-from tc.model import DEFAULT_MINOR, bulk_minor
+from tc.model import DEFAULT_MINOR, ack_minor, bulk_minor
 from tc.netlink import Shaper
 from tc.probe import probe
 from tc.sizing import LEAST_CEIL_BPS
@@ -507,6 +507,55 @@ def test_classification_edges(lab, node):
             expect_shaped = count if scope == "internet" else 0
             if delta[scope] != count * size or delta[other] != 0 or shaped != expect_shaped:
                 wrong.append(f"{dst}: want {scope} {count * size} B, got {delta}, {shaped} packets through HTB")
+        assert not wrong, "\n".join(wrong)
+    finally:
+        sender.stdin.close()
+        sender.kill()
+
+
+def leaf_packets(node, pod) -> tuple[int, int]:
+    """(packets through the pod's control leaf, through its bulk leaf): the raw class dump, unfolded."""
+    spec, minor = node.state.shaper, node.minor(pod)
+    raw = node.shaper.chan.dump_class_counters(node.shaper._index(spec.ifb), spec.major)
+    return raw[ack_minor(minor)][1], raw[bulk_minor(minor)][1]
+
+
+def test_a_pods_small_packets_of_any_protocol_go_ahead_of_its_bulk_data(lab, node):
+    """The control leaf is the pod's lane for sparse traffic (fq_codel's new-flow queue, where the
+    kernel has no fq_codel): a ping, a DNS-sized UDP datagram and a small TCP segment wait only for
+    the frame HTB is sending, not behind the pod's own bulk backlog; full-size packets of any
+    protocol stay in the bulk leaf. Counted in packets per leaf, both families."""
+    pod = node.pods[0]
+    node.program({pod.name: (100 * M, 100 * M)})
+    sender = lab.spawn(pod.netns, ["python3", "-c", SENDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True)
+    try:
+        assert sender.stdout.readline().strip() == "ready", sender.stderr.read()
+        wrong = []
+        for dst, src in ((INTERNET_V4, pod.ip4), (INTERNET_V6, pod.ip6)):
+            cases = [  # (what, how to send it, count, the leaf it must take: 0 control, 1 bulk)
+                ("a 56-byte ping", f"ping -c 3 -i 0.2 -s 56 {dst}", 3, 0),
+                ("a 1400-byte ping", f"ping -c 3 -i 0.2 -s 1400 {dst}", 3, 1),
+                ("a 100-byte UDP datagram", (dst, src, 100, 3), 3, 0),
+                ("a 1400-byte UDP datagram", (dst, src, 1400, 3), 3, 1),
+            ]
+            for what, how, count, leaf in cases:
+                before = leaf_packets(node, pod)
+                if isinstance(how, str):
+                    run(how, pod.netns, check=False)  # the internet host may not answer: the request is what counts
+                else:
+                    sender.stdin.write(" ".join(map(str, how)) + "\n")
+                    sender.stdin.flush()
+                    sender.stdout.readline()
+                deadline = time.monotonic() + 3  # a packet may wait for the gateway's neighbour entry
+                while True:
+                    moved = [a - b for a, b in zip(leaf_packets(node, pod), before)]
+                    if moved[leaf] >= count or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.1)
+                if moved[leaf] < count or moved[1 - leaf] > 0:
+                    wrong.append(f"{what} to {dst}: control leaf +{moved[0]}, bulk leaf +{moved[1]} packets; "
+                                 f"want {count} in the {('control', 'bulk')[leaf]} leaf only")
         assert not wrong, "\n".join(wrong)
     finally:
         sender.stdin.close()

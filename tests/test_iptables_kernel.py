@@ -95,7 +95,7 @@ def test_apply_is_idempotent_and_adopted_by_a_fresh_classifier(netns, backend):
         dump = sh(f"{tool}-{backend}-save -t mangle", netns)
         assert f"-j SET --map-set netagent-egress-inet{family} src --map-mark --map-prio" in dump
         assert "-j MARK --set-xmark 0x1000/0x1000" in dump and "-j CLASSIFY --set-class 0001:fffe" in dump
-        assert (f"-p tcp -m length --length 0:256 "
+        assert (f"-m length --length 0:256 "
                 f"-j SET --map-set netagent-egress-ack{family} src --map-prio") in dump
     assert "add netagent-egress-inet6 fd00:244::10 packets 0 bytes 0 comment \"ns/p0\" skbmark 0x1000/0x1000 skbprio 1:10" \
         in sh("ipset save netagent-egress-inet6", netns)

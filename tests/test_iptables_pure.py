@@ -510,7 +510,7 @@ def test_catch_all_is_in_the_node_egress_chain_after_the_pods_set():
         *(f'-d {net} -m comment --comment "node egress internal" -g NETAGENT-EGRESS-INT'
           for net in ("fd00::/8", "fe80::/10", "ff00::/8")),
         "-j SET --map-set netagent-egress-inet6 src --map-mark --map-prio",
-        "-p tcp -m length --length 0:256 -j SET --map-set netagent-egress-ack6 src --map-prio",
+        "-m length --length 0:256 -j SET --map-set netagent-egress-ack6 src --map-prio",
         "-m mark ! --mark 0x1000/0x1000 -m addrtype ! --src-type LOCAL -j NETAGENT-UNKNOWN",
         '-m comment --comment "node egress internet" -j RETURN')
     assert rs.chains["NETAGENT-UNKNOWN"] == (
@@ -582,10 +582,10 @@ def ack_state(n: int = 3) -> ClassifierState:
 
 
 @pytest.mark.parametrize("family", [4, 6])
-def test_a_pods_small_tcp_segments_go_to_its_control_leaf_and_nothing_else_does(family):
-    """A pod's small TCP segments (both ways: pure ACKs, SYN/FIN/RST, a request of up to 256 bytes)
-    go to its control leaf, still marked and counted as its internet traffic; a full TCP segment,
-    UDP, an unknown pod's ACK and internal traffic do not."""
+def test_a_pods_small_packets_go_to_its_control_leaf_and_nothing_else_does(family):
+    """A pod's small packets of any protocol (both ways: pure ACKs, SYN/FIN/RST, a request of up to
+    256 bytes, a ping, a DNS query) go to its control leaf, still marked and counted as its internet
+    traffic; a full-size packet of any protocol, an unknown pod's ACK and internal traffic do not."""
     st, a = ack_state(3), NET[family]
     ack = frozenset({"ACK"})
     up = evaluate(st, family, a["pod"], a["internet"], "eth0", proto="tcp", length=52, tcp_flags=ack)
@@ -594,12 +594,15 @@ def test_a_pods_small_tcp_segments_go_to_its_control_leaf_and_nothing_else_does(
     assert (down["counted"], down["mark"], down["priority"]) == (["ns/p0 ingress_internet"], 0x1000, (2, 0x8010))
     for kw in (dict(proto="tcp", length=60, tcp_flags=ack | {"FIN"}),          # closing
                dict(proto="tcp", length=60, tcp_flags=frozenset({"SYN"})),     # opening
-               dict(proto="tcp", length=256, tcp_flags=ack | {"PSH"})):        # a request
+               dict(proto="tcp", length=256, tcp_flags=ack | {"PSH"}),         # a request
+               dict(proto="icmp", length=84),                                  # a ping
+               dict(proto="udp", length=60)):                                  # a DNS query
         assert evaluate(st, family, a["pod"], a["internet"], "eth0", **kw)["priority"] == (1, 0x8010), kw
         assert evaluate(st, family, a["internet"], a["pod"], "vp0", **kw)["priority"] == (2, 0x8010), kw
     for kw in (dict(proto="tcp", length=1500, tcp_flags=ack),                  # a data segment
                dict(proto="tcp", length=257, tcp_flags=ack | {"PSH"}),
-               dict(proto="udp", length=60)):
+               dict(proto="udp", length=1428),
+               dict(proto="icmp", length=257)):
         assert evaluate(st, family, a["pod"], a["internet"], "eth0", **kw)["priority"] == (1, 0x10), kw
         assert evaluate(st, family, a["internet"], a["pod"], "vp0", **kw)["priority"] == (2, 0x10), kw
     small = dict(proto="tcp", length=52, tcp_flags=ack)
