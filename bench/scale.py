@@ -91,6 +91,10 @@ NAMESPACES_PER_TEAM = 5
 # the allocation is contended everywhere: 1.5 Gbit/s for a node of 110 pods.
 BUDGET_PER_POD_BPS = 1.5e9 / 110
 FLOOR_BPS = 1e6  # what an agent enforces before its first answer (the controller's safe floor is smaller)
+# Downloads (unless --no-downloads): every agent shapes them, each pod wants twice its upload
+# appetite's draw (its own draw: the uploads are the same pods' as without downloads), and the
+# cluster's download budget (spec.ingressTotal) is twice the upload one: as contended.
+DOWNLOAD_FACTOR = 2
 WATCH_TIMEOUT_S = 300  # as core/reflector.py
 # A large cluster's apiserver (kube-up's settings for 5,000 nodes; the watch cache sizes itself).
 APISERVER_ARGS = [
@@ -121,13 +125,17 @@ def team_namespaces(t: int) -> list[str]:
     return [f"team{t:02d}-ns{k}" for k in range(NAMESPACES_PER_TEAM)]
 
 
-def budget_object(nodes: int, pods_per_node: int) -> dict:
+def budget_object(nodes: int, pods_per_node: int, downloads: bool = True) -> dict:
+    """The EgressBudget: the upload total, and the download total (spec.ingressTotal) with `downloads`."""
     total = nodes * pods_per_node * BUDGET_PER_POD_BPS
     guarantee = f"{total / TEAMS / 2 / 1e6:.0f}M"  # every 5th team: half its even share
     teams = [{"name": f"team{t:02d}", "namespaces": team_namespaces(t), "weight": 1 + t % 4,
               "defaultClass": "bulk", **({"min": guarantee} if t % 5 == 0 else {})} for t in range(TEAMS)]
+    spec = {"total": f"{total / 1e6:.0f}M", "teams": teams}
+    if downloads:
+        spec["ingressTotal"] = f"{DOWNLOAD_FACTOR * total / 1e6:.0f}M"
     return {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressBudget", "metadata": {"name": "default"},
-            "spec": {"total": f"{total / 1e6:.0f}M", "teams": teams}}
+            "spec": spec}
 
 
 def node_name(i: int) -> str:
@@ -320,6 +328,13 @@ class SimAgent:
         self.bytes: dict[str, int] = {}
         self.overlimits: dict[str, int] = {}
         self.limits: dict[str, float] = {}
+        # downloads: the same per pod, from the download classes (an rng of their own)
+        self.down_rng = random.Random(f"down{i}")
+        self.down_demand: dict[str, PodDemand] = {}
+        self.down_appetite: dict[str, float] = {}
+        self.down_bytes: dict[str, int] = {}
+        self.down_overlimits: dict[str, int] = {}
+        self.down_limits: dict[str, float] = {}
         self.answers = 0  # answers received (the estimator counts them, as the agent does)
         self.node_rate = 0.0
         self.leader: str | None = None
@@ -416,13 +431,15 @@ class SimAgent:
             cached = SimAgent.policy_cache[key] = load_policy(list(self.classes.values()), list(self.budgets.values()))[0]
         return key, cached
 
-    def advance(self, t: float) -> float:
-        """One period of simulated traffic under the current limits; the node's egress bit/s."""
+    def advance(self, t: float) -> tuple[float, float]:
+        """One period of simulated traffic under the current limits; the node's internet egress and
+        ingress, bit/s (ingress 0 without downloads)."""
         key, policy = self.policy()
         if self._dirty or key != self._resolved_key:  # the real agent re-resolves on change only
             self.resolved = resolve_pods(policy, self.pods.values())
             self._resolved_key, self._dirty = key, False
-        total = 0.0
+        total = down = 0.0
+        downloads = self.host.downloads
         # the bytes of the time that really passed since the last sample, as a kernel counter
         # counts them: not the nominal period (the sleep has +-20 % jitter and this loop can lag;
         # bytes for 5 s divided by the 4..6 s the estimator measured made every pod's usage
@@ -436,7 +453,12 @@ class SimAgent:
                 self.appetite[k] = appetite(self.rng)
                 self.bytes[k] = self.overlimits[k] = 0
                 self.demand[k] = PodDemand()
-            want = self.appetite[k] * self.host.factor(rp.team)
+                if downloads:
+                    self.down_appetite[k] = DOWNLOAD_FACTOR * appetite(self.down_rng)
+                    self.down_bytes[k] = self.down_overlimits[k] = 0
+                    self.down_demand[k] = PodDemand()
+            factor = self.host.factor(rp.team)
+            want = self.appetite[k] * factor
             limit = self.limits.get(k, FLOOR_BPS)
             sent = min(want, limit)
             total += sent
@@ -445,7 +467,17 @@ class SimAgent:
                 self.overlimits[k] += 1
             self.demand[k].update(Sample(t, self.bytes[k], 0, self.overlimits[k], 0), int(limit), rp.max_bps,
                                   self.answers)
-        return total
+            if downloads:  # as netagent.sampler does for the download classes
+                want = self.down_appetite[k] * factor
+                limit = self.down_limits.get(k, FLOOR_BPS)
+                got = min(want, limit)
+                down += got
+                self.down_bytes[k] += int(got * dt / 8)
+                if want > limit * 1.001:
+                    self.down_overlimits[k] += 1
+                self.down_demand[k].update(Sample(t, self.down_bytes[k], 0, self.down_overlimits[k], 0), int(limit),
+                                           rp.ingress_max_bps, self.answers)
+        return total, down
 
     def session(self) -> aiohttp.ClientSession:
         """This agent's connection to the controller, from its own address (127.x.y.z, as each node
@@ -471,10 +503,11 @@ class SimAgent:
         failures = 0
         while not b.stopping:
             started = time.monotonic()
-            egress = self.advance(started)
+            egress, ingress = self.advance(started)
             self.seq += 1
-            inputs = ReportInputs(self.node, tuple((rp, self.demand.get(rp.key)) for rp in self.resolved), None)
-            body = encoder.encode(build_report(inputs, self.seq, self.period(), egress))
+            inputs = ReportInputs(self.node, tuple((rp, self.demand.get(rp.key)) for rp in self.resolved), None,
+                                  ingress_demand=self.down_demand, shapes_ingress=b.downloads)
+            body = encoder.encode(build_report(inputs, self.seq, self.period(), egress, node_ingress_bps=ingress))
             answered, retry_after, stretches = await self.post(body, started)
             if not answered and self.leader_failed:  # as the agent: a dead leader's address, then the Service
                 answered, retry_after, stretches = await self.post(body, started)
@@ -538,6 +571,9 @@ class SimAgent:
                     held = b.held_at_kill.get(self.i, {})
                     b.changed_before_first_answer += sum(1 for k, v in self.limits.items() if held.get(k) != v)
                 self.limits = limits
+                if b.downloads:  # a pod without a download allocation in the answer keeps its limit
+                    self.down_limits.update({f"{p.namespace}/{p.name}": float(p.ingress_limit_bps)
+                                             for p in answer.pods if p.ingress_limit_bps is not None})
                 self.answers += 1
                 self.node_rate = float(answer.node_rate_bps)
             return True, 0.0, False
@@ -583,6 +619,11 @@ class PodRow(NamedTuple):
     max_bps: float
     want: float  # its appetite now (after a demand shift), bit/s
     rate: float  # what it sends: min(want, its limit)
+    ingress_weight: float = 0.0  # downloads: the same from its download class (0 without downloads)
+    ingress_min_bps: float = 0.0
+    ingress_max_bps: float = 0.0
+    down_want: float = 0.0
+    down_rate: float = 0.0
 
 
 class AgentHost:
@@ -591,6 +632,7 @@ class AgentHost:
 
     def __init__(self, cfg: dict):
         self.period = cfg["period"]
+        self.downloads = cfg["downloads"]
         self.controller_urls = cfg["controller_urls"]
         self.controller_ctx = ssl.create_default_context(cadata=cfg["controller_ca"])
         self.agent_api = Api(cfg["api_urls"][0], Path(cfg["api_ca_file"]), limit=0)
@@ -643,8 +685,11 @@ class AgentHost:
             for a in self.agents:
                 for rp in a.resolved:
                     want = a.appetite.get(rp.key, 0.0) * self.factor(rp.team)
+                    down = a.down_appetite.get(rp.key, 0.0) * self.factor(rp.team)
                     rows.append(PodRow(a.i, rp.key, rp.team, rp.egress_class, rp.weight, rp.min_bps, rp.max_bps,
-                                       want, min(want, a.limits.get(rp.key, FLOOR_BPS))))
+                                       want, min(want, a.limits.get(rp.key, FLOOR_BPS)),
+                                       rp.ingress_weight, rp.ingress_min_bps, rp.ingress_max_bps,
+                                       down, min(down, a.down_limits.get(rp.key, FLOOR_BPS)) if self.downloads else 0.0))
         return {"stats": self.stats, "errors": self.errors, "pods": rows,
                 "synced": sum(1 for k in self._synced_kinds.values() if len(k) == 3),
                 "agents": [(a.leader, a.advised, a.node_rate) for a in self.agents],
@@ -765,31 +810,46 @@ class Bench:
                 "answered_after_kill": sum(p["answered_after_kill"] for p in parts),
                 "changed_before_first_answer": sum(p["changed_before_first_answer"] for p in parts)}
 
-    async def sent(self) -> float:
-        """What all pods send now, bit/s: min(appetite, limit) each."""
-        return sum(r.rate for r in (await self.state(pods=True))["pods"])
+    async def sent(self) -> tuple[float, float]:
+        """What all pods send and receive now, bit/s: min(appetite, limit) each, per direction."""
+        rows = (await self.state(pods=True))["pods"]
+        return sum(r.rate for r in rows), sum(r.down_rate for r in rows)
 
-    def fair_shares(self, rows: list[PodRow]) -> dict[tuple[int, str], float]:
+    def budgets(self) -> tuple[float, float]:
+        """The upload and download budgets, bit/s (0 for downloads with --no-downloads)."""
+        up = self.args.nodes * self.args.pods_per_node * BUDGET_PER_POD_BPS
+        return up, DOWNLOAD_FACTOR * up if self.args.downloads else 0.0
+
+    def fair_shares(self, rows: list[PodRow], download: bool = False) -> dict[tuple[int, str], float]:
         """Every pod's fair share of the budget for its true demand now (the engine's allocation
-        of the budget with nothing censored), as bench/simulation.py judges it."""
-        policy = load_policy(CLASSES, [budget_object(self.args.nodes, self.args.pods_per_node)])[0]
+        of the budget with nothing censored), as bench/simulation.py judges it; of the download
+        budget with the pods' download values with `download`."""
+        policy = load_policy(CLASSES, [budget_object(self.args.nodes, self.args.pods_per_node, self.args.downloads)])[0]
         out = {}
-        result = allocate(policy, [PodDemandIn(f"{r.node}|{r.key}", r.team, r.egress_class, r.weight, r.min_bps,
-                                               r.max_bps, r.want) for r in rows])
+        if download:
+            demands = [PodDemandIn(f"{r.node}|{r.key}", r.team, r.egress_class, r.ingress_weight, r.ingress_min_bps,
+                                   r.ingress_max_bps, r.down_want) for r in rows]
+            policy = policy.for_ingress()
+        else:
+            demands = [PodDemandIn(f"{r.node}|{r.key}", r.team, r.egress_class, r.weight, r.min_bps,
+                                   r.max_bps, r.want) for r in rows]
+        result = allocate(policy, demands)
         for k, r in result.pods.items():
             i, key = k.split("|", 1)
             out[(int(i), key)] = r.allocation_bps
         return out
 
-    def share_within(self, rows: list[PodRow], fair: dict[tuple[int, str], float], tolerance: float = 0.05) -> float:
+    def share_within(self, rows: list[PodRow], fair: dict[tuple[int, str], float], tolerance: float = 0.05,
+                     download: bool = False) -> float:
         """Share of pods whose rate, min(want, limit), is within `tolerance` of their fair share
-        (shares under 5 % of the mean count as 5 % of it, as bench/simulation.py)."""
-        floor = 0.05 * self.args.nodes * self.args.pods_per_node * BUDGET_PER_POD_BPS / max(1, len(fair))
+        (shares under 5 % of the mean count as 5 % of it, as bench/simulation.py); downloads with
+        `download`."""
+        floor = 0.05 * self.budgets()[download] / max(1, len(fair))
         ok = 0
         for r in rows:
             f = fair.get((r.node, r.key))
             if f is not None:
-                ok += abs(r.rate - f) <= tolerance * max(f, floor)
+                ok += abs((r.down_rate if download else r.rate) - f) <= tolerance * max(f, floor)
         return ok / max(1, len(fair))
 
     async def stop_agents(self) -> None:
@@ -890,7 +950,7 @@ async def load_cluster(cp: ControlPlane, args, admin: Api) -> dict[str, float]:
                                                 {"metadata": {"name": ns}}) for ns in namespaces])
     await bounded(args.concurrency, [admin.call("POST", f"/api/v1/namespaces/{ns}/serviceaccounts",
                                                 {"metadata": {"name": "default"}}) for ns in namespaces])
-    for obj in CLASSES + [budget_object(args.nodes, args.pods_per_node)]:
+    for obj in CLASSES + [budget_object(args.nodes, args.pods_per_node, args.downloads)]:
         plural = "egressclasses" if obj["kind"] == "EgressClass" else "egressbudgets"
         await admin.call("POST", f"/apis/netagent.io/v1alpha1/{plural}", obj)
     await bounded(args.concurrency, [admin.call("POST", "/api/v1/nodes", node_object(i)) for i in range(args.nodes)],
@@ -990,10 +1050,11 @@ def series_of(exposition: bytes) -> int:
     return sum(1 for line in exposition.decode().splitlines() if line and not line.startswith("#"))
 
 
-def agent_series(pods: int, lean: bool = False) -> int:
+def agent_series(pods: int, lean: bool = False, downloads: bool = True) -> int:
     """Series one agent's /metrics exports with `pods` pods (its own registry, every pod in a class,
-    as AgentMetrics renders them; one policy problem on no pod; downloads not shaped)."""
-    view = NodeView("n", [PodView(f"ns{j % 5}", f"p{j}", "team00", "bulk", minor=j + 2) for j in range(pods)])
+    as AgentMetrics renders them; one policy problem on no pod; downloads shaped unless not)."""
+    view = NodeView("n", [PodView(f"ns{j % 5}", f"p{j}", "team00", "bulk", minor=j + 2) for j in range(pods)],
+                    ingress_allocation_bps=1e9 if downloads else None)
     metrics = AgentMetrics(lambda: view, lean=lean)
     return series_of(generate_latest(metrics.registry))
 
@@ -1081,7 +1142,7 @@ async def run(args) -> None:
 
         # -- the agents, in --agent-processes workers
         bench.start_agents(tokens, {
-            "period": args.period, "controller_urls": [u for _, u, _ in controllers],
+            "period": args.period, "downloads": args.downloads, "controller_urls": [u for _, u, _ in controllers],
             "controller_ca": controller_ca_pem, "api_urls": api_urls, "api_ca_file": str(cp.ca_file),
             "tls_read_bytes": args.sim_tls_read_bytes})
         guard.pids.update(bench.worker_pids)
@@ -1120,8 +1181,9 @@ async def run(args) -> None:
         st = await bench.state()
         stats = st["stats"]
         allocated = sum(rate for _, _, rate in st["agents"])
-        budget = args.nodes * args.pods_per_node * BUDGET_PER_POD_BPS
-        sent = sum(sent_samples) / max(1, len(sent_samples))
+        budget, down_budget = bench.budgets()
+        sent = sum(v for v, _ in sent_samples) / max(1, len(sent_samples))
+        received = sum(v for _, v in sent_samples) / max(1, len(sent_samples))
 
         # -- report
         counts_start = audit_counts(audit_logs, t_agents)
@@ -1158,23 +1220,30 @@ async def run(args) -> None:
               f"others: {dict((k, v) for k, v in stats.answers.items() if k != 200)}; redirects {stats.redirects}")
         print(f"answer latency p50 {pct(stats.latencies, 0.5) * 1e3:.1f} ms, "
               f"p99 {pct(stats.latencies, 0.99) * 1e3:.1f} ms")
+        ups = [v for v, _ in sent_samples]
         print(f"allocated (sum of node rates) {allocated / 1e9:.2f} Gbit/s, sent {sent / 1e9:.2f} Gbit/s "
-              f"(mean of {len(sent_samples)} samples, {min(sent_samples) / 1e9:.2f}..{max(sent_samples) / 1e9:.2f}), "
+              f"(mean of {len(sent_samples)} samples, {min(ups) / 1e9:.2f}..{max(ups) / 1e9:.2f}), "
               f"budget {budget / 1e9:.0f} Gbit/s: {(sent / budget - 1) * 100:+.1f} %")
         print("sent in the window, one sample per period: "
-              + " ".join(f"{(v / budget - 1) * 100:+.1f}%" for v in sent_samples))
+              + " ".join(f"{(v / budget - 1) * 100:+.1f}%" for v in ups))
+        if args.downloads:
+            downs = [v for _, v in sent_samples]
+            print(f"downloads: received {received / 1e9:.2f} Gbit/s (mean of {len(downs)} samples, "
+                  f"{min(downs) / 1e9:.2f}..{max(downs) / 1e9:.2f}), download budget {down_budget / 1e9:.0f} Gbit/s: "
+                  f"{(received / down_budget - 1) * 100:+.1f} %; one sample per period: "
+                  + " ".join(f"{(v / down_budget - 1) * 100:+.1f}%" for v in downs))
         print(f"simulated agents' own CPU ({len(bench.workers)} processes, not netagent): {bench_cpu:.2f} cores, "
               f"RSS {sum(busy_use[k][1] for k in bench.worker_pids):.0f} MiB")
-        per_node = agent_series(args.pods_per_node)
+        per_node = agent_series(args.pods_per_node, downloads=args.downloads)
         ctl_series = await controller_series([u for _, u, _ in controllers], ctx)
         cluster_series = per_node * args.nodes + sum(max(0, n) for n in ctl_series)
         print(f"metric series: one agent with {args.pods_per_node} pods {per_node} "
-              f"({(per_node - agent_series(0)) / max(1, args.pods_per_node):.0f} per pod); controllers {ctl_series}; "
+              f"({(per_node - agent_series(0, downloads=args.downloads)) / max(1, args.pods_per_node):.0f} per pod); controllers {ctl_series}; "
               f"cluster {cluster_series:,} series, {cluster_series / 30:,.0f} samples/s at a 30 s scrape")
-        lean_node = agent_series(args.pods_per_node, lean=True)
+        lean_node = agent_series(args.pods_per_node, lean=True, downloads=args.downloads)
         lean_cluster = lean_node * args.nodes + sum(max(0, n) for n in ctl_series)
         print(f"with the agents' --lean-metrics: one agent {lean_node} "
-              f"({(lean_node - agent_series(0, lean=True)) / max(1, args.pods_per_node):.0f} per pod); "
+              f"({(lean_node - agent_series(0, lean=True, downloads=args.downloads)) / max(1, args.pods_per_node):.0f} per pod); "
               f"cluster {lean_cluster:,} series, {lean_cluster / 30:,.0f} samples/s at a 30 s scrape")
         advised = Counter(round(adv, 1) for _, adv, _ in st["agents"])
         period = max(args.period, max(advised, default=0.0))
@@ -1184,20 +1253,30 @@ async def run(args) -> None:
 
         # -- a demand shift: even teams want 3x, odd teams 0.3x; pods within 5 % of fair per period
         if args.shift_periods:
+            directions = (False, True) if args.downloads else (False,)
             rows = (await bench.state(pods=True))["pods"]
-            print(f"before the shift: {bench.share_within(rows, bench.fair_shares(rows)):.1%} of pods within 5 % of fair")
+            for d in directions:
+                print(f"before the shift{' (downloads)' if d else ''}: "
+                      f"{bench.share_within(rows, bench.fair_shares(rows, d), download=d):.1%} of pods within 5 % of fair")
             await bench.ask("shift")
-            fair = bench.fair_shares((await bench.state(pods=True))["pods"])
+            rows = (await bench.state(pods=True))["pods"]
+            fair = {d: bench.fair_shares(rows, d) for d in directions}
             t_shift = time.monotonic()
-            shares = []
+            shares: dict[bool, list[float]] = {d: [] for d in directions}
             for k in range(args.shift_periods):
                 await asyncio.sleep(period)
-                shares.append(bench.share_within((await bench.state(pods=True))["pods"], fair))
-            first95 = next((k + 1 for k, v in enumerate(shares) if v >= 0.95), None)
-            print(f"after the shift (one sample per {period:g} s period): " + " ".join(f"{v:.1%}" for v in shares))
-            print(f"pods within 5 % of fair: 95 % after {first95 if first95 else '>' + str(len(shares))} periods "
-                  f"({(first95 or len(shares)) * period:.0f} s); {shares[-1]:.1%} after {len(shares)} periods "
-                  f"({time.monotonic() - t_shift:.0f} s)", flush=True)
+                rows = (await bench.state(pods=True))["pods"]
+                for d in directions:
+                    shares[d].append(bench.share_within(rows, fair[d], download=d))
+            for d in directions:
+                got = shares[d]
+                first95 = next((k + 1 for k, v in enumerate(got) if v >= 0.95), None)
+                what = "downloads: pods" if d else "pods"
+                print(f"after the shift{' (downloads)' if d else ''} (one sample per {period:g} s period): "
+                      + " ".join(f"{v:.1%}" for v in got))
+                print(f"{what} within 5 % of fair: 95 % after {first95 if first95 else '>' + str(len(got))} periods "
+                      f"({(first95 or len(got)) * period:.0f} s); {got[-1]:.1%} after {len(got)} periods "
+                      f"({time.monotonic() - t_shift:.0f} s)", flush=True)
 
         # -- failover: the leader killed (SIGKILL); time until the other replica answers from a round
         if args.failover and len(controllers) > 1:
@@ -1207,15 +1286,16 @@ async def run(args) -> None:
             if victim is None:
                 print("failover: no leader known to the agents; skipped")
             else:
-                sent_before = await bench.sent()
+                sent_before, received_before = await bench.sent()
                 victim[0].send_signal(signal.SIGKILL)
                 t_kill = time.monotonic()
                 await bench.ask("kill", leader_url)  # the agents keep their limits as they are now
-                peak = 0.0
+                peak = peak_down = 0.0
                 while time.monotonic() - t_kill < args.failover_timeout and \
                         (st := await bench.state())["answered_after_kill"] < args.nodes:
                     await asyncio.sleep(1.0)
-                    peak = max(peak, await bench.sent())
+                    up, down = await bench.sent()
+                    peak, peak_down = max(peak, up), max(peak_down, down)
                 st = await bench.state()
                 first = st["first_new_answer"]
                 print(f"failover: leader killed; first answer from a round of the new leader after "
@@ -1225,7 +1305,9 @@ async def run(args) -> None:
                 print(f"failover: pods whose limit changed between the kill and their agent's first answer from "
                       f"the new leader's round: {st['changed_before_first_answer']} (so none above its limit); "
                       f"sent total at the kill {(sent_before / budget - 1) * 100:+.1f} % of the budget, "
-                      f"peak after {(peak / budget - 1) * 100:+.1f} %", flush=True)
+                      f"peak after {(peak / budget - 1) * 100:+.1f} %"
+                      + (f"; downloads at the kill {(received_before / down_budget - 1) * 100:+.1f} %, peak after "
+                         f"{(peak_down / down_budget - 1) * 100:+.1f} %" if args.downloads else ""), flush=True)
 
         errors = (await bench.state())["errors"]
         if errors:
@@ -1268,6 +1350,8 @@ def main() -> None:
     p.add_argument("--shift-periods", type=int, default=6,
                    help="report periods followed after a demand shift (0: no shift)")
     p.add_argument("--no-failover", dest="failover", action="store_false", help="do not kill the leader at the end")
+    p.add_argument("--no-downloads", dest="downloads", action="store_false",
+                   help="agents shape uploads only (no spec.ingressTotal; the rows before downloads were simulated)")
     p.add_argument("--failover-timeout", type=float, default=120.0, help="seconds to wait for the new leader")
     p.add_argument("--max-reports-per-second", type=float, default=None,
                    help="the controller's flag of that name (default: the controller's default)")
