@@ -24,14 +24,15 @@ What runs (all on this machine):
   netagent.demand.PodDemand, netagent.reporter.build_report, core.wire), posted to a random
   replica (the Service) and following the 307 to the leader; simulated traffic per pod as
   bench/simulation.py does (each pod sends min(its appetite, its limit); the demand estimator
-  sees the counters).
+  sees the counters), in both directions: each pod also downloads (its own appetite draw, the
+  download limits of the answers; spec.ingressTotal in the budget) unless --no-downloads.
 
 Printed, with the command and the machine: API server requests from netagent by client kind,
 verb and resource (audit log) and their share of all requests (apiserver_request_total), LISTs
 from agents after start, watches open, memory and CPU of kube-apiserver and etcd without and
 with netagent; controller time from start to ready, memory, CPU; reports/s answered, p50/p99
 answer latency, non-200 answers; TokenReviews and status writes per minute; the cluster's
-allocated rate against the budget. The simulated agents' own CPU is printed apart: it is this
+allocated rate against the budget, and its downloads against the download budget. The simulated agents' own CPU is printed apart: it is this
 benchmark's cost, not netagent's.
 """
 from __future__ import annotations
