@@ -10,9 +10,11 @@ Rates are IP bytes on the wire (what clouds meter and bill for internet egress):
 the node's and the floor are IP bit/s. HTB counts each segment's link-layer frame (the Ethernet
 header included, GSO packets as their segments), so the HTB classes get the IP rate times
 (MTU + L2 header) / MTU: exact for full-size segments, the bulk traffic that fills a budget;
-smaller packets carry more header per byte and get slightly less than the IP rate, never more.
-`to_wire`/`from_wire` convert; the sampler turns class bytes back into IP bytes exactly
-(bytes - L2 header x packets).
+smaller packets carry more header per byte. Where a class's own counters show its mix (a pod's
+upload class carries the ACKs of its downloads), the agent gives it its measured ratio instead
+(`netagent.wire`, `PodShape.wire_ratio`, `NodeInputs.wire_ratio`), so its rate is IP bytes for the
+packets it really carries. `to_wire`/`from_wire` convert; the sampler turns class bytes back into
+IP bytes exactly (bytes - L2 header x packets).
 
 HTB minors are derived from the pod's IP address (its low 16 bits), probing upward
 on collision in a fixed order. The same pods therefore get the same minors after an
@@ -20,7 +22,9 @@ agent restart, with no state to persist, and a restart changes nothing in the ke
 """
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
+import math
 from dataclasses import dataclass, field
 
 from core.errors import NetagentError
@@ -57,6 +61,9 @@ class PodShape:
     ceil: int  # internet egress cap, bit/s
     ingress_rate: int | None = None  # guaranteed internet ingress (downloads), bit/s; None: the download floor
     ingress_ceil: int | None = None  # internet ingress cap, bit/s; None: as ingress_rate
+    # frames HTB counts per IP byte of this pod's class, as measured (netagent.wire); None: full-size
+    wire_ratio: float | None = None
+    ingress_wire_ratio: float | None = None
 
 
 @dataclass(frozen=True)
@@ -76,16 +83,25 @@ class DataPathOptions:
     ingress_default_rate: int = 1_000_000  # the download floor for pods not known yet, bit/s
 
 
-def to_wire(bps: int, opts: DataPathOptions) -> int:
-    """An IP rate (bit/s) as the HTB rate that carries it in full-size frames, rounded up to the
-    whole bytes per second HTB holds (so the kernel holds exactly this number)."""
+MAX_WIRE_RATIO = 2.0  # frames per IP byte: a 14-byte header on a 14-byte packet; beyond it the input is wrong
+
+
+def to_wire(bps: int, opts: DataPathOptions, ratio: float | None = None) -> int:
+    """An IP rate (bit/s) as the HTB rate that carries it in full-size frames (or in frames of
+    `ratio` bytes per IP byte, a class's measured mix), rounded up to the whole bytes per second
+    HTB holds (so the kernel holds exactly this number)."""
+    if ratio is not None:
+        return min(MAX_RATE_BPS // 8 * 8, math.ceil(bps * ratio / 8) * 8)
     m = opts.wire_mtu + opts.wire_l2_bytes
     return min(MAX_RATE_BPS // 8 * 8, -(-bps * m // (8 * opts.wire_mtu)) * 8)
 
 
-def from_wire(bps: int, opts: DataPathOptions) -> int:
+def from_wire(bps: int, opts: DataPathOptions, ratio: float | None = None) -> int:
     """The IP rate an HTB rate stands for: an inverse of `to_wire` (to_wire(from_wire(r)) == r),
-    and the one a whole number of bytes when there is one, so a round rate reads back as itself."""
+    and the one a whole number of bytes when there is one, so a round rate reads back as itself
+    (with a measured `ratio`: the IP rate within a byte per second)."""
+    if ratio is not None:
+        return int(bps / ratio)
     m = opts.wire_mtu + opts.wire_l2_bytes
     k = bps // 8
     lo, hi = (k - 1) * 8 * opts.wire_mtu // m, k * 8 * opts.wire_mtu // m  # to_wire(x) == 8k for lo < x <= hi
@@ -109,6 +125,9 @@ class NodeInputs:
     # the node's download (internet ingress) allocation, bit/s; None: downloads are counted, not shaped
     ingress_node_rate: int | None = None
     pod_devices: tuple[str, ...] = ()  # pod-facing devices (host-side veths) downloads are shaped on
+    # the node classes' measured frames per IP byte (netagent.wire); None: full-size
+    wire_ratio: float | None = None
+    ingress_wire_ratio: float | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +138,13 @@ class DesiredState:
     minors: dict[str, int]  # pod key -> its HTB class's minor (its leaves': tc.model), the same in both shapers
     skipped: dict[str, str]  # pod key -> why it is not programmed yet (e.g. no IP)
     ingress_shaper: ShaperSpec | None = None  # downloads; None: not shaped on this node
+    # the measured frames per IP byte the classes were given (pod key, or NODE_RATIO_KEY for the
+    # node class): the view turns their rates back into IP rates with them
+    wire_ratios: dict[str, float] = field(default_factory=dict)
+    ingress_wire_ratios: dict[str, float] = field(default_factory=dict)
+
+
+NODE_RATIO_KEY = ""  # the node class's key among the wire ratios (no pod key is empty)
 
 
 def canonical_cidrs(cidrs: tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -178,6 +204,8 @@ def desired_state(inputs: NodeInputs) -> DesiredState:
                                 "(68-65535, 0-256)")
     internal = canonical_cidrs(inputs.internal_cidrs)
     node_rate = max(MIN_RATE_BPS, inputs.node_rate)
+    _check_ratio(inputs.wire_ratio, "node")
+    _check_ratio(inputs.ingress_wire_ratio, "node download")
 
     ready: list[PodShape] = []
     skipped: dict[str, str] = {}
@@ -185,6 +213,8 @@ def desired_state(inputs: NodeInputs) -> DesiredState:
     for pod in sorted(inputs.pods, key=lambda p: p.key):
         _check_rate(pod.rate, f"pod {pod.key}")
         _check_rate(pod.ceil, f"pod {pod.key} ceil")
+        _check_ratio(pod.wire_ratio, f"pod {pod.key}")
+        _check_ratio(pod.ingress_wire_ratio, f"pod {pod.key} download")
         if not pod.ips:
             skipped[pod.key] = "no IP yet"
             continue
@@ -201,16 +231,16 @@ def desired_state(inputs: NodeInputs) -> DesiredState:
             continue
         for ip in ips:
             seen_ips[ip] = pod.key
-        ready.append(PodShape(pod.key, tuple(ips), pod.rate, pod.ceil, pod.ingress_rate, pod.ingress_ceil))
+        ready.append(dataclasses.replace(pod, ips=tuple(ips)))
 
     minors = assign_minors(ready)
-    classes = [_pod_class(minors[p.key], p.key, p.rate, p.ceil, node_rate, opts) for p in ready]
+    classes = [_pod_class(minors[p.key], p.key, p.rate, p.ceil, node_rate, opts, p.wire_ratio) for p in ready]
     floor = max(MIN_RATE_BPS, to_wire(min(opts.default_rate, node_rate), opts))
     shaper = ShaperSpec(
         ifb=opts.ifb,
         uplinks=tuple(inputs.uplinks),
         mark_bit=opts.mark_bit,
-        node_rate=max(MIN_RATE_BPS, to_wire(node_rate, opts)),
+        node_rate=max(MIN_RATE_BPS, to_wire(node_rate, opts, inputs.wire_ratio)),
         default=HtbClassSpec(DEFAULT_MINOR, floor, floor, "default"),
         pods=tuple(sorted(classes)),
         major=opts.htb_major,
@@ -236,14 +266,31 @@ def desired_state(inputs: NodeInputs) -> DesiredState:
         # downloads to addresses no known pod holds: the download floor, never unshaped
         ingress_default_class=(opts.ingress_htb_major, DEFAULT_MINOR) if dl else None,
     )
-    return DesiredState(shaper, classifier, minors, skipped, ingress_shaper)
+    ratios = _ratios(inputs.wire_ratio, ((p.key, p.wire_ratio) for p in ready))
+    ingress_ratios = _ratios(inputs.ingress_wire_ratio, ((p.key, p.ingress_wire_ratio) for p in ready)) if dl else {}
+    return DesiredState(shaper, classifier, minors, skipped, ingress_shaper, ratios, ingress_ratios)
 
 
-def _pod_class(minor: int, key: str, rate: int, ceil: int, node_rate: int, opts: DataPathOptions) -> HtbClassSpec:
-    """A pod's HTB class within a node class of `node_rate` (IP bit/s in, wire bit/s out)."""
+def _ratios(node: float | None, pods) -> dict[str, float]:
+    out = {key: r for key, r in pods if r is not None}
+    if node is not None:
+        out[NODE_RATIO_KEY] = node
+    return out
+
+
+def _check_ratio(ratio: float | None, what: str) -> None:
+    if ratio is not None and not (isinstance(ratio, (int, float)) and 1.0 <= ratio <= MAX_WIRE_RATIO):
+        raise DesiredStateError(f"{what}: frames per IP byte {ratio!r} must be a number in 1..{MAX_WIRE_RATIO:g}")
+
+
+def _pod_class(minor: int, key: str, rate: int, ceil: int, node_rate: int, opts: DataPathOptions,
+              ratio: float | None = None) -> HtbClassSpec:
+    """A pod's HTB class within a node class of `node_rate` (IP bit/s in, wire bit/s out, in frames
+    of `ratio` bytes per IP byte when measured)."""
     rate = min(rate, node_rate)
     ceil = min(max(ceil, rate), node_rate)
-    return HtbClassSpec(minor, max(to_wire(rate, opts), MIN_RATE_BPS), max(to_wire(ceil, opts), MIN_RATE_BPS), key)
+    return HtbClassSpec(minor, max(to_wire(rate, opts, ratio), MIN_RATE_BPS),
+                        max(to_wire(ceil, opts, ratio), MIN_RATE_BPS), key)
 
 
 def _ingress_shaper(inputs: NodeInputs, ready: list[PodShape], minors: dict[str, int]) -> ShaperSpec:
@@ -261,14 +308,14 @@ def _ingress_shaper(inputs: NodeInputs, ready: list[PodShape], minors: dict[str,
         ceil = rate if p.ingress_ceil is None else p.ingress_ceil
         _check_rate(rate, f"pod {p.key} download")
         _check_rate(ceil, f"pod {p.key} download ceil")
-        classes.append(_pod_class(minors[p.key], p.key, rate, ceil, node_rate, opts))
+        classes.append(_pod_class(minors[p.key], p.key, rate, ceil, node_rate, opts, p.ingress_wire_ratio))
     wire_floor = max(MIN_RATE_BPS, to_wire(floor, opts))
     devices = tuple(sorted(set(inputs.pod_devices) - set(inputs.uplinks)))
     return ShaperSpec(
         ifb=opts.ingress_ifb,
         uplinks=devices,
         mark_bit=opts.mark_bit,
-        node_rate=max(MIN_RATE_BPS, to_wire(node_rate, opts)),
+        node_rate=max(MIN_RATE_BPS, to_wire(node_rate, opts, inputs.ingress_wire_ratio)),
         default=HtbClassSpec(DEFAULT_MINOR, wire_floor, wire_floor, "default"),
         pods=tuple(sorted(classes)),
         major=opts.ingress_htb_major,

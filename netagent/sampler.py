@@ -11,13 +11,17 @@ import threading
 import time
 from typing import Callable
 
+from tc.model import NODE_MINOR
+
 from .allocations import Allocations, ingress_view
 from .datapath import DataPath
 from .demand import PodDemand, Sample
-from .desired import from_wire, ip_bytes
+from .desired import NODE_RATIO_KEY, from_wire, ip_bytes
 from .sync import NodeSync
+from .wire import WireRatios
 
 log = logging.getLogger(__name__)
+RATIO_WAKE_S = 5.0  # at most one sync this often for measured wire ratios (netagent.wire)
 
 
 class Sampler:
@@ -31,6 +35,8 @@ class Sampler:
         self.sample_seconds = sample_seconds
         self.allocate_seconds = allocate_seconds
         self._stop = threading.Event()
+        self._ratio_changed = False  # a class's measured wire ratio changed since the last wake for it
+        self._ratio_wake_at = 0.0
         self._thread = threading.Thread(target=self._loop, name="sampler", daemon=True)
 
     def start(self) -> None:
@@ -74,12 +80,35 @@ class Sampler:
         pods = self.node.state.pods
         self._sample(now, stats, {p.key: p.max_bps for p in pods}, self.allocations, self.demand,
                      self.node.state.budget_bps)
+        changed = self._observe_wire(self.node.wire, stats)
         ingress = self.node.ingress_allocations
         if ingress is not None and self.node.state.desired is not None and self.node.state.desired.ingress_shaper:
             now, stats = self.datapath.sample_ingress_stats()
             # the download cap: what `ingress_view(p).max_bps` is, without copying every pod a second
             self._sample(now, stats, {p.key: p.ingress_max_bps for p in pods}, ingress,
                          self.node.ingress_demand, self.node.state.ingress_budget_bps)
+            changed |= self._observe_wire(self.node.ingress_wire, stats)
+        # a new ratio reaches the kernel at the next sync; wake one for it, at most every RATIO_WAKE_S
+        # (allocations that hold still wake none, and a sync costs more than a sample)
+        self._ratio_changed |= changed
+        if self._ratio_changed and now >= self._ratio_wake_at:
+            self._ratio_changed, self._ratio_wake_at = False, now + RATIO_WAKE_S
+            self.wake_sync()
+
+    def _observe_wire(self, wire: WireRatios, stats: dict) -> bool:
+        """Each class's frames and packets into its measured frames per IP byte (the node class's
+        too); True when a class's ratio changed."""
+        minors = self.node.state.minors
+        changed = False
+        for key, minor in minors.items():
+            st = stats.get(minor)
+            if st is not None:
+                changed |= wire.observe(key, st.bytes, st.packets)
+        node = stats.get(NODE_MINOR)
+        if node is not None:
+            changed |= wire.observe(NODE_RATIO_KEY, node.bytes, node.packets)
+        wire.keep((*minors, NODE_RATIO_KEY))
+        return changed
 
     def _sample(self, now: float, stats: dict, caps: dict[str, int], allocations: Allocations,
                 demand: dict[str, PodDemand], budget_bps: int) -> None:

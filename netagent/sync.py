@@ -24,7 +24,9 @@ from .config import AgentConfig
 from .datapath import DataPath
 from .demand import PodDemand
 from .outbound import with_outbound_problems
-from .desired import DesiredState, DesiredStateError, NodeInputs, PodShape, assign_minors, desired_state
+from .wire import WireRatios
+from .desired import (NODE_RATIO_KEY, DesiredState, DesiredStateError, NodeInputs, PodShape, assign_minors,
+                      desired_state)
 
 # Single-node mode's allocator (netagent.local.LocalAllocator): (pods, demand, budget) -> allocations.
 # Injected, so the agent in controller mode never loads the engine (numpy).
@@ -74,6 +76,11 @@ class NodeSync:
         # per direction: the pods (and budget) the local engine last saw
         self._allocated_inputs: dict[str, dict[str, object]] = {}
         self._lock = threading.Lock()  # one sync at a time (the runner's thread, or a test)
+        # each class's measured frames per IP byte (netagent.wire), per direction: written by the
+        # sampler from the counters it reads anyway, given to the classes at the next sync
+        opts = cfg.datapath
+        self.wire = WireRatios(opts.wire_mtu, opts.wire_l2_bytes)
+        self.ingress_wire = WireRatios(opts.wire_mtu, opts.wire_l2_bytes)
 
     # -- inputs ---------------------------------------------------------------
     def on_snapshot(self, snap: Snapshot) -> None:
@@ -127,12 +134,16 @@ class NodeSync:
             ingress_rate, ingress_eff, ingress_budget = None, {}, 0
             if self.ingress_allocations is not None:
                 ingress_rate, ingress_eff, ingress_budget = self._ingress(pods, policy)
+            wire, ingress_wire = self.wire.get, self.ingress_wire.get
             shapes = tuple(PodShape(p.key, p.ips, *pod_rates(effective[p.key]),
-                                    *(pod_rates(ingress_eff[p.key]) if p.key in ingress_eff else (None, None)))
+                                    *(pod_rates(ingress_eff[p.key]) if p.key in ingress_eff else (None, None)),
+                                    wire_ratio=wire(p.key), ingress_wire_ratio=ingress_wire(p.key))
                            for p in pods)
             devices = self.datapath.pod_devices(self.cfg.uplinks) if ingress_rate is not None else ()
             desired = desired_state(NodeInputs(self.cfg.uplinks, self.cfg.internal_cidrs, shapes, node_rate,
                                                self.cfg.datapath, ingress_node_rate=ingress_rate,
+                                               wire_ratio=wire(NODE_RATIO_KEY),
+                                               ingress_wire_ratio=ingress_wire(NODE_RATIO_KEY),
                                                pod_devices=devices))
             stage = "apply"
             changes = self.datapath.apply(desired, full=full or before.desired is None)

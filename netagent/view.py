@@ -12,7 +12,7 @@ from .allocations import Allocations
 from .config import AgentConfig
 from .datapath import DataPath
 from .demand import PodDemand
-from .desired import from_wire
+from .desired import NODE_RATIO_KEY, from_wire
 from .sync import SyncState
 
 SCOPES = ("internal", "internet")
@@ -92,6 +92,9 @@ def node_view(cfg: AgentConfig, state: SyncState, allocations: Allocations, dema
     ingress_shapes = {c.minor: c for c in dl.pods} if dl is not None else {}
     ingress_stats = datapath.ingress_class_stats() if dl is not None else {}
     ingress_demand = ingress_demand or {}
+    # the classes' rates back in IP bit/s with the frames per IP byte each was given
+    ratios = desired.wire_ratios if desired is not None else {}
+    ingress_ratios = desired.ingress_wire_ratios if desired is not None else {}
     out = []
     for p in state.pods:
         minor = state.minors.get(p.key)
@@ -102,8 +105,8 @@ def node_view(cfg: AgentConfig, state: SyncState, allocations: Allocations, dema
         out.append(PodView(
             namespace=p.namespace, name=p.name, team=p.team, egress_class=p.egress_class, ips=p.ips,
             minor=minor, waiting=state.skipped.get(p.key, ""),
-            allocation_bps=from_wire(shape.rate, opts) if shape else 0,
-            limit_bps=from_wire(shape.ceil, opts) if shape else 0,
+            allocation_bps=from_wire(shape.rate, opts, ratios.get(p.key)) if shape else 0,
+            limit_bps=from_wire(shape.ceil, opts, ratios.get(p.key)) if shape else 0,
             demand_bps=d.demand_bps, usage_bps=d.usage_bps, throttled=d.throttled,
             throttled_seconds=d.throttled_seconds,
             egress_bytes={s: c.get(f"egress_{s}", 0) for s in SCOPES},
@@ -113,7 +116,9 @@ def node_view(cfg: AgentConfig, state: SyncState, allocations: Allocations, dema
         ishape, ist, idem = ingress_shapes.get(minor), ingress_stats.get(minor), ingress_demand.get(p.key)
         if ishape is not None:
             v = out[-1]
-            v.ingress_allocation_bps, v.ingress_limit_bps = from_wire(ishape.rate, opts), from_wire(ishape.ceil, opts)
+            iratio = ingress_ratios.get(p.key)
+            v.ingress_allocation_bps = from_wire(ishape.rate, opts, iratio)
+            v.ingress_limit_bps = from_wire(ishape.ceil, opts, iratio)
             v.ingress_dropped_packets = ist.drops if ist else 0
             if idem is not None:
                 v.ingress_demand_bps, v.ingress_usage_bps = idem.demand_bps, idem.usage_bps
@@ -124,7 +129,7 @@ def node_view(cfg: AgentConfig, state: SyncState, allocations: Allocations, dema
         egress_bytes={s: node_counters.get(f"egress_{s}", 0) for s in SCOPES},
         ingress_bytes={s: node_counters.get(f"ingress_{s}", 0) for s in SCOPES},
         unknown_source_egress_bytes=node_counters.get("egress_unknown_internet", 0),
-        allocation_bps=from_wire(desired.shaper.node_rate, opts) if desired else 0,
+        allocation_bps=from_wire(desired.shaper.node_rate, opts, ratios.get(NODE_RATIO_KEY)) if desired else 0,
         ready=state.ready, ready_reason=state.ready_reason, controller=cfg.controller or "",
         controller_reachable=controller_reachable, fail_static=allocations.fail_static,
         lease_expires_in=None if allocs.lease_expires == float("inf") else allocs.lease_expires - time.monotonic(),
@@ -132,7 +137,7 @@ def node_view(cfg: AgentConfig, state: SyncState, allocations: Allocations, dema
         allocation_source="floor" if allocations.fail_static else allocs.source,
         last_reconcile_success=state.last_success, leaf_qdisc=datapath.leaf_qdisc,
         iptables_backend=datapath.iptables_backend, source_errors=state.source_errors,
-        ingress_allocation_bps=from_wire(dl.node_rate, opts) if dl is not None else None,
+        ingress_allocation_bps=from_wire(dl.node_rate, opts, ingress_ratios.get(NODE_RATIO_KEY)) if dl is not None else None,
         ingress_safe_floor_bps=ingress_allocations.floor_bps if ingress_allocations is not None else 0.0,
         unknown_destination_ingress_bytes=node_counters.get("ingress_unknown_internet", 0),
     )

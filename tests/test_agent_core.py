@@ -174,6 +174,38 @@ def test_the_sampler_turns_class_counters_into_usage_and_demand():
     assert not view.throttled
 
 
+def test_a_class_that_carries_acks_beside_its_data_gets_its_measured_wire_ratio():
+    """A pod whose upload class carries its download's ACKs (one 66-byte frame for every two
+    full-size ones) is given its limit in frames of its own mix at the next sync, so its limit is
+    IP bytes for what it really sends; the view still shows the IP limit; a pod sending full-size
+    segments only keeps the exact full-size conversion (netagent/wire.py)."""
+    from tc.model import NODE_MINOR, ClassStats
+
+    dp = FakeDataPath()
+    agent, _ = make_agent(dp)
+    agent.on_snapshot(Snapshot((pod("p", "10.244.0.10"), pod("q", "10.244.0.11")), CLASSES, BUDGETS))
+    assert agent.sync()
+    minors = agent.node.state.minors
+    before = {c.key: c for c in dp.applied[-1].shaper.pods}
+    opts = DataPathOptions()
+    for n in (0, 1, 2):  # cumulative counters: p 2,000 segments and 1,000 ACKs a reading, q segments only
+        p_frames, p_packets = n * (2000 * 1514 + 1000 * 66), n * 3000
+        dp.stats = {minors["ns/p"]: ClassStats(minors["ns/p"], p_frames, p_packets, 0, 0, 0, 0, 0, 0),
+                    minors["ns/q"]: ClassStats(minors["ns/q"], n * 2000 * 1514, n * 2000, 0, 0, 0, 0, 0, 0),
+                    NODE_MINOR: ClassStats(NODE_MINOR, p_frames + n * 2000 * 1514, p_packets + n * 2000,
+                                           0, 0, 0, 0, 0, 0)}
+        agent.sampler.sample()
+    ratio = (2000 * 1514 + 1000 * 66) / (2000 * 1500 + 1000 * 52)
+    assert agent.node.wire.get("ns/p") == pytest.approx(ratio) and agent.node.wire.get("ns/q") is None
+    assert agent.sync()
+    after = {c.key: c for c in dp.applied[-1].shaper.pods}
+    limit_p = from_wire(before["ns/p"].ceil, opts)  # the IP limit, unchanged
+    assert after["ns/p"].ceil == to_wire(limit_p, opts, ratio) > before["ns/p"].ceil
+    assert after["ns/q"] == before["ns/q"]
+    view = {v.name: v for v in agent.view().pods}
+    assert abs(view["p"].limit_bps - limit_p) <= 8 and view["q"].limit_bps == from_wire(before["ns/q"].ceil, opts)
+
+
 def test_a_woken_pod_asks_at_most_the_budget():
     """A pod that starts throttled after idling asks its cap (the engine answers with its fair
     share); with no cap of its own that ask is the budget, not 2**53 bit/s on every dashboard."""

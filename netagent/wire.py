@@ -1,0 +1,65 @@
+"""How many bytes HTB counts per IP byte of one class, measured from the class's own counters.
+
+A rate is IP bytes per second (what clouds bill). HTB counts each segment's frame, the IP packet
+plus the link-layer header, so `desired.to_wire` gives a class its IP rate times the frame-per-IP
+ratio of full-size segments, (MTU + 14) / MTU. A class that also carries small packets carries
+less IP than its rate at its ceil: a pod's upload class carries the pure ACKs of its downloads
+(52 bytes of IP in a 66-byte frame, one for every two segments it receives), and in the demo,
+where every pod uploads and downloads at its limit, the pods carried 0.75 % less than the upload
+budget and 0.3 % less than the download budget, every pod throttled at its ceil.
+
+So each class's ratio is measured: frames over IP bytes (frames - 14 x packets, exact per segment)
+across at least MIN_PACKETS packets. It is bounded: never below the full-size ratio (a class is
+never given less than its IP rate in full-size frames) and at most MAX_EXTRA above it, so a class
+whose mix turns to full-size packets carries at most that much over its IP rate until the next
+measurement, a second later. And a new ratio replaces the one in use only when they differ by
+more than STEP, so noise in the mix does not change a class every period. Pure: no kernel here.
+"""
+from __future__ import annotations
+
+from typing import Hashable, Iterable
+
+MIN_PACKETS = 1000  # a ratio from fewer packets is not adopted (a 12 Mbit/s class sends ~1000 full-size packets a second)
+MAX_EXTRA = 0.03  # at most 3 % above the full-size ratio (an average IP packet of ~470 bytes at MTU 1500)
+STEP = 0.002  # 0.2 %: a measured ratio replaces the one in use only when they differ by more
+
+
+class WireRatios:
+    """Per class key (a pod key, or the node's): the frame-per-IP ratio in use, from its counters."""
+
+    def __init__(self, mtu: int, l2_bytes: int):
+        self.full = (mtu + l2_bytes) / mtu
+        self.l2 = l2_bytes
+        self._start: dict[Hashable, tuple[int, int]] = {}  # (frame bytes, packets) when the window began
+        self.ratios: dict[Hashable, float] = {}
+
+    def observe(self, key: Hashable, frames: int, packets: int) -> bool:
+        """One reading of a class's cumulative counters (HTB's bytes and packets); True when the
+        class's ratio in use changed."""
+        start = self._start.get(key)
+        if start is None or frames < start[0] or packets < start[1]:  # new, or the class was re-made
+            self._start[key] = (frames, packets)
+            return False
+        d_frames, d_packets = frames - start[0], packets - start[1]
+        if d_packets < MIN_PACKETS:
+            return False
+        self._start[key] = (frames, packets)
+        ip = d_frames - self.l2 * d_packets
+        if ip <= 0:
+            return False
+        ratio = min(max(d_frames / ip, self.full), self.full * (1 + MAX_EXTRA))
+        if abs(ratio / self.ratios.get(key, self.full) - 1) <= STEP:
+            return False
+        self.ratios[key] = ratio
+        return True
+
+    def get(self, key: Hashable) -> float | None:
+        """The ratio in use; None: full-size (nothing measured that differs)."""
+        return self.ratios.get(key)
+
+    def keep(self, keys: Iterable[Hashable]) -> None:
+        """Forget the classes not in `keys` (pods that left)."""
+        alive = set(keys)
+        for d in (self._start, self.ratios):
+            for gone in [k for k in d if k not in alive]:
+                del d[gone]

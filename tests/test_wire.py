@@ -1,0 +1,78 @@
+"""A class's frames per IP byte, measured from its own counters (netagent/wire.py), and what the
+desired state makes of it: a rate is IP bytes for the packets the class really carries."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from netagent.desired import (NODE_RATIO_KEY, DataPathOptions, DesiredStateError, NodeInputs, PodShape,
+                              desired_state, from_wire, to_wire)
+from netagent.wire import MAX_EXTRA, MIN_PACKETS, STEP, WireRatios
+
+FULL = 1514 / 1500
+M = 1_000_000
+
+
+def mix(bulk: int, acks: int) -> tuple[int, int]:
+    """(frame bytes, packets) of `bulk` full-size segments and `acks` pure ACKs (52 IP bytes)."""
+    return bulk * 1514 + acks * 66, bulk + acks
+
+
+def test_a_class_carrying_acks_beside_its_data_gets_its_measured_ratio():
+    w = WireRatios(1500, 14)
+    w.observe("ns/p", 0, 0)
+    frames, packets = mix(1000, 500)  # a pod uploading at its limit while it downloads: an ACK per 2 segments
+    w.observe("ns/p", frames, packets)
+    assert w.get("ns/p") == pytest.approx(frames / (frames - 14 * packets))
+    assert w.get("ns/p") / FULL - 1 == pytest.approx(0.0044, abs=1e-4)
+
+
+def test_full_size_traffic_keeps_the_full_size_ratio_and_noise_changes_nothing():
+    w = WireRatios(1500, 14)
+    w.observe("ns/p", 0, 0)
+    frames, packets = mix(2000, 0)
+    w.observe("ns/p", frames, packets)
+    assert w.get("ns/p") is None  # nothing measured that differs: to_wire's exact full-size conversion
+    f2, p2 = mix(1000, 500)
+    w.observe("ns/p", frames + f2, packets + p2)
+    first = w.get("ns/p")
+    f3, p3 = mix(1000, 480)  # the mix moved by less than STEP: the class is not changed
+    w.observe("ns/p", frames + f2 + f3, packets + p2 + p3)
+    assert w.get("ns/p") == first
+    assert abs(((f3 / (f3 - 14 * p3)) / first) - 1) <= STEP
+
+
+def test_a_ratio_needs_enough_packets_and_is_bounded():
+    w = WireRatios(1500, 14)
+    w.observe("a", 0, 0)
+    w.observe("a", *mix(0, MIN_PACKETS - 1))  # too few packets: no ratio yet, the window goes on
+    assert w.get("a") is None
+    w.observe("a", *mix(0, MIN_PACKETS))
+    assert w.get("a") == pytest.approx(FULL * (1 + MAX_EXTRA))  # ACKs only (1.27): held to the bound
+    w.observe("a", 10, 1)  # the counters went back (the class was re-made): a new window
+    w.observe("a", 10 + 66 * 500, 501)
+    assert w.get("a") == pytest.approx(FULL * (1 + MAX_EXTRA))
+    w.keep(["b"])
+    assert w.get("a") is None
+
+
+def test_the_desired_state_gives_each_class_its_ratio_and_the_view_reads_the_ip_rate_back():
+    opts = DataPathOptions()
+    ratio, node_ratio = FULL * 1.0044, FULL * 1.002
+    pods = (PodShape("ns/a", ("10.0.0.2",), 10 * M, 20 * M, 30 * M, 40 * M, wire_ratio=ratio, ingress_wire_ratio=ratio),
+            PodShape("ns/b", ("10.0.0.3",), 10 * M, 20 * M, 30 * M, 40 * M))
+    d = desired_state(NodeInputs(("eth0",), ("10.0.0.0/8",), pods, 100 * M, opts, ingress_node_rate=200 * M,
+                                 wire_ratio=node_ratio))
+    a, b = (next(c for c in d.shaper.pods if c.key == k) for k in ("ns/a", "ns/b"))
+    assert (a.rate, a.ceil) == (math.ceil(10 * M * ratio / 8) * 8, math.ceil(20 * M * ratio / 8) * 8)
+    assert (b.rate, b.ceil) == (to_wire(10 * M, opts), to_wire(20 * M, opts))  # not measured: full-size, exact
+    assert d.shaper.node_rate == math.ceil(100 * M * node_ratio / 8) * 8
+    ia = next(c for c in d.ingress_shaper.pods if c.key == "ns/a")
+    assert ia.ceil == math.ceil(40 * M * ratio / 8) * 8
+    assert d.ingress_shaper.node_rate == to_wire(200 * M, opts)
+    assert d.wire_ratios == {"ns/a": ratio, NODE_RATIO_KEY: node_ratio} and d.ingress_wire_ratios == {"ns/a": ratio}
+    assert abs(from_wire(a.ceil, opts, ratio) - 20 * M) <= 8  # what the view shows: the IP limit
+    for bad in (0.9, float("nan"), 3.0):
+        with pytest.raises(DesiredStateError, match="frames per IP byte"):
+            desired_state(NodeInputs(("eth0",), (), (PodShape("ns/a", ("10.0.0.2",), M, M, wire_ratio=bad),), M, opts))
