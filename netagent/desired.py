@@ -12,7 +12,7 @@ header included, GSO packets as their segments), so the HTB classes get the IP r
 (MTU + L2 header) / MTU: exact for full-size segments, the bulk traffic that fills a budget;
 smaller packets carry more header per byte. Where a class's own counters show its mix (a pod's
 upload class carries the ACKs of its downloads), the agent gives it its measured ratio instead
-(`netagent.wire`, `PodShape.wire_ratio`, `NodeInputs.wire_ratio`), so its rate is IP bytes for the
+(`netagent.frames`, `PodShape.wire_ratio`, `NodeInputs.wire_ratio`), so its rate is IP bytes for the
 packets it really carries. `to_wire`/`from_wire` convert; the sampler turns class bytes back into
 IP bytes exactly (bytes - L2 header x packets).
 
@@ -61,7 +61,7 @@ class PodShape:
     ceil: int  # internet egress cap, bit/s
     ingress_rate: int | None = None  # guaranteed internet ingress (downloads), bit/s; None: the download floor
     ingress_ceil: int | None = None  # internet ingress cap, bit/s; None: as ingress_rate
-    # frames HTB counts per IP byte of this pod's class, as measured (netagent.wire); None: full-size
+    # frames HTB counts per IP byte of this pod's class, as measured (netagent.frames); None: full-size
     wire_ratio: float | None = None
     ingress_wire_ratio: float | None = None
 
@@ -125,7 +125,7 @@ class NodeInputs:
     # the node's download (internet ingress) allocation, bit/s; None: downloads are counted, not shaped
     ingress_node_rate: int | None = None
     pod_devices: tuple[str, ...] = ()  # pod-facing devices (host-side veths) downloads are shaped on
-    # the node classes' measured frames per IP byte (netagent.wire); None: full-size
+    # the node classes' measured frames per IP byte (netagent.frames); None: full-size
     wire_ratio: float | None = None
     ingress_wire_ratio: float | None = None
 

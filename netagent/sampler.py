@@ -18,10 +18,10 @@ from .datapath import DataPath
 from .demand import PodDemand, Sample
 from .desired import NODE_RATIO_KEY, from_wire, ip_bytes
 from .sync import NodeSync
-from .wire import WireRatios
+from .frames import FrameRatios
 
 log = logging.getLogger(__name__)
-RATIO_WAKE_S = 5.0  # at most one sync this often for measured wire ratios (netagent.wire)
+RATIO_WAKE_S = 5.0  # at most one sync this often for measured wire ratios (netagent.frames)
 
 
 class Sampler:
@@ -95,7 +95,7 @@ class Sampler:
             self._ratio_changed, self._ratio_wake_at = False, now + RATIO_WAKE_S
             self.wake_sync()
 
-    def _observe_wire(self, wire: WireRatios, stats: dict) -> bool:
+    def _observe_wire(self, wire: FrameRatios, stats: dict) -> bool:
         """Each class's frames and packets into its measured frames per IP byte (the node class's
         too); True when a class's ratio changed."""
         minors = self.node.state.minors

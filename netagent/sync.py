@@ -24,7 +24,7 @@ from .config import AgentConfig
 from .datapath import DataPath
 from .demand import PodDemand
 from .outbound import with_outbound_problems
-from .wire import WireRatios
+from .frames import FrameRatios
 from .desired import (NODE_RATIO_KEY, DesiredState, DesiredStateError, NodeInputs, PodShape, assign_minors,
                       desired_state)
 
@@ -76,11 +76,11 @@ class NodeSync:
         # per direction: the pods (and budget) the local engine last saw
         self._allocated_inputs: dict[str, dict[str, object]] = {}
         self._lock = threading.Lock()  # one sync at a time (the runner's thread, or a test)
-        # each class's measured frames per IP byte (netagent.wire), per direction: written by the
+        # each class's measured frames per IP byte (netagent.frames), per direction: written by the
         # sampler from the counters it reads anyway, given to the classes at the next sync
         opts = cfg.datapath
-        self.wire = WireRatios(opts.wire_mtu, opts.wire_l2_bytes)
-        self.ingress_wire = WireRatios(opts.wire_mtu, opts.wire_l2_bytes)
+        self.wire = FrameRatios(opts.wire_mtu, opts.wire_l2_bytes)
+        self.ingress_wire = FrameRatios(opts.wire_mtu, opts.wire_l2_bytes)
 
     # -- inputs ---------------------------------------------------------------
     def on_snapshot(self, snap: Snapshot) -> None:

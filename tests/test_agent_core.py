@@ -178,7 +178,7 @@ def test_a_class_that_carries_acks_beside_its_data_gets_its_measured_wire_ratio(
     """A pod whose upload class carries its download's ACKs (one 66-byte frame for every two
     full-size ones) is given its limit in frames of its own mix at the next sync, so its limit is
     IP bytes for what it really sends; the view still shows the IP limit; a pod sending full-size
-    segments only keeps the exact full-size conversion (netagent/wire.py)."""
+    segments only keeps the exact full-size conversion (netagent/frames.py)."""
     from tc.model import NODE_MINOR, ClassStats
 
     dp = FakeDataPath()

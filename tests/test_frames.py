@@ -1,4 +1,4 @@
-"""A class's frames per IP byte, measured from its own counters (netagent/wire.py), and what the
+"""A class's frames per IP byte, measured from its own counters (netagent/frames.py), and what the
 desired state makes of it: a rate is IP bytes for the packets the class really carries."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from netagent.desired import (NODE_RATIO_KEY, DataPathOptions, DesiredStateError, NodeInputs, PodShape,
                               desired_state, from_wire, to_wire)
-from netagent.wire import MAX_EXTRA, MIN_PACKETS, STEP, WireRatios
+from netagent.frames import MAX_EXTRA, MIN_PACKETS, STEP, FrameRatios
 
 FULL = 1514 / 1500
 M = 1_000_000
@@ -20,7 +20,7 @@ def mix(bulk: int, acks: int) -> tuple[int, int]:
 
 
 def test_a_class_carrying_acks_beside_its_data_gets_its_measured_ratio():
-    w = WireRatios(1500, 14)
+    w = FrameRatios(1500, 14)
     w.observe("ns/p", 0, 0)
     frames, packets = mix(1000, 500)  # a pod uploading at its limit while it downloads: an ACK per 2 segments
     w.observe("ns/p", frames, packets)
@@ -29,7 +29,7 @@ def test_a_class_carrying_acks_beside_its_data_gets_its_measured_ratio():
 
 
 def test_full_size_traffic_keeps_the_full_size_ratio_and_noise_changes_nothing():
-    w = WireRatios(1500, 14)
+    w = FrameRatios(1500, 14)
     w.observe("ns/p", 0, 0)
     frames, packets = mix(2000, 0)
     w.observe("ns/p", frames, packets)
@@ -44,7 +44,7 @@ def test_full_size_traffic_keeps_the_full_size_ratio_and_noise_changes_nothing()
 
 
 def test_a_ratio_needs_enough_packets_and_is_bounded():
-    w = WireRatios(1500, 14)
+    w = FrameRatios(1500, 14)
     w.observe("a", 0, 0)
     w.observe("a", *mix(0, MIN_PACKETS - 1))  # too few packets: no ratio yet, the window goes on
     assert w.get("a") is None

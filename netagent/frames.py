@@ -24,7 +24,7 @@ MAX_EXTRA = 0.03  # at most 3 % above the full-size ratio (an average IP packet 
 STEP = 0.002  # 0.2 %: a measured ratio replaces the one in use only when they differ by more
 
 
-class WireRatios:
+class FrameRatios:
     """Per class key (a pod key, or the node's): the frame-per-IP ratio in use, from its counters."""
 
     def __init__(self, mtu: int, l2_bytes: int):
