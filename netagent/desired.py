@@ -91,9 +91,16 @@ def to_wire(bps: int, opts: DataPathOptions, ratio: float | None = None) -> int:
     `ratio` bytes per IP byte, a class's measured mix), rounded up to the whole bytes per second
     HTB holds (so the kernel holds exactly this number)."""
     if ratio is not None:
-        return min(MAX_RATE_BPS // 8 * 8, math.ceil(bps * ratio / 8) * 8)
+        return frames_bits(bps, ratio)
     m = opts.wire_mtu + opts.wire_l2_bytes
     return min(MAX_RATE_BPS // 8 * 8, -(-bps * m // (8 * opts.wire_mtu)) * 8)
+
+
+def frames_bits(bps: int, ratio: float) -> int:
+    """An IP rate (bit/s) in frames of `ratio` bytes per IP byte, rounded up to HTB's whole bytes per
+    second (a billionth of a byte under a whole one counts as it: a ratio taken from the kernel's
+    number gives that number back)."""
+    return min(MAX_RATE_BPS // 8 * 8, math.ceil(bps * ratio / 8 - 1e-9) * 8)
 
 
 def from_wire(bps: int, opts: DataPathOptions, ratio: float | None = None) -> int:
@@ -287,10 +294,15 @@ def _pod_class(minor: int, key: str, rate: int, ceil: int, node_rate: int, opts:
               ratio: float | None = None) -> HtbClassSpec:
     """A pod's HTB class within a node class of `node_rate` (IP bit/s in, wire bit/s out, in frames
     of `ratio` bytes per IP byte when measured)."""
-    rate = min(rate, node_rate)
-    ceil = min(max(ceil, rate), node_rate)
+    rate, ceil = pod_class_ip(rate, ceil, node_rate)
     return HtbClassSpec(minor, max(to_wire(rate, opts, ratio), MIN_RATE_BPS),
                         max(to_wire(ceil, opts, ratio), MIN_RATE_BPS), key)
+
+
+def pod_class_ip(rate: int, ceil: int, node_rate: int) -> tuple[int, int]:
+    """A pod class's (rate, ceil) in IP bit/s within a node class of `node_rate`."""
+    rate = min(rate, node_rate)
+    return rate, min(max(ceil, rate), node_rate)
 
 
 def _ingress_shaper(inputs: NodeInputs, ready: list[PodShape], minors: dict[str, int]) -> ShaperSpec:

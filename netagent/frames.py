@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Hashable, Iterable
 
+from .desired import frames_bits
+
 MIN_PACKETS = 1000  # a ratio from fewer packets is not adopted (a 12 Mbit/s class sends ~1000 full-size packets a second)
 MAX_EXTRA = 0.03  # at most 3 % above the full-size ratio (an average IP packet of ~470 bytes at MTU 1500)
 STEP = 0.002  # 0.2 %: a measured ratio replaces the one in use only when they differ by more
@@ -52,6 +54,23 @@ class FrameRatios:
             return False
         self.ratios[key] = ratio
         return True
+
+    def seed(self, key: Hashable, ip_rate: int, ip_ceil: int, wire_rate: int, wire_ceil: int) -> None:
+        """A class this process has no ratio for keeps the one the kernel shows it was given (by the
+        agent before a restart, which measured it): when its HTB rate and ceil (bit/s) are exactly
+        its IP rate and ceil in frames of one ratio within the bounds, that ratio is taken. So a
+        restart changes nothing in the kernel, and the next measurement goes on from there."""
+        if key in self.ratios or ip_ceil <= 0 or ip_rate <= 0:
+            return
+        # frames_bits(ip, r) == wire for (wire - 8) / ip < r <= wire / ip (whole bytes): the middle
+        # of where the rate's and the ceil's ranges overlap gives both numbers back
+        low = max((wire_rate - 8) / ip_rate, (wire_ceil - 8) / ip_ceil)
+        high = min(wire_rate / ip_rate, wire_ceil / ip_ceil)
+        ratio = (low + high) / 2
+        if not (low < high and self.full * (1 + STEP) < ratio <= self.full * (1 + MAX_EXTRA) * (1 + 1e-9)):
+            return
+        if frames_bits(ip_ceil, ratio) == wire_ceil and frames_bits(ip_rate, ratio) == wire_rate:
+            self.ratios[key] = ratio
 
     def get(self, key: Hashable) -> float | None:
         """The ratio in use; None: full-size (nothing measured that differs)."""

@@ -18,6 +18,7 @@ from typing import Callable
 
 from core.objects import Snapshot
 from core.policy import PolicyCache, ResolvedPod, resolve_pods
+from tc.model import MIN_RATE_BPS, NODE_MINOR
 
 from .allocations import Allocation, Allocations, AllocationSet, cap_to_node, ingress_view, least_ceils, pod_rates
 from .config import AgentConfig
@@ -26,7 +27,7 @@ from .demand import PodDemand
 from .outbound import with_outbound_problems
 from .frames import FrameRatios
 from .desired import (NODE_RATIO_KEY, DesiredState, DesiredStateError, NodeInputs, PodShape, assign_minors,
-                      desired_state)
+                      desired_state, pod_class_ip)
 
 # Single-node mode's allocator (netagent.local.LocalAllocator): (pods, demand, budget) -> allocations.
 # Injected, so the agent in controller mode never loads the engine (numpy).
@@ -134,6 +135,7 @@ class NodeSync:
             ingress_rate, ingress_eff, ingress_budget = None, {}, 0
             if self.ingress_allocations is not None:
                 ingress_rate, ingress_eff, ingress_budget = self._ingress(pods, policy)
+            self._seed_frames(pods, effective, node_rate, ingress_eff, ingress_rate)
             wire, ingress_wire = self.wire.get, self.ingress_wire.get
             shapes = tuple(PodShape(p.key, p.ips, *pod_rates(effective[p.key]),
                                     *(pod_rates(ingress_eff[p.key]) if p.key in ingress_eff else (None, None)),
@@ -160,6 +162,26 @@ class NodeSync:
                                pods_known=True, ingress_budget_bps=ingress_budget, ingress_effective=ingress_eff)
         self._count(changes, before.desired, desired, elapsed)
         return True
+
+    def _seed_frames(self, pods: list[ResolvedPod], effective: dict[str, Allocation], node_rate: int,
+                     ingress_eff: dict[str, Allocation], ingress_rate: int | None) -> None:
+        """Classes this process has no measured frame ratio for keep the one the kernel shows they
+        were given (`FrameRatios.seed`): a restarted agent changes nothing, its numbers being the same."""
+        for frames, stats, eff, node in ((self.wire, self.datapath.class_stats, effective, node_rate),
+                                         (self.ingress_wire, self.datapath.ingress_class_stats, ingress_eff,
+                                          ingress_rate)):
+            if node is None or (NODE_RATIO_KEY in frames.ratios and all(p.key in frames.ratios for p in pods)):
+                continue
+            kernel = stats()
+            node = max(MIN_RATE_BPS, node)
+            st = kernel.get(NODE_MINOR)
+            if st is not None:
+                frames.seed(NODE_RATIO_KEY, node, node, st.rate_bytes * 8, st.ceil_bytes * 8)
+            for p in pods:
+                minor, a = self.minor_of(p), eff.get(p.key)
+                st = kernel.get(minor) if minor is not None else None
+                if a is not None and st is not None:
+                    frames.seed(p.key, *pod_class_ip(*pod_rates(a), node), st.rate_bytes * 8, st.ceil_bytes * 8)
 
     def _ingress(self, pods: list[ResolvedPod], policy) -> tuple[int, dict[str, Allocation], int]:
         """Downloads: (the node's download rate, each pod's download rate and ceil, the budget the local

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from netagent.desired import (NODE_RATIO_KEY, DataPathOptions, DesiredStateError, NodeInputs, PodShape,
+from netagent.desired import (NODE_RATIO_KEY, DataPathOptions, DesiredStateError, NodeInputs, PodShape, frames_bits,
                               desired_state, from_wire, to_wire)
 from netagent.frames import MAX_EXTRA, MIN_PACKETS, STEP, FrameRatios
 
@@ -76,3 +76,29 @@ def test_the_desired_state_gives_each_class_its_ratio_and_the_view_reads_the_ip_
     for bad in (0.9, float("nan"), 3.0):
         with pytest.raises(DesiredStateError, match="frames per IP byte"):
             desired_state(NodeInputs(("eth0",), (), (PodShape("ns/a", ("10.0.0.2",), M, M, wire_ratio=bad),), M, opts))
+
+
+def test_a_restarted_agent_keeps_the_ratio_the_kernel_shows_and_nothing_else():
+    """The agent before the restart gave a class its measured ratio; the new process, which has
+    measured nothing yet, takes that ratio back from the class's HTB rate and ceil when they are
+    exactly its IP numbers in frames of one ratio within the bounds, so its first sync changes
+    nothing. A full-size class, a number out of the bounds (a class someone else changed) or a
+    class it has measured already is not seeded."""
+    old = FULL * 1.0137
+    for rate, ceil in ((3 * M, 20 * M), (19_999_999, 20_000_001), (123_456, 7_654_321), (10 * M, 10 * M)):
+        w = FrameRatios(1500, 14)
+        w.seed("ns/p", rate, ceil, frames_bits(rate, old), frames_bits(ceil, old))
+        got = w.get("ns/p")
+        assert got == pytest.approx(old, rel=1e-6)
+        assert (frames_bits(rate, got), frames_bits(ceil, got)) == (frames_bits(rate, old), frames_bits(ceil, old))
+    w = FrameRatios(1500, 14)
+    opts = DataPathOptions()
+    w.seed("full", M, 20 * M, to_wire(M, opts), to_wire(20 * M, opts))
+    w.seed("beyond", M, 20 * M, frames_bits(M, FULL * 1.05), frames_bits(20 * M, FULL * 1.05))
+    w.seed("adopted", M, 20 * M, frames_bits(M, old) + 8, frames_bits(20 * M, old))  # not one ratio: left
+    assert w.ratios == {}
+    w.observe("measured", 0, 0)
+    w.observe("measured", *mix(1000, 500))
+    measured = w.get("measured")
+    w.seed("measured", M, 20 * M, frames_bits(M, old), frames_bits(20 * M, old))
+    assert w.get("measured") == measured
