@@ -17,11 +17,11 @@ from .allocations import Allocations, ingress_view
 from .datapath import DataPath
 from .demand import PodDemand, Sample
 from .desired import NODE_RATIO_KEY, from_wire, ip_bytes
-from .sync import NodeSync
 from .frames import FrameRatios
+from .sync import NodeSync
 
 log = logging.getLogger(__name__)
-RATIO_WAKE_S = 5.0  # at most one sync this often for measured wire ratios (netagent.frames)
+RATIO_WAKE_S = 5.0  # at most one sync this often for measured frame ratios (netagent.frames)
 
 
 class Sampler:
@@ -35,7 +35,7 @@ class Sampler:
         self.sample_seconds = sample_seconds
         self.allocate_seconds = allocate_seconds
         self._stop = threading.Event()
-        self._ratio_changed = False  # a class's measured wire ratio changed since the last wake for it
+        self._ratio_changed = False  # a class's measured frame ratio changed since the last wake for it
         self._ratio_wake_at = 0.0
         self._thread = threading.Thread(target=self._loop, name="sampler", daemon=True)
 
@@ -80,14 +80,14 @@ class Sampler:
         pods = self.node.state.pods
         self._sample(now, stats, {p.key: p.max_bps for p in pods}, self.allocations, self.demand,
                      self.node.state.budget_bps)
-        changed = self._observe_wire(self.node.wire, stats)
+        changed = self._observe_frames(self.node.frames, stats)
         ingress = self.node.ingress_allocations
         if ingress is not None and self.node.state.desired is not None and self.node.state.desired.ingress_shaper:
             now, stats = self.datapath.sample_ingress_stats()
             # the download cap: what `ingress_view(p).max_bps` is, without copying every pod a second
             self._sample(now, stats, {p.key: p.ingress_max_bps for p in pods}, ingress,
                          self.node.ingress_demand, self.node.state.ingress_budget_bps)
-            changed |= self._observe_wire(self.node.ingress_wire, stats)
+            changed |= self._observe_frames(self.node.ingress_frames, stats)
         # a new ratio reaches the kernel at the next sync; wake one for it, at most every RATIO_WAKE_S
         # (allocations that hold still wake none, and a sync costs more than a sample)
         self._ratio_changed |= changed
@@ -95,7 +95,7 @@ class Sampler:
             self._ratio_changed, self._ratio_wake_at = False, now + RATIO_WAKE_S
             self.wake_sync()
 
-    def _observe_wire(self, wire: FrameRatios, stats: dict) -> bool:
+    def _observe_frames(self, ratios: FrameRatios, stats: dict) -> bool:
         """Each class's frames and packets into its measured frames per IP byte (the node class's
         too); True when a class's ratio changed."""
         minors = self.node.state.minors
@@ -103,11 +103,11 @@ class Sampler:
         for key, minor in minors.items():
             st = stats.get(minor)
             if st is not None:
-                changed |= wire.observe(key, st.bytes, st.packets)
+                changed |= ratios.observe(key, st.bytes, st.packets)
         node = stats.get(NODE_MINOR)
         if node is not None:
-            changed |= wire.observe(NODE_RATIO_KEY, node.bytes, node.packets)
-        wire.keep((*minors, NODE_RATIO_KEY))
+            changed |= ratios.observe(NODE_RATIO_KEY, node.bytes, node.packets)
+        ratios.keep((*minors, NODE_RATIO_KEY))
         return changed
 
     def _sample(self, now: float, stats: dict, caps: dict[str, int], allocations: Allocations,

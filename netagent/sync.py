@@ -24,8 +24,8 @@ from .allocations import Allocation, Allocations, AllocationSet, cap_to_node, in
 from .config import AgentConfig
 from .datapath import DataPath
 from .demand import PodDemand
-from .outbound import with_outbound_problems
 from .frames import FrameRatios
+from .outbound import with_outbound_problems
 from .desired import (NODE_RATIO_KEY, DesiredState, DesiredStateError, NodeInputs, PodShape, assign_minors,
                       desired_state, pod_class_ip)
 
@@ -80,8 +80,8 @@ class NodeSync:
         # each class's measured frames per IP byte (netagent.frames), per direction: written by the
         # sampler from the counters it reads anyway, given to the classes at the next sync
         opts = cfg.datapath
-        self.wire = FrameRatios(opts.wire_mtu, opts.wire_l2_bytes)
-        self.ingress_wire = FrameRatios(opts.wire_mtu, opts.wire_l2_bytes)
+        self.frames = FrameRatios(opts.wire_mtu, opts.wire_l2_bytes)
+        self.ingress_frames = FrameRatios(opts.wire_mtu, opts.wire_l2_bytes)
 
     # -- inputs ---------------------------------------------------------------
     def on_snapshot(self, snap: Snapshot) -> None:
@@ -136,16 +136,16 @@ class NodeSync:
             if self.ingress_allocations is not None:
                 ingress_rate, ingress_eff, ingress_budget = self._ingress(pods, policy)
             self._seed_frames(pods, effective, node_rate, ingress_eff, ingress_rate)
-            wire, ingress_wire = self.wire.get, self.ingress_wire.get
+            ratio, ingress_ratio = self.frames.get, self.ingress_frames.get
             shapes = tuple(PodShape(p.key, p.ips, *pod_rates(effective[p.key]),
                                     *(pod_rates(ingress_eff[p.key]) if p.key in ingress_eff else (None, None)),
-                                    wire_ratio=wire(p.key), ingress_wire_ratio=ingress_wire(p.key))
+                                    wire_ratio=ratio(p.key), ingress_wire_ratio=ingress_ratio(p.key))
                            for p in pods)
             devices = self.datapath.pod_devices(self.cfg.uplinks) if ingress_rate is not None else ()
             desired = desired_state(NodeInputs(self.cfg.uplinks, self.cfg.internal_cidrs, shapes, node_rate,
                                                self.cfg.datapath, ingress_node_rate=ingress_rate,
-                                               wire_ratio=wire(NODE_RATIO_KEY),
-                                               ingress_wire_ratio=ingress_wire(NODE_RATIO_KEY),
+                                               wire_ratio=ratio(NODE_RATIO_KEY),
+                                               ingress_wire_ratio=ingress_ratio(NODE_RATIO_KEY),
                                                pod_devices=devices))
             stage = "apply"
             changes = self.datapath.apply(desired, full=full or before.desired is None)
@@ -167,21 +167,21 @@ class NodeSync:
                      ingress_eff: dict[str, Allocation], ingress_rate: int | None) -> None:
         """Classes this process has no measured frame ratio for keep the one the kernel shows they
         were given (`FrameRatios.seed`): a restarted agent changes nothing, its numbers being the same."""
-        for frames, stats, eff, node in ((self.wire, self.datapath.class_stats, effective, node_rate),
-                                         (self.ingress_wire, self.datapath.ingress_class_stats, ingress_eff,
+        for ratios, stats, eff, node in ((self.frames, self.datapath.class_stats, effective, node_rate),
+                                         (self.ingress_frames, self.datapath.ingress_class_stats, ingress_eff,
                                           ingress_rate)):
-            if node is None or (NODE_RATIO_KEY in frames.ratios and all(p.key in frames.ratios for p in pods)):
+            if node is None or (NODE_RATIO_KEY in ratios.ratios and all(p.key in ratios.ratios for p in pods)):
                 continue
             kernel = stats()
             node = max(MIN_RATE_BPS, node)
             st = kernel.get(NODE_MINOR)
             if st is not None:
-                frames.seed(NODE_RATIO_KEY, node, node, st.rate_bytes * 8, st.ceil_bytes * 8)
+                ratios.seed(NODE_RATIO_KEY, node, node, st.rate_bytes * 8, st.ceil_bytes * 8)
             for p in pods:
                 minor, a = self.minor_of(p), eff.get(p.key)
                 st = kernel.get(minor) if minor is not None else None
                 if a is not None and st is not None:
-                    frames.seed(p.key, *pod_class_ip(*pod_rates(a), node), st.rate_bytes * 8, st.ceil_bytes * 8)
+                    ratios.seed(p.key, *pod_class_ip(*pod_rates(a), node), st.rate_bytes * 8, st.ceil_bytes * 8)
 
     def _ingress(self, pods: list[ResolvedPod], policy) -> tuple[int, dict[str, Allocation], int]:
         """Downloads: (the node's download rate, each pod's download rate and ceil, the budget the local
