@@ -10,7 +10,11 @@ Cost and abuse bounds, in the order a request meets them:
   audience or of another ServiceAccount than --agent-service-account. A forged token that
   claims the right things still goes to a TokenReview, which decides;
 - a verdict cache keyed by the token's hash, bounded (LRU) and never past the token's `exp`:
-  a report costs no API call in the steady state;
+  a report costs no API call in the steady state. Each verdict is fresh for a random
+  (1 - TTL_SPREAD..1) x the TTL: agents that were all reviewed at once (a controller's start,
+  a failover) would otherwise all be reviewed again at once every TTL, a burst of N reviews
+  (1,000 in the same few seconds every minute at 1,000 nodes, docs/scale.md finding 11);
+  spread, they come at ~N/TTL a second;
 - uncached reviews pass a `ReviewGate` (controller/api.py): a bounded number at once, per
   client address a bounded rate and number pending, a bounded queue overall; beyond it a 429
   at once. Junk from one pod never queues ahead of the agents;
@@ -24,6 +28,7 @@ import base64
 import binascii
 import hashlib
 import json
+import random
 import re
 import threading
 import time
@@ -93,14 +98,18 @@ def _exp(claims: dict) -> float | None:
     return float(exp) if isinstance(exp, (int, float)) and not isinstance(exp, bool) else None
 
 
+TTL_SPREAD = 0.25  # a verdict is fresh for (1 - TTL_SPREAD..1) x the TTL, at random
+
+
 class TokenAuthenticator:
     """`cached` (cheap, for the event loop) and `authenticate` (may call the API: a worker thread)."""
 
     def __init__(self, review: Callable[[str], dict], ttl: float = 60.0, max_entries: int = 50_000,
                  allowed_user: str | None = None, audience: str | None = AUDIENCE, grace: float = GRACE_SECONDS,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, rng: random.Random | None = None):
         self.review = review  # token -> TokenReview status dict (API call)
-        self.ttl = ttl
+        self.ttl = ttl  # the longest a verdict is reused without a review (--token-cache-seconds)
+        self.rng = rng or random.Random()
         self.grace = grace
         self.max_entries = max_entries
         self.allowed_user = allowed_user  # the username the agents' tokens carry; None: any
@@ -177,7 +186,8 @@ class TokenAuthenticator:
                 result = exc
             exp = _exp(claims) or float("inf")  # verified now: the token's own expiry bounds every reuse
             if isinstance(result, Identity):
-                fresh, stale = min(now + self.ttl, exp), min(now + self.ttl + self.grace, exp)
+                ttl = self.ttl * (1.0 - TTL_SPREAD * self.rng.random())
+                fresh, stale = min(now + ttl, exp), min(now + ttl + self.grace, exp)
             else:  # refusals are cached briefly too: a flood of one bad token is not a flood of reviews
                 fresh = stale = now + min(self.ttl, 5.0)
             with self._lock:

@@ -462,6 +462,35 @@ def test_token_cache_honours_expiry_and_is_bounded():
     assert len(auth) == 20  # least recently used verdicts are evicted
 
 
+def test_agents_reviewed_at_once_are_not_reviewed_at_once_again():
+    """1,000 agents reviewed in the same second (a controller's start, a failover): with every verdict
+    fresh for the same 60 s they were all reviewed again in the same second every minute, a burst
+    of 1,000 TokenReviews (finding 11 of docs/scale.md). Each verdict's freshness is spread over
+    45-60 s: no second of the next cycles holds more than a tenth of them, no verdict is reused
+    past the 60 s, and the reviews average about one an agent a minute."""
+    import random
+
+    now = [1000.0]
+    calls: list[str] = []
+    tokens = {jwt(sig=f"a{i}"): (AGENT_SA, f"node-{i}") for i in range(1000)}
+    auth = TokenAuthenticator(review_for(tokens, calls), ttl=60, clock=lambda: now[0], rng=random.Random(7))
+    reviewed_at: dict[str, float] = {}
+    per_second: list[int] = []
+    for _ in range(600):  # ten minutes, every agent reporting every second
+        before = len(calls)
+        for token in tokens:
+            if auth.cached(f"Bearer {token}") is None:
+                auth.authenticate(f"Bearer {token}")
+                if token in reviewed_at:
+                    assert now[0] - reviewed_at[token] <= 60.0 + 1.0  # never reused past the TTL
+                reviewed_at[token] = now[0]
+        per_second.append(len(calls) - before)
+        now[0] += 1.0
+    assert per_second[0] == 1000
+    assert max(per_second[1:]) <= 100, max(per_second[1:])
+    assert 1000 * 600 / 60 <= sum(per_second) <= 1000 * 600 / 45 + 1000
+
+
 async def test_junk_tokens_never_delay_a_real_agent():
     """1,000 well-formed junk tokens a second from one pod (each would need a TokenReview that takes
     20 ms) while a real agent with a token the controller has not seen yet reports: the agent is
