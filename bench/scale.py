@@ -870,17 +870,19 @@ def kubectl(cp: ControlPlane, *args: str) -> None:
     cp.kubectl(*args, timeout=300)
 
 
-def audit_counts(paths: list[Path], since: float) -> Counter:
-    """(client kind, verb, resource) -> requests from the apiservers' audit logs after `since` (epoch s)."""
+def audit_counts(paths: list[Path], since: float, reviews_by_second: Counter | None = None) -> Counter:
+    """(client kind, verb, resource) -> requests from the apiservers' audit logs after `since` (epoch s);
+    the TokenReviews per whole second into `reviews_by_second` when given (are they a steady rate or
+    bursts?)."""
     counts: Counter = Counter()
     for path in paths:
         if path.exists():
             with path.open() as f:
-                _count_audit(f, since, counts)
+                _count_audit(f, since, counts, reviews_by_second)
     return counts
 
 
-def _count_audit(f, since: float, counts: Counter) -> None:
+def _count_audit(f, since: float, counts: Counter, reviews_by_second: Counter | None = None) -> None:
     for line in f:
         ev = json.loads(line)
         verb, stage = ev.get("verb"), ev.get("stage")
@@ -889,13 +891,16 @@ def _count_audit(f, since: float, counts: Counter) -> None:
         if verb == "watch" and stage == "ResponseComplete":
             continue
         ts = ev.get("requestReceivedTimestamp", "")
-        if not ts or datetime.datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp() < since:
+        at = datetime.datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp() if ts else 0.0
+        if at < since:
             continue
         user = ev.get("user", {}).get("username", "")
         kind = "agent" if user.endswith(":" + AGENT_SA) else "controller" if user.endswith(":" + CONTROLLER_SA) else user
         ref = ev.get("objectRef") or {}
         res = ref.get("resource", "") + ("/" + ref["subresource"] if ref.get("subresource") else "")
         counts[(kind, verb, res)] += 1
+        if reviews_by_second is not None and res == "tokenreviews":
+            reviews_by_second[int(at)] += 1
 
 
 async def apiserver_metrics(admin: Api, urls: list[str]) -> dict[str, float]:
@@ -1188,7 +1193,8 @@ async def run(args) -> None:
 
         # -- report
         counts_start = audit_counts(audit_logs, t_agents)
-        counts_window = audit_counts(audit_logs, t_window)
+        reviews_by_second: Counter = Counter()
+        counts_window = audit_counts(audit_logs, t_window, reviews_by_second)
         ours = {k: v for k, v in counts_window.items() if k[0] in ("agent", "controller")}
         all_reqs = (m3["requests"] - m2["requests"]) / args.measure
         our_rate = sum(ours.values()) / args.measure
@@ -1211,7 +1217,8 @@ async def run(args) -> None:
         status_w = sum(n for (k, v, r), n in counts_window.items() if k == "controller" and r.endswith("/status"))
         tr_w = sum(n for (k, v, r), n in counts_window.items() if k == "controller" and r == "tokenreviews")
         print(f"TokenReviews by the controller since agents started: {tr} ({args.nodes} distinct agents); "
-              f"in the window {tr_w * 60 / args.measure:.0f}/min (--token-cache-seconds 60)")
+              f"in the window {tr_w * 60 / args.measure:.0f}/min (--token-cache-seconds 60; N/60 = {args.nodes / 60:.1f}/s); "
+              f"the busiest second of the window {max(reviews_by_second.values(), default=0)}")
         print(f"status writes: {status_w * 60 / args.measure:.1f}/min")
         for k, (cpu, rss) in busy_use.items():
             if k.startswith("controller"):
