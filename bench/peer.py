@@ -74,12 +74,12 @@ CNI_LATENCY_S = 0.025  # the plugin's TBF latency (ifb_creator.go latencyInMilli
 INTERNAL_AIM = 0.97
 # the full-size ping: 1400 bytes of payload, a 1428-byte IP packet, the size of a bulk flow's frames
 FULL_PING_PAYLOAD = 1400
+UNSHAPED_BPS = 100 * 10**9  # the other direction's rate while one is benched: never the limit
 
 
 def pings(out: str) -> list[float]:
     """The RTTs in ms that ping printed."""
     return [float(v) for v in re.findall(r"time=([\d.]+) ms", out)]
-UNSHAPED_BPS = 100 * 10**9  # the other direction's rate while one is benched: never the limit
 
 
 @dataclass(frozen=True)
@@ -234,9 +234,9 @@ class Bench:
         try:
             time.sleep(2)
             # a full-size ping beside the small one: what a bulk-sized packet of another flow waits
-            full = subprocess.Popen(["ip", "netns", "exec", self.pod.netns, "ping", "-c", str(self.args.pings),
-                                     "-i", "0.1", "-s", str(FULL_PING_PAYLOAD), INTERNET_V4],
-                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            full = self.lab.spawn(self.pod.netns, ["ping", "-c", str(self.args.pings), "-i", "0.1",
+                                                   "-s", str(FULL_PING_PAYLOAD), INTERNET_V4],
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             out = run(["ping", "-c", str(self.args.pings), "-i", "0.1", INTERNET_V4], self.pod.netns, check=False,
                       timeout=self.args.pings + 30)
             full_out, _ = full.communicate(timeout=self.args.pings + 30)
@@ -297,7 +297,7 @@ def measure(lab: Lab, direction: Direction, args, rates: list[int], clean: dict[
     shapers = (CniPlugin(args.plugin, lab, bench.pod, direction), agent)
     try:
         idle = run(["ping", "-c", "20", "-i", "0.1", INTERNET_V4], bench.pod.netns)
-        idle_rtt = statistics.median(float(v) for v in re.findall(r"time=([\d.]+) ms", idle))
+        idle_rtt = statistics.median(pings(idle))
         print(f"{direction.name}, plugin {args.plugin}, netagent leaf {agent.options.leaf_qdisc}; "
               f"unloaded RTT {idle_rtt:.3f} ms", flush=True)
         for rate in rates:
