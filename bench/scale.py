@@ -459,26 +459,24 @@ class SimAgent:
                     self.down_bytes[k] = self.down_overlimits[k] = 0
                     self.down_demand[k] = PodDemand()
             factor = self.host.factor(rp.team)
-            want = self.appetite[k] * factor
-            limit = self.limits.get(k, FLOOR_BPS)
-            sent = min(want, limit)
-            total += sent
-            self.bytes[k] += int(sent * dt / 8)
-            if want > limit * 1.001:
-                self.overlimits[k] += 1
-            self.demand[k].update(Sample(t, self.bytes[k], 0, self.overlimits[k], 0), int(limit), rp.max_bps,
-                                  self.answers)
+            total += self._carry(k, self.appetite[k] * factor, self.limits, self.bytes, self.overlimits,
+                                 self.demand, rp.max_bps, t, dt)
             if downloads:  # as netagent.sampler does for the download classes
-                want = self.down_appetite[k] * factor
-                limit = self.down_limits.get(k, FLOOR_BPS)
-                got = min(want, limit)
-                down += got
-                self.down_bytes[k] += int(got * dt / 8)
-                if want > limit * 1.001:
-                    self.down_overlimits[k] += 1
-                self.down_demand[k].update(Sample(t, self.down_bytes[k], 0, self.down_overlimits[k], 0), int(limit),
-                                           rp.ingress_max_bps, self.answers)
+                down += self._carry(k, self.down_appetite[k] * factor, self.down_limits, self.down_bytes,
+                                    self.down_overlimits, self.down_demand, rp.ingress_max_bps, t, dt)
         return total, down
+
+    def _carry(self, k: str, want: float, limits: dict, counted: dict, overlimits: dict,
+               demand: dict[str, PodDemand], cap: int, t: float, dt: float) -> float:
+        """One pod's traffic in one direction over `dt`: min(want, its limit), added to its counter
+        as the kernel counts it, and the sample the agent's demand estimator takes of it."""
+        limit = limits.get(k, FLOOR_BPS)
+        sent = min(want, limit)
+        counted[k] += int(sent * dt / 8)
+        if want > limit * 1.001:
+            overlimits[k] += 1
+        demand[k].update(Sample(t, counted[k], 0, overlimits[k], 0), int(limit), cap, self.answers)
+        return sent
 
     def session(self) -> aiohttp.ClientSession:
         """This agent's connection to the controller, from its own address (127.x.y.z, as each node
