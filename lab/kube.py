@@ -229,10 +229,11 @@ def _die_with_parent() -> None:
 class Process:
     """One control-plane binary in its own process group, logging to a file."""
 
-    def __init__(self, name: str, argv: list[str], log_file: Path):
+    def __init__(self, name: str, argv: list[str], log_file: Path, env: dict[str, str] | None = None):
         self.name = name
         self.argv = argv
         self.log_file = log_file
+        self.env = dict(env or {})  # added to the inherited environment
         self.popen: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -240,7 +241,7 @@ class Process:
             try:
                 self.popen = subprocess.Popen(
                     self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    start_new_session=True, preexec_fn=_die_with_parent,
+                    env={**os.environ, **self.env} if self.env else None, start_new_session=True, preexec_fn=_die_with_parent,
                 )
             except OSError as e:
                 raise KubeHarnessError(f"cannot start {self.name} ({self.argv[0]}): {e}") from e
@@ -291,6 +292,7 @@ class ControlPlane:
         ready_timeout: float = 90.0,
         extra_apiserver_args: Iterable[str] = (),
         extra_etcd_args: Iterable[str] = (),
+        apiserver_env: dict[str, str] | None = None,
     ):
         self.assets = assets
         self.ready_timeout = ready_timeout
@@ -300,6 +302,7 @@ class ControlPlane:
         self._external_etcd = etcd_servers
         self._extra_apiserver_args = list(extra_apiserver_args)
         self._extra_etcd_args = list(extra_etcd_args)
+        self._apiserver_env = dict(apiserver_env or {})
         self.processes: list[Process] = []
         self.etcd_url = etcd_servers or ""
         self.url = ""
@@ -349,16 +352,17 @@ class ControlPlane:
         old = self._process("kube-apiserver")
         old.stop()
         self.processes.remove(old)
-        self.spawn("kube-apiserver", old.argv)
+        self.spawn("kube-apiserver", old.argv, old.env)
         try:
             self._wait_ready("kube-apiserver", self._apiserver_ready)
         except KubeHarnessError:
             self._preserve_logs()
             raise
 
-    def spawn(self, name: str, argv: list[str]) -> Process:
-        """Start a binary whose lifetime this control plane owns (stopped by stop())."""
-        process = Process(name, argv, self.workdir / f"{name}.log")
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Process:
+        """Start a binary whose lifetime this control plane owns (stopped by stop()); `env` is added to
+        the inherited environment."""
+        process = Process(name, argv, self.workdir / f"{name}.log", env)
         self.processes.append(process)
         process.start()
         return process
@@ -411,7 +415,7 @@ class ControlPlane:
             "--profiling=false",
             "--v=1",
             *self._extra_apiserver_args,
-        ])
+        ], env=self._apiserver_env)
 
     def _apiserver_ready(self) -> bool:
         context = ssl.create_default_context(cafile=str(self.ca_file))
