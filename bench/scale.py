@@ -2,7 +2,8 @@
 
     python3 bench/scale.py [--nodes 1000] [--pods-per-node 110] [--period 5] [--measure 60]
                            [--baseline 20] [--replicas 2] [--concurrency 48] [--no-pod-status] [--settle 10]
-                           [--agent-processes 1] [--apiservers 1]
+                           [--agent-processes 1] [--apiservers 1] [--apiserver-memory-limit-mib MIB]
+                           [--max-reports-per-second RATE]
 
 What runs (all on this machine):
 - the harness's real etcd + kube-apiserver (lab/kube.py; --apiservers more on the same etcd), tuned as a large cluster's would be
@@ -57,7 +58,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Awaitable, Iterable, NamedTuple
 
 import aiohttp
 
@@ -281,22 +282,28 @@ class Api:
         await self.session.close()
 
 
-async def bounded(concurrency: int, coros, progress: str = "") -> list:
-    sem = asyncio.Semaphore(concurrency)
+async def bounded(concurrency: int, coros: Iterable[Awaitable], progress: str = "", total: int = 0,
+                  keep: bool = True) -> list:
+    """Awaits `coros` with at most `concurrency` in flight, taking them from the iterable as workers
+    free up (300,000 pod bodies and coroutines built up front were the bench's own peak memory);
+    their results in order when `keep`, else []."""
     done = 0
-    total = len(coros)
     started = time.monotonic()
+    results: dict[int, object] = {}
+    items = enumerate(coros)  # shared by the workers: next() never awaits, so no two take the same
 
-    async def one(c):
+    async def worker() -> None:
         nonlocal done
-        async with sem:
+        for k, c in items:
             result = await c
-        done += 1
-        if progress and done % 5000 == 0:
-            print(f"  {progress}: {done}/{total} ({done / (time.monotonic() - started):.0f}/s)", flush=True)
-        return result
+            if keep:
+                results[k] = result
+            done += 1
+            if progress and done % 5000 == 0:
+                print(f"  {progress}: {done}/{total or '?'} ({done / (time.monotonic() - started):.0f}/s)", flush=True)
 
-    return await asyncio.gather(*(one(c) for c in coros))
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return [results[k] for k in range(len(results))]
 
 
 # -- the simulated agent -------------------------------------------------------------------------
@@ -902,8 +909,11 @@ def _count_audit(f, since: float, counts: Counter, reviews_by_second: Counter | 
 
 
 async def apiserver_metrics(admin: Api, urls: list[str]) -> dict[str, float]:
-    """apiserver_request_total summed (all clients) and long-running watches open, over all apiservers."""
+    """apiserver_request_total summed (all clients), long-running watches open, over all apiservers;
+    and each one's Go heap in use, MiB (what its RSS holds live, beside what the GC has not yet
+    freed or returned)."""
     total = watches = 0.0
+    heaps = []
     for url in urls:
         async with admin.session.get(url + "/metrics") as r:
             out = await r.text()
@@ -912,7 +922,9 @@ async def apiserver_metrics(admin: Api, urls: list[str]) -> dict[str, float]:
                 total += float(line.rsplit(" ", 1)[1])
             elif line.startswith("apiserver_longrunning_requests{") and 'verb="WATCH"' in line:
                 watches += float(line.rsplit(" ", 1)[1])
-    return {"requests": total, "watches": watches}
+            elif line.startswith("go_memstats_heap_inuse_bytes "):
+                heaps.append(float(line.rsplit(" ", 1)[1]) / 2**20)
+    return {"requests": total, "watches": watches, "heaps": heaps}
 
 
 def start_more_apiservers(cp: ControlPlane, n: int, workdir: Path) -> tuple[list[str], list[Path]]:
@@ -926,7 +938,7 @@ def start_more_apiservers(cp: ControlPlane, n: int, workdir: Path) -> tuple[list
         logs.append(workdir / f"audit-{k}.log")
         cp.spawn(f"kube-apiserver-{k}", [f"--secure-port={port}" if a.startswith("--secure-port=") else
                                          f"--audit-log-path={logs[-1]}" if a.startswith("--audit-log-path=") else a
-                                         for a in first.argv])
+                                         for a in first.argv], first.env)
         urls.append(f"https://127.0.0.1:{port}")
     return urls, logs
 
@@ -950,33 +962,38 @@ async def load_cluster(cp: ControlPlane, args, admin: Api) -> dict[str, float]:
     """Namespaces, nodes, pods (+ status), policy objects; returns the loader's timings."""
     t0 = time.monotonic()
     namespaces = [ns for t in range(TEAMS) for ns in team_namespaces(t)]
-    await bounded(args.concurrency, [admin.call("POST", "/api/v1/namespaces",
-                                                {"metadata": {"name": ns}}) for ns in namespaces])
-    await bounded(args.concurrency, [admin.call("POST", f"/api/v1/namespaces/{ns}/serviceaccounts",
-                                                {"metadata": {"name": "default"}}) for ns in namespaces])
+    await bounded(args.concurrency, (admin.call("POST", "/api/v1/namespaces", {"metadata": {"name": ns}})
+                                     for ns in namespaces), keep=False)
+    await bounded(args.concurrency, (admin.call("POST", f"/api/v1/namespaces/{ns}/serviceaccounts",
+                                                {"metadata": {"name": "default"}}) for ns in namespaces), keep=False)
     for obj in CLASSES + [budget_object(args.nodes, args.pods_per_node, args.downloads)]:
         plural = "egressclasses" if obj["kind"] == "EgressClass" else "egressbudgets"
         await admin.call("POST", f"/apis/netagent.io/v1alpha1/{plural}", obj)
-    await bounded(args.concurrency, [admin.call("POST", "/api/v1/nodes", node_object(i)) for i in range(args.nodes)],
-                  "nodes")
+    await bounded(args.concurrency, (admin.call("POST", "/api/v1/nodes", node_object(i)) for i in range(args.nodes)),
+                  "nodes", args.nodes, keep=False)
     # a Node's status is kept on create, but set it through the status subresource as kubelet does
-    await bounded(args.concurrency, [admin.call("PATCH", f"/api/v1/nodes/{node_name(i)}/status",
+    await bounded(args.concurrency, (admin.call("PATCH", f"/api/v1/nodes/{node_name(i)}/status",
                                                 {"status": node_object(i)["status"]},
                                                 content_type="application/merge-patch+json")
-                                     for i in range(args.nodes)])
+                                     for i in range(args.nodes)), keep=False)
     t_nodes = time.monotonic()
-    pods = [(i, j) for i in range(args.nodes) for j in range(args.pods_per_node)]
-    await bounded(args.concurrency, [admin.call("POST", f"/api/v1/namespaces/{pod_object(i, j)['metadata']['namespace']}/pods",
-                                                pod_object(i, j)) for i, j in pods], "pods")
+    n_pods = args.nodes * args.pods_per_node
+
+    def pods():
+        return ((i, j, pod_object(i, j)) for i in range(args.nodes) for j in range(args.pods_per_node))
+
+    await bounded(args.concurrency, (admin.call("POST", f"/api/v1/namespaces/{pod['metadata']['namespace']}/pods", pod)
+                                     for _, _, pod in pods()), "pods", n_pods, keep=False)
     t_pods = time.monotonic()
     if args.pod_status:
-        await bounded(args.concurrency, [
-            admin.call("PATCH", f"/api/v1/namespaces/{pod_object(i, j)['metadata']['namespace']}/pods/"
-                                f"w-{i:05d}-{j:03d}/status", pod_status(pod_ip(i, j)),
-                       content_type="application/merge-patch+json") for i, j in pods], "pod status")
+        await bounded(args.concurrency, (
+            admin.call("PATCH", f"/api/v1/namespaces/{pod['metadata']['namespace']}/pods/"
+                                f"{pod['metadata']['name']}/status", pod_status(pod_ip(i, j)),
+                       content_type="application/merge-patch+json") for i, j, pod in pods()),
+            "pod status", n_pods, keep=False)
     t_status = time.monotonic()
     return {"nodes_s": t_nodes - t0, "pods_s": t_pods - t_nodes, "status_s": t_status - t_pods,
-            "pods_per_s": len(pods) / max(1e-9, t_pods - t_nodes)}
+            "pods_per_s": n_pods / max(1e-9, t_pods - t_nodes)}
 
 
 async def agent_tokens(cp: ControlPlane, args, admin: Api) -> list[str]:
@@ -997,7 +1014,7 @@ async def agent_tokens(cp: ControlPlane, args, admin: Api) -> list[str]:
                      "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": name, "uid": pod["metadata"]["uid"]}}})
         return tr["status"]["token"]
 
-    return await bounded(args.concurrency, [one(i) for i in range(args.nodes)], "agent tokens")
+    return await bounded(args.concurrency, (one(i) for i in range(args.nodes)), "agent tokens", args.nodes)
 
 
 def start_controllers(cp: ControlPlane, args, token: str, workdir: Path) -> list[tuple[subprocess.Popen, str, Path]]:
@@ -1094,14 +1111,17 @@ async def run(args) -> None:
     audit_log = workdir / "audit.log"
     cp = ControlPlane(assets, ready_timeout=180, extra_etcd_args=ETCD_ARGS, extra_apiserver_args=APISERVER_ARGS + [
         f"--audit-policy-file={audit_policy}", f"--audit-log-path={audit_log}", "--audit-log-format=json",
-        "--audit-log-mode=batch", "--audit-log-maxsize=0"])
+        "--audit-log-mode=batch", "--audit-log-maxsize=0"],
+        apiserver_env={"GOMEMLIMIT": f"{args.apiserver_memory_limit_mib}MiB"} if args.apiserver_memory_limit_mib else None)
     controllers = []
     admin = None
     bench = Bench(args)
     print(f"# bench/scale.py --nodes {args.nodes} --pods-per-node {args.pods_per_node} --period {args.period} "
           f"--measure {args.measure} --replicas {args.replicas} --settle {args.settle:g} "
           f"--agent-processes {args.agent_processes} --apiservers {args.apiservers}"
-          + ("" if args.pod_status else " --no-pod-status"))
+          + ("" if args.pod_status else " --no-pod-status")
+          + (f" --apiserver-memory-limit-mib {args.apiserver_memory_limit_mib}" if args.apiserver_memory_limit_mib else "")
+          + (f" --max-reports-per-second {args.max_reports_per_second:g}" if args.max_reports_per_second is not None else ""))
     print(f"# machine: {platform.node()} {os.cpu_count()} CPUs, "
           f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, Python {platform.python_version()}")
     guard = MemoryGuard(args.min_available_mib)
@@ -1125,6 +1145,10 @@ async def run(args) -> None:
         await wait_apiservers(admin, api_urls, 300)
         pids = {p.name: p.popen.pid for p in cp.processes}
         guard.pids.update(pids)
+        loaded = await apiserver_metrics(admin, api_urls)
+        print("loaded cluster, before any netagent: " + ", ".join(
+            f"{p.name} RSS {rss_mib(p.popen.pid):.0f} MiB" for p in cp.processes)
+            + "; apiservers' Go heap in use " + " + ".join(f"{h:.0f}" for h in loaded["heaps"]) + " MiB", flush=True)
         tokens = await agent_tokens(cp, args, admin)
         ctl_token = (await admin.call("POST", f"/api/v1/namespaces/{SYSTEM_NS}/serviceaccounts/{CONTROLLER_SA}/token", {
             "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 7200}}))["status"]["token"]
@@ -1204,6 +1228,8 @@ async def run(args) -> None:
                   f"{busy_use[name][0]:.2f} / {busy_use[name][1]:.0f} |")
         print(f"| API requests/s (all clients) | {(m1['requests'] - m0['requests']) / args.baseline:.1f} | {all_reqs:.1f} |")
         print(f"| watches open | {m1['watches']:.0f} | {m3['watches']:.0f} |")
+        print(f"| apiservers' Go heap in use (MiB) | {' + '.join(f'{h:.0f}' for h in m1['heaps'])} | "
+              f"{' + '.join(f'{h:.0f}' for h in m3['heaps'])} |")
         print()
         print(f"netagent's API requests in the window: {our_rate:.1f}/s ({our_rate / max(all_reqs, 1e-9):.0%} of all)")
         for (kind, verb, res), n in sorted(ours.items()):
@@ -1347,6 +1373,9 @@ def main() -> None:
     p.add_argument("--apiservers", type=int, default=1,
                    help="kube-apiservers on the one etcd, the agents spread over them (each holds its "
                         "share of the watches under the open-files limit)")
+    p.add_argument("--apiserver-memory-limit-mib", type=int, default=0,
+                   help="GOMEMLIMIT for each kube-apiserver (the Go runtime's soft limit: it collects "
+                        "sooner instead of letting the heap grow to twice the live data; 0: unset)")
     p.add_argument("--agent-processes", type=int, default=1,
                    help="processes the simulated agents are split over (each holds 3 watches an agent "
                         "under this machine's open-files limit)")
