@@ -3,7 +3,7 @@
     python3 bench/scale.py [--nodes 1000] [--pods-per-node 110] [--period 5] [--measure 60]
                            [--baseline 20] [--replicas 2] [--concurrency 48] [--no-pod-status] [--settle 10]
                            [--agent-processes 1] [--apiservers 1] [--apiserver-memory-limit-mib MIB]
-                           [--max-reports-per-second RATE]
+                           [--max-reports-per-second RATE] [--lease-seconds S] [--report-ttl S]
 
 What runs (all on this machine):
 - the harness's real etcd + kube-apiserver (lab/kube.py; --apiservers more on the same etcd), tuned as a large cluster's would be
@@ -699,6 +699,7 @@ class AgentHost:
         return {"stats": self.stats, "errors": self.errors, "pods": rows,
                 "synced": sum(1 for k in self._synced_kinds.values() if len(k) == 3),
                 "agents": [(a.leader, a.advised, a.node_rate) for a in self.agents],
+                "answered": sum(1 for a in self.agents if a.answers),
                 "first_new_answer": self.first_new_answer, "answered_after_kill": len(self.answered_after_kill),
                 "changed_before_first_answer": self.changed_before_first_answer}
 
@@ -812,6 +813,7 @@ class Bench:
         firsts = [p["first_new_answer"] for p in parts if p["first_new_answer"] is not None]
         return {"stats": stats, "errors": errors, "pods": [r for p in parts for r in p["pods"]],
                 "synced": sum(p["synced"] for p in parts), "agents": [a for p in parts for a in p["agents"]],
+                "answered": sum(p["answered"] for p in parts),
                 "first_new_answer": min(firsts) if firsts else None,
                 "answered_after_kill": sum(p["answered_after_kill"] for p in parts),
                 "changed_before_first_answer": sum(p["changed_before_first_answer"] for p in parts)}
@@ -1031,7 +1033,9 @@ def start_controllers(cp: ControlPlane, args, token: str, workdir: Path) -> list
              *(["--max-reports-per-second", str(args.max_reports_per_second)]
                if args.max_reports_per_second is not None else []),
              *(["--period", str(args.round_period)] if args.round_period is not None else []),
-             *(["--answer-wait", str(args.answer_wait)] if args.answer_wait is not None else [])],
+             *(["--answer-wait", str(args.answer_wait)] if args.answer_wait is not None else []),
+             *(["--lease-seconds", str(args.lease_seconds)] if args.lease_seconds is not None else []),
+             *(["--report-ttl", str(args.report_ttl)] if args.report_ttl is not None else [])],
             cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
         out.append((proc, f"https://127.0.0.1:{port}", log))
     return out
@@ -1121,7 +1125,10 @@ async def run(args) -> None:
           f"--agent-processes {args.agent_processes} --apiservers {args.apiservers}"
           + ("" if args.pod_status else " --no-pod-status")
           + (f" --apiserver-memory-limit-mib {args.apiserver_memory_limit_mib}" if args.apiserver_memory_limit_mib else "")
-          + (f" --max-reports-per-second {args.max_reports_per_second:g}" if args.max_reports_per_second is not None else ""))
+          + "".join(f" --{k.replace('_', '-')} {v:g}" for k, v in (
+              ("max_reports_per_second", args.max_reports_per_second), ("round_period", args.round_period),
+              ("answer_wait", args.answer_wait), ("lease_seconds", args.lease_seconds),
+              ("report_ttl", args.report_ttl)) if v is not None))
     print(f"# machine: {platform.node()} {os.cpu_count()} CPUs, "
           f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, Python {platform.python_version()}")
     guard = MemoryGuard(args.min_available_mib)
@@ -1184,9 +1191,14 @@ async def run(args) -> None:
         print(f"{args.nodes} agents synced (3 lists each) after {time.monotonic() - t_sync0:.1f} s "
               f"({len(bench.workers)} agent processes)", flush=True)
         await asyncio.sleep(3 * args.period)  # the first reports, TokenReviews, first rounds
-        # the cold start: every pod begins at the floor and climbs by probing (~2 periods a doubling)
-        advised_now = max((adv for _, adv, _ in (await bench.state())["agents"]), default=0.0)
-        print(f"settling for {args.settle} report periods of {max(args.period, advised_now):g} s", flush=True)
+        # the cold start: every pod begins at the floor and climbs by probing (~2 periods a doubling),
+        # at the period the leader advises: known once (nearly) every agent has had an answer
+        t_first = time.monotonic()
+        while (st := await bench.state())["answered"] < 0.95 * args.nodes and time.monotonic() - t_first < 300:
+            await asyncio.sleep(2.0)
+        advised_now = max((adv for _, adv, _ in st["agents"]), default=0.0)
+        print(f"{st['answered']} of {args.nodes} agents answered after {time.monotonic() - t_sync0:.0f} s; "
+              f"settling for {args.settle} report periods of {max(args.period, advised_now):g} s", flush=True)
         await asyncio.sleep(args.settle * max(args.period, advised_now))
 
         # -- steady state window
@@ -1394,6 +1406,11 @@ def main() -> None:
                    help="the controller's --period (seconds between rounds; default: the controller's)")
     p.add_argument("--answer-wait", type=float, default=None,
                    help="the controller's --answer-wait (default: the controller's)")
+    p.add_argument("--lease-seconds", type=float, default=None,
+                   help="the controller's --lease-seconds (default: the controller's; a quarter of it "
+                        "caps the paced report period)")
+    p.add_argument("--report-ttl", type=float, default=None,
+                   help="the controller's --report-ttl (default: the controller's; at least --lease-seconds)")
     p.add_argument("--sim-tls-read-bytes", type=int, default=SIM_TLS_READ_BYTES,
                    help="the simulated agents' asyncio TLS read buffer per connection (0: Python's 256 KiB)")
     p.add_argument("--no-pod-status", dest="pod_status", action="store_false",
