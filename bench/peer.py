@@ -32,7 +32,8 @@ For each limit and shaper:
   internal        the pod's TCP with the internal peer (to it for uploads, from it for downloads)
                   through the same uplink, as a share of the same without any shaper: median over
                   --internal-runs rounds, each round unshaped / plugin / netagent in turn
-                  (rotated), 2 s each
+                  (rotated), 3 s each with the first omitted, the iperf3 client on CPU 0
+                  and the server on CPU 1 (--no-pin: where the scheduler puts them)
   loaded RTT      median of --pings pings (0.1 s apart) from the pod to the internet host while
                   the pod's TCP transfer in the direction benched saturates its limit (downloads:
                   the replies queue behind it): what a small packet of another flow waits (a DNS
@@ -220,7 +221,12 @@ class Bench:
         return out["end"]["sum_received"]["bits_per_second"]
 
     def internal(self) -> float:
-        out = self.lab.iperf(self.pod.netns, PEER_V4, PEER_PORT, seconds=2, extra=self.iperf_args())
+        """The pod's line-rate TCP with the internal peer, bit/s: 3 s with the first omitted (slow
+        start, and a shaper's first packets through freshly written rules), the client pinned to
+        CPU 0 and the server to CPU 1 when asked: on 2 cores, where the scheduler puts the sender
+        (whose CPU also runs the veth path in softirq) moves the rate by more than the rules cost."""
+        pin = ["-A", "0,1"] if self.args.pin else []
+        out = self.lab.iperf(self.pod.netns, PEER_V4, PEER_PORT, seconds=3, extra=self.iperf_args() + ["-O", "1"] + pin)
         return out["end"]["sum_received"]["bits_per_second"]
 
     def loaded_rtt(self) -> tuple[list[float], list[float], float | None]:
@@ -261,11 +267,15 @@ def main() -> int:
     ap.add_argument("--direction", default="upload", type=parse_directions,
                     help=f"{', '.join(DIRECTIONS)}, a comma list of them, or both (one lab, one run, a table each)")
     ap.add_argument("--internal-runs", type=int, default=5)
+    ap.add_argument("--no-pin", dest="pin", action="store_false",
+                    help="leave the internal runs' iperf3 client and server where the scheduler puts them "
+                         "(default: client on CPU 0, server on CPU 1, when there are two)")
     ap.add_argument("--goodput-runs", type=int, default=3)
     ap.add_argument("--pings", type=int, default=40)
     ap.add_argument("--leaf", default=None, help="netagent's leaf qdisc (default: what the probe picks)")
     ap.add_argument("--plugin", default=default_plugin(), help="the CNI bandwidth plugin binary")
     args = ap.parse_args()
+    args.pin = args.pin and (os.cpu_count() or 1) >= 2
     if os.geteuid() != 0:
         print("bench/peer.py needs root (network namespaces)", file=sys.stderr)
         return 2
