@@ -433,12 +433,14 @@ def traffic(args, today) -> None:
             rates: dict[str, list[float]] = {label: [] for label in full}
             for _ in range(args.share_rounds):
                 for label in full:
-                    rates[label].append(lab.iperf(nodes[label].pods[0].netns, PEER_V4, PORT, seconds=args.seconds)
+                    rates[label].append(lab.iperf(nodes[label].pods[0].netns, PEER_V4, PORT, seconds=args.seconds,
+                                                  extra=["-A", "0,1"] if args.pin else [])
                                         ["end"]["sum_received"]["bits_per_second"])
             base = statistics.median(rates["share-none"])
             print(f"internal share of unshaped: TCP pod -> peer, unlimited, whole data path ({backend}, {n} pods' "
                   f"rules, tc shaper on the uplink) against no netagent, median of {args.share_rounds} alternated "
-                  f"{args.seconds:g} s runs (rules: the new rules without tc; tc: the shaper without rules)")
+                  f"{args.seconds:g} s runs (rules: the new rules without tc; tc: the shaper without rules)"
+                  + ("; iperf3 client on CPU 0, server on CPU 1" if args.pin else ""))
             for label, values in rates.items():
                 med = statistics.median(values)
                 print(f"  {label[6:]:6}{med / 1e9:8.2f} Gbit/s  {med / base:6.3f} of none   runs "
@@ -464,6 +466,9 @@ def main() -> int:
                     help="also measure the native nftables candidate (needs nft)")
     ap.add_argument("--skip-traffic", action="store_true", help="only the per-packet cost (no iperf3)")
     ap.add_argument("--share-only", action="store_true", help="only the share of unshaped")
+    ap.add_argument("--pin", action="store_true",
+                    help="the share runs' iperf3 client on CPU 0 and server on CPU 1 (where the scheduler puts "
+                         "them moves the rate by more than the rules cost)")
     ap.add_argument("--components", action="store_true",
                     help="per-packet cost of the pieces (the hook, one lookup of each kind, 22 plain rules); no iperf3")
     args = ap.parse_args()
