@@ -127,15 +127,21 @@ def team_namespaces(t: int) -> list[str]:
     return [f"team{t:02d}-ns{k}" for k in range(NAMESPACES_PER_TEAM)]
 
 
+def budget_totals(nodes: int, pods_per_node: int, downloads: bool = True) -> tuple[float, float]:
+    """The upload and download budgets, bit/s (0 for downloads without `downloads`)."""
+    total = nodes * pods_per_node * BUDGET_PER_POD_BPS
+    return total, DOWNLOAD_FACTOR * total if downloads else 0.0
+
+
 def budget_object(nodes: int, pods_per_node: int, downloads: bool = True) -> dict:
     """The EgressBudget: the upload total, and the download total (spec.ingressTotal) with `downloads`."""
-    total = nodes * pods_per_node * BUDGET_PER_POD_BPS
+    total, down = budget_totals(nodes, pods_per_node, downloads)
     guarantee = f"{total / TEAMS / 2 / 1e6:.0f}M"  # every 5th team: half its even share
     teams = [{"name": f"team{t:02d}", "namespaces": team_namespaces(t), "weight": 1 + t % 4,
               "defaultClass": "bulk", **({"min": guarantee} if t % 5 == 0 else {})} for t in range(TEAMS)]
     spec = {"total": f"{total / 1e6:.0f}M", "teams": teams}
     if downloads:
-        spec["ingressTotal"] = f"{DOWNLOAD_FACTOR * total / 1e6:.0f}M"
+        spec["ingressTotal"] = f"{down / 1e6:.0f}M"
     return {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressBudget", "metadata": {"name": "default"},
             "spec": spec}
 
@@ -825,8 +831,7 @@ class Bench:
 
     def budgets(self) -> tuple[float, float]:
         """The upload and download budgets, bit/s (0 for downloads with --no-downloads)."""
-        up = self.args.nodes * self.args.pods_per_node * BUDGET_PER_POD_BPS
-        return up, DOWNLOAD_FACTOR * up if self.args.downloads else 0.0
+        return budget_totals(self.args.nodes, self.args.pods_per_node, self.args.downloads)
 
     def fair_shares(self, rows: list[PodRow], download: bool = False) -> dict[tuple[int, str], float]:
         """Every pod's fair share of the budget for its true demand now (the engine's allocation
@@ -1019,6 +1024,19 @@ async def agent_tokens(cp: ControlPlane, args, admin: Api) -> list[str]:
     return await bounded(args.concurrency, (one(i) for i in range(args.nodes)), "agent tokens", args.nodes)
 
 
+# the bench's flags (argparse dests) that are the controller's, and the controller flag each is passed as
+CONTROLLER_FLAGS = (("max_reports_per_second", "--max-reports-per-second"), ("round_period", "--period"),
+                    ("answer_wait", "--answer-wait"), ("lease_seconds", "--lease-seconds"),
+                    ("report_ttl", "--report-ttl"))
+
+
+def controller_flags(args) -> list[tuple[str, str, float]]:
+    """(the bench's flag, the controller's flag, value) of each controller flag given to the bench
+    (the others stay the controller's defaults)."""
+    return [(f"--{dest.replace('_', '-')}", flag, getattr(args, dest)) for dest, flag in CONTROLLER_FLAGS
+            if getattr(args, dest) is not None]
+
+
 def start_controllers(cp: ControlPlane, args, token: str, workdir: Path) -> list[tuple[subprocess.Popen, str, Path]]:
     kubeconfig = write_kubeconfig(workdir / "controller.kubeconfig", cp.url, cp.ca_file, {"token": token})
     out = []
@@ -1030,12 +1048,7 @@ def start_controllers(cp: ControlPlane, args, token: str, workdir: Path) -> list
              "--listen", f"127.0.0.1:{port}", "--advertise", f"127.0.0.1:{port}",
              "--namespace", SYSTEM_NS, "--identity", f"scale-controller-{r}@127.0.0.1:{port}",
              "--agent-service-account", f"{SYSTEM_NS}:{AGENT_SA}", "--log-format", "json",
-             *(["--max-reports-per-second", str(args.max_reports_per_second)]
-               if args.max_reports_per_second is not None else []),
-             *(["--period", str(args.round_period)] if args.round_period is not None else []),
-             *(["--answer-wait", str(args.answer_wait)] if args.answer_wait is not None else []),
-             *(["--lease-seconds", str(args.lease_seconds)] if args.lease_seconds is not None else []),
-             *(["--report-ttl", str(args.report_ttl)] if args.report_ttl is not None else [])],
+             *(a for _, flag, value in controller_flags(args) for a in (flag, str(value)))],
             cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
         out.append((proc, f"https://127.0.0.1:{port}", log))
     return out
@@ -1125,10 +1138,7 @@ async def run(args) -> None:
           f"--agent-processes {args.agent_processes} --apiservers {args.apiservers}"
           + ("" if args.pod_status else " --no-pod-status")
           + (f" --apiserver-memory-limit-mib {args.apiserver_memory_limit_mib}" if args.apiserver_memory_limit_mib else "")
-          + "".join(f" --{k.replace('_', '-')} {v:g}" for k, v in (
-              ("max_reports_per_second", args.max_reports_per_second), ("round_period", args.round_period),
-              ("answer_wait", args.answer_wait), ("lease_seconds", args.lease_seconds),
-              ("report_ttl", args.report_ttl)) if v is not None))
+          + "".join(f" {flag} {value:g}" for flag, _, value in controller_flags(args)))
     print(f"# machine: {platform.node()} {os.cpu_count()} CPUs, "
           f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, Python {platform.python_version()}")
     guard = MemoryGuard(args.min_available_mib)
