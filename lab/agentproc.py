@@ -193,16 +193,18 @@ def received_bps(result: dict) -> float:
     return float(result["end"]["sum_received"]["bits_per_second"])
 
 
-_INTERVAL = re.compile(r"\]\s+[\d.]+-[\d.]+\s+sec\s+[\d.]+ \w?Bytes\s+([\d.]+) (\w?)bits/sec")
+_INTERVAL = re.compile(r"\]\s+([\d.]+)-([\d.]+)\s+sec\s+[\d.]+ \w?Bytes\s+([\d.]+) (\w?)bits/sec")
 _SCALE = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}
 
 
-def server_intervals_bps(result: dict) -> list[float]:
-    """Per-second rates the receiving side measured (the client ran with --get-server-output;
-    the lab's servers print text). The summary lines at the end are left out."""
+def server_intervals(result: dict) -> list[tuple[float, float, float]]:
+    """(start s, end s, bits/s) of each interval the receiving side measured (the client ran
+    with --get-server-output; the lab's servers print text). The summary lines at the end are
+    left out."""
     text = result.get("server_output_text") or ""
     lines = [l for l in text.splitlines() if "receiver" not in l and "sender" not in l]
-    return [float(m[1]) * _SCALE[m[2]] for l in lines if (m := _INTERVAL.search(l))]
+    return [(float(m[1]), float(m[2]), float(m[3]) * _SCALE[m[4]])
+            for l in lines if (m := _INTERVAL.search(l))]
 
 
 class NetnsPortForward:

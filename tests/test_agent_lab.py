@@ -25,7 +25,7 @@ from lab.agentproc import (
     kernel_dump,
     pod_object,
     received_bps,
-    server_intervals_bps,
+    server_intervals,
     tc_classes,
     wait_for,
     write_objects,
@@ -210,15 +210,19 @@ def test_kill9_under_load_then_restart_changes_nothing(lab, files, agent):
         if load.poll() is None:
             load.kill()
     result = json.loads(out)
-    intervals = server_intervals_bps(result)
+    intervals = server_intervals(result)
     assert len(intervals) >= 9, result.get("server_output_text") or result.get("error")
     # shaped throughout: no stretch, before, during or after the restart, above the class. Judged
-    # over two-second windows: on a loaded machine the receiver can stall for a moment and then
-    # read what HTB already let through at the class rate, so one receive-side second may show a
-    # catch-up burst while its neighbour shows the gap. An unshaped moment cannot hide that way:
-    # 50 ms unshaped at this lab's Gbit/s rates would lift a two-second window far above the class.
-    windows = [(a + b) / 2 for a, b in zip(intervals[1:], intervals[2:])]
-    assert max(windows) < 1.15 * BRONZE, intervals
+    # on what had arrived by the end of each interval, not on single intervals: on a loaded
+    # machine the receiver can stall and then read, in one interval, what HTB let through at the
+    # class rate during the stall (CI once saw a 2 s window at 24.5 Mbit/s that way). A stall only
+    # delays what arrives, so the running total stays under the class. An unshaped moment cannot
+    # hide in it: opening the class for 50 ms while the agent was down added ~30 Mbit in this lab
+    # (tried by hand), more than the running total leaves room for even at the end of the run.
+    received = 0.0
+    for start, end, bps in intervals:
+        received += bps * (end - start)
+        assert received < 1.10 * BRONZE * end, (end, received, intervals)
     write_objects(files / "pods.yaml", [])
     wait_for(lambda: minor not in tc_classes(node.netns), what="class removed")
 
