@@ -11,6 +11,8 @@ them, fake pods on the addresses around it; on the nft and the legacy backend):
   today    the ruleset before issue 12 (`iptables/render.py` at commit TODAY, loaded from git):
            a 16-way dispatch tree on the source, a pod chain with the internal-set test
   new      the ruleset this checkout's `Classifier` programs (ipsets: one or two lookups)
+  lean     a candidate (not a product path): `new` with internal packets returned before any set lookup, as if a
+           pod's internal bytes were counted elsewhere (`--candidates`: none, the bare hook, new, lean)
   nftmap   a candidate in native nftables (IPv4 only, not a product path): interval sets and sets
            with per-element counters, the pod's class from a classid map; the same layout as `new`
 
@@ -283,6 +285,9 @@ def program(label: str, netns: str, pod, today) -> None:
     """Install configuration `label` (none | none2 | today-<backend>-<n> | new-<backend>-<n> | nftmap-<n>)."""
     if label in ("none", "none2"):
         return
+    if label.startswith("component-"):
+        program_component(label, netns)
+        return
     kind, *backend, n = label.split("-")
     st = state_for(pod, int(n))
     if kind == "nftmap":
@@ -291,6 +296,18 @@ def program(label: str, netns: str, pod, today) -> None:
         TodayRules(today, netns, backend[0]).apply(st)
     else:
         Classifier(backend=backend[0], netns=netns).apply(st)
+        if kind == "lean":
+            lean_internal(netns, backend[0])
+
+
+def lean_internal(netns: str, backend: str) -> None:
+    """The `lean` candidate (not a product path): this checkout's rules with one plain rule per family on top of
+    NETAGENT-POSTROUTING that returns a packet whose both ends are internal before any set lookup. What the classifier
+    would cost internal traffic if a pod's internal bytes were counted elsewhere (for example by a counting filter on
+    the pod's own device, which needs no lookup: the device is the pod)."""
+    for tool, cidr in ((f"iptables-{backend}", INTERNAL_CIDRS[0]), (f"ip6tables-{backend}", INTERNAL_CIDRS[1])):
+        run([tool, "-w", "5", "-t", "mangle", "-I", "NETAGENT-POSTROUTING", "1", "-s", cidr, "-d", cidr, "-j", "RETURN"],
+            netns)
 
 
 COMPONENT_SETS = """create c-net hash:net family inet
@@ -307,6 +324,7 @@ COMPONENTS = {  # what one piece of the ruleset costs: rules in a chain hooked i
     "hook+hash:ip-counters": ["-m set --match-set c-ip src -j RETURN"],
     "hook+both": ["-m set --match-set c-net dst -g C-2", "@C-2 -m set --match-set c-ip src -j RETURN"],
     "hook+22-rules": [f"-s 10.9.0.{i}/32 -j RETURN" for i in range(22)],
+    "hook2": [],  # an empty chain hooked into PREROUTING too, as the ruleset is (the share runs only)
 }
 
 
@@ -320,7 +338,7 @@ def program_component(label: str, netns: str) -> None:
         chains[chain].append(rule)
     text = "*mangle\n" + "".join(f":{c} - [0:0]\n" for c in chains)
     text += "".join(f"-A {c} {r}\n" for c, rules in chains.items() for r in rules)
-    text += "-I POSTROUTING 1 -j C-1\nCOMMIT\n"
+    text += "-I POSTROUTING 1 -j C-1\n" + ("-I PREROUTING 1 -j C-2\n" if piece == "hook2" else "") + "COMMIT\n"
     subprocess.run(["ip", "netns", "exec", netns, f"iptables-{backend}-restore", "--noflush"], input=text, text=True,
                    check=True)
 
@@ -329,7 +347,11 @@ def labels_for(args) -> list[str]:
     pods = [int(p) for p in args.pods.split(",")]
     backends = args.backends.split(",")
     if args.components:
-        return ["none"] + [f"component-{b}-{piece}" for b in backends for piece in COMPONENTS] + ["none2"]
+        pieces = [piece for piece in COMPONENTS if piece != "hook2"]
+        return ["none"] + [f"component-{b}-{piece}" for b in backends for piece in pieces] + ["none2"]
+    if args.candidates:
+        return ["none"] + [label for b in backends for label in (f"component-{b}-hook", f"new-{b}-{max(pods)}",
+                                                                    f"lean-{b}-{max(pods)}")] + ["none2"]
     labels = ["none"] + [f"{k}-{b}-{n}" for n in pods for b in backends for k in ("today", "new")]
     return labels + [f"nftmap-{n}" for n in pods if args.nft] + ["none2"]
 
@@ -350,10 +372,7 @@ def packet_costs(args, today) -> None:
     try:
         for label in labels:
             spaces[label] = make_netns("pkt")
-            if label.startswith("component-"):
-                program_component(label, spaces[label])
-            else:
-                program(label, spaces[label], FakePod, today)
+            program(label, spaces[label], FakePod, today)
         cost: dict[str, dict[str, list[float]]] = {case: {label: [] for label in labels} for case in CASES}
         for _ in range(args.rounds):
             for label in labels:
@@ -386,7 +405,10 @@ def measure(pod, cpu: Cpu, seconds: float, extra: list[str]) -> tuple[float, flo
 
 def traffic(args, today) -> None:
     labels = [] if args.share_only else labels_for(args)
-    full = ["share-none", "share-today", "share-new", "share-rules", "share-tc"]  # rules: new, no tc; tc: no rules
+    # rules: new, no tc; tc: no rules; hook: one empty chain hooked into mangle POSTROUTING, no tc (what any
+    # iptables classifier costs before its first rule); hook2: PREROUTING too; lean: see lean_internal
+    full = ["share-none", "share-today", "share-new", "share-rules", "share-tc", "share-hook", "share-hook2",
+            "share-lean"]
     backend, n = args.backends.split(",")[0], max(int(p) for p in args.pods.split(","))
     cpu = Cpu()
     shapers = []
@@ -397,7 +419,9 @@ def traffic(args, today) -> None:
             nodes = dict(zip(labels + full, lab.nodes))
             for label in labels:
                 program(label, nodes[label].netns, nodes[label].pods[0], today)
-            for label in full[1:]:
+            for hook in ("hook", "hook2"):
+                program_component(f"component-{backend}-{hook}", nodes[f"share-{hook}"].netns)
+            for label in [x for x in full[1:] if x not in ("share-hook", "share-hook2")]:
                 node, pod = nodes[label], nodes[label].pods[0]
                 if label != "share-rules":
                     shaper = Shaper(node.netns)
@@ -434,13 +458,16 @@ def traffic(args, today) -> None:
             for _ in range(args.share_rounds):
                 for label in full:
                     rates[label].append(lab.iperf(nodes[label].pods[0].netns, PEER_V4, PORT, seconds=args.seconds,
-                                                  extra=["-A", "0,1"] if args.pin else [])
+                                                  extra=["-A", "0,1", "-O", "1"] if args.pin else [])
                                         ["end"]["sum_received"]["bits_per_second"])
             base = statistics.median(rates["share-none"])
             print(f"internal share of unshaped: TCP pod -> peer, unlimited, whole data path ({backend}, {n} pods' "
                   f"rules, tc shaper on the uplink) against no netagent, median of {args.share_rounds} alternated "
-                  f"{args.seconds:g} s runs (rules: the new rules without tc; tc: the shaper without rules)"
-                  + ("; iperf3 client on CPU 0, server on CPU 1" if args.pin else ""))
+                  f"{args.seconds:g} s runs (rules: the new rules without tc; tc: the shaper without rules; hook: an "
+                  f"empty chain hooked into mangle POSTROUTING, the entry fee of any iptables classifier; hook2: "
+                  f"one in PREROUTING too, as the ruleset hooks both; lean: the "
+                  f"new rules and tc, internal packets returned before any set lookup)"
+                  + ("; iperf3 client on CPU 0, server on CPU 1, first second omitted" if args.pin else ""))
             for label, values in rates.items():
                 med = statistics.median(values)
                 print(f"  {label[6:]:6}{med / 1e9:8.2f} Gbit/s  {med / base:6.3f} of none   runs "
@@ -469,6 +496,9 @@ def main() -> int:
     ap.add_argument("--pin", action="store_true",
                     help="the share runs' iperf3 client on CPU 0 and server on CPU 1 (where the scheduler puts "
                          "them moves the rate by more than the rules cost)")
+    ap.add_argument("--candidates", action="store_true",
+                    help="only none, the bare hook, the new rules and the lean candidate (internal packets return "
+                         "before any set lookup), on the first backend")
     ap.add_argument("--components", action="store_true",
                     help="per-packet cost of the pieces (the hook, one lookup of each kind, 22 plain rules); no iperf3")
     args = ap.parse_args()
