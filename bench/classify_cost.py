@@ -282,7 +282,8 @@ class FakePod:  # the per-packet namespace's pod: .10 is the measured pod, .11 a
 
 
 def program(label: str, netns: str, pod, today) -> None:
-    """Install configuration `label` (none | none2 | today-<backend>-<n> | new-<backend>-<n> | nftmap-<n>)."""
+    """Install configuration `label` (none | none2 | today-<backend>-<n> | new-<backend>-<n> | lean-<backend>-<n> |
+    nftmap-<n> | component-<backend>-<piece>)."""
     if label in ("none", "none2"):
         return
     if label.startswith("component-"):
@@ -403,12 +404,24 @@ def measure(pod, cpu: Cpu, seconds: float, extra: list[str]) -> tuple[float, flo
     return (t1[0] - t0[0] + t1[1] - t0[1]) / 1e9 / gb, (t1[1] - t0[1]) / 1e9 / gb, received["bits_per_second"]
 
 
+# The share runs' configurations: name -> (the tc shaper on the uplink?, the ruleset `program` installs, what the
+# row is)
+SHARES = {
+    "none": (False, "none", "no netagent"),
+    "today": (True, "today-{backend}-{n}", "the whole data path before issue 12"),
+    "new": (True, "new-{backend}-{n}", "the whole data path"),
+    "rules": (False, "new-{backend}-{n}", "the new rules without tc"),
+    "tc": (True, "none", "the shaper without rules"),
+    "hook": (False, "component-{backend}-hook",
+             "an empty chain hooked into mangle POSTROUTING, the entry fee of any iptables classifier"),
+    "hook2": (False, "component-{backend}-hook2", "one in PREROUTING too, as the ruleset hooks both"),
+    "lean": (True, "lean-{backend}-{n}", "the new rules and tc, internal packets returned before any set lookup"),
+}
+
+
 def traffic(args, today) -> None:
     labels = [] if args.share_only else labels_for(args)
-    # rules: new, no tc; tc: no rules; hook: one empty chain hooked into mangle POSTROUTING, no tc (what any
-    # iptables classifier costs before its first rule); hook2: PREROUTING too; lean: see lean_internal
-    full = ["share-none", "share-today", "share-new", "share-rules", "share-tc", "share-hook", "share-hook2",
-            "share-lean"]
+    full = [f"share-{name}" for name in SHARES]
     backend, n = args.backends.split(",")[0], max(int(p) for p in args.pods.split(","))
     cpu = Cpu()
     shapers = []
@@ -419,19 +432,15 @@ def traffic(args, today) -> None:
             nodes = dict(zip(labels + full, lab.nodes))
             for label in labels:
                 program(label, nodes[label].netns, nodes[label].pods[0], today)
-            for hook in ("hook", "hook2"):
-                program_component(f"component-{backend}-{hook}", nodes[f"share-{hook}"].netns)
-            for label in [x for x in full[1:] if x not in ("share-hook", "share-hook2")]:
-                node, pod = nodes[label], nodes[label].pods[0]
-                if label != "share-rules":
+            for name, (shaped, ruleset, _) in SHARES.items():
+                node, pod = nodes[f"share-{name}"], nodes[f"share-{name}"].pods[0]
+                if shaped:
                     shaper = Shaper(node.netns)
                     shapers.append(shaper)
                     shaper.apply(desired_state(NodeInputs((UPLINK,), INTERNAL_CIDRS, (PodShape("bench/real", (pod.ip4, pod.ip6),
                                                                                          10 * M, 10 * M),), 10_000 * M,
                                                  DataPathOptions())).shaper)
-                if label != "share-tc":
-                    program(f"{'new' if label == 'share-rules' else label.split('-')[1]}-{backend}-{n}", node.netns, pod,
-                            today)
+                program(ruleset.format(backend=backend, n=n), node.netns, pod, today)
             loads = {} if args.share_only else {"tcp": ("65535", ["-b", args.tcp_rate]), "tcp-mss": ("1", ["-b", args.mss_rate])}
             cost: dict[str, dict[str, list[float]]] = {load: {label: [] for label in labels} for load in loads}
             got: dict[str, list[float]] = {load: [] for load in loads}
@@ -463,10 +472,8 @@ def traffic(args, today) -> None:
             base = statistics.median(rates["share-none"])
             print(f"internal share of unshaped: TCP pod -> peer, unlimited, whole data path ({backend}, {n} pods' "
                   f"rules, tc shaper on the uplink) against no netagent, median of {args.share_rounds} alternated "
-                  f"{args.seconds:g} s runs (rules: the new rules without tc; tc: the shaper without rules; hook: an "
-                  f"empty chain hooked into mangle POSTROUTING, the entry fee of any iptables classifier; hook2: "
-                  f"one in PREROUTING too, as the ruleset hooks both; lean: the "
-                  f"new rules and tc, internal packets returned before any set lookup)"
+                  f"{args.seconds:g} s runs ("
+                  + "; ".join(f"{name}: {meaning}" for name, (_, _, meaning) in SHARES.items()) + ")"
                   + ("; iperf3 client on CPU 0, server on CPU 1, first second omitted" if args.pin else ""))
             for label, values in rates.items():
                 med = statistics.median(values)
