@@ -12,7 +12,8 @@ them, fake pods on the addresses around it; on the nft and the legacy backend):
            a 16-way dispatch tree on the source, a pod chain with the internal-set test
   new      the ruleset this checkout's `Classifier` programs (ipsets: one or two lookups)
   lean     a candidate (not a product path): `new` with internal packets returned before any set lookup, as if a
-           pod's internal bytes were counted elsewhere (`--candidates`: none, the bare hook, new, lean)
+           pod's internal bytes were counted elsewhere (`--candidates`: none, the bare hook, new, lean, lean+ebpf:
+           lean with the eBPF counter of bench/ebpf_count.py on the pod's device, which the `ingress` case crosses)
   nftmap   a candidate in native nftables (IPv4 only, not a product path): interval sets and sets
            with per-element counters, the pod's class from a classid map; the same layout as `new`
 
@@ -40,7 +41,10 @@ load from the rest of the machine falls on neighbouring runs of different config
 3. Share of unshaped. Unlimited TCP from the pod to the peer for `--seconds`, with the whole
    data path as the agent programs it (desired state -> tc Shaper -> classifier; the pod shaped to
    10 Mbit/s on the internet side) on one node, and no netagent on another; medians of the
-   alternated runs.
+   alternated runs, and the median of each round's ratio to `none` in the same round. The rows
+   (`--rows`, default all) are the table SHARES: the whole path, its pieces, and two candidates,
+   `lean` (above) and `ebpf` (lean, with the pod's internal bytes counted by an eBPF program on
+   its host-side device: bench/ebpf_count.py, which says why eBPF and not an action's statistics).
 """
 from __future__ import annotations
 
@@ -61,6 +65,7 @@ sys.path.insert(0, ROOT)
 from iptables import render as R  # noqa: E402
 from iptables.apply import Classifier  # noqa: E402
 from iptables.model import ClassifierState, PodClassification  # noqa: E402
+import ebpf_count  # noqa: E402  (bench/, beside this file)
 from lab.netns import run  # noqa: E402
 from lab.topology import INTERNAL_CIDRS, PEER_V4, UPLINK, Lab  # noqa: E402
 from netagent.desired import DataPathOptions, NodeInputs, PodShape, desired_state  # noqa: E402
@@ -279,12 +284,17 @@ CASES = {"egress": (POD4, PEER4), "ingress": (NODE4, OTHER4)}
 
 class FakePod:  # the per-packet namespace's pod: .10 is the measured pod, .11 a neighbour in the state
     ip4, ip6 = POD4, "fd00:244::10"
+    node_veth = "vp0"  # the pod device the `ingress` case leaves by: where the ebpf candidate's program runs
 
 
 def program(label: str, netns: str, pod, today) -> None:
     """Install configuration `label` (none | none2 | today-<backend>-<n> | new-<backend>-<n> | lean-<backend>-<n> |
     nftmap-<n> | component-<backend>-<piece>)."""
     if label in ("none", "none2"):
+        return
+    if label.endswith("+ebpf"):
+        program(label[:-5], netns, pod, today)
+        device_counting(netns, pod.node_veth)
         return
     if label.startswith("component-"):
         program_component(label, netns)
@@ -308,6 +318,32 @@ def lean_internal(netns: str, backend: str) -> None:
     the pod's own device, which needs no lookup: the device is the pod)."""
     for tool, cidr in ((f"iptables-{backend}", INTERNAL_CIDRS[0]), (f"ip6tables-{backend}", INTERNAL_CIDRS[1])):
         run([tool, "-w", "5", "-t", "mangle", "-I", "NETAGENT-POSTROUTING", "1", "-s", cidr, "-d", cidr, "-j", "RETURN"],
+            netns)
+
+
+BPFFS = "/run/netagent-bench-bpffs"  # where the ebpf row pins its programs for tc to load (a bpf mount of its own)
+COUNTERS: list = []  # the ebpf row's DeviceCounters, closed after the run
+
+
+def close_counters() -> None:
+    while COUNTERS:
+        COUNTERS.pop()[1].close()
+
+
+def device_counting(netns: str, device: str) -> None:
+    """The `ebpf` candidate's counters (bench/ebpf_count.py): on the pod's host-side device, an eBPF program that
+    adds each packet with an internal destination to a per-CPU counter on the device's ingress (what the pod sends),
+    and each with an internal source on its egress (what it receives); both let classification go on."""
+    os.makedirs(BPFFS, exist_ok=True)
+    if subprocess.run(["mountpoint", "-q", BPFFS]).returncode:
+        subprocess.run(["mount", "-t", "bpf", "bpf", BPFFS], check=True)
+    internal = R.set_members(INTERNAL_CIDRS)
+    run(["tc", "qdisc", "replace", "dev", device, "clsact"], netns)
+    for hook, where in (("ingress", "dst"), ("egress", "src")):
+        counter = ebpf_count.DeviceCounter(internal, where, hook == "egress",
+                                           f"{BPFFS}/{netns}-{device}-{hook}")
+        COUNTERS.append((hook, counter))
+        run(["tc", "filter", "add", "dev", device, hook, "pref", "49000", "bpf", "object-pinned", counter.pin, "da"],
             netns)
 
 
@@ -352,7 +388,8 @@ def labels_for(args) -> list[str]:
         return ["none"] + [f"component-{b}-{piece}" for b in backends for piece in pieces] + ["none2"]
     if args.candidates:
         return ["none"] + [label for b in backends for label in (f"component-{b}-hook", f"new-{b}-{max(pods)}",
-                                                                    f"lean-{b}-{max(pods)}")] + ["none2"]
+                                                                    f"lean-{b}-{max(pods)}",
+                                                                    f"lean-{b}-{max(pods)}+ebpf")] + ["none2"]
     labels = ["none"] + [f"{k}-{b}-{n}" for n in pods for b in backends for k in ("today", "new")]
     return labels + [f"nftmap-{n}" for n in pods if args.nft] + ["none2"]
 
@@ -384,9 +421,12 @@ def packet_costs(args, today) -> None:
                 f"({args.rounds} round-robin rounds of {args.packets} datagrams)")
         table(what + "; minimum (the configuration's own cost)", labels, cost, ".0f", min)
         table("  the same, median", labels, cost, ".0f", statistics.median)
+        for hook, counter in COUNTERS:  # its program ran on every ingress-case datagram, or its row means nothing
+            print(f"  lean+ebpf's program on the pod device's {hook}: {counter.read()[1]} datagrams counted")
     finally:
         for ns in spaces.values():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        close_counters()
 
 
 def measure(pod, cpu: Cpu, seconds: float, extra: list[str]) -> tuple[float, float, float]:
@@ -416,12 +456,19 @@ SHARES = {
              "an empty chain hooked into mangle POSTROUTING, the entry fee of any iptables classifier"),
     "hook2": (False, "component-{backend}-hook2", "one in PREROUTING too, as the ruleset hooks both"),
     "lean": (True, "lean-{backend}-{n}", "the new rules and tc, internal packets returned before any set lookup"),
+    "ebpf": (True, "lean-{backend}-{n}+ebpf", "lean, with the pod's internal bytes counted by an eBPF program on "
+                                              "each direction of its host-side device (bench/ebpf_count.py)"),
 }
 
 
 def traffic(args, today) -> None:
     labels = [] if args.share_only else labels_for(args)
-    full = [f"share-{name}" for name in SHARES]
+    rows = args.rows.split(",") if args.rows else list(SHARES)
+    unknown = sorted(set(rows) - set(SHARES))
+    if unknown or "none" not in rows:
+        raise SystemExit(f"--rows {args.rows}: {', '.join(unknown) or 'none'} is not a share row or missing "
+                         f"(the rows: {', '.join(SHARES)}; none is the baseline)")
+    full = [f"share-{name}" for name in rows]
     backend, n = args.backends.split(",")[0], max(int(p) for p in args.pods.split(","))
     cpu = Cpu()
     shapers = []
@@ -433,6 +480,8 @@ def traffic(args, today) -> None:
             for label in labels:
                 program(label, nodes[label].netns, nodes[label].pods[0], today)
             for name, (shaped, ruleset, _) in SHARES.items():
+                if f"share-{name}" not in nodes:
+                    continue
                 node, pod = nodes[f"share-{name}"], nodes[f"share-{name}"].pods[0]
                 if shaped:
                     shaper = Shaper(node.netns)
@@ -473,15 +522,27 @@ def traffic(args, today) -> None:
             print(f"internal share of unshaped: TCP pod -> peer, unlimited, whole data path ({backend}, {n} pods' "
                   f"rules, tc shaper on the uplink) against no netagent, median of {args.share_rounds} alternated "
                   f"{args.seconds:g} s runs ("
-                  + "; ".join(f"{name}: {meaning}" for name, (_, _, meaning) in SHARES.items()) + ")"
+                  + "; ".join(f"{name}: {SHARES[name][2]}" for name in rows) + ")"
                   + ("; iperf3 client on CPU 0, server on CPU 1, first second omitted" if args.pin else ""))
             for label, values in rates.items():
                 med = statistics.median(values)
-                print(f"  {label[6:]:6}{med / 1e9:8.2f} Gbit/s  {med / base:6.3f} of none   runs "
+                # each round's rate against none's in the same round (seconds apart): slow swings of the shared
+                # machine cancel in the ratio, where they move the medians of whole columns
+                pairs = sorted(v / b for v, b in zip(values, rates["share-none"]))
+                q1, q3 = statistics.quantiles(pairs, n=4)[::2] if len(pairs) > 1 else (pairs[0], pairs[0])
+                print(f"  {label[6:]:6}{med / 1e9:8.2f} Gbit/s  {med / base:6.3f} of none   same-round ratio "
+                      f"median {statistics.median(pairs):.3f} (quartiles {q1:.3f}-{q3:.3f})   runs "
                       + " ".join(f"{v / 1e9:.2f}" for v in values), flush=True)
+            if "ebpf" in rows:  # the candidate's counters must count what moved, or its figure means nothing
+                moved = sum(v / 8 * (args.seconds + (1 if args.pin else 0)) for v in rates["share-ebpf"])  # -O 1 runs a second more
+                counted = {hook: counter.read() for hook, counter in COUNTERS}
+                print(f"  ebpf's programs counted {counted['ingress'][0] / 1e9:.2f} GB in {counted['ingress'][1]} skbs "
+                      f"sent and {counted['egress'][0] / 1e6:.1f} MB in {counted['egress'][1]} skbs received (ACKs) by "
+                      f"the pod; iperf3's rate x time: {moved / 1e9:.2f} GB of payload")
     finally:
         for shaper in shapers:
             shaper.close()
+        close_counters()
         cpu.close()
 
 
@@ -503,6 +564,7 @@ def main() -> int:
     ap.add_argument("--pin", action="store_true",
                     help="the share runs' iperf3 client on CPU 0 and server on CPU 1 (where the scheduler puts "
                          "them moves the rate by more than the rules cost)")
+    ap.add_argument("--rows", default="", help=f"the share rows to run, comma-separated (default all: {','.join(SHARES)})")
     ap.add_argument("--candidates", action="store_true",
                     help="only none, the bare hook, the new rules and the lean candidate (internal packets return "
                          "before any set lookup), on the first backend")
