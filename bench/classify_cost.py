@@ -326,8 +326,12 @@ COUNTERS: list = []  # the ebpf row's DeviceCounters, closed after the run
 
 
 def close_counters() -> None:
+    """Unload the ebpf row's programs and unmount the bpffs the bench mounted: it leaves nothing behind."""
     while COUNTERS:
         COUNTERS.pop()[1].close()
+    if os.path.isdir(BPFFS) and not subprocess.run(["mountpoint", "-q", BPFFS]).returncode:
+        subprocess.run(["umount", BPFFS], check=True)
+        os.rmdir(BPFFS)
 
 
 def device_counting(netns: str, device: str) -> None:
