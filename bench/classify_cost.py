@@ -325,11 +325,15 @@ BPFFS = "/run/netagent-bench-bpffs"  # where the ebpf row pins its programs for 
 COUNTERS: list = []  # the ebpf row's DeviceCounters, closed after the run
 
 
+def _mounted(path: str) -> bool:
+    return subprocess.run(["mountpoint", "-q", path]).returncode == 0
+
+
 def close_counters() -> None:
     """Unload the ebpf row's programs and unmount the bpffs the bench mounted: it leaves nothing behind."""
     while COUNTERS:
         COUNTERS.pop()[1].close()
-    if os.path.isdir(BPFFS) and not subprocess.run(["mountpoint", "-q", BPFFS]).returncode:
+    if os.path.isdir(BPFFS) and _mounted(BPFFS):
         subprocess.run(["umount", BPFFS], check=True)
         os.rmdir(BPFFS)
 
@@ -339,13 +343,12 @@ def device_counting(netns: str, device: str) -> None:
     adds each packet with an internal destination to a per-CPU counter on the device's ingress (what the pod sends),
     and each with an internal source on its egress (what it receives); both let classification go on."""
     os.makedirs(BPFFS, exist_ok=True)
-    if subprocess.run(["mountpoint", "-q", BPFFS]).returncode:
+    if not _mounted(BPFFS):
         subprocess.run(["mount", "-t", "bpf", "bpf", BPFFS], check=True)
     internal = R.set_members(INTERNAL_CIDRS)
     run(["tc", "qdisc", "replace", "dev", device, "clsact"], netns)
-    for hook, where in (("ingress", "dst"), ("egress", "src")):
-        counter = ebpf_count.DeviceCounter(internal, where, hook == "egress",
-                                           f"{BPFFS}/{netns}-{device}-{hook}")
+    for hook in ("ingress", "egress"):
+        counter = ebpf_count.DeviceCounter(internal, hook == "egress", f"{BPFFS}/{netns}-{device}-{hook}")
         COUNTERS.append((hook, counter))
         run(["tc", "filter", "add", "dev", device, hook, "pref", "49000", "bpf", "object-pinned", counter.pin, "da"],
             netns)
@@ -483,9 +486,8 @@ def traffic(args, today) -> None:
             nodes = dict(zip(labels + full, lab.nodes))
             for label in labels:
                 program(label, nodes[label].netns, nodes[label].pods[0], today)
-            for name, (shaped, ruleset, _) in SHARES.items():
-                if f"share-{name}" not in nodes:
-                    continue
+            for name in rows:
+                shaped, ruleset, _ = SHARES[name]
                 node, pod = nodes[f"share-{name}"], nodes[f"share-{name}"].pods[0]
                 if shaped:
                     shaper = Shaper(node.netns)
@@ -570,8 +572,8 @@ def main() -> int:
                          "them moves the rate by more than the rules cost)")
     ap.add_argument("--rows", default="", help=f"the share rows to run, comma-separated (default all: {','.join(SHARES)})")
     ap.add_argument("--candidates", action="store_true",
-                    help="only none, the bare hook, the new rules and the lean candidate (internal packets return "
-                         "before any set lookup), on the first backend")
+                    help="only none, the bare hook, the new rules, the lean candidate (internal packets return "
+                         "before any set lookup) and lean with the eBPF counter, on the first backend")
     ap.add_argument("--components", action="store_true",
                     help="per-packet cost of the pieces (the hook, one lookup of each kind, 22 plain rules); no iperf3")
     args = ap.parse_args()

@@ -53,12 +53,16 @@ def _le(word: bytes) -> int:
     return struct.unpack("<i", word)[0]
 
 
-def program(networks: dict[int, tuple[str, ...]], where: str, map_fd: int, egress: bool) -> bytes:
-    """Count skbs whose `where` address is in `networks` into map[0] = (bytes, packets); always TC_ACT_UNSPEC."""
-    body: list[bytes | tuple[str, int, int, int]] = []  # ("jmp", code, reg, imm) patched to COUNT/OUT later
+def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int) -> bytes:
+    """Count the skbs that cross a pod's device with the far end in `networks` into map[0] = (bytes, packets):
+    on its ingress (what the pod sends) by destination, on its egress (what it receives) by source. Always
+    returns TC_ACT_UNSPEC."""
+    where = "src" if egress else "dst"
+    # instructions, ("label", name), and ("jmp", code, dst, src, imm, target): a jump resolved once labels are placed
+    body: list = []
 
     def jump(code: int, dst: int, imm: int, target: str, src: int = 0) -> None:
-        body.append(("jmp", code, dst, src, imm, target))  # type: ignore[arg-type]
+        body.append(("jmp", code, dst, src, imm, target))
 
     body += [insn(0xBF, R6, R1),  # r6 = ctx
              insn(0x61, R2, R6, SKB_PROTOCOL), insn(0x61, R7, R6, SKB_DATA), insn(0x61, R8, R6, SKB_DATA_END)]
@@ -66,7 +70,7 @@ def program(networks: dict[int, tuple[str, ...]], where: str, map_fd: int, egres
     jump(0x15, R2, 0xDD86, "V6")
     jump(0x05, 0, 0, "OUT")
     for family in (4, 6):
-        body.append(("label", f"V{family}"))  # type: ignore[arg-type]
+        body.append(("label", f"V{family}"))
         body += [insn(0xBF, R3, R7), insn(0x07, R3, 0, 0, ADDR[family]["end"])]
         jump(0x2D, R3, 0, "OUT", src=R8)  # r3 > data_end: too short
         for n, text in enumerate(networks.get(family, ())):
@@ -79,9 +83,9 @@ def program(networks: dict[int, tuple[str, ...]], where: str, map_fd: int, egres
                     body.append(insn(0x54, R4, 0, 0, _le(mask[i:i + 4])))  # w4 &= mask (32-bit ALU)
                 jump(0x56, R4, _le(raw[i:i + 4]), f"NEXT{family}.{n}")  # w4 != word (JMP32): the next network
             jump(0x05, 0, 0, "COUNT")
-            body.append(("label", f"NEXT{family}.{n}"))  # type: ignore[arg-type]
+            body.append(("label", f"NEXT{family}.{n}"))
         jump(0x05, 0, 0, "OUT")
-    body.append(("label", "COUNT"))  # type: ignore[arg-type]
+    body.append(("label", "COUNT"))
     body += [insn(0x62, R10, 0, -4, 0), insn(0xBF, R2, R10), insn(0x07, R2, 0, 0, -4),
              insn(0x18, R1, 1, 0, map_fd), insn(0, 0, 0, 0, 0),  # r1 = the map (ld_imm64, pseudo map fd)
              insn(0x85, 0, 0, 0, 1)]  # call bpf_map_lookup_elem
@@ -91,7 +95,7 @@ def program(networks: dict[int, tuple[str, ...]], where: str, map_fd: int, egres
         body.append(insn(0x17, R1, 0, 0, ETH_HLEN))  # r1 -= ETH_HLEN
     body += [insn(0x79, R2, R0, 0), insn(0x0F, R2, R1), insn(0x7B, R0, R2, 0),  # bytes += len (per CPU)
              insn(0x79, R2, R0, 8), insn(0x07, R2, 0, 0, 1), insn(0x7B, R0, R2, 8)]  # packets += 1
-    body.append(("label", "OUT"))  # type: ignore[arg-type]
+    body.append(("label", "OUT"))
     body += [insn(0xB7, R0, 0, 0, TC_ACT_UNSPEC), insn(0x95)]
     # resolve labels: every item but a label is one 8-byte slot, except ld_imm64's two (already two items)
     pos, labels = 0, {}
@@ -116,11 +120,11 @@ def program(networks: dict[int, tuple[str, ...]], where: str, map_fd: int, egres
 class DeviceCounter:
     """One per-CPU (bytes, packets) counter and the program that fills it, pinned where tc can load it."""
 
-    def __init__(self, networks: dict[int, tuple[str, ...]], where: str, egress: bool, pin: str):
+    def __init__(self, networks: dict[int, tuple[str, ...]], egress: bool, pin: str):
         attr = (ctypes.c_uint8 * 128)()
         struct.pack_into("<IIII", attr, 0, BPF_MAP_TYPE_PERCPU_ARRAY, 4, 16, 1)
         self.map_fd = _bpf(BPF_MAP_CREATE, attr)
-        code = program(networks, where, self.map_fd, egress)
+        code = program(networks, egress, self.map_fd)
         insns = ctypes.create_string_buffer(code, len(code))
         lic = ctypes.create_string_buffer(b"GPL")
         log = ctypes.create_string_buffer(1 << 16)
