@@ -1,0 +1,747 @@
+"""Each local pod's internal bytes and packets, counted by eBPF on the pods' host-side devices.
+
+Why: the iptables rules count a pod's internal traffic with ipset lookups, and those lookups are
+what internal traffic pays at line rate. A program on each pod device (the device is the pod's,
+so no lookup decides whose packet it is) counts what the pod sends to, and receives from, the
+internal CIDRs; the rules can then let internal packets go before any set.
+
+Why eBPF: a classic-BPF scope test whose action statistics count needs `gact`, which minimal
+kernels (this one) lack; `mirred`, often the one action there, clones or steals the packet. A
+`sched_cls` program in direct-action mode tests the scope and adds to a map itself, and returns
+TC_ACT_UNSPEC so the device's other filters (netagent's download redirect) still run.
+
+What it counts is what the ipset and iptables counters count: the IP bytes of each skb, a GSO
+super-packet once with its one header. cls_bpf shows the program the frame from its MAC header in
+both directions (at ingress it pushes the MAC header back before the program runs), so the count
+is skb->len less the 14-byte Ethernet header on either hook.
+
+One map for all pods, keyed by the pod's address (an IPv4 address as ::ffff:a.b.c.d), so no
+pod-to-device mapping is needed and routed and bridged pods are alike. It is pinned in a bpffs so
+that a restarted agent adopts it and its counts; the programs are not pinned: the filters hold
+them, and a restarted agent recognises the ones it would load by their tag.
+
+Loaded with raw bpf(2) calls through ctypes: the programs are tens of instructions (a few
+hundred with 40 CIDRs) and need no compiler, no libbpf and no BTF.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import ipaddress
+import logging
+import os
+import platform
+import socket
+import struct
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
+
+import nlwire  # first: pyroute2 without its __init__ (nlwire.lean_pyroute2)
+from pyroute2.netlink import NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE, NLM_F_REQUEST
+from pyroute2.netlink.rtnl import RTM_DELQDISC, RTM_DELTFILTER, RTM_NEWQDISC, RTM_NEWTFILTER
+from pyroute2.netlink.rtnl.tcmsg import tcmsg
+
+from . import rawnl
+from .errors import TcError
+
+log = logging.getLogger(__name__)
+
+SYS_BPF = {"x86_64": 321, "aarch64": 280}  # by platform.machine(); both little-endian (see _le)
+BPF_MAP_CREATE, BPF_MAP_UPDATE_ELEM, BPF_MAP_DELETE_ELEM = 0, 2, 3
+BPF_PROG_LOAD, BPF_OBJ_PIN, BPF_OBJ_GET, BPF_PROG_GET_FD_BY_ID, BPF_OBJ_GET_INFO_BY_FD = 5, 6, 7, 13, 15
+BPF_MAP_LOOKUP_BATCH = 24
+BPF_MAP_TYPE_PERCPU_HASH = 5
+BPF_F_NO_PREALLOC = 1  # entries come from set_pods only: no memory for 4096 entries x every possible CPU up front
+BPF_PROG_TYPE_SCHED_CLS = 3
+BPF_NOEXIST = 1
+BPF_PSEUDO_MAP_FD = 1
+BPF_FUNC_MAP_LOOKUP_ELEM, BPF_FUNC_SKB_LOAD_BYTES = 1, 26
+BPF_FS_MAGIC = 0xCAFE4A11
+LICENSE = b"Apache-2.0"  # the project's; the two helpers used are not GPL-only
+
+TC_ACT_UNSPEC = -1
+ETH_HLEN = 14
+SKB_LEN, SKB_PROTOCOL = 0, 16  # offsets in struct __sk_buff
+# where the addresses are, from the start of the frame (the MAC header): source and destination together
+ADDRESSES = {4: (26, 8), 6: (22, 32)}  # family: (offset, length)
+ETHERTYPE = {4: 0x0008, 6: 0xDD86}  # htons(ETH_P_IP), htons(ETH_P_IPV6) as a u32 load of skb->protocol sees them
+R0, R1, R2, R3, R4, R6, R10 = 0, 1, 2, 3, 4, 6, 10
+
+KEY_SIZE = 16
+VALUE = struct.Struct("=4Q")  # egress bytes, egress packets, ingress bytes, ingress packets (pod's view)
+MAP_NAME = b"na_internal"
+PIN_NAME = "internal"
+BATCH = 128  # entries a map read asks for at once
+
+TC_H_CLSACT = 0xFFFFFFF1
+CLSACT_INGRESS, CLSACT_EGRESS = 0xFFFFFFF2, 0xFFFFFFF3
+ETH_P_ALL = 0x0003
+FILTER_HANDLE = 0x1
+TCA_BPF_FLAG_ACT_DIRECT = 1
+TCA_BPF_NAME, TCA_BPF_FLAGS, TCA_BPF_TAG, TCA_BPF_ID = 7, 8, 10, 11
+# the two hooks: (clsact parent, the filter's name, is it the device's egress)
+HOOKS = {"ingress": (CLSACT_INGRESS, "netagent-count-in", False), "egress": (CLSACT_EGRESS, "netagent-count-out", True)}
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class EbpfError(TcError):
+    """A bpf(2) or tc operation of the internal counter failed; the message says what and why."""
+
+
+def _bpf(cmd: int, attr: ctypes.Array) -> int:
+    nr = SYS_BPF.get(platform.machine())
+    if nr is None:
+        raise EbpfError(f"bpf(2): no syscall number known for {platform.machine()!r} (known: {', '.join(SYS_BPF)})")
+    ret = _libc.syscall(ctypes.c_long(nr), ctypes.c_long(cmd), ctypes.byref(attr), ctypes.c_long(ctypes.sizeof(attr)))
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return ret
+
+
+def _attr(fmt: str, *values) -> ctypes.Array:
+    """A zeroed union bpf_attr (128 bytes: more than any command here uses) starting with `values`."""
+    attr = (ctypes.c_uint8 * 128)()
+    struct.pack_into(fmt, attr, 0, *values)
+    return attr
+
+
+def _addr(buf) -> int:
+    return ctypes.addressof(buf) if buf is not None else 0
+
+
+# -- pure: keys, networks, the program -----------------------------------------------------------------
+
+def key_of(address: str) -> bytes:
+    """A pod address as the map's key: 16 bytes, an IPv4 address as IPv4-mapped IPv6."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError as exc:
+        raise EbpfError(f"pod address {address!r} is not an IP address") from exc
+    return ip.packed if ip.version == 6 else b"\0" * 10 + b"\xff\xff" + ip.packed
+
+
+def address_of(key: bytes) -> str:
+    """The canonical text of a key's address (an IPv4-mapped key as plain IPv4)."""
+    ip = ipaddress.IPv6Address(bytes(key))
+    return str(ip.ipv4_mapped or ip)
+
+
+Networks = dict[int, tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]]
+
+
+def parse_networks(networks: dict[int, tuple[str, ...]]) -> Networks:
+    """family -> CIDR texts, checked (the family's, not /0) and in a canonical order (sorted, no
+    duplicates), so that the same set always makes the same program."""
+    out: Networks = {}
+    for family, texts in sorted(networks.items()):
+        if family not in (4, 6):
+            raise EbpfError(f"internal networks: family {family!r} is neither 4 nor 6")
+        parsed = set()
+        for text in texts:
+            try:
+                net = ipaddress.ip_network(text, strict=False)
+            except ValueError as exc:
+                raise EbpfError(f"internal network {text!r} is not a CIDR: {exc}") from exc
+            if net.version != family:
+                raise EbpfError(f"internal network {text!r} is not an IPv{family} network")
+            if net.prefixlen == 0:
+                raise EbpfError(f"internal network {text!r} is every address: a /0 would count all traffic "
+                                "as internal; list the internal networks")
+            parsed.add(net)
+        if parsed:
+            out[family] = tuple(sorted(parsed))
+    return out
+
+
+def insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
+    return struct.pack("<BBhi", code, (src << 4) | dst, off, imm)
+
+
+def _le(word: bytes) -> int:
+    """Four network-order bytes as a 32-bit load on a little-endian host sees them, as a signed immediate."""
+    return struct.unpack("<i", word)[0]
+
+
+def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int) -> bytes:
+    """The counting program of one hook of a pod's device, as instructions.
+
+    On the device's ingress (egress=False: what the pod sends) a packet whose destination is in
+    `networks` is added to the entry of its source, in the entry's egress slots; on the device's
+    egress (what the pod receives) a packet whose source is internal to its destination's entry,
+    in the ingress slots. A packet of no entry, or not IP over Ethernet, is not counted. Always
+    returns TC_ACT_UNSPEC: the next filter decides."""
+    nets = parse_networks(networks)
+    scope, key = (0, 1) if egress else (1, 0)  # which address (0: source, 1: destination) is tested, which counted
+    slot = 16 if egress else 0  # the value's ingress or egress (bytes, packets)
+    # instructions, ("label", name), and ("jmp", code, dst, imm, target): a jump resolved once labels are placed
+    body: list = []
+
+    def jump(code: int, dst: int, imm: int, target: str) -> None:
+        body.append(("jmp", code, dst, imm, target))
+
+    if nets:
+        body += [insn(0xBF, R6, R1), insn(0x61, R2, R6, SKB_PROTOCOL)]  # r6 = ctx; r2 = skb->protocol
+        for family in nets:
+            jump(0x15, R2, ETHERTYPE[family], f"V{family}")  # if r2 == ethertype
+        jump(0x05, 0, 0, "OUT")
+    for family, family_nets in nets.items():
+        offset, size = ADDRESSES[family]
+        base = -32 if family == 6 else -8  # both addresses copied to the stack at fp+base
+        width = size // 2
+        body.append(("label", f"V{family}"))
+        # bpf_skb_load_bytes(skb, offset, fp+base, size): the addresses, also from a frame whose
+        # headers are not in the linear area, without changing the skb
+        body += [insn(0xBF, R1, R6), insn(0xB7, R2, 0, 0, offset), insn(0xBF, R3, R10), insn(0x07, R3, 0, 0, base),
+                 insn(0xB7, R4, 0, 0, size), insn(0x85, 0, 0, 0, BPF_FUNC_SKB_LOAD_BYTES)]
+        jump(0x55, R0, 0, "OUT")  # if r0 != 0: a short packet
+        for n, net in enumerate(family_nets):
+            raw, mask = net.network_address.packed, net.netmask.packed
+            for i in range(0, len(raw), 4):
+                if mask[i:i + 4] == b"\0\0\0\0":
+                    continue
+                body.append(insn(0x61, R4, R10, base + scope * width + i))  # r4 = a word of the tested address
+                if mask[i:i + 4] != b"\xff\xff\xff\xff":
+                    body.append(insn(0x54, R4, 0, 0, _le(mask[i:i + 4])))  # w4 &= mask (32-bit ALU)
+                jump(0x56, R4, _le(raw[i:i + 4]), f"NEXT{family}.{n}")  # if w4 != word (JMP32): the next network
+            jump(0x05, 0, 0, f"KEY{family}")
+            body.append(("label", f"NEXT{family}.{n}"))
+        jump(0x05, 0, 0, "OUT")
+        body.append(("label", f"KEY{family}"))
+        if family == 6:
+            body += [insn(0xBF, R2, R10), insn(0x07, R2, 0, 0, base + key * width)]  # the key is the copied address
+        else:  # the key ::ffff:a.b.c.d built at fp-24
+            body += [insn(0x7A, R10, 0, -24, 0), insn(0x62, R10, 0, -16, _le(b"\0\0\xff\xff")),
+                     insn(0x61, R4, R10, base + key * width), insn(0x63, R10, R4, -12),
+                     insn(0xBF, R2, R10), insn(0x07, R2, 0, 0, -24)]
+        jump(0x05, 0, 0, "LOOKUP")
+    if nets:
+        body.append(("label", "LOOKUP"))
+        body += [insn(0x18, R1, BPF_PSEUDO_MAP_FD, 0, map_fd), insn(0, 0, 0, 0, 0),  # r1 = the map (ld_imm64)
+                 insn(0x85, 0, 0, 0, BPF_FUNC_MAP_LOOKUP_ELEM)]
+        jump(0x15, R0, 0, "OUT")  # no such pod
+        body += [insn(0x61, R1, R6, SKB_LEN), insn(0x17, R1, 0, 0, ETH_HLEN),  # r1 = skb->len - ETH_HLEN
+                 insn(0x79, R2, R0, slot), insn(0x0F, R2, R1), insn(0x7B, R0, R2, slot),  # bytes += r1 (this CPU's)
+                 insn(0x79, R2, R0, slot + 8), insn(0x07, R2, 0, 0, 1), insn(0x7B, R0, R2, slot + 8)]  # packets += 1
+    body.append(("label", "OUT"))
+    body += [insn(0xB7, R0, 0, 0, TC_ACT_UNSPEC), insn(0x95)]
+    return _resolve(body)
+
+
+def _resolve(body: list) -> bytes:
+    """Place the labels and fill in the jumps' offsets. Every item but a label is one 8-byte slot
+    (ld_imm64's two slots are two items)."""
+    labels, pos = {}, 0
+    for item in body:
+        if isinstance(item, tuple) and item[0] == "label":
+            labels[item[1]] = pos
+        else:
+            pos += 1
+    out: list[bytes] = []
+    for item in body:
+        if isinstance(item, tuple):
+            if item[0] == "jmp":
+                _, code, dst, imm, target = item
+                out.append(insn(code, dst, 0, labels[target] - len(out) - 1, imm))
+        else:
+            out.append(item)
+    return b"".join(out)
+
+
+# -- the kernel's side -----------------------------------------------------------------------------
+
+def _statfs_magic(path: str) -> int:
+    buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first field, a long
+    if _libc.statfs(os.fsencode(path), buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    return struct.unpack_from("=l", buf, 0)[0] & 0xFFFFFFFF
+
+
+def _bpffs_problem(pin_dir: str) -> str | None:
+    """Why maps cannot be pinned in `pin_dir` (it, or its parent when it does not exist yet, must be
+    on a bpffs), or None."""
+    where = pin_dir if os.path.isdir(pin_dir) else os.path.dirname(os.path.abspath(pin_dir))
+    try:
+        magic = _statfs_magic(where)
+    except OSError as exc:
+        return f"the pin directory {pin_dir} cannot be made: {where}: {exc.strerror}"
+    if magic != BPF_FS_MAGIC:
+        return (f"{where} is not on a bpffs (filesystem magic {magic:#x}), so the counter's map cannot be pinned "
+                f"there; mount one (mount -t bpf bpf {where}) or choose a pin directory under one")
+    return None
+
+
+def _bpf_refusal(exc: OSError) -> str:
+    if exc.errno == errno.EPERM:
+        return "bpf(2) refused: EPERM (the process needs CAP_BPF and CAP_NET_ADMIN, or CAP_SYS_ADMIN)"
+    if exc.errno == errno.ENOSYS:
+        return "bpf(2) is missing: ENOSYS (a kernel without CONFIG_BPF_SYSCALL)"
+    return f"bpf(2) failed: {errno.errorcode.get(exc.errno, exc.errno)} ({exc.strerror})"
+
+
+def map_shape(max_entries: int) -> tuple[int, int, int, int, int]:
+    """The map's (type, key size, value size, max entries, flags), as bpf_map_info gives them back."""
+    return BPF_MAP_TYPE_PERCPU_HASH, KEY_SIZE, VALUE.size, max_entries, BPF_F_NO_PREALLOC
+
+
+def _create_map(max_entries: int) -> int:
+    return _bpf(BPF_MAP_CREATE, _attr("=IIIIIII16s", *map_shape(max_entries), 0, 0, MAP_NAME))
+
+
+def _prog_load(code: bytes, name: str, vlog: ctypes.Array | None) -> int:
+    insns = ctypes.create_string_buffer(code, len(code))
+    lic = ctypes.create_string_buffer(LICENSE)
+    return _bpf(BPF_PROG_LOAD, _attr("=IIQQIIQII16s", BPF_PROG_TYPE_SCHED_CLS, len(code) // 8, _addr(insns), _addr(lic),
+                                     1 if vlog is not None else 0, len(vlog) if vlog is not None else 0, _addr(vlog),
+                                     0, 0, name.encode()[:15]))
+
+
+def _load(code: bytes, name: str) -> int:
+    """Load a sched_cls program. A refused one is loaded again with the verifier's log on, for the
+    error to say why (a log on every load would cost the verifier time and a buffer)."""
+    try:
+        return _prog_load(code, name, None)
+    except OSError as exc:
+        if exc.errno in (errno.EPERM, errno.ENOSYS):
+            raise EbpfError(f"loading the counting program {name} failed: {_bpf_refusal(exc)}") from None
+    vlog = ctypes.create_string_buffer(1 << 20)
+    try:
+        return _prog_load(code, name, vlog)
+    except OSError as exc:
+        tail = vlog.value.decode(errors="replace")[-2000:].strip()
+        raise EbpfError(f"loading the counting program {name} failed: {_bpf_refusal(exc)}; "
+                        f"the verifier said: ...{tail}") from None
+
+
+def _info(fd: int, size: int, extra: str = "", *values) -> bytes:
+    """BPF_OBJ_GET_INFO_BY_FD: the first `size` bytes of the object's info (prefilled with `values`
+    packed as `extra`, for the info's own pointers)."""
+    buf = ctypes.create_string_buffer(size)
+    if extra:
+        struct.pack_into(extra, buf, 0, *values)
+    _bpf(BPF_OBJ_GET_INFO_BY_FD, _attr("=IIQ", fd, size, _addr(buf)))
+    return buf.raw
+
+
+def map_info(fd: int) -> tuple[int, int, int, int, int, int]:
+    """(type, id, key size, value size, max entries, flags) of a map."""
+    return struct.unpack_from("=IIIIII", _info(fd, 40), 0)
+
+
+def prog_info(fd: int) -> tuple[int, bytes, tuple[int, ...]]:
+    """(id, tag, the ids of the maps it uses) of a program (struct bpf_prog_info: id at 4, tag at
+    8, nr_map_ids at 52, map_ids at 56)."""
+    ids = (ctypes.c_uint32 * 8)()
+    raw = _info(fd, 64, "=52xIQ", len(ids), _addr(ids))
+    prog_id, tag = struct.unpack_from("=4xI8s", raw, 0)
+    (n,) = struct.unpack_from("=I", raw, 52)
+    return prog_id, tag, tuple(ids[:min(n, len(ids))])
+
+
+def possible_cpus() -> int:
+    """How many values a per-CPU map holds for each key: one per possible CPU."""
+    with open("/sys/devices/system/cpu/possible") as f:
+        text = f.read().strip()
+    count = 0
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        count += int(last or first) - int(first) + 1
+    return count
+
+
+def unavailable(pin_dir: str) -> str | None:
+    """None when the counter can run here, else the reason as a sentence. Loads the program the
+    counter would load (against a one-entry map) and closes both: nothing is left behind."""
+    if platform.machine() not in SYS_BPF:
+        return f"bpf(2) has no syscall number known here ({platform.machine()!r}; known: {', '.join(SYS_BPF)})"
+    fds: list[int] = []
+    try:
+        fds.append(_create_map(1))
+        fds.append(_load(program({4: ("10.0.0.0/8",), 6: ("fd00::/8",)}, False, fds[0]), "na_probe"))
+    except OSError as exc:
+        return _bpf_refusal(exc)
+    except EbpfError as exc:
+        return str(exc)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return _bpffs_problem(pin_dir)
+
+
+class Found(NamedTuple):
+    """A filter at the counter's pref, as a dump shows it (name empty: not a cls_bpf filter)."""
+
+    handle: int
+    name: str
+    tag: bytes
+    prog_id: int
+    flags: int
+
+
+def _u32(value: bytes | None) -> int:
+    return struct.unpack_from("=I", value)[0] if value is not None and len(value) >= 4 else 0
+
+
+class _Filters:
+    """The counter's filters at one pref on the devices of one network namespace, over one netlink
+    channel: what attach, detach and remove_counting share."""
+
+    def __init__(self, netns: str | None, pref: int):
+        self.netns = netns
+        self.pref = pref
+        self._chan: rawnl.NetlinkChannel | None = None
+
+    @property
+    def chan(self) -> rawnl.NetlinkChannel:
+        if self._chan is None:
+            try:
+                self._chan = rawnl.NetlinkChannel(self.netns)
+            except Exception as exc:  # pyroute2's namespace switch raises a mix of errors
+                raise EbpfError(f"cannot open netlink in network namespace {self.netns!r}: {exc}") from exc
+        return self._chan
+
+    def close(self) -> None:
+        if self._chan is not None:
+            self._chan.close()
+            self._chan = None
+
+    def at_pref(self, ifindex: int) -> dict[str, tuple[list[Found], int]]:
+        """Per hook: the filters at our pref, and how many filter messages the hook's dump had in all
+        (anyone's, chain headers too)."""
+        out = {}
+        for hook, (parent, _, _) in HOOKS.items():
+            found, total = [], 0
+            for handle, info, payload in self.chan.dump_filters(ifindex, parent):
+                total += 1
+                if info >> 16 != self.pref or not handle:
+                    continue  # somebody else's, or a chain header
+                a = rawnl.attrs(payload)
+                bpf = a.get(rawnl.TCA_KIND, b"").rstrip(b"\0") == b"bpf"
+                o = rawnl.attrs(a.get(rawnl.TCA_OPTIONS, b"")) if bpf else {}
+                found.append(Found(handle, nlwire.text(o.get(TCA_BPF_NAME, b"")), bytes(o.get(TCA_BPF_TAG, b"")),
+                                   _u32(o.get(TCA_BPF_ID)), _u32(o.get(TCA_BPF_FLAGS))))
+            out[hook] = (found, total)
+        return out
+
+    @staticmethod
+    def message(msg_type: int, flags: int, index: int, handle: int, parent: int, info: int = 0,
+                kind: str | None = None, options: dict | None = None) -> tcmsg:
+        msg = tcmsg()
+        msg["family"] = socket.AF_UNSPEC
+        msg["index"], msg["handle"], msg["parent"], msg["info"] = index, handle, parent, info
+        msg["attrs"] = [["TCA_KIND", kind]] if kind else []
+        if options is not None:
+            msg["attrs"].append(["TCA_OPTIONS", options])
+        msg["header"]["type"] = msg_type
+        msg["header"]["flags"] = NLM_F_REQUEST | NLM_F_ACK | flags
+        return msg
+
+    def indexes(self, devices: Iterable[str]) -> dict[str, int]:
+        try:
+            links = {name: index for name, _, index, _ in self.chan.dump_links()}
+        except OSError as exc:
+            raise EbpfError(f"listing devices in network namespace {self.netns!r} failed: {exc}") from exc
+        return {d: links[d] for d in dict.fromkeys(devices) if d in links}  # a device that is gone: nothing to do
+
+    def send(self, ops: list[tuple[str, tcmsg]]) -> list[str]:
+        """Send the messages in one batch; -> the descriptions of those done. A device that went
+        meanwhile (ENODEV, or ENOENT for what it held) is skipped."""
+        done = []
+        for (what, _), err in zip(ops, self.chan.batch([m for _, m in ops]) if ops else []):
+            if not err:
+                done.append(what)
+            elif err not in (errno.ENODEV, errno.ENOENT):
+                raise EbpfError(f"tc: {what} failed: {rawnl.errno_name(err)}")
+        return done
+
+    def detach(self, devices: Iterable[str]) -> list[str]:
+        """Remove our filters (our pref and our name) from these devices, and the clsact qdisc of a
+        device we removed one from when no filter (anyone's) remains on it. -> what was removed."""
+        removed: list[str] = []
+        try:
+            index = self.indexes(devices)
+            clsact = self.chan.clsact_devices()
+            for dev, idx in index.items():
+                if idx not in clsact:
+                    continue
+                ops = [(f"filter {dev} {hook} pref {self.pref:#x}",
+                        self.message(RTM_DELTFILTER, 0, idx, handle, HOOKS[hook][0],
+                                     (self.pref << 16) | socket.htons(ETH_P_ALL), "bpf"))
+                       for hook, (filters, _) in self.at_pref(idx).items()
+                       for handle, name, *_ in filters if name == HOOKS[hook][1]]
+                done = self.send(ops)
+                removed += done
+                if done and not any(total for _, total in self.at_pref(idx).values()):
+                    removed += self.send([(f"clsact {dev}",
+                                           self.message(RTM_DELQDISC, 0, idx, 0xFFFF0000, TC_H_CLSACT))])
+        except OSError as exc:
+            raise EbpfError(f"tc in network namespace {self.netns!r}: {exc}") from exc
+        return removed
+
+
+def remove_counting(devices: Iterable[str], pref: int = 0xC001, netns: str | None = None) -> list[str]:
+    """InternalCounter.detach without a counter (`netagent cleanup`, or an agent that counts by the rules
+    again): needs netlink only, neither bpf(2) nor a bpffs. -> what was removed."""
+    filters = _Filters(netns, pref)
+    try:
+        return filters.detach(devices)
+    finally:
+        filters.close()
+
+
+def unpin_dir(pin_dir: str) -> list[str]:
+    """Remove the counter's pinned map from `pin_dir`, and `pin_dir` when that left it empty; nothing
+    off a bpffs (then it is not ours). The attached programs keep the map while they run. -> what
+    was removed."""
+    if not os.path.isdir(pin_dir) or _statfs_magic(pin_dir) != BPF_FS_MAGIC:
+        return []
+    removed = []
+    pin = os.path.join(pin_dir, PIN_NAME)
+    if os.path.lexists(pin):
+        os.unlink(pin)
+        removed.append(f"pinned map {pin}")
+    if not os.listdir(pin_dir):
+        os.rmdir(pin_dir)
+        removed.append(f"directory {pin_dir}")
+    return removed
+
+
+class InternalCounter:
+    """The pods' internal counters: one pinned map and the two programs that fill it, attached to
+    the pod devices of one network namespace (None: this one)."""
+
+    def __init__(self, pin_dir: str, netns: str | None = None, pref: int = 0xC001, max_entries: int = 4096):
+        self.pin_dir = pin_dir
+        self.pin = os.path.join(pin_dir, PIN_NAME)
+        self.netns = netns
+        self.pref = pref
+        self.max_entries = max_entries
+        self.cpus = possible_cpus()
+        self.networks: Networks | None = None
+        self.progs: dict[bool, tuple[int, int, bytes]] = {}  # egress hook? -> (fd, id, tag)
+        self._current: set[int] = set()  # ids of other programs found to be the current ones (same tag and map)
+        self._tc = _Filters(netns, pref)
+        self._batch: tuple[ctypes.Array, ctypes.Array] | None = None
+        problem = _bpffs_problem(pin_dir)
+        if problem:
+            raise EbpfError(problem)
+        os.makedirs(pin_dir, exist_ok=True)
+        self.map_fd = self._adopt() if os.path.exists(self.pin) else self._create()
+        self.map_id = map_info(self.map_fd)[1]
+
+    def _create(self) -> int:
+        try:
+            fd = _create_map(self.max_entries)
+        except OSError as exc:
+            raise EbpfError(f"creating the internal-counter map failed: {_bpf_refusal(exc)}") from None
+        path = ctypes.create_string_buffer(os.fsencode(self.pin))
+        try:
+            _bpf(BPF_OBJ_PIN, _attr("=QI", _addr(path), fd))
+        except OSError as exc:
+            os.close(fd)
+            raise EbpfError(f"pinning the internal-counter map at {self.pin} failed: {exc.strerror}") from None
+        return fd
+
+    def _adopt(self) -> int:
+        """The map pinned by an earlier agent, with its counts; a new one when what is pinned there is
+        not such a map (another object, or another shape or size)."""
+        path = ctypes.create_string_buffer(os.fsencode(self.pin))
+        try:
+            fd = _bpf(BPF_OBJ_GET, _attr("=QI", _addr(path), 0))
+        except OSError as exc:
+            raise EbpfError(f"opening the pinned map {self.pin} failed: {exc.strerror}") from None
+        want = map_shape(self.max_entries)
+        if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:bpf-map":
+            kind, _id, *shape = map_info(fd)
+            # a different capacity too: set_pods refuses by the capacity it was given
+            if (kind, *shape) == want:
+                return fd
+            found = f"a map of (type, key, value, entries, flags) {(kind, *shape)}"
+        else:
+            found = "another kind of bpf object"
+        os.close(fd)
+        log.warning("ebpf: %s holds %s, not the internal counters %s: replaced by a new map, its counts start at zero",
+                    self.pin, found, want)
+        os.unlink(self.pin)
+        return self._create()
+
+    def close(self) -> None:
+        """Close the map's and programs' descriptors; attached programs keep running (their filters
+        hold them, and they hold the map)."""
+        for fd, _, _ in self.progs.values():
+            os.close(fd)
+        self.progs = {}
+        if self.map_fd >= 0:
+            os.close(self.map_fd)
+            self.map_fd = -1
+        self._tc.close()
+
+    def __enter__(self) -> "InternalCounter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def unpin(self) -> None:
+        """Remove the pinned map (the programs attached keep it while they run) and the pin
+        directory when nothing else is in it."""
+        unpin_dir(self.pin_dir)
+
+    # -- programs ---------------------------------------------------------------------------------
+    def set_networks(self, networks: dict[int, tuple[str, ...]]) -> bool:
+        """Load the two programs for these internal CIDRs (family -> CIDR texts) unless they are the
+        ones loaded; True when (re)loaded. attach() then puts them on the devices."""
+        nets = parse_networks(networks)
+        if nets == self.networks and self.progs:
+            return False
+        texts = {family: tuple(map(str, n)) for family, n in nets.items()}
+        loaded: dict[bool, tuple[int, int, bytes]] = {}
+        try:
+            for egress in (False, True):
+                fd = _load(program(texts, egress, self.map_fd), "na_count_out" if egress else "na_count_in")
+                loaded[egress] = (fd, *prog_info(fd)[:2])
+        except BaseException:
+            for fd, _, _ in loaded.values():
+                os.close(fd)
+            raise
+        for fd, _, _ in self.progs.values():
+            os.close(fd)
+        self.progs, self.networks, self._current = loaded, nets, set()
+        return True
+
+    # -- the map ----------------------------------------------------------------------------------
+    def _entries(self) -> Iterator[tuple[bytes, memoryview]]:
+        """Every (key, per-CPU values as u64s) of the map, BATCH at a time (BPF_MAP_LOOKUP_BATCH)."""
+        if self._batch is None:
+            self._batch = ((ctypes.c_uint8 * (KEY_SIZE * BATCH))(), (ctypes.c_uint64 * (4 * self.cpus * BATCH))())
+        keys, values = self._batch
+        token_in, token_out = ctypes.c_uint32(0), ctypes.c_uint32(0)  # a hash map's batch token: a bucket
+        first = True
+        while True:
+            attr = _attr("=QQQQII", 0 if first else _addr(token_in), _addr(token_out), _addr(keys), _addr(values),
+                         BATCH, self.map_fd)
+            try:
+                _bpf(BPF_MAP_LOOKUP_BATCH, attr)
+                done = False
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:  # ENOENT: the last batch (its entries are still given)
+                    raise EbpfError(f"reading the internal-counter map failed: {exc.strerror}") from None
+                done = True
+            (count,) = struct.unpack_from("=I", attr, 32)
+            raw_keys, raw_values = bytes(keys), memoryview(values).cast("B").cast("Q")
+            per = 4 * self.cpus
+            for i in range(count):
+                yield raw_keys[i * KEY_SIZE:(i + 1) * KEY_SIZE], raw_values[i * per:(i + 1) * per]
+            if done:
+                return
+            token_in.value, first = token_out.value, False
+
+    def read(self) -> dict[str, tuple[int, int, int, int]]:
+        """Pod address -> (egress bytes, egress packets, ingress bytes, ingress packets), the pod's
+        view (egress: what it sent), summed over the CPUs."""
+        return {address_of(key): (sum(v[0::4]), sum(v[1::4]), sum(v[2::4]), sum(v[3::4])) for key, v in self._entries()}
+
+    def set_pods(self, addresses: Iterable[str]) -> int:
+        """Make the map's keys exactly these pods' addresses: a new pod starts at zero, a pod that
+        stays keeps its counts. -> how many entries were added or deleted."""
+        want = {key_of(a) for a in addresses}
+        if len(want) > self.max_entries:
+            raise EbpfError(f"{len(want)} pod addresses do not fit the internal counter's {self.max_entries} entries "
+                            "(its max_entries); nothing was changed")
+        have = {key for key, _ in self._entries()}
+        key_buf = ctypes.create_string_buffer(KEY_SIZE)
+        zero = ctypes.create_string_buffer(VALUE.size * self.cpus)
+        for key in have - want:  # first: room for the new ones
+            key_buf.raw = key
+            try:
+                _bpf(BPF_MAP_DELETE_ELEM, _attr("=IIQ", self.map_fd, 0, _addr(key_buf)))
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:
+                    raise EbpfError(f"deleting {address_of(key)} from the internal counter failed: "
+                                    f"{exc.strerror}") from None
+        for key in want - have:
+            key_buf.raw = key
+            try:
+                _bpf(BPF_MAP_UPDATE_ELEM, _attr("=IIQQQ", self.map_fd, 0, _addr(key_buf), _addr(zero), BPF_NOEXIST))
+            except OSError as exc:
+                if exc.errno != errno.EEXIST:  # another counter on the same map added it meanwhile
+                    raise EbpfError(f"adding {address_of(key)} to the internal counter failed: "
+                                    f"{exc.strerror}") from None
+        return len(have ^ want)
+
+    # -- filters ----------------------------------------------------------------------------------
+    def _runs_current(self, egress: bool, tag: bytes, prog_id: int) -> bool:
+        """Whether a filter's program is the one we would load: the same tag (the instructions, the
+        map's reference left out) and our map (a restarted agent's program that an older map replaced
+        has the same tag)."""
+        _, own_id, own_tag = self.progs[egress]
+        if prog_id == own_id or prog_id in self._current:
+            return True
+        if tag != own_tag:
+            return False
+        try:
+            fd = _bpf(BPF_PROG_GET_FD_BY_ID, _attr("=I", prog_id))
+        except OSError:
+            return False  # gone meanwhile: replaced below anyway
+        try:
+            uses = prog_info(fd)[2]
+        finally:
+            os.close(fd)
+        if uses == (self.map_id,):
+            self._current.add(prog_id)
+            return True
+        return False
+
+    def attach(self, devices: Iterable[str]) -> int:
+        """On each listed device: a clsact qdisc, and our filter at our pref on its ingress and egress
+        running the current programs; a filter running another program is replaced. Filters on
+        devices not listed are left alone (a pod's device takes them when it goes). -> changes made.
+
+        Another filter at our pref is not ours to replace: such devices are named in an EbpfError
+        after the others were done."""
+        if not self.progs:
+            raise EbpfError("attach() before set_networks(): no counting program is loaded")
+        tc = self._tc
+        try:
+            index = tc.indexes(devices)
+            clsact = tc.chan.clsact_devices()
+            ops: list[tuple[str, tcmsg]] = []
+            taken = []
+            for dev, idx in index.items():
+                if idx not in clsact:
+                    ops.append((f"add clsact to {dev}",
+                                tc.message(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_EXCL, idx, 0xFFFF0000, TC_H_CLSACT,
+                                           kind="clsact")))
+                    found = {hook: ([], 0) for hook in HOOKS}
+                else:
+                    found = tc.at_pref(idx)
+                for hook, (parent, name, egress) in HOOKS.items():
+                    filters = found[hook][0]
+                    if any(f.name != name for f in filters):
+                        taken.append(f"{dev} {hook}")
+                        continue
+                    stale = [f.handle for f in filters if not (f.flags & TCA_BPF_FLAG_ACT_DIRECT and
+                                                               self._runs_current(egress, f.tag, f.prog_id))]
+                    options = {"attrs": [["TCA_BPF_FD", self.progs[egress][0]], ["TCA_BPF_NAME", name],
+                                         ["TCA_BPF_FLAGS", TCA_BPF_FLAG_ACT_DIRECT]]}
+                    for handle in stale or ([] if filters else [FILTER_HANDLE]):
+                        ops.append((f"{'replace' if filters else 'add'} filter {dev} {hook} pref {self.pref:#x}",
+                                    tc.message(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_REPLACE, idx, handle, parent,
+                                               (self.pref << 16) | socket.htons(ETH_P_ALL), "bpf", options)))
+            done = tc.send(ops)
+        except OSError as exc:
+            raise EbpfError(f"tc in network namespace {self.netns!r}: {exc}") from exc
+        if done:
+            log.info("ebpf: %d change(s): %s", len(done), ", ".join(done[:8]) + (" ..." if len(done) > 8 else ""))
+        if taken:
+            raise EbpfError(f"another filter holds pref {self.pref:#x} on {', '.join(taken)}: the internal counter "
+                            "is not attached there (remove that filter, or give the counter another pref)")
+        return len(done)
+
+    def detach(self, devices: Iterable[str]) -> list[str]:
+        """Remove our filters (our pref and our name) from these devices, and the clsact qdisc of a
+        device we removed one from when no filter (anyone's) remains on it. -> what was removed."""
+        return self._tc.detach(devices)

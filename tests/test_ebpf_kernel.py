@@ -1,0 +1,363 @@
+"""tc/ebpf.py: the pods' internal counters on a real kernel.
+
+A scratch "node" namespace routes between two "pod" namespaces (a veth each, addresses in the
+internal CIDRs) and holds an "internet" address on its loopback; the counter's map is pinned in a
+private bpffs mounted for the test. Known traffic (pings and one-way UDP datagrams of known sizes)
+must be counted exactly, per pod and direction, in both families; internet traffic not at all.
+
+The kernel tests need root (marked one by one: the pure tests at the end need nothing). Nothing
+here touches the root network namespace; the namespaces, the mount and the iperf3 server go,
+also after a failure.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from lab.netns import require_root, scratch_netns, sh
+from tc import ebpf
+from tc.ebpf import EbpfError, InternalCounter
+
+root = pytest.mark.root
+
+NETS = {4: ("10.0.0.0/8",), 6: ("fd00::/8",)}
+A4, A6, B4, B6 = "10.244.0.10", "fd00:244::10", "10.244.1.10", "fd00:244:1::10"
+NODE_A4, NODE_A6 = "10.244.0.1", "fd00:244::1"
+INET4, INET6 = "192.0.2.1", "2001:db8::1"
+PODS = (A4, A6, B4, B6)
+DEVICES = ("veth-a", "veth-b")
+# forty CIDRs a family, as many as a cluster's internal networks may be
+FORTY = {4: tuple(f"172.{16 + i // 4}.{i % 4}.0/24" for i in range(40)), 6: tuple(f"fd{i:02x}::/16" for i in range(40))}
+# IP bytes of one ICMP echo (or UDP datagram) with 100 bytes of payload: the header, 8, 100
+V4, V6 = 20 + 8 + 100, 40 + 8 + 100
+
+
+@pytest.fixture
+def bpffs(tmp_path):
+    """A bpffs of the test's own, unmounted after it (its pinned map goes with it)."""
+    require_root()
+    where = tmp_path / "bpffs"
+    where.mkdir()
+    subprocess.run(["mount", "-t", "bpf", "bpf", str(where)], check=True)
+    try:
+        yield str(where)
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+@dataclass
+class Lab:
+    node: str
+    pod: dict[str, str]  # "a", "b" -> the pod's namespace
+
+
+@pytest.fixture
+def lab():
+    """node <-veth-a-> pod a (10.244.0.10, fd00:244::10), node <-veth-b-> pod b (10.244.1.10,
+    fd00:244:1::10); the node forwards, and holds 192.0.2.1 and 2001:db8::1 on its loopback (this
+    kernel has no dummy devices). The IPv6 neighbours are static: neighbour discovery between
+    internal addresses would be counted."""
+    with contextlib.ExitStack() as stack:
+        node = stack.enter_context(scratch_netns("ebpf"))
+        pods = {name: stack.enter_context(scratch_netns(f"ebpf{name}")) for name in "ab"}
+        sh(f"sysctl -qw net.ipv4.ip_forward=1 net.ipv6.conf.all.forwarding=1 && ip addr add {INET4}/32 dev lo && "
+           f"ip addr add {INET6}/128 dev lo", node)
+        for n, (name, ns) in enumerate(pods.items()):
+            host_mac, pod_mac = f"02:00:00:00:0{n}:01", f"02:00:00:00:0{n}:02"
+            pod4, pod6, node6 = (A4, A6, NODE_A6) if name == "a" else (B4, B6, "fd00:244:1::1")
+            sh(f"ip link add veth-{name} address {host_mac} type veth peer name eth0 address {pod_mac} netns {ns} && "
+               f"ip link set veth-{name} up && ip addr add 10.244.{n}.1/24 dev veth-{name} && "
+               f"ip addr add {node6}/64 dev veth-{name} nodad && "
+               f"ip neigh add {pod6} lladdr {pod_mac} dev veth-{name} nud permanent", node)
+            sh(f"ip link set eth0 up && ip addr add {pod4}/24 dev eth0 && ip addr add {pod6}/64 dev eth0 nodad && "
+               f"ip route add default via 10.244.{n}.1 && ip -6 route add default via {node6} && "
+               f"ip neigh add {node6} lladdr {host_mac} dev eth0 nud permanent && "
+               # one-way datagrams to port 9 are dropped without an ICMP error back
+               "iptables -A INPUT -p udp --dport 9 -j DROP && ip6tables -A INPUT -p udp --dport 9 -j DROP", ns)
+        yield Lab(node, pods)
+
+
+def ping(ns: str, dst: str, count: int) -> None:
+    sh(f"ping -q -c {count} -i 0.2 -W 2 -s 100 {dst}", ns)
+
+
+def send_udp(ns: str, src: str, dst: str, count: int) -> None:
+    """`count` datagrams of 100 bytes from `src` to `dst` port 9."""
+    family = "AF_INET6" if ":" in dst else "AF_INET"
+    sh(f"{sys.executable} -c \"import socket; s = socket.socket(socket.{family}, socket.SOCK_DGRAM); "
+       f"s.bind(('{src}', 0)); [s.sendto(bytes(100), ('{dst}', 9)) for _ in range({count})]\"", ns)
+
+
+def settled(counter: InternalCounter, expected: dict) -> dict:
+    """The counts once they equal `expected` (datagrams are still on their way when the sender
+    returns), or as they are after 5 s."""
+    for _ in range(50):
+        counts = counter.read()
+        if counts == expected:
+            break
+        time.sleep(0.1)
+    return counts
+
+
+def both(v4: int, v6: int) -> tuple[int, int]:
+    """(bytes, packets) of v4 IPv4 and v6 IPv6 packets of 100 bytes' payload."""
+    return v4 * V4 + v6 * V6, v4 + v6
+
+
+def entry(egress: tuple[int, int], ingress: tuple[int, int]) -> tuple[int, int, int, int]:
+    """A pod's counts as read() gives them."""
+    return (*egress, *ingress)
+
+
+def started(bpffs: str, lab: Lab, **kw) -> InternalCounter:
+    """A counter of the four pod addresses, attached to both pod devices."""
+    counter = InternalCounter(os.path.join(bpffs, "netagent"), netns=lab.node, **kw)
+    counter.set_networks(NETS)
+    counter.set_pods(PODS)
+    counter.attach(DEVICES)
+    return counter
+
+
+@root
+def test_counts_are_exact_ip_bytes_per_pod_and_direction_and_internet_is_not_counted(bpffs, lab):
+    """An ICMP echo or datagram of 100 bytes is 128 IP bytes in IPv4 and 148 in IPv6 on both hooks:
+    cls_bpf shows the frame with its MAC header on the device's ingress as on its egress."""
+    a, b = lab.pod["a"], lab.pod["b"]
+    with started(bpffs, lab) as counter:
+        assert counter.read() == {p: (0, 0, 0, 0) for p in PODS}
+        ping(a, B4, 2)  # pod to pod
+        ping(a, B6, 2)
+        ping(a, NODE_A4, 3)  # pod to node
+        ping(a, NODE_A6, 3)
+        ping(a, INET4, 4)  # the internet: neither way counted
+        ping(a, INET6, 4)
+        ping(b, INET4, 2)
+        send_udp(a, A4, B4, 5)  # one way: a's egress, b's ingress
+        send_udp(a, A6, B6, 5)
+        send_udp(lab.node, NODE_A4, A4, 3)  # node to pod: internal
+        send_udp(lab.node, NODE_A6, A6, 3)
+        send_udp(lab.node, INET4, A4, 7)  # from an internet address: not counted
+        send_udp(lab.node, INET6, A6, 7)
+        send_udp(b, B4, INET4, 7)
+        expected = {
+            A4: entry(both(2 + 3 + 5, 0), both(2 + 3 + 3, 0)),
+            A6: entry(both(0, 2 + 3 + 5), both(0, 2 + 3 + 3)),
+            B4: entry(both(2, 0), both(2 + 5, 0)),
+            B6: entry(both(0, 2), both(0, 2 + 5)),
+        }
+        assert settled(counter, expected) == expected
+
+
+@root
+def test_a_tcp_transfer_is_counted_in_gso_packets_within_a_percent_of_its_bytes(bpffs, lab):
+    """iperf3 pod a -> pod b: each GSO super-packet counted once with its one header, so the count
+    is the payload and a little more; b received on its device what a sent on its own."""
+    a, b = lab.pod["a"], lab.pod["b"]
+    server = subprocess.Popen(["ip", "netns", "exec", b, "iperf3", "-s", "-1", "-B", B4], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        with started(bpffs, lab) as counter:
+            for _ in range(50):
+                if ":5201" in sh("ss -ltnH", b):
+                    break
+                time.sleep(0.1)
+            result = json.loads(sh(f"iperf3 -c {B4} -t 2 -J", a))
+            payload = result["end"]["sum_received"]["bytes"]
+            sent = counter.read()[A4]
+            for _ in range(50):  # b's device has sent on what a's received once the last segment is through
+                received = counter.read()[B4]
+                if received[2:] == sent[:2]:
+                    break
+                time.sleep(0.1)
+            assert received[2:] == sent[:2]
+    finally:
+        server.kill()
+        server.wait()
+    assert payload <= sent[0] <= payload * 1.01, (sent, payload)
+    assert sent[0] / sent[1] > 3000, f"{sent}: no GSO packets, the test does not see what it is for"
+
+
+@root
+def test_a_second_counter_adopts_the_pinned_map_and_the_filters_then_follows_new_networks(bpffs, lab):
+    a = lab.pod["a"]
+    pin_dir = os.path.join(bpffs, "netagent")
+    first = started(bpffs, lab)
+    ping(a, B4, 2)
+    before = first.read()
+    first.close()  # an agent that went: its filters keep counting
+    ping(a, B4, 1)
+    with InternalCounter(pin_dir, netns=lab.node) as second:
+        assert second.read()[A4] == entry(both(3, 0), both(3, 0)) and before[A4] == entry(both(2, 0), both(2, 0))
+        assert second.set_networks(NETS) is True  # a new process loads its programs...
+        assert second.attach(DEVICES) == 0  # ...which are the ones running
+        assert second.set_pods(PODS) == 0
+        assert second.set_networks({6: NETS[6], 4: NETS[4]}) is False
+        # forty networks, the internet's test range the last one tested
+        assert second.set_networks({4: (*NETS[4], *FORTY[4][1:], "192.0.2.0/24"), 6: FORTY[6]}) is True
+        assert second.attach(DEVICES) == 4  # both hooks of both devices run the new program
+        assert second.attach(DEVICES) == 0
+        ping(a, INET4, 2)  # internal now
+        ping(a, B4, 1)
+        assert second.read()[A4] == entry(both(6, 0), both(6, 0))
+        filters = sh("tc filter show dev veth-a ingress; tc filter show dev veth-a egress", lab.node)
+        assert filters.count("netagent-count-") == 2 and filters.count("direct-action") == 2
+
+
+@root
+def test_a_pinned_map_of_another_size_is_replaced_and_the_filters_follow_the_new_map(bpffs, lab):
+    """The programs' tag leaves their map out: a filter running the same instructions against the
+    replaced map is not current."""
+    a = lab.pod["a"]
+    with started(bpffs, lab, max_entries=8) as small:
+        ping(a, B4, 1)
+        assert small.read()[A4][1] == 1
+    with InternalCounter(os.path.join(bpffs, "netagent"), netns=lab.node, max_entries=16) as counter:
+        assert counter.read() == {}
+        counter.set_networks(NETS)
+        counter.set_pods(PODS)
+        assert counter.attach(DEVICES) == 4
+        ping(a, B4, 1)
+        assert counter.read()[A4] == entry(both(1, 0), both(1, 0))
+
+
+@root
+def test_set_pods_keeps_the_counts_of_pods_that_stay_and_refuses_more_than_max_entries(bpffs, lab):
+    a = lab.pod["a"]
+    with started(bpffs, lab) as counter:
+        ping(a, B4, 2)
+        ping(a, B6, 1)
+        assert counter.set_pods([A4, A6, B6, "10.244.2.10"]) == 2  # b's IPv4 address went, a new pod came
+        assert counter.set_pods([A4, A6, B6, "10.244.2.10"]) == 0
+        assert counter.read() == {A4: entry(both(2, 0), both(2, 0)), A6: entry(both(0, 1), both(0, 1)),
+                                  B6: entry(both(0, 1), both(0, 1)), "10.244.2.10": (0, 0, 0, 0)}
+        ping(a, B4, 1)  # b's IPv4 address is no pod's now: counted for a, for no one on b's side
+        assert counter.read()[A4] == entry(both(3, 0), both(3, 0))
+        assert B4 not in counter.read()
+        with pytest.raises(EbpfError, match="not an IP address"):
+            counter.set_pods([A4, "pod-a"])
+    with InternalCounter(os.path.join(bpffs, "small"), netns=lab.node, max_entries=2) as small:
+        small.set_pods([A4, B4])
+        with pytest.raises(EbpfError, match="3 pod addresses do not fit .* 2 entries"):
+            small.set_pods([A4, B4, A6])
+        assert set(small.read()) == {A4, B4}
+
+
+@root
+def test_detach_removes_only_our_filters_and_a_clsact_nobody_else_uses(bpffs, lab):
+    """The download redirect's pref (0xC000) on a pod device's egress stands for another netagent
+    filter: a classic-BPF filter there (this kernel has no gact for `matchall action pass`)."""
+    other = "tc filter add dev veth-a egress pref 0xc000 bpf bytecode '1,6 0 0 0'"
+    sh(f"tc qdisc add dev veth-a clsact && {other}", lab.node)
+    with started(bpffs, lab) as counter:
+        assert counter.attach([*DEVICES, "veth-gone"]) == 0  # a device that is not there: nothing to do
+        removed = counter.detach([*DEVICES, "veth-gone"])
+        assert sorted(removed) == ["clsact veth-b", "filter veth-a egress pref 0xc001",
+                                   "filter veth-a ingress pref 0xc001", "filter veth-b egress pref 0xc001",
+                                   "filter veth-b ingress pref 0xc001"]
+        assert counter.detach(DEVICES) == []
+        egress = sh("tc filter show dev veth-a egress", lab.node)
+        assert "pref 49152 bpf" in egress and "netagent-count" not in egress
+        assert "clsact" in sh("tc qdisc show dev veth-a", lab.node)
+        assert "clsact" not in sh("tc qdisc show dev veth-b", lab.node)
+        # another filter at our pref is not ours to replace: the other devices are done, that one named
+        sh("tc qdisc add dev veth-b clsact && tc filter add dev veth-b ingress pref 0xc001 bpf bytecode '1,6 0 0 0'",
+           lab.node)
+        with pytest.raises(EbpfError, match="pref 0xc001 on veth-b ingress"):
+            counter.attach(DEVICES)
+        assert sh("tc filter show dev veth-a ingress", lab.node).count("netagent-count-in") == 1
+        assert sh("tc filter show dev veth-b egress", lab.node).count("netagent-count-out") == 1
+        counter.detach(DEVICES)
+        assert "pref 49153 bpf" in sh("tc filter show dev veth-b ingress", lab.node)  # not ours: still there
+        counter.unpin()
+    assert "netagent" not in os.listdir(bpffs)  # (a bpffs may hold the kernel's own maps.debug, progs.debug)
+
+
+@root
+def test_cleanup_without_a_counter_removes_what_a_gone_agent_left(bpffs, lab, tmp_path):
+    """`netagent cleanup` has no counter: remove_counting needs netlink only, unpin_dir the path."""
+    pin_dir = os.path.join(bpffs, "netagent")
+    started(bpffs, lab).close()  # an agent that went: filters and map stay
+    assert ebpf.remove_counting(["veth-a"], 0xC000, lab.node) == []  # another pref: not ours
+    ours = [f"filter veth-{d} {hook} pref 0xc001" for d in "ab" for hook in ("egress", "ingress")]
+    assert sorted(ebpf.remove_counting([*DEVICES, "lo"], netns=lab.node)) == ["clsact veth-a", "clsact veth-b", *ours]
+    assert sh("tc qdisc show dev veth-a; tc qdisc show dev veth-b", lab.node).count("clsact") == 0
+    assert ebpf.unpin_dir(pin_dir) == [f"pinned map {pin_dir}/internal", f"directory {pin_dir}"]
+    assert ebpf.unpin_dir(pin_dir) == []
+    plain = tmp_path / "plain"
+    (plain / "internal").mkdir(parents=True)
+    assert ebpf.unpin_dir(str(plain)) == [] and (plain / "internal").exists()  # off a bpffs: not ours
+
+
+@root
+def test_unavailable_says_why_and_the_counter_refuses_a_directory_off_bpffs(bpffs, tmp_path):
+    before = os.listdir(bpffs)
+    assert ebpf.unavailable(os.path.join(bpffs, "netagent")) is None
+    assert os.listdir(bpffs) == before  # it created nothing
+    plain = str(tmp_path / "plain")
+    reason = ebpf.unavailable(plain)
+    assert reason and "is not on a bpffs" in reason and "mount -t bpf" in reason
+    with pytest.raises(EbpfError, match="is not on a bpffs"):
+        InternalCounter(plain)
+    assert not os.path.exists(plain)
+    assert "cannot be made" in ebpf.unavailable(str(tmp_path / "no" / "such" / "dir"))
+    # the agent's pod capabilities (NET_ADMIN, NET_RAW) are not enough for bpf(2)
+    code = f"from tc import ebpf; print(ebpf.unavailable({os.path.join(bpffs, 'x')!r}))"
+    run = subprocess.run(["setpriv", "--bounding-set=-all,+net_admin,+net_raw", "--inh-caps=-all", "--no-new-privs",
+                          "--", sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert "bpf(2) refused: EPERM" in run.stdout, run.stdout + run.stderr
+
+
+@root
+def test_the_programs_for_no_networks_and_for_forty_a_family_load(bpffs):
+    with InternalCounter(os.path.join(bpffs, "netagent")) as counter:
+        assert counter.set_networks(FORTY) is True
+        assert counter.set_networks({}) is True
+
+
+@root
+def test_a_program_the_verifier_refuses_is_named_with_the_verifiers_words(bpffs, monkeypatch):
+    monkeypatch.setattr(ebpf, "program", lambda networks, egress, map_fd: ebpf.insn(0x95))  # exit, r0 unset
+    with InternalCounter(os.path.join(bpffs, "netagent")) as counter:
+        with pytest.raises(EbpfError, match=r"(?s)na_count_in failed: .*EACCES.*the verifier said: .*R0 !read_ok"):
+            counter.set_networks(NETS)
+        with pytest.raises(EbpfError, match="before set_networks"):
+            counter.attach(DEVICES)
+
+
+# -- pure ----------------------------------------------------------------------------------------
+
+def test_keys_are_sixteen_bytes_ipv4_mapped_and_read_back_canonical():
+    assert ebpf.key_of("10.244.0.10") == bytes(10) + b"\xff\xff" + bytes([10, 244, 0, 10])
+    assert ebpf.key_of("fd00:244:0::10") == bytes.fromhex("fd000244000000000000000000000010")
+    assert ebpf.address_of(ebpf.key_of("10.244.0.10")) == "10.244.0.10"
+    assert ebpf.address_of(ebpf.key_of("FD00:244:0:0::10")) == "fd00:244::10"
+    with pytest.raises(EbpfError, match="not an IP address"):
+        ebpf.key_of("10.244.0.0/24")
+
+
+@pytest.mark.parametrize("networks,message", [
+    ({4: ("0.0.0.0/0",)}, "every address"),
+    ({6: ("fd00::/8", "::/0")}, "every address"),
+    ({4: ("fd00::/8",)}, "not an IPv4 network"),
+    ({5: ("10.0.0.0/8",)}, "neither 4 nor 6"),
+    ({4: ("10.0.0.0/33",)}, "not a CIDR"),
+])
+def test_the_program_refuses_networks_it_cannot_mean(networks, message):
+    with pytest.raises(EbpfError, match=message):
+        ebpf.program(networks, False, 3)
+
+
+def test_the_same_networks_make_the_same_program_and_none_count_nothing():
+    one = ebpf.program({4: ("10.0.0.0/8", "172.16.0.0/12"), 6: ("fd00::/8",)}, True, 3)
+    assert one == ebpf.program({6: ("fd00::/8",), 4: ("172.16.0.1/12", "10.0.0.0/8", "10.0.0.0/8")}, True, 3)
+    assert one != ebpf.program({4: ("10.0.0.0/8", "172.16.0.0/12"), 6: ("fd00::/8",)}, False, 3)
+    assert ebpf.program({}, False, 3) == ebpf.insn(0xB7, 0, 0, 0, -1) + ebpf.insn(0x95)  # return TC_ACT_UNSPEC
+    assert len(ebpf.program(FORTY, False, 3)) // 8 < 4096  # the unprivileged limit, for scale
