@@ -41,3 +41,8 @@ class ClassifierState:
     # forwards to an address that is none of `pods` (a pod the agent does not know yet): marked
     # and classified there, held at the download floor. None: downloads are counted, not marked.
     ingress_default_class: tuple[int, int] | None = None
+    # Where the pods' internal bytes are counted. False: by the rules, in the egress-int/ingress-int
+    # ipsets (a set lookup or two per internal packet). True: by an eBPF counter on each pod's own
+    # device (tc/ebpf.py), so the rules return a packet whose both ends are internal before any set
+    # lookup; internet traffic, node totals, marks and classes are the same either way.
+    internal_by_device: bool = False

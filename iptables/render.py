@@ -27,6 +27,15 @@ the internal set:
         SET --map-set ingress-inet dst --map-mark --map-prio   (the pod's count, our bit, its download class)
         small packet: SET --map-set ingress-ack dst --map-prio  (the pod's download control leaf)
         [not marked -> P-UNKNOWN-IN: MARK, CLASSIFY download default]
+
+With the pods' internal bytes counted on their devices (`internal_by_device`, tc/ebpf.py), no
+rule counts them, and a packet whose both ends are internal costs no set lookup at all:
+
+        -o <uplink> -g P-NODE-OUT: dst internal? count node egress internal, RETURN; the rest as above
+        src internal                        -g P-SRC-INT:     dst internal -> RETURN;
+                                                              else egress-inet src (the pod's count)
+        src a pod here (not internal)       -g P-FROM-POD:    egress by dst scope, then P-TO-POD
+        the last rules as above
 """
 from __future__ import annotations
 
@@ -118,7 +127,7 @@ def names(prefix: str) -> dict[str, str]:
     """The fixed chain names for one prefix."""
     return {tag: f"{prefix}-{tag}" for tag in (
         "PREROUTING", "POSTROUTING", "NODE-IN", "NODE-OUT", "UNKNOWN", "UNKNOWN-IN",
-        "EGRESS-INT", "FROM-PEER", "FROM-POD", "POD-INT", "TO-POD", "FROM-HOST")}
+        "EGRESS-INT", "FROM-PEER", "FROM-POD", "POD-INT", "TO-POD", "FROM-HOST", "SRC-INT")}
 
 
 def set_names(prefix: str) -> list[str]:
@@ -352,28 +361,46 @@ def build(state: ClassifierState, family: int, prefix: str = "NETAGENT") -> Rule
         # class). Forwarded only: a source that is one of the node's addresses is host traffic.
         unknown = (f"-m mark ! --mark {mark} -m addrtype ! --src-type LOCAL -j {n['UNKNOWN']}",)
         chains[n["UNKNOWN"]] = to_default_class("unknown source egress internet", state.default_class)
+    by_device = state.internal_by_device
+    # a pod's internal egress through an uplink: counted by its set here, or on its device already
+    internal_out = "-j RETURN" if by_device else f"-g {n['EGRESS-INT']}"
     chains[n["NODE-OUT"]] = (
-        *scope("dst", f"{comment('node egress internal')} -g {n['EGRESS-INT']}"),
+        *scope("dst", f"{comment('node egress internal')} {internal_out}"),
         f"-j SET --map-set {s['egress-inet']} src --map-mark --map-prio",
         f"{CONTROL_MATCH} -j SET --map-set {s['egress-ack']} src --map-prio",
         *unknown,
         f"{comment('node egress internet')} -j RETURN",
     )
-    chains[n["EGRESS-INT"]] = (f"-m set --match-set {s['egress-int']} src -j RETURN",)
-    chains[n["FROM-PEER"]] = (f"-m set --match-set {s['ingress-int']} dst -j RETURN",)
-    chains[n["FROM-POD"]] = (
-        *scope("dst", f"-g {n['POD-INT']}"),
-        f"-m set --match-set {s['egress-inet']} src",
-        f"-g {n['TO-POD']}",
-    )
-    chains[n["POD-INT"]] = (
-        f"-m set --match-set {s['egress-int']} src",
-        f"-g {n['TO-POD']}",
-    )
-    chains[n["TO-POD"]] = (
-        *scope("src", f"-g {n['FROM-PEER']}"),
-        f"-m set --match-set {s['ingress-inet']} dst -j RETURN",
-    )
+    if by_device:
+        # both ends internal: counted on the pods' devices, nothing left to do; an internal source to
+        # anywhere else is a pod's internet egress (counted here) or no pod's packet
+        chains[n["SRC-INT"]] = (
+            *scope("dst", "-j RETURN"),
+            f"-m set --match-set {s['egress-inet']} src -j RETURN",
+        )
+        # FROM-POD sees only sources that are not internal (a pod outside the internal CIDRs)
+        chains[n["FROM-POD"]] = (
+            *scope("dst", f"-g {n['TO-POD']}"),
+            f"-m set --match-set {s['egress-inet']} src",
+            f"-g {n['TO-POD']}",
+        )
+        chains[n["TO-POD"]] = (f"-m set --match-set {s['ingress-inet']} dst -j RETURN",)
+    else:
+        chains[n["EGRESS-INT"]] = (f"-m set --match-set {s['egress-int']} src -j RETURN",)
+        chains[n["FROM-PEER"]] = (f"-m set --match-set {s['ingress-int']} dst -j RETURN",)
+        chains[n["FROM-POD"]] = (
+            *scope("dst", f"-g {n['POD-INT']}"),
+            f"-m set --match-set {s['egress-inet']} src",
+            f"-g {n['TO-POD']}",
+        )
+        chains[n["POD-INT"]] = (
+            f"-m set --match-set {s['egress-int']} src",
+            f"-g {n['TO-POD']}",
+        )
+        chains[n["TO-POD"]] = (
+            *scope("src", f"-g {n['FROM-PEER']}"),
+            f"-m set --match-set {s['ingress-inet']} dst -j RETURN",
+        )
     chains[n["NODE-IN"]] = (
         *scope("src", f"{comment('node ingress internal')} -j RETURN"),
         f"{comment('node ingress internet')} -j RETURN",
@@ -394,9 +421,11 @@ def build(state: ClassifierState, family: int, prefix: str = "NETAGENT") -> Rule
         )
         chains[n["FROM-HOST"]] = (f"-m set --match-set {s['ingress-inet']} dst -j RETURN",)
         chains[n["UNKNOWN-IN"]] = to_default_class("unknown destination ingress internet", state.ingress_default_class)
+    from_internal = (scope("src", f"-g {n['SRC-INT']}") if by_device
+                     else (f"-m set --match-set {s['peer']} src -g {n['FROM-PEER']}",))
     chains[n["POSTROUTING"]] = (
         *(f"-o {dev} -g {n['NODE-OUT']}" for dev in state.uplinks),
-        f"-m set --match-set {s['peer']} src -g {n['FROM-PEER']}",
+        *from_internal,
         f"-m set --match-set {s['egress-int']} src ! --update-counters -g {n['FROM-POD']}",
         *to_pod_internet,
     )

@@ -645,3 +645,83 @@ def test_bad_download_classes_are_named(bad):
         R.build(state(ingress_default_class=bad), 4)
     with pytest.raises(IptablesError, match="ns/p0 download"):
         R.build(state(1, pods=(PodClassification("ns/p0", ("10.244.0.10",), (1, 0x10), bad),)), 4)
+
+
+# -- internal bytes counted on the pods' devices (tc/ebpf.py) ----------------------------------------
+
+def evaluate_by_device(state: ClassifierState, family: int, src: str, dst: str, oif: str, local_src: bool = False,
+                       **kw) -> dict:
+    """`evaluate` with the rules of `internal_by_device`, and the device counter modelled as tc/ebpf.py
+    programs it: on a pod's device, what the pod sends to an internal destination counts as its internal
+    egress (before the rules), what it receives from an internal source as its internal ingress (after)."""
+    st = ClassifierState(**{**state.__dict__, "internal_by_device": True})
+    internal = [ipaddress.ip_network(n) for n in R.set_members(st.internal_cidrs)[family]]
+    here = {ipaddress.ip_address(ip): p.key for p in st.pods for ip in p.ips}
+    s, d = ipaddress.ip_address(src), ipaddress.ip_address(dst)
+    pkt = evaluate(st, family, src, dst, oif, local_src, **kw)
+    sent = [f"{here[s]} egress_internal"] if s in here and any(d in n for n in internal) else []
+    received = [f"{here[d]} ingress_internal"] if d in here and any(s in n for n in internal) else []
+    pkt["counted"] = sent + pkt["counted"] + received
+    return pkt
+
+
+def packets(family: int) -> list[tuple[str, str, str, bool]]:
+    """Every kind of packet the node forwards or sends: (src, dst, out device, local source)."""
+    a = NET[family]
+    return [(a["pod"], a["peer"], "eth0", False), (a["pod"], a["internet"], "eth0", False),
+            (a["peer"], a["pod"], "vp0", False), (a["node"], a["pod"], "vp0", True),
+            (a["internet"], a["pod"], "vp0", False), (a["pod"], a["other"], "vp1", False),
+            (a["node"], a["internet"], "eth0", True), (a["node"], a["peer"], "eth0", True),
+            (a["peer"], a["internet"], "vx", False), (a["stranger"], a["internet"], "eth0", False),
+            (a["internet"], a["stranger"], "vp9", False), (a["outside"], a["pod"], "vp0", False),
+            (a["pod"], a["outside"], "vp2", False), (a["outside"], a["internet"], "eth0", False),
+            (a["outside"], a["pod"], "vp0", True), (a["pod"], a["internet"], "vx", False)]
+
+
+@pytest.mark.parametrize("family", [4, 6])
+@pytest.mark.parametrize("cidrs", [("10.0.0.0/8", "fd00::/8"), MANY], ids=["few-cidrs", "many-cidrs"])
+@pytest.mark.parametrize("shaped", ["uploads", "downloads"])
+def test_counting_on_the_devices_changes_no_count_mark_or_class(family, cidrs, shaped):
+    """Every packet is counted as the same kinds for the same pods, marked and classified the same, whether the
+    rules count internal bytes or the pods' devices do; a pod outside the internal CIDRs included."""
+    base = state(3, internal_cidrs=cidrs) if shaped == "uploads" else download_state(3, internal_cidrs=cidrs)
+    odd = PodClassification("ns/odd", (NET[family]["outside"],), (1, 0x77), base.pods[0].ingress_class)
+    st = ClassifierState(**{**base.__dict__, "pods": (*base.pods, odd)})
+    for src, dst, oif, local in packets(family):
+        by_rules, by_device = evaluate(st, family, src, dst, oif, local), evaluate_by_device(st, family, src, dst, oif, local)
+        what = f"{src} -> {dst} via {oif}: {by_rules} / {by_device}"
+        assert sorted(by_rules["counted"]) == sorted(by_device["counted"]), what
+        assert (by_rules["mark"], by_rules["priority"]) == (by_device["mark"], by_device["priority"]), what
+        # never more lookups, but one where the internal CIDRs are a set and an internal source forwards
+        # elsewhere than an uplink or a pod (its scope test and its destination's, where the peer set was one)
+        assert by_device["lookups"] <= by_rules["lookups"] + (cidrs == MANY), what
+
+
+@pytest.mark.parametrize("family", [4, 6])
+@pytest.mark.parametrize("n", [10, 110])
+def test_a_packet_with_both_ends_internal_costs_no_set_lookup(family, n):
+    """With the devices counting, internal traffic of any direction meets plain rules only (with few internal
+    CIDRs; with many, the internal set's lookups), whatever the number of pods."""
+    a = NET[family]
+    for cidrs, scope in ((("10.0.0.0/8", "fd00::/8"), 0), (MANY, 1)):
+        st = state(n, default_class=DEFAULT, internal_cidrs=cidrs)
+        cases = [(a["pod"], a["peer"], "eth0", False, 1), (a["peer"], a["pod"], "vp0", False, 2),
+                 (a["pod"], a["other"], "vp1", False, 2), (a["node"], a["pod"], "vp0", True, 2)]
+        for src, dst, oif, local, lookups in cases:
+            pkt = evaluate_by_device(st, family, src, dst, oif, local)
+            assert pkt["lookups"] == lookups * scope, (src, dst, pkt)
+            assert pkt["mark"] == 0 and pkt["priority"] is None
+    rs = R.build(ClassifierState(**{**state(n).__dict__, "internal_by_device": True}), family)
+    assert not any(f"netagent-{k}{family}" in r for rules in rs.chains.values() for r in rules
+                   for k in ("ingress-int", "peer"))
+    assert {"NETAGENT-EGRESS-INT", "NETAGENT-FROM-PEER", "NETAGENT-POD-INT"}.isdisjoint(rs.chains)
+
+
+def test_switching_where_internal_bytes_are_counted_touches_no_set():
+    """The sets are the same either way (a counted set is never re-created), so the switch is chains only."""
+    old = R.build(state(20), 4)
+    new = R.build(ClassifierState(**{**state(20).__dict__, "internal_by_device": True}), 4)
+    assert old.sets == new.sets
+    up = R.render_update(new, *kernel_view(old))
+    assert set(up.rewritten) == {"NETAGENT-POSTROUTING", "NETAGENT-NODE-OUT", "NETAGENT-FROM-POD", "NETAGENT-TO-POD"}
+    assert {"-X NETAGENT-EGRESS-INT", "-X NETAGENT-FROM-PEER", "-X NETAGENT-POD-INT"} <= set(up.text.splitlines())
