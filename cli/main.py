@@ -111,6 +111,14 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
                         "rate while nothing better is known (bit/s quantity)")
     p.add_argument("--ingress-ifb", default=DataPathOptions.ingress_ifb,
                    help="name of the IFB device netagent owns for downloads")
+    p.add_argument("--internal-counting", choices=("auto", "device", "rules"), default="auto",
+                   help="where each pod's internal bytes are counted: on its own device by an eBPF program "
+                        "(internal packets then cost no set lookup: docs/datapath.md) or by the rules in ipsets; "
+                        "auto: the device when the kernel allows it, --bpf-dir's parent is a bpf filesystem and "
+                        "--service-cidr is given (default auto)")
+    p.add_argument("--bpf-dir", default=DataPathOptions.bpf_dir,
+                   help="where the device counter pins its map, on a bpf filesystem: a restarted agent adopts it "
+                        f"(default {DataPathOptions.bpf_dir})")
     p.add_argument("--report-period", type=float, default=5.0, help="seconds between controller reports")
     p.add_argument("--lean-metrics", action="store_true",
                    help="export 4 series a pod instead of 10 (internet bytes both ways, throttled seconds, info; "
@@ -234,13 +242,15 @@ def _cleanup_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ifb", default=DataPathOptions.ifb, help="the IFB device netagent used (its --ifb)")
     p.add_argument("--ingress-ifb", default=DataPathOptions.ingress_ifb,
                    help="the download IFB device netagent used (its --ingress-ifb)")
+    p.add_argument("--bpf-dir", default=DataPathOptions.bpf_dir,
+                   help="where the device counter pinned its map (its --bpf-dir)")
     _iptables_backend(p)
 
 
 def _cleanup(a: argparse.Namespace) -> int:
     from netagent import cleanup
 
-    done, failed = cleanup.cleanup(a.ifb, a.iptables_backend, a.ingress_ifb)
+    done, failed = cleanup.cleanup(a.ifb, a.iptables_backend, a.ingress_ifb, a.bpf_dir)
     for line in failed:
         print(line)
     for item in done:

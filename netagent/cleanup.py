@@ -2,7 +2,8 @@
 
 Removes the redirect filters netagent put on any device (recognised by their
 priority *and* by decoding their BPF program: someone else's filter is left
-alone), a clsact qdisc left empty by that, the IFB (recognised by its alias) with
+alone), the device counter's filters (priority and name) and its pinned map, a
+clsact qdisc left empty by that, the IFB (recognised by its alias) with
 its HTB tree, and netagent's iptables/ip6tables chains and ipsets. Run it after
 uninstalling the DaemonSet; running it twice is harmless.
 """
@@ -11,16 +12,26 @@ from __future__ import annotations
 import socket
 
 from iptables.apply import Classifier
+from tc.ebpf import remove_counting, unpin_dir
 from tc.netlink import Shaper
 
 from .desired import DataPathOptions
 
 
-def cleanup(ifb: str, iptables_backend: str, ingress_ifb: str = DataPathOptions.ingress_ifb) -> tuple[list[str], list[str]]:
-    """Remove netagent's filters, both IFBs (uploads, downloads) with their HTB trees, chains and
-    ipsets from this node. -> (what was removed, what failed); both empty: already clean."""
+def cleanup(ifb: str, iptables_backend: str, ingress_ifb: str = DataPathOptions.ingress_ifb,
+            bpf_dir: str = DataPathOptions.bpf_dir) -> tuple[list[str], list[str]]:
+    """Remove netagent's filters, both IFBs (uploads, downloads) with their HTB trees, the device counter
+    (its filters and pinned map), chains and ipsets from this node. -> (what was removed, what failed);
+    both empty: already clean."""
     failed: list[str] = []
     done: list[str] = []
+    try:
+        # first: a pod device's clsact goes with the last of our filters on it
+        devices = tuple(name for _, name in socket.if_nameindex())
+        done += remove_counting(devices, DataPathOptions.count_pref)
+        done += unpin_dir(bpf_dir)
+    except Exception as exc:
+        failed.append(f"device counter cleanup failed: {exc}")
     try:
         with Shaper() as shaper:
             # the first pass removes our filters on every device: the uplinks' (uploads) and the

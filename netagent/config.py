@@ -47,6 +47,8 @@ class AgentConfig:
     shape_ingress: bool = True  # downloads (internet -> pod) shaped on the pods' devices
     ingress_rate_bps: int | None = None  # --ingress-rate: the node's download rate with no controller answer
     lean_metrics: bool = False  # --lean-metrics: fewer per-pod series (netagent/metrics.py)
+    internal_counting: str = "auto"  # --internal-counting: auto, device or rules (`choose_internal_counting`)
+    services_known: bool = False  # --service-cidr given: a ClusterIP is internal before DNAT too
 
 
 def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None, controller: str | None,
@@ -55,7 +57,8 @@ def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None
                report_period: float, resync_period: float, iptables_backend: str, controller_ca: str | None = None,
                controller_insecure_http: bool = False, state_listen: str = DEFAULT_STATE_LISTEN,
                ingress_rate: str | None = None, ingress_default_rate: str = "1M",
-               ingress_ifb: str = DataPathOptions.ingress_ifb, lean_metrics: bool = False) -> AgentConfig:
+               ingress_ifb: str = DataPathOptions.ingress_ifb, lean_metrics: bool = False,
+               internal_counting: str = "auto", bpf_dir: str = DataPathOptions.bpf_dir) -> AgentConfig:
     """The command line's values -> AgentConfig. Discovers the uplinks (default routes) when none
     is named and adds their connected subnets to the internal CIDRs. The leaf qdisc is the
     data path's choice after probing the kernel (`Daemon.build`)."""
@@ -83,6 +86,10 @@ def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None
                           "/state lists this node's pods and must not be reachable from them")
     if ingress_ifb == ifb or not 1 <= len(ingress_ifb) <= 15:
         raise ConfigError(f"--ingress-ifb {ingress_ifb!r} must be a device name of 1..15 characters other than --ifb")
+    if internal_counting not in ("auto", "device", "rules"):
+        raise ConfigError(f"--internal-counting {internal_counting!r}: choose auto, device or rules")
+    if not bpf_dir.startswith("/") or len(bpf_dir) > 200 or "\0" in bpf_dir:
+        raise ConfigError(f"--bpf-dir {bpf_dir!r} must be an absolute path of at most 200 characters")
     if report_period <= 0 or resync_period <= 0:
         raise ConfigError("--report-period and --resync-period must be positive seconds")
     try:
@@ -104,13 +111,13 @@ def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None
     return AgentConfig(
         node=node, uplinks=uplinks, internal_cidrs=internal,
         datapath=DataPathOptions(mark_bit=mark_bit, ifb=ifb, default_rate=default_bps, ingress_ifb=ingress_ifb,
-                                 ingress_default_rate=ingress_default_bps),
+                                 ingress_default_rate=ingress_default_bps, bpf_dir=bpf_dir),
         ingress_rate_bps=ingress_bps,
         controller=controller, controller_ca=controller_ca, controller_insecure_http=controller_insecure_http,
         token_path=token_path, report_period=report_period, resync_seconds=resync_period,
         default_floor_bps=default_bps, from_file=tuple(from_file), kubeconfig=kubeconfig,
         listen=listen_at, state_listen=state_at, uplinks_learnt=not uplink, iptables_backend=iptables_backend,
-        lean_metrics=lean_metrics,
+        lean_metrics=lean_metrics, internal_counting=internal_counting, services_known=bool(service_cidr),
     )
 
 

@@ -18,7 +18,7 @@ from core.files import FileSource
 from .agent import Agent
 from .allocations import AllocationSet
 from .config import AgentConfig
-from .datapath import KernelDataPath, probe_leaf_qdisc
+from .datapath import KernelDataPath, choose_internal_counting, probe_leaf_qdisc
 from .drift import DriftWatch
 from .events import ProblemReporter
 from .http import AgentHTTP
@@ -40,7 +40,9 @@ class Daemon:
     @classmethod
     def build(cls, cfg: AgentConfig) -> "Daemon":
         leaf, _ = probe_leaf_qdisc()
-        cfg = dataclasses.replace(cfg, datapath=dataclasses.replace(cfg.datapath, leaf_qdisc=leaf))
+        by_device, counting = choose_internal_counting(cfg.internal_counting, cfg.datapath.bpf_dir, cfg.services_known)
+        cfg = dataclasses.replace(cfg, datapath=dataclasses.replace(cfg.datapath, leaf_qdisc=leaf,
+                                                                    internal_by_device=by_device))
         datapath = KernelDataPath(cfg.datapath, iptables_backend=cfg.iptables_backend)
         try:
             datapath.check_conflicts()
@@ -85,8 +87,9 @@ class Daemon:
         http = AgentHTTP(cfg.listen, metrics.registry, agent.health, agent.readiness, lambda: agent.view().as_dict(),
                          state_listen=cfg.state_listen, on_rejected=lambda r: metrics.http_rejected.labels(r).inc(),
                          exposition=metrics.exposition)
-        log.info("uplinks %s; internal %s; leaf qdisc %s; iptables %s; mark bit %#x; downloads %s; %s",
-                 ",".join(cfg.uplinks), ",".join(cfg.internal_cidrs), leaf, datapath.iptables_backend,
+        log.info("uplinks %s; internal %s; leaf qdisc %s; iptables %s; internal bytes counted %s; mark bit %#x; "
+                 "downloads %s; %s",
+                 ",".join(cfg.uplinks), ",".join(cfg.internal_cidrs), leaf, datapath.iptables_backend, counting,
                  cfg.datapath.mark_bit,
                  f"shaped on the pod devices through {cfg.datapath.ingress_ifb}" if cfg.shape_ingress else "not shaped",
                  f"controller {cfg.controller}" if cfg.controller else "local allocation (no controller)")

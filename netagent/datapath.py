@@ -31,12 +31,14 @@ from typing import Protocol
 
 from core.errors import NetagentError
 from iptables.apply import Classifier
+from iptables.model import PodClassification
+from tc.ebpf import EbpfError, InternalCounter, remove_counting, unavailable
 from tc.errors import TcError
 from tc.model import NODE_MINOR, ClassStats
 from tc.netlink import Shaper
 from tc.probe import Capabilities, probe, require
 
-from .desired import DataPathOptions, DesiredState, from_wire, ip_bytes
+from .desired import DataPathOptions, DesiredState, DeviceCounting, from_wire, ip_bytes
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,48 @@ def probe_leaf_qdisc() -> tuple[str, Capabilities]:
     return caps.leaf_qdisc, caps
 
 
+COUNTING_MODES = ("auto", "device", "rules")
+
+
+def choose_internal_counting(mode: str, bpf_dir: str, services_known: bool) -> tuple[bool, str]:
+    """Where the pods' internal bytes are counted: (on their devices?, why), for --internal-counting.
+
+    On the devices (tc/ebpf.py) internal packets cost no set lookup (docs/datapath.md). `auto` takes
+    it when the kernel lets us load the program and pin its map, and the service CIDRs are known: a
+    pod's packet to a ClusterIP crosses its device before kube-proxy's DNAT, so the device tells it
+    internal only by the service range. `device` insists (a refusal stops the agent, with the
+    reason); `rules` counts in ipsets as before."""
+    if mode not in COUNTING_MODES:
+        raise DataPathError(f"--internal-counting {mode!r}: choose one of {', '.join(COUNTING_MODES)}")
+    if mode == "rules":
+        return False, "by the rules (--internal-counting rules)"
+    refused = unavailable(bpf_dir)
+    if refused is not None:
+        if mode == "device":
+            raise DataPathError(f"--internal-counting device: {refused}")
+        return False, f"by the rules: the device counter cannot run here ({refused})"
+    if not services_known and mode == "auto":
+        return False, ("by the rules: the service CIDRs are not known (give --service-cidr, chart value "
+                       "serviceCIDRs), and a pod's packet to a ClusterIP crosses its device before DNAT")
+    return True, f"on the pods' devices (eBPF, map pinned in {bpf_dir})"
+
+
+def add_device_counts(pods: PodCounters, counted: dict[str, tuple[int, int, int, int]],
+                      classified: tuple[PodClassification, ...]) -> None:
+    """Add the device counter's bytes (address -> egress bytes, packets, ingress bytes, packets) to the
+    pods' internal counts, by the pod that holds each address. The rules count no internal byte while
+    the devices do, and the sets keep what they counted before, so a switch to the devices carries the
+    counts on. Pure."""
+    owner = {ip: p.key for p in classified for ip in p.ips}
+    for ip, (egress, _, ingress, _) in counted.items():
+        key = owner.get(ip)
+        if key is None:
+            continue  # an address the map still holds for a pod that went this moment
+        c = pods.setdefault(key, {})
+        c["egress_internal"] = c.get("egress_internal", 0) + egress
+        c["ingress_internal"] = c.get("ingress_internal", 0) + ingress
+
+
 class KernelDataPath:
     def __init__(self, options: DataPathOptions, iptables_backend: str = "auto", netns: str | None = None):
         self.options = options
@@ -119,6 +163,16 @@ class KernelDataPath:
             self._classifier = Classifier(backend=iptables_backend, netns=netns)
         except Exception as exc:
             raise DataPathError(f"iptables: {exc}") from exc
+        self._netns = netns
+        self._counter: InternalCounter | None = None
+        if options.internal_by_device:
+            try:
+                self._counter = InternalCounter(options.bpf_dir, netns=netns, pref=options.count_pref)
+            except (EbpfError, OSError) as exc:
+                self._classifier.close()
+                raise DataPathError(f"the device counter of internal bytes: {exc}") from exc
+        self._counting_cleared = False  # rules mode: a device counter left by an earlier run removed
+        self._counted_pods: tuple[PodClassification, ...] = ()  # whose addresses the device counter holds
         self.iptables_backend = self._classifier.backend
         self._tc_lock = threading.Lock()
         self._stats_lock = threading.Lock()
@@ -154,7 +208,10 @@ class KernelDataPath:
             if desired.ingress_shaper is not None:
                 # the download classes exist before iptables marks a packet for them
                 tc_changes += self._shaper.apply(desired.ingress_shaper).changes
-        changes = {"tc": tc_changes}
+            # the devices count internal bytes before the rules stop counting them
+            ebpf_changes = self._apply_counting(desired.device_counting)
+            self._counted_pods = desired.classifier.pods if desired.device_counting else ()
+        changes = {"tc": tc_changes, "ebpf": ebpf_changes}
         with self._ipt_lock:
             if full or desired.classifier != self._applied_classifier:
                 self._applied_classifier = None  # unknown until this apply succeeds
@@ -170,6 +227,26 @@ class KernelDataPath:
             with self._tc_lock:  # download shaping turned off: nothing marks for it any more
                 changes["tc"] += len(self._remove_ingress_shaper())
         return changes
+
+    def _apply_counting(self, counting: DeviceCounting | None) -> int:
+        if counting is None:
+            if self._counter is not None or self._counting_cleared:
+                return 0
+            # counting by the rules: a counter an earlier run in device mode left on the pods' devices
+            # would count beside the sets; it goes, once
+            removed = remove_counting(self._shaper.devices_of_kind(("veth",)), self.options.count_pref, self._netns)
+            self._counting_cleared = True
+            return len(removed)
+        if self._counter is None:
+            raise DataPathError("internal bytes are to be counted on the devices, but this data path was started "
+                                "without the device counter")
+        try:
+            # loading the programs is no kernel change in itself (a new process always loads them); the
+            # filters that run them are, and attach() replaces those that run other programs
+            self._counter.set_networks(dict(counting.networks))
+            return self._counter.set_pods(counting.addresses) + self._counter.attach(counting.devices)
+        except EbpfError as exc:
+            raise DataPathError(f"the device counter of internal bytes: {exc}") from exc
 
     def _remove_ingress_shaper(self) -> list[str]:
         o = self.options
@@ -247,6 +324,8 @@ class KernelDataPath:
                 with self._ipt_lock:
                     t = time.monotonic()
                     found = self._classifier.counters()
+            if self._counter is not None:
+                add_device_counts(found[0], self._counter.read(), self._counted_pods)
             self.reads["counters"] += 1
             found[1]["egress_internet_wire"] = self._wire("egress", self.sample_stats()[1].get(NODE_MINOR), *found)
             found[1]["ingress_internet_wire"] = self._wire("ingress", self.sample_ingress_stats()[1].get(NODE_MINOR),
@@ -290,3 +369,5 @@ class KernelDataPath:
         for s in (self._shaper, self._stats_shaper):
             s.close()
         self._classifier.close()
+        if self._counter is not None:
+            self._counter.close()  # the filters and the pinned map stay: fail-static, adopted at the next start

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from core.errors import NetagentError
 from iptables.model import ClassifierState, PodClassification
+from iptables.render import set_members
 from tc.model import (
     DEFAULT_MINOR,
     DOWNLOAD_ROOT_MAJOR,
@@ -81,6 +82,11 @@ class DataPathOptions:
     ingress_ifb: str = "netagent-in"
     ingress_htb_major: int = DOWNLOAD_ROOT_MAJOR  # a major of its own: a download class never reads as an upload one
     ingress_default_rate: int = 1_000_000  # the download floor for pods not known yet, bit/s
+    # the pods' internal bytes: counted on their devices by an eBPF program (tc/ebpf.py; chosen at
+    # start, `choose_internal_counting`) rather than by the rules in ipsets
+    internal_by_device: bool = False
+    bpf_dir: str = "/sys/fs/bpf/netagent"  # where the device counter's map is pinned (on a bpffs)
+    count_pref: int = 0xC001  # its filters' priority on the pod devices (after the download redirect)
 
 
 MAX_WIRE_RATIO = 2.0  # frames per IP byte: a 14-byte header on a 14-byte packet; beyond it the input is wrong
@@ -131,10 +137,19 @@ class NodeInputs:
     options: DataPathOptions = field(default_factory=DataPathOptions)
     # the node's download (internet ingress) allocation, bit/s; None: downloads are counted, not shaped
     ingress_node_rate: int | None = None
-    pod_devices: tuple[str, ...] = ()  # pod-facing devices (host-side veths) downloads are shaped on
+    pod_devices: tuple[str, ...] = ()  # pod-facing devices (host-side veths): downloads are shaped, internal bytes counted there
     # the node classes' measured frames per IP byte (netagent.frames); None: full-size
     wire_ratio: float | None = None
     ingress_wire_ratio: float | None = None
+
+
+@dataclass(frozen=True)
+class DeviceCounting:
+    """The eBPF counter of the pods' internal bytes (tc/ebpf.py): what is internal, which addresses are
+    counted, on which devices."""
+    networks: tuple[tuple[int, tuple[str, ...]], ...]  # (family, CIDRs): the internal CIDRs, link-local and multicast too
+    addresses: tuple[str, ...]  # every programmed pod's addresses
+    devices: tuple[str, ...]  # the pod-facing devices (host-side veths)
 
 
 @dataclass(frozen=True)
@@ -149,6 +164,7 @@ class DesiredState:
     # node class): the view turns their rates back into IP rates with them
     wire_ratios: dict[str, float] = field(default_factory=dict)
     ingress_wire_ratios: dict[str, float] = field(default_factory=dict)
+    device_counting: DeviceCounting | None = None  # None: the rules count internal bytes
 
 
 NODE_RATIO_KEY = ""  # the node class's key among the wire ratios (no pod key is empty)
@@ -272,10 +288,17 @@ def desired_state(inputs: NodeInputs) -> DesiredState:
         default_class=(opts.htb_major, DEFAULT_MINOR),  # unknown sources: shaped at the floor, never unshaped
         # downloads to addresses no known pod holds: the download floor, never unshaped
         ingress_default_class=(opts.ingress_htb_major, DEFAULT_MINOR) if dl else None,
+        internal_by_device=opts.internal_by_device,
     )
+    counting = None
+    if opts.internal_by_device:
+        members = set_members(internal)
+        counting = DeviceCounting(tuple((family, members[family]) for family in (4, 6)),
+                                  tuple(sorted(ip for p in ready for ip in p.ips)),
+                                  tuple(sorted(set(inputs.pod_devices) - set(inputs.uplinks))))
     ratios = _ratios(inputs.wire_ratio, ((p.key, p.wire_ratio) for p in ready))
     ingress_ratios = _ratios(inputs.ingress_wire_ratio, ((p.key, p.ingress_wire_ratio) for p in ready)) if dl else {}
-    return DesiredState(shaper, classifier, minors, skipped, ingress_shaper, ratios, ingress_ratios)
+    return DesiredState(shaper, classifier, minors, skipped, ingress_shaper, ratios, ingress_ratios, counting)
 
 
 def _ratios(node: float | None, pods) -> dict[str, float]:

@@ -141,7 +141,8 @@ class NodeSync:
                                     *(pod_rates(ingress_eff[p.key]) if p.key in ingress_eff else (None, None)),
                                     wire_ratio=ratio(p.key), ingress_wire_ratio=ingress_ratio(p.key))
                            for p in pods)
-            devices = self.datapath.pod_devices(self.cfg.uplinks) if ingress_rate is not None else ()
+            on_devices = ingress_rate is not None or self.cfg.datapath.internal_by_device
+            devices = self.datapath.pod_devices(self.cfg.uplinks) if on_devices else ()
             desired = desired_state(NodeInputs(self.cfg.uplinks, self.cfg.internal_cidrs, shapes, node_rate,
                                                self.cfg.datapath, ingress_node_rate=ingress_rate,
                                                wire_ratio=ratio(NODE_RATIO_KEY),
@@ -202,6 +203,7 @@ class NodeSync:
         # kernel needed changes there: someone else changed it
         drift = {kind: n for kind, n in changes.items() if n and before is not None and (
             (desired.shaper, desired.ingress_shaper) == (before.shaper, before.ingress_shaper) if kind == "tc"
+            else desired.device_counting == before.device_counting if kind == "ebpf"
             else desired.classifier == before.classifier)}
         if self.metrics:
             self.metrics.reconcile_duration.observe(elapsed)

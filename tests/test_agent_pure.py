@@ -209,3 +209,32 @@ def test_backoff_is_jittered_exponential_and_capped():
     assert max(delays[5:]) > max(delays[:2])
     b.reset()
     assert b.next() <= 0.5
+
+
+# -- where internal bytes are counted (issue 12) --------------------------------------------------
+
+def test_device_counts_are_added_to_the_pods_that_hold_the_addresses():
+    from iptables.model import PodClassification
+    from netagent.datapath import add_device_counts
+
+    pods = (PodClassification("ns/a", ("10.244.0.11", "fd00::11"), (1, 0x10)),
+            PodClassification("ns/b", ("10.244.0.12",), (1, 0x11)))
+    found = {"ns/a": {"egress_internal": 5, "egress_internet": 7, "ingress_internal": 0, "ingress_internet": 1}}
+    add_device_counts(found, {"10.244.0.11": (100, 1, 200, 2), "fd00::11": (10, 1, 20, 1),
+                              "10.244.0.12": (3, 1, 4, 1), "10.244.0.99": (9, 9, 9, 9)}, pods)
+    assert found == {"ns/a": {"egress_internal": 115, "egress_internet": 7, "ingress_internal": 220, "ingress_internet": 1},
+                     "ns/b": {"egress_internal": 3, "ingress_internal": 4}}  # an address of no pod: dropped
+
+
+def test_internal_counting_choice_says_why(tmp_path):
+    import pytest as _pytest
+
+    from netagent.datapath import DataPathError, choose_internal_counting
+
+    assert choose_internal_counting("rules", str(tmp_path), True) == (False, "by the rules (--internal-counting rules)")
+    by_device, why = choose_internal_counting("auto", str(tmp_path / "netagent"), True)  # not a bpf filesystem
+    assert not by_device and why.startswith("by the rules: the device counter cannot run here (")
+    with _pytest.raises(DataPathError, match="--internal-counting device: "):
+        choose_internal_counting("device", str(tmp_path / "netagent"), True)
+    with _pytest.raises(DataPathError, match="choose one of auto, device, rules"):
+        choose_internal_counting("ebpf", str(tmp_path), True)

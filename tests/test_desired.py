@@ -106,3 +106,20 @@ def test_no_pod_gets_a_minor_whose_leaf_handle_is_an_htb_root():
     minors = assign_minors(pods)
     assert NODE_MINOR not in minors.values() and DOWNLOAD_ROOT_MAJOR not in minors.values()
     assert len(set(minors.values())) == len(pods)
+
+
+def test_internal_bytes_counted_on_the_devices_of_the_programmed_pods():
+    """With `internal_by_device` the desired state names the device counter's internal networks (link-local
+    and multicast too, as the rules' scope test), every programmed pod's addresses and the pod devices
+    (the uplinks never); without it there is none, and the rules count."""
+    pods = [pod("ns/a", "10.244.0.11", "fd00::11"), pod("ns/b"), pod("ns/c", "10.244.0.12")]
+    opts = DataPathOptions(internal_by_device=True)
+    st = desired_state(inputs(pods, options=opts, pod_devices=("veth1", "eth0", "veth0")))
+    assert st.classifier.internal_by_device
+    c = st.device_counting
+    assert c.networks == ((4, ("10.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "255.255.255.255/32")),
+                          (6, ("fd00::/8", "fe80::/10", "ff00::/8")))
+    assert c.addresses == ("10.244.0.11", "10.244.0.12", "fd00::11")  # ns/b has no address yet
+    assert c.devices == ("veth0", "veth1")
+    plain = desired_state(inputs(pods, pod_devices=("veth0",)))
+    assert plain.device_counting is None and not plain.classifier.internal_by_device
