@@ -68,7 +68,28 @@ runAsGroup: 0
 runAsNonRoot: false
 capabilities:
   drop: ["ALL"]
-  add: ["NET_ADMIN", "NET_RAW"]
+  add: {{ include "netagent.nodeCapabilities" . }}
+{{- end -}}
+
+{{/* The node profile's capabilities: BPF too where the agent counts internal bytes on the pods' devices. */}}
+{{- define "netagent.nodeCapabilities" -}}
+{{- if .Values.agent.deviceCounting.enabled -}}
+["NET_ADMIN", "NET_RAW", "BPF"]
+{{- else -}}
+["NET_ADMIN", "NET_RAW"]
+{{- end -}}
+{{- end -}}
+
+{{/* The bpf filesystem the device counter pins its map in (a host path, mounted where the agent looks). */}}
+{{- define "netagent.bpfMount" -}}
+- name: bpf
+  mountPath: /sys/fs/bpf
+{{- end -}}
+{{- define "netagent.bpfVolume" -}}
+- name: bpf
+  hostPath:
+    path: {{ .Values.agent.deviceCounting.bpfHostPath }}
+    type: Directory
 {{- end -}}
 
 {{/* The non-root securityContext (the controller; the cleanup's idle container): "restricted". */}}
