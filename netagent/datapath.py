@@ -173,6 +173,9 @@ class KernelDataPath:
                 raise DataPathError(f"the device counter of internal bytes: {exc}") from exc
         self._counting_cleared = False  # rules mode: a device counter left by an earlier run removed
         self._counted_pods: tuple[PodClassification, ...] = ()  # whose addresses the device counter holds
+        # the counter's map is read (scrapes, reports) beside an apply that changes its entries: one at a
+        # time (its reads share one batch buffer), never waiting for the tc lock
+        self._counter_lock = threading.Lock()
         self.iptables_backend = self._classifier.backend
         self._tc_lock = threading.Lock()
         self._stats_lock = threading.Lock()
@@ -209,8 +212,9 @@ class KernelDataPath:
                 # the download classes exist before iptables marks a packet for them
                 tc_changes += self._shaper.apply(desired.ingress_shaper).changes
             # the devices count internal bytes before the rules stop counting them
-            ebpf_changes = self._apply_counting(desired.device_counting)
-            self._counted_pods = desired.classifier.pods if desired.device_counting else ()
+            with self._counter_lock:
+                ebpf_changes = self._apply_counting(desired.device_counting)
+                self._counted_pods = desired.classifier.pods if desired.device_counting else ()
         changes = {"tc": tc_changes, "ebpf": ebpf_changes}
         with self._ipt_lock:
             if full or desired.classifier != self._applied_classifier:
@@ -325,7 +329,8 @@ class KernelDataPath:
                     t = time.monotonic()
                     found = self._classifier.counters()
             if self._counter is not None:
-                add_device_counts(found[0], self._counter.read(), self._counted_pods)
+                with self._counter_lock:
+                    add_device_counts(found[0], self._counter.read(), self._counted_pods)
             self.reads["counters"] += 1
             found[1]["egress_internet_wire"] = self._wire("egress", self.sample_stats()[1].get(NODE_MINOR), *found)
             found[1]["ingress_internet_wire"] = self._wire("ingress", self.sample_ingress_stats()[1].get(NODE_MINOR),
