@@ -10,10 +10,14 @@ them, fake pods on the addresses around it; on the nft and the legacy backend):
   none     no netagent rules at all; none2: the same again, the noise floor of the method
   today    the ruleset before issue 12 (`iptables/render.py` at commit TODAY, loaded from git):
            a 16-way dispatch tree on the source, a pod chain with the internal-set test
-  new      the ruleset this checkout's `Classifier` programs (ipsets: one or two lookups)
-  lean     a candidate (not a product path): `new` with internal packets returned before any set lookup, as if a
-           pod's internal bytes were counted elsewhere (`--candidates`: none, the bare hook, new, lean, lean+ebpf:
-           lean with the eBPF counter of bench/ebpf_count.py on the pod's device, which the `ingress` case crosses)
+  new      the ruleset this checkout's `Classifier` programs, counting internal bytes by the rules (ipsets: one
+           or two lookups; `--internal-counting rules`)
+  device   the same with internal bytes counted on the pods' devices (`--internal-counting device`): the rules
+           of `internal_by_device` and the eBPF counter of tc/ebpf.py on the pod's device, which the `ingress`
+           case crosses
+  lean     a reference, not a product path: `new` with one rule on top that returns a packet whose both ends
+           are internal before anything else, counted nowhere (`--candidates`: none, the bare hook, new,
+           device, lean)
   nftmap   a candidate in native nftables (IPv4 only, not a product path): interval sets and sets
            with per-element counters, the pod's class from a classid map; the same layout as `new`
 
@@ -42,9 +46,8 @@ load from the rest of the machine falls on neighbouring runs of different config
    data path as the agent programs it (desired state -> tc Shaper -> classifier; the pod shaped to
    10 Mbit/s on the internet side) on one node, and no netagent on another; medians of the
    alternated runs, and the median of each round's ratio to `none` in the same round. The rows
-   (`--rows`, default all) are the table SHARES: the whole path, its pieces, and two candidates,
-   `lean` (above) and `ebpf` (lean, with the pod's internal bytes counted by an eBPF program on
-   its host-side device: bench/ebpf_count.py, which says why eBPF and not an action's statistics).
+   (`--rows`, default all) are the table SHARES: the whole path counting by the rules (`new`) and
+   on the devices (`device`), its pieces, and `lean` (above).
 """
 from __future__ import annotations
 
@@ -65,10 +68,10 @@ sys.path.insert(0, ROOT)
 from iptables import render as R  # noqa: E402
 from iptables.apply import Classifier  # noqa: E402
 from iptables.model import ClassifierState, PodClassification  # noqa: E402
-import ebpf_count  # noqa: E402  (bench/, beside this file)
 from lab.netns import run  # noqa: E402
 from lab.topology import INTERNAL_CIDRS, PEER_V4, UPLINK, Lab  # noqa: E402
 from netagent.desired import DataPathOptions, NodeInputs, PodShape, desired_state  # noqa: E402
+from tc.ebpf import InternalCounter  # noqa: E402
 from tc.netlink import Shaper  # noqa: E402
 
 TODAY = "4d6b65a"  # dp-classify's base: the dispatch-tree ruleset
@@ -284,17 +287,13 @@ CASES = {"egress": (POD4, PEER4), "ingress": (NODE4, OTHER4)}
 
 class FakePod:  # the per-packet namespace's pod: .10 is the measured pod, .11 a neighbour in the state
     ip4, ip6 = POD4, "fd00:244::10"
-    node_veth = "vp0"  # the pod device the `ingress` case leaves by: where the ebpf candidate's program runs
+    node_veth = "vp0"  # the pod device the `ingress` case leaves by: where the device counter runs
 
 
 def program(label: str, netns: str, pod, today) -> None:
     """Install configuration `label` (none | none2 | today-<backend>-<n> | new-<backend>-<n> | lean-<backend>-<n> |
     nftmap-<n> | component-<backend>-<piece>)."""
     if label in ("none", "none2"):
-        return
-    if label.endswith("+ebpf"):
-        program(label[:-5], netns, pod, today)
-        device_counting(netns, pod.node_veth)
         return
     if label.startswith("component-"):
         program_component(label, netns)
@@ -305,6 +304,9 @@ def program(label: str, netns: str, pod, today) -> None:
         NftMaps(netns).apply(st)
     elif kind == "today":
         TodayRules(today, netns, backend[0]).apply(st)
+    elif kind == "device":
+        Classifier(backend=backend[0], netns=netns).apply(ClassifierState(**{**st.__dict__, "internal_by_device": True}))
+        device_counting(netns, pod.node_veth, st)
     else:
         Classifier(backend=backend[0], netns=netns).apply(st)
         if kind == "lean":
@@ -321,8 +323,8 @@ def lean_internal(netns: str, backend: str) -> None:
             netns)
 
 
-BPFFS = "/run/netagent-bench-bpffs"  # where the ebpf row pins its programs for tc to load (a bpf mount of its own)
-COUNTERS: list = []  # the ebpf row's DeviceCounters, closed after the run
+BPFFS = "/run/netagent-bench-bpffs"  # the device rows' bpf filesystem (a mount of the bench's own)
+COUNTERS: list[InternalCounter] = []  # the device rows' counters: read after the runs, removed at the end
 
 
 def _mounted(path: str) -> bool:
@@ -330,28 +332,28 @@ def _mounted(path: str) -> bool:
 
 
 def close_counters() -> None:
-    """Unload the ebpf row's programs and unmount the bpffs the bench mounted: it leaves nothing behind."""
+    """Remove the device rows' counters (their pinned maps; the programs go with their namespaces' devices) and
+    unmount the bpffs the bench mounted: it leaves nothing behind."""
     while COUNTERS:
-        COUNTERS.pop()[1].close()
+        counter = COUNTERS.pop()
+        counter.unpin()
+        counter.close()
     if os.path.isdir(BPFFS) and _mounted(BPFFS):
         subprocess.run(["umount", BPFFS], check=True)
         os.rmdir(BPFFS)
 
 
-def device_counting(netns: str, device: str) -> None:
-    """The `ebpf` candidate's counters (bench/ebpf_count.py): on the pod's host-side device, an eBPF program that
-    adds each packet with an internal destination to a per-CPU counter on the device's ingress (what the pod sends),
-    and each with an internal source on its egress (what it receives); both let classification go on."""
+def device_counting(netns: str, device: str, st: ClassifierState) -> None:
+    """The device counter as the agent programs it (tc/ebpf.py): every pod's addresses in its map, its programs
+    on both hooks of the measured pod's host-side device."""
     os.makedirs(BPFFS, exist_ok=True)
     if not _mounted(BPFFS):
         subprocess.run(["mount", "-t", "bpf", "bpf", BPFFS], check=True)
-    internal = R.set_members(INTERNAL_CIDRS)
-    run(["tc", "qdisc", "replace", "dev", device, "clsact"], netns)
-    for hook in ("ingress", "egress"):
-        counter = ebpf_count.DeviceCounter(internal, hook == "egress", f"{BPFFS}/{netns}-{device}-{hook}")
-        COUNTERS.append((hook, counter))
-        run(["tc", "filter", "add", "dev", device, hook, "pref", "49000", "bpf", "object-pinned", counter.pin, "da"],
-            netns)
+    counter = InternalCounter(f"{BPFFS}/{netns}", netns=netns)
+    COUNTERS.append(counter)
+    counter.set_networks(R.set_members(INTERNAL_CIDRS))
+    counter.set_pods(ip for p in st.pods for ip in p.ips)
+    counter.attach((device,))
 
 
 COMPONENT_SETS = """create c-net hash:net family inet
@@ -395,8 +397,8 @@ def labels_for(args) -> list[str]:
         return ["none"] + [f"component-{b}-{piece}" for b in backends for piece in pieces] + ["none2"]
     if args.candidates:
         return ["none"] + [label for b in backends for label in (f"component-{b}-hook", f"new-{b}-{max(pods)}",
-                                                                    f"lean-{b}-{max(pods)}",
-                                                                    f"lean-{b}-{max(pods)}+ebpf")] + ["none2"]
+                                                                    f"device-{b}-{max(pods)}",
+                                                                    f"lean-{b}-{max(pods)}")] + ["none2"]
     labels = ["none"] + [f"{k}-{b}-{n}" for n in pods for b in backends for k in ("today", "new")]
     return labels + [f"nftmap-{n}" for n in pods if args.nft] + ["none2"]
 
@@ -428,8 +430,8 @@ def packet_costs(args, today) -> None:
                 f"({args.rounds} round-robin rounds of {args.packets} datagrams)")
         table(what + "; minimum (the configuration's own cost)", labels, cost, ".0f", min)
         table("  the same, median", labels, cost, ".0f", statistics.median)
-        for hook, counter in COUNTERS:  # its program ran on every ingress-case datagram, or its row means nothing
-            print(f"  lean+ebpf's program on the pod device's {hook}: {counter.read()[1]} datagrams counted")
+        for counter in COUNTERS:  # its program ran on every ingress-case datagram, or its row means nothing
+            print(f"  device: the counter counted {sum(c[3] for c in counter.read().values())} datagrams received")
     finally:
         for ns in spaces.values():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
@@ -462,9 +464,8 @@ SHARES = {
     "hook": (False, "component-{backend}-hook",
              "an empty chain hooked into mangle POSTROUTING, the entry fee of any iptables classifier"),
     "hook2": (False, "component-{backend}-hook2", "one in PREROUTING too, as the ruleset hooks both"),
-    "lean": (True, "lean-{backend}-{n}", "the new rules and tc, internal packets returned before any set lookup"),
-    "ebpf": (True, "lean-{backend}-{n}+ebpf", "lean, with the pod's internal bytes counted by an eBPF program on "
-                                              "each direction of its host-side device (bench/ebpf_count.py)"),
+    "device": (True, "device-{backend}-{n}", "the whole data path counting internal bytes on the pod's device"),
+    "lean": (True, "lean-{backend}-{n}", "new, internal packets returned before anything, counted nowhere"),
 }
 
 
@@ -539,12 +540,13 @@ def traffic(args, today) -> None:
                 print(f"  {label[6:]:6}{med / 1e9:8.2f} Gbit/s  {med / base:6.3f} of none   same-round ratio "
                       f"median {statistics.median(pairs):.3f} (quartiles {q1:.3f}-{q3:.3f})   runs "
                       + " ".join(f"{v / 1e9:.2f}" for v in values), flush=True)
-            if "ebpf" in rows:  # the candidate's counters must count what moved, or its figure means nothing
-                moved = sum(v / 8 * (args.seconds + (1 if args.pin else 0)) for v in rates["share-ebpf"])  # -O 1 runs a second more
-                counted = {hook: counter.read() for hook, counter in COUNTERS}
-                print(f"  ebpf's programs counted {counted['ingress'][0] / 1e9:.2f} GB in {counted['ingress'][1]} skbs "
-                      f"sent and {counted['egress'][0] / 1e6:.1f} MB in {counted['egress'][1]} skbs received (ACKs) by "
-                      f"the pod; iperf3's rate x time: {moved / 1e9:.2f} GB of payload")
+            if "device" in rows:  # the counter must count what moved, or the row's figure means nothing
+                moved = sum(v / 8 * (args.seconds + (1 if args.pin else 0)) for v in rates["share-device"])  # -O 1 runs a second more
+                pod = nodes["share-device"].pods[0]
+                counted = next(c for c in COUNTERS if c.pin_dir.endswith(nodes["share-device"].netns)).read()[pod.ip4]
+                print(f"  device: the counter counted {counted[0] / 1e9:.2f} GB in {counted[1]} skbs sent and "
+                      f"{counted[2] / 1e6:.1f} MB in {counted[3]} skbs received (ACKs) by the pod; iperf3's rate x "
+                      f"time: {moved / 1e9:.2f} GB of payload")
     finally:
         for shaper in shapers:
             shaper.close()
@@ -572,8 +574,8 @@ def main() -> int:
                          "them moves the rate by more than the rules cost)")
     ap.add_argument("--rows", default="", help=f"the share rows to run, comma-separated (default all: {','.join(SHARES)})")
     ap.add_argument("--candidates", action="store_true",
-                    help="only none, the bare hook, the new rules, the lean candidate (internal packets return "
-                         "before any set lookup) and lean with the eBPF counter, on the first backend")
+                    help="only none, the bare hook, the new rules counting by the rules and on the device, and the "
+                         "lean reference (internal packets return before anything), on the first backend")
     ap.add_argument("--components", action="store_true",
                     help="per-packet cost of the pieces (the hook, one lookup of each kind, 22 plain rules); no iperf3")
     args = ap.parse_args()

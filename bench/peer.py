@@ -4,14 +4,16 @@ Run as root, alone on the machine's traffic lock:
 
     flock /tmp/netagent-traffic.lock python3 bench/peer.py [--rates 20M,100M,1G]
         [--direction upload|download|both|upload,download] [--internal-runs 5] [--pings 40]
-        [--goodput-runs 3] [--plugin PATH]
+        [--goodput-runs 3] [--plugin PATH] [--internal-counting device|rules]
 
 The plugin is the binary `make node-assets` builds from its Go module
 (github.com/containernetworking/plugins/plugins/meta/bandwidth), called as a container runtime
 calls it: CNI ADD as a chained plugin after the pod's veth exists, with
 runtimeConfig.bandwidth rate and burst (the burst is 25 ms at the rate, the plugin's own TBF
-latency), CNI DEL after. netagent's side is its desired state applied as the agent applies it
-(Shaper + Classifier), with the leaf the capability probe picks. One shaper at a time on the
+latency), CNI DEL after. netagent's side is its desired state applied by the agent's own data path
+(`KernelDataPath`: shaper, device counter, classifier), with the leaf the capability probe picks and
+the pod's internal bytes counted on its device (`--internal-counting device`, in a bpf filesystem the
+bench mounts; `rules`: in ipsets). One shaper at a time on the
 pod; nothing between the rounds but the shaper changes, and after every removal the node is
 compared with a snapshot taken before the first shaper (qdiscs, classes, filters, links, rules,
 sets): a difference stops the bench.
@@ -48,6 +50,7 @@ unshaped, loaded RTT no higher than the plugin's. Exits 1 when an aim is missed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -55,6 +58,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -64,7 +68,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from iptables.apply import Classifier  # noqa: E402
 from lab.netns import residue_snapshot, run  # noqa: E402
 from lab.topology import INTERNAL_CIDRS, INTERNET_V4, PEER_V4, UPLINK, Lab, Pod  # noqa: E402
+from netagent.datapath import KernelDataPath  # noqa: E402
 from netagent.desired import DataPathOptions, NodeInputs, PodShape, desired_state  # noqa: E402
+from tc.ebpf import remove_counting, unpin_dir  # noqa: E402
 from tc.netlink import Shaper  # noqa: E402
 from tc.probe import probe  # noqa: E402
 
@@ -172,40 +178,46 @@ class CniPlugin:
 
 
 class Netagent:
-    """netagent's data path for the pod, programmed as the agent does it."""
+    """netagent's data path for the pod, applied by the agent's own `KernelDataPath`; internal bytes counted on
+    the pod's device (`bpf_dir`: the bench's bpffs) or by the rules (None)."""
     label = "netagent"
 
-    def __init__(self, lab: Lab, pod: Pod, direction: Direction, leaf: str | None):
+    def __init__(self, lab: Lab, pod: Pod, direction: Direction, leaf: str | None, bpf_dir: str | None):
         self.node, self.pod, self.direction = lab.nodes[0], pod, direction
         self.shaper, self.classifier = Shaper(self.node.netns), Classifier(netns=self.node.netns)
-        self.options = DataPathOptions(leaf_qdisc=leaf or probe(self.node.netns).leaf_qdisc)
+        self.options = DataPathOptions(leaf_qdisc=leaf or probe(self.node.netns).leaf_qdisc,
+                                       internal_by_device=bpf_dir is not None,
+                                       bpf_dir=bpf_dir or DataPathOptions.bpf_dir)
+        self.datapath = KernelDataPath(self.options, netns=self.node.netns)
         self.state = None
 
     def install(self, rate: int) -> None:
         pod = self.direction.netagent_pod("bench/pod", self.pod, rate)
+        devices = self.shaper.devices_of_kind(("veth",), exclude=(UPLINK,))
         if self.direction.reverse:  # both shapers, as the agent runs them; the download tree fed from the pod veths
-            devices = self.shaper.devices_of_kind(("veth",), exclude=(UPLINK,))
             inputs = NodeInputs((UPLINK,), INTERNAL_CIDRS, (pod,), UNSHAPED_BPS, self.options,
                                 ingress_node_rate=10 * rate, pod_devices=devices)
         else:
-            inputs = NodeInputs((UPLINK,), INTERNAL_CIDRS, (pod,), 10 * rate, self.options)
+            inputs = NodeInputs((UPLINK,), INTERNAL_CIDRS, (pod,), 10 * rate, self.options, pod_devices=devices)
         self.state = desired_state(inputs)
-        for spec in (self.state.shaper, self.state.ingress_shaper):
-            if spec:
-                self.shaper.apply(spec)
-        self.classifier.apply(self.state.classifier)
+        self.datapath.apply(self.state)
 
     def remove(self, rate: int) -> None:
         if self.state:
             for s in (self.state.shaper, self.state.ingress_shaper):
                 if s:
                     self.shaper.cleanup(s.ifb, s.uplinks, s.filter_pref)
+            if self.state.device_counting:
+                remove_counting(self.state.device_counting.devices, self.options.count_pref, self.node.netns)
             self.state = None
         self.classifier.cleanup()
 
     def close(self) -> None:
         self.remove(0)
+        self.datapath.close()
         self.shaper.close()
+        if self.options.internal_by_device:
+            unpin_dir(self.options.bpf_dir)
 
 
 class Bench:
@@ -274,6 +286,9 @@ def main() -> int:
     ap.add_argument("--pings", type=int, default=40)
     ap.add_argument("--leaf", default=None, help="netagent's leaf qdisc (default: what the probe picks)")
     ap.add_argument("--plugin", default=default_plugin(), help="the CNI bandwidth plugin binary")
+    ap.add_argument("--internal-counting", choices=("device", "rules"), default="device",
+                    help="where netagent counts the pod's internal bytes (the agent's --internal-counting; "
+                         "default device: on the pod's device, in a bpf filesystem the bench mounts)")
     args = ap.parse_args()
     args.pin = args.pin and (os.cpu_count() or 1) >= 2
     if os.geteuid() != 0:
@@ -283,6 +298,26 @@ def main() -> int:
         print("no CNI bandwidth plugin binary: run `make node-assets` or pass --plugin", file=sys.stderr)
         return 2
     rates = [parse_rate(r) for r in args.rates.split(",")]
+    with bench_bpffs(args.internal_counting == "device") as args.bpf_dir:
+        return run_bench(args, rates)
+
+
+@contextlib.contextmanager
+def bench_bpffs(wanted: bool):
+    """A bpf filesystem of the bench's own for the device counter's map (None when not wanted), unmounted after."""
+    if not wanted:
+        yield None
+        return
+    root = tempfile.mkdtemp(prefix="netagent-peer-bpffs-")
+    subprocess.run(["mount", "-t", "bpf", "bpf", root], check=True)
+    try:
+        yield os.path.join(root, "netagent")
+    finally:
+        subprocess.run(["umount", root], check=True)
+        os.rmdir(root)
+
+
+def run_bench(args, rates: list[int]) -> int:
     worst = 0
     with Lab(nodes=1, pods_per_node=1, prefix=f"nape{os.getpid() % 10000}") as lab:
         lab.iperf_server(lab.internet, INET_PORT)
@@ -303,7 +338,7 @@ def measure(lab: Lab, direction: Direction, args, rates: list[int], clean: dict[
     against `clean` (the snapshot before any shaper): what one leaves must not bias the other."""
     results: dict[tuple[int, str], dict] = {}
     bench = Bench(lab, direction, args)
-    agent = Netagent(lab, bench.pod, direction, args.leaf)
+    agent = Netagent(lab, bench.pod, direction, args.leaf, args.bpf_dir)
     shapers = (CniPlugin(args.plugin, lab, bench.pod, direction), agent)
     try:
         idle = run(["ping", "-c", "20", "-i", "0.1", INTERNET_V4], bench.pod.netns)
