@@ -370,6 +370,11 @@ COMPONENTS = {  # what one piece of the ruleset costs: rules in a chain hooked i
     "hook+hash:ip-counters": ["-m set --match-set c-ip src -j RETURN"],
     "hook+both": ["-m set --match-set c-net dst -g C-2", "@C-2 -m set --match-set c-ip src -j RETURN"],
     "hook+22-rules": [f"-s 10.9.0.{i}/32 -j RETURN" for i in range(22)],
+    # what the device-counting rules' internal paths are made of: a both-ends rule, an uplink test and a goto,
+    # and the comment a node counting rule carries
+    "hook+1-rule": ["-s 10.0.0.0/8 -d 10.0.0.0/8 -j RETURN"],
+    "hook+goto-rule": [f"-o {UPLINK} -g C-2", "@C-2 -d 10.0.0.0/8 -j RETURN"],
+    "hook+goto-comment": [f"-o {UPLINK} -g C-2", '@C-2 -d 10.0.0.0/8 -m comment --comment "c" -j RETURN'],
     "hook2": [],  # an empty chain hooked into PREROUTING too, as the ruleset is (the share runs only)
 }
 

@@ -248,9 +248,16 @@ class KernelDataPath:
             # loading the programs is no kernel change in itself (a new process always loads them); the
             # filters that run them are, and attach() replaces those that run other programs
             self._counter.set_networks(dict(counting.networks))
-            return self._counter.set_pods(counting.addresses) + self._counter.attach(counting.devices)
+            changes = self._counter.set_pods(counting.addresses)
         except EbpfError as exc:
             raise DataPathError(f"the device counter of internal bytes: {exc}") from exc
+        try:
+            return changes + self._counter.attach(counting.devices)
+        except EbpfError as exc:
+            # one device that refuses (another filter at our priority) must not hold back every pod's
+            # rules: the others are done, and the next sync tries again
+            log.warning("the device counter of internal bytes: %s; that device's pod is not counted there", exc)
+            return changes
 
     def _remove_ingress_shaper(self) -> list[str]:
         o = self.options

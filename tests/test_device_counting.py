@@ -198,6 +198,7 @@ def test_counts_agree_with_iperf(lab, agent, direction, dst, reverse):
 
 def test_a_restarted_agent_adopts_the_counter_and_changes_nothing(lab, agent, bpf_dir):
     pod = lab.nodes[0].pods[0]
+    run(f"ping -c 3 -i 0.2 {PEER_V4}", pod.netns)  # something counted to carry on from
     again = Agent(lab, bpf_dir)
     try:
         snap = residue_snapshot(lab.nodes[0].netns)
@@ -228,3 +229,23 @@ def test_counting_by_the_rules_again_removes_the_counter(lab, agent, bpf_dir):
     back = agent.apply()
     assert back["ebpf"] >= 2 * len(node.pods) and back["iptables"] > 0, back
     assert all(len(our_filters(node.netns, p.node_veth)) == 2 for p in node.pods)
+
+
+def test_a_device_that_refuses_the_counter_holds_back_no_other_pod(lab, agent, caplog):
+    """Another filter at the counter's priority on one pod's device: that device is left as it is and named in a
+    warning; the apply goes on (the rules, the other pods' counters), and the next one, once the device is free
+    again, puts the counter there."""
+    node = lab.nodes[0]
+    odd = node.pods[1].node_veth
+    run(f"tc filter del dev {odd} ingress pref 0xc001", node.netns)
+    run(f"tc filter add dev {odd} ingress pref 0xc001 bpf bytecode '1,6 0 0 0'", node.netns)  # "never matches"
+    try:
+        with caplog.at_level("WARNING", logger="netagent.datapath"):
+            changes = agent.apply()
+        assert "iptables" in changes and odd in caplog.text, (changes, caplog.text)
+        assert len(our_filters(node.netns, node.pods[0].node_veth)) == 2
+        assert len(our_filters(node.netns, odd)) == 1  # its egress one only: the ingress is somebody else's
+    finally:
+        run(f"tc filter del dev {odd} ingress pref 0xc001", node.netns)
+    assert agent.apply()["ebpf"] >= 1
+    assert len(our_filters(node.netns, odd)) == 2
