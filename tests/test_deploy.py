@@ -465,6 +465,33 @@ def test_chart_values_reach_the_manifests():
     assert bronze["metadata"]["annotations"]["helm.sh/hook"] == "post-install"  # after its CRD exists
 
 
+def test_device_counting_adds_exactly_the_bpf_capability_and_the_hosts_bpffs():
+    """agent.deviceCounting: the agent and the cleanup get the BPF capability and the host's bpf filesystem, the
+    agent counts on the devices, and the namespace's policy admits that much more and no other; without the
+    service CIDRs the chart refuses (a ClusterIP is seen before DNAT)."""
+    docs = helm_template("--set", "agent.deviceCounting.enabled=true,serviceCIDRs={10.96.0.0/12}")
+    for name in ("netagent-agent",):
+        spec = pod_spec(docs, "DaemonSet", name)
+        c, = spec["containers"]
+        assert c["securityContext"]["capabilities"]["add"] == ["NET_ADMIN", "NET_RAW", "BPF"]
+        assert {"name": "bpf", "mountPath": "/sys/fs/bpf"} in c["volumeMounts"]
+        assert {"name": "bpf", "hostPath": {"path": "/sys/fs/bpf", "type": "Directory"}} in spec["volumes"]
+        assert "--internal-counting=device" in c["args"] and "--bpf-dir=/sys/fs/bpf/netagent" in c["args"]
+    cleanup = pod_spec(helm_template("--set", "agent.deviceCounting.enabled=true,serviceCIDRs={10.96.0.0/12},"
+                                     "cleanup=true"), "DaemonSet", "netagent-cleanup")
+    init, = cleanup["initContainers"]
+    assert init["securityContext"]["capabilities"]["add"] == ["NET_ADMIN", "NET_RAW", "BPF"]
+    assert {"name": "bpf", "mountPath": "/sys/fs/bpf"} in init["volumeMounts"]
+    policy = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicy")
+    rules = " ".join(v["expression"] for v in policy["spec"]["validations"])
+    assert "['NET_ADMIN', 'NET_RAW', 'BPF']" in rules and "v.hostPath.path == '/sys/fs/bpf'" in rules
+    default = pod_spec(helm_template(), "DaemonSet", "netagent-agent")
+    assert default["containers"][0]["securityContext"]["capabilities"]["add"] == ["NET_ADMIN", "NET_RAW"]
+    assert not any(v["name"] == "bpf" for v in default["volumes"])
+    refused = helm("template", "netagent", str(CHART), "--set", "agent.deviceCounting.enabled=true", check=False)
+    assert refused.returncode != 0 and "needs serviceCIDRs" in refused.stderr
+
+
 @pytest.mark.parametrize("bad", [
     ["--set", "image.pullPolicy=Sometimes"],
     ["--set", "image.digest=md5:0123"],
