@@ -16,7 +16,10 @@ Figures (all in the same run, same node):
   for the pods) in-process over netlink and with the tools (`ipset save`, `iptables-save -c` x2),
   CPU (this process and the tools it waits for) and wall time per read, alternated.
 
-    sudo python3 bench/agent.py [--pods 110] [--changes 60] [--window 30]
+    sudo python3 bench/agent.py [--pods 110] [--changes 60] [--window 30] [--internal-counting rules|device]
+
+`--internal-counting device` runs the agent counting internal bytes on the pods' devices (eBPF, its
+map in a bpf filesystem the bench mounts, the service CIDR given as the agent then needs).
 """
 from __future__ import annotations
 
@@ -104,11 +107,27 @@ def main() -> int:
     ap.add_argument("--pods", type=int, default=110)
     ap.add_argument("--changes", type=int, default=60)
     ap.add_argument("--window", type=float, default=30.0, help="seconds of steady state for CPU")
+    ap.add_argument("--internal-counting", choices=("rules", "device"), default="rules",
+                    help="the agent's --internal-counting (device: in a bpf filesystem the bench mounts)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("needs root (network namespaces)")
         return 2
     work = Path(tempfile.mkdtemp(prefix="netagent-bench-"))
+    counting = ["--internal-counting", "rules"]
+    if args.internal_counting == "device":
+        (work / "bpf").mkdir()
+        subprocess.run(["mount", "-t", "bpf", "bpf", str(work / "bpf")], check=True)
+        counting = ["--internal-counting", "device", "--bpf-dir", str(work / "bpf" / "netagent"),
+                    "--service-cidr", "10.96.0.0/12"]
+    try:
+        return run(args, work, counting)
+    finally:
+        if args.internal_counting == "device":
+            subprocess.run(["umount", str(work / "bpf")], check=True)
+
+
+def run(args, work: Path, counting: list[str]) -> int:
     t_build = time.monotonic()
     with Lab(nodes=1, pods_per_node=args.pods) as lab:
         node = lab.nodes[0]
@@ -128,7 +147,7 @@ def main() -> int:
         write_objects(work / "policy.yaml", POLICY)
         write()
         agent = AgentProcess(lab, node, [work / "policy.yaml", work / "pods.yaml"], port=9590, log_dir=work,
-                             resync=30.0).start()
+                             resync=30.0, extra=counting).start()
         shaper = Shaper(node.netns)
         try:
             agent.wait_ready(60)
@@ -205,7 +224,7 @@ def main() -> int:
                   stderr=subprocess.STDOUT)
         agent = AgentProcess(lab, node, [work / "policy.yaml", work / "pods.yaml"], port=9592, log_dir=work,
                              resync=30.0, extra=["--controller", "http://127.0.0.1:9591", "--controller-insecure-http", "--report-period", "5",
-                                                 "--token-path", str(work / "no-token")]).start()
+                                                 "--token-path", str(work / "no-token"), *counting]).start()
         try:
             agent.wait_ready(60)
             wait_for(lambda: (agent.state() or {}).get("allocation_source") == "controller", 30, 0.2, "an answer")

@@ -173,6 +173,7 @@ class KernelDataPath:
                 raise DataPathError(f"the device counter of internal bytes: {exc}") from exc
         self._counting_cleared = False  # rules mode: a device counter left by an earlier run removed
         self._counted_pods: tuple[PodClassification, ...] = ()  # whose addresses the device counter holds
+        self._applied_counting: DeviceCounting | None = None  # what the counter was last made to match
         # the counter's map is read (scrapes, reports) beside an apply that changes its entries: one at a
         # time (its reads share one batch buffer), never waiting for the tc lock
         self._counter_lock = threading.Lock()
@@ -213,7 +214,7 @@ class KernelDataPath:
                 tc_changes += self._shaper.apply(desired.ingress_shaper).changes
             # the devices count internal bytes before the rules stop counting them
             with self._counter_lock:
-                ebpf_changes = self._apply_counting(desired.device_counting)
+                ebpf_changes = self._apply_counting(desired.device_counting, full)
                 self._counted_pods = desired.classifier.pods if desired.device_counting else ()
         changes = {"tc": tc_changes, "ebpf": ebpf_changes}
         with self._ipt_lock:
@@ -232,7 +233,13 @@ class KernelDataPath:
                 changes["tc"] += len(self._remove_ingress_shaper())
         return changes
 
-    def _apply_counting(self, counting: DeviceCounting | None) -> int:
+    def _apply_counting(self, counting: DeviceCounting | None, full: bool) -> int:
+        """The device counter as `counting` says: its programs, its map's addresses, its filters on the pod
+        devices. Re-read from the kernel when `full` or when it changed (a new pod or pod device), as the
+        rules are: checking 110 devices' filters is two dumps each (~15 ms)."""
+        if counting is not None and not full and counting == self._applied_counting:
+            return 0
+        self._applied_counting = None  # unknown until this apply succeeds
         if counting is None:
             if self._counter is not None or self._counting_cleared:
                 return 0
@@ -252,12 +259,14 @@ class KernelDataPath:
         except EbpfError as exc:
             raise DataPathError(f"the device counter of internal bytes: {exc}") from exc
         try:
-            return changes + self._counter.attach(counting.devices)
+            changes += self._counter.attach(counting.devices)
         except EbpfError as exc:
             # one device that refuses (another filter at our priority) must not hold back every pod's
             # rules: the others are done, and the next sync tries again
             log.warning("the device counter of internal bytes: %s; that device's pod is not counted there", exc)
             return changes
+        self._applied_counting = counting
+        return changes
 
     def _remove_ingress_shaper(self) -> list[str]:
         o = self.options

@@ -83,11 +83,11 @@ class Agent:
                                        bpf_dir=bpf_dir)
         self.dp = KernelDataPath(self.options, iptables_backend="nft", netns=self.node.netns)
 
-    def apply(self) -> dict[str, int]:
+    def apply(self, full: bool = True) -> dict[str, int]:
         shapes = tuple(PodShape(f"default/{p.name}", (p.ip4, p.ip6), 1 * G, 1 * G) for p in self.node.pods)
         devices = self.dp.pod_devices((UPLINK,))
         return self.dp.apply(desired_state(NodeInputs((UPLINK,), INTERNAL_CIDRS, shapes, 10 * G, self.options,
-                                                      pod_devices=devices)))
+                                                      pod_devices=devices)), full=full)
 
     def counts(self, pod) -> dict[str, int]:
         return self.dp.counters()[0].get(f"default/{pod.name}", {})
@@ -249,3 +249,16 @@ def test_a_device_that_refuses_the_counter_holds_back_no_other_pod(lab, agent, c
         run(f"tc filter del dev {odd} ingress pref 0xc001", node.netns)
     assert agent.apply()["ebpf"] >= 1
     assert len(our_filters(node.netns, odd)) == 2
+
+
+def test_an_ordinary_sync_trusts_the_counter_it_applied_and_a_full_one_repairs_it(lab, agent):
+    """As for the rules: a sync whose device counting is what the last one applied reads nothing back (two filter
+    dumps a device); the periodic full resync does, and puts back a filter someone removed."""
+    node = lab.nodes[0]
+    dev = node.pods[0].node_veth
+    agent.apply()
+    run(f"tc filter del dev {dev} egress pref 0xc001", node.netns)
+    assert agent.apply(full=False)["ebpf"] == 0
+    assert len(our_filters(node.netns, dev)) == 1
+    assert agent.apply(full=True)["ebpf"] == 1
+    assert len(our_filters(node.netns, dev)) == 2
