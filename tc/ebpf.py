@@ -37,12 +37,13 @@ from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 import nlwire  # first: pyroute2 without its __init__ (nlwire.lean_pyroute2)
-from pyroute2.netlink import NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE, NLM_F_REQUEST
+from pyroute2.netlink import NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE
 from pyroute2.netlink.rtnl import RTM_DELQDISC, RTM_DELTFILTER, RTM_NEWQDISC, RTM_NEWTFILTER
 from pyroute2.netlink.rtnl.tcmsg import tcmsg
 
 from . import rawnl
 from .errors import TcError
+from .netlink import CLSACT_EGRESS, CLSACT_INGRESS, ETH_P_ALL, FILTER_HANDLE, TC_H_CLSACT, tc_message
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +74,6 @@ MAP_NAME = b"na_internal"
 PIN_NAME = "internal"
 BATCH = 128  # entries a map read asks for at once
 
-TC_H_CLSACT = 0xFFFFFFF1
-CLSACT_INGRESS, CLSACT_EGRESS = 0xFFFFFFF2, 0xFFFFFFF3
-ETH_P_ALL = 0x0003
-FILTER_HANDLE = 0x1
 TCA_BPF_FLAG_ACT_DIRECT = 1
 TCA_BPF_NAME, TCA_BPF_FLAGS, TCA_BPF_TAG, TCA_BPF_ID = 7, 8, 10, 11
 # the two hooks: (clsact parent, the filter's name, is it the device's egress)
@@ -397,10 +394,7 @@ class _Filters:
     @property
     def chan(self) -> rawnl.NetlinkChannel:
         if self._chan is None:
-            try:
-                self._chan = rawnl.NetlinkChannel(self.netns)
-            except Exception as exc:  # pyroute2's namespace switch raises a mix of errors
-                raise EbpfError(f"cannot open netlink in network namespace {self.netns!r}: {exc}") from exc
+            self._chan = rawnl.open_channel(self.netns, EbpfError)
         return self._chan
 
     def close(self) -> None:
@@ -425,19 +419,6 @@ class _Filters:
                                    _u32(o.get(TCA_BPF_ID)), _u32(o.get(TCA_BPF_FLAGS))))
             out[hook] = (found, total)
         return out
-
-    @staticmethod
-    def message(msg_type: int, flags: int, index: int, handle: int, parent: int, info: int = 0,
-                kind: str | None = None, options: dict | None = None) -> tcmsg:
-        msg = tcmsg()
-        msg["family"] = socket.AF_UNSPEC
-        msg["index"], msg["handle"], msg["parent"], msg["info"] = index, handle, parent, info
-        msg["attrs"] = [["TCA_KIND", kind]] if kind else []
-        if options is not None:
-            msg["attrs"].append(["TCA_OPTIONS", options])
-        msg["header"]["type"] = msg_type
-        msg["header"]["flags"] = NLM_F_REQUEST | NLM_F_ACK | flags
-        return msg
 
     def indexes(self, devices: Iterable[str]) -> dict[str, int]:
         try:
@@ -468,15 +449,15 @@ class _Filters:
                 if idx not in clsact:
                     continue
                 ops = [(f"filter {dev} {hook} pref {self.pref:#x}",
-                        self.message(RTM_DELTFILTER, 0, idx, handle, HOOKS[hook][0],
-                                     (self.pref << 16) | socket.htons(ETH_P_ALL), "bpf"))
+                        tc_message(RTM_DELTFILTER, 0, idx, handle, HOOKS[hook][0], "bpf",
+                                   info=(self.pref << 16) | socket.htons(ETH_P_ALL)))
                        for hook, (filters, _) in self.at_pref(idx).items()
                        for handle, name, *_ in filters if name == HOOKS[hook][1]]
                 done = self.send(ops)
                 removed += done
                 if done and not any(total for _, total in self.at_pref(idx).values()):
                     removed += self.send([(f"clsact {dev}",
-                                           self.message(RTM_DELQDISC, 0, idx, 0xFFFF0000, TC_H_CLSACT))])
+                                           tc_message(RTM_DELQDISC, 0, idx, 0xFFFF0000, TC_H_CLSACT))])
         except OSError as exc:
             raise EbpfError(f"tc in network namespace {self.netns!r}: {exc}") from exc
         return removed
@@ -713,8 +694,8 @@ class InternalCounter:
             for dev, idx in index.items():
                 if idx not in clsact:
                     ops.append((f"add clsact to {dev}",
-                                tc.message(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_EXCL, idx, 0xFFFF0000, TC_H_CLSACT,
-                                           kind="clsact")))
+                                tc_message(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_EXCL, idx, 0xFFFF0000, TC_H_CLSACT,
+                                           "clsact")))
                     found = {hook: ([], 0) for hook in HOOKS}
                 else:
                     found = tc.at_pref(idx)
@@ -729,8 +710,8 @@ class InternalCounter:
                                          ["TCA_BPF_FLAGS", TCA_BPF_FLAG_ACT_DIRECT]]}
                     for handle in stale or ([] if filters else [FILTER_HANDLE]):
                         ops.append((f"{'replace' if filters else 'add'} filter {dev} {hook} pref {self.pref:#x}",
-                                    tc.message(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_REPLACE, idx, handle, parent,
-                                               (self.pref << 16) | socket.htons(ETH_P_ALL), "bpf", options)))
+                                    tc_message(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_REPLACE, idx, handle, parent,
+                                               "bpf", options, info=(self.pref << 16) | socket.htons(ETH_P_ALL))))
             done = tc.send(ops)
         except OSError as exc:
             raise EbpfError(f"tc in network namespace {self.netns!r}: {exc}") from exc

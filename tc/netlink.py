@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 IFB_ALIAS = EGRESS_IFB_ALIAS  # marks the upload IFB as ours (the download IFB: tc.model.INGRESS_IFB_ALIAS)
 TC_H_CLSACT = 0xFFFFFFF1
+CLSACT_INGRESS = 0xFFFFFFF2  # TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_INGRESS)
 CLSACT_EGRESS = 0xFFFFFFF3  # TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_EGRESS)
 ETH_P_ALL = 0x0003
 FILTER_HANDLE = 0x1
@@ -139,6 +140,25 @@ def _ticks(rate_bytes: int, size: int) -> int:
     return int(calc_xmittime(rate_bytes, size))
 
 
+def tc_message(msg_type: int, flags: int, index: int, handle: int, parent: int, kind: str | None = None,
+               options=None, cls=tcmsg, info: int = 0):
+    """One tc request (qdisc, class or filter) for a batch, asking for an acknowledgement."""
+    msg = cls()
+    msg["family"] = socket.AF_UNSPEC
+    msg["index"] = index
+    msg["handle"] = handle
+    msg["parent"] = parent
+    msg["info"] = info
+    msg["attrs"] = []
+    if kind:
+        msg["attrs"].append(["TCA_KIND", kind])
+    if options is not None:
+        msg["attrs"].append(["TCA_OPTIONS", options])
+    msg["header"]["type"] = msg_type
+    msg["header"]["flags"] = NLM_F_REQUEST | NLM_F_ACK | flags
+    return msg
+
+
 @dataclass
 class ApplyResult:
     ops: list[Op]
@@ -169,10 +189,7 @@ class Shaper:
     @property
     def chan(self) -> rawnl.NetlinkChannel:
         if self._chan is None:
-            try:
-                self._chan = rawnl.NetlinkChannel(self.netns)
-            except Exception as exc:
-                raise TcError(f"cannot open netlink in network namespace {self.netns!r}: {exc}") from exc
+            self._chan = rawnl.open_channel(self.netns, TcError)
         return self._chan
 
     def close(self) -> None:
@@ -369,34 +386,16 @@ class Shaper:
         else:
             ipr.link("set", index=self._index(spec.ifb), txqlen=spec.ifb_txqueuelen, state="up")
 
-    @staticmethod
-    def _tcmsg(msg_type: int, flags: int, index: int, handle: int, parent: int, kind: str | None = None,
-               options=None, cls=tcmsg):
-        msg = cls()
-        msg["family"] = socket.AF_UNSPEC
-        msg["index"] = index
-        msg["handle"] = handle
-        msg["parent"] = parent
-        msg["info"] = 0
-        msg["attrs"] = []
-        if kind:
-            msg["attrs"].append(["TCA_KIND", kind])
-        if options is not None:
-            msg["attrs"].append(["TCA_OPTIONS", options])
-        msg["header"]["type"] = msg_type
-        msg["header"]["flags"] = NLM_F_REQUEST | NLM_F_ACK | flags
-        return msg
-
     def _message(self, op: Op, spec: ShaperSpec, index: dict[str, int | None]):
         a = op.action
         ifb = index[spec.ifb]
         root = spec.major << 16
         create = NLM_F_CREATE | NLM_F_EXCL
         if a == "delete_root":
-            return self._tcmsg(RTM_DELQDISC, 0, ifb, 0, 0xFFFFFFFF)
+            return tc_message(RTM_DELQDISC, 0, ifb, 0, 0xFFFFFFFF)
         if a in ("add_root", "change_root"):
             opts = sched_htb.get_parameters({"default": spec.default.minor, "r2q": sizing.R2Q})
-            return self._tcmsg(RTM_NEWQDISC, create if a == "add_root" else NLM_F_REPLACE, ifb, root, 0xFFFFFFFF, "htb", opts)
+            return tc_message(RTM_NEWQDISC, create if a == "add_root" else NLM_F_REPLACE, ifb, root, 0xFFFFFFFF, "htb", opts)
         if a in ("add_class", "change_class"):
             p = op.params
             parent = root | p.parent_minor if p.parent_minor else root
@@ -406,13 +405,13 @@ class Shaper:
             })
             # rate tables are legacy (the kernel computes rates itself); skip their 2 KB per class
             opts["attrs"] = [x for x in opts["attrs"] if x[0] not in ("TCA_HTB_RTAB", "TCA_HTB_CTAB")]
-            return self._tcmsg(RTM_NEWTCLASS, create if a == "add_class" else 0, ifb, root | p.minor, parent, "htb", opts,
+            return tc_message(RTM_NEWTCLASS, create if a == "add_class" else 0, ifb, root | p.minor, parent, "htb", opts,
                                _HtbTcmsg)
         if a == "delete_class":
             # HTB destroys the class's leaf qdisc with it
-            return self._tcmsg(RTM_DELTCLASS, 0, ifb, root | op.minor, 0)
+            return tc_message(RTM_DELTCLASS, 0, ifb, root | op.minor, 0)
         if a == "delete_leaf":
-            return self._tcmsg(RTM_DELQDISC, 0, ifb, op.minor << 16, root | op.minor)
+            return tc_message(RTM_DELQDISC, 0, ifb, op.minor << 16, root | op.minor)
         if a == "replace_leaf":
             if op.leaf_kind in ("pfifo", "bfifo"):
                 options, cls = {"limit": op.leaf_limit}, _FifoTcmsg
@@ -420,10 +419,10 @@ class Shaper:
                 options, cls = tbf_options(op.leaf_rate, op.leaf_burst, op.leaf_limit), _TbfTcmsg
             else:
                 options, cls = {"attrs": []}, tcmsg
-            return self._tcmsg(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, ifb, op.minor << 16, root | op.minor,
+            return tc_message(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, ifb, op.minor << 16, root | op.minor,
                                op.leaf_kind, options, cls)
         if a == "add_clsact":
-            return self._tcmsg(RTM_NEWQDISC, create, index[op.device], 0xFFFF0000, TC_H_CLSACT, "clsact")
+            return tc_message(RTM_NEWQDISC, create, index[op.device], 0xFFFF0000, TC_H_CLSACT, "clsact")
         if a in ("add_filter", "replace_filter"):
             return self._filter_message(index[op.device], ifb, spec, replace=a == "replace_filter")
         raise TcError(f"unknown tc operation {a!r}")
@@ -442,20 +441,20 @@ class Shaper:
             ]
         }
         flags = NLM_F_CREATE | (NLM_F_REPLACE if replace else NLM_F_EXCL)
-        msg = self._tcmsg(RTM_NEWTFILTER, flags, uplink_index, FILTER_HANDLE, CLSACT_EGRESS, "bpf", options, _CbpfTcmsg)
+        msg = tc_message(RTM_NEWTFILTER, flags, uplink_index, FILTER_HANDLE, CLSACT_EGRESS, "bpf", options, _CbpfTcmsg)
         msg["info"] = (spec.filter_pref << 16) | socket.htons(ETH_P_ALL)
         return msg
 
     def add_tbf_root(self, index: int, rate_bytes: int, burst_bytes: int, limit_bytes: int) -> int:
         """A tbf root qdisc (the probe's test); -> the kernel's errno, 0 on success."""
-        msg = self._tcmsg(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_EXCL, index, 0x10000, 0xFFFFFFFF, "tbf",
+        msg = tc_message(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_EXCL, index, 0x10000, 0xFFFFFFFF, "tbf",
                           tbf_options(rate_bytes, burst_bytes, limit_bytes), _TbfTcmsg)
         return self.chan.batch([msg])[0]
 
     def add_fifo_root(self, index: int, kind: str, limit: int) -> int:
         """A pfifo or bfifo root qdisc with its limit (the probe's test; pyroute2 cannot encode bfifo's
         options); -> the kernel's errno, 0 on success."""
-        msg = self._tcmsg(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_EXCL, index, 0x10000, 0xFFFFFFFF, kind, {"limit": limit},
+        msg = tc_message(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_EXCL, index, 0x10000, 0xFFFFFFFF, kind, {"limit": limit},
                           _FifoTcmsg)
         return self.chan.batch([msg])[0]
 
@@ -511,7 +510,7 @@ class Shaper:
                         done.append(f"filter {up} egress pref {filter_pref:#x}")
             others = [
                 f
-                for parent in (CLSACT_EGRESS, 0xFFFFFFF2)
+                for parent in (CLSACT_EGRESS, CLSACT_INGRESS)
                 for f in self.ipr.get_filters(index=idx, parent=parent)
             ]
             if not others:

@@ -221,6 +221,14 @@ class NetlinkChannel:
                 self._tc_messages(msg_type, body, "tc") if index == ifindex]
 
 
+def open_channel(netns: str | None, error: type[Exception]) -> "NetlinkChannel":
+    """A NetlinkChannel in `netns`, or `error` saying which namespace could not be entered."""
+    try:
+        return NetlinkChannel(netns)
+    except Exception as exc:  # pyroute2's namespace switch raises a mix of errors
+        raise error(f"cannot open netlink in network namespace {netns!r}: {exc}") from exc
+
+
 def _mtu(a: dict[int, bytes]) -> int:
     return struct.unpack_from("=I", a[IFLA_MTU], 0)[0] if IFLA_MTU in a and len(a[IFLA_MTU]) >= 4 else 0
 
