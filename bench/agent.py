@@ -36,6 +36,7 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from lab.netns import bpf_filesystem  # noqa: E402
 from lab.topology import Lab  # noqa: E402
 from netagent.desired import DataPathOptions, PodShape, assign_minors, from_wire  # noqa: E402
 from iptables.apply import Classifier  # noqa: E402
@@ -114,17 +115,11 @@ def main() -> int:
         print("needs root (network namespaces)")
         return 2
     work = Path(tempfile.mkdtemp(prefix="netagent-bench-"))
-    counting = ["--internal-counting", "rules"]
-    if args.internal_counting == "device":
-        (work / "bpf").mkdir()
-        subprocess.run(["mount", "-t", "bpf", "bpf", str(work / "bpf")], check=True)
-        counting = ["--internal-counting", "device", "--bpf-dir", str(work / "bpf" / "netagent"),
-                    "--service-cidr", "10.96.0.0/12"]
-    try:
-        return run(args, work, counting)
-    finally:
-        if args.internal_counting == "device":
-            subprocess.run(["umount", str(work / "bpf")], check=True)
+    if args.internal_counting == "rules":
+        return run(args, work, ["--internal-counting", "rules"])
+    with bpf_filesystem() as root:
+        return run(args, work, ["--internal-counting", "device", "--bpf-dir", os.path.join(root, "netagent"),
+                                "--service-cidr", "10.96.0.0/12"])
 
 
 def run(args, work: Path, counting: list[str]) -> int:

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 
 import argparse
+import contextlib
 import ipaddress
 import json
 import os
@@ -68,7 +69,7 @@ sys.path.insert(0, ROOT)
 from iptables import render as R  # noqa: E402
 from iptables.apply import Classifier  # noqa: E402
 from iptables.model import ClassifierState, PodClassification  # noqa: E402
-from lab.netns import run  # noqa: E402
+from lab.netns import bpf_filesystem, run  # noqa: E402
 from lab.topology import INTERNAL_CIDRS, PEER_V4, UPLINK, Lab  # noqa: E402
 from netagent.desired import DataPathOptions, NodeInputs, PodShape, desired_state  # noqa: E402
 from tc.ebpf import InternalCounter  # noqa: E402
@@ -323,12 +324,9 @@ def lean_internal(netns: str, backend: str) -> None:
             netns)
 
 
-BPFFS = "/run/netagent-bench-bpffs"  # the device rows' bpf filesystem (a mount of the bench's own)
+BPFFS = contextlib.ExitStack()  # the device rows' bpf filesystem (a mount of the bench's own), once one is needed
+BPF_ROOT: list[str] = []  # its mount point, once mounted
 COUNTERS: list[InternalCounter] = []  # the device rows' counters: read after the runs, removed at the end
-
-
-def _mounted(path: str) -> bool:
-    return subprocess.run(["mountpoint", "-q", path]).returncode == 0
 
 
 def close_counters() -> None:
@@ -338,18 +336,16 @@ def close_counters() -> None:
         counter = COUNTERS.pop()
         counter.unpin()
         counter.close()
-    if os.path.isdir(BPFFS) and _mounted(BPFFS):
-        subprocess.run(["umount", BPFFS], check=True)
-        os.rmdir(BPFFS)
+    BPFFS.close()
+    BPF_ROOT.clear()
 
 
 def device_counting(netns: str, device: str, st: ClassifierState) -> None:
     """The device counter as the agent programs it (tc/ebpf.py): every pod's addresses in its map, its programs
     on both hooks of the measured pod's host-side device."""
-    os.makedirs(BPFFS, exist_ok=True)
-    if not _mounted(BPFFS):
-        subprocess.run(["mount", "-t", "bpf", "bpf", BPFFS], check=True)
-    counter = InternalCounter(f"{BPFFS}/{netns}", netns=netns)
+    if not BPF_ROOT:
+        BPF_ROOT.append(BPFFS.enter_context(bpf_filesystem()))
+    counter = InternalCounter(f"{BPF_ROOT[0]}/{netns}", netns=netns)
     COUNTERS.append(counter)
     counter.set_networks(R.set_members(INTERNAL_CIDRS))
     counter.set_pods(ip for p in st.pods for ip in p.ips)

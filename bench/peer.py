@@ -50,7 +50,6 @@ unshaped, loaded RTT no higher than the plugin's. Exits 1 when an aim is missed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import glob
 import json
 import os
@@ -58,7 +57,6 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -66,7 +64,7 @@ from typing import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from iptables.apply import Classifier  # noqa: E402
-from lab.netns import residue_snapshot, run  # noqa: E402
+from lab.netns import bpf_filesystem, residue_snapshot, run  # noqa: E402
 from lab.topology import INTERNAL_CIDRS, INTERNET_V4, PEER_V4, UPLINK, Lab, Pod  # noqa: E402
 from netagent.datapath import KernelDataPath  # noqa: E402
 from netagent.desired import DataPathOptions, NodeInputs, PodShape, desired_state  # noqa: E402
@@ -298,23 +296,12 @@ def main() -> int:
         print("no CNI bandwidth plugin binary: run `make node-assets` or pass --plugin", file=sys.stderr)
         return 2
     rates = [parse_rate(r) for r in args.rates.split(",")]
-    with bench_bpffs(args.internal_counting == "device") as args.bpf_dir:
+    if args.internal_counting == "rules":
+        args.bpf_dir = None
         return run_bench(args, rates)
-
-
-@contextlib.contextmanager
-def bench_bpffs(wanted: bool):
-    """A bpf filesystem of the bench's own for the device counter's map (None when not wanted), unmounted after."""
-    if not wanted:
-        yield None
-        return
-    root = tempfile.mkdtemp(prefix="netagent-peer-bpffs-")
-    subprocess.run(["mount", "-t", "bpf", "bpf", root], check=True)
-    try:
-        yield os.path.join(root, "netagent")
-    finally:
-        subprocess.run(["umount", root], check=True)
-        os.rmdir(root)
+    with bpf_filesystem() as root:  # the device counter's map, in a bpf filesystem of the bench's own
+        args.bpf_dir = os.path.join(root, "netagent")
+        return run_bench(args, rates)
 
 
 def run_bench(args, rates: list[int]) -> int:

@@ -8,6 +8,7 @@ import re
 import secrets
 import shlex
 import subprocess
+import tempfile
 
 
 class LabError(RuntimeError):
@@ -65,6 +66,22 @@ def require_root() -> None:
     # A kernel test that cannot run must fail, not skip: CI runs as root.
     if os.geteuid() != 0:
         raise AssertionError("this test needs root and network namespaces (run the suite as root, as CI does)")
+
+
+@contextlib.contextmanager
+def bpf_filesystem():
+    """A bpf filesystem of the caller's own on a fresh directory (this machine mounts none at /sys/fs/bpf),
+    for the device counter's pinned map; unmounted and removed after the block (what is pinned goes with it)."""
+    require_root()
+    root = tempfile.mkdtemp(prefix="netagent-bpffs-")
+    try:
+        subprocess.run(["mount", "-t", "bpf", "bpf", root], check=True)
+        try:
+            yield root
+        finally:
+            subprocess.run(["umount", root], check=True)
+    finally:
+        os.rmdir(root)
 
 
 @contextlib.contextmanager

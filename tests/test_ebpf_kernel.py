@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from lab.netns import require_root, scratch_netns, sh
+from lab.netns import bpf_filesystem, scratch_netns, sh
 from tc import ebpf
 from tc.ebpf import EbpfError, InternalCounter
 
@@ -40,16 +40,10 @@ V4, V6 = 20 + 8 + 100, 40 + 8 + 100
 
 
 @pytest.fixture
-def bpffs(tmp_path):
+def bpffs():
     """A bpffs of the test's own, unmounted after it (its pinned map goes with it)."""
-    require_root()
-    where = tmp_path / "bpffs"
-    where.mkdir()
-    subprocess.run(["mount", "-t", "bpf", "bpf", str(where)], check=True)
-    try:
-        yield str(where)
-    finally:
-        subprocess.run(["umount", str(where)], check=True)
+    with bpf_filesystem() as root:
+        yield root
 
 
 @dataclass
