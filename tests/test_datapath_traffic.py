@@ -13,6 +13,7 @@ One lab for the module; each test programs the node it needs through `program()`
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import ipaddress
 import json
@@ -473,44 +474,65 @@ def edges(cidr: str) -> tuple[list[str], list[str]]:
     return [str(net[0]), str(net[-1])], [str(net[0] - 1), str(net[-1] + 1)]
 
 
-def test_classification_edges(lab, node):
-    pod = node.pods[0]
-    node.program({pod.name: (100 * M, 100 * M)})
-    key = pod_key(pod)
+def edge_cases() -> list[tuple[str, str]]:
+    """(destination, scope) at every internal CIDR's edges: its first and last address are internal, the
+    addresses just outside it internet."""
     cases = []
     for cidr in INTERNAL_CIDRS:
         inside, outside = edges(cidr)
         cases += [(dst, "internal") for dst in inside] + [(dst, "internet") for dst in outside]
+    return cases
+
+
+@contextlib.contextmanager
+def datagram_sender(lab: Lab, pod):
+    """SENDER in the pod; yields send(dst, count) -> the size of the IP packet it sent `count` times (100
+    bytes of UDP payload, from the pod's address of dst's family). Killed after the block."""
     sender = lab.spawn(pod.netns, ["python3", "-c", SENDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE, text=True)
     try:
         assert sender.stdout.readline().strip() == "ready", sender.stderr.read()
-        wrong = []
-        for dst, scope in cases:
-            count = 3
-            before_counts = node.classifier.counters()[0].get(key, {})
-            before_class = node.class_stats(pod).packets
-            src = pod.ip6 if ":" in dst else pod.ip4
-            sender.stdin.write(f"{dst} {src} 100 {count}\n")
+
+        def send(dst: str, count: int) -> int:
+            sender.stdin.write(f"{dst} {pod.ip6 if ':' in dst else pod.ip4} 100 {count}\n")
             sender.stdin.flush()
-            size = int(sender.stdout.readline().split()[1])
-            deadline = time.monotonic() + 3  # a packet may wait for the gateway's neighbour entry
-            while True:
-                time.sleep(0.1)
-                after_counts = node.classifier.counters()[0][key]
-                moved = sum(after_counts[f"egress_{s}"] - before_counts.get(f"egress_{s}", 0) for s in ("internal", "internet"))
-                if moved >= count * size or time.monotonic() > deadline:
-                    break
-            shaped = node.class_stats(pod).packets - before_class
-            delta = {s: after_counts[f"egress_{s}"] - before_counts.get(f"egress_{s}", 0) for s in ("internal", "internet")}
-            other = "internet" if scope == "internal" else "internal"
-            expect_shaped = count if scope == "internet" else 0
-            if delta[scope] != count * size or delta[other] != 0 or shaped != expect_shaped:
-                wrong.append(f"{dst}: want {scope} {count * size} B, got {delta}, {shaped} packets through HTB")
-        assert not wrong, "\n".join(wrong)
+            return int(sender.stdout.readline().split()[1])
+        yield send
     finally:
         sender.stdin.close()
         sender.kill()
+
+
+def egress_moved(read, before: dict[str, int], want: int) -> dict[str, int]:
+    """Poll `read()` (a pod's counters) until its egress of either scope moved by `want` bytes since `before`, or
+    3 s went (a packet may wait for the gateway's neighbour entry); -> how much each kind moved."""
+    deadline = time.monotonic() + 3
+    while True:
+        time.sleep(0.1)
+        after = read()
+        moved = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
+        if moved.get("egress_internal", 0) + moved.get("egress_internet", 0) >= want or time.monotonic() > deadline:
+            return moved
+
+
+def test_classification_edges(lab, node):
+    pod = node.pods[0]
+    node.program({pod.name: (100 * M, 100 * M)})
+    key = pod_key(pod)
+    wrong = []
+    with datagram_sender(lab, pod) as send:
+        for dst, scope in edge_cases():
+            count = 3
+            before_counts = node.classifier.counters()[0].get(key, {})
+            before_class = node.class_stats(pod).packets
+            size = send(dst, count)
+            delta = egress_moved(lambda: node.classifier.counters()[0][key], before_counts, count * size)
+            shaped = node.class_stats(pod).packets - before_class
+            other = "internet" if scope == "internal" else "internal"
+            expect_shaped = count if scope == "internet" else 0
+            if delta[f"egress_{scope}"] != count * size or delta[f"egress_{other}"] != 0 or shaped != expect_shaped:
+                wrong.append(f"{dst}: want {scope} {count * size} B, got {delta}, {shaped} packets through HTB")
+    assert not wrong, "\n".join(wrong)
 
 
 def leaf_packets(node, pod) -> tuple[int, int]:

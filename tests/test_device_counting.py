@@ -8,20 +8,16 @@ and go with the counter when the agent is switched back to counting by the rules
 """
 from __future__ import annotations
 
-import dataclasses
 import os
-import subprocess
-import tempfile
-import time
 
 import pytest
 
-from lab.netns import require_root, residue_snapshot
+from lab.netns import bpf_filesystem, require_root, residue_snapshot
 from lab.topology import INTERNAL_CIDRS, INTERNET_V4, INTERNET_V6, PEER_V4, PEER_V6, UPLINK, Lab, run
 from netagent.datapath import KernelDataPath
 from netagent.desired import DataPathOptions, NodeInputs, PodShape, desired_state
 from tc.probe import probe
-from tests.test_datapath_traffic import SENDER, edges, udp_l3_bytes
+from tests.test_datapath_traffic import datagram_sender, edge_cases, egress_moved, udp_l3_bytes
 
 pytestmark = [pytest.mark.root, pytest.mark.traffic]
 
@@ -64,14 +60,8 @@ def pin_neighbours(lab: Lab) -> None:
 
 @pytest.fixture(scope="module")
 def bpf_dir():
-    """A bpf filesystem of the test's own (this machine mounts none at /sys/fs/bpf); unmounted after."""
-    root = tempfile.mkdtemp(prefix="netagent-bpffs-")
-    subprocess.run(["mount", "-t", "bpf", "bpf", root], check=True)
-    try:
+    with bpf_filesystem() as root:
         yield os.path.join(root, "netagent")
-    finally:
-        subprocess.run(["umount", root], check=True)
-        os.rmdir(root)
 
 
 class Agent:
@@ -136,35 +126,18 @@ def test_classification_edges_are_counted_exactly_on_the_device(lab, agent):
     """Datagrams to the first and last address of each internal CIDR, and just outside it: the internal ones in
     the pod's internal egress (the device counter's), the others in its internet egress (the rules'), to the byte."""
     pod = lab.nodes[0].pods[0]
-    cases = []
-    for cidr in INTERNAL_CIDRS:
-        inside, outside = edges(cidr)
-        cases += [(dst, "internal") for dst in inside] + [(dst, "internet") for dst in outside]
-    sender = lab.spawn(pod.netns, ["python3", "-c", SENDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                       stderr=subprocess.PIPE, text=True)
-    try:
-        assert sender.stdout.readline().strip() == "ready", sender.stderr.read()
-        wrong = []
-        for dst, scope in cases:
+    wrong = []
+    with datagram_sender(lab, pod) as send:
+        for dst, scope in edge_cases():
             count = 3
             before, rules_before = agent.counts(pod), agent.rules_counts(pod)
-            sender.stdin.write(f"{dst} {pod.ip6 if ':' in dst else pod.ip4} 100 {count}\n")
-            sender.stdin.flush()
-            size = int(sender.stdout.readline().split()[1])
-            deadline = time.monotonic() + 3  # a packet may wait for the gateway's neighbour entry
-            while True:
-                time.sleep(0.1)
-                moved = delta(agent.counts(pod), before)
-                if moved["egress_internal"] + moved["egress_internet"] >= count * size or time.monotonic() > deadline:
-                    break
+            size = send(dst, count)
+            moved = egress_moved(lambda: agent.counts(pod), before, count * size)
             other = "internet" if scope == "internal" else "internal"
             by_rules = delta(agent.rules_counts(pod), rules_before)
             if (moved[f"egress_{scope}"], moved[f"egress_{other}"], by_rules["egress_internal"]) != (count * size, 0, 0):
                 wrong.append(f"{dst}: want {scope} {count * size} B, got {moved} (the rules' internal: {by_rules})")
-        assert not wrong, "\n".join(wrong)
-    finally:
-        sender.stdin.close()
-        sender.kill()
+    assert not wrong, "\n".join(wrong)
 
 
 CASES = [("egress", PEER_V4, False), ("ingress", PEER_V4, True), ("egress", PEER_V6, False),
