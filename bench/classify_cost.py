@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import ipaddress
 import json
 import os
@@ -306,7 +307,7 @@ def program(label: str, netns: str, pod, today) -> None:
     elif kind == "today":
         TodayRules(today, netns, backend[0]).apply(st)
     elif kind == "device":
-        Classifier(backend=backend[0], netns=netns).apply(ClassifierState(**{**st.__dict__, "internal_by_device": True}))
+        Classifier(backend=backend[0], netns=netns).apply(dataclasses.replace(st, internal_by_device=True))
         device_counting(netns, pod.node_veth, st)
     else:
         Classifier(backend=backend[0], netns=netns).apply(st)

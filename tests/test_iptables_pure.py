@@ -1,6 +1,7 @@
 """Pure tests of iptables/ rendering, diffing, parsing and detection: no root, no kernel."""
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import shlex
 
@@ -654,7 +655,7 @@ def evaluate_by_device(state: ClassifierState, family: int, src: str, dst: str, 
     """`evaluate` with the rules of `internal_by_device`, and the device counter modelled as tc/ebpf.py
     programs it: on a pod's device, what the pod sends to an internal destination counts as its internal
     egress (before the rules), what it receives from an internal source as its internal ingress (after)."""
-    st = ClassifierState(**{**state.__dict__, "internal_by_device": True})
+    st = dataclasses.replace(state, internal_by_device=True)
     internal = [ipaddress.ip_network(n) for n in R.set_members(st.internal_cidrs)[family]]
     here = {ipaddress.ip_address(ip): p.key for p in st.pods for ip in p.ips}
     s, d = ipaddress.ip_address(src), ipaddress.ip_address(dst)
@@ -686,7 +687,7 @@ def test_counting_on_the_devices_changes_no_count_mark_or_class(family, cidrs, s
     rules count internal bytes or the pods' devices do; a pod outside the internal CIDRs included."""
     base = state(3, internal_cidrs=cidrs) if shaped == "uploads" else download_state(3, internal_cidrs=cidrs)
     odd = PodClassification("ns/odd", (NET[family]["outside"],), (1, 0x77), base.pods[0].ingress_class)
-    st = ClassifierState(**{**base.__dict__, "pods": (*base.pods, odd)})
+    st = dataclasses.replace(base, pods=(*base.pods, odd))
     for src, dst, oif, local in packets(family):
         by_rules, by_device = evaluate(st, family, src, dst, oif, local), evaluate_by_device(st, family, src, dst, oif, local)
         what = f"{src} -> {dst} via {oif}: {by_rules} / {by_device}"
@@ -711,7 +712,7 @@ def test_a_packet_with_both_ends_internal_costs_no_set_lookup(family, n):
             pkt = evaluate_by_device(st, family, src, dst, oif, local)
             assert pkt["lookups"] == lookups * scope, (src, dst, pkt)
             assert pkt["mark"] == 0 and pkt["priority"] is None
-    rs = R.build(ClassifierState(**{**state(n).__dict__, "internal_by_device": True}), family)
+    rs = R.build(dataclasses.replace(state(n), internal_by_device=True), family)
     assert not any(f"netagent-{k}{family}" in r for rules in rs.chains.values() for r in rules
                    for k in ("ingress-int", "peer"))
     assert {"NETAGENT-EGRESS-INT", "NETAGENT-FROM-PEER", "NETAGENT-POD-INT"}.isdisjoint(rs.chains)
@@ -720,7 +721,7 @@ def test_a_packet_with_both_ends_internal_costs_no_set_lookup(family, n):
 def test_switching_where_internal_bytes_are_counted_touches_no_set():
     """The sets are the same either way (a counted set is never re-created), so the switch is chains only."""
     old = R.build(state(20), 4)
-    new = R.build(ClassifierState(**{**state(20).__dict__, "internal_by_device": True}), 4)
+    new = R.build(dataclasses.replace(state(20), internal_by_device=True), 4)
     assert old.sets == new.sets
     up = R.render_update(new, *kernel_view(old))
     assert set(up.rewritten) == {"NETAGENT-POSTROUTING", "NETAGENT-NODE-OUT", "NETAGENT-FROM-POD", "NETAGENT-TO-POD"}
