@@ -25,9 +25,9 @@ def cleanup(ifb: str, iptables_backend: str, ingress_ifb: str = DataPathOptions.
     both empty: already clean."""
     failed: list[str] = []
     done: list[str] = []
+    devices = tuple(name for _, name in socket.if_nameindex())
     try:
         # first: a pod device's clsact goes with the last of our filters on it
-        devices = tuple(name for _, name in socket.if_nameindex())
         done += remove_counting(devices, DataPathOptions.count_pref)
         done += unpin_dir(bpf_dir)
     except Exception as exc:
@@ -36,8 +36,7 @@ def cleanup(ifb: str, iptables_backend: str, ingress_ifb: str = DataPathOptions.
         with Shaper() as shaper:
             # the first pass removes our filters on every device: the uplinks' (uploads) and the
             # pod devices' (downloads); then each IFB with its tree
-            devices = tuple(name for _, name in socket.if_nameindex() if name not in (ifb, ingress_ifb))
-            done += shaper.cleanup(ifb, devices, DataPathOptions.filter_pref)
+            done += shaper.cleanup(ifb, tuple(d for d in devices if d not in (ifb, ingress_ifb)), DataPathOptions.filter_pref)
             done += shaper.cleanup(ingress_ifb, (), DataPathOptions.filter_pref)
     except Exception as exc:
         failed.append(f"tc cleanup failed: {exc}")
