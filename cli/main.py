@@ -22,7 +22,7 @@ from controller import config as controller_config
 from core.errors import NetagentError
 from core.logsetup import setup as setup_logging
 from netagent import config as agent_config
-from netagent.desired import DEFAULT_MARK_BIT, DataPathOptions
+from netagent.desired import COUNTING_MODES, DEFAULT_MARK_BIT, DataPathOptions
 
 # Each subcommand imports the code it runs inside its handler, so a process loads only its own
 # part: the agent never loads the controller's web server, the engine's numpy, or the demo's
@@ -111,7 +111,7 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
                         "rate while nothing better is known (bit/s quantity)")
     p.add_argument("--ingress-ifb", default=DataPathOptions.ingress_ifb,
                    help="name of the IFB device netagent owns for downloads")
-    p.add_argument("--internal-counting", choices=("auto", "device", "rules"), default="auto",
+    p.add_argument("--internal-counting", choices=COUNTING_MODES, default="auto",
                    help="where each pod's internal bytes are counted: on its own device by an eBPF program "
                         "(internal packets then cost no set lookup: docs/datapath.md) or by the rules in ipsets; "
                         "auto: the device when the kernel allows it, --bpf-dir's parent is a bpf filesystem and "

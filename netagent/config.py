@@ -13,7 +13,7 @@ from core.address import is_loopback, parse_host_port
 from core.errors import ConfigError
 from core.quantity import parse_bps
 
-from .desired import DataPathOptions, DesiredStateError, canonical_cidrs
+from .desired import COUNTING_MODES, DataPathOptions, DesiredStateError, canonical_cidrs
 from .netinfo import NetInfoError, connected_networks, default_route_devices
 from .transport import PinnedCA, parse_endpoint
 
@@ -86,8 +86,8 @@ def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None
                           "/state lists this node's pods and must not be reachable from them")
     if ingress_ifb == ifb or not 1 <= len(ingress_ifb) <= 15:
         raise ConfigError(f"--ingress-ifb {ingress_ifb!r} must be a device name of 1..15 characters other than --ifb")
-    if internal_counting not in ("auto", "device", "rules"):
-        raise ConfigError(f"--internal-counting {internal_counting!r}: choose auto, device or rules")
+    if internal_counting not in COUNTING_MODES:
+        raise ConfigError(f"--internal-counting {internal_counting!r}: choose {', '.join(COUNTING_MODES)}")
     if not bpf_dir.startswith("/") or len(bpf_dir) > 200 or "\0" in bpf_dir:
         raise ConfigError(f"--bpf-dir {bpf_dir!r} must be an absolute path of at most 200 characters")
     if report_period <= 0 or resync_period <= 0:

@@ -38,7 +38,7 @@ from tc.model import NODE_MINOR, ClassStats
 from tc.netlink import Shaper
 from tc.probe import Capabilities, probe, require
 
-from .desired import DataPathOptions, DesiredState, DeviceCounting, from_wire, ip_bytes
+from .desired import COUNTING_MODES, DataPathOptions, DesiredState, DeviceCounting, from_wire, ip_bytes
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +109,6 @@ def probe_leaf_qdisc() -> tuple[str, Capabilities]:
     log.info("tc probe: qdiscs %s; classifiers %s; actions %s; leaf qdisc %s", ",".join(sorted(caps.qdiscs)),
              ",".join(sorted(caps.classifiers)), ",".join(sorted(caps.actions)), caps.leaf_qdisc)
     return caps.leaf_qdisc, caps
-
-
-COUNTING_MODES = ("auto", "device", "rules")
 
 
 def choose_internal_counting(mode: str, bpf_dir: str, services_known: bool) -> tuple[bool, str]:

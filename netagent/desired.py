@@ -67,6 +67,10 @@ class PodShape:
     ingress_wire_ratio: float | None = None
 
 
+# --internal-counting: where the pods' internal bytes are counted (netagent.datapath.choose_internal_counting)
+COUNTING_MODES = ("auto", "device", "rules")
+
+
 @dataclass(frozen=True)
 class DataPathOptions:
     """How the data path is laid out on this node (mark bit, IFB, HTB major, leaf qdisc, floor)."""
