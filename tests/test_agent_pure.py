@@ -1,8 +1,12 @@
-"""Agent logic without a kernel: demand estimation, file source, backoff."""
+"""Agent logic without a kernel: demand estimation, file source, backoff, where internal bytes are counted."""
 import os
 import random
 import time
 
+import pytest
+
+from iptables.model import PodClassification
+from netagent.datapath import DataPathError, add_device_counts, choose_internal_counting
 from netagent.demand import FIRST_PROBE_GAIN, MIN_DEMAND_BPS, PROBE_GAIN, PodDemand, Sample
 from core.files import FileSource
 from core.reflector import Backoff
@@ -214,9 +218,6 @@ def test_backoff_is_jittered_exponential_and_capped():
 # -- where internal bytes are counted (issue 12) --------------------------------------------------
 
 def test_device_counts_are_added_to_the_pods_that_hold_the_addresses():
-    from iptables.model import PodClassification
-    from netagent.datapath import add_device_counts
-
     pods = (PodClassification("ns/a", ("10.244.0.11", "fd00::11"), (1, 0x10)),
             PodClassification("ns/b", ("10.244.0.12",), (1, 0x11)))
     found = {"ns/a": {"egress_internal": 5, "egress_internet": 7, "ingress_internal": 0, "ingress_internet": 1}}
@@ -227,14 +228,10 @@ def test_device_counts_are_added_to_the_pods_that_hold_the_addresses():
 
 
 def test_internal_counting_choice_says_why(tmp_path):
-    import pytest as _pytest
-
-    from netagent.datapath import DataPathError, choose_internal_counting
-
     assert choose_internal_counting("rules", str(tmp_path), True) == (False, "by the rules (--internal-counting rules)")
     by_device, why = choose_internal_counting("auto", str(tmp_path / "netagent"), True)  # not a bpf filesystem
     assert not by_device and why.startswith("by the rules: the device counter cannot run here (")
-    with _pytest.raises(DataPathError, match="--internal-counting device: "):
+    with pytest.raises(DataPathError, match="--internal-counting device: "):
         choose_internal_counting("device", str(tmp_path / "netagent"), True)
-    with _pytest.raises(DataPathError, match="choose one of auto, device, rules"):
+    with pytest.raises(DataPathError, match="choose one of auto, device, rules"):
         choose_internal_counting("ebpf", str(tmp_path), True)
