@@ -48,10 +48,10 @@ from .netlink import CLSACT_EGRESS, CLSACT_INGRESS, ETH_P_ALL, FILTER_HANDLE, TC
 log = logging.getLogger(__name__)
 
 SYS_BPF = {"x86_64": 321, "aarch64": 280}  # by platform.machine(); both little-endian (see _le)
-BPF_MAP_CREATE, BPF_MAP_UPDATE_ELEM, BPF_MAP_DELETE_ELEM = 0, 2, 3
+BPF_MAP_CREATE, BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM, BPF_MAP_DELETE_ELEM = 0, 1, 2, 3
 BPF_PROG_LOAD, BPF_OBJ_PIN, BPF_OBJ_GET, BPF_PROG_GET_FD_BY_ID, BPF_OBJ_GET_INFO_BY_FD = 5, 6, 7, 13, 15
 BPF_MAP_LOOKUP_BATCH = 24
-BPF_MAP_TYPE_PERCPU_HASH = 5
+BPF_MAP_TYPE_PERCPU_HASH, BPF_MAP_TYPE_PERCPU_ARRAY = 5, 6
 BPF_F_NO_PREALLOC = 1  # entries come from set_pods only: no memory for 4096 entries x every possible CPU up front
 BPF_PROG_TYPE_SCHED_CLS = 3
 BPF_NOEXIST = 1
@@ -62,7 +62,8 @@ LICENSE = b"Apache-2.0"  # the project's; the two helpers used are not GPL-only
 
 TC_ACT_UNSPEC = -1
 ETH_HLEN = 14
-SKB_LEN, SKB_PROTOCOL = 0, 16  # offsets in struct __sk_buff
+SKB_LEN, SKB_PKT_TYPE, SKB_PROTOCOL = 0, 4, 16  # offsets in struct __sk_buff
+PACKET_OTHERHOST = 3
 # where the addresses are, from the start of the frame (the MAC header): source and destination together
 ADDRESSES = {4: (26, 8), 6: (22, 32)}  # family: (offset, length)
 ETHERTYPE = {4: 0x0008, 6: 0xDD86}  # htons(ETH_P_IP), htons(ETH_P_IPV6) as a u32 load of skb->protocol sees them
@@ -72,12 +73,19 @@ KEY_SIZE = 16
 VALUE = struct.Struct("=4Q")  # egress bytes, egress packets, ingress bytes, ingress packets (pod's view)
 MAP_NAME = b"na_internal"
 PIN_NAME = "internal"
+# the node's totals through its uplinks: a per-CPU array of two VALUEs (node's view), by the far end's scope
+NODE_MAP_NAME = b"na_node"
+NODE_PIN_NAME = "node"
+NODE_INTERNAL, NODE_INTERNET = 0, 1
+ARPHRD_ETHER = 1
 BATCH = 128  # entries a map read asks for at once
 
 TCA_BPF_FLAG_ACT_DIRECT = 1
 TCA_BPF_NAME, TCA_BPF_FLAGS, TCA_BPF_TAG, TCA_BPF_ID = 7, 8, 10, 11
-# the two hooks: (clsact parent, the filter's name, is it the device's egress)
+# the two hooks: (clsact parent, the filter's name, is it the device's egress), on a pod's device and on an uplink
 HOOKS = {"ingress": (CLSACT_INGRESS, "netagent-count-in", False), "egress": (CLSACT_EGRESS, "netagent-count-out", True)}
+NODE_HOOKS = {"ingress": (CLSACT_INGRESS, "netagent-node-in", False), "egress": (CLSACT_EGRESS, "netagent-node-out", True)}
+OUR_NAMES = {hook: {HOOKS[hook][1], NODE_HOOKS[hook][1]} for hook in HOOKS}
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -162,28 +170,47 @@ def _le(word: bytes) -> int:
     return struct.unpack("<i", word)[0]
 
 
-def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int) -> bytes:
-    """The counting program of one hook of a pod's device, as instructions.
+def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, node: bool = False) -> bytes:
+    """The counting program of one hook of a pod's device (node=False) or of an uplink (node=True),
+    as instructions.
 
-    On the device's ingress (egress=False: what the pod sends) a packet whose destination is in
-    `networks` is added to the entry of its source, in the entry's egress slots; on the device's
-    egress (what the pod receives) a packet whose source is internal to its destination's entry,
-    in the ingress slots. A packet of no entry, or not IP over Ethernet, is not counted. Always
-    returns TC_ACT_UNSPEC: the next filter decides."""
+    Pod device: on its ingress (egress=False: what the pod sends) a packet whose destination is in
+    `networks` is added to the entry of its source, in the entry's egress slots; on its egress (what
+    the pod receives) a packet whose source is internal to its destination's entry, in the ingress
+    slots. A packet of no entry, or not IP over Ethernet, is not counted.
+
+    Uplink (the node's totals, in the node map): on its egress a packet with an internal destination
+    is added to NODE_INTERNAL's egress slots (the rules count the node's internet egress, which they
+    classify anyway); on its ingress every IP packet for this host is added to NODE_INTERNAL's or
+    NODE_INTERNET's ingress slots by its source's scope, as the rules' PREROUTING hook counted it.
+
+    Always returns TC_ACT_UNSPEC: the next filter decides."""
     nets = parse_networks(networks)
-    scope, key = (0, 1) if egress else (1, 0)  # which address (0: source, 1: destination) is tested, which counted
-    slot = 16 if egress else 0  # the value's ingress or egress (bytes, packets)
+    if node:
+        scope, slot, other = (1, 0, False) if egress else (0, 16, True)
+    else:
+        scope, slot, other = (0, 16, False) if egress else (1, 0, False)
+    key = 1 - scope  # pods: which address (0: source, 1: destination) is the key
+    if not nets and not other:
+        return insn(0xB7, R0, 0, 0, TC_ACT_UNSPEC) + insn(0x95)  # nothing to count
     # instructions, ("label", name), and ("jmp", code, dst, imm, target): a jump resolved once labels are placed
     body: list = []
 
     def jump(code: int, dst: int, imm: int, target: str) -> None:
         body.append(("jmp", code, dst, imm, target))
 
-    if nets:
-        body += [insn(0xBF, R6, R1), insn(0x61, R2, R6, SKB_PROTOCOL)]  # r6 = ctx; r2 = skb->protocol
-        for family in nets:
+    miss = "OTHER" if other else "OUT"  # where an IP packet of no internal network goes
+    body.append(insn(0xBF, R6, R1))  # r6 = ctx
+    if node and not egress:
+        body.append(insn(0x61, R2, R6, SKB_PKT_TYPE))  # a frame for another host never reaches IP (nor the rules)
+        jump(0x15, R2, PACKET_OTHERHOST, "OUT")
+    body.append(insn(0x61, R2, R6, SKB_PROTOCOL))  # r2 = skb->protocol
+    for family in (4, 6):
+        if family in nets:
             jump(0x15, R2, ETHERTYPE[family], f"V{family}")  # if r2 == ethertype
-        jump(0x05, 0, 0, "OUT")
+        elif other:
+            jump(0x15, R2, ETHERTYPE[family], "OTHER")  # no internal network of this family: all of it is not
+    jump(0x05, 0, 0, "OUT")
     for family, family_nets in nets.items():
         offset, size = ADDRESSES[family]
         base = -32 if family == 6 else -8  # both addresses copied to the stack at fp+base
@@ -203,9 +230,11 @@ def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int) -> 
                 if mask[i:i + 4] != b"\xff\xff\xff\xff":
                     body.append(insn(0x54, R4, 0, 0, _le(mask[i:i + 4])))  # w4 &= mask (32-bit ALU)
                 jump(0x56, R4, _le(raw[i:i + 4]), f"NEXT{family}.{n}")  # if w4 != word (JMP32): the next network
-            jump(0x05, 0, 0, f"KEY{family}")
+            jump(0x05, 0, 0, "INTERNAL" if node else f"KEY{family}")
             body.append(("label", f"NEXT{family}.{n}"))
-        jump(0x05, 0, 0, "OUT")
+        jump(0x05, 0, 0, miss)
+        if node:
+            continue
         body.append(("label", f"KEY{family}"))
         if family == 6:
             body += [insn(0xBF, R2, R10), insn(0x07, R2, 0, 0, base + key * width)]  # the key is the copied address
@@ -214,7 +243,18 @@ def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int) -> 
                      insn(0x61, R4, R10, base + key * width), insn(0x63, R10, R4, -12),
                      insn(0xBF, R2, R10), insn(0x07, R2, 0, 0, -24)]
         jump(0x05, 0, 0, "LOOKUP")
-    if nets:
+    if node:  # the node map's index, a u32 at fp-40
+        if nets:
+            body.append(("label", "INTERNAL"))
+            body.append(insn(0x62, R10, 0, -40, NODE_INTERNAL))
+            jump(0x05, 0, 0, "INDEX")
+        if other:
+            body.append(("label", "OTHER"))
+            body.append(insn(0x62, R10, 0, -40, NODE_INTERNET))
+        if nets or other:
+            body.append(("label", "INDEX"))
+            body += [insn(0xBF, R2, R10), insn(0x07, R2, 0, 0, -40)]
+    if nets or other:
         body.append(("label", "LOOKUP"))
         body += [insn(0x18, R1, BPF_PSEUDO_MAP_FD, 0, map_fd), insn(0, 0, 0, 0, 0),  # r1 = the map (ld_imm64)
                  insn(0x85, 0, 0, 0, BPF_FUNC_MAP_LOOKUP_ELEM)]
@@ -280,12 +320,15 @@ def _bpf_refusal(exc: OSError) -> str:
 
 
 def map_shape(max_entries: int) -> tuple[int, int, int, int, int]:
-    """The map's (type, key size, value size, max entries, flags), as bpf_map_info gives them back."""
+    """The pods' map's (type, key size, value size, max entries, flags), as bpf_map_info gives them back."""
     return BPF_MAP_TYPE_PERCPU_HASH, KEY_SIZE, VALUE.size, max_entries, BPF_F_NO_PREALLOC
 
 
-def _create_map(max_entries: int) -> int:
-    return _bpf(BPF_MAP_CREATE, _attr("=IIIIIII16s", *map_shape(max_entries), 0, 0, MAP_NAME))
+NODE_MAP_SHAPE = (BPF_MAP_TYPE_PERCPU_ARRAY, 4, VALUE.size, 2, 0)  # the node's map: NODE_INTERNAL, NODE_INTERNET
+
+
+def _create_map(shape: tuple[int, int, int, int, int], name: bytes = MAP_NAME) -> int:
+    return _bpf(BPF_MAP_CREATE, _attr("=IIIIIII16s", *shape, 0, 0, name))
 
 
 def _prog_load(code: bytes, name: str, vlog: ctypes.Array | None) -> int:
@@ -356,8 +399,10 @@ def unavailable(pin_dir: str) -> str | None:
         return f"bpf(2) has no syscall number known here ({platform.machine()!r}; known: {', '.join(SYS_BPF)})"
     fds: list[int] = []
     try:
-        fds.append(_create_map(1))
+        fds.append(_create_map(map_shape(1)))
         fds.append(_load(program({4: ("10.0.0.0/8",), 6: ("fd00::/8",)}, False, fds[0]), "na_probe"))
+        fds.append(_create_map(NODE_MAP_SHAPE, NODE_MAP_NAME))
+        fds.append(_load(program({4: ("10.0.0.0/8",), 6: ("fd00::/8",)}, False, fds[2], node=True), "na_probe_node"))
     except OSError as exc:
         return _bpf_refusal(exc)
     except EbpfError as exc:
@@ -452,7 +497,7 @@ class _Filters:
                         tc_message(RTM_DELTFILTER, 0, idx, handle, HOOKS[hook][0], "bpf",
                                    info=(self.pref << 16) | socket.htons(ETH_P_ALL)))
                        for hook, (filters, _) in self.at_pref(idx).items()
-                       for handle, name, *_ in filters if name == HOOKS[hook][1]]
+                       for handle, name, *_ in filters if name in OUR_NAMES[hook]]
                 done = self.send(ops)
                 removed += done
                 if done and not any(total for _, total in self.at_pref(idx).values()):
@@ -474,16 +519,17 @@ def remove_counting(devices: Iterable[str], pref: int = 0xC001, netns: str | Non
 
 
 def unpin_dir(pin_dir: str) -> list[str]:
-    """Remove the counter's pinned map from `pin_dir`, and `pin_dir` when that left it empty; nothing
-    off a bpffs (then it is not ours). The attached programs keep the map while they run. -> what
+    """Remove the counter's pinned maps from `pin_dir`, and `pin_dir` when that left it empty; nothing
+    off a bpffs (then it is not ours). The attached programs keep the maps while they run. -> what
     was removed."""
     if not os.path.isdir(pin_dir) or _statfs_magic(pin_dir) != BPF_FS_MAGIC:
         return []
     removed = []
-    pin = os.path.join(pin_dir, PIN_NAME)
-    if os.path.lexists(pin):
-        os.unlink(pin)
-        removed.append(f"pinned map {pin}")
+    for name in (PIN_NAME, NODE_PIN_NAME):
+        pin = os.path.join(pin_dir, name)
+        if os.path.lexists(pin):
+            os.unlink(pin)
+            removed.append(f"pinned map {pin}")
     if not os.listdir(pin_dir):
         os.rmdir(pin_dir)
         removed.append(f"directory {pin_dir}")
@@ -491,63 +537,73 @@ def unpin_dir(pin_dir: str) -> list[str]:
 
 
 class InternalCounter:
-    """The pods' internal counters: one pinned map and the two programs that fill it, attached to
-    the pod devices of one network namespace (None: this one)."""
+    """The pods' internal counters and the node's totals through its uplinks: two pinned maps and the
+    four programs that fill them, attached to the pod devices and the uplinks of one network
+    namespace (None: this one)."""
 
     def __init__(self, pin_dir: str, netns: str | None = None, pref: int = 0xC001, max_entries: int = 4096):
         self.pin_dir = pin_dir
         self.pin = os.path.join(pin_dir, PIN_NAME)
+        self.node_pin = os.path.join(pin_dir, NODE_PIN_NAME)
         self.netns = netns
         self.pref = pref
         self.max_entries = max_entries
         self.cpus = possible_cpus()
         self.networks: Networks | None = None
-        self.progs: dict[bool, tuple[int, int, bytes]] = {}  # egress hook? -> (fd, id, tag)
+        self.progs: dict[tuple[bool, bool], tuple[int, int, bytes]] = {}  # (uplink?, egress hook?) -> (fd, id, tag)
         self._current: set[int] = set()  # ids of other programs found to be the current ones (same tag and map)
         self._tc = _Filters(netns, pref)
         self._batch: tuple[ctypes.Array, ctypes.Array] | None = None
+        self.map_fd = self.node_map_fd = -1
         problem = _bpffs_problem(pin_dir)
         if problem:
             raise EbpfError(problem)
         os.makedirs(pin_dir, exist_ok=True)
-        self.map_fd = self._adopt() if os.path.exists(self.pin) else self._create()
-        self.map_id = map_info(self.map_fd)[1]
-
-    def _create(self) -> int:
         try:
-            fd = _create_map(self.max_entries)
+            self.map_fd = self._open(self.pin, map_shape(max_entries), MAP_NAME)
+            self.node_map_fd = self._open(self.node_pin, NODE_MAP_SHAPE, NODE_MAP_NAME)
+        except BaseException:
+            self.close()
+            raise
+        self.map_ids = {False: map_info(self.map_fd)[1], True: map_info(self.node_map_fd)[1]}  # uplink? -> map id
+
+    def _open(self, pin: str, shape: tuple[int, int, int, int, int], name: bytes) -> int:
+        return self._adopt(pin, shape, name) if os.path.lexists(pin) else self._create(pin, shape, name)
+
+    def _create(self, pin: str, shape: tuple[int, int, int, int, int], name: bytes) -> int:
+        try:
+            fd = _create_map(shape, name)
         except OSError as exc:
-            raise EbpfError(f"creating the internal-counter map failed: {_bpf_refusal(exc)}") from None
-        path = ctypes.create_string_buffer(os.fsencode(self.pin))
+            raise EbpfError(f"creating the counter's map {name.decode()} failed: {_bpf_refusal(exc)}") from None
+        path = ctypes.create_string_buffer(os.fsencode(pin))
         try:
             _bpf(BPF_OBJ_PIN, _attr("=QI", _addr(path), fd))
         except OSError as exc:
             os.close(fd)
-            raise EbpfError(f"pinning the internal-counter map at {self.pin} failed: {exc.strerror}") from None
+            raise EbpfError(f"pinning the counter's map at {pin} failed: {exc.strerror}") from None
         return fd
 
-    def _adopt(self) -> int:
+    def _adopt(self, pin: str, shape: tuple[int, int, int, int, int], name: bytes) -> int:
         """The map pinned by an earlier agent, with its counts; a new one when what is pinned there is
         not such a map (another object, or another shape or size)."""
-        path = ctypes.create_string_buffer(os.fsencode(self.pin))
+        path = ctypes.create_string_buffer(os.fsencode(pin))
         try:
             fd = _bpf(BPF_OBJ_GET, _attr("=QI", _addr(path), 0))
         except OSError as exc:
-            raise EbpfError(f"opening the pinned map {self.pin} failed: {exc.strerror}") from None
-        want = map_shape(self.max_entries)
+            raise EbpfError(f"opening the pinned map {pin} failed: {exc.strerror}") from None
         if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:bpf-map":
-            kind, _id, *shape = map_info(fd)
+            kind, _id, *found_shape = map_info(fd)
             # a different capacity too: set_pods refuses by the capacity it was given
-            if (kind, *shape) == want:
+            if (kind, *found_shape) == shape:
                 return fd
-            found = f"a map of (type, key, value, entries, flags) {(kind, *shape)}"
+            found = f"a map of (type, key, value, entries, flags) {(kind, *found_shape)}"
         else:
             found = "another kind of bpf object"
         os.close(fd)
-        log.warning("ebpf: %s holds %s, not the internal counters %s: replaced by a new map, its counts start at zero",
-                    self.pin, found, want)
-        os.unlink(self.pin)
-        return self._create()
+        log.warning("ebpf: %s holds %s, not the counter's map %s: replaced by a new map, its counts start at zero",
+                    pin, found, shape)
+        os.unlink(pin)
+        return self._create(pin, shape, name)
 
     def close(self) -> None:
         """Close the map's and programs' descriptors; attached programs keep running (their filters
@@ -555,9 +611,10 @@ class InternalCounter:
         for fd, _, _ in self.progs.values():
             os.close(fd)
         self.progs = {}
-        if self.map_fd >= 0:
-            os.close(self.map_fd)
-            self.map_fd = -1
+        for fd in (self.map_fd, self.node_map_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.map_fd = self.node_map_fd = -1
         self._tc.close()
 
     def __enter__(self) -> "InternalCounter":
@@ -567,23 +624,26 @@ class InternalCounter:
         self.close()
 
     def unpin(self) -> None:
-        """Remove the pinned map (the programs attached keep it while they run) and the pin
+        """Remove the pinned maps (the programs attached keep them while they run) and the pin
         directory when nothing else is in it."""
         unpin_dir(self.pin_dir)
 
     # -- programs ---------------------------------------------------------------------------------
     def set_networks(self, networks: dict[int, tuple[str, ...]]) -> bool:
-        """Load the two programs for these internal CIDRs (family -> CIDR texts) unless they are the
-        ones loaded; True when (re)loaded. attach() then puts them on the devices."""
+        """Load the four programs (pod device and uplink, ingress and egress) for these internal CIDRs
+        (family -> CIDR texts) unless they are the ones loaded; True when (re)loaded. attach() then
+        puts them on the devices."""
         nets = parse_networks(networks)
         if nets == self.networks and self.progs:
             return False
         texts = {family: tuple(map(str, n)) for family, n in nets.items()}
-        loaded: dict[bool, tuple[int, int, bytes]] = {}
+        loaded: dict[tuple[bool, bool], tuple[int, int, bytes]] = {}
         try:
-            for egress in (False, True):
-                fd = _load(program(texts, egress, self.map_fd), "na_count_out" if egress else "na_count_in")
-                loaded[egress] = (fd, *prog_info(fd)[:2])
+            for uplink in (False, True):
+                for egress in (False, True):
+                    fd = _load(program(texts, egress, self.node_map_fd if uplink else self.map_fd, node=uplink),
+                               f"na_{'node' if uplink else 'count'}_{'out' if egress else 'in'}")
+                    loaded[(uplink, egress)] = (fd, *prog_info(fd)[:2])
         except BaseException:
             for fd, _, _ in loaded.values():
                 os.close(fd)
@@ -625,6 +685,22 @@ class InternalCounter:
         view (egress: what it sent), summed over the CPUs."""
         return {address_of(key): (sum(v[0::4]), sum(v[1::4]), sum(v[2::4]), sum(v[3::4])) for key, v in self._entries()}
 
+    def read_node(self) -> dict[str, int]:
+        """The node's totals through its uplinks, summed over the CPUs, in bytes, by the rules' node
+        kinds: egress_internal, ingress_internal, ingress_internet (its internet egress is the rules')."""
+        key = ctypes.c_uint32(0)
+        values = (ctypes.c_uint64 * (4 * self.cpus))()
+        found = {}
+        for index in (NODE_INTERNAL, NODE_INTERNET):
+            key.value = index
+            try:
+                _bpf(BPF_MAP_LOOKUP_ELEM, _attr("=IIQQ", self.node_map_fd, 0, _addr(key), _addr(values)))
+            except OSError as exc:
+                raise EbpfError(f"reading the node counter's map failed: {exc.strerror}") from None
+            found[index] = (sum(values[0::4]), sum(values[2::4]))
+        return {"egress_internal": found[NODE_INTERNAL][0], "ingress_internal": found[NODE_INTERNAL][1],
+                "ingress_internet": found[NODE_INTERNET][1]}
+
     def set_pods(self, addresses: Iterable[str]) -> int:
         """Make the map's keys exactly these pods' addresses: a new pod starts at zero, a pod that
         stays keeps its counts. -> how many entries were added or deleted."""
@@ -654,11 +730,11 @@ class InternalCounter:
         return len(have ^ want)
 
     # -- filters ----------------------------------------------------------------------------------
-    def _runs_current(self, egress: bool, tag: bytes, prog_id: int) -> bool:
+    def _runs_current(self, which: tuple[bool, bool], tag: bytes, prog_id: int) -> bool:
         """Whether a filter's program is the one we would load: the same tag (the instructions, the
         map's reference left out) and our map (a restarted agent's program that an older map replaced
         has the same tag)."""
-        _, own_id, own_tag = self.progs[egress]
+        _, own_id, own_tag = self.progs[which]
         if prog_id == own_id or prog_id in self._current:
             return True
         if tag != own_tag:
@@ -671,27 +747,37 @@ class InternalCounter:
             uses = prog_info(fd)[2]
         finally:
             os.close(fd)
-        if uses == (self.map_id,):
+        if uses == (self.map_ids[which[0]],):
             self._current.add(prog_id)
             return True
         return False
 
-    def attach(self, devices: Iterable[str]) -> int:
-        """On each listed device: a clsact qdisc, and our filter at our pref on its ingress and egress
-        running the current programs; a filter running another program is replaced. Filters on
-        devices not listed are left alone (a pod's device takes them when it goes). -> changes made.
+    def attach(self, devices: Iterable[str], uplinks: Iterable[str] = ()) -> int:
+        """On each listed pod device and uplink: a clsact qdisc, and our filter at our pref on its
+        ingress and egress running the current programs (the pods' or the node's); a filter running
+        another program, or the other role's, is replaced. Filters on devices not listed are left
+        alone (a pod's device takes them when it goes). -> changes made.
 
-        Another filter at our pref is not ours to replace: such devices are named in an EbpfError
-        after the others were done."""
+        Another filter at our pref is not ours to replace, and an uplink that is not an Ethernet
+        device would be misread: such devices are named in an EbpfError after the others were done."""
         if not self.progs:
             raise EbpfError("attach() before set_networks(): no counting program is loaded")
         tc = self._tc
+        uplinks = tuple(dict.fromkeys(uplinks))
         try:
-            index = tc.indexes(devices)
+            index = tc.indexes((*devices, *uplinks))
+            taken = []
+            if uplinks:
+                kinds = tc.chan.link_types()
+                for dev in uplinks:
+                    if dev in index and kinds.get(dev) != ARPHRD_ETHER:
+                        taken.append(f"uplink {dev}: link type {kinds.get(dev)} is not Ethernet, and the program reads "
+                                     "the addresses at Ethernet offsets (count by the rules here: --internal-counting rules)")
+                        del index[dev]
             clsact = tc.chan.clsact_devices()
             ops: list[tuple[str, tcmsg]] = []
-            taken = []
             for dev, idx in index.items():
+                uplink = dev in uplinks
                 if idx not in clsact:
                     ops.append((f"add clsact to {dev}",
                                 tc_message(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_EXCL, idx, 0xFFFF0000, TC_H_CLSACT,
@@ -699,14 +785,15 @@ class InternalCounter:
                     found = {hook: ([], 0) for hook in HOOKS}
                 else:
                     found = tc.at_pref(idx)
-                for hook, (parent, name, egress) in HOOKS.items():
+                for hook, (parent, name, egress) in (NODE_HOOKS if uplink else HOOKS).items():
                     filters = found[hook][0]
-                    if any(f.name != name for f in filters):
-                        taken.append(f"{dev} {hook}")
+                    if any(f.name not in OUR_NAMES[hook] for f in filters):
+                        taken.append(f"{dev} {hook}: another filter holds pref {self.pref:#x} (remove it, or give the "
+                                     "counter another pref)")
                         continue
-                    stale = [f.handle for f in filters if not (f.flags & TCA_BPF_FLAG_ACT_DIRECT and
-                                                               self._runs_current(egress, f.tag, f.prog_id))]
-                    options = {"attrs": [["TCA_BPF_FD", self.progs[egress][0]], ["TCA_BPF_NAME", name],
+                    stale = [f.handle for f in filters if not (f.name == name and f.flags & TCA_BPF_FLAG_ACT_DIRECT and
+                                                               self._runs_current((uplink, egress), f.tag, f.prog_id))]
+                    options = {"attrs": [["TCA_BPF_FD", self.progs[(uplink, egress)][0]], ["TCA_BPF_NAME", name],
                                          ["TCA_BPF_FLAGS", TCA_BPF_FLAG_ACT_DIRECT]]}
                     for handle in stale or ([] if filters else [FILTER_HANDLE]):
                         ops.append((f"{'replace' if filters else 'add'} filter {dev} {hook} pref {self.pref:#x}",
@@ -718,8 +805,7 @@ class InternalCounter:
         if done:
             log.info("ebpf: %d change(s): %s", len(done), ", ".join(done[:8]) + (" ..." if len(done) > 8 else ""))
         if taken:
-            raise EbpfError(f"another filter holds pref {self.pref:#x} on {', '.join(taken)}: the internal counter "
-                            "is not attached there (remove that filter, or give the counter another pref)")
+            raise EbpfError(f"the counter is not attached to {'; '.join(taken)}")
         return len(done)
 
     def detach(self, devices: Iterable[str]) -> list[str]:

@@ -187,6 +187,14 @@ class NetlinkChannel:
                         index, _mtu(a)))
         return out
 
+    def link_types(self) -> dict[str, int]:
+        """Every device of the namespace by name -> its link type (ARPHRD_*: 1 is Ethernet)."""
+        out: dict[str, int] = {}
+        for payload in self._dump_payloads(RTM_GETLINK, _IFINFO.pack(socket.AF_UNSPEC, 0, 0, 0, 0), "link"):
+            _, kind, _, _, _ = _IFINFO.unpack_from(payload, 0)
+            out[nlwire.text(attrs(payload[_IFINFO.size :]).get(IFLA_IFNAME, b""))] = kind
+        return out
+
     def dump_classes(self, ifindex: int) -> list[tuple[int, int, bytes]]:
         """RTM_GETTCLASS dump of one device: (handle, parent, attributes) per class."""
         return self._dump(RTM_GETTCLASS, ifindex)

@@ -263,7 +263,7 @@ def test_detach_removes_only_our_filters_and_a_clsact_nobody_else_uses(bpffs, la
         # another filter at our pref is not ours to replace: the other devices are done, that one named
         sh("tc qdisc add dev veth-b clsact && tc filter add dev veth-b ingress pref 0xc001 bpf bytecode '1,6 0 0 0'",
            lab.node)
-        with pytest.raises(EbpfError, match="pref 0xc001 on veth-b ingress"):
+        with pytest.raises(EbpfError, match="veth-b ingress: another filter holds pref 0xc001"):
             counter.attach(DEVICES)
         assert sh("tc filter show dev veth-a ingress", lab.node).count("netagent-count-in") == 1
         assert sh("tc filter show dev veth-b egress", lab.node).count("netagent-count-out") == 1
@@ -271,6 +271,92 @@ def test_detach_removes_only_our_filters_and_a_clsact_nobody_else_uses(bpffs, la
         assert "pref 49153 bpf" in sh("tc filter show dev veth-b ingress", lab.node)  # not ours: still there
         counter.unpin()
     assert "netagent" not in os.listdir(bpffs)  # (a bpffs may hold the kernel's own maps.debug, progs.debug)
+
+
+# beyond the node's uplink up0: an internal peer, and an internet host on the far side's loopback
+FAR4, FAR6, WAN4, WAN6 = "10.9.0.2", "fd00:9::2", "198.51.100.1", "2001:db8:1::1"
+UP_MAC, FAR_MAC = "02:00:00:00:09:01", "02:00:00:00:09:02"
+
+
+@pytest.fixture
+def far(lab):
+    """The lab's node with an uplink up0 to a "far" namespace holding FAR4/FAR6 (internal) and WAN4/WAN6
+    (internet). Neighbours are static both ways, and the far side sends no ICMPv6 but echo replies
+    (no MLD report nor DAD probe lands in a count); one-way datagrams to port 9 are dropped there."""
+    with scratch_netns("ebpfw") as ns:
+        sh(f"ip link add up0 address {UP_MAC} type veth peer name eth0 address {FAR_MAC} netns {ns} && "
+           f"ip link set up0 up && ip addr add 10.9.0.1/24 dev up0 && ip addr add fd00:9::1/64 dev up0 nodad && "
+           f"ip neigh add {FAR6} lladdr {FAR_MAC} dev up0 nud permanent && "
+           f"ip neigh add {FAR4} lladdr {FAR_MAC} dev up0 nud permanent && "
+           f"ip route add {WAN4}/32 via {FAR4} && ip -6 route add {WAN6}/128 via {FAR6}", lab.node)
+        sh("ip6tables -A OUTPUT -p icmpv6 --icmpv6-type echo-reply -j ACCEPT && ip6tables -A OUTPUT -p icmpv6 -j DROP && "
+           "iptables -A INPUT -p udp --dport 9 -j DROP && ip6tables -A INPUT -p udp --dport 9 -j DROP && "
+           f"ip link set lo up && ip link set eth0 up && ip addr add {FAR4}/24 dev eth0 && "
+           f"ip addr add {FAR6}/64 dev eth0 nodad && ip addr add {WAN4}/32 dev lo && ip addr add {WAN6}/128 dev lo && "
+           f"ip neigh add fd00:9::1 lladdr {UP_MAC} dev eth0 nud permanent && "
+           f"ip neigh add 10.9.0.1 lladdr {UP_MAC} dev eth0 nud permanent && "
+           "ip route add 10.244.0.0/16 via 10.9.0.1 && ip -6 route add fd00:244::/32 via fd00:9::1", ns)
+        yield ns
+
+
+def node_settled(counter: InternalCounter, expected: dict) -> dict:
+    for _ in range(50):
+        counts = counter.read_node()
+        if counts == expected:
+            break
+        time.sleep(0.1)
+    return counts
+
+
+@root
+def test_the_uplinks_count_the_nodes_totals_by_the_far_ends_scope_in_ip_bytes(bpffs, lab, far):
+    """On the uplink, what leaves for an internal destination is the node's internal egress, and every
+    IP packet that arrives for this host its internal or internet ingress by its source; the internet
+    egress is left to the rules, and a frame for another host is not counted (it never reaches IP)."""
+    a = lab.pod["a"]
+    counter = started(bpffs, lab)
+    try:
+        assert counter.attach(DEVICES, uplinks=("up0",)) == 3  # clsact and two filters on up0 only
+        assert counter.read_node() == {"egress_internal": 0, "ingress_internal": 0, "ingress_internet": 0}
+        ping(a, FAR4, 2)  # out and back internal
+        ping(a, FAR6, 2)
+        ping(a, WAN4, 3)  # out internet (not counted here), back internet
+        ping(a, WAN6, 3)
+        send_udp(far, FAR4, A4, 4)  # in, internal
+        send_udp(far, FAR6, A6, 4)
+        send_udp(far, WAN4, A4, 5)  # in, internet
+        send_udp(far, WAN6, A6, 5)
+        send_udp(lab.node, "10.9.0.1", FAR4, 6)  # the node's own, out internal
+        send_udp(lab.node, "10.9.0.1", WAN4, 7)  # ... and out internet: the rules'
+        sh(f"{sys.executable} -c \"from scapy.all import Ether, IP, UDP, sendp; "  # for another host's MAC
+           f"sendp(Ether(src='{FAR_MAC}', dst='02:00:00:00:77:77') / IP(src='{FAR4}', dst='{A4}') / UDP(dport=9) / "
+           "bytes(100), iface='eth0', count=3, verbose=False)\"", far)
+        expected = {"egress_internal": both(2 + 6, 2)[0], "ingress_internal": both(2 + 4, 2 + 4)[0],
+                    "ingress_internet": both(3 + 5, 3 + 5)[0]}
+        assert node_settled(counter, expected) == expected
+        # the pods' counts are the pod devices' as before: the far peer is internal, the internet host not
+        assert counter.read()[A4] == entry(both(2, 0), both(2 + 4, 0))
+        # a restarted agent adopts the node's map and its counts, and finds its filters current
+        counter.close()
+        counter = InternalCounter(os.path.join(bpffs, "netagent"), netns=lab.node)
+        counter.set_networks(NETS)
+        assert counter.read_node() == expected
+        assert counter.attach(DEVICES, uplinks=("up0",)) == 0
+        # an uplink that is not Ethernet would be misread: named, the others done
+        with pytest.raises(EbpfError, match="uplink lo: link type 772 is not Ethernet"):
+            counter.attach(DEVICES, uplinks=("up0", "lo"))
+        assert "netagent" not in sh("tc filter show dev lo ingress", lab.node)
+        # a device that changes role gets the other role's filters
+        assert counter.attach(("up0",), uplinks=()) == 2
+        assert sh("tc filter show dev up0 egress", lab.node).count("netagent-count-out") == 1
+        assert counter.attach((), uplinks=("up0",)) == 2
+        egress = sh("tc filter show dev up0 egress", lab.node)
+        assert egress.count("netagent-node-out") == 1 and "netagent-count" not in egress
+    finally:
+        counter.close()
+    removed = ebpf.remove_counting([*DEVICES, "up0"], netns=lab.node)
+    assert {"clsact up0", "filter up0 egress pref 0xc001", "filter up0 ingress pref 0xc001"} <= set(removed)
+    ebpf.unpin_dir(os.path.join(bpffs, "netagent"))
 
 
 @root
@@ -282,7 +368,8 @@ def test_cleanup_without_a_counter_removes_what_a_gone_agent_left(bpffs, lab, tm
     ours = [f"filter veth-{d} {hook} pref 0xc001" for d in "ab" for hook in ("egress", "ingress")]
     assert sorted(ebpf.remove_counting([*DEVICES, "lo"], netns=lab.node)) == ["clsact veth-a", "clsact veth-b", *ours]
     assert sh("tc qdisc show dev veth-a; tc qdisc show dev veth-b", lab.node).count("clsact") == 0
-    assert ebpf.unpin_dir(pin_dir) == [f"pinned map {pin_dir}/internal", f"directory {pin_dir}"]
+    assert ebpf.unpin_dir(pin_dir) == [f"pinned map {pin_dir}/internal", f"pinned map {pin_dir}/node",
+                                       f"directory {pin_dir}"]
     assert ebpf.unpin_dir(pin_dir) == []
     plain = tmp_path / "plain"
     (plain / "internal").mkdir(parents=True)
@@ -318,7 +405,7 @@ def test_the_programs_for_no_networks_and_for_forty_a_family_load(bpffs):
 
 @root
 def test_a_program_the_verifier_refuses_is_named_with_the_verifiers_words(bpffs, monkeypatch):
-    monkeypatch.setattr(ebpf, "program", lambda networks, egress, map_fd: ebpf.insn(0x95))  # exit, r0 unset
+    monkeypatch.setattr(ebpf, "program", lambda networks, egress, map_fd, node=False: ebpf.insn(0x95))  # exit, r0 unset
     with InternalCounter(os.path.join(bpffs, "netagent")) as counter:
         with pytest.raises(EbpfError, match=r"(?s)na_count_in failed: .*EACCES.*the verifier said: .*R0 !read_ok"):
             counter.set_networks(NETS)
