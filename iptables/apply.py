@@ -129,7 +129,7 @@ class Classifier:
                     continue
                 # node counters never go down: a removed catch-all's bytes are kept too
                 names = R.names(self.prefix)
-                dropped = tuple(c for c in (names["UNKNOWN"], names["UNKNOWN-IN"])
+                dropped = tuple(c for c in (names["UNKNOWN"], names["UNKNOWN-IN"], names["NODE-IN"], names["INET-OUT"])
                                 if c in current and c not in rulesets[family].chains)
                 self._carry_counts(tables.get(R.TABLE), update.rewritten + dropped)
                 self.runner.restore(family, self.backend, update.text)
@@ -315,7 +315,7 @@ class Classifier:
         kind = f"{direction}_{scope}"
         if kind not in R.KINDS:
             return None
-        if chain in (f"{self.prefix}-NODE-OUT", f"{self.prefix}-NODE-IN"):
+        if chain in (f"{self.prefix}-NODE-OUT", f"{self.prefix}-NODE-IN", f"{self.prefix}-INET-OUT"):
             return None, kind
         return None  # per-pod bytes are counted by the pod sets, not by rules
 

@@ -28,12 +28,17 @@ the internal set:
         small packet: SET --map-set ingress-ack dst --map-prio  (the pod's download control leaf)
         [not marked -> P-UNKNOWN-IN: MARK, CLASSIFY download default]
 
-With the pods' internal bytes counted on their devices (`internal_by_device`, tc/ebpf.py), no
-rule counts them, and a packet whose both ends are internal costs no set lookup at all:
+With the internal bytes counted on the devices (`internal_by_device`, tc/ebpf.py: the pods' on
+their devices, the node's totals on its uplinks), no rule counts them: a packet whose both ends
+are internal meets the POSTROUTING hook and its plain scope rules only, no set and no device
+test, and nothing hooks PREROUTING (it only counted the node's ingress):
 
-        -o <uplink> -g P-NODE-OUT: dst internal? count node egress internal, RETURN; the rest as above
+    POSTROUTING -> P-POSTROUTING:
         src internal                        -g P-SRC-INT:     dst internal -> RETURN;
+                                                              -o <uplink> -g P-INET-OUT;
                                                               else egress-inet src (the pod's count)
+        -o <uplink> -g P-NODE-OUT: dst internal -> RETURN (uncounted); -g P-INET-OUT
+             P-INET-OUT: NODE-OUT's internet rules above (SET egress-inet, ..., count node egress internet)
         src a pod here (not internal)       -g P-FROM-POD:    egress by dst scope, then P-TO-POD
         the last rules as above
 """
@@ -127,7 +132,7 @@ def names(prefix: str) -> dict[str, str]:
     """The fixed chain names for one prefix."""
     return {tag: f"{prefix}-{tag}" for tag in (
         "PREROUTING", "POSTROUTING", "NODE-IN", "NODE-OUT", "UNKNOWN", "UNKNOWN-IN",
-        "EGRESS-INT", "FROM-PEER", "FROM-POD", "POD-INT", "TO-POD", "FROM-HOST", "SRC-INT")}
+        "EGRESS-INT", "FROM-PEER", "FROM-POD", "POD-INT", "TO-POD", "FROM-HOST", "SRC-INT", "INET-OUT")}
 
 
 def set_names(prefix: str) -> list[str]:
@@ -362,20 +367,28 @@ def build(state: ClassifierState, family: int, prefix: str = "NETAGENT") -> Rule
         unknown = (f"-m mark ! --mark {mark} -m addrtype ! --src-type LOCAL -j {n['UNKNOWN']}",)
         chains[n["UNKNOWN"]] = to_default_class("unknown source egress internet", state.default_class)
     by_device = state.internal_by_device
-    # a pod's internal egress through an uplink: counted by its set here, or on its device already
-    internal_out = "-j RETURN" if by_device else f"-g {n['EGRESS-INT']}"
-    chains[n["NODE-OUT"]] = (
-        *scope("dst", f"{comment('node egress internal')} {internal_out}"),
+    # internal egress through an uplink: counted here (the node's by the rule, the pod's by its set), or
+    # on the uplink and the pod's device already
+    internal_out = "-j RETURN" if by_device else f"{comment('node egress internal')} -g {n['EGRESS-INT']}"
+    to_uplinks = tuple(f"-o {dev} -g {n['NODE-OUT']}" for dev in state.uplinks)
+    internet_out = (
         f"-j SET --map-set {s['egress-inet']} src --map-mark --map-prio",
         f"{CONTROL_MATCH} -j SET --map-set {s['egress-ack']} src --map-prio",
         *unknown,
         f"{comment('node egress internet')} -j RETURN",
     )
     if by_device:
+        # an internal source's internet packet comes straight here from SRC-INT, its scope already known
+        chains[n["INET-OUT"]] = internet_out
+        chains[n["NODE-OUT"]] = (*scope("dst", internal_out), f"-g {n['INET-OUT']}")
+    else:
+        chains[n["NODE-OUT"]] = (*scope("dst", internal_out), *internet_out)
+    if by_device:
         # both ends internal: counted on the pods' devices, nothing left to do; an internal source to
         # anywhere else is a pod's internet egress (counted here) or no pod's packet
         chains[n["SRC-INT"]] = (
             *scope("dst", "-j RETURN"),
+            *(f"-o {dev} -g {n['INET-OUT']}" for dev in state.uplinks),
             f"-m set --match-set {s['egress-inet']} src -j RETURN",
         )
         # FROM-POD sees only sources that are not internal (a pod outside the internal CIDRs)
@@ -401,11 +414,12 @@ def build(state: ClassifierState, family: int, prefix: str = "NETAGENT") -> Rule
             *scope("src", f"-g {n['FROM-PEER']}"),
             f"-m set --match-set {s['ingress-inet']} dst -j RETURN",
         )
-    chains[n["NODE-IN"]] = (
-        *scope("src", f"{comment('node ingress internal')} -j RETURN"),
-        f"{comment('node ingress internet')} -j RETURN",
-    )
-    chains[n["PREROUTING"]] = tuple(f"-i {dev} -j {n['NODE-IN']}" for dev in state.uplinks)
+    if not by_device:
+        chains[n["NODE-IN"]] = (
+            *scope("src", f"{comment('node ingress internal')} -j RETURN"),
+            f"{comment('node ingress internet')} -j RETURN",
+        )
+        chains[n["PREROUTING"]] = tuple(f"-i {dev} -j {n['NODE-IN']}" for dev in state.uplinks)
     if state.ingress_default_class is None:
         to_pod_internet: tuple[str, ...] = (f"-m set --match-set {s['ingress-inet']} dst -j RETURN",)
     else:
@@ -421,15 +435,16 @@ def build(state: ClassifierState, family: int, prefix: str = "NETAGENT") -> Rule
         )
         chains[n["FROM-HOST"]] = (f"-m set --match-set {s['ingress-inet']} dst -j RETURN",)
         chains[n["UNKNOWN-IN"]] = to_default_class("unknown destination ingress internet", state.ingress_default_class)
-    from_internal = (scope("src", f"-g {n['SRC-INT']}") if by_device
-                     else (f"-m set --match-set {s['peer']} src -g {n['FROM-PEER']}",))
+    if by_device:  # an internal source first: both ends internal is the most common packet, and it is done
+        head = (*scope("src", f"-g {n['SRC-INT']}"), *to_uplinks)
+    else:
+        head = (*to_uplinks, f"-m set --match-set {s['peer']} src -g {n['FROM-PEER']}")
     chains[n["POSTROUTING"]] = (
-        *(f"-o {dev} -g {n['NODE-OUT']}" for dev in state.uplinks),
-        *from_internal,
+        *head,
         f"-m set --match-set {s['egress-int']} src ! --update-counters -g {n['FROM-POD']}",
         *to_pod_internet,
     )
-    jumps = tuple((hook, f"-j {n[hook]}") for hook in HOOKS)
+    jumps = tuple((hook, f"-j {n[hook]}") for hook in HOOKS if n[hook] in chains)
     return Ruleset(family, chains, jumps, sets)
 
 

@@ -211,7 +211,7 @@ class KernelDataPath:
                 tc_changes += self._shaper.apply(desired.ingress_shaper).changes
             # the devices count internal bytes before the rules stop counting them
             with self._counter_lock:
-                ebpf_changes = self._apply_counting(desired.device_counting, full)
+                ebpf_changes = self._apply_counting(desired.device_counting, full, desired.classifier.uplinks)
                 self._counted_pods = desired.classifier.pods if desired.device_counting else ()
         changes = {"tc": tc_changes, "ebpf": ebpf_changes}
         with self._ipt_lock:
@@ -230,9 +230,9 @@ class KernelDataPath:
                 changes["tc"] += len(self._remove_ingress_shaper())
         return changes
 
-    def _apply_counting(self, counting: DeviceCounting | None, full: bool) -> int:
+    def _apply_counting(self, counting: DeviceCounting | None, full: bool, uplinks: tuple[str, ...]) -> int:
         """The device counter as `counting` says: its programs, its map's addresses, its filters on the pod
-        devices. Re-read from the kernel when `full` or when it changed (a new pod or pod device), as the
+        devices and the uplinks. Re-read from the kernel when `full` or when it changed (a new pod or pod device), as the
         rules are: checking 110 devices' filters is two dumps each (~15 ms)."""
         if counting is not None and not full and counting == self._applied_counting:
             return 0
@@ -240,9 +240,10 @@ class KernelDataPath:
         if counting is None:
             if self._counter is not None or self._counting_cleared:
                 return 0
-            # counting by the rules: a counter an earlier run in device mode left on the pods' devices
-            # would count beside the sets; it goes, once
-            removed = remove_counting(self._shaper.devices_of_kind(("veth",)), self.options.count_pref, self._netns)
+            # counting by the rules: a counter an earlier run in device mode left on the pods' devices and the
+            # uplinks would count beside the sets and rules; it goes, once
+            removed = remove_counting((*self._shaper.devices_of_kind(("veth",)), *uplinks), self.options.count_pref,
+                                      self._netns)
             self._counting_cleared = True
             return len(removed)
         if self._counter is None:
@@ -256,11 +257,11 @@ class KernelDataPath:
         except EbpfError as exc:
             raise DataPathError(f"the device counter of internal bytes: {exc}") from exc
         try:
-            changes += self._counter.attach(counting.devices)
+            changes += self._counter.attach(counting.devices, counting.uplinks)
         except EbpfError as exc:
             # one device that refuses (another filter at our priority) must not hold back every pod's
             # rules: the others are done, and the next sync tries again
-            log.warning("the device counter of internal bytes: %s; that device's pod is not counted there", exc)
+            log.warning("the device counter of internal bytes: %s; what passes there is not counted", exc)
             return changes
         self._applied_counting = counting
         return changes
@@ -344,6 +345,8 @@ class KernelDataPath:
             if self._counter is not None:
                 with self._counter_lock:
                     add_device_counts(found[0], self._counter.read(), self._counted_pods)
+                    for kind, nbytes in self._counter.read_node().items():
+                        found[1][kind] = found[1].get(kind, 0) + nbytes
             self.reads["counters"] += 1
             found[1]["egress_internet_wire"] = self._wire("egress", self.sample_stats()[1].get(NODE_MINOR), *found)
             found[1]["ingress_internet_wire"] = self._wire("ingress", self.sample_ingress_stats()[1].get(NODE_MINOR),

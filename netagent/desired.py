@@ -149,11 +149,12 @@ class NodeInputs:
 
 @dataclass(frozen=True)
 class DeviceCounting:
-    """The eBPF counter of the pods' internal bytes (tc/ebpf.py): what is internal, which addresses are
-    counted, on which devices."""
+    """The eBPF counter of the internal bytes (tc/ebpf.py): what is internal, which pod addresses are
+    counted, on which devices; and the uplinks, where the node's totals are counted."""
     networks: tuple[tuple[int, tuple[str, ...]], ...]  # (family, CIDRs): the internal CIDRs, link-local and multicast too
     addresses: tuple[str, ...]  # every programmed pod's addresses
     devices: tuple[str, ...]  # the pod-facing devices (host-side veths)
+    uplinks: tuple[str, ...] = ()  # the node's internet-facing devices
 
 
 @dataclass(frozen=True)
@@ -299,7 +300,8 @@ def desired_state(inputs: NodeInputs) -> DesiredState:
         members = set_members(internal)
         counting = DeviceCounting(tuple((family, members[family]) for family in (4, 6)),
                                   tuple(sorted(ip for p in ready for ip in p.ips)),
-                                  tuple(sorted(set(inputs.pod_devices) - set(inputs.uplinks))))
+                                  tuple(sorted(set(inputs.pod_devices) - set(inputs.uplinks))),
+                                  tuple(inputs.uplinks))
     ratios = _ratios(inputs.wire_ratio, ((p.key, p.wire_ratio) for p in ready))
     ingress_ratios = _ratios(inputs.ingress_wire_ratio, ((p.key, p.ingress_wire_ratio) for p in ready)) if dl else {}
     return DesiredState(shaper, classifier, minors, skipped, ingress_shaper, ratios, ingress_ratios, counting)

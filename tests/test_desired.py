@@ -110,8 +110,8 @@ def test_no_pod_gets_a_minor_whose_leaf_handle_is_an_htb_root():
 
 def test_internal_bytes_counted_on_the_devices_of_the_programmed_pods():
     """With `internal_by_device` the desired state names the device counter's internal networks (link-local
-    and multicast too, as the rules' scope test), every programmed pod's addresses and the pod devices
-    (the uplinks never); without it there is none, and the rules count."""
+    and multicast too, as the rules' scope test), every programmed pod's addresses, the pod devices (the
+    uplinks never) and the uplinks for the node's totals; without it there is none, and the rules count."""
     pods = [pod("ns/a", "10.244.0.11", "fd00::11"), pod("ns/b"), pod("ns/c", "10.244.0.12")]
     opts = DataPathOptions(internal_by_device=True)
     st = desired_state(inputs(pods, options=opts, pod_devices=("veth1", "eth0", "veth0")))
@@ -121,5 +121,6 @@ def test_internal_bytes_counted_on_the_devices_of_the_programmed_pods():
                           (6, ("fd00::/8", "fe80::/10", "ff00::/8")))
     assert c.addresses == ("10.244.0.11", "10.244.0.12", "fd00::11")  # ns/b has no address yet
     assert c.devices == ("veth0", "veth1")
+    assert c.uplinks == ("eth0",)  # the node's totals are counted there
     plain = desired_state(inputs(pods, pod_devices=("veth0",)))
     assert plain.device_counting is None and not plain.classifier.internal_by_device

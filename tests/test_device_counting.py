@@ -1,10 +1,12 @@
-"""Issue 12: the pods' internal bytes counted on their own devices (tc/ebpf.py), driven through the agent's
-`KernelDataPath` on a lab node, in both pod networks (routed veths, and veths on a bridge) and both families.
+"""Issue 12: the pods' internal bytes counted on their own devices and the node's totals on its uplink
+(tc/ebpf.py), driven through the agent's `KernelDataPath` on a lab node, in both pod networks (routed veths,
+and veths on a bridge) and both families.
 
-The rules then count no internal byte (no set lookup for an internal packet: tests/test_iptables_pure.py
-holds the lookups), so every internal byte a pod's counters show was counted by the device counter; the
-counts must be exactly what a packet generator sent, agree with iperf3, stay across an agent restart,
-and go with the counter when the agent is switched back to counting by the rules.
+The rules then count no internal byte and no node ingress (no set lookup and no device test for an internal
+packet: tests/test_iptables_pure.py holds them), so every internal byte a pod's counters show, and every
+node total but its internet egress, was counted by the device counter; the counts must be exactly what a
+packet generator sent, agree with iperf3, stay across an agent restart, and go with the counter when the
+agent is switched back to counting by the rules.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 from lab.netns import bpf_filesystem, require_root, residue_snapshot
 from lab.topology import INTERNAL_CIDRS, INTERNET_V4, INTERNET_V6, PEER_V4, PEER_V6, UPLINK, Lab, run
 from netagent.datapath import KernelDataPath
+from iptables.render import KINDS
 from netagent.desired import DataPathOptions, NodeInputs, PodShape, desired_state
 from tc.probe import probe
 from tests.test_datapath_traffic import datagram_sender, edge_cases, egress_moved, udp_l3_bytes
@@ -86,10 +89,20 @@ class Agent:
         """What the rules alone counted (the ipsets), without the device counter's bytes."""
         return self.dp._classifier.counters()[0].get(f"default/{pod.name}", {})
 
+    def node_counts(self) -> dict[str, int]:
+        return self.dp.counters()[1]
 
-def our_filters(netns: str, device: str) -> list[str]:
+    def rules_node_counts(self) -> dict[str, int]:
+        return self.dp._classifier.counters()[1]
+
+
+def our_filters(netns: str, device: str, name: str = "netagent-count") -> list[str]:
     return [line for direction in ("ingress", "egress")
-            for line in run(f"tc filter show dev {device} {direction}", netns).splitlines() if "netagent-count" in line]
+            for line in run(f"tc filter show dev {device} {direction}", netns).splitlines() if name in line]
+
+
+# the node kinds the uplink counts (its internet egress is the rules')
+NODE_BY_DEVICE = ("egress_internal", "ingress_internal", "ingress_internet")
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +116,7 @@ def agent(lab, bpf_dir):
         a.dp.close()
         from netagent.cleanup import remove_counting, unpin_dir  # what `netagent cleanup` runs
         node = lab.nodes[0]
-        remove_counting(tuple(p.node_veth for p in node.pods), DataPathOptions.count_pref, node.netns)
+        remove_counting((*(p.node_veth for p in node.pods), UPLINK), DataPathOptions.count_pref, node.netns)
         unpin_dir(bpf_dir)
         from tc.netlink import Shaper
         from iptables.apply import Classifier
@@ -117,9 +130,11 @@ def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
 
 
-def test_every_pod_device_carries_the_counter(lab, agent):
+def test_every_pod_device_and_the_uplink_carry_the_counter(lab, agent):
     for pod in lab.nodes[0].pods:
         assert len(our_filters(lab.nodes[0].netns, pod.node_veth)) == 2, pod.node_veth
+    assert len(our_filters(lab.nodes[0].netns, UPLINK, "netagent-node")) == 2
+    assert not our_filters(lab.nodes[0].netns, UPLINK)
 
 
 def test_classification_edges_are_counted_exactly_on_the_device(lab, agent):
@@ -151,18 +166,28 @@ CASES = [("egress", PEER_V4, False), ("ingress", PEER_V4, True), ("egress", PEER
 def test_counts_agree_with_iperf(lab, agent, direction, dst, reverse):
     """UDP at 50 Mbit/s for 2 s: the counted IP bytes agree with iperf3's datagrams (within 2 %: its control
     connection); internal bytes counted by the device only (the rules' internal counts stay still), internet
-    bytes by the rules as before; pod to pod on the node counts once for each end."""
+    bytes by the rules as before; pod to pod on the node counts once for each end. The node's totals likewise:
+    through the uplink, by the uplink's counter (the rules' node counts of those kinds stay still), its internet
+    egress by the rules; pod to pod on the node, nothing."""
     pod, neighbour = lab.nodes[0].pods
     target = neighbour.ip4 if dst == "pod" else dst
     scope = "internet" if target in (INTERNET_V4, INTERNET_V6) else "internal"
     before, rules_before, n_before = agent.counts(pod), agent.rules_counts(pod), agent.counts(neighbour)
+    node_before, rules_node_before = agent.node_counts(), agent.rules_node_counts()
     result = lab.iperf(pod.netns, target, PORT, seconds=2, udp_bitrate="50M", reverse=reverse)
     moved, by_rules = delta(agent.counts(pod), before), delta(agent.rules_counts(pod), rules_before)
+    node_moved, rules_node_moved = delta(agent.node_counts(), node_before), delta(agent.rules_node_counts(),
+                                                                                   rules_node_before)
     _, l3 = udp_l3_bytes(result, 6 if ":" in target else 4, reverse)
     counted = moved[f"{direction}_{scope}"]
     assert abs(counted - l3) <= 0.02 * l3, f"counted {counted} B, iperf3 moved {l3} B (L3): {moved}"
     assert all(v <= 0.01 * l3 for k, v in moved.items() if k != f"{direction}_{scope}"), moved
     assert by_rules["egress_internal"] == by_rules["ingress_internal"] == 0, by_rules
+    node_kind = None if dst == "pod" else f"{direction}_{scope}"
+    if node_kind is not None:
+        assert abs(node_moved[node_kind] - l3) <= 0.02 * l3, f"node counted {node_moved}, iperf3 moved {l3} B (L3)"
+    assert all(node_moved[k] <= 0.01 * l3 for k in KINDS if k != node_kind), node_moved
+    assert all(rules_node_moved.get(k, 0) == 0 for k in NODE_BY_DEVICE), rules_node_moved
     if dst == "pod":  # the neighbour counts the same bytes the other way
         other = "ingress" if direction == "egress" else "egress"
         n_moved = delta(agent.counts(neighbour), n_before)
@@ -180,6 +205,8 @@ def test_a_restarted_agent_adopts_the_counter_and_changes_nothing(lab, agent, bp
         assert residue_snapshot(lab.nodes[0].netns) == snap
         old, new = agent.counts(pod), again.counts(pod)
         assert new["egress_internal"] >= old["egress_internal"] > 0, (old, new)  # the map's counts, not zero
+        old, new = agent.node_counts(), again.node_counts()
+        assert all(new[k] >= old[k] > 0 for k in NODE_BY_DEVICE), (old, new)  # the node map's too
     finally:
         again.dp.close()
 
@@ -191,8 +218,11 @@ def test_counting_by_the_rules_again_removes_the_counter(lab, agent, bpf_dir):
     rules = Agent(lab, bpf_dir, by_device=False)
     try:
         changes = rules.apply()
-        assert changes["ebpf"] >= 2 * len(node.pods) and changes["iptables"] > 0, changes  # and clsacts left empty
+        assert changes["ebpf"] >= 2 * len(node.pods) + 2 and changes["iptables"] > 0, changes  # and clsacts left empty
         assert not any(our_filters(node.netns, p.node_veth) for p in node.pods)
+        assert not our_filters(node.netns, UPLINK, "netagent-node")
+        # the rules count the node's ingress and internal egress again (from what the old rules carried on)
+        assert "-j NETAGENT-PREROUTING" in run("iptables-nft-save -t mangle", node.netns)
         before = rules.rules_counts(pod)
         result = lab.iperf(pod.netns, PEER_V4, PORT, seconds=1, udp_bitrate="20M")
         _, l3 = udp_l3_bytes(result, 4, False)
@@ -200,8 +230,10 @@ def test_counting_by_the_rules_again_removes_the_counter(lab, agent, bpf_dir):
     finally:
         rules.dp.close()
     back = agent.apply()
-    assert back["ebpf"] >= 2 * len(node.pods) and back["iptables"] > 0, back
+    assert back["ebpf"] >= 2 * len(node.pods) + 2 and back["iptables"] > 0, back
     assert all(len(our_filters(node.netns, p.node_veth)) == 2 for p in node.pods)
+    assert len(our_filters(node.netns, UPLINK, "netagent-node")) == 2
+    assert "-j NETAGENT-PREROUTING" not in run("iptables-nft-save -t mangle", node.netns)
 
 
 def test_a_device_that_refuses_the_counter_holds_back_no_other_pod(lab, agent, caplog):

@@ -313,17 +313,19 @@ DEFAULT = (1, 0xFFFE)
 
 
 def evaluate(state: ClassifierState, family: int, src: str, dst: str, oif: str, local_src: bool = False,
-             proto: str = "udp", length: int = 1400, tcp_flags: frozenset = frozenset()) -> dict:
-    """Run one packet through a parse of the rendered POSTROUTING rules and the built sets, as the kernel would.
+             proto: str = "udp", length: int = 1400, tcp_flags: frozenset = frozenset(), iif: str | None = None) -> dict:
+    """Run one packet through a parse of the rendered POSTROUTING rules and the built sets, as the kernel would;
+    through the PREROUTING rules first when it arrived by a device (`iif`; None: the node sent it).
 
     -> {"mark": skb mark, "priority": (major, minor) or None, "lookups": set lookups made,
+        "device_tests": -i/-o matches made,
         "counted": what counted it: rule comments, and "<pod key> <kind>" for a pod set member's counter}.
     hash:net is longest-prefix match and a `nomatch` member answers "not in the set"; a rule's
     matches stop at the first that fails (later set lookups are neither made nor counted).
     """
     rs = R.build(state, family)
     chains = parse_restore(R.render(state, family))
-    pkt = {"mark": 0, "priority": None, "counted": [], "lookups": 0}
+    pkt = {"mark": 0, "priority": None, "counted": [], "lookups": 0, "device_tests": 0}
     addr = {"src": ipaddress.ip_address(src), "dst": ipaddress.ip_address(dst)}
 
     def lookup(name: str, where: str):
@@ -350,8 +352,9 @@ def evaluate(state: ClassifierState, family: int, src: str, dst: str, oif: str, 
             if tok == "!":
                 negate, i = True, i + 1
                 continue
-            if tok == "-o":
-                result = arg == oif
+            if tok in ("-o", "-i"):
+                pkt["device_tests"] += 1
+                result = arg == (oif if tok == "-o" else iif)
             elif tok in ("-s", "-d"):
                 result = addr["src" if tok == "-s" else "dst"] in ipaddress.ip_network(arg)
             elif tok == "--mark":
@@ -416,6 +419,8 @@ def evaluate(state: ClassifierState, family: int, src: str, dst: str, oif: str, 
                 run(target)
         return False
 
+    if iif is not None and "NETAGENT-PREROUTING" in chains:
+        run("NETAGENT-PREROUTING")
     run("NETAGENT-POSTROUTING")
     return pkt
 
@@ -654,14 +659,21 @@ def evaluate_by_device(state: ClassifierState, family: int, src: str, dst: str, 
                        **kw) -> dict:
     """`evaluate` with the rules of `internal_by_device`, and the device counter modelled as tc/ebpf.py
     programs it: on a pod's device, what the pod sends to an internal destination counts as its internal
-    egress (before the rules), what it receives from an internal source as its internal ingress (after)."""
+    egress (before the rules), what it receives from an internal source as its internal ingress (after);
+    on an uplink, what arrives counts as the node's ingress by its source's scope (before the rules), what
+    leaves for an internal destination as its internal egress (after)."""
     st = dataclasses.replace(state, internal_by_device=True)
     internal = [ipaddress.ip_network(n) for n in R.set_members(st.internal_cidrs)[family]]
     here = {ipaddress.ip_address(ip): p.key for p in st.pods for ip in p.ips}
     s, d = ipaddress.ip_address(src), ipaddress.ip_address(dst)
     pkt = evaluate(st, family, src, dst, oif, local_src, **kw)
-    sent = [f"{here[s]} egress_internal"] if s in here and any(d in n for n in internal) else []
-    received = [f"{here[d]} ingress_internal"] if d in here and any(s in n for n in internal) else []
+    s_internal, d_internal = any(s in n for n in internal), any(d in n for n in internal)
+    sent = [f"{here[s]} egress_internal"] if s in here and d_internal else []
+    received = [f"{here[d]} ingress_internal"] if d in here and s_internal else []
+    if kw.get("iif") in st.uplinks:
+        sent.insert(0, f"node ingress {'internal' if s_internal else 'internet'}")
+    if oif in st.uplinks and d_internal:
+        received.append("node egress internal")
     pkt["counted"] = sent + pkt["counted"] + received
     return pkt
 
@@ -683,13 +695,19 @@ def packets(family: int) -> list[tuple[str, str, str, bool]]:
 @pytest.mark.parametrize("cidrs", [("10.0.0.0/8", "fd00::/8"), MANY], ids=["few-cidrs", "many-cidrs"])
 @pytest.mark.parametrize("shaped", ["uploads", "downloads"])
 def test_counting_on_the_devices_changes_no_count_mark_or_class(family, cidrs, shaped):
-    """Every packet is counted as the same kinds for the same pods, marked and classified the same, whether the
-    rules count internal bytes or the pods' devices do; a pod outside the internal CIDRs included."""
+    """Every packet is counted as the same kinds for the same pods and the node, marked and classified the same,
+    whether the rules count internal bytes or the devices do (pods' and uplinks'); a pod outside the internal
+    CIDRs included."""
     base = state(3, internal_cidrs=cidrs) if shaped == "uploads" else download_state(3, internal_cidrs=cidrs)
     odd = PodClassification("ns/odd", (NET[family]["outside"],), (1, 0x77), base.pods[0].ingress_class)
     st = dataclasses.replace(base, pods=(*base.pods, odd))
+    pod_addresses = {ipaddress.ip_address(ip) for p in st.pods for ip in p.ips}
     for src, dst, oif, local in packets(family):
-        by_rules, by_device = evaluate(st, family, src, dst, oif, local), evaluate_by_device(st, family, src, dst, oif, local)
+        # where it came from: the node sent it, a pod's device (a pod's or an unknown pod's address), or an uplink
+        iif = None if local else "vp-src" if ipaddress.ip_address(src) in pod_addresses | {
+            ipaddress.ip_address(NET[family]["stranger"])} else "eth0"
+        by_rules = evaluate(st, family, src, dst, oif, local, iif=iif)
+        by_device = evaluate_by_device(st, family, src, dst, oif, local, iif=iif)
         what = f"{src} -> {dst} via {oif}: {by_rules} / {by_device}"
         assert sorted(by_rules["counted"]) == sorted(by_device["counted"]), what
         assert (by_rules["mark"], by_rules["priority"]) == (by_device["mark"], by_device["priority"]), what
@@ -700,22 +718,26 @@ def test_counting_on_the_devices_changes_no_count_mark_or_class(family, cidrs, s
 
 @pytest.mark.parametrize("family", [4, 6])
 @pytest.mark.parametrize("n", [10, 110])
-def test_a_packet_with_both_ends_internal_costs_no_set_lookup(family, n):
-    """With the devices counting, internal traffic of any direction meets plain rules only (with few internal
-    CIDRs; with many, the internal set's lookups), whatever the number of pods."""
+def test_a_packet_with_both_ends_internal_costs_no_set_lookup_and_no_device_test(family, n):
+    """With the devices counting, internal traffic of any direction meets plain scope rules only (with few
+    internal CIDRs; with many, the internal set's lookups), whatever the number of pods and uplinks: no
+    -i/-o test, and no PREROUTING hook at all."""
     a = NET[family]
     for cidrs, scope in ((("10.0.0.0/8", "fd00::/8"), 0), (MANY, 1)):
-        st = state(n, default_class=DEFAULT, internal_cidrs=cidrs)
-        cases = [(a["pod"], a["peer"], "eth0", False, 1), (a["peer"], a["pod"], "vp0", False, 2),
-                 (a["pod"], a["other"], "vp1", False, 2), (a["node"], a["pod"], "vp0", True, 2)]
-        for src, dst, oif, local, lookups in cases:
-            pkt = evaluate_by_device(st, family, src, dst, oif, local)
-            assert pkt["lookups"] == lookups * scope, (src, dst, pkt)
+        st = state(n, default_class=DEFAULT, internal_cidrs=cidrs, uplinks=("eth0", "eth1"))
+        cases = [(a["pod"], a["peer"], "eth0", "vp0"), (a["peer"], a["pod"], "vp0", "eth0"),
+                 (a["pod"], a["other"], "vp1", "vp0"), (a["node"], a["pod"], "vp0", None)]
+        for src, dst, oif, iif in cases:
+            pkt = evaluate_by_device(st, family, src, dst, oif, iif is None, iif=iif)
+            assert (pkt["lookups"], pkt["device_tests"]) == (2 * scope, 0), (src, dst, pkt)
             assert pkt["mark"] == 0 and pkt["priority"] is None
     rs = R.build(dataclasses.replace(state(n), internal_by_device=True), family)
     assert not any(f"netagent-{k}{family}" in r for rules in rs.chains.values() for r in rules
                    for k in ("ingress-int", "peer"))
-    assert {"NETAGENT-EGRESS-INT", "NETAGENT-FROM-PEER", "NETAGENT-POD-INT"}.isdisjoint(rs.chains)
+    assert {"NETAGENT-EGRESS-INT", "NETAGENT-FROM-PEER", "NETAGENT-POD-INT", "NETAGENT-NODE-IN",
+            "NETAGENT-PREROUTING"}.isdisjoint(rs.chains)
+    assert rs.jumps == (("POSTROUTING", "-j NETAGENT-POSTROUTING"),)
+    assert not any("comment" in r for r in rs.chains["NETAGENT-NODE-OUT"] if "internet" not in r)
 
 
 def test_switching_where_internal_bytes_are_counted_touches_no_set():
@@ -725,4 +747,7 @@ def test_switching_where_internal_bytes_are_counted_touches_no_set():
     assert old.sets == new.sets
     up = R.render_update(new, *kernel_view(old))
     assert set(up.rewritten) == {"NETAGENT-POSTROUTING", "NETAGENT-NODE-OUT", "NETAGENT-FROM-POD", "NETAGENT-TO-POD"}
-    assert {"-X NETAGENT-EGRESS-INT", "-X NETAGENT-FROM-PEER", "-X NETAGENT-POD-INT"} <= set(up.text.splitlines())
+    assert {"-X NETAGENT-EGRESS-INT", "-X NETAGENT-FROM-PEER", "-X NETAGENT-POD-INT", "-X NETAGENT-NODE-IN",
+            "-X NETAGENT-PREROUTING", "-D PREROUTING -j NETAGENT-PREROUTING"} <= set(up.text.splitlines())
+    back = R.render_update(old, *kernel_view(new))  # and back: the PREROUTING hook returns
+    assert "-I PREROUTING 1 -j NETAGENT-PREROUTING" in back.text.splitlines()
