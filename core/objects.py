@@ -5,6 +5,7 @@ downstream (policy, the desired kernel state, metrics) reads snapshots and never
 """
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,3 +81,38 @@ class Snapshot:
     budgets: tuple[dict, ...] = ()  # EgressBudget objects
     generation: int = 0
     errors: tuple[str, ...] = field(default=())  # source problems (a file that failed to parse, ...)
+    # the cluster's service CIDRs (its ServiceCIDR objects); None: not known from this source
+    service_cidrs: tuple[str, ...] | None = None
+
+
+MAX_SERVICE_CIDRS = 64  # the cluster's service ranges that are taken: a handful in practice (2 per ServiceCIDR)
+
+
+def service_cidrs_of(objects: list[dict[str, Any]]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The networks of ServiceCIDR objects (networking.k8s.io/v1, `spec.cidrs`), canonical, de-duplicated and
+    sorted, and the problems found (an entry that is no network, or more than MAX_SERVICE_CIDRS): ->
+    (cidrs, problems). A range whose object is being deleted still serves its ClusterIPs until they are
+    freed, so it is kept."""
+    found: set[ipaddress.IPv4Network | ipaddress.IPv6Network] = set()
+    problems: list[str] = []
+    for obj in objects:
+        name = str((obj.get("metadata") or {}).get("name", "?"))[:253]
+        cidrs = (obj.get("spec") or {}).get("cidrs") or []
+        if not isinstance(cidrs, list):
+            problems.append(f"ServiceCIDR {name}: spec.cidrs is not a list")
+            continue
+        for text in cidrs[:2]:  # the API allows one per family
+            try:
+                net = ipaddress.ip_network(str(text), strict=False)
+            except ValueError:
+                problems.append(f"ServiceCIDR {name}: {str(text)[:64]!r} is not a network")
+                continue
+            if net.prefixlen == 0:
+                problems.append(f"ServiceCIDR {name}: {net} is every address, not a service range")
+                continue
+            found.add(net)
+    ordered = sorted(found, key=lambda n: (n.version, n))
+    if len(ordered) > MAX_SERVICE_CIDRS:
+        problems.append(f"{len(ordered)} service CIDRs: only the first {MAX_SERVICE_CIDRS} are taken")
+        ordered = ordered[:MAX_SERVICE_CIDRS]
+    return tuple(map(str, ordered)), tuple(problems)

@@ -60,18 +60,21 @@ class Reflector(Generic[V]):
     """{key(obj): transform(obj)} for every object of one resource; `transform` returning None
     drops the object. `on_change` runs after a list and after each event that changed the
     map; `on_event(kind)` counts relist/added/modified/deleted/gone/error. With `optional`,
-    a resource type that does not exist (404: CRDs not installed) reads as empty, said once."""
+    a resource type that does not exist (404: CRDs not installed) reads as empty, said once
+    with `absent_hint`; so does one the client may not read when 403 is among `absent_statuses`."""
 
     def __init__(self, name: str, list_fn: Callable, stop: threading.Event,
                  on_change: Callable[[], None] = lambda: None, on_event: Callable[[str], None] = lambda kind: None,
                  key: Callable[[dict], object] = uid_key, transform: Callable[[dict], V | None] = whole,
-                 optional: bool = False, **list_kwargs):
+                 optional: bool = False, absent_statuses: tuple[int, ...] = (404,),
+                 absent_hint: str = "install netagent's CRDs", **list_kwargs):
         self.name = name
         self.list_fn, self.list_kwargs = list_fn, list_kwargs
         self.key, self.transform = key, transform
         self.stop = stop
         self.on_change, self.on_event = on_change, on_event
         self.optional = optional
+        self.absent_statuses, self.absent_hint = absent_statuses, absent_hint
         self.missing = False
         self.items: dict[object, V] = {}
         self.resource_version = ""
@@ -143,8 +146,8 @@ class Reflector(Generic[V]):
                     self.on_event("gone")
                     need_list = True
                     continue
-                if exc.status == 404 and self.optional:
-                    self._absent()
+                if exc.status in self.absent_statuses and self.optional:
+                    self._absent(exc.status)
                     need_list = True
                     self.stop.wait(backoff.next())
                     continue
@@ -159,10 +162,11 @@ class Reflector(Generic[V]):
                 self.on_event("error")
                 self.stop.wait(delay)
 
-    def _absent(self) -> None:
+    def _absent(self, status: int = 404) -> None:
         if not self.missing:
-            log.warning("%s: the resource type is not installed (404); treating it as empty until it is "
-                        "(install netagent's CRDs)", self.name)
+            what = "is not installed" if status == 404 else "may not be read"
+            log.warning("%s: the resource type %s (%s); treating it as empty until it is (%s)", self.name, what,
+                        status, self.absent_hint)
         self.missing = True
         with self.lock:
             changed = bool(self.items)

@@ -69,6 +69,15 @@ class Agent:
     # -- inputs ---------------------------------------------------------------
     def on_snapshot(self, snap: Snapshot) -> None:
         self.node.on_snapshot(snap)
+        services = snap.service_cidrs
+        if self.cfg.services_from_cluster and services and services != self.cfg.cluster_service_cidrs:
+            # a ServiceCIDR came or went: the internal networks (rules and device counter) follow
+            log.info("service CIDRs from the cluster's ServiceCIDR objects: %s (were %s)", ",".join(services),
+                     ",".join(self.cfg.cluster_service_cidrs) or "none")
+            self.cfg = dataclasses.replace(self.cfg, cluster_service_cidrs=services)
+            self.node.cfg = self.cfg
+            self.runner.wake(full=True)
+            return
         self.runner.wake()
 
     def set_allocations(self, allocs: AllocationSet, ingress: AllocationSet | None = None) -> None:

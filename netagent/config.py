@@ -48,7 +48,17 @@ class AgentConfig:
     ingress_rate_bps: int | None = None  # --ingress-rate: the node's download rate with no controller answer
     lean_metrics: bool = False  # --lean-metrics: fewer per-pod series (netagent/metrics.py)
     internal_counting: str = "auto"  # --internal-counting: auto, device or rules (`choose_internal_counting`)
-    services_known: bool = False  # --service-cidr given: a ClusterIP is internal before DNAT too
+    services_known: bool = False  # the service CIDRs are internal: a ClusterIP is internal before DNAT too
+    # no --service-cidr with Kubernetes: the cluster's ServiceCIDR objects say them, followed while running
+    services_from_cluster: bool = False
+    cluster_service_cidrs: tuple[str, ...] = ()  # what they say now
+
+    @property
+    def internal(self) -> tuple[str, ...]:
+        """Every internal network: the configured and connected ones and the cluster's service CIDRs."""
+        if not self.cluster_service_cidrs:
+            return self.internal_cidrs
+        return canonical_cidrs([*self.internal_cidrs, *self.cluster_service_cidrs])
 
 
 def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None, controller: str | None,
@@ -118,6 +128,7 @@ def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None
         default_floor_bps=default_bps, from_file=tuple(from_file), kubeconfig=kubeconfig,
         listen=listen_at, state_listen=state_at, uplinks_learnt=not uplink, iptables_backend=iptables_backend,
         lean_metrics=lean_metrics, internal_counting=internal_counting, services_known=bool(service_cidr),
+        services_from_cluster=not service_cidr and not from_file,
     )
 
 

@@ -40,6 +40,20 @@ class Daemon:
     @classmethod
     def build(cls, cfg: AgentConfig) -> "Daemon":
         leaf, _ = probe_leaf_qdisc()
+        api = None
+        if not cfg.from_file:
+            from .sources import list_service_cidrs, load_api_client
+
+            api = load_api_client(cfg.kubeconfig)
+            if cfg.services_from_cluster:
+                # where a pod's packet to a ClusterIP is internal before DNAT: read once here, for the
+                # counting mode; the source follows the ServiceCIDRs from then on
+                services, why_not = list_service_cidrs(api)
+                if services:
+                    cfg = dataclasses.replace(cfg, cluster_service_cidrs=services, services_known=True)
+                    log.info("service CIDRs from the cluster's ServiceCIDR objects: %s", ",".join(services))
+                else:
+                    log.warning("service CIDRs unknown (%s): give --service-cidr (chart value serviceCIDRs)", why_not)
         by_device, counting = choose_internal_counting(cfg.internal_counting, cfg.datapath.bpf_dir, cfg.services_known)
         cfg = dataclasses.replace(cfg, datapath=dataclasses.replace(cfg.datapath, leaf_qdisc=leaf,
                                                                     internal_by_device=by_device))
@@ -57,9 +71,8 @@ class Daemon:
         if cfg.from_file:
             source = FileSource(list(cfg.from_file), node=cfg.node)
         else:
-            from .sources import KubeSource, kube_event_emitter, load_api_client
+            from .sources import KubeSource, kube_event_emitter
 
-            api = load_api_client(cfg.kubeconfig)
             source = KubeSource(api, cfg.node, on_metric=lambda res, kind: metrics.watch_events.labels(res, kind).inc())
             emit_event = kube_event_emitter(api, cfg.node)
         problems = ProblemReporter(emit_event, lambda reason: metrics.policy_problems.labels(reason).inc(),
@@ -89,7 +102,7 @@ class Daemon:
                          exposition=metrics.exposition)
         log.info("uplinks %s; internal %s; leaf qdisc %s; iptables %s; internal bytes counted %s; mark bit %#x; "
                  "downloads %s; %s",
-                 ",".join(cfg.uplinks), ",".join(cfg.internal_cidrs), leaf, datapath.iptables_backend, counting,
+                 ",".join(cfg.uplinks), ",".join(cfg.internal), leaf, datapath.iptables_backend, counting,
                  cfg.datapath.mark_bit,
                  f"shaped on the pod devices through {cfg.datapath.ingress_ifb}" if cfg.shape_ingress else "not shaped",
                  f"controller {cfg.controller}" if cfg.controller else "local allocation (no controller)")

@@ -1,5 +1,5 @@
-"""The agent's Kubernetes side: where its snapshots come from (this node's pods and the two
-cluster-scoped policy kinds) and the Events it writes. In file mode (`core.files.FileSource`)
+"""The agent's Kubernetes side: where its snapshots come from (this node's pods, the two
+cluster-scoped policy kinds and the cluster's ServiceCIDRs) and the Events it writes. In file mode (`core.files.FileSource`)
 none of this, and not the kubernetes client, is loaded.
 
 One reflector (list + resumable watch, see reflector.py) per kind; pods filtered
@@ -14,9 +14,10 @@ import threading
 from typing import Callable
 
 from kubernetes import client
+from kubernetes.client.rest import ApiException
 
 from core.kubeapi import GROUP, TIMEOUT, VERSION, load_api_client
-from core.objects import PodRecord, Snapshot
+from core.objects import PodRecord, Snapshot, service_cidrs_of
 from core.reflector import Reflector
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,16 @@ class KubeSource:
             "egressbudgets", custom.list_cluster_custom_object, self.stop_event, self._mark,
             lambda k: metric("egressbudgets", k), optional=True, group=GROUP, version=VERSION, plural="egressbudgets",
         )
-        self.reflectors = (self.pods, self.classes, self.budgets)
+        # the service ranges (networking.k8s.io/v1, Kubernetes >= 1.33): internal before kube-proxy's DNAT
+        # (where the device counter sees a pod's packet); unknown where the API lacks them or RBAC
+        # withholds them, and the agent then keeps what it was configured with
+        self.services = Reflector(
+            "servicecidrs", client.NetworkingV1Api(api).list_service_cidr, self.stop_event, self._mark,
+            lambda k: metric("servicecidrs", k), transform=service_cidr_fields, optional=True,
+            absent_statuses=(403, 404), absent_hint="Kubernetes >= 1.33 and list/watch on servicecidrs in the "
+            "agent's ClusterRole; or give --service-cidr",
+        )
+        self.reflectors = (self.pods, self.classes, self.budgets, self.services)
 
     def _mark(self) -> None:
         self._changed.set()
@@ -60,9 +70,13 @@ class KubeSource:
                 pods.append(PodRecord.from_object(obj))
             except ValueError as exc:
                 errors.append(str(exc))
+        services = None
+        if not self.services.missing:
+            services, problems = service_cidrs_of(self.services.values())
+            errors += problems
         self._generation += 1
         return Snapshot(tuple(pods), tuple(self.classes.values()), tuple(self.budgets.values()), self._generation,
-                        tuple(errors))
+                        tuple(errors), services)
 
     def synced(self) -> bool:
         return all(r.synced.is_set() for r in self.reflectors)
@@ -83,6 +97,30 @@ class KubeSource:
     def stop(self) -> None:
         self.stop_event.set()
         self._changed.set()
+
+
+def service_cidr_fields(obj: dict) -> dict:
+    """What the agent keeps of a ServiceCIDR: its name and its networks."""
+    return {"metadata": {"name": (obj.get("metadata") or {}).get("name")},
+            "spec": {"cidrs": (obj.get("spec") or {}).get("cidrs")}}
+
+
+def list_service_cidrs(api: client.ApiClient) -> tuple[tuple[str, ...] | None, str]:
+    """The cluster's service CIDRs read once (at start, where the counting mode is chosen): (cidrs, why
+    not) with cidrs None when they cannot be read (Kubernetes < 1.33, RBAC, the apiserver down)."""
+    try:
+        resp = client.NetworkingV1Api(api).list_service_cidr(_request_timeout=TIMEOUT, limit=100)
+    except ApiException as exc:
+        return None, f"listing ServiceCIDRs: API error {exc.status} ({exc.reason})"
+    except Exception as exc:  # connection refused, TLS, timeout
+        return None, f"listing ServiceCIDRs: {exc.__class__.__name__}: {exc}"
+    objects = [service_cidr_fields(api.sanitize_for_serialization(o)) for o in resp.items or []]
+    cidrs, problems = service_cidrs_of(objects)
+    for problem in problems:
+        log.warning("%s", problem)
+    if not cidrs:
+        return None, "the cluster has no ServiceCIDR objects"
+    return cidrs, ""
 
 
 def kube_event_emitter(api_client, node: str) -> Callable[[str, str, str, str, str], None]:

@@ -143,7 +143,7 @@ class NodeSync:
                            for p in pods)
             on_devices = ingress_rate is not None or self.cfg.datapath.internal_by_device
             devices = self.datapath.pod_devices(self.cfg.uplinks) if on_devices else ()
-            desired = desired_state(NodeInputs(self.cfg.uplinks, self.cfg.internal_cidrs, shapes, node_rate,
+            desired = desired_state(NodeInputs(self.cfg.uplinks, self.cfg.internal, shapes, node_rate,
                                                self.cfg.datapath, ingress_node_rate=ingress_rate,
                                                wire_ratio=ratio(NODE_RATIO_KEY),
                                                ingress_wire_ratio=ingress_ratio(NODE_RATIO_KEY),

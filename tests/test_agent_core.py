@@ -3,10 +3,11 @@ the fail-static lease, drift accounting. The data path here is the in-memory fak
 lives beside the DataPath protocol (the real one is exercised in tests/test_agent_lab.py)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
-from core.objects import PodRecord, Snapshot
+from core.objects import MAX_SERVICE_CIDRS, PodRecord, Snapshot, service_cidrs_of
 from core.policy import shaped_pods
 from netagent.agent import Agent
 from netagent.allocations import Allocation, AllocationSet
@@ -349,3 +350,40 @@ def test_the_report_carries_downloads_only_when_the_download_shaper_is_programme
                         pods=[PodAllocation("ns", "a", "a", "bronze", 1e6, 2e6)])
     allocs = ingress_allocations_from(answer, 0.0, None)
     assert allocs.own_cap and allocs.pods == {} and allocs.node_rate_bps > 10 ** 15  # unlimited: the pods' caps hold
+
+
+def test_the_clusters_service_cidrs_are_internal_and_followed_where_none_were_given():
+    """No --service-cidr with Kubernetes: the ServiceCIDRs a snapshot carries are internal from the next sync,
+    and a change follows; with --service-cidr given, or a snapshot that does not know them, nothing changes."""
+    dp = FakeDataPath()
+    agent, _ = make_agent(dp)
+    agent.cfg = agent.node.cfg = dataclasses.replace(agent.cfg, services_from_cluster=True)
+    p = (pod("p", "10.244.0.10"),)
+    agent.on_snapshot(Snapshot(p, CLASSES, BUDGETS, service_cidrs=("10.96.0.0/16", "fd00:96::/112")))
+    assert agent.sync()
+    assert dp.applied[-1].classifier.internal_cidrs == ("10.0.0.0/8", "10.96.0.0/16", "fd00:96::/112")
+    agent.on_snapshot(Snapshot(p, CLASSES, BUDGETS, service_cidrs=("10.96.0.0/16", "172.30.0.0/24")))
+    assert agent.sync()
+    assert dp.applied[-1].classifier.internal_cidrs == ("10.0.0.0/8", "10.96.0.0/16", "172.30.0.0/24")
+    for unknown in (None, ()):  # not known from the source, or no ServiceCIDR: the last ones stay
+        agent.on_snapshot(Snapshot(p, CLASSES, BUDGETS, service_cidrs=unknown))
+        assert agent.sync()
+        assert dp.applied[-1].classifier.internal_cidrs == ("10.0.0.0/8", "10.96.0.0/16", "172.30.0.0/24")
+    given, _ = make_agent(FakeDataPath())  # --service-cidr given (services_from_cluster False): never changed
+    given.on_snapshot(Snapshot(p, CLASSES, BUDGETS, service_cidrs=("10.96.0.0/16",)))
+    assert given.sync() and given.cfg.internal == ("10.0.0.0/8",)
+
+
+def test_service_cidrs_of_serviceCIDR_objects_are_checked_and_bounded():
+    objs = [{"metadata": {"name": "kubernetes"}, "spec": {"cidrs": ["10.96.0.0/16", "fd00:96::/112"]}},
+            {"metadata": {"name": "more"}, "spec": {"cidrs": ["10.97.0.1/24", "10.96.0.0/16"]}},
+            {"metadata": {"name": "bad"}, "spec": {"cidrs": ["banana", "0.0.0.0/0"]}},
+            {"metadata": {"name": "odd"}, "spec": {"cidrs": "10.98.0.0/16"}}, {"metadata": {"name": "empty"}}]
+    cidrs, problems = service_cidrs_of(objs)
+    assert cidrs == ("10.96.0.0/16", "10.97.0.0/24", "fd00:96::/112")
+    assert problems == ("ServiceCIDR bad: 'banana' is not a network",
+                        "ServiceCIDR bad: 0.0.0.0/0 is every address, not a service range",
+                        "ServiceCIDR odd: spec.cidrs is not a list")
+    many = [{"metadata": {"name": f"s{i}"}, "spec": {"cidrs": [f"10.{i}.0.0/16"]}} for i in range(100)]
+    cidrs, problems = service_cidrs_of(many)
+    assert len(cidrs) == MAX_SERVICE_CIDRS and "only the first 64" in problems[0]

@@ -13,7 +13,8 @@ import pytest
 import yaml
 from kubernetes import client
 
-from lab.topology import Lab
+from lab.kube import SERVICE_CLUSTER_IP_RANGE
+from lab.topology import Lab, run
 from netagent.desired import DataPathOptions, PodShape, assign_minors, from_wire
 from lab.agentproc import AgentProcess, NetnsPortForward, tc_classes, wait_for
 from tests.kube import CONTROL_PLANE_BINARIES, REPO, ControlPlane, free_port, require_assets, write_kubeconfig
@@ -144,6 +145,51 @@ def test_sees_only_its_node_and_tells_users_about_bad_annotations(kube_api, kube
         delete_rbac(kube_api, ns)
         try:
             custom.delete_cluster_custom_object("netagent.io", "v1alpha1", "egressclasses", silver)
+        except client.ApiException:
+            pass
+
+
+def test_follows_the_clusters_service_cidrs(kube_api, kube_namespace, lab, tmp_path):
+    """No --service-cidr: the agent reads the cluster's ServiceCIDR objects (the apiserver's default one, from
+    --service-cluster-ip-range) with the ClusterRole of deploy/, counts them internal, and follows a range
+    added and removed while it runs: the internal rules change with them."""
+    ns, node = kube_namespace, lab.nodes[0]
+    networking = client.NetworkingV1Api(kube_api.admin)
+    extra, extra_name = "172.30.0.0/24", f"{ns}-extra"
+    forward = NetnsPortForward(node.netns, ("127.0.0.1", int(kube_api.url.rsplit(":", 1)[1])))
+    agent = None
+
+    def internal_rules() -> str:
+        return run("iptables-save -t mangle", node.netns)
+
+    try:
+        token = agent_rbac_token(kube_api, ns)
+        kubeconfig = write_kubeconfig(tmp_path / "agent.kubeconfig", f"https://127.0.0.1:{forward.port}",
+                                      kube_api.ca_file, {"token": token})
+        agent = AgentProcess(lab, node, [], port=9581, log_dir=tmp_path, node_name=f"{ns}-node0",
+                             extra=["--kubeconfig", str(kubeconfig)])
+        agent.start()
+        agent.wait_ready(60)
+        assert f"service CIDRs from the cluster's ServiceCIDR objects: {SERVICE_CLUSTER_IP_RANGE}" in agent.log()
+        wait_for(lambda: f"-d {SERVICE_CLUSTER_IP_RANGE} " in internal_rules(), 30, what="the service range internal")
+        networking.create_service_cidr({"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
+                                        "metadata": {"name": extra_name}, "spec": {"cidrs": [extra]}})
+        wait_for(lambda: f"-d {extra} " in internal_rules(), 30, what="an added ServiceCIDR internal")
+        networking.delete_service_cidr(extra_name)
+        # its finalizer is the controller manager's, which this apiserver runs without
+        networking.patch_service_cidr(extra_name, {"metadata": {"finalizers": None}})
+        wait_for(lambda: f"-d {extra} " not in internal_rules(), 30, what="a removed ServiceCIDR no longer internal")
+        assert f"-d {SERVICE_CLUSTER_IP_RANGE} " in internal_rules()
+        assert "Forbidden" not in agent.log() and "API error 403" not in agent.log()
+    finally:
+        if agent:
+            print(agent.log())
+            agent.close()
+        forward.close()
+        delete_rbac(kube_api, ns)
+        try:
+            networking.delete_service_cidr(extra_name)
+            networking.patch_service_cidr(extra_name, {"metadata": {"finalizers": None}})
         except client.ApiException:
             pass
 
