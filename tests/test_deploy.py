@@ -177,7 +177,8 @@ def test_agent_daemonset(base):
     assert spec["tolerations"] == [{"operator": "Exists"}], "the agent must tolerate every taint"
     c, = spec["containers"]
     sc = c["securityContext"]
-    assert sorted(sc["capabilities"]["add"]) == ["NET_ADMIN", "NET_RAW"]
+    # BPF: internal bytes counted on the devices (test_device_counting_adds_exactly_the_bpf_capability_...)
+    assert sorted(sc["capabilities"]["add"]) == ["BPF", "NET_ADMIN", "NET_RAW"]
     assert sc["runAsUser"] == 0  # capabilities reach only uid 0 without ambient capabilities
     env = {e["name"]: e for e in c["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
@@ -207,7 +208,7 @@ def test_agent_daemonset(base):
     assert source["serviceAccountToken"]["audience"] == AUDIENCE
     assert f"{token_mount['mountPath']}/{source['serviceAccountToken']['path']}" == args.token_path
     hostpaths = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
-    assert hostpaths == {"/run/xtables.lock"}, "the agent mounts nothing else of the host"
+    assert hostpaths == {"/run/xtables.lock", "/sys/fs/bpf"}, "the agent mounts nothing else of the host"
     ca = volumes[mounts["controller-ca"]["name"]]["secret"]
     assert ca == {"secretName": TLS_SECRET, "items": [{"key": "ca.crt", "path": "ca.crt"}]}
     assert mounts["controller-ca"]["mountPath"] == "/etc/netagent/controller-ca" and mounts["controller-ca"]["readOnly"]
@@ -251,7 +252,7 @@ def test_uninstall_cleans_every_node_with_the_agents_privileges_only():
     assert spec["automountServiceAccountToken"] is False
     cleanup, = spec["initContainers"]
     assert cli_args(cleanup).command == "cleanup"
-    assert sorted(cleanup["securityContext"]["capabilities"]["add"]) == ["NET_ADMIN", "NET_RAW"]
+    assert sorted(cleanup["securityContext"]["capabilities"]["add"]) == ["BPF", "NET_ADMIN", "NET_RAW"]
     idle, = spec["containers"]
     assert "add" not in idle["securityContext"]["capabilities"] and idle["securityContext"]["runAsNonRoot"]
     for c in (cleanup, idle):
@@ -264,7 +265,7 @@ def test_uninstall_cleans_every_node_with_the_agents_privileges_only():
 
 # --- the agent in a node lab, confined as its pod spec says (root) ---------------------------
 
-CAPABILITY_BITS = {"NET_ADMIN": 12, "NET_RAW": 13}  # linux/capability.h
+CAPABILITY_BITS = {"NET_ADMIN": 12, "NET_RAW": 13, "BPF": 39}  # linux/capability.h
 
 
 def confined(container: dict) -> list[str]:
@@ -277,7 +278,8 @@ def confined(container: dict) -> list[str]:
     mounts = ""
     if sc.get("readOnlyRootFilesystem"):
         # a private mount namespace: `remount,bind` changes only this namespace's view of /
-        mounts = ("mount --bind /tmp /tmp && mount --bind /run/xtables.lock /run/xtables.lock && "
+        # (--rbind: a bpf filesystem the test mounted under /tmp stays, as the pod's hostPath of the host's)
+        mounts = ("mount --rbind /tmp /tmp && mount --bind /run/xtables.lock /run/xtables.lock && "
                   "mount -o remount,bind,ro / && ")
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{mounts}exec {setpriv} "$@"', "confined"]
 
@@ -292,10 +294,11 @@ def effective_capabilities(pid: int) -> set[str]:
 
 @pytest.mark.root
 def test_agent_and_cleanup_work_with_exactly_their_pod_privileges(base, tmp_path):
-    """The DaemonSet's claim: NET_ADMIN and NET_RAW and a read-only root filesystem suffice."""
+    """The DaemonSet's claim: NET_ADMIN, NET_RAW and BPF and a read-only root filesystem suffice, also to count
+    internal bytes on the devices (a bpf filesystem of the test's own stands for the host's)."""
     from lab.topology import Lab, run
     from lab.agentproc import IFB, AgentProcess, pod_object, write_objects
-    from lab.netns import require_root
+    from lab.netns import bpf_filesystem, require_root
 
     require_root()
     agent_container, = pod_spec(base, "DaemonSet", "netagent-agent")["containers"]
@@ -306,8 +309,9 @@ def test_agent_and_cleanup_work_with_exactly_their_pod_privileges(base, tmp_path
         def argv(self) -> list[str]:
             return confined(agent_container) + super().argv
 
-    with Lab(nodes=1, pods_per_node=1) as lab:
+    with Lab(nodes=1, pods_per_node=1) as lab, bpf_filesystem() as bpffs:
         node = lab.nodes[0]
+        bpf_dir = os.path.join(bpffs, "netagent")
         write_objects(tmp_path / "policy.yaml", [
             {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressClass", "metadata": {"name": "bronze"},
              "spec": {"weight": 1, "max": "20M"}},
@@ -316,18 +320,22 @@ def test_agent_and_cleanup_work_with_exactly_their_pod_privileges(base, tmp_path
                                                  "defaultClass": "bronze", "allowedClasses": ["bronze"]}]}},
         ])
         write_objects(tmp_path / "pods.yaml", [pod_object(node.pods[0], node)])
-        agent = ConfinedAgent(lab, node, [tmp_path], port=9579, log_dir=tmp_path)
+        agent = ConfinedAgent(lab, node, [tmp_path], port=9579, log_dir=tmp_path,
+                              extra=["--bpf-dir", bpf_dir, "--service-cidr", "10.96.0.0/16"])
         try:
             agent.start()
             state = agent.wait_ready()
             pod, = state["pods"]
             assert pod["minor"] is not None and pod["limit_bps"] > 0, pod
-            assert effective_capabilities(agent.proc.pid) == {"NET_ADMIN", "NET_RAW"}
+            assert effective_capabilities(agent.proc.pid) == {"NET_ADMIN", "NET_RAW", "BPF"}
+            assert "internal bytes counted on the pods' devices" in agent.log(), agent.log()
+            assert "netagent-node-in" in run(["tc", "filter", "show", "dev", node.uplink, "ingress"], node.netns)
             assert agent.terminate() == 0, agent.log()
         finally:
             agent.close()
-        cleaned = run([*confined(cleanup_container), sys.executable, "-m", "netagent", "cleanup"], node.netns)
-        assert "removed" in cleaned
+        cleaned = run([*confined(cleanup_container), sys.executable, "-m", "netagent", "cleanup", "--bpf-dir",
+                       bpf_dir], node.netns)
+        assert "removed" in cleaned and not os.path.exists(bpf_dir), cleaned
         assert IFB not in run(["ip", "link"], node.netns)
         assert "NETAGENT" not in run(["iptables-save"], node.netns)
 
@@ -358,6 +366,7 @@ def grants(docs, subject: str) -> set[tuple[str, str, str, str]]:
 
 
 AGENT_GRANTS = {("*", "", "pods", v) for v in ("get", "list", "watch")} | {
+    ("*", "networking.k8s.io", "servicecidrs", v) for v in ("get", "list", "watch")} | {
     ("*", "netagent.io", r, v) for r in ("egressclasses", "egressbudgets") for v in ("get", "list", "watch")} | {
     ("*", "", "events", v) for v in ("create", "patch")}
 CONTROLLER_GRANTS = {("*", "", r, v) for r in ("pods", "namespaces") for v in ("get", "list", "watch")} | {
@@ -466,30 +475,36 @@ def test_chart_values_reach_the_manifests():
 
 
 def test_device_counting_adds_exactly_the_bpf_capability_and_the_hosts_bpffs():
-    """agent.deviceCounting: the agent and the cleanup get the BPF capability and the host's bpf filesystem, the
-    agent counts on the devices, and the namespace's policy admits that much more and no other; without the
-    service CIDRs the chart refuses (a ClusterIP is seen before DNAT)."""
-    docs = helm_template("--set", "agent.deviceCounting.enabled=true,serviceCIDRs={10.96.0.0/12}")
+    """agent.deviceCounting (on by default): the agent and the cleanup get the BPF capability and the host's bpf
+    filesystem, the agent counts on the devices where it can (auto: the service CIDRs from serviceCIDRs or the
+    cluster's ServiceCIDRs, which its ClusterRole may read), and the namespace's policy admits that much more
+    and no other; off, none of it, and the agent counts by the rules."""
+    docs = helm_template()
     for name in ("netagent-agent",):
         spec = pod_spec(docs, "DaemonSet", name)
         c, = spec["containers"]
         assert c["securityContext"]["capabilities"]["add"] == ["NET_ADMIN", "NET_RAW", "BPF"]
         assert {"name": "bpf", "mountPath": "/sys/fs/bpf"} in c["volumeMounts"]
         assert {"name": "bpf", "hostPath": {"path": "/sys/fs/bpf", "type": "Directory"}} in spec["volumes"]
-        assert "--internal-counting=device" in c["args"] and "--bpf-dir=/sys/fs/bpf/netagent" in c["args"]
-    cleanup = pod_spec(helm_template("--set", "agent.deviceCounting.enabled=true,serviceCIDRs={10.96.0.0/12},"
-                                     "cleanup=true"), "DaemonSet", "netagent-cleanup")
+        assert "--internal-counting=auto" in c["args"] and "--bpf-dir=/sys/fs/bpf/netagent" in c["args"]
+    role = find(docs, "ClusterRole", "netagent-agent")
+    assert {"apiGroups": ["networking.k8s.io"], "resources": ["servicecidrs"], "verbs": ["get", "list", "watch"]} \
+        in role["rules"]
+    cleanup = pod_spec(helm_template("--set", "cleanup=true"), "DaemonSet", "netagent-cleanup")
     init, = cleanup["initContainers"]
     assert init["securityContext"]["capabilities"]["add"] == ["NET_ADMIN", "NET_RAW", "BPF"]
     assert {"name": "bpf", "mountPath": "/sys/fs/bpf"} in init["volumeMounts"]
     policy = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicy")
     rules = " ".join(v["expression"] for v in policy["spec"]["validations"])
     assert "['NET_ADMIN', 'NET_RAW', 'BPF']" in rules and "v.hostPath.path == '/sys/fs/bpf'" in rules
-    default = pod_spec(helm_template(), "DaemonSet", "netagent-agent")
-    assert default["containers"][0]["securityContext"]["capabilities"]["add"] == ["NET_ADMIN", "NET_RAW"]
-    assert not any(v["name"] == "bpf" for v in default["volumes"])
-    refused = helm("template", "netagent", str(CHART), "--set", "agent.deviceCounting.enabled=true", check=False)
-    assert refused.returncode != 0 and "needs serviceCIDRs" in refused.stderr
+    off_docs = helm_template("--set", "agent.deviceCounting.enabled=false")
+    off = pod_spec(off_docs, "DaemonSet", "netagent-agent")
+    assert off["containers"][0]["securityContext"]["capabilities"]["add"] == ["NET_ADMIN", "NET_RAW"]
+    assert not any(v["name"] == "bpf" for v in off["volumes"])
+    assert "--internal-counting=rules" in off["containers"][0]["args"]
+    off_rules = " ".join(v["expression"] for d in off_docs if d["kind"] == "ValidatingAdmissionPolicy"
+                         for v in d["spec"]["validations"])
+    assert "BPF" not in off_rules and "/sys/fs/bpf" not in off_rules
 
 
 @pytest.mark.parametrize("bad", [
