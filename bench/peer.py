@@ -206,7 +206,8 @@ class Netagent:
                 if s:
                     self.shaper.cleanup(s.ifb, s.uplinks, s.filter_pref)
             if self.state.device_counting:
-                remove_counting(self.state.device_counting.devices, self.options.count_pref, self.node.netns)
+                counting = self.state.device_counting
+                remove_counting((*counting.devices, *counting.uplinks), self.options.count_pref, self.node.netns)
             self.state = None
         self.classifier.cleanup()
 
