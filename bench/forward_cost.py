@@ -27,8 +27,9 @@ shaped, the measured pod among --pods pods' classes) or one piece of it:
   none        no netagent
   rules       --internal-counting rules: internal bytes counted in ipsets, the node's totals by rules
   device      --internal-counting device: the pods' internal bytes counted on their devices, the node's
-              totals on the uplink (tc/ebpf.py), the rules' internal path without a set or device test
-  tc          the shaper alone; ipt-rules, ipt-device: the rules alone; ebpf: the device counter alone
+              totals on the uplink (tc/ebpf.py, on tcx links), the rules' internal path without a set or
+              device test; device-tc: the same with the counter on tc filters (kernels before 6.6)
+  tc          the shaper alone; ipt-rules, ipt-device: the rules alone; ebpf, ebpf-tc: the device counter alone
 
 Last, what each costs a one-core TCP transfer at --rate: the data skbs take the upload path and
 its ACKs the download path, `--skb-rate` and `--ack-rate` a second (measured on this lab at
@@ -135,11 +136,13 @@ def pods(n: int) -> tuple[PodShape, ...]:
 ROWS = {  # the configurations: the whole data path by counting mode, and its pieces alone
     "none": "no netagent",
     "rules": "the data path, --internal-counting rules",
-    "device": "the data path, --internal-counting device",
+    "device": "the data path, --internal-counting device (the counter on tcx links)",
+    "device-tc": "the same with the counter on tc filters (kernels before 6.6)",
     "tc": "its shaper alone (both IFBs and trees, the redirect filters on the uplink and the pod device)",
     "ipt-rules": "its rules alone, counting by the rules",
     "ipt-device": "its rules alone, counting on the devices",
-    "ebpf": "the device counter alone (programs on the pod device and the uplink)",
+    "ebpf": "the device counter alone (programs on the pod device and the uplink, tcx links)",
+    "ebpf-tc": "the same on tc filters",
 }
 
 
@@ -149,11 +152,13 @@ def install(chain: Chain, row: str, n: int, bpf_root: str | None, stack: context
     if row == "none":
         return
     netns = chain.ns["node"]
-    options = DataPathOptions(leaf_qdisc=probe(netns).leaf_qdisc, internal_by_device=row in ("device", "ipt-device", "ebpf"),
-                              bpf_dir=os.path.join(bpf_root or "/nonexistent", netns))
+    by_device = row in ("device", "device-tc", "ipt-device", "ebpf", "ebpf-tc")
+    options = DataPathOptions(leaf_qdisc=probe(netns).leaf_qdisc, internal_by_device=by_device,
+                              bpf_dir=os.path.join(bpf_root or "/nonexistent", netns),
+                              count_attach="tc" if row.endswith("-tc") else "auto")
     desired = desired_state(NodeInputs((UPLINK,), INTERNAL, pods(n), 10 * G, options, ingress_node_rate=10 * G,
                                        pod_devices=(POD_DEV,)))
-    if row in ("rules", "device"):
+    if row in ("rules", "device", "device-tc"):
         dp = KernelDataPath(options, iptables_backend="nft", netns=netns)
         stack.callback(dp.close)
         dp.apply(desired)
@@ -164,7 +169,7 @@ def install(chain: Chain, row: str, n: int, bpf_root: str | None, stack: context
     elif row.startswith("ipt-"):
         Classifier(backend="nft", netns=netns).apply(desired.classifier)
     else:
-        counter = stack.enter_context(InternalCounter(options.bpf_dir, netns=netns))
+        counter = stack.enter_context(InternalCounter(options.bpf_dir, netns=netns, attach_by=options.count_attach))
         counting = desired.device_counting
         counter.set_networks(dict(counting.networks))
         counter.set_pods(counting.addresses)
@@ -184,7 +189,7 @@ def main() -> None:
     if rows[0] != "none" or not set(rows) <= set(ROWS):
         raise SystemExit(f"--rows: none first, then any of {', '.join(ROWS)}")
     with contextlib.ExitStack() as stack:
-        bpf_root = stack.enter_context(bpf_filesystem()) if {"device", "ebpf"} & set(rows) else None
+        bpf_root = stack.enter_context(bpf_filesystem()) if any("device" in r or "ebpf" in r for r in rows) else None
         chains = {}
         for row in rows:  # the pinned maps go with the bpffs, everything else with the namespaces
             chains[row] = Chain(row)

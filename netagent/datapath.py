@@ -32,7 +32,7 @@ from typing import Protocol
 from core.errors import NetagentError
 from iptables.apply import Classifier
 from iptables.model import PodClassification
-from tc.ebpf import EbpfError, InternalCounter, remove_counting, unavailable
+from tc.ebpf import EbpfError, InternalCounter, remove_counting, unavailable, unpin_dir
 from tc.errors import TcError
 from tc.model import NODE_MINOR, ClassStats
 from tc.netlink import Shaper
@@ -164,7 +164,10 @@ class KernelDataPath:
         self._counter: InternalCounter | None = None
         if options.internal_by_device:
             try:
-                self._counter = InternalCounter(options.bpf_dir, netns=netns, pref=options.count_pref)
+                self._counter = InternalCounter(options.bpf_dir, netns=netns, pref=options.count_pref,
+                                                attach_by=options.count_attach)
+                log.info("the device counter attaches its programs by %s", "tcx links" if
+                         self._counter.attach_by == "tcx" else f"tc filters at pref {options.count_pref:#x}")
             except (EbpfError, OSError) as exc:
                 self._classifier.close()
                 raise DataPathError(f"the device counter of internal bytes: {exc}") from exc
@@ -241,9 +244,11 @@ class KernelDataPath:
             if self._counter is not None or self._counting_cleared:
                 return 0
             # counting by the rules: a counter an earlier run in device mode left on the pods' devices and the
-            # uplinks would count beside the sets and rules; it goes, once
+            # uplinks would count beside the sets and rules; it goes, once: its filters, and its pins (its
+            # links' programs are detached when they are released)
             removed = remove_counting((*self._shaper.devices_of_kind(("veth",)), *uplinks), self.options.count_pref,
                                       self._netns)
+            removed += unpin_dir(self.options.bpf_dir)
             self._counting_cleared = True
             return len(removed)
         if self._counter is None:

@@ -89,8 +89,10 @@ class DataPathOptions:
     # the pods' internal bytes: counted on their devices by an eBPF program (tc/ebpf.py; chosen at
     # start, `choose_internal_counting`) rather than by the rules in ipsets
     internal_by_device: bool = False
-    bpf_dir: str = "/sys/fs/bpf/netagent"  # where the device counter's map is pinned (on a bpffs)
+    bpf_dir: str = "/sys/fs/bpf/netagent"  # where the device counter's maps, programs and links are pinned (a bpffs)
     count_pref: int = 0xC001  # its filters' priority on the pod devices (after the download redirect)
+    # how it attaches its programs: tcx links where the kernel has them (auto), else tc filters
+    count_attach: str = "auto"
 
 
 MAX_WIRE_RATIO = 2.0  # frames per IP byte: a 14-byte header on a 14-byte packet; beyond it the input is wrong

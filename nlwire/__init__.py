@@ -3,6 +3,7 @@ opened in a network namespace, and the framing of messages and attributes. Pure 
 what a message means stays with the layer that asks."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import socket
@@ -60,6 +61,19 @@ HDR = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, seq, pid
 NLA = struct.Struct("=HH")  # nlattr: length, type
 
 Buffer = bytes | memoryview
+
+
+@contextlib.contextmanager
+def in_netns(netns: str | None) -> Iterator[None]:
+    """Run the block with this thread in a network namespace (None: where it is): for calls that name
+    a device by its ifindex, such as bpf(2)'s tcx links."""
+    if netns:
+        pr_netns.pushns(netns)
+    try:
+        yield
+    finally:
+        if netns:
+            pr_netns.popns()
 
 
 def socket_in(netns: str | None, protocol: int, family: int = socket.AF_NETLINK) -> socket.socket:

@@ -49,8 +49,10 @@ log = logging.getLogger(__name__)
 
 SYS_BPF = {"x86_64": 321, "aarch64": 280}  # by platform.machine(); both little-endian (see _le)
 BPF_MAP_CREATE, BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM, BPF_MAP_DELETE_ELEM = 0, 1, 2, 3
-BPF_PROG_LOAD, BPF_OBJ_PIN, BPF_OBJ_GET, BPF_PROG_GET_FD_BY_ID, BPF_OBJ_GET_INFO_BY_FD = 5, 6, 7, 13, 15
-BPF_MAP_LOOKUP_BATCH = 24
+BPF_PROG_LOAD, BPF_OBJ_PIN, BPF_OBJ_GET, BPF_OBJ_GET_INFO_BY_FD, BPF_PROG_QUERY = 5, 6, 7, 15, 16
+BPF_MAP_LOOKUP_BATCH, BPF_LINK_CREATE, BPF_LINK_UPDATE = 24, 28, 29
+BPF_TCX = {False: 46, True: 47}  # egress hook? -> BPF_TCX_INGRESS, BPF_TCX_EGRESS (Linux >= 6.6)
+BPF_LINK_TYPE_TCX = 11
 BPF_MAP_TYPE_PERCPU_HASH, BPF_MAP_TYPE_PERCPU_ARRAY = 5, 6
 BPF_F_NO_PREALLOC = 1  # entries come from set_pods only: no memory for 4096 entries x every possible CPU up front
 BPF_PROG_TYPE_SCHED_CLS = 3
@@ -82,6 +84,12 @@ BATCH = 128  # entries a map read asks for at once
 
 TCA_BPF_FLAG_ACT_DIRECT = 1
 TCA_BPF_NAME, TCA_BPF_FLAGS, TCA_BPF_TAG, TCA_BPF_ID = 7, 8, 10, 11
+# the four programs by (on an uplink?, on the device's egress?): their names, and where they are pinned so
+# that a restarted agent finds them (with CAP_BPF alone it cannot open a program by its id)
+PROGRAMS = {(False, False): "na_count_in", (False, True): "na_count_out", (True, False): "na_node_in",
+            (True, True): "na_node_out"}
+PROG_PIN = "prog-"  # + the program's name
+LINK_PIN = "link-"  # + "<ifindex>-in" / "-out": a tcx link, the attachment itself
 # the two hooks: (clsact parent, the filter's name, is it the device's egress), on a pod's device and on an uplink
 HOOKS = {"ingress": (CLSACT_INGRESS, "netagent-count-in", False), "egress": (CLSACT_EGRESS, "netagent-count-out", True)}
 NODE_HOOKS = {"ingress": (CLSACT_INGRESS, "netagent-node-in", False), "egress": (CLSACT_EGRESS, "netagent-node-out", True)}
@@ -371,6 +379,23 @@ def map_info(fd: int) -> tuple[int, int, int, int, int, int]:
     return struct.unpack_from("=IIIIII", _info(fd, 40), 0)
 
 
+def link_info(fd: int) -> tuple[int, int, int, int]:
+    """(link type, program id, ifindex, attach type) of a tcx link (struct bpf_link_info: type at 0,
+    prog_id at 8, tcx.ifindex at 16, tcx.attach_type at 20); ifindex 0: its device went."""
+    kind, _id, prog_id, ifindex, attach_type = struct.unpack_from("=III4xII", _info(fd, 24), 0)
+    return kind, prog_id, ifindex, attach_type
+
+
+def tcx_available(netns: str | None = None) -> bool:
+    """Whether the kernel attaches programs to devices with tcx (Linux >= 6.6): a query of lo's."""
+    with nlwire.in_netns(netns):
+        try:
+            _bpf(BPF_PROG_QUERY, _attr("=IIII", socket.if_nametoindex("lo"), BPF_TCX[False], 0, 0))
+        except OSError:
+            return False
+    return True
+
+
 def prog_info(fd: int) -> tuple[int, bytes, tuple[int, ...]]:
     """(id, tag, the ids of the maps it uses) of a program (struct bpf_prog_info: id at 4, tag at
     8, nr_map_ids at 52, map_ids at 56)."""
@@ -519,12 +544,21 @@ def remove_counting(devices: Iterable[str], pref: int = 0xC001, netns: str | Non
 
 
 def unpin_dir(pin_dir: str) -> list[str]:
-    """Remove the counter's pinned maps from `pin_dir`, and `pin_dir` when that left it empty; nothing
-    off a bpffs (then it is not ours). The attached programs keep the maps while they run. -> what
-    was removed."""
+    """Remove the counter's pins from `pin_dir` (its tcx links, which detaches their programs once no
+    process holds them, its programs and its maps), and `pin_dir` when that left it empty; nothing off
+    a bpffs (then it is not ours). Programs attached as tc filters keep the maps while they run. ->
+    what was removed."""
     if not os.path.isdir(pin_dir) or _statfs_magic(pin_dir) != BPF_FS_MAGIC:
         return []
     removed = []
+    for name in sorted(os.listdir(pin_dir)):
+        pin = os.path.join(pin_dir, name)
+        if name.startswith(LINK_PIN):  # releasing the link detaches its program
+            os.unlink(pin)
+            removed.append(f"tcx link {pin}")
+        elif name.startswith(PROG_PIN):
+            os.unlink(pin)
+            removed.append(f"pinned program {pin}")
     for name in (PIN_NAME, NODE_PIN_NAME):
         pin = os.path.join(pin_dir, name)
         if os.path.lexists(pin):
@@ -539,9 +573,19 @@ def unpin_dir(pin_dir: str) -> list[str]:
 class InternalCounter:
     """The pods' internal counters and the node's totals through its uplinks: two pinned maps and the
     four programs that fill them, attached to the pod devices and the uplinks of one network
-    namespace (None: this one)."""
+    namespace (None: this one).
 
-    def __init__(self, pin_dir: str, netns: str | None = None, pref: int = 0xC001, max_entries: int = 4096):
+    Attached with tcx links where the kernel has them (`attach_by` "tcx", Linux >= 6.6: a program runs
+    straight from the device's hook, ~50 ns a packet), else as cls_bpf filters on a clsact qdisc ("tc":
+    ~150 ns, the qdisc and classifier machinery; bench/forward_cost.py). The links are pinned in
+    `pin_dir`, so they outlive the agent (fail-static) and a restarted agent adopts them; the programs
+    are pinned too, so it can tell the ones it would load without opening a program by id (which
+    needs CAP_SYS_ADMIN)."""
+
+    def __init__(self, pin_dir: str, netns: str | None = None, pref: int = 0xC001, max_entries: int = 4096,
+                 attach_by: str = "auto"):
+        if attach_by not in ("auto", "tcx", "tc"):
+            raise EbpfError(f"attach_by {attach_by!r}: choose auto, tcx or tc")
         self.pin_dir = pin_dir
         self.pin = os.path.join(pin_dir, PIN_NAME)
         self.node_pin = os.path.join(pin_dir, NODE_PIN_NAME)
@@ -551,7 +595,6 @@ class InternalCounter:
         self.cpus = possible_cpus()
         self.networks: Networks | None = None
         self.progs: dict[tuple[bool, bool], tuple[int, int, bytes]] = {}  # (uplink?, egress hook?) -> (fd, id, tag)
-        self._current: set[int] = set()  # ids of other programs found to be the current ones (same tag and map)
         self._tc = _Filters(netns, pref)
         self._batch: tuple[ctypes.Array, ctypes.Array] | None = None
         self.map_fd = self.node_map_fd = -1
@@ -566,6 +609,7 @@ class InternalCounter:
             self.close()
             raise
         self.map_ids = {False: map_info(self.map_fd)[1], True: map_info(self.node_map_fd)[1]}  # uplink? -> map id
+        self.attach_by = attach_by if attach_by != "auto" else "tcx" if tcx_available(netns) else "tc"
 
     def _open(self, pin: str, shape: tuple[int, int, int, int, int], name: bytes) -> int:
         return self._adopt(pin, shape, name) if os.path.lexists(pin) else self._create(pin, shape, name)
@@ -639,19 +683,59 @@ class InternalCounter:
         texts = {family: tuple(map(str, n)) for family, n in nets.items()}
         loaded: dict[tuple[bool, bool], tuple[int, int, bytes]] = {}
         try:
-            for uplink in (False, True):
-                for egress in (False, True):
-                    fd = _load(program(texts, egress, self.node_map_fd if uplink else self.map_fd, node=uplink),
-                               f"na_{'node' if uplink else 'count'}_{'out' if egress else 'in'}")
-                    loaded[(uplink, egress)] = (fd, *prog_info(fd)[:2])
+            for (uplink, egress), name in PROGRAMS.items():
+                fd = _load(program(texts, egress, self.node_map_fd if uplink else self.map_fd, node=uplink), name)
+                prog_id, tag, _ = prog_info(fd)
+                pinned = self._pinned_program(name, tag, self.map_ids[uplink])
+                if pinned is not None:  # the same program, already running: keep it (its id is the filters')
+                    os.close(fd)
+                    fd, prog_id = pinned
+                else:
+                    self._pin(fd, os.path.join(self.pin_dir, PROG_PIN + name))
+                loaded[(uplink, egress)] = (fd, prog_id, tag)
         except BaseException:
             for fd, _, _ in loaded.values():
                 os.close(fd)
             raise
         for fd, _, _ in self.progs.values():
             os.close(fd)
-        self.progs, self.networks, self._current = loaded, nets, set()
+        self.progs, self.networks = loaded, nets
         return True
+
+    def _pinned_program(self, name: str, tag: bytes, map_id: int) -> tuple[int, int] | None:
+        """(fd, id) of the program pinned as `name` when it is the one with this tag using this map."""
+        pin = os.path.join(self.pin_dir, PROG_PIN + name)
+        fd = self._get(pin)
+        if fd is None:
+            return None
+        if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:bpf-prog":
+            prog_id, found_tag, maps = prog_info(fd)
+            if found_tag == tag and maps == (map_id,):
+                return fd, prog_id
+        os.close(fd)
+        return None
+
+    @staticmethod
+    def _get(pin: str) -> int | None:
+        """The object pinned at `pin` (an fd), or None when nothing is."""
+        if not os.path.lexists(pin):
+            return None
+        path = ctypes.create_string_buffer(os.fsencode(pin))
+        try:
+            return _bpf(BPF_OBJ_GET, _attr("=QI", _addr(path), 0))
+        except OSError as exc:
+            raise EbpfError(f"opening the pinned object {pin} failed: {exc.strerror}") from None
+
+    @staticmethod
+    def _pin(fd: int, pin: str) -> None:
+        """Pin `fd` at `pin`, in place of what was pinned there."""
+        if os.path.lexists(pin):
+            os.unlink(pin)
+        path = ctypes.create_string_buffer(os.fsencode(pin))
+        try:
+            _bpf(BPF_OBJ_PIN, _attr("=QI", _addr(path), fd))
+        except OSError as exc:
+            raise EbpfError(f"pinning at {pin} failed: {exc.strerror}") from None
 
     # -- the map ----------------------------------------------------------------------------------
     def _entries(self) -> Iterator[tuple[bytes, memoryview]]:
@@ -730,33 +814,19 @@ class InternalCounter:
         return len(have ^ want)
 
     # -- filters ----------------------------------------------------------------------------------
-    def _runs_current(self, which: tuple[bool, bool], tag: bytes, prog_id: int) -> bool:
-        """Whether a filter's program is the one we would load: the same tag (the instructions, the
-        map's reference left out) and our map (a restarted agent's program that an older map replaced
-        has the same tag)."""
-        _, own_id, own_tag = self.progs[which]
-        if prog_id == own_id or prog_id in self._current:
-            return True
-        if tag != own_tag:
-            return False
-        try:
-            fd = _bpf(BPF_PROG_GET_FD_BY_ID, _attr("=I", prog_id))
-        except OSError:
-            return False  # gone meanwhile: replaced below anyway
-        try:
-            uses = prog_info(fd)[2]
-        finally:
-            os.close(fd)
-        if uses == (self.map_ids[which[0]],):
-            self._current.add(prog_id)
-            return True
-        return False
+    def _runs_current(self, which: tuple[bool, bool], prog_id: int) -> bool:
+        """Whether a filter's program is the one we run: set_networks adopted the pinned program when it
+        was the one it would load (the same tag and our map), so the filter of a restarted agent runs
+        exactly that program."""
+        return prog_id == self.progs[which][1]
 
     def attach(self, devices: Iterable[str], uplinks: Iterable[str] = ()) -> int:
-        """On each listed pod device and uplink: a clsact qdisc, and our filter at our pref on its
-        ingress and egress running the current programs (the pods' or the node's); a filter running
-        another program, or the other role's, is replaced. Filters on devices not listed are left
-        alone (a pod's device takes them when it goes). -> changes made.
+        """On each listed pod device and uplink, on its ingress and egress, the current programs (the
+        pods' or the node's): a pinned tcx link each (`attach_by` "tcx"; a link running another program
+        is updated in place), or a clsact qdisc and our filter at our pref ("tc"; a filter running
+        another program, or the other role's, is replaced). What the other way left on those devices
+        goes. Devices not listed are left alone (a pod's device takes its filters when it goes; the
+        link pins of devices that went are removed here). -> changes made.
 
         Another filter at our pref is not ours to replace, and an uplink that is not an Ethernet
         device would be misread: such devices are named in an EbpfError after the others were done."""
@@ -765,8 +835,9 @@ class InternalCounter:
         tc = self._tc
         uplinks = tuple(dict.fromkeys(uplinks))
         try:
+            self._ensure_pins()
             index = tc.indexes((*devices, *uplinks))
-            taken = []
+            taken: list[str] = []
             if uplinks:
                 kinds = tc.chan.link_types()
                 for dev in uplinks:
@@ -774,41 +845,137 @@ class InternalCounter:
                         taken.append(f"uplink {dev}: link type {kinds.get(dev)} is not Ethernet, and the program reads "
                                      "the addresses at Ethernet offsets (count by the rules here: --internal-counting rules)")
                         del index[dev]
-            clsact = tc.chan.clsact_devices()
-            ops: list[tuple[str, tcmsg]] = []
-            for dev, idx in index.items():
-                uplink = dev in uplinks
-                if idx not in clsact:
-                    ops.append((f"add clsact to {dev}",
-                                tc_message(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_EXCL, idx, 0xFFFF0000, TC_H_CLSACT,
-                                           "clsact")))
-                    found = {hook: ([], 0) for hook in HOOKS}
-                else:
-                    found = tc.at_pref(idx)
-                for hook, (parent, name, egress) in (NODE_HOOKS if uplink else HOOKS).items():
-                    filters = found[hook][0]
-                    if any(f.name not in OUR_NAMES[hook] for f in filters):
-                        taken.append(f"{dev} {hook}: another filter holds pref {self.pref:#x} (remove it, or give the "
-                                     "counter another pref)")
-                        continue
-                    stale = [f.handle for f in filters if not (f.name == name and f.flags & TCA_BPF_FLAG_ACT_DIRECT and
-                                                               self._runs_current((uplink, egress), f.tag, f.prog_id))]
-                    options = {"attrs": [["TCA_BPF_FD", self.progs[(uplink, egress)][0]], ["TCA_BPF_NAME", name],
-                                         ["TCA_BPF_FLAGS", TCA_BPF_FLAG_ACT_DIRECT]]}
-                    for handle in stale or ([] if filters else [FILTER_HANDLE]):
-                        ops.append((f"{'replace' if filters else 'add'} filter {dev} {hook} pref {self.pref:#x}",
-                                    tc_message(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_REPLACE, idx, handle, parent,
-                                               "bpf", options, info=(self.pref << 16) | socket.htons(ETH_P_ALL))))
-            done = tc.send(ops)
+            if self.attach_by == "tcx":
+                done = self._attach_links(index, uplinks)
+                done += tc.detach(index)  # the filters of an agent that attached by tc
+            else:
+                done = self._attach_filters(index, uplinks, taken)
+                done += self._drop_links(index)  # the links of an agent that attached by tcx
         except OSError as exc:
-            raise EbpfError(f"tc in network namespace {self.netns!r}: {exc}") from exc
+            raise EbpfError(f"attaching the counter in network namespace {self.netns!r}: {exc}") from exc
         if done:
             log.info("ebpf: %d change(s): %s", len(done), ", ".join(done[:8]) + (" ..." if len(done) > 8 else ""))
         if taken:
             raise EbpfError(f"the counter is not attached to {'; '.join(taken)}")
         return len(done)
 
+    def _ensure_pins(self) -> None:
+        """Pin the maps and programs again where their pins went (someone removed the directory): a restarted
+        agent finds them, and the links have a directory to be pinned in."""
+        os.makedirs(self.pin_dir, exist_ok=True)
+        for fd, pin in ((self.map_fd, self.pin), (self.node_map_fd, self.node_pin),
+                        *((fd, os.path.join(self.pin_dir, PROG_PIN + PROGRAMS[which])) for which, (fd, _, _)
+                          in self.progs.items())):
+            if not os.path.lexists(pin):
+                self._pin(fd, pin)
+
+    def _link_pin(self, ifindex: int, egress: bool) -> str:
+        return os.path.join(self.pin_dir, f"{LINK_PIN}{ifindex}-{'out' if egress else 'in'}")
+
+    def _attach_links(self, index: dict[str, int], uplinks: tuple[str, ...]) -> list[str]:
+        """A pinned tcx link on each hook of each device, running the current program. A pin whose link
+        lost its device (the ifindex reused by a new one) is replaced."""
+        done: list[str] = []
+        with nlwire.in_netns(self.netns):  # links name their device by ifindex
+            for dev, idx in index.items():
+                for egress in (False, True):
+                    which, hook = (dev in uplinks, egress), "egress" if egress else "ingress"
+                    prog_fd, prog_id, _ = self.progs[which]
+                    pin = self._link_pin(idx, egress)
+                    fd = self._get(pin)
+                    if fd is not None:
+                        try:
+                            kind, linked, ifindex, attach_type = link_info(fd)
+                            if (kind, ifindex, attach_type) == (BPF_LINK_TYPE_TCX, idx, BPF_TCX[egress]):
+                                if linked != prog_id:
+                                    _bpf(BPF_LINK_UPDATE, _attr("=IIII", fd, prog_fd, 0, 0))
+                                    done.append(f"update tcx link {dev} {hook}")
+                                continue
+                        finally:
+                            os.close(fd)
+                        os.unlink(pin)  # the link of a device that went: released
+                    try:
+                        fd = _bpf(BPF_LINK_CREATE, _attr("=IIII", prog_fd, idx, BPF_TCX[egress], 0))
+                    except OSError as exc:
+                        if exc.errno == errno.ENODEV:
+                            continue  # gone meanwhile
+                        raise
+                    try:
+                        self._pin(fd, pin)
+                    finally:
+                        os.close(fd)
+                    done.append(f"tcx link {dev} {hook}")
+        done += self._prune_links()
+        return done
+
+    def _prune_links(self) -> list[str]:
+        """Remove the pins of links whose device went (their programs were detached with it)."""
+        removed = []
+        for name in os.listdir(self.pin_dir):
+            if not name.startswith(LINK_PIN):
+                continue
+            pin = os.path.join(self.pin_dir, name)
+            fd = self._get(pin)
+            if fd is None:
+                continue
+            try:
+                gone = link_info(fd)[2] == 0
+            finally:
+                os.close(fd)
+            if gone:
+                os.unlink(pin)
+                removed.append(f"pin of a gone device's link {name}")
+        return removed
+
+    def _drop_links(self, index: dict[str, int]) -> list[str]:
+        """Unpin our links on these devices: released, they detach their programs."""
+        removed = []
+        for dev, idx in index.items():
+            for egress in (False, True):
+                pin = self._link_pin(idx, egress)
+                if os.path.lexists(pin):
+                    os.unlink(pin)
+                    removed.append(f"tcx link {dev} {'egress' if egress else 'ingress'}")
+        return removed
+
+    def _attach_filters(self, index: dict[str, int], uplinks: tuple[str, ...], taken: list[str]) -> list[str]:
+        """A clsact qdisc and our filter at our pref on each hook of each device, running the current
+        program; a device where another filter holds our pref is added to `taken`."""
+        tc = self._tc
+        clsact = tc.chan.clsact_devices()
+        ops: list[tuple[str, tcmsg]] = []
+        for dev, idx in index.items():
+            uplink = dev in uplinks
+            if idx not in clsact:
+                ops.append((f"add clsact to {dev}",
+                            tc_message(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_EXCL, idx, 0xFFFF0000, TC_H_CLSACT,
+                                       "clsact")))
+                found = {hook: ([], 0) for hook in HOOKS}
+            else:
+                found = tc.at_pref(idx)
+            for hook, (parent, name, egress) in (NODE_HOOKS if uplink else HOOKS).items():
+                filters = found[hook][0]
+                if any(f.name not in OUR_NAMES[hook] for f in filters):
+                    taken.append(f"{dev} {hook}: another filter holds pref {self.pref:#x} (remove it, or give the "
+                                 "counter another pref)")
+                    continue
+                stale = [f.handle for f in filters if not (f.name == name and f.flags & TCA_BPF_FLAG_ACT_DIRECT and
+                                                           self._runs_current((uplink, egress), f.prog_id))]
+                options = {"attrs": [["TCA_BPF_FD", self.progs[(uplink, egress)][0]], ["TCA_BPF_NAME", name],
+                                     ["TCA_BPF_FLAGS", TCA_BPF_FLAG_ACT_DIRECT]]}
+                for handle in stale or ([] if filters else [FILTER_HANDLE]):
+                    ops.append((f"{'replace' if filters else 'add'} filter {dev} {hook} pref {self.pref:#x}",
+                                tc_message(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_REPLACE, idx, handle, parent,
+                                           "bpf", options, info=(self.pref << 16) | socket.htons(ETH_P_ALL))))
+        return tc.send(ops)
+
     def detach(self, devices: Iterable[str]) -> list[str]:
-        """Remove our filters (our pref and our name) from these devices, and the clsact qdisc of a
-        device we removed one from when no filter (anyone's) remains on it. -> what was removed."""
-        return self._tc.detach(devices)
+        """Remove our links and our filters (our pref and our name) from these devices, and the clsact
+        qdisc of a device we removed a filter from when no filter (anyone's) remains on it. -> what was
+        removed."""
+        removed = self._tc.detach(devices)
+        try:
+            removed += self._drop_links(self._tc.indexes(devices))
+        except OSError as exc:
+            raise EbpfError(f"detaching the counter in network namespace {self.netns!r}: {exc}") from exc
+        return removed

@@ -21,6 +21,7 @@ from iptables.render import KINDS
 from netagent.desired import DataPathOptions, NodeInputs, PodShape, desired_state
 from tc.probe import probe
 from tests.test_datapath_traffic import datagram_sender, edge_cases, egress_moved, udp_l3_bytes
+from tests.test_ebpf_kernel import attached, ours, ours_soon
 
 pytestmark = [pytest.mark.root, pytest.mark.traffic]
 
@@ -70,10 +71,10 @@ def bpf_dir():
 class Agent:
     """The agent's data path on the lab node, programmed as the sync loop does."""
 
-    def __init__(self, lab: Lab, bpf_dir: str, by_device: bool = True):
+    def __init__(self, lab: Lab, bpf_dir: str, by_device: bool = True, attach: str = "auto"):
         self.lab, self.node = lab, lab.nodes[0]
         self.options = DataPathOptions(leaf_qdisc=probe(self.node.netns).leaf_qdisc, internal_by_device=by_device,
-                                       bpf_dir=bpf_dir)
+                                       bpf_dir=bpf_dir, count_attach=attach)
         self.dp = KernelDataPath(self.options, iptables_backend="nft", netns=self.node.netns)
 
     def apply(self, full: bool = True) -> dict[str, int]:
@@ -95,10 +96,10 @@ class Agent:
     def rules_node_counts(self) -> dict[str, int]:
         return self.dp._classifier.counters()[1]
 
-
-def our_filters(netns: str, device: str, name: str = "netagent-count") -> list[str]:
-    return [line for direction in ("ingress", "egress")
-            for line in run(f"tc filter show dev {device} {direction}", netns).splitlines() if name in line]
+    @property
+    def way(self) -> str:
+        """How its counter attaches: tcx links (this kernel), or tc filters."""
+        return self.dp._counter.attach_by
 
 
 # the node kinds the uplink counts (its internet egress is the rules')
@@ -131,10 +132,10 @@ def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 
 
 def test_every_pod_device_and_the_uplink_carry_the_counter(lab, agent):
+    assert agent.way == "tcx"  # this kernel has tcx: the counter's programs run straight from the hooks
     for pod in lab.nodes[0].pods:
-        assert len(our_filters(lab.nodes[0].netns, pod.node_veth)) == 2, pod.node_veth
-    assert len(our_filters(lab.nodes[0].netns, UPLINK, "netagent-node")) == 2
-    assert not our_filters(lab.nodes[0].netns, UPLINK)
+        assert ours(lab.nodes[0].netns, pod.node_veth) == attached("tcx"), pod.node_veth
+    assert ours(lab.nodes[0].netns, UPLINK) == attached("tcx", uplink=True)
 
 
 def test_classification_edges_are_counted_exactly_on_the_device(lab, agent):
@@ -206,7 +207,7 @@ def test_a_restarted_agent_adopts_the_counter_and_changes_nothing(lab, agent, bp
         old, new = agent.counts(pod), again.counts(pod)
         assert new["egress_internal"] >= old["egress_internal"] > 0, (old, new)  # the map's counts, not zero
         old, new = agent.node_counts(), again.node_counts()
-        assert all(new[k] >= old[k] > 0 for k in NODE_BY_DEVICE), (old, new)  # the node map's too
+        assert all(new[k] >= old[k] > 0 for k in ("egress_internal", "ingress_internal")), (old, new)  # the node's
     finally:
         again.dp.close()
 
@@ -218,9 +219,8 @@ def test_counting_by_the_rules_again_removes_the_counter(lab, agent, bpf_dir):
     rules = Agent(lab, bpf_dir, by_device=False)
     try:
         changes = rules.apply()
-        assert changes["ebpf"] >= 2 * len(node.pods) + 2 and changes["iptables"] > 0, changes  # and clsacts left empty
-        assert not any(our_filters(node.netns, p.node_veth) for p in node.pods)
-        assert not our_filters(node.netns, UPLINK, "netagent-node")
+        assert changes["ebpf"] >= 2 * len(node.pods) + 2 and changes["iptables"] > 0, changes  # links and pins
+        assert all(ours_soon(node.netns, dev, []) == [] for dev in (*(p.node_veth for p in node.pods), UPLINK))
         # the rules count the node's ingress and internal egress again (from what the old rules carried on)
         assert "-j NETAGENT-PREROUTING" in run("iptables-nft-save -t mangle", node.netns)
         before = rules.rules_counts(pod)
@@ -231,39 +231,47 @@ def test_counting_by_the_rules_again_removes_the_counter(lab, agent, bpf_dir):
         rules.dp.close()
     back = agent.apply()
     assert back["ebpf"] >= 2 * len(node.pods) + 2 and back["iptables"] > 0, back
-    assert all(len(our_filters(node.netns, p.node_veth)) == 2 for p in node.pods)
-    assert len(our_filters(node.netns, UPLINK, "netagent-node")) == 2
+    assert all(ours(node.netns, p.node_veth) == attached("tcx") for p in node.pods)
+    assert ours(node.netns, UPLINK) == attached("tcx", uplink=True)
     assert "-j NETAGENT-PREROUTING" not in run("iptables-nft-save -t mangle", node.netns)
 
 
-def test_a_device_that_refuses_the_counter_holds_back_no_other_pod(lab, agent, caplog):
-    """Another filter at the counter's priority on one pod's device: that device is left as it is and named in a
-    warning; the apply goes on (the rules, the other pods' counters), and the next one, once the device is free
-    again, puts the counter there."""
+def test_a_device_that_refuses_the_counter_holds_back_no_other_pod(lab, agent, bpf_dir, caplog):
+    """Attached by tc filters (kernels before 6.6): another filter at the counter's priority on one pod's device
+    leaves that device as it is, named in a warning; the apply goes on (the rules, the other pods' counters), and
+    the next one, once the device is free again, puts the counter there. Back to tcx links after."""
     node = lab.nodes[0]
-    odd = node.pods[1].node_veth
-    run(f"tc filter del dev {odd} ingress pref 0xc001", node.netns)
+    first, odd = node.pods[0].node_veth, node.pods[1].node_veth
+    run(f"tc qdisc add dev {odd} clsact", node.netns, check=False)
     run(f"tc filter add dev {odd} ingress pref 0xc001 bpf bytecode '1,6 0 0 0'", node.netns)  # "never matches"
+    by_tc = Agent(lab, bpf_dir, attach="tc")
     try:
         with caplog.at_level("WARNING", logger="netagent.datapath"):
-            changes = agent.apply()
+            changes = by_tc.apply()
         assert "iptables" in changes and odd in caplog.text, (changes, caplog.text)
-        assert len(our_filters(node.netns, node.pods[0].node_veth)) == 2
-        assert len(our_filters(node.netns, odd)) == 1  # its egress one only: the ingress is somebody else's
-    finally:
+        assert ours_soon(node.netns, first, attached("tc")) == attached("tc")  # the tcx links went
+        assert ours_soon(node.netns, odd, ["tc egress netagent-count-out"]) == ["tc egress netagent-count-out"]
         run(f"tc filter del dev {odd} ingress pref 0xc001", node.netns)
-    assert agent.apply()["ebpf"] >= 1
-    assert len(our_filters(node.netns, odd)) == 2
+        assert by_tc.apply()["ebpf"] >= 1
+        assert ours(node.netns, odd) == attached("tc")
+    finally:
+        run(f"tc filter del dev {odd} ingress pref 0xc001", node.netns, check=False)
+        by_tc.dp.close()
+    assert agent.apply()["ebpf"] >= 2 * len(node.pods) + 2  # the tcx links back, the filters gone
+    assert all(ours(node.netns, p.node_veth) == attached("tcx") for p in node.pods)
+    assert ours(node.netns, UPLINK) == attached("tcx", uplink=True)
 
 
-def test_an_ordinary_sync_trusts_the_counter_it_applied_and_a_full_one_repairs_it(lab, agent):
-    """As for the rules: a sync whose device counting is what the last one applied reads nothing back (two filter
-    dumps a device); the periodic full resync does, and puts back a filter someone removed."""
+def test_an_ordinary_sync_trusts_the_counter_it_applied_and_a_full_one_repairs_it(lab, agent, bpf_dir):
+    """As for the rules: a sync whose device counting is what the last one applied reads nothing back; the
+    periodic full resync does, and puts back a link someone removed."""
     node = lab.nodes[0]
     dev = node.pods[0].node_veth
     agent.apply()
-    run(f"tc filter del dev {dev} egress pref 0xc001", node.netns)
+    index = int(run(f"cat /sys/class/net/{dev}/ifindex", node.netns))
+    os.unlink(os.path.join(bpf_dir, f"link-{index}-out"))  # released: its program detached
+    assert ours_soon(node.netns, dev, ["tcx ingress na_count_in"]) == ["tcx ingress na_count_in"]
     assert agent.apply(full=False)["ebpf"] == 0
-    assert len(our_filters(node.netns, dev)) == 1
+    assert ours(node.netns, dev) == ["tcx ingress na_count_in"]
     assert agent.apply(full=True)["ebpf"] == 1
-    assert len(our_filters(node.netns, dev)) == 2
+    assert ours(node.netns, dev) == attached("tcx")

@@ -12,8 +12,11 @@ also after a failure.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 
 import pytest
 
+import nlwire
 from lab.netns import bpf_filesystem, scratch_netns, sh
 from tc import ebpf
 from tc.ebpf import EbpfError, InternalCounter
@@ -119,6 +123,50 @@ def started(bpffs: str, lab: Lab, **kw) -> InternalCounter:
     return counter
 
 
+WAYS = ("tcx", "tc")  # how the programs are attached: tcx links (Linux >= 6.6), cls_bpf filters (before)
+
+
+def ours(netns: str, dev: str) -> list[str]:
+    """Our programs on a device, sorted, as "<way> <hook> <name>": tcx programs by their names (opened by id:
+    the test runs as root), tc filters by theirs."""
+    found = []
+    with nlwire.in_netns(netns):
+        index = socket.if_nametoindex(dev)
+        for egress, hook in ((False, "ingress"), (True, "egress")):
+            ids = (ctypes.c_uint32 * 16)()
+            attr = ebpf._attr("=IIIIQI", index, ebpf.BPF_TCX[egress], 0, 0, ctypes.addressof(ids), len(ids))
+            ebpf._bpf(ebpf.BPF_PROG_QUERY, attr)
+            for prog_id in ids[:struct.unpack_from("=I", attr, 24)[0]]:
+                fd = ebpf._bpf(13, ebpf._attr("=I", prog_id))  # BPF_PROG_GET_FD_BY_ID
+                try:
+                    found.append(f"tcx {hook} {ebpf._info(fd, 80)[64:80].rstrip(bytes(1)).decode()}")
+                finally:
+                    os.close(fd)
+    for hook in ("ingress", "egress"):
+        found += [f"tc {hook} {word}" for line in sh(f"tc filter show dev {dev} {hook}", netns).splitlines()
+                  for word in line.split() if word.startswith("netagent-")]
+    return sorted(found)
+
+
+def attached(way: str, uplink: bool = False) -> list[str]:
+    """What `ours` shows on a device that carries the counter: a pod device's programs, or an uplink's."""
+    if way == "tcx":
+        names = ("na_node_in", "na_node_out") if uplink else ("na_count_in", "na_count_out")
+    else:
+        names = ("netagent-node-in", "netagent-node-out") if uplink else ("netagent-count-in", "netagent-count-out")
+    return sorted([f"{way} ingress {names[0]}", f"{way} egress {names[1]}"])
+
+
+def ours_soon(netns: str, dev: str, want: list[str]) -> list[str]:
+    """`ours` once it is `want` (an unpinned link's release is deferred by the kernel), or after 5 s."""
+    for _ in range(50):
+        found = ours(netns, dev)
+        if found == want:
+            break
+        time.sleep(0.1)
+    return found
+
+
 @root
 def test_counts_are_exact_ip_bytes_per_pod_and_direction_and_internet_is_not_counted(bpffs, lab):
     """An ICMP echo or datagram of 100 bytes is 128 IP bytes in IPv4 and 148 in IPv6 on both hooks:
@@ -179,17 +227,21 @@ def test_a_tcp_transfer_is_counted_in_gso_packets_within_a_percent_of_its_bytes(
 
 
 @root
-def test_a_second_counter_adopts_the_pinned_map_and_the_filters_then_follows_new_networks(bpffs, lab):
+@pytest.mark.parametrize("way", WAYS)
+def test_a_second_counter_adopts_the_pins_and_the_attachments_then_follows_new_networks(bpffs, lab, way):
+    """A restarted agent finds the programs it would load pinned and running (with CAP_BPF alone it could not
+    open them by id), so it changes nothing; new networks are new programs, swapped in on every hook."""
     a = lab.pod["a"]
     pin_dir = os.path.join(bpffs, "netagent")
-    first = started(bpffs, lab)
+    first = started(bpffs, lab, attach_by=way)
+    assert first.attach_by == way
     ping(a, B4, 2)
     before = first.read()
-    first.close()  # an agent that went: its filters keep counting
+    first.close()  # an agent that went: its programs keep counting
     ping(a, B4, 1)
-    with InternalCounter(pin_dir, netns=lab.node) as second:
+    with InternalCounter(pin_dir, netns=lab.node, attach_by=way) as second:
         assert second.read()[A4] == entry(both(3, 0), both(3, 0)) and before[A4] == entry(both(2, 0), both(2, 0))
-        assert second.set_networks(NETS) is True  # a new process loads its programs...
+        assert second.set_networks(NETS) is True  # a new process takes its programs...
         assert second.attach(DEVICES) == 0  # ...which are the ones running
         assert second.set_pods(PODS) == 0
         assert second.set_networks({6: NETS[6], 4: NETS[4]}) is False
@@ -200,8 +252,10 @@ def test_a_second_counter_adopts_the_pinned_map_and_the_filters_then_follows_new
         ping(a, INET4, 2)  # internal now
         ping(a, B4, 1)
         assert second.read()[A4] == entry(both(6, 0), both(6, 0))
-        filters = sh("tc filter show dev veth-a ingress; tc filter show dev veth-a egress", lab.node)
-        assert filters.count("netagent-count-") == 2 and filters.count("direct-action") == 2
+        assert ours(lab.node, "veth-a") == attached(way)
+        if way == "tc":
+            assert sh("tc filter show dev veth-a ingress; tc filter show dev veth-a egress", lab.node).count(
+                "direct-action") == 2
 
 
 @root
@@ -244,31 +298,81 @@ def test_set_pods_keeps_the_counts_of_pods_that_stay_and_refuses_more_than_max_e
 
 
 @root
-def test_detach_removes_only_our_filters_and_a_clsact_nobody_else_uses(bpffs, lab):
+@pytest.mark.parametrize("way", WAYS)
+def test_an_agent_with_only_its_pods_capabilities_adopts_what_is_attached(bpffs, lab, way):
+    """The agent's pod has NET_ADMIN, NET_RAW and BPF, not SYS_ADMIN: it cannot open a running program by its id,
+    so it tells its own by the pinned programs; a restart under those capabilities changes nothing."""
+    pin_dir = os.path.join(bpffs, "netagent")
+    started(bpffs, lab, attach_by=way).close()
+    code = ("import sys; from tc.ebpf import InternalCounter; "
+            f"c = InternalCounter({pin_dir!r}, attach_by={way!r}); c.set_networks({NETS!r}); "
+            f"print(c.set_pods({PODS!r}), c.attach({DEVICES!r}))")
+    # in the node's namespace as the agent runs (entering one needs CAP_SYS_ADMIN), then without it
+    run = subprocess.run(["ip", "netns", "exec", lab.node, "setpriv", "--bounding-set=-all,+net_admin,+net_raw,+bpf",
+                          "--inh-caps=-all",
+                          "--no-new-privs", "--", sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.stdout.split() == ["0", "0"], run.stdout + run.stderr
+    ebpf.remove_counting(DEVICES, netns=lab.node)
+    ebpf.unpin_dir(pin_dir)
+
+
+@root
+def test_the_pin_of_a_gone_devices_link_is_removed(bpffs, lab):
+    """A pod's device goes with its pod, and its links' programs with it; their pins are left to the next attach."""
+    with started(bpffs, lab, attach_by="tcx") as counter:
+        pins = sorted(n for n in os.listdir(counter.pin_dir) if n.startswith("link-"))
+        assert len(pins) == 4
+        gone = socket.if_nametoindex  # (resolved in the lab's namespace below)
+        with nlwire.in_netns(lab.node):
+            b = gone("veth-b")
+        sh("ip link del veth-b", lab.node)
+        assert counter.attach(["veth-a"]) == 2  # the two pins of veth-b's links
+        assert sorted(n for n in os.listdir(counter.pin_dir) if n.startswith("link-")) == [
+            p for p in pins if not p.startswith(f"link-{b}-")]
+        counter.unpin()
+
+
+@root
+@pytest.mark.parametrize("way", WAYS)
+def test_detach_removes_only_what_is_ours_and_a_clsact_nobody_else_uses(bpffs, lab, way):
     """The download redirect's pref (0xC000) on a pod device's egress stands for another netagent
     filter: a classic-BPF filter there (this kernel has no gact for `matchall action pass`)."""
     other = "tc filter add dev veth-a egress pref 0xc000 bpf bytecode '1,6 0 0 0'"
     sh(f"tc qdisc add dev veth-a clsact && {other}", lab.node)
-    with started(bpffs, lab) as counter:
+    with started(bpffs, lab, attach_by=way) as counter:
         assert counter.attach([*DEVICES, "veth-gone"]) == 0  # a device that is not there: nothing to do
         removed = counter.detach([*DEVICES, "veth-gone"])
-        assert sorted(removed) == ["clsact veth-b", "filter veth-a egress pref 0xc001",
-                                   "filter veth-a ingress pref 0xc001", "filter veth-b egress pref 0xc001",
-                                   "filter veth-b ingress pref 0xc001"]
+        if way == "tc":
+            assert sorted(removed) == ["clsact veth-b", "filter veth-a egress pref 0xc001",
+                                       "filter veth-a ingress pref 0xc001", "filter veth-b egress pref 0xc001",
+                                       "filter veth-b ingress pref 0xc001"]
+        else:
+            assert sorted(removed) == [f"tcx link veth-{d} {hook}" for d in "ab" for hook in ("egress", "ingress")]
         assert counter.detach(DEVICES) == []
-        egress = sh("tc filter show dev veth-a egress", lab.node)
-        assert "pref 49152 bpf" in egress and "netagent-count" not in egress
+        assert ours_soon(lab.node, "veth-a", []) == ours_soon(lab.node, "veth-b", []) == []
+        assert "pref 49152 bpf" in sh("tc filter show dev veth-a egress", lab.node)
         assert "clsact" in sh("tc qdisc show dev veth-a", lab.node)
         assert "clsact" not in sh("tc qdisc show dev veth-b", lab.node)
-        # another filter at our pref is not ours to replace: the other devices are done, that one named
-        sh("tc qdisc add dev veth-b clsact && tc filter add dev veth-b ingress pref 0xc001 bpf bytecode '1,6 0 0 0'",
-           lab.node)
-        with pytest.raises(EbpfError, match="veth-b ingress: another filter holds pref 0xc001"):
-            counter.attach(DEVICES)
-        assert sh("tc filter show dev veth-a ingress", lab.node).count("netagent-count-in") == 1
-        assert sh("tc filter show dev veth-b egress", lab.node).count("netagent-count-out") == 1
-        counter.detach(DEVICES)
-        assert "pref 49153 bpf" in sh("tc filter show dev veth-b ingress", lab.node)  # not ours: still there
+        if way == "tc":
+            # another filter at our pref is not ours to replace: the other devices are done, that one named
+            sh("tc qdisc add dev veth-b clsact && tc filter add dev veth-b ingress pref 0xc001 bpf bytecode '1,6 0 0 0'",
+               lab.node)
+            with pytest.raises(EbpfError, match="veth-b ingress: another filter holds pref 0xc001"):
+                counter.attach(DEVICES)
+            assert ours(lab.node, "veth-a") == attached("tc")
+            assert ours(lab.node, "veth-b") == ["tc egress netagent-count-out"]
+            counter.detach(DEVICES)
+            assert "pref 49153 bpf" in sh("tc filter show dev veth-b ingress", lab.node)  # not ours: still there
+            sh("tc filter del dev veth-b ingress pref 0xc001", lab.node)
+        # switching the way: what the other way attached goes
+        counter.attach(DEVICES)
+        other_way = InternalCounter(counter.pin_dir, netns=lab.node, attach_by="tc" if way == "tcx" else "tcx")
+        with other_way:
+            other_way.set_networks(NETS)
+            other_way.attach(DEVICES)
+            assert ours_soon(lab.node, "veth-a", attached(other_way.attach_by)) == attached(other_way.attach_by)
+            other_way.detach(DEVICES)
         counter.unpin()
     assert "netagent" not in os.listdir(bpffs)  # (a bpffs may hold the kernel's own maps.debug, progs.debug)
 
@@ -309,14 +413,16 @@ def node_settled(counter: InternalCounter, expected: dict) -> dict:
 
 
 @root
-def test_the_uplinks_count_the_nodes_totals_by_the_far_ends_scope_in_ip_bytes(bpffs, lab, far):
+@pytest.mark.parametrize("way", WAYS)
+def test_the_uplinks_count_the_nodes_totals_by_the_far_ends_scope_in_ip_bytes(bpffs, lab, far, way):
     """On the uplink, what leaves for an internal destination is the node's internal egress, and every
     IP packet that arrives for this host its internal or internet ingress by its source; the internet
     egress is left to the rules, and a frame for another host is not counted (it never reaches IP)."""
     a = lab.pod["a"]
-    counter = started(bpffs, lab)
+    counter = started(bpffs, lab, attach_by=way)
     try:
-        assert counter.attach(DEVICES, uplinks=("up0",)) == 3  # clsact and two filters on up0 only
+        assert counter.attach(DEVICES, uplinks=("up0",)) == (3 if way == "tc" else 2)  # (a clsact and) two hooks
+        assert ours(lab.node, "up0") == attached(way, uplink=True)
         assert counter.read_node() == {"egress_internal": 0, "ingress_internal": 0, "ingress_internet": 0}
         ping(a, FAR4, 2)  # out and back internal
         ping(a, FAR6, 2)
@@ -336,40 +442,48 @@ def test_the_uplinks_count_the_nodes_totals_by_the_far_ends_scope_in_ip_bytes(bp
         assert node_settled(counter, expected) == expected
         # the pods' counts are the pod devices' as before: the far peer is internal, the internet host not
         assert counter.read()[A4] == entry(both(2, 0), both(2 + 4, 0))
-        # a restarted agent adopts the node's map and its counts, and finds its filters current
+        # a restarted agent adopts the node's map and its counts, and finds its programs attached
         counter.close()
-        counter = InternalCounter(os.path.join(bpffs, "netagent"), netns=lab.node)
+        counter = InternalCounter(os.path.join(bpffs, "netagent"), netns=lab.node, attach_by=way)
         counter.set_networks(NETS)
         assert counter.read_node() == expected
         assert counter.attach(DEVICES, uplinks=("up0",)) == 0
         # an uplink that is not Ethernet would be misread: named, the others done
         with pytest.raises(EbpfError, match="uplink lo: link type 772 is not Ethernet"):
             counter.attach(DEVICES, uplinks=("up0", "lo"))
-        assert "netagent" not in sh("tc filter show dev lo ingress", lab.node)
-        # a device that changes role gets the other role's filters
+        assert ours(lab.node, "lo") == []
+        # a device that changes role gets the other role's programs
         assert counter.attach(("up0",), uplinks=()) == 2
-        assert sh("tc filter show dev up0 egress", lab.node).count("netagent-count-out") == 1
+        assert ours(lab.node, "up0") == attached(way)
         assert counter.attach((), uplinks=("up0",)) == 2
-        egress = sh("tc filter show dev up0 egress", lab.node)
-        assert egress.count("netagent-node-out") == 1 and "netagent-count" not in egress
+        assert ours(lab.node, "up0") == attached(way, uplink=True)
+        removed = counter.detach([*DEVICES, "up0"])
+        assert ({"clsact up0", "filter up0 egress pref 0xc001", "filter up0 ingress pref 0xc001"} if way == "tc" else
+                {"tcx link up0 egress", "tcx link up0 ingress"}) <= set(removed)
+        assert ours_soon(lab.node, "up0", []) == []
     finally:
         counter.close()
-    removed = ebpf.remove_counting([*DEVICES, "up0"], netns=lab.node)
-    assert {"clsact up0", "filter up0 egress pref 0xc001", "filter up0 ingress pref 0xc001"} <= set(removed)
-    ebpf.unpin_dir(os.path.join(bpffs, "netagent"))
+        ebpf.unpin_dir(os.path.join(bpffs, "netagent"))
 
 
 @root
-def test_cleanup_without_a_counter_removes_what_a_gone_agent_left(bpffs, lab, tmp_path):
-    """`netagent cleanup` has no counter: remove_counting needs netlink only, unpin_dir the path."""
+@pytest.mark.parametrize("way", WAYS)
+def test_cleanup_without_a_counter_removes_what_a_gone_agent_left(bpffs, lab, tmp_path, way):
+    """`netagent cleanup` has no counter: remove_counting needs netlink only (the filters), unpin_dir the path (the
+    links, which detach their programs once released, the programs and the maps)."""
     pin_dir = os.path.join(bpffs, "netagent")
-    started(bpffs, lab).close()  # an agent that went: filters and map stay
+    started(bpffs, lab, attach_by=way).close()  # an agent that went: its programs and maps stay
     assert ebpf.remove_counting(["veth-a"], 0xC000, lab.node) == []  # another pref: not ours
-    ours = [f"filter veth-{d} {hook} pref 0xc001" for d in "ab" for hook in ("egress", "ingress")]
-    assert sorted(ebpf.remove_counting([*DEVICES, "lo"], netns=lab.node)) == ["clsact veth-a", "clsact veth-b", *ours]
+    filters = [f"filter veth-{d} {hook} pref 0xc001" for d in "ab" for hook in ("egress", "ingress")]
+    assert sorted(ebpf.remove_counting([*DEVICES, "lo"], netns=lab.node)) == (
+        ["clsact veth-a", "clsact veth-b", *filters] if way == "tc" else [])
     assert sh("tc qdisc show dev veth-a; tc qdisc show dev veth-b", lab.node).count("clsact") == 0
-    assert ebpf.unpin_dir(pin_dir) == [f"pinned map {pin_dir}/internal", f"pinned map {pin_dir}/node",
-                                       f"directory {pin_dir}"]
+    links = [f"tcx link {pin_dir}/{name}" for name in sorted(os.listdir(pin_dir)) if name.startswith("link-")]
+    programs = [f"pinned program {pin_dir}/prog-{name}" for name in sorted(ebpf.PROGRAMS.values())]
+    assert ebpf.unpin_dir(pin_dir) == [*links, *programs, f"pinned map {pin_dir}/internal",
+                                       f"pinned map {pin_dir}/node", f"directory {pin_dir}"]
+    assert len(links) == (4 if way == "tcx" else 0)
+    assert ours_soon(lab.node, "veth-a", []) == ours_soon(lab.node, "veth-b", []) == []
     assert ebpf.unpin_dir(pin_dir) == []
     plain = tmp_path / "plain"
     (plain / "internal").mkdir(parents=True)
