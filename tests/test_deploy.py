@@ -299,6 +299,7 @@ def test_agent_and_cleanup_work_with_exactly_their_pod_privileges(base, tmp_path
     from lab.topology import Lab, run
     from lab.agentproc import IFB, AgentProcess, pod_object, write_objects
     from lab.netns import bpf_filesystem, require_root
+    from tests.test_ebpf_kernel import attached, ours, ours_soon
 
     require_root()
     agent_container, = pod_spec(base, "DaemonSet", "netagent-agent")["containers"]
@@ -329,13 +330,14 @@ def test_agent_and_cleanup_work_with_exactly_their_pod_privileges(base, tmp_path
             assert pod["minor"] is not None and pod["limit_bps"] > 0, pod
             assert effective_capabilities(agent.proc.pid) == {"NET_ADMIN", "NET_RAW", "BPF"}
             assert "internal bytes counted on the pods' devices" in agent.log(), agent.log()
-            assert "netagent-node-in" in run(["tc", "filter", "show", "dev", node.uplink, "ingress"], node.netns)
+            assert ours(node.netns, node.uplink) == attached("tcx", uplink=True)  # the node's totals
             assert agent.terminate() == 0, agent.log()
         finally:
             agent.close()
         cleaned = run([*confined(cleanup_container), sys.executable, "-m", "netagent", "cleanup", "--bpf-dir",
                        bpf_dir], node.netns)
         assert "removed" in cleaned and not os.path.exists(bpf_dir), cleaned
+        assert ours_soon(node.netns, node.uplink, []) == []  # its links released: the programs detached
         assert IFB not in run(["ip", "link"], node.netns)
         assert "NETAGENT" not in run(["iptables-save"], node.netns)
 
