@@ -1,24 +1,29 @@
-"""Each local pod's internal bytes and packets, counted by eBPF on the pods' host-side devices.
+"""Internal bytes and packets counted by eBPF: each local pod's on its host-side device, the node's on its
+uplinks.
 
 Why: the iptables rules count a pod's internal traffic with ipset lookups, and those lookups are
 what internal traffic pays at line rate. A program on each pod device (the device is the pod's,
 so no lookup decides whose packet it is) counts what the pod sends to, and receives from, the
-internal CIDRs; the rules can then let internal packets go before any set.
+internal CIDRs; a program on each uplink counts the node's totals by the far end's scope. The
+rules can then let internal packets go before any set or device test.
 
 Why eBPF: a classic-BPF scope test whose action statistics count needs `gact`, which minimal
 kernels (this one) lack; `mirred`, often the one action there, clones or steals the packet. A
 `sched_cls` program in direct-action mode tests the scope and adds to a map itself, and returns
-TC_ACT_UNSPEC so the device's other filters (netagent's download redirect) still run.
+TC_ACT_UNSPEC so the device's other programs and filters (netagent's download redirect) still run.
+Attached by tcx links where the kernel has them (Linux >= 6.6), else as cls_bpf filters on clsact:
+the link runs the program straight from the device's hook, at a third of the filter's cost.
 
 What it counts is what the ipset and iptables counters count: the IP bytes of each skb, a GSO
-super-packet once with its one header. cls_bpf shows the program the frame from its MAC header in
+super-packet once with its one header. tc shows the program the frame from its MAC header in
 both directions (at ingress it pushes the MAC header back before the program runs), so the count
 is skb->len less the 14-byte Ethernet header on either hook.
 
 One map for all pods, keyed by the pod's address (an IPv4 address as ::ffff:a.b.c.d), so no
-pod-to-device mapping is needed and routed and bridged pods are alike. It is pinned in a bpffs so
-that a restarted agent adopts it and its counts; the programs are not pinned: the filters hold
-them, and a restarted agent recognises the ones it would load by their tag.
+pod-to-device mapping is needed and routed and bridged pods are alike; the node's totals in a
+second, two-entry map. Maps, programs and tcx links are pinned in a bpffs: a restarted agent adopts
+the maps with their counts, finds the programs it would load (same tag, same map) already running,
+and the links keep the programs attached while no agent runs.
 
 Loaded with raw bpf(2) calls through ctypes: the programs are tens of instructions (a few
 hundred with 40 CIDRs) and need no compiler, no libbpf and no BTF.
@@ -603,38 +608,33 @@ class InternalCounter:
             raise EbpfError(problem)
         os.makedirs(pin_dir, exist_ok=True)
         try:
-            self.map_fd = self._open(self.pin, map_shape(max_entries), MAP_NAME)
-            self.node_map_fd = self._open(self.node_pin, NODE_MAP_SHAPE, NODE_MAP_NAME)
+            self.map_fd = self._adopt(self.pin, map_shape(max_entries), MAP_NAME)
+            self.node_map_fd = self._adopt(self.node_pin, NODE_MAP_SHAPE, NODE_MAP_NAME)
         except BaseException:
             self.close()
             raise
         self.map_ids = {False: map_info(self.map_fd)[1], True: map_info(self.node_map_fd)[1]}  # uplink? -> map id
         self.attach_by = attach_by if attach_by != "auto" else "tcx" if tcx_available(netns) else "tc"
 
-    def _open(self, pin: str, shape: tuple[int, int, int, int, int], name: bytes) -> int:
-        return self._adopt(pin, shape, name) if os.path.lexists(pin) else self._create(pin, shape, name)
 
     def _create(self, pin: str, shape: tuple[int, int, int, int, int], name: bytes) -> int:
         try:
             fd = _create_map(shape, name)
         except OSError as exc:
             raise EbpfError(f"creating the counter's map {name.decode()} failed: {_bpf_refusal(exc)}") from None
-        path = ctypes.create_string_buffer(os.fsencode(pin))
         try:
-            _bpf(BPF_OBJ_PIN, _attr("=QI", _addr(path), fd))
-        except OSError as exc:
+            self._pin(fd, pin)
+        except EbpfError:
             os.close(fd)
-            raise EbpfError(f"pinning the counter's map at {pin} failed: {exc.strerror}") from None
+            raise
         return fd
 
     def _adopt(self, pin: str, shape: tuple[int, int, int, int, int], name: bytes) -> int:
-        """The map pinned by an earlier agent, with its counts; a new one when what is pinned there is
-        not such a map (another object, or another shape or size)."""
-        path = ctypes.create_string_buffer(os.fsencode(pin))
-        try:
-            fd = _bpf(BPF_OBJ_GET, _attr("=QI", _addr(path), 0))
-        except OSError as exc:
-            raise EbpfError(f"opening the pinned map {pin} failed: {exc.strerror}") from None
+        """The map pinned by an earlier agent, with its counts; a new one when nothing is pinned there,
+        or what is is not such a map (another object, or another shape or size)."""
+        fd = self._get(pin)
+        if fd is None:
+            return self._create(pin, shape, name)
         if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:bpf-map":
             kind, _id, *found_shape = map_info(fd)
             # a different capacity too: set_pods refuses by the capacity it was given
