@@ -845,12 +845,13 @@ class InternalCounter:
                         taken.append(f"uplink {dev}: link type {kinds.get(dev)} is not Ethernet, and the program reads "
                                      "the addresses at Ethernet offsets (count by the rules here: --internal-counting rules)")
                         del index[dev]
+            # what an agent that attached the other way left goes (a filter dump only where a clsact is)
             if self.attach_by == "tcx":
                 done = self._attach_links(index, uplinks)
-                done += tc.detach(index)  # the filters of an agent that attached by tc
+                done += tc.detach(index)
             else:
                 done = self._attach_filters(index, uplinks, taken)
-                done += self._drop_links(index)  # the links of an agent that attached by tcx
+                done += self._drop_links(index)
         except OSError as exc:
             raise EbpfError(f"attaching the counter in network namespace {self.netns!r}: {exc}") from exc
         if done:
@@ -876,12 +877,14 @@ class InternalCounter:
         """A pinned tcx link on each hook of each device, running the current program. A pin whose link
         lost its device (the ifindex reused by a new one) is replaced."""
         done: list[str] = []
+        checked: set[str] = set()  # the pins looked at here: the prune skips them
         with nlwire.in_netns(self.netns):  # links name their device by ifindex
             for dev, idx in index.items():
                 for egress in (False, True):
                     which, hook = (dev in uplinks, egress), "egress" if egress else "ingress"
                     prog_fd, prog_id, _ = self.progs[which]
                     pin = self._link_pin(idx, egress)
+                    checked.add(os.path.basename(pin))
                     fd = self._get(pin)
                     if fd is not None:
                         try:
@@ -905,14 +908,15 @@ class InternalCounter:
                     finally:
                         os.close(fd)
                     done.append(f"tcx link {dev} {hook}")
-        done += self._prune_links()
+        done += self._prune_links(checked)
         return done
 
-    def _prune_links(self) -> list[str]:
-        """Remove the pins of links whose device went (their programs were detached with it)."""
+    def _prune_links(self, checked: set[str]) -> list[str]:
+        """Remove the pins of links whose device went (their programs were detached with it); those in
+        `checked` are the listed devices' own, just looked at."""
         removed = []
         for name in os.listdir(self.pin_dir):
-            if not name.startswith(LINK_PIN):
+            if not name.startswith(LINK_PIN) or name in checked:
                 continue
             pin = os.path.join(self.pin_dir, name)
             fd = self._get(pin)
