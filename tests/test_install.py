@@ -57,7 +57,7 @@ CONTROLLER_PORT = 9561
 AGENT_STATE = "http://127.0.0.1:9562/state"  # the agent serves /state on loopback only (--state-listen)
 IFB = "netagent0"
 TRAFFIC_LOCK = "/tmp/netagent-traffic.lock"
-CAPABILITY_BITS = {"NET_ADMIN": 12, "NET_RAW": 13}
+CAPABILITY_BITS = {"NET_ADMIN": 12, "NET_RAW": 13, "BPF": 39}  # linux/capability.h
 
 
 # --- the lab around the node -----------------------------------------------------------------
@@ -589,7 +589,7 @@ def test_helm_install_shapes_upgrades_and_uninstalls_on_the_real_node(
             mount, = [x for x in mounts if x[4] == path]
             assert ("ro" in mount[5].split(",")) == bool(m.read_only), f"{path}: {mount[5]}"
         hostpaths = {v.host_path.path for v in agent_pod.spec.volumes if v.host_path}
-        assert hostpaths == {"/run/xtables.lock"}
+        assert hostpaths == {"/run/xtables.lock", "/sys/fs/bpf"}  # the bpffs: device counting (chart default)
 
         # TLS by default: the controller made its Secret; the agent reports over HTTPS to the
         # Service's name, pinning the Secret's CA (mounted alone, no key in the agent)
