@@ -350,6 +350,13 @@ def _hold(team: np.ndarray, n_teams: int, team_max: np.ndarray, capacity: float,
     if push.any():
         held &= ~push
         kept = np.where(held, before, after)
+        # the increases pushed may leave the decreases still held over the capacity or a team's max
+        decrease = held & (before > after)
+        if kept.sum() > capacity:
+            held &= ~decrease
+        else:
+            held &= ~(decrease & (np.bincount(team, kept, n_teams) > team_max)[team])
+        kept = np.where(held, before, after)
     return kept, held & (before != after)
 
 

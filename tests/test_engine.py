@@ -445,6 +445,20 @@ def test_hysteresis_never_breaks_capacity_or_caps(case, data):
     assert (np.bincount(pods.team, second.allocation, len(teams.names)) <= teams.max_bps + EPS).all()
 
 
+def test_pushing_held_increases_does_not_leave_held_decreases_over_the_capacity():
+    """The case hypothesis found: a held increase pushed because the budget is contended (held_back_max) and a
+    held decrease of 0.00035 that then put the pods over the capacity; the decrease goes out too."""
+    teams = TeamColumns(("t0", "t1", "t2"), np.ones(3), np.array([0.0, 200.0, 0.0]), np.full(3, INF))
+    demand = np.array([0.0, 1, 0, 0, 0, 0, 10, 20, 250, 0])
+    pods = PodColumns(np.array([0, 0, 0, 0, 0, 0, 0, 1, 1, 0]), np.ones(10), np.array([0.0, 5, 0, 0, 0, 0, 5, 0, 0, 0]),
+                      np.full(10, INF), demand)
+    first = allocate_columns(teams, pods, 100.0)
+    moved = PodColumns(pods.team, pods.weight, pods.min_bps, pods.max_bps,
+                       demand * np.array([0.9, 1.03, 0.9, 0.9, 0.9, 0.9, 0.9, 0.97, 0.9, 0.9]))
+    second = allocate_columns(teams, moved, 100.0, previous=first)
+    assert second.allocation.sum() <= 100.0 * (1 + 1e-9) + EPS
+
+
 @PROPS
 @given(scenarios(), st.data())
 def test_warm_start_from_the_previous_round_gives_the_same_answer(case, data):
