@@ -65,8 +65,9 @@ Buffer = bytes | memoryview
 
 @contextlib.contextmanager
 def in_netns(netns: str | None) -> Iterator[None]:
-    """Run the block with this thread in a network namespace (None: where it is): for calls that name
-    a device by its ifindex, such as bpf(2)'s tcx links."""
+    """Run the block with this thread in a network namespace (None: where it is): for sockets, which
+    stay in the namespace they were made in, and calls that name a device by its ifindex, such as
+    bpf(2)'s tcx links."""
     if netns:
         pr_netns.pushns(netns)
     try:
@@ -79,13 +80,8 @@ def in_netns(netns: str | None) -> Iterator[None]:
 def socket_in(netns: str | None, protocol: int, family: int = socket.AF_NETLINK) -> socket.socket:
     """A raw socket (netlink of `protocol` by default), opened inside a network namespace (None:
     this one): a socket stays in the namespace it was made in."""
-    if netns:
-        pr_netns.pushns(netns)
-    try:
+    with in_netns(netns):
         return socket.socket(family, socket.SOCK_RAW, protocol)
-    finally:
-        if netns:
-            pr_netns.popns()
 
 
 def message(msg_type: int, flags: int, seq: int, body: bytes) -> bytes:
