@@ -93,11 +93,11 @@ def send_udp(ns: str, src: str, dst: str, count: int) -> None:
        f"s.bind(('{src}', 0)); [s.sendto(bytes(100), ('{dst}', 9)) for _ in range({count})]\"", ns)
 
 
-def settled(counter: InternalCounter, expected: dict) -> dict:
-    """The counts once they equal `expected` (datagrams are still on their way when the sender
-    returns), or as they are after 5 s."""
+def settled(read, expected: dict) -> dict:
+    """The counts `read()` gives once they equal `expected` (datagrams are still on their way when the
+    sender returns), or as they are after 5 s."""
     for _ in range(50):
-        counts = counter.read()
+        counts = read()
         if counts == expected:
             break
         time.sleep(0.1)
@@ -194,7 +194,7 @@ def test_counts_are_exact_ip_bytes_per_pod_and_direction_and_internet_is_not_cou
             B4: entry(both(2, 0), both(2 + 5, 0)),
             B6: entry(both(0, 2), both(0, 2 + 5)),
         }
-        assert settled(counter, expected) == expected
+        assert settled(counter.read, expected) == expected
 
 
 @root
@@ -403,15 +403,6 @@ def far(lab):
         yield ns
 
 
-def node_settled(counter: InternalCounter, expected: dict) -> dict:
-    for _ in range(50):
-        counts = counter.read_node()
-        if counts == expected:
-            break
-        time.sleep(0.1)
-    return counts
-
-
 @root
 @pytest.mark.parametrize("way", WAYS)
 def test_the_uplinks_count_the_nodes_totals_by_the_far_ends_scope_in_ip_bytes(bpffs, lab, far, way):
@@ -439,7 +430,7 @@ def test_the_uplinks_count_the_nodes_totals_by_the_far_ends_scope_in_ip_bytes(bp
            "bytes(100), iface='eth0', count=3, verbose=False)\"", far)
         expected = {"egress_internal": both(2 + 6, 2)[0], "ingress_internal": both(2 + 4, 2 + 4)[0],
                     "ingress_internet": both(3 + 5, 3 + 5)[0]}
-        assert node_settled(counter, expected) == expected
+        assert settled(counter.read_node, expected) == expected
         # the pods' counts are the pod devices' as before: the far peer is internal, the internet host not
         assert counter.read()[A4] == entry(both(2, 0), both(2 + 4, 0))
         # a restarted agent adopts the node's map and its counts, and finds its programs attached
