@@ -248,6 +248,7 @@ SENDER = """
 import socket, sys
 src, dst, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_IP, 19, 1)  # IP_TRANSPARENT: also a source address the namespace does not hold (forward_cost)
 s.bind((src, 0))
 s.connect((dst, 9))
 payload = b"x" * 64

@@ -50,6 +50,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.classify_cost import SENDER  # noqa: E402  (one datagram sender for both per-packet benches)
 from lab.netns import bpf_filesystem, run  # noqa: E402
 from iptables.apply import Classifier  # noqa: E402
 from netagent.datapath import KernelDataPath  # noqa: E402
@@ -64,25 +65,6 @@ INTERNAL = ("10.0.0.0/8", "fd00::/8")
 MACS = {"pod": "02:00:00:00:01:02", "vp0": "02:00:00:00:01:01", "up": "02:00:00:00:02:01", "far": "02:00:00:00:02:02"}
 G = 1_000_000_000
 CASES = {"upload": ("pod", POD4, PEER4), "download": ("far", PEER4, POD4)}
-
-SENDER = """
-import socket, sys
-src, dst, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-s.setsockopt(socket.SOL_IP, 19, 1)  # IP_TRANSPARENT: a source address this namespace does not hold
-s.bind((src, 0))
-s.connect((dst, 9))
-payload = b"x" * 64
-def runtime():
-    with open("/proc/self/schedstat") as f:
-        return int(f.read().split()[0])
-for _ in range(2000):
-    s.send(payload)
-t0 = runtime()
-for _ in range(n):
-    s.send(payload)
-print((runtime() - t0) / n)
-"""
 
 
 def sh(cmd: str, netns: str) -> str:
