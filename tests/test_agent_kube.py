@@ -6,6 +6,7 @@ the namespaces. Kernel state is read with tc over netlink, never through the age
 """
 from __future__ import annotations
 
+import contextlib
 import uuid
 from pathlib import Path
 
@@ -89,6 +90,28 @@ def delete_rbac(api, namespace: str) -> None:
             pass
 
 
+@contextlib.contextmanager
+def rbac_agent(kube_api, namespace: str, lab, node, tmp_path: Path, port: int, node_name: str):
+    """The agent for `node` (not started yet: a test may make objects first), reaching the apiserver through a
+    forwarder in the node's namespace with a token of exactly the agent's ClusterRole from deploy/; after, its
+    log printed, and the agent, the forwarder and the RBAC objects gone."""
+    forward = NetnsPortForward(node.netns, ("127.0.0.1", int(kube_api.url.rsplit(":", 1)[1])))
+    agent = None
+    try:
+        token = agent_rbac_token(kube_api, namespace)
+        kubeconfig = write_kubeconfig(tmp_path / "agent.kubeconfig", f"https://127.0.0.1:{forward.port}",
+                                      kube_api.ca_file, {"token": token})
+        agent = AgentProcess(lab, node, [], port=port, log_dir=tmp_path, node_name=node_name,
+                             extra=["--kubeconfig", str(kubeconfig)])
+        yield agent
+    finally:
+        if agent:
+            print(agent.log())
+            agent.close()
+        forward.close()
+        delete_rbac(kube_api, namespace)
+
+
 def test_sees_only_its_node_and_tells_users_about_bad_annotations(kube_api, kube_namespace, lab, tmp_path):
     ns = kube_namespace
     node = lab.nodes[0]
@@ -101,48 +124,37 @@ def test_sees_only_its_node_and_tells_users_about_bad_annotations(kube_api, kube
     custom.create_cluster_custom_object("netagent.io", "v1alpha1", "egressclasses", {
         "apiVersion": "netagent.io/v1alpha1", "kind": "EgressClass", "metadata": {"name": silver},
         "spec": {"weight": 2, "max": "60M"}})
-    forward = NetnsPortForward(node.netns, ("127.0.0.1", int(kube_api.url.rsplit(":", 1)[1])))
-    agent = None
     try:
-        token = agent_rbac_token(kube_api, ns)
-        kubeconfig = write_kubeconfig(tmp_path / "agent.kubeconfig", f"https://127.0.0.1:{forward.port}",
-                                      kube_api.ca_file, {"token": token})
-        make_pod(core, ns, "mine", node_name, mine_pod, {"netagent.io/egress-class": silver})
-        make_pod(core, ns, "bad", node_name, bad_pod, {"netagent.io/egress-class": "platinum"})
-        make_pod(core, ns, "other", elsewhere, None, {"netagent.io/egress-class": silver})
-        agent = AgentProcess(lab, node, [], port=9580, log_dir=tmp_path, node_name=node_name,
-                             extra=["--kubeconfig", str(kubeconfig)])
-        agent.start()
-        agent.wait_ready(60)
-        wait_for(lambda: ceil_of(node.netns, minor_of(mine_pod)) == 60 * M, 30, what="the pod's class from its EgressClass")
-        state = agent.state()
-        assert {p["name"] for p in state["pods"]} == {"mine", "bad"}  # never the other node's pod
-        assert ceil_of(node.netns, minor_of(bad_pod)) is not None  # shaped in the default class
+        with rbac_agent(kube_api, ns, lab, node, tmp_path, 9580, node_name) as agent:
+            make_pod(core, ns, "mine", node_name, mine_pod, {"netagent.io/egress-class": silver})
+            make_pod(core, ns, "bad", node_name, bad_pod, {"netagent.io/egress-class": "platinum"})
+            make_pod(core, ns, "other", elsewhere, None, {"netagent.io/egress-class": silver})
+            agent.start()
+            agent.wait_ready(60)
+            wait_for(lambda: ceil_of(node.netns, minor_of(mine_pod)) == 60 * M, 30, what="the pod's class from its EgressClass")
+            state = agent.state()
+            assert {p["name"] for p in state["pods"]} == {"mine", "bad"}  # never the other node's pod
+            assert ceil_of(node.netns, minor_of(bad_pod)) is not None  # shaped in the default class
 
-        def bad_events():
-            evs = core.list_namespaced_event(ns, field_selector="involvedObject.name=bad").items
-            return [e for e in evs if e.reason == "UnknownEgressClass" and e.source.component == "netagent"]
-        events = wait_for(bad_events, 30, 0.2, "an Event about the unknown class")
-        assert "platinum" in events[0].message and events[0].type == "Warning"
-        # once per change, not per sync: several resyncs later there is still one
-        syncs = agent.metric("netagent_reconcile_duration_seconds_count")
-        wait_for(lambda: agent.metric("netagent_reconcile_duration_seconds_count") >= syncs + 2, 30, 0.2, "resyncs")
-        assert len(bad_events()) == 1
-        assert agent.metric("netagent_watch_events_total", 'resource="pods",type="relist"') == 1
+            def bad_events():
+                evs = core.list_namespaced_event(ns, field_selector="involvedObject.name=bad").items
+                return [e for e in evs if e.reason == "UnknownEgressClass" and e.source.component == "netagent"]
+            events = wait_for(bad_events, 30, 0.2, "an Event about the unknown class")
+            assert "platinum" in events[0].message and events[0].type == "Warning"
+            # once per change, not per sync: several resyncs later there is still one
+            syncs = agent.metric("netagent_reconcile_duration_seconds_count")
+            wait_for(lambda: agent.metric("netagent_reconcile_duration_seconds_count") >= syncs + 2, 30, 0.2, "resyncs")
+            assert len(bad_events()) == 1
+            assert agent.metric("netagent_watch_events_total", 'resource="pods",type="relist"') == 1
 
-        # an annotation edit on the running pod reaches the kernel
-        core.patch_namespaced_pod("mine", ns, {"metadata": {"annotations": {"kubernetes.io/egress-bandwidth": "25M"}}})
-        wait_for(lambda: ceil_of(node.netns, minor_of(mine_pod)) == 25 * M, 30, what="the bandwidth annotation")
-        # the pod goes: its class goes
-        core.delete_namespaced_pod("mine", ns, grace_period_seconds=0)
-        wait_for(lambda: minor_of(mine_pod) not in tc_classes(node.netns), 30, what="class removed")
-        assert "Forbidden" not in agent.log() and "API error 403" not in agent.log()  # not "403": timestamps carry ms
+            # an annotation edit on the running pod reaches the kernel
+            core.patch_namespaced_pod("mine", ns, {"metadata": {"annotations": {"kubernetes.io/egress-bandwidth": "25M"}}})
+            wait_for(lambda: ceil_of(node.netns, minor_of(mine_pod)) == 25 * M, 30, what="the bandwidth annotation")
+            # the pod goes: its class goes
+            core.delete_namespaced_pod("mine", ns, grace_period_seconds=0)
+            wait_for(lambda: minor_of(mine_pod) not in tc_classes(node.netns), 30, what="class removed")
+            assert "Forbidden" not in agent.log() and "API error 403" not in agent.log()  # not "403": timestamps carry ms
     finally:
-        if agent:
-            print(agent.log())
-            agent.close()
-        forward.close()
-        delete_rbac(kube_api, ns)
         try:
             custom.delete_cluster_custom_object("netagent.io", "v1alpha1", "egressclasses", silver)
         except client.ApiException:
@@ -156,36 +168,25 @@ def test_follows_the_clusters_service_cidrs(kube_api, kube_namespace, lab, tmp_p
     ns, node = kube_namespace, lab.nodes[0]
     networking = client.NetworkingV1Api(kube_api.admin)
     extra, extra_name = "172.30.0.0/24", f"{ns}-extra"
-    forward = NetnsPortForward(node.netns, ("127.0.0.1", int(kube_api.url.rsplit(":", 1)[1])))
-    agent = None
 
     def internal_rules() -> str:
         return run("iptables-save -t mangle", node.netns)
 
     try:
-        token = agent_rbac_token(kube_api, ns)
-        kubeconfig = write_kubeconfig(tmp_path / "agent.kubeconfig", f"https://127.0.0.1:{forward.port}",
-                                      kube_api.ca_file, {"token": token})
-        agent = AgentProcess(lab, node, [], port=9581, log_dir=tmp_path, node_name=f"{ns}-node0",
-                             extra=["--kubeconfig", str(kubeconfig)])
-        agent.start()
-        agent.wait_ready(60)
-        assert f"service CIDRs from the cluster's ServiceCIDR objects: {SERVICE_CLUSTER_IP_RANGE}" in agent.log()
-        wait_for(lambda: f"-d {SERVICE_CLUSTER_IP_RANGE} " in internal_rules(), 30, what="the service range internal")
-        networking.create_service_cidr({"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
-                                        "metadata": {"name": extra_name}, "spec": {"cidrs": [extra]}})
-        wait_for(lambda: f"-d {extra} " in internal_rules(), 30, what="an added ServiceCIDR internal")
-        networking.delete_service_cidr(extra_name)
-        release_finalizer(networking, extra_name)
-        wait_for(lambda: f"-d {extra} " not in internal_rules(), 30, what="a removed ServiceCIDR no longer internal")
-        assert f"-d {SERVICE_CLUSTER_IP_RANGE} " in internal_rules()
-        assert "Forbidden" not in agent.log() and "API error 403" not in agent.log()
+        with rbac_agent(kube_api, ns, lab, node, tmp_path, 9581, f"{ns}-node0") as agent:
+            agent.start()
+            agent.wait_ready(60)
+            assert f"service CIDRs from the cluster's ServiceCIDR objects: {SERVICE_CLUSTER_IP_RANGE}" in agent.log()
+            wait_for(lambda: f"-d {SERVICE_CLUSTER_IP_RANGE} " in internal_rules(), 30, what="the service range internal")
+            networking.create_service_cidr({"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
+                                            "metadata": {"name": extra_name}, "spec": {"cidrs": [extra]}})
+            wait_for(lambda: f"-d {extra} " in internal_rules(), 30, what="an added ServiceCIDR internal")
+            networking.delete_service_cidr(extra_name)
+            release_finalizer(networking, extra_name)
+            wait_for(lambda: f"-d {extra} " not in internal_rules(), 30, what="a removed ServiceCIDR no longer internal")
+            assert f"-d {SERVICE_CLUSTER_IP_RANGE} " in internal_rules()
+            assert "Forbidden" not in agent.log() and "API error 403" not in agent.log()
     finally:
-        if agent:
-            print(agent.log())
-            agent.close()
-        forward.close()
-        delete_rbac(kube_api, ns)
         try:
             networking.delete_service_cidr(extra_name)
         except client.ApiException:
