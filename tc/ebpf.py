@@ -88,7 +88,7 @@ ARPHRD_ETHER = 1
 BATCH = 128  # entries a map read asks for at once
 
 TCA_BPF_FLAG_ACT_DIRECT = 1
-TCA_BPF_NAME, TCA_BPF_FLAGS, TCA_BPF_TAG, TCA_BPF_ID = 7, 8, 10, 11
+TCA_BPF_NAME, TCA_BPF_FLAGS, TCA_BPF_ID = 7, 8, 11
 # the four programs by (on an uplink?, on the device's egress?): their names, and where they are pinned so
 # that a restarted agent finds them (with CAP_BPF alone it cannot open a program by its id)
 PROGRAMS = {(False, False): "na_count_in", (False, True): "na_count_out", (True, False): "na_node_in",
@@ -448,7 +448,6 @@ class Found(NamedTuple):
 
     handle: int
     name: str
-    tag: bytes
     prog_id: int
     flags: int
 
@@ -490,8 +489,8 @@ class _Filters:
                 a = rawnl.attrs(payload)
                 bpf = a.get(rawnl.TCA_KIND, b"").rstrip(b"\0") == b"bpf"
                 o = rawnl.attrs(a.get(rawnl.TCA_OPTIONS, b"")) if bpf else {}
-                found.append(Found(handle, nlwire.text(o.get(TCA_BPF_NAME, b"")), bytes(o.get(TCA_BPF_TAG, b"")),
-                                   _u32(o.get(TCA_BPF_ID)), _u32(o.get(TCA_BPF_FLAGS))))
+                found.append(Found(handle, nlwire.text(o.get(TCA_BPF_NAME, b"")), _u32(o.get(TCA_BPF_ID)),
+                                   _u32(o.get(TCA_BPF_FLAGS))))
             out[hook] = (found, total)
         return out
 
