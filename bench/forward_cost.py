@@ -29,6 +29,7 @@ shaped, the measured pod among --pods pods' classes) or one piece of it:
   device      --internal-counting device: the pods' internal bytes counted on their devices, the node's
               totals on the uplink (tc/ebpf.py, on tcx links), the rules' internal path without a set or
               device test; device-tc: the same with the counter on tc filters (kernels before 6.6)
+  device-open the same without the gate: every packet meets the shaper's redirect filters
   tc          the shaper alone; ipt-rules, ipt-device: the rules alone; ebpf, ebpf-tc: the device counter alone
 
 Last, what each costs a one-core TCP transfer at --rate: the data skbs take the upload path and
@@ -119,6 +120,7 @@ ROWS = {  # the configurations: the whole data path by counting mode, and its pi
     "none": "no netagent",
     "rules": "the data path, --internal-counting rules",
     "device": "the data path, --internal-counting device (the counter on tcx links)",
+    "device-open": "the same without the gate (every packet meets the shaper's redirect filters)",
     "device-tc": "the same with the counter on tc filters (kernels before 6.6)",
     "tc": "its shaper alone (both IFBs and trees, the redirect filters on the uplink and the pod device)",
     "ipt-rules": "its rules alone, counting by the rules",
@@ -134,13 +136,13 @@ def install(chain: Chain, row: str, n: int, bpf_root: str | None, stack: context
     if row == "none":
         return
     netns = chain.ns["node"]
-    by_device = row in ("device", "device-tc", "ipt-device", "ebpf", "ebpf-tc")
+    by_device = row in ("device", "device-open", "device-tc", "ipt-device", "ebpf", "ebpf-tc")
     options = DataPathOptions(leaf_qdisc=probe(netns).leaf_qdisc, internal_by_device=by_device,
                               bpf_dir=os.path.join(bpf_root or "/nonexistent", netns),
-                              count_attach="tc" if row.endswith("-tc") else "auto")
+                              count_attach="tc" if row.endswith("-tc") else "auto", count_gate=row != "device-open")
     desired = desired_state(NodeInputs((UPLINK,), INTERNAL, pods(n), 10 * G, options, ingress_node_rate=10 * G,
                                        pod_devices=(POD_DEV,)))
-    if row in ("rules", "device", "device-tc"):
+    if row in ("rules", "device", "device-open", "device-tc"):
         dp = KernelDataPath(options, iptables_backend="nft", netns=netns)
         stack.callback(dp.close)
         dp.apply(desired)

@@ -165,7 +165,9 @@ class KernelDataPath:
         if options.internal_by_device:
             try:
                 self._counter = InternalCounter(options.bpf_dir, netns=netns, pref=options.count_pref,
-                                                attach_by=options.count_attach)
+                                                attach_by=options.count_attach,
+                                                gate_mark=options.mark_bit if options.count_gate else 0,
+                                                gate_pref=options.filter_pref)
                 log.info("the device counter attaches its programs by %s", "tcx links" if
                          self._counter.attach_by == "tcx" else f"tc filters at pref {options.count_pref:#x}")
             except (EbpfError, OSError) as exc:

@@ -14,6 +14,14 @@ TC_ACT_UNSPEC so the device's other programs and filters (netagent's download re
 Attached by tcx links where the kernel has them (Linux >= 6.6), else as cls_bpf filters on clsact:
 the link runs the program straight from the device's hook, at a third of the filter's cost.
 
+The gate (tcx links only): the shaper's redirect filters sit on the same egress hooks (uplinks for
+uploads, pod devices for downloads) and match only a packet with the mark bit, yet every packet runs
+the clsact machinery to find that out (~100 ns). The egress programs therefore return TC_ACT_OK
+(TCX_PASS: the hook ends) for a packet without the bit, and TC_ACT_UNSPEC for a marked one, which
+goes on to the filter. Ending the hook would also skip anybody else's filter or later tcx program
+on it, so each attach gates a device only where it finds neither (a clsact filter added later is
+found at the next full resync).
+
 What it counts is what the ipset and iptables counters count: the IP bytes of each skb, a GSO
 super-packet once with its one header. tc shows the program the frame from its MAC header in
 both directions (at ingress it pushes the MAC header back before the program runs), so the count
@@ -68,8 +76,9 @@ BPF_FS_MAGIC = 0xCAFE4A11
 LICENSE = b"Apache-2.0"  # the project's; the two helpers used are not GPL-only
 
 TC_ACT_UNSPEC = -1
+TC_ACT_OK = 0  # tcx: TCX_PASS, the verdict without the hook's later programs and filters
 ETH_HLEN = 14
-SKB_LEN, SKB_PKT_TYPE, SKB_PROTOCOL = 0, 4, 16  # offsets in struct __sk_buff
+SKB_LEN, SKB_PKT_TYPE, SKB_MARK, SKB_PROTOCOL = 0, 4, 8, 16  # offsets in struct __sk_buff
 PACKET_OTHERHOST = 3
 # where the addresses are, from the start of the frame (the MAC header): source and destination together
 ADDRESSES = {4: (26, 8), 6: (22, 32)}  # family: (offset, length)
@@ -89,10 +98,12 @@ BATCH = 128  # entries a map read asks for at once
 
 TCA_BPF_FLAG_ACT_DIRECT = 1
 TCA_BPF_NAME, TCA_BPF_FLAGS, TCA_BPF_ID = 7, 8, 11
-# the four programs by (on an uplink?, on the device's egress?): their names, and where they are pinned so
-# that a restarted agent finds them (with CAP_BPF alone it cannot open a program by its id)
-PROGRAMS = {(False, False): "na_count_in", (False, True): "na_count_out", (True, False): "na_node_in",
-            (True, True): "na_node_out"}
+# the programs by (on an uplink?, on the device's egress?, gated?): their names, and where they are pinned so
+# that a restarted agent finds them (with CAP_BPF alone it cannot open a program by its id); the gated ones
+# (egress, tcx links only) end the hook for a packet without the shaper's mark bit
+PROGRAMS = {(False, False, False): "na_count_in", (False, True, False): "na_count_out",
+            (True, False, False): "na_node_in", (True, True, False): "na_node_out",
+            (False, True, True): "na_count_out_g", (True, True, True): "na_node_out_g"}
 PROG_PIN = "prog-"  # + the program's name
 LINK_PIN = "link-"  # + "<ifindex>-in" / "-out": a tcx link, the attachment itself
 # the two hooks: (clsact parent, the filter's name, is it the device's egress), on a pod's device and on an uplink
@@ -183,7 +194,7 @@ def _le(word: bytes) -> int:
     return struct.unpack("<i", word)[0]
 
 
-def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, node: bool = False) -> bytes:
+def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, node: bool = False, gate: int = 0) -> bytes:
     """The counting program of one hook of a pod's device (node=False) or of an uplink (node=True),
     as instructions.
 
@@ -197,15 +208,20 @@ def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, nod
     classify anyway); on its ingress every IP packet for this host is added to NODE_INTERNAL's or
     NODE_INTERNET's ingress slots by its source's scope, as the rules' PREROUTING hook counted it.
 
-    Always returns TC_ACT_UNSPEC: the next filter decides."""
+    Returns TC_ACT_UNSPEC: the next program or filter decides. With `gate` (a mark bit, egress hooks
+    only), a packet without that bit gets TC_ACT_OK instead: on a tcx link that ends the hook, so the
+    clsact filters after it (the shaper's redirect, which only a marked packet matches) are not run
+    for it."""
     nets = parse_networks(networks)
     if node:
         scope, slot, other = (1, 0, False) if egress else (0, 16, True)
     else:
         scope, slot, other = (0, 16, False) if egress else (1, 0, False)
     key = 1 - scope  # pods: which address (0: source, 1: destination) is the key
-    if not nets and not other:
-        return insn(0xB7, R0, 0, 0, TC_ACT_UNSPEC) + insn(0x95)  # nothing to count
+    if gate and not egress:
+        raise EbpfError("a gate only on an egress hook: the shaper redirects what leaves a device")
+    if not nets and not other:  # nothing to count
+        return _resolve([insn(0xBF, R6, R1), *_verdict(gate)]) if gate else insn(0xB7, R0, 0, 0, TC_ACT_UNSPEC) + insn(0x95)
     # instructions, ("label", name), and ("jmp", code, dst, imm, target): a jump resolved once labels are placed
     body: list = []
 
@@ -276,8 +292,17 @@ def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, nod
                  insn(0x79, R2, R0, slot), insn(0x0F, R2, R1), insn(0x7B, R0, R2, slot),  # bytes += r1 (this CPU's)
                  insn(0x79, R2, R0, slot + 8), insn(0x07, R2, 0, 0, 1), insn(0x7B, R0, R2, slot + 8)]  # packets += 1
     body.append(("label", "OUT"))
-    body += [insn(0xB7, R0, 0, 0, TC_ACT_UNSPEC), insn(0x95)]
+    body += _verdict(gate)
     return _resolve(body)
+
+
+def _verdict(gate: int) -> list:
+    """The program's end (r6 = ctx): TC_ACT_UNSPEC, or with a gate TC_ACT_OK for a packet without the bit."""
+    if not gate:
+        return [insn(0xB7, R0, 0, 0, TC_ACT_UNSPEC), insn(0x95)]
+    return [insn(0xB7, R0, 0, 0, TC_ACT_UNSPEC), insn(0x61, R2, R6, SKB_MARK),  # r0 = UNSPEC, w2 = skb->mark
+            insn(0x54, R2, 0, 0, _le(struct.pack("<I", gate))), ("jmp", 0x56, R2, 0, "END"),  # w2 &= bit; != 0: END
+            insn(0xB7, R0, 0, 0, TC_ACT_OK), ("label", "END"), insn(0x95)]
 
 
 def _resolve(body: list) -> bytes:
@@ -587,9 +612,11 @@ class InternalCounter:
     needs CAP_SYS_ADMIN)."""
 
     def __init__(self, pin_dir: str, netns: str | None = None, pref: int = 0xC001, max_entries: int = 4096,
-                 attach_by: str = "auto"):
+                 attach_by: str = "auto", gate_mark: int = 0, gate_pref: int = 0xC000):
         if attach_by not in ("auto", "tcx", "tc"):
             raise EbpfError(f"attach_by {attach_by!r}: choose auto, tcx or tc")
+        if gate_mark and (gate_mark & (gate_mark - 1) or not 0 < gate_mark < 1 << 32):
+            raise EbpfError(f"gate_mark {gate_mark:#x}: one bit of a 32-bit mark")
         self.pin_dir = pin_dir
         self.pin = os.path.join(pin_dir, PIN_NAME)
         self.node_pin = os.path.join(pin_dir, NODE_PIN_NAME)
@@ -598,7 +625,7 @@ class InternalCounter:
         self.max_entries = max_entries
         self.cpus = possible_cpus()
         self.networks: Networks | None = None
-        self.progs: dict[tuple[bool, bool], tuple[int, int, bytes]] = {}  # (uplink?, egress hook?) -> (fd, id, tag)
+        self.progs: dict[tuple[bool, bool, bool], tuple[int, int, bytes]] = {}  # PROGRAMS' keys -> (fd, id, tag)
         self._tc = _Filters(netns, pref)
         self._batch: tuple[ctypes.Array, ctypes.Array] | None = None
         self.map_fd = self.node_map_fd = -1
@@ -614,6 +641,11 @@ class InternalCounter:
             raise
         self.map_ids = {False: map_info(self.map_fd)[1], True: map_info(self.node_map_fd)[1]}  # uplink? -> map id
         self.attach_by = attach_by if attach_by != "auto" else "tcx" if tcx_available(netns) else "tc"
+        # the egress links end the hook for an unmarked packet, sparing it the clsact filters after them (the
+        # shaper's redirect at gate_pref), where nothing else would be skipped (attach() checks each device)
+        self.gate_mark = gate_mark if self.attach_by == "tcx" else 0
+        self.gate_pref = gate_pref
+        self.gated: dict[str, str | None] = {}  # device -> None (its egress link gates) or why not, as last attached
 
 
     def _create(self, pin: str, shape: tuple[int, int, int, int, int], name: bytes) -> int:
@@ -682,8 +714,11 @@ class InternalCounter:
         texts = {family: tuple(map(str, n)) for family, n in nets.items()}
         loaded: dict[tuple[bool, bool], tuple[int, int, bytes]] = {}
         try:
-            for (uplink, egress), name in PROGRAMS.items():
-                fd = _load(program(texts, egress, self.node_map_fd if uplink else self.map_fd, node=uplink), name)
+            for (uplink, egress, gated), name in PROGRAMS.items():
+                if gated and not self.gate_mark:
+                    continue
+                fd = _load(program(texts, egress, self.node_map_fd if uplink else self.map_fd, node=uplink,
+                                   gate=self.gate_mark if gated else 0), name)
                 prog_id, tag, _ = prog_info(fd)
                 pinned = self._pinned_program(name, tag, self.map_ids[uplink])
                 if pinned is not None:  # the same program, already running: keep it (its id is the filters')
@@ -691,7 +726,7 @@ class InternalCounter:
                     fd, prog_id = pinned
                 else:
                     self._pin(fd, os.path.join(self.pin_dir, PROG_PIN + name))
-                loaded[(uplink, egress)] = (fd, prog_id, tag)
+                loaded[(uplink, egress, gated)] = (fd, prog_id, tag)
         except BaseException:
             for fd, _, _ in loaded.values():
                 os.close(fd)
@@ -813,7 +848,7 @@ class InternalCounter:
         return len(have ^ want)
 
     # -- filters ----------------------------------------------------------------------------------
-    def _runs_current(self, which: tuple[bool, bool], prog_id: int) -> bool:
+    def _runs_current(self, which: tuple[bool, bool, bool], prog_id: int) -> bool:
         """Whether a filter's program is the one we run: set_networks adopted the pinned program when it
         was the one it would load (the same tag and our map), so the filter of a restarted agent runs
         exactly that program."""
@@ -873,29 +908,45 @@ class InternalCounter:
         return os.path.join(self.pin_dir, f"{LINK_PIN}{ifindex}-{'out' if egress else 'in'}")
 
     def _attach_links(self, index: dict[str, int], uplinks: tuple[str, ...]) -> list[str]:
-        """A pinned tcx link on each hook of each device, running the current program. A pin whose link
-        lost its device (the ifindex reused by a new one) is replaced."""
+        """A pinned tcx link on each hook of each device, running the current program: on the egress
+        the gated one where `_gate_blocker` finds nothing it would skip. A pin whose link lost its
+        device (the ifindex reused by a new one) is replaced."""
         done: list[str] = []
         checked: set[str] = set()  # the pins looked at here: the prune skips them
+        clsact = self._tc.chan.clsact_devices() if self.gate_mark else set()
+        gated: dict[str, str | None] = {}
         with nlwire.in_netns(self.netns):  # links name their device by ifindex
             for dev, idx in index.items():
                 for egress in (False, True):
-                    which, hook = (dev in uplinks, egress), "egress" if egress else "ingress"
-                    prog_fd, prog_id, _ = self.progs[which]
+                    hook = "egress" if egress else "ingress"
                     pin = self._link_pin(idx, egress)
                     checked.add(os.path.basename(pin))
                     fd = self._get(pin)
+                    linked = None  # the program our link on this hook runs
+                    if fd is not None:
+                        kind, prog, ifindex, attach_type = link_info(fd)
+                        if (kind, ifindex, attach_type) == (BPF_LINK_TYPE_TCX, idx, BPF_TCX[egress]):
+                            linked = prog
+                        else:
+                            os.close(fd)
+                            os.unlink(pin)  # the link of a device that went: released
+                            fd = None
+                    blocker = None
+                    if egress and self.gate_mark:
+                        blocker = gated[dev] = self._gate_blocker(idx, idx in clsact, linked)
+                        if blocker is not None and self.gated.get(dev, "") != blocker:
+                            log.warning("ebpf: %s egress: every packet meets the shaper's filter there (~100 ns "
+                                        "more for internal ones): %s", dev, blocker)
+                    prog_fd, prog_id, _ = self.progs[(dev in uplinks, egress,
+                                                      bool(egress and self.gate_mark and blocker is None))]
                     if fd is not None:
                         try:
-                            kind, linked, ifindex, attach_type = link_info(fd)
-                            if (kind, ifindex, attach_type) == (BPF_LINK_TYPE_TCX, idx, BPF_TCX[egress]):
-                                if linked != prog_id:
-                                    _bpf(BPF_LINK_UPDATE, _attr("=IIII", fd, prog_fd, 0, 0))
-                                    done.append(f"update tcx link {dev} {hook}")
-                                continue
+                            if linked != prog_id:
+                                _bpf(BPF_LINK_UPDATE, _attr("=IIII", fd, prog_fd, 0, 0))
+                                done.append(f"update tcx link {dev} {hook}")
                         finally:
                             os.close(fd)
-                        os.unlink(pin)  # the link of a device that went: released
+                        continue
                     try:
                         fd = _bpf(BPF_LINK_CREATE, _attr("=IIII", prog_fd, idx, BPF_TCX[egress], 0))
                     except OSError as exc:
@@ -907,8 +958,39 @@ class InternalCounter:
                     finally:
                         os.close(fd)
                     done.append(f"tcx link {dev} {hook}")
+        self.gated = gated
         done += self._prune_links(checked)
         return done
+
+    def _gate_blocker(self, ifindex: int, has_clsact: bool, linked: int | None) -> str | None:
+        """Why the egress link of this device (running program `linked`, None: no link yet, it will be
+        the last) may not end the hook for an unmarked packet, or None: a tcx program after ours, or a
+        clsact filter but the shaper's (and our own of the tc way), would not see such packets any more."""
+        ids = (ctypes.c_uint32 * 64)()
+        attr = _attr("=IIIIQI", ifindex, BPF_TCX[True], 0, 0, _addr(ids), len(ids))
+        try:
+            _bpf(BPF_PROG_QUERY, attr)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                return f"its tcx programs cannot be listed ({exc.strerror})"
+        (count,) = struct.unpack_from("=I", attr, 24)
+        chain = list(ids[:min(count, len(ids))])
+        if count > len(ids):
+            return f"{count} tcx programs on it"
+        if linked is not None and linked in chain and chain[-1] != linked:
+            return f"the tcx program {chain[-1]} runs after netagent's"
+        if has_clsact:
+            for handle, info, payload in self._tc.chan.dump_filters(ifindex, CLSACT_EGRESS):
+                pref = info >> 16
+                if not handle or pref == self.gate_pref:
+                    continue  # a chain header, or the shaper's redirect
+                if pref == self.pref:
+                    a = rawnl.attrs(payload)
+                    name = nlwire.text(rawnl.attrs(a.get(rawnl.TCA_OPTIONS, b"")).get(TCA_BPF_NAME, b""))
+                    if name in OUR_NAMES["egress"]:
+                        continue  # our own filter of the tc way, removed right after
+                return f"a tc filter at pref {pref:#x} on its egress is not netagent's"
+        return None
 
     def _prune_links(self, checked: set[str]) -> list[str]:
         """Remove the pins of links whose device went (their programs were detached with it); those in
@@ -963,8 +1045,8 @@ class InternalCounter:
                                  "counter another pref)")
                     continue
                 stale = [f.handle for f in filters if not (f.name == name and f.flags & TCA_BPF_FLAG_ACT_DIRECT and
-                                                           self._runs_current((uplink, egress), f.prog_id))]
-                options = {"attrs": [["TCA_BPF_FD", self.progs[(uplink, egress)][0]], ["TCA_BPF_NAME", name],
+                                                           self._runs_current((uplink, egress, False), f.prog_id))]
+                options = {"attrs": [["TCA_BPF_FD", self.progs[(uplink, egress, False)][0]], ["TCA_BPF_NAME", name],
                                      ["TCA_BPF_FLAGS", TCA_BPF_FLAG_ACT_DIRECT]]}
                 for handle in stale or ([] if filters else [FILTER_HANDLE]):
                     ops.append((f"{'replace' if filters else 'add'} filter {dev} {hook} pref {self.pref:#x}",

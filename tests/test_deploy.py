@@ -330,7 +330,7 @@ def test_agent_and_cleanup_work_with_exactly_their_pod_privileges(base, tmp_path
             assert pod["minor"] is not None and pod["limit_bps"] > 0, pod
             assert effective_capabilities(agent.proc.pid) == {"NET_ADMIN", "NET_RAW", "BPF"}
             assert "internal bytes counted on the pods' devices" in agent.log(), agent.log()
-            assert ours(node.netns, node.uplink) == attached("tcx", uplink=True)  # the node's totals
+            assert ours(node.netns, node.uplink) == attached("tcx", uplink=True, gate=True)  # the node's totals
             assert agent.terminate() == 0, agent.log()
         finally:
             agent.close()

@@ -134,8 +134,8 @@ def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 def test_every_pod_device_and_the_uplink_carry_the_counter(lab, agent):
     assert agent.way == "tcx"  # this kernel has tcx: the counter's programs run straight from the hooks
     for pod in lab.nodes[0].pods:
-        assert ours(lab.nodes[0].netns, pod.node_veth) == attached("tcx"), pod.node_veth
-    assert ours(lab.nodes[0].netns, UPLINK) == attached("tcx", uplink=True)
+        assert ours(lab.nodes[0].netns, pod.node_veth) == attached("tcx", gate=True), pod.node_veth
+    assert ours(lab.nodes[0].netns, UPLINK) == attached("tcx", uplink=True, gate=True)
 
 
 def test_classification_edges_are_counted_exactly_on_the_device(lab, agent):
@@ -231,8 +231,8 @@ def test_counting_by_the_rules_again_removes_the_counter(lab, agent, bpf_dir):
         rules.dp.close()
     back = agent.apply()
     assert back["ebpf"] >= 2 * len(node.pods) + 2 and back["iptables"] > 0, back
-    assert all(ours(node.netns, p.node_veth) == attached("tcx") for p in node.pods)
-    assert ours(node.netns, UPLINK) == attached("tcx", uplink=True)
+    assert all(ours(node.netns, p.node_veth) == attached("tcx", gate=True) for p in node.pods)
+    assert ours(node.netns, UPLINK) == attached("tcx", uplink=True, gate=True)
     assert "-j NETAGENT-PREROUTING" not in run("iptables-nft-save -t mangle", node.netns)
 
 
@@ -258,8 +258,8 @@ def test_a_device_that_refuses_the_counter_holds_back_no_other_pod(lab, agent, b
         run(f"tc filter del dev {odd} ingress pref 0xc001", node.netns, check=False)
         by_tc.dp.close()
     assert agent.apply()["ebpf"] >= 2 * len(node.pods) + 2  # the tcx links back, the filters gone
-    assert all(ours(node.netns, p.node_veth) == attached("tcx") for p in node.pods)
-    assert ours(node.netns, UPLINK) == attached("tcx", uplink=True)
+    assert all(ours(node.netns, p.node_veth) == attached("tcx", gate=True) for p in node.pods)
+    assert ours(node.netns, UPLINK) == attached("tcx", uplink=True, gate=True)
 
 
 def test_an_ordinary_sync_trusts_the_counter_it_applied_and_a_full_one_repairs_it(lab, agent, bpf_dir):
@@ -274,4 +274,4 @@ def test_an_ordinary_sync_trusts_the_counter_it_applied_and_a_full_one_repairs_i
     assert agent.apply(full=False)["ebpf"] == 0
     assert ours(node.netns, dev) == ["tcx ingress na_count_in"]
     assert agent.apply(full=True)["ebpf"] == 1
-    assert ours(node.netns, dev) == attached("tcx")
+    assert ours(node.netns, dev) == attached("tcx", gate=True)

@@ -148,10 +148,12 @@ def ours(netns: str, dev: str) -> list[str]:
     return sorted(found)
 
 
-def attached(way: str, uplink: bool = False) -> list[str]:
-    """What `ours` shows on a device that carries the counter: a pod device's programs, or an uplink's."""
+def attached(way: str, uplink: bool = False, gate: bool = False) -> list[str]:
+    """What `ours` shows on a device that carries the counter: a pod device's programs, or an uplink's (on tcx
+    links, with `gate` the gated egress program: the agent's data path gates)."""
     if way == "tcx":
         names = ("na_node_in", "na_node_out") if uplink else ("na_count_in", "na_count_out")
+        names = (names[0], names[1] + "_g" if gate else names[1])
     else:
         names = ("netagent-node-in", "netagent-node-out") if uplink else ("netagent-count-in", "netagent-count-out")
     return sorted([f"{way} ingress {names[0]}", f"{way} egress {names[1]}"])
@@ -303,16 +305,17 @@ def test_an_agent_with_only_its_pods_capabilities_adopts_what_is_attached(bpffs,
     """The agent's pod has NET_ADMIN, NET_RAW and BPF, not SYS_ADMIN: it cannot open a running program by its id,
     so it tells its own by the pinned programs; a restart under those capabilities changes nothing."""
     pin_dir = os.path.join(bpffs, "netagent")
-    started(bpffs, lab, attach_by=way).close()
+    started(bpffs, lab, attach_by=way, gate_mark=MARK).close()
     code = ("import sys; from tc.ebpf import InternalCounter; "
-            f"c = InternalCounter({pin_dir!r}, attach_by={way!r}); c.set_networks({NETS!r}); "
-            f"print(c.set_pods({PODS!r}), c.attach({DEVICES!r}))")
+            f"c = InternalCounter({pin_dir!r}, attach_by={way!r}, gate_mark={MARK}); c.set_networks({NETS!r}); "
+            f"print(c.set_pods({PODS!r}), c.attach({DEVICES!r}), c.gated)")
     # in the node's namespace as the agent runs (entering one needs CAP_SYS_ADMIN), then without it
     run = subprocess.run(["ip", "netns", "exec", lab.node, "setpriv", "--bounding-set=-all,+net_admin,+net_raw,+bpf",
                           "--inh-caps=-all",
                           "--no-new-privs", "--", sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert run.stdout.split() == ["0", "0"], run.stdout + run.stderr
+    gated = "{'veth-a': None, 'veth-b': None}" if way == "tcx" else "{}"
+    assert run.stdout.strip() == f"0 0 {gated}", run.stdout + run.stderr
     ebpf.remove_counting(DEVICES, netns=lab.node)
     ebpf.unpin_dir(pin_dir)
 
@@ -375,6 +378,79 @@ def test_detach_removes_only_what_is_ours_and_a_clsact_nobody_else_uses(bpffs, l
             other_way.detach(DEVICES)
         counter.unpin()
     assert "netagent" not in os.listdir(bpffs)  # (a bpffs may hold the kernel's own maps.debug, progs.debug)
+
+
+MARK = 0x1000  # the shaper's mark bit, as the gate tests it
+
+
+def seen(ns: str, dev: str) -> int:
+    """Packets a filter mirrored to the IFB `dev` (an IFB counts what it receives before it drops a copy
+    no redirect sent)."""
+    return json.loads(sh(f"ip -s -j link show {dev}", ns))[0]["stats64"]["rx"]["packets"]
+
+
+def seen_soon(ns: str, dev: str, want: int) -> int:
+    for _ in range(50):
+        found = seen(ns, dev)
+        if found == want:
+            break
+        time.sleep(0.1)
+    return found
+
+
+@root
+def test_the_gate_spares_an_unmarked_packet_the_filters_only_while_it_skips_nobody_elses(bpffs, lab):
+    """With a gate, the egress links end the hook for a packet without the mark bit, so the shaper's
+    redirect filter (the only other one there) is not run for internal traffic. A filter that is not
+    the shaper's (a classic-BPF filter mirroring every packet to an IFB, standing for somebody else's),
+    or a tcx program after ours, turns the gate off on that device at the next attach, and on again
+    when it goes. The counts are the same either way."""
+    sh("ip link add seen0 type ifb && ip link set seen0 up && tc qdisc add dev veth-b clsact", lab.node)
+    everything = "tc filter {} dev veth-b egress pref 0x100 bpf bytecode '1,6 0 0 4294967295' action mirred egress mirror dev seen0"
+    with started(bpffs, lab, attach_by="tcx", gate_mark=MARK) as counter:
+        assert counter.gated == {"veth-a": None, "veth-b": None}
+        assert ours(lab.node, "veth-b") == ["tcx egress na_count_out_g", "tcx ingress na_count_in"]
+        sh(everything.format("add"), lab.node)  # after the attach: the gate does not know of it yet
+        send_udp(lab.pod["a"], A4, B4, 20)
+        assert settled(counter.read, {**counter.read(), B4: entry((0, 0), both(20, 0))})[B4] == entry((0, 0), both(20, 0))
+        assert seen(lab.node, "seen0") == 0  # unmarked: the hook ended at our program
+        sh(f"iptables -t mangle -A POSTROUTING -d {B4} -j MARK --set-xmark {MARK:#x}/{MARK:#x}", lab.node)
+        send_udp(lab.pod["a"], A4, B4, 5)
+        assert seen_soon(lab.node, "seen0", 5) == 5  # marked: the filters after our program run
+        sh(f"iptables -t mangle -F POSTROUTING", lab.node)
+
+        assert counter.attach(DEVICES) == 1  # veth-b's egress link now runs the ungated program
+        assert counter.gated["veth-a"] is None
+        assert counter.gated["veth-b"] == "a tc filter at pref 0x100 on its egress is not netagent's"
+        assert ours(lab.node, "veth-b") == attached("tcx")
+        send_udp(lab.pod["a"], A4, B4, 20)
+        assert seen_soon(lab.node, "seen0", 25) == 25
+        assert settled(counter.read, {**counter.read(), B4: entry((0, 0), both(45, 0))})[B4] == entry((0, 0), both(45, 0))
+
+        sh(everything.format("del").split(" bpf")[0], lab.node)
+        assert counter.attach(DEVICES) == 1
+        assert counter.gated == {"veth-a": None, "veth-b": None}
+
+        # a tcx program after ours (one that decides nothing) would not see an unmarked packet either
+        with nlwire.in_netns(lab.node):
+            prog = ebpf._load(ebpf.insn(0xB7, 0, 0, 0, -1) + ebpf.insn(0x95), "other")
+            link = ebpf._bpf(ebpf.BPF_LINK_CREATE, ebpf._attr("=IIII", prog, socket.if_nametoindex("veth-a"),
+                                                                ebpf.BPF_TCX[True], 0))
+        try:
+            assert counter.attach(DEVICES) == 1
+            assert counter.gated["veth-a"].startswith("the tcx program ")
+            assert counter.gated["veth-a"].endswith(" runs after netagent's")
+            assert counter.gated["veth-b"] is None
+        finally:
+            os.close(link)
+            os.close(prog)
+        for _ in range(50):  # the kernel releases a closed link a little later
+            if counter.attach(DEVICES) and counter.gated["veth-a"] is None:
+                break
+            time.sleep(0.1)
+        assert counter.gated == {"veth-a": None, "veth-b": None}
+        counter.detach(DEVICES)
+        counter.unpin()
 
 
 # beyond the node's uplink up0: an internal peer, and an internet host on the far side's loopback
@@ -463,14 +539,15 @@ def test_cleanup_without_a_counter_removes_what_a_gone_agent_left(bpffs, lab, tm
     """`netagent cleanup` has no counter: remove_counting needs netlink only (the filters), unpin_dir the path (the
     links, which detach their programs once released, the programs and the maps)."""
     pin_dir = os.path.join(bpffs, "netagent")
-    started(bpffs, lab, attach_by=way).close()  # an agent that went: its programs and maps stay
+    started(bpffs, lab, attach_by=way, gate_mark=MARK).close()  # an agent that went: its programs and maps stay
     assert ebpf.remove_counting(["veth-a"], 0xC000, lab.node) == []  # another pref: not ours
     filters = [f"filter veth-{d} {hook} pref 0xc001" for d in "ab" for hook in ("egress", "ingress")]
     assert sorted(ebpf.remove_counting([*DEVICES, "lo"], netns=lab.node)) == (
         ["clsact veth-a", "clsact veth-b", *filters] if way == "tc" else [])
     assert sh("tc qdisc show dev veth-a; tc qdisc show dev veth-b", lab.node).count("clsact") == 0
     links = [f"tcx link {pin_dir}/{name}" for name in sorted(os.listdir(pin_dir)) if name.startswith("link-")]
-    programs = [f"pinned program {pin_dir}/prog-{name}" for name in sorted(ebpf.PROGRAMS.values())]
+    programs = [f"pinned program {pin_dir}/prog-{name}" for name in sorted(  # the gated ones on tcx links only
+        name for (_, _, gated), name in ebpf.PROGRAMS.items() if way == "tcx" or not gated)]
     assert ebpf.unpin_dir(pin_dir) == [*links, *programs, f"pinned map {pin_dir}/internal",
                                        f"pinned map {pin_dir}/node", f"directory {pin_dir}"]
     assert len(links) == (4 if way == "tcx" else 0)
@@ -510,7 +587,7 @@ def test_the_programs_for_no_networks_and_for_forty_a_family_load(bpffs):
 
 @root
 def test_a_program_the_verifier_refuses_is_named_with_the_verifiers_words(bpffs, monkeypatch):
-    monkeypatch.setattr(ebpf, "program", lambda networks, egress, map_fd, node=False: ebpf.insn(0x95))  # exit, r0 unset
+    monkeypatch.setattr(ebpf, "program", lambda networks, egress, map_fd, node=False, gate=0: ebpf.insn(0x95))  # exit, r0 unset
     with InternalCounter(os.path.join(bpffs, "netagent")) as counter:
         with pytest.raises(EbpfError, match=r"(?s)na_count_in failed: .*EACCES.*the verifier said: .*R0 !read_ok"):
             counter.set_networks(NETS)
@@ -547,3 +624,8 @@ def test_the_same_networks_make_the_same_program_and_none_count_nothing():
     assert one != ebpf.program({4: ("10.0.0.0/8", "172.16.0.0/12"), 6: ("fd00::/8",)}, False, 3)
     assert ebpf.program({}, False, 3) == ebpf.insn(0xB7, 0, 0, 0, -1) + ebpf.insn(0x95)  # return TC_ACT_UNSPEC
     assert len(ebpf.program(FORTY, False, 3)) // 8 < 4096  # the unprivileged limit, for scale
+    # the gate is two loads, a test and a jump more at the end, on an egress hook only
+    assert len(ebpf.program(NETS, True, 3, gate=MARK)) == len(ebpf.program(NETS, True, 3)) + 4 * 8
+    assert ebpf.program({}, True, 3, gate=MARK) != ebpf.program({}, True, 3)
+    with pytest.raises(EbpfError, match="only on an egress hook"):
+        ebpf.program(NETS, False, 3, gate=MARK)
