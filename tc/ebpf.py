@@ -221,7 +221,7 @@ def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, nod
     if gate and not egress:
         raise EbpfError("a gate only on an egress hook: the shaper redirects what leaves a device")
     if not nets and not other:  # nothing to count
-        return _resolve([insn(0xBF, R6, R1), *_verdict(gate)]) if gate else insn(0xB7, R0, 0, 0, TC_ACT_UNSPEC) + insn(0x95)
+        return _resolve([insn(0xBF, R6, R1), *_verdict(gate)]) if gate else _resolve(_verdict(0))
     # instructions, ("label", name), and ("jmp", code, dst, imm, target): a jump resolved once labels are placed
     body: list = []
 
@@ -301,7 +301,7 @@ def _verdict(gate: int) -> list:
     if not gate:
         return [insn(0xB7, R0, 0, 0, TC_ACT_UNSPEC), insn(0x95)]
     return [insn(0xB7, R0, 0, 0, TC_ACT_UNSPEC), insn(0x61, R2, R6, SKB_MARK),  # r0 = UNSPEC, w2 = skb->mark
-            insn(0x54, R2, 0, 0, _le(struct.pack("<I", gate))), ("jmp", 0x56, R2, 0, "END"),  # w2 &= bit; != 0: END
+            insn(0x54, R2, 0, 0, _le(struct.pack("<I", gate))), ("jmp", 0x56, R2, 0, "END"),  # w2 &= bit; if w2 != 0
             insn(0xB7, R0, 0, 0, TC_ACT_OK), ("label", "END"), insn(0x95)]
 
 
@@ -712,7 +712,7 @@ class InternalCounter:
         if nets == self.networks and self.progs:
             return False
         texts = {family: tuple(map(str, n)) for family, n in nets.items()}
-        loaded: dict[tuple[bool, bool], tuple[int, int, bytes]] = {}
+        loaded: dict[tuple[bool, bool, bool], tuple[int, int, bytes]] = {}
         try:
             for (uplink, egress, gated), name in PROGRAMS.items():
                 if gated and not self.gate_mark:
@@ -924,7 +924,11 @@ class InternalCounter:
                     fd = self._get(pin)
                     linked = None  # the program our link on this hook runs
                     if fd is not None:
-                        kind, prog, ifindex, attach_type = link_info(fd)
+                        try:
+                            kind, prog, ifindex, attach_type = link_info(fd)
+                        except BaseException:
+                            os.close(fd)
+                            raise
                         if (kind, ifindex, attach_type) == (BPF_LINK_TYPE_TCX, idx, BPF_TCX[egress]):
                             linked = prog
                         else:
