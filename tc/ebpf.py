@@ -426,6 +426,24 @@ def tcx_available(netns: str | None = None) -> bool:
     return True
 
 
+def tcx_programs(ifindex: int, egress: bool) -> list[int]:
+    """The ids of the programs on a device's tcx hook (in the calling thread's network namespace), in the
+    order they run; OSError when the kernel cannot list them."""
+    room = 16
+    while True:
+        ids = (ctypes.c_uint32 * room)()
+        attr = _attr("=IIIIQI", ifindex, BPF_TCX[egress], 0, 0, _addr(ids), room)
+        try:
+            _bpf(BPF_PROG_QUERY, attr)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:  # ENOSPC: more than `room`, their count given
+                raise
+        (count,) = struct.unpack_from("=I", attr, 24)
+        if count <= room:
+            return list(ids[:count])
+        room = count
+
+
 def prog_info(fd: int) -> tuple[int, bytes, tuple[int, ...]]:
     """(id, tag, the ids of the maps it uses) of a program (struct bpf_prog_info: id at 4, tag at
     8, nr_map_ids at 52, map_ids at 56)."""
@@ -477,6 +495,12 @@ class Found(NamedTuple):
     flags: int
 
 
+def _bpf_options(payload: bytes) -> dict:
+    """A dumped filter's cls_bpf options by attribute type; empty for a filter of another kind."""
+    a = rawnl.attrs(payload)
+    return rawnl.attrs(a.get(rawnl.TCA_OPTIONS, b"")) if a.get(rawnl.TCA_KIND, b"").rstrip(b"\0") == b"bpf" else {}
+
+
 def _u32(value: bytes | None) -> int:
     return struct.unpack_from("=I", value)[0] if value is not None and len(value) >= 4 else 0
 
@@ -511,9 +535,7 @@ class _Filters:
                 total += 1
                 if info >> 16 != self.pref or not handle:
                     continue  # somebody else's, or a chain header
-                a = rawnl.attrs(payload)
-                bpf = a.get(rawnl.TCA_KIND, b"").rstrip(b"\0") == b"bpf"
-                o = rawnl.attrs(a.get(rawnl.TCA_OPTIONS, b"")) if bpf else {}
+                o = _bpf_options(payload)
                 found.append(Found(handle, nlwire.text(o.get(TCA_BPF_NAME, b"")), _u32(o.get(TCA_BPF_ID)),
                                    _u32(o.get(TCA_BPF_FLAGS))))
             out[hook] = (found, total)
@@ -970,17 +992,12 @@ class InternalCounter:
         """Why the egress link of this device (running program `linked`, None: no link yet, it will be
         the last) may not end the hook for an unmarked packet, or None: a tcx program after ours, or a
         clsact filter but the shaper's (and our own of the tc way), would not see such packets any more."""
-        ids = (ctypes.c_uint32 * 64)()
-        attr = _attr("=IIIIQI", ifindex, BPF_TCX[True], 0, 0, _addr(ids), len(ids))
         try:
-            _bpf(BPF_PROG_QUERY, attr)
+            chain = tcx_programs(ifindex, True)
         except OSError as exc:
-            if exc.errno != errno.ENOSPC:
-                return f"its tcx programs cannot be listed ({exc.strerror})"
-        (count,) = struct.unpack_from("=I", attr, 24)
-        chain = list(ids[:min(count, len(ids))])
-        if count > len(ids):
-            return f"{count} tcx programs on it"
+            return f"its tcx programs cannot be listed ({exc.strerror})"
+        if len(chain) > 64:
+            return f"{len(chain)} tcx programs on it"
         if linked is not None and linked in chain and chain[-1] != linked:
             return f"the tcx program {chain[-1]} runs after netagent's"
         if has_clsact:
@@ -989,9 +1006,7 @@ class InternalCounter:
                 if not handle or pref == self.gate_pref:
                     continue  # a chain header, or the shaper's redirect
                 if pref == self.pref:
-                    a = rawnl.attrs(payload)
-                    name = nlwire.text(rawnl.attrs(a.get(rawnl.TCA_OPTIONS, b"")).get(TCA_BPF_NAME, b""))
-                    if name in OUR_NAMES["egress"]:
+                    if nlwire.text(_bpf_options(payload).get(TCA_BPF_NAME, b"")) in OUR_NAMES["egress"]:
                         continue  # our own filter of the tc way, removed right after
                 return f"a tc filter at pref {pref:#x} on its egress is not netagent's"
         return None

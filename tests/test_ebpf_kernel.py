@@ -12,11 +12,9 @@ also after a failure.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -93,9 +91,9 @@ def send_udp(ns: str, src: str, dst: str, count: int) -> None:
        f"s.bind(('{src}', 0)); [s.sendto(bytes(100), ('{dst}', 9)) for _ in range({count})]\"", ns)
 
 
-def settled(read, expected: dict) -> dict:
-    """The counts `read()` gives once they equal `expected` (datagrams are still on their way when the
-    sender returns), or as they are after 5 s."""
+def settled(read, expected):
+    """What `read()` gives once it equals `expected` (datagrams are still on their way when the sender
+    returns; an unpinned link's release is deferred by the kernel), or as it is after 5 s."""
     for _ in range(50):
         counts = read()
         if counts == expected:
@@ -133,10 +131,7 @@ def ours(netns: str, dev: str) -> list[str]:
     with nlwire.in_netns(netns):
         index = socket.if_nametoindex(dev)
         for egress, hook in ((False, "ingress"), (True, "egress")):
-            ids = (ctypes.c_uint32 * 16)()
-            attr = ebpf._attr("=IIIIQI", index, ebpf.BPF_TCX[egress], 0, 0, ctypes.addressof(ids), len(ids))
-            ebpf._bpf(ebpf.BPF_PROG_QUERY, attr)
-            for prog_id in ids[:struct.unpack_from("=I", attr, 24)[0]]:
+            for prog_id in ebpf.tcx_programs(index, egress):
                 fd = ebpf._bpf(13, ebpf._attr("=I", prog_id))  # BPF_PROG_GET_FD_BY_ID
                 try:
                     found.append(f"tcx {hook} {ebpf._info(fd, 80)[64:80].rstrip(bytes(1)).decode()}")
@@ -160,13 +155,8 @@ def attached(way: str, uplink: bool = False, gate: bool = False) -> list[str]:
 
 
 def ours_soon(netns: str, dev: str, want: list[str]) -> list[str]:
-    """`ours` once it is `want` (an unpinned link's release is deferred by the kernel), or after 5 s."""
-    for _ in range(50):
-        found = ours(netns, dev)
-        if found == want:
-            break
-        time.sleep(0.1)
-    return found
+    """`ours` once it is `want`, or after 5 s."""
+    return settled(lambda: ours(netns, dev), want)
 
 
 @root
@@ -389,15 +379,6 @@ def seen(ns: str, dev: str) -> int:
     return json.loads(sh(f"ip -s -j link show {dev}", ns))[0]["stats64"]["rx"]["packets"]
 
 
-def seen_soon(ns: str, dev: str, want: int) -> int:
-    for _ in range(50):
-        found = seen(ns, dev)
-        if found == want:
-            break
-        time.sleep(0.1)
-    return found
-
-
 @root
 def test_the_gate_spares_an_unmarked_packet_the_filters_only_while_it_skips_nobody_elses(bpffs, lab):
     """With a gate, the egress links end the hook for a packet without the mark bit, so the shaper's
@@ -416,7 +397,7 @@ def test_the_gate_spares_an_unmarked_packet_the_filters_only_while_it_skips_nobo
         assert seen(lab.node, "seen0") == 0  # unmarked: the hook ended at our program
         sh(f"iptables -t mangle -A POSTROUTING -d {B4} -j MARK --set-xmark {MARK:#x}/{MARK:#x}", lab.node)
         send_udp(lab.pod["a"], A4, B4, 5)
-        assert seen_soon(lab.node, "seen0", 5) == 5  # marked: the filters after our program run
+        assert settled(lambda: seen(lab.node, "seen0"), 5) == 5  # marked: the filters after our program run
         sh(f"iptables -t mangle -F POSTROUTING", lab.node)
 
         assert counter.attach(DEVICES) == 1  # veth-b's egress link now runs the ungated program
@@ -424,7 +405,7 @@ def test_the_gate_spares_an_unmarked_packet_the_filters_only_while_it_skips_nobo
         assert counter.gated["veth-b"] == "a tc filter at pref 0x100 on its egress is not netagent's"
         assert ours(lab.node, "veth-b") == attached("tcx")
         send_udp(lab.pod["a"], A4, B4, 20)
-        assert seen_soon(lab.node, "seen0", 25) == 25
+        assert settled(lambda: seen(lab.node, "seen0"), 25) == 25
         assert settled(counter.read, {**counter.read(), B4: entry((0, 0), both(45, 0))})[B4] == entry((0, 0), both(45, 0))
 
         sh(everything.format("del").split(" bpf")[0], lab.node)
