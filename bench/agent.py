@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -89,9 +90,18 @@ def counter_reads(netns: str, rounds: int = 10, per_round: int = 5) -> dict[str,
     return {source: (1000 * cpu[source] / (rounds * per_round), pct(wall[source], 50)) for source in cpu}
 
 
-def steady_cpu(agent: AgentProcess, window: float, scrape_every: float = 10.0) -> tuple[float, float]:
-    """(% of one core, RSS MiB) over `window` seconds with a scrape every `scrape_every` s."""
+def syncs(agent: AgentProcess) -> tuple[float, float]:
+    """(reconciles so far, seconds they took) from the agent's own histogram."""
+    text = agent.get("/metrics")[1].decode()
+    found = dict(re.findall(r"^netagent_reconcile_duration_seconds_(count|sum) (\S+)$", text, re.M))
+    return float(found.get("count", 0)), float(found.get("sum", 0))
+
+
+def steady_cpu(agent: AgentProcess, window: float, scrape_every: float = 10.0) -> tuple[float, float, str]:
+    """(% of one core, RSS MiB, what the agent reconciled meanwhile) over `window` seconds with a scrape
+    every `scrape_every` s."""
     pid = agent.proc.pid
+    s0 = syncs(agent)
     c0, t0 = cpu_seconds(pid), time.monotonic()
     next_scrape = t0
     while time.monotonic() - t0 < window:
@@ -100,7 +110,9 @@ def steady_cpu(agent: AgentProcess, window: float, scrape_every: float = 10.0) -
             next_scrape += scrape_every
         time.sleep(0.2)
     c1, t1 = cpu_seconds(pid), time.monotonic()
-    return 100 * (c1 - c0) / (t1 - t0), rss_mib(pid)
+    s1 = syncs(agent)
+    n, took = s1[0] - s0[0], s1[1] - s0[1]
+    return 100 * (c1 - c0) / (t1 - t0), rss_mib(pid), f"{n:.0f} reconciles, {1000 * took / max(n, 1):.0f} ms each"
 
 
 def main() -> int:
@@ -205,9 +217,9 @@ def run(args, work: Path, counting: list[str]) -> int:
                   f"exec (ipset save, iptables-save -c x2) CPU {reads['exec'][0]:.1f} ms, p50 {reads['exec'][1]:.1f} ms")
 
             # -- steady-state cost ---------------------------------------------------------------
-            cpu, rss = steady_cpu(agent, args.window)
+            cpu, rss, did = steady_cpu(agent, args.window)
             print(f"agent, local allocation, {args.pods} pods, scrape every 10 s: CPU {cpu:.2f}% of a core "
-                  f"(aim <= 2%), RSS {rss:.0f} MiB (aim <= 64 MiB)")
+                  f"(aim <= 2%), RSS {rss:.0f} MiB (aim <= 64 MiB); {did} in {args.window:g} s")
         finally:
             shaper.close()
             agent.close()
@@ -224,9 +236,9 @@ def run(args, work: Path, counting: list[str]) -> int:
             agent.wait_ready(60)
             wait_for(lambda: (agent.state() or {}).get("allocation_source") == "controller", 30, 0.2, "an answer")
             for every in (10.0, 1.0):
-                cpu, rss = steady_cpu(agent, args.window, every)
+                cpu, rss, did = steady_cpu(agent, args.window, every)
                 print(f"agent, controller reports every 5 s, {args.pods} pods, scrape every {every:g} s: CPU {cpu:.2f}% "
-                      f"of a core (aim <= 1%), RSS {rss:.0f} MiB (aim <= 64 MiB)")
+                      f"of a core (aim <= 1%), RSS {rss:.0f} MiB (aim <= 64 MiB); {did} in {args.window:g} s")
         finally:
             agent.close()
     print(f"logs in {work}")
