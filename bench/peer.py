@@ -44,8 +44,12 @@ For each limit and shaper:
                   bulk-sized packet of another flow waits; netagent queues it with the pod's bulk
                   data, where fq_codel would give it a queue of its own) and the saturating
                   flow's own mean smoothed RTT (uploads: iperf3's sender; what its data waits)
-and the verdict against the aims: rate error no worse than the plugin's, internal >= 0.97 of
-unshaped, loaded RTT no higher than the plugin's. Exits 1 when an aim is missed.
+Each round is printed as measured (its order, each rate, netagent's ratio), and a line per shaper
+pools the internal rounds of every limit (the internal path is the same at each).
+The verdict against the aims: rate error no worse than the plugin's and loaded RTT no higher than
+the plugin's, at each limit; internal >= 0.97 of unshaped, the median of all the limits' rounds (one
+round's ratio spreads by +-10 % on a shared 2-core VM: a row's median of a few misses or meets the
+aim by chance). Exits 1 when an aim is missed.
 """
 from __future__ import annotations
 
@@ -240,11 +244,26 @@ class Bench:
         out = self.lab.iperf(self.pod.netns, PEER_V4, PEER_PORT, seconds=3, extra=self.iperf_args() + ["-O", "1"] + pin)
         return out["end"]["sum_received"]["bits_per_second"]
 
-    def loaded_rtt(self) -> tuple[list[float], list[float], float | None]:
+    def loaded_rtt(self, rate: int, tries: int = 3) -> tuple[list[float], list[float], float | None]:
         """(ping RTTs in ms, full-size ping RTTs in ms, the saturating TCP flow's own mean smoothed RTT
         in ms): a ping is a small packet of its own (a DNS query, a request, a keystroke); a full-size
         ping is a bulk-sized packet of another flow; the flow's RTT is what its own data waits. iperf3 reports the sender's, so the
-        flow's figure exists for uploads only (for downloads the sender is the far end)."""
+        flow's figure exists for uploads only (for downloads the sender is the far end).
+
+        Pings beside a transfer that did not run measure an idle queue: the iperf3 server still busy with
+        the goodput run just before it refuses the next test at once. A transfer that reported an error
+        or moved less than half of `rate` is run again (`tries` in all), then the bench stops."""
+        problem = ""
+        for attempt in range(tries):
+            if attempt:
+                time.sleep(1)
+            rtt, full, flow, problem = self._loaded_rtt_once(rate)
+            if not problem:
+                return rtt, full, flow
+        raise RuntimeError(f"the saturating transfer beside the pings failed {tries} times: {problem}")
+
+    def _loaded_rtt_once(self, rate: int) -> tuple[list[float], list[float], float | None, str]:
+        """One try of `loaded_rtt`: its three figures and what was wrong with the transfer ("": nothing)."""
         seconds = 2 + self.args.pings * 0.1 + 2
         load = self.lab.iperf_async(self.pod.netns, INTERNET_V4, INET_PORT, seconds=seconds, extra=self.iperf_args())
         full = None
@@ -262,14 +281,18 @@ class Bench:
             for proc in (load, full):
                 if proc is not None and proc.poll() is None:
                     proc.kill()
-        flow = None
+        flow, problem = None, ""
         try:
-            sender = json.loads(report)["end"]["streams"][0]["sender"]
+            result = json.loads(report)
+            moved = result["end"]["sum_received"]["bits_per_second"] if "error" not in result else 0
+            if moved < rate / 2:
+                problem = result.get("error") or f"it moved {fmt(moved)} against a limit of {fmt(rate)}"
+            sender = result["end"]["streams"][0]["sender"]
             if sender.get("sender", True) and sender.get("mean_rtt"):
                 flow = sender["mean_rtt"] / 1000
-        except (ValueError, KeyError, IndexError, TypeError):
-            pass
-        return pings(out), pings(full_out), flow
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            problem = problem or f"its report is unreadable ({exc.__class__.__name__}: {exc})"
+        return pings(out), pings(full_out), flow, problem
 
 
 def main() -> int:
@@ -352,7 +375,7 @@ def measure(lab: Lab, direction: Direction, args, rates: list[int], clean: dict[
                             results[rate, s.label]["goodput"].append(bench.goodput())
                         if r == 0:
                             (results[rate, s.label]["rtt"], results[rate, s.label]["rtt_full"],
-                             results[rate, s.label]["flow_rtt"]) = bench.loaded_rtt()
+                             results[rate, s.label]["flow_rtt"]) = bench.loaded_rtt(rate)
                     finally:
                         s.remove(rate)
                     left = residue_of(clean, residue_snapshot(lab.nodes[0].netns))
@@ -361,6 +384,12 @@ def measure(lab: Lab, direction: Direction, args, rates: list[int], clean: dict[
                 unshaped.append(got[None])
                 for s in shapers:
                     results[rate, s.label]["internal"].append(got[s.label] / got[None])
+                # each round as measured, in its order: a share that moves with the order or the round
+                # (the internet transfers run in the first rounds only) shows here, not in the medians
+                print(f"  {fmt(rate):>7} round {r}: " + ", ".join(
+                    f"{'unshaped' if s is None else s.label} {fmt(got[None if s is None else s.label])}" for s in order)
+                      + f"; netagent/unshaped {got[agent.label] / got[None]:.3f}"
+                      + (" (after internet transfers)" if r < max(args.goodput_runs, 1) else ""), flush=True)
             for s in shapers:
                 res = results[rate, s.label]
                 res["goodput_error"] = statistics.median(res["goodput"]) / rate - 1
@@ -402,20 +431,34 @@ def verdict(rates: list[int], results: dict, title: str = "") -> int:
                     f"{res['rtt_p50']:>7.2f}ms {fmt_ms(res['rtt_full_p50']):>9} {fmt_ms(res.get('flow_rtt')):>9}")
             if res is na:
                 err_ok = abs(na["goodput_error"]) <= abs(cni["goodput_error"])
-                int_ok = na["internal_share"] >= INTERNAL_AIM
                 rtt_ok = na["rtt_p50"] <= cni["rtt_p50"]
                 line += (f"   |err| {abs(na['goodput_error']) / max(abs(cni['goodput_error']), 1e-9):.2f}x "
                          f"{'ok' if err_ok else 'MISSED'}, internal {na['internal_share'] / INTERNAL_AIM:.2f} of aim "
-                         f"{'ok' if int_ok else 'MISSED'}, RTT {na['rtt_p50'] / cni['rtt_p50']:.2f}x "
+                         f"(judged on all rounds, below), RTT {na['rtt_p50'] / cni['rtt_p50']:.2f}x "
                          f"{'ok' if rtt_ok else 'MISSED'}")
                 if na["rtt_full_p50"] and cni["rtt_full_p50"]:
                     line += f" (full-size {na['rtt_full_p50'] / cni['rtt_full_p50']:.2f}x)"
-                missed += [f"{fmt(rate)} {what}" for what, ok in (("rate error", err_ok), ("internal", int_ok),
-                                                                    ("loaded RTT", rtt_ok)) if not ok]
+                missed += [f"{fmt(rate)} {what}" for what, ok in (("rate error", err_ok), ("loaded RTT", rtt_ok))
+                           if not ok]
             print(line)
+    # The internal aim is judged on every limit's rounds together. The internal path is the same at every
+    # limit (no internal byte enters a shaper: tests/test_datapath_traffic.py, test_downloads_traffic.py), so
+    # each round, whatever the limit, is one sample of it; on a shared 2-core VM one round's ratio spreads
+    # by +-10 %, and a row's median of a few rounds misses or meets 0.97 by chance (docs/datapath.md).
+    for label in (CniPlugin.label, Netagent.label):
+        pooled = sorted(x for rate in rates for x in results[rate, label]["internal"])
+        median = statistics.median(pooled)
+        q = statistics.quantiles(pooled, n=4) if len(pooled) >= 2 else [median] * 3
+        line = (f"{'all':>7} {label:11} internal {median:.3f}: the median of every limit's {len(pooled)} rounds "
+                f"(quartiles {q[0]:.3f}-{q[2]:.3f})")
+        if label == Netagent.label:
+            int_ok = median >= INTERNAL_AIM
+            line += f"   internal {median / INTERNAL_AIM:.2f} of aim {'ok' if int_ok else 'MISSED'}"
+            missed += [] if int_ok else ["internal (all rounds)"]
+        print(line)
     print()
     print("goodput err: TCP payload vs the limit (-3.5 % = exact in IP bytes, -4.4 % = exact in Ethernet frames); "
-          f"internal: share of the unshaped path (aim >= {INTERNAL_AIM}); RTT: ping under a saturating transfer "
+          f"internal: share of the unshaped path (aim >= {INTERNAL_AIM}, the median of all rounds); RTT: ping under a saturating transfer "
           f"(the aim); full-size: a {FULL_PING_PAYLOAD + 28}-byte ping beside it (shown, not judged); flow RTT: that transfer's own mean smoothed RTT (iperf3's sender: uploads only)")
     if missed:
         print(f"{title + ' ' if title else ''}MISSED: " + "; ".join(missed))
