@@ -282,7 +282,7 @@ class Shaper:
 
     def _htb_classes(self, ifindex: int, major: int) -> list[rawnl.RawClass]:
         out = []
-        for handle, parent, payload in self.chan.dump_classes(ifindex):
+        for handle, parent, payload in self.chan.dump_classes(ifindex, major):
             if handle >> 16 != major:
                 continue
             c = rawnl.parse_htb_class(handle, parent, payload)
