@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import resource
 import subprocess
 import sys
@@ -92,9 +91,8 @@ def counter_reads(netns: str, rounds: int = 10, per_round: int = 5) -> dict[str,
 
 def syncs(agent: AgentProcess) -> tuple[float, float]:
     """(reconciles so far, seconds they took) from the agent's own histogram."""
-    text = agent.get("/metrics")[1].decode()
-    found = dict(re.findall(r"^netagent_reconcile_duration_seconds_(count|sum) (\S+)$", text, re.M))
-    return float(found.get("count", 0)), float(found.get("sum", 0))
+    return (agent.metric("netagent_reconcile_duration_seconds_count"),
+            agent.metric("netagent_reconcile_duration_seconds_sum"))
 
 
 def steady_cpu(agent: AgentProcess, window: float, scrape_every: float = 10.0) -> tuple[float, float, str]:

@@ -454,7 +454,8 @@ def verdict(rates: list[int], results: dict, title: str = "") -> int:
         if label == Netagent.label:
             int_ok = median >= INTERNAL_AIM
             line += f"   internal {median / INTERNAL_AIM:.2f} of aim {'ok' if int_ok else 'MISSED'}"
-            missed += [] if int_ok else ["internal (all rounds)"]
+            if not int_ok:
+                missed.append("internal (all rounds)")
         print(line)
     print()
     print("goodput err: TCP payload vs the limit (-3.5 % = exact in IP bytes, -4.4 % = exact in Ethernet frames); "
