@@ -73,7 +73,8 @@ class Controller:
         if cfg.from_file:
             self.files = FilePolicy(list(cfg.from_file))
             policy = PolicyCache(self.files.policy_objects)
-            self.files.on_change = policy.invalidate
+            self.files.on_change = policy.invalidate  # Namespaces' labels too: they re-resolve pods
+            namespace_labels = self.files.namespace_labels
             if self.files.has_pods():
                 locate_pods = self.files.locate_pods
                 known_pods, known_nodes = self.files.pod_count, self.files.node_count

@@ -12,7 +12,8 @@ jittered backoff; never a poll):
   hold-back, controller/allocator.py). One node's pod each, so 10,000 nodes cost little.
 
 Files (`--from-file`, no cluster): the same objects in YAML, reloaded on change
-(`FilePolicy`); pods in the files, if any, drive the node-binding check.
+(`FilePolicy`); pods in the files, if any, drive the node-binding check; Namespace objects,
+if any, give their labels (as the agent's `core.files.FileSource` reads the same files).
 """
 from __future__ import annotations
 
@@ -157,6 +158,10 @@ class FilePolicy:
 
     def has_pods(self) -> bool:
         return bool(self.snapshot.pods)
+
+    def namespace_labels(self, namespace: str) -> dict[str, str] | None:
+        """The labels of a Namespace object in the files (None: not in them), as the agent reads them."""
+        return (self.snapshot.namespaces or {}).get(namespace)
 
     def pod_count(self) -> int:
         return len(self._where)

@@ -1,4 +1,4 @@
-"""`--from-file`: Pods, EgressClasses and EgressBudgets from YAML, reloaded when they change.
+"""`--from-file`: Pods, Namespaces, EgressClasses and EgressBudgets from YAML, reloaded when they change.
 
 This is how one machine with no cluster runs netagent (and how the demo runs). Files
 hold objects in exactly their Kubernetes form, several per file (`---`). A file that
@@ -23,10 +23,10 @@ from typing import Callable
 
 import yaml
 
-from .objects import PodRecord, Snapshot
+from .objects import PodRecord, Snapshot, namespace_labels
 
 log = logging.getLogger(__name__)
-KINDS = {"Pod", "EgressClass", "EgressBudget"}
+KINDS = {"Pod", "Namespace", "EgressClass", "EgressBudget"}
 SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's parser: ~5x faster on 110 pods
 
 
@@ -61,6 +61,12 @@ def parse_documents(text: str, origin: str) -> list[dict]:
         else:
             docs.append(doc)
     return docs
+
+
+def missing_paths(paths: list[str]) -> list[str]:
+    """The paths named that do not exist: a typo must not start a node with no pods and its uplink
+    programmed anyway (the caller refuses to start, naming them)."""
+    return [p for p in paths if not Path(p).exists()]
 
 
 def load_objects(paths: list[str] | list[Path]) -> list[dict]:
@@ -241,8 +247,11 @@ class FileSource:
         return self._last, changed
 
     def snapshot(self) -> Snapshot:
-        """The objects of every loaded file as a Snapshot (other nodes' pods left out)."""
+        """The objects of every loaded file as a Snapshot (other nodes' pods left out). Namespaces'
+        labels only when the files hold Namespace objects (else: unknown, every namespace resolves by
+        its name alone, on the agent as on the controller)."""
         pods, classes, budgets, errors = [], [], [], list(self._errors.values())
+        namespaces: dict[str, dict[str, str]] | None = None
         for f in sorted(self._docs):
             for doc in self._docs[f]:
                 kind = doc.get("kind")
@@ -259,7 +268,15 @@ class FileSource:
                     classes.append(doc)
                 elif kind == "EgressBudget":
                     budgets.append(doc)
-        return Snapshot(tuple(pods), tuple(classes), tuple(budgets), self._generation, tuple(errors))
+                elif kind == "Namespace":
+                    name = (doc.get("metadata") or {}).get("name")
+                    if not isinstance(name, str) or not name:
+                        errors.append(f"{f}: Namespace without metadata.name")
+                        continue
+                    namespaces = namespaces if namespaces is not None else {}
+                    namespaces[name] = namespace_labels(doc)
+        return Snapshot(tuple(pods), tuple(classes), tuple(budgets), self._generation, tuple(errors),
+                        namespaces=namespaces)
 
     def run(self, on_change: Callable[[Snapshot], None]) -> None:
         """Call `on_change` with the first snapshot, then with each changed one, until `stop`."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 ANNOTATION_CLASS = "netagent.io/egress-class"
 ANNOTATION_BANDWIDTH = "kubernetes.io/egress-bandwidth"  # the pod's internet upload cap
@@ -83,6 +83,14 @@ class Snapshot:
     errors: tuple[str, ...] = field(default=())  # source problems (a file that failed to parse, ...)
     # the cluster's service CIDRs (its ServiceCIDR objects); None: not known from this source
     service_cidrs: tuple[str, ...] | None = None
+    # namespace name -> its labels (teams chosen by namespaceSelector); None: not known from this source
+    namespaces: Mapping[str, Mapping[str, str]] | None = None
+
+
+def namespace_labels(obj: dict[str, Any]) -> dict[str, str]:
+    """What netagent keeps of a Namespace: its labels (all a namespaceSelector reads), as strings."""
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    return {str(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else {}
 
 
 MAX_SERVICE_CIDRS = 64  # the cluster's service ranges that are taken: a handful in practice (2 per ServiceCIDR)

@@ -295,13 +295,17 @@ def shaped_pods(pods: Iterable[PodRecord]) -> list[PodRecord]:
     return out
 
 
-def resolve_pods(policy: Policy, pods: Iterable[PodRecord]) -> list[ResolvedPod]:
-    """Each shaped pod (see `shaped_pods`) with its team, class, weight, guarantee and cap (both directions)."""
+def resolve_pods(policy: Policy, pods: Iterable[PodRecord],
+                 namespaces: Mapping[str, Mapping[str, str]] | None = None) -> list[ResolvedPod]:
+    """Each shaped pod (see `shaped_pods`) with its team, class, weight, guarantee and cap (both
+    directions). `namespaces`: namespace -> labels, the same the controller resolves with (a
+    namespace missing from it resolves by its name alone, as on the controller)."""
+    labels_of = (namespaces or {}).get
     out = []
     for p in shaped_pods(pods):
         cls_ann, bw_ann = p.annotation(ANNOTATION_CLASS), p.annotation(ANNOTATION_BANDWIDTH)
         in_ann = p.annotation(ANNOTATION_INGRESS_BANDWIDTH)
-        pp = resolve_pod(policy, p.namespace, cls_ann, bw_ann, ingress_bandwidth_annotation=in_ann)
+        pp = resolve_pod(policy, p.namespace, cls_ann, bw_ann, labels_of(p.namespace), in_ann)
         out.append(ResolvedPod(
             key=p.key, namespace=p.namespace, name=p.name, uid=p.uid, ips=p.ips,
             team=pp.team, egress_class=pp.egress_class, weight=float(pp.weight),
@@ -310,6 +314,18 @@ def resolve_pods(policy: Policy, pods: Iterable[PodRecord]) -> list[ResolvedPod]
             ingress_weight=float(pp.ingress_weight), ingress_min_bps=int(pp.ingress_min_bps),
             ingress_max_bps=int(pp.ingress_max_bps), ingress_bandwidth_annotation=in_ann,
         ))
+    return out
+
+
+def namespaces_missing(pods: Iterable[ResolvedPod], namespaces: Mapping[str, Mapping[str, str]] | None) -> dict[str, int]:
+    """Namespace -> how many of `pods` run in it while `namespaces` (when known) has no such
+    namespace: deleted under running pods (or not seen yet); they resolve by the name alone."""
+    if namespaces is None:
+        return {}
+    out: dict[str, int] = {}
+    for p in pods:
+        if p.namespace not in namespaces:
+            out[p.namespace] = out.get(p.namespace, 0) + 1
     return out
 
 

@@ -255,6 +255,10 @@ class AgentMetrics:
         self.drift_checks = Counter("netagent_drift_detected",
                                     "Changes to the kernel state noticed between syncs that triggered an "
                                     "immediate resync, by source (netlink, hooks, uplinks).", ["source"], registry=r)
+        self.namespaces_missing = Counter(
+            "netagent_namespaces_missing",
+            "Namespaces found gone (deleted under running pods) while pods of this node run in them, once per "
+            "disappearance; their pods resolve by the namespace's name alone, as on the controller.", registry=r)
         # the instruments above, in their registration order: the registry's collect() before the collector's
         self._instruments = [c for c in vars(self).values() if isinstance(c, MetricWrapperBase)]
         self.collector = AgentCollector(view, lean)

@@ -17,7 +17,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from core.kubeapi import GROUP, TIMEOUT, VERSION, load_api_client
-from core.objects import PodRecord, Snapshot, service_cidrs_of
+from core.objects import PodRecord, Snapshot, namespace_labels, service_cidrs_of
 from core.reflector import Reflector
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,15 @@ class KubeSource:
             absent_statuses=(403, 404), absent_hint="Kubernetes >= 1.33 and list/watch on servicecidrs in the "
             "agent's ClusterRole; or give --service-cidr",
         )
-        self.reflectors = (self.pods, self.classes, self.budgets, self.services)
+        # namespaces' labels: teams chosen by namespaceSelector resolve here with the labels the controller
+        # reads (docs/agent.md, "Namespaces"); one small watch per node, labels kept, never a poll
+        self.namespaces = Reflector(
+            "namespaces", core.list_namespace, self.stop_event, self._mark, lambda k: metric("namespaces", k),
+            key=namespace_name, transform=namespace_labels, optional=True, absent_statuses=(403,),
+            absent_hint="list/watch on namespaces in the agent's ClusterRole; until then a team chosen by "
+            "namespaceSelector resolves by the namespace's name alone",
+        )
+        self.reflectors = (self.pods, self.classes, self.budgets, self.services, self.namespaces)
 
     def _mark(self) -> None:
         self._changed.set()
@@ -75,8 +83,10 @@ class KubeSource:
             services, problems = service_cidrs_of(self.services.values())
             errors += problems
         self._generation += 1
+        with self.namespaces.lock:
+            namespaces = None if self.namespaces.missing else dict(self.namespaces.items)
         return Snapshot(tuple(pods), tuple(self.classes.values()), tuple(self.budgets.values()), self._generation,
-                        tuple(errors), services)
+                        tuple(errors), services, namespaces)
 
     def synced(self) -> bool:
         return all(r.synced.is_set() for r in self.reflectors)
@@ -84,7 +94,7 @@ class KubeSource:
     def run(self, on_change: Callable[[Snapshot], None]) -> None:
         for r in self.reflectors:
             r.start()
-        # coalesce bursts of events: one snapshot per wakeup, after all three lists arrived
+        # coalesce bursts of events: one snapshot per wakeup, after every list arrived
         while not self.stop_event.is_set():
             if not self._changed.wait(0.5):
                 continue
@@ -97,6 +107,11 @@ class KubeSource:
     def stop(self) -> None:
         self.stop_event.set()
         self._changed.set()
+
+
+def namespace_name(obj: dict) -> str:
+    """A Namespace's key in the agent's cache: its name (pods name their namespace by it)."""
+    return obj["metadata"]["name"]
 
 
 def service_cidr_fields(obj: dict) -> dict:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from core.objects import Snapshot
-from core.policy import PolicyCache, ResolvedPod, resolve_pods
+from core.policy import PolicyCache, ResolvedPod, namespaces_missing, resolve_pods
 from tc.model import MIN_RATE_BPS, NODE_MINOR
 
 from .allocations import Allocation, Allocations, AllocationSet, cap_to_node, ingress_view, least_ceils, pod_rates
@@ -72,6 +72,7 @@ class NodeSync:
         self.state = SyncState()
         self._snapshot: Snapshot | None = None
         self._policy_objects: tuple | None = None
+        self._missing_namespaces: set[str] = set()  # said once per disappearance
         self.policy = PolicyCache(self._current_policy_objects)
         self.local = local
         # per direction: the pods (and budget) the local engine last saw
@@ -120,7 +121,8 @@ class NodeSync:
                 self._policy_objects = (snap.classes, snap.budgets)
                 self.policy.invalidate()
             policy, _ = self.policy()
-            pods = [with_outbound_problems(p) for p in resolve_pods(policy, snap.pods)]
+            pods = [with_outbound_problems(p) for p in resolve_pods(policy, snap.pods, snap.namespaces)]
+            self._note_missing_namespaces(pods, snap)
             budget = int(policy.total_bps)
             if self.problems is not None:
                 for p in pods:
@@ -163,6 +165,17 @@ class NodeSync:
                                pods_known=True, ingress_budget_bps=ingress_budget, ingress_effective=ingress_eff)
         self._count(changes, before.desired, desired, elapsed)
         return True
+
+    def _note_missing_namespaces(self, pods: list[ResolvedPod], snap: Snapshot) -> None:
+        """A namespace gone while pods of this node still run in it (deleted under them, its finalizer
+        forced): said once and counted; its pods resolve by its name alone, as on the controller."""
+        missing = namespaces_missing(pods, snap.namespaces)
+        for ns in sorted(set(missing) - self._missing_namespaces):
+            log.warning("namespace %s is gone while %d pod(s) of this node run in it: they resolve by the "
+                        "namespace's name alone (its labels are gone; the controller does the same)", ns, missing[ns])
+            if self.metrics:
+                self.metrics.namespaces_missing.inc()
+        self._missing_namespaces = set(missing)
 
     def _seed_frames(self, pods: list[ResolvedPod], effective: dict[str, Allocation], node_rate: int,
                      ingress_eff: dict[str, Allocation], ingress_rate: int | None) -> None:

@@ -367,7 +367,7 @@ def grants(docs, subject: str) -> set[tuple[str, str, str, str]]:
     return out
 
 
-AGENT_GRANTS = {("*", "", "pods", v) for v in ("get", "list", "watch")} | {
+AGENT_GRANTS = {("*", "", r, v) for r in ("pods", "namespaces") for v in ("get", "list", "watch")} | {
     ("*", "networking.k8s.io", "servicecidrs", v) for v in ("get", "list", "watch")} | {
     ("*", "netagent.io", r, v) for r in ("egressclasses", "egressbudgets") for v in ("get", "list", "watch")} | {
     ("*", "", "events", v) for v in ("create", "patch")}
