@@ -99,6 +99,10 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-listen", default=agent_config.DEFAULT_STATE_LISTEN,
                    help="loopback HOST:PORT for /state (the pod inventory) when --listen is not loopback "
                         f"(default {agent_config.DEFAULT_STATE_LISTEN})")
+    p.add_argument("--metrics-auth", choices=agent_config.METRICS_AUTH, default="auto",
+                   help="/metrics only for a bearer token allowed to get the nonResourceURL /metrics (TokenReview + "
+                        "SubjectAccessReview), and --listen serves HTTPS with a self-signed certificate; auto: with "
+                        "Kubernetes on a non-loopback --listen (default auto; docs/agent.md)")
     _logging(p)
     p.add_argument("--mark-bit", type=_int, default=DEFAULT_MARK_BIT, help=f"firewall-mark bit (default {DEFAULT_MARK_BIT:#x})")
     p.add_argument("--ifb", default=DataPathOptions.ifb, help="name of the IFB device netagent owns")
@@ -166,8 +170,8 @@ def _run(a: argparse.Namespace) -> int:
     # `kill -USR1` writes every thread's stack to the log (a stuck agent, diagnosed in place)
     signal.signal(signal.SIGUSR1, dump_threads)
     daemon.start()
-    log.info("netagent running on node %r; /metrics /healthz /readyz at http://%s; /state at http://%s", cfg.node,
-             daemon.http.address, daemon.http.state_address or "(not served)")
+    log.info("netagent running on node %r; /metrics /healthz /readyz at %s://%s; /state at http://%s", cfg.node,
+             "https" if cfg.metrics_auth else "http", daemon.http.address, daemon.http.state_address or "(not served)")
     wait_until_set(stop)
     # Stopping changes nothing in the kernel, so a stop that hangs (a tool blocked on the
     # xtables lock, a netlink socket) must not keep the pod past its grace period: after

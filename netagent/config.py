@@ -52,6 +52,8 @@ class AgentConfig:
     # no --service-cidr with Kubernetes: the cluster's ServiceCIDR objects say them, followed while running
     services_from_cluster: bool = False
     cluster_service_cidrs: tuple[str, ...] = ()  # what they say now
+    # --metrics-auth: /metrics needs a token allowed to get it (TokenReview + SubjectAccessReview), over TLS
+    metrics_auth: bool = False
 
     @property
     def internal(self) -> tuple[str, ...]:
@@ -68,7 +70,8 @@ def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None
                controller_insecure_http: bool = False, state_listen: str = DEFAULT_STATE_LISTEN,
                ingress_rate: str | None = None, ingress_default_rate: str = "1M",
                ingress_ifb: str = DataPathOptions.ingress_ifb, lean_metrics: bool = False,
-               internal_counting: str = "auto", bpf_dir: str = DataPathOptions.bpf_dir) -> AgentConfig:
+               internal_counting: str = "auto", bpf_dir: str = DataPathOptions.bpf_dir,
+               metrics_auth: str = "auto") -> AgentConfig:
     """The command line's values -> AgentConfig. Discovers the uplinks (default routes) when none
     is named and adds their connected subnets to the internal CIDRs. The leaf qdisc is the
     data path's choice after probing the kernel (`Daemon.build`)."""
@@ -94,6 +97,7 @@ def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None
     if state_at is not None and not is_loopback(state_at[0]):
         raise ConfigError(f"--state-listen {state_listen} must be a loopback address (127.0.0.1 or ::1): "
                           "/state lists this node's pods and must not be reachable from them")
+    auth = metrics_auth_wanted(metrics_auth, bool(from_file), listen_at[0])
     if ingress_ifb == ifb or not 1 <= len(ingress_ifb) <= 15:
         raise ConfigError(f"--ingress-ifb {ingress_ifb!r} must be a device name of 1..15 characters other than --ifb")
     if internal_counting not in COUNTING_MODES:
@@ -128,8 +132,23 @@ def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None
         default_floor_bps=default_bps, from_file=tuple(from_file), kubeconfig=kubeconfig,
         listen=listen_at, state_listen=state_at, uplinks_learnt=not uplink, iptables_backend=iptables_backend,
         lean_metrics=lean_metrics, internal_counting=internal_counting, services_known=bool(service_cidr),
-        services_from_cluster=not service_cidr and not from_file,
+        services_from_cluster=not service_cidr and not from_file, metrics_auth=auth,
     )
+
+
+METRICS_AUTH = ("auto", "true", "false")
+
+
+def metrics_auth_wanted(mode: str, from_file: bool, listen_host: str) -> bool:
+    """auto: on with Kubernetes on a non-loopback --listen (every pod of the node reaches it), off on
+    loopback (only the node's own processes reach it) and in single-machine mode (no API server to
+    review a token: /metrics is as open as --listen makes it)."""
+    if mode not in METRICS_AUTH:
+        raise ConfigError(f"--metrics-auth {mode!r}: choose {', '.join(METRICS_AUTH)}")
+    if mode == "true" and from_file:
+        raise ConfigError("--metrics-auth=true needs the API server (TokenReview, SubjectAccessReview): with "
+                          "--from-file keep --listen on loopback instead")
+    return mode == "true" or (mode == "auto" and not from_file and not is_loopback(listen_host))
 
 
 def check_controller(url: str | None, ca: str | None, insecure_http: bool) -> None:

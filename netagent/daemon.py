@@ -13,6 +13,9 @@ import logging
 import threading
 import time
 
+from prometheus_client import CollectorRegistry, generate_latest
+
+from core.address import is_loopback, join_host_port
 from core.files import FileSource
 
 from .agent import Agent
@@ -97,9 +100,26 @@ class Daemon:
                                 insecure_http=cfg.controller_insecure_http,
                                 on_omitted=lambda reason, n: metrics.report_omitted.labels(reason).inc(n),
                                 on_refused=lambda reason: metrics.refused_pods.labels(reason).inc())
+        authorizer = tls = None
+        exposition = metrics.exposition
+        if cfg.metrics_auth:
+            from core.kubereview import access_review, token_review
+            from core.scrapeauth import ScrapeAuthorizer
+
+            from .http import ScrapeAuthCollector
+            from .selfsigned import self_signed_context
+
+            authorizer = ScrapeAuthorizer(token_review(api), access_review(api))
+            tls = self_signed_context(cfg.node)
+            auth_registry = CollectorRegistry()
+            auth_registry.register(ScrapeAuthCollector(authorizer))
+            exposition = lambda: metrics.exposition() + generate_latest(auth_registry)  # noqa: E731
+        elif not cfg.from_file and not is_loopback(cfg.listen[0]):
+            log.warning("--metrics-auth=false: /metrics at %s lists every pod of this node to whoever reaches it",
+                        join_host_port(*cfg.listen))
         http = AgentHTTP(cfg.listen, metrics.registry, agent.health, agent.readiness, lambda: agent.view().as_dict(),
                          state_listen=cfg.state_listen, on_rejected=lambda r: metrics.http_rejected.labels(r).inc(),
-                         exposition=metrics.exposition)
+                         exposition=exposition, authorizer=authorizer, tls=tls)
         log.info("uplinks %s; internal %s; leaf qdisc %s; iptables %s; internal bytes counted %s; mark bit %#x; "
                  "downloads %s; %s",
                  ",".join(cfg.uplinks), ",".join(cfg.internal), leaf, datapath.iptables_backend, counting,

@@ -12,6 +12,15 @@ A bounded server, because on hostNetwork --listen is reachable from every pod of
     queue (full: 503 at once). Neither takes the sync loop's lock: they read what the sync
     published and the counters as the data path serves them.
 One request per connection (Connection: close), GET and HEAD only, no request body.
+
+With an `authorizer` (core/scrapeauth.py: Kubernetes mode on a non-loopback --listen, the
+default), /metrics needs a bearer token a TokenReview and a SubjectAccessReview (`get` on the
+nonResourceURL /metrics) accept, as kubelet's and controller-runtime's secure metrics do: no or a
+malformed token 401, a token without the grant 403, both answered on the selector thread from the
+cache; an unknown token waits for one of REVIEWERS threads only when the authorizer admits it
+(bounded per client address and overall: 429 beyond), so junk never holds a /metrics worker. The
+listener then serves TLS (`tls`: the agent's self-signed certificate, as kubelet's): a token never
+travels in the clear. /healthz and /readyz stay open for the kubelet's probes (over the same TLS).
 """
 from __future__ import annotations
 
@@ -20,14 +29,18 @@ import logging
 import queue
 import selectors
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from core.address import is_loopback, join_host_port
+from core.scrapeauth import ScrapeAuthorizer, ScrapeRefused
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +50,56 @@ WRITE_TIMEOUT_S = 5.0
 MAX_REQUEST_BYTES = 8192
 WORKERS = 2
 WORK_QUEUE = 8
+REVIEWERS = 2  # threads for the token reviews of /metrics (the authorizer bounds what waits for them)
 TEXT = "text/plain; charset=utf-8"
-REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 431: "Request Header Fields Too Large",
+REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
+           405: "Method Not Allowed", 429: "Too Many Requests", 431: "Request Header Fields Too Large",
            500: "Internal Server Error", 503: "Service Unavailable"}
 
 
-def response(code: int, body: bytes, ctype: str = TEXT, head: bool = False) -> bytes:
+def response(code: int, body: bytes, ctype: str = TEXT, head: bool = False, extra: str = "") -> bytes:
     header = (f"HTTP/1.1 {code} {REASONS.get(code, 'Error')}\r\nContent-Type: {ctype}\r\n"
-              f"Content-Length: {len(body)}\r\nConnection: close\r\nCache-Control: no-store\r\n\r\n")
+              f"Content-Length: {len(body)}\r\nConnection: close\r\nCache-Control: no-store\r\n{extra}\r\n")
     return header.encode() + (b"" if head else body)
+
+
+def refusal(exc: ScrapeRefused, head: bool = False) -> bytes:
+    extra = 'WWW-Authenticate: Bearer realm="netagent"\r\n' if exc.status == 401 else (
+        "Retry-After: 1\r\n" if exc.status in (429, 503) else "")
+    return response(exc.status, f"{exc.reason}: {exc}\n".encode(), head=head, extra=extra)
+
+
+def header_value(head: bytes, name: str) -> str | None:
+    """One header's value from a request head (the first of that name), None when absent."""
+    want = name.lower().encode() + b":"
+    for line in head.split(b"\r\n")[1:]:
+        if line[:len(want)].lower() == want:
+            return line[len(want):].strip().decode("latin-1")
+    return None
+
+
+class ScrapeAuthCollector(Collector):
+    """The authorizer's own figures: reviews made, refusals by reason, verdicts cached."""
+
+    def __init__(self, authorizer: ScrapeAuthorizer, prefix: str = "netagent_"):
+        self.authorizer, self.prefix = authorizer, prefix
+
+    def collect(self):
+        a, p = self.authorizer, self.prefix
+        reviews = CounterMetricFamily(p + "metrics_auth_reviews", "API reviews made for /metrics scrapes (cache "
+                                      "misses), by kind (token: TokenReview, access: SubjectAccessReview).",
+                                      labels=["kind"])
+        for kind in ("token", "access"):
+            reviews.add_metric([kind], a.reviews[kind])
+        refusals = CounterMetricFamily(p + "metrics_auth_refusals", "/metrics scrapes refused, by reason "
+                                       "(missing_token, malformed_token, unauthenticated: 401; forbidden: 403; "
+                                       "busy: 429; review_failed: 503).", labels=["reason"])
+        for reason in sorted(set(a.refusals) | {"missing_token", "unauthenticated", "forbidden", "busy"}):
+            refusals.add_metric([reason], a.refusals[reason])
+        yield reviews
+        yield refusals
+        yield GaugeMetricFamily(p + "metrics_auth_cache_entries", "Scrape verdicts cached (grants and refusals).",
+                                value=len(a))
 
 
 def parse_request(head: bytes) -> tuple[str, str] | None:
@@ -63,6 +117,8 @@ class _Conn:
     listener: "_Listener"
     opened: float
     buf: bytearray = field(default_factory=bytearray)
+    peer: str = ""
+    handshaken: bool = False
 
 
 @dataclass
@@ -70,22 +126,28 @@ class _Listener:
     sock: socket.socket
     paths: frozenset[str]
     address: str
+    tls: ssl.SSLContext | None = None
 
 
 class AgentHTTP:
     def __init__(self, listen: tuple[str, int], registry, health: Callable[[], tuple[bool, str]],
                  ready: Callable[[], tuple[bool, str]], state: Callable[[], dict],
                  state_listen: tuple[str, int] | None = None, on_rejected: Callable[[str], None] | None = None,
-                 exposition: Callable[[], bytes] | None = None):
+                 exposition: Callable[[], bytes] | None = None, authorizer: ScrapeAuthorizer | None = None,
+                 tls: ssl.SSLContext | None = None):
         """`state_listen`: a loopback address for /state; None when `listen` is itself loopback (it
         serves /state then) or /state is not served at all. `exposition`: what /metrics answers
-        (the agent's fast rendering of `registry`); `generate_latest(registry)` without it."""
+        (the agent's fast rendering of `registry`); `generate_latest(registry)` without it.
+        `authorizer`: who may read /metrics (None: anyone who reaches `listen`); `tls`: the server
+        context `listen` serves (the /state listener stays plain: loopback only)."""
         self.registry, self.health, self.ready, self.state = registry, health, ready, state
         self.exposition = exposition or (lambda: generate_latest(self.registry))
         self.on_rejected = on_rejected or (lambda reason: None)
         probes = {"/healthz", "/readyz"}
         main_paths = probes | {"/metrics"} | ({"/state"} if is_loopback(listen[0]) else set())
+        self.authorizer = authorizer
         self.listeners = [self._listen(listen, frozenset(main_paths))]
+        self.listeners[0].tls = tls
         if state_listen is not None:
             try:
                 self.listeners.append(self._listen(state_listen, frozenset(probes | {"/state"})))
@@ -98,10 +160,14 @@ class AgentHTTP:
         self._wake_r, self._wake_w = socket.socketpair()
         self._conns: dict[int, _Conn] = {}  # fd -> connection still reading its request
         self._work: queue.Queue = queue.Queue(maxsize=WORK_QUEUE)
+        self._reviews: queue.Queue = queue.Queue()  # bounded by the authorizer's admission
         self._stop = threading.Event()
         self.threads = [threading.Thread(target=self._serve, name="http", daemon=True)]
         self.threads += [threading.Thread(target=self._worker, name=f"http-worker-{i}", daemon=True)
                          for i in range(WORKERS)]
+        if authorizer is not None:
+            self.threads += [threading.Thread(target=self._reviewer, name=f"http-review-{i}", daemon=True)
+                             for i in range(REVIEWERS)]
 
     @staticmethod
     def _listen(where: tuple[str, int], paths: frozenset[str]) -> _Listener:
@@ -134,6 +200,8 @@ class AgentHTTP:
                 self._work.put_nowait(None)
             except queue.Full:
                 pass
+        for _ in range(REVIEWERS):
+            self._reviews.put(None)
         for t in self.threads:
             if t.is_alive():
                 t.join(5)
@@ -170,10 +238,16 @@ class AgentHTTP:
                 log.warning("http: accept failed: %s", exc)
                 return
             sock.setblocking(False)
+            try:
+                peer = sock.getpeername()[0]
+            except OSError:
+                peer = ""
+            if listener.tls is not None:  # the handshake runs on this thread, step by step, in _read
+                sock = listener.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
             if len(self._conns) >= MAX_CONNECTIONS:
                 oldest = min(self._conns.values(), key=lambda c: c.opened)
                 self._close(oldest, "too_many_connections")
-            conn = _Conn(sock, listener, time.monotonic())
+            conn = _Conn(sock, listener, time.monotonic(), peer=peer)
             self._conns[sock.fileno()] = conn
             self._sel.register(sock, selectors.EVENT_READ, conn)
 
@@ -192,9 +266,20 @@ class AgentHTTP:
             self._close(conn, "read_timeout")
 
     def _read(self, conn: _Conn) -> None:
+        if conn.listener.tls is not None and not conn.handshaken:
+            try:
+                conn.sock.do_handshake()
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                return
+            except OSError:  # not TLS (a plain-http client), or a bad handshake
+                self._close(conn, "tls_handshake")
+                return
+            conn.handshaken = True
         try:
             data = conn.sock.recv(4096)
-        except (BlockingIOError, InterruptedError):
+            while conn.listener.tls is not None and data and conn.sock.pending():  # decrypted, not on the fd
+                data += conn.sock.recv(conn.sock.pending())
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return
         except OSError:
             data = b""
@@ -222,14 +307,55 @@ class AgentHTTP:
             ok, why = (self.health if path == "/healthz" else self.ready)()
             body = (why or ("ok" if ok else "not ready")).encode() + b"\n"
             self._reply_inline(conn, response(200 if ok else 503, body, head=head))
+        elif path == "/metrics" and self.authorizer is not None:
+            self._authorize(conn, header_value(bytes(conn.buf[:end]), "Authorization"), head)
+        else:
+            self._enqueue(conn, path, head)
+
+    def _enqueue(self, conn: _Conn, path: str, head: bool) -> None:
+        self._conns.pop(conn.sock.fileno(), None)
+        self._sel.unregister(conn.sock)
+        try:
+            self._work.put_nowait((conn.sock, path, head))
+        except queue.Full:
+            self.on_rejected("busy")
+            self._send_and_close(conn.sock, response(503, b"busy: try again\n"), blocking=False)
+
+    def _authorize(self, conn: _Conn, header: str | None, head: bool) -> None:
+        """A cached verdict at once; an unknown token to a reviewer if the authorizer admits it."""
+        try:
+            user = self.authorizer.cached(header)
+        except ScrapeRefused as exc:
+            self._reply_inline(conn, refusal(exc, head))
+            return
+        if user is not None:
+            self._enqueue(conn, "/metrics", head)
+        elif not self.authorizer.admit(conn.peer, header):
+            self._reply_inline(conn, refusal(ScrapeRefused("busy", "too many tokens under review; retry"), head))
         else:
             self._conns.pop(conn.sock.fileno(), None)
             self._sel.unregister(conn.sock)
+            self._reviews.put((conn.sock, header, head, conn.peer))
+
+    def _reviewer(self) -> None:
+        while (item := self._reviews.get()) is not None:
+            sock, header, head, peer = item
             try:
-                self._work.put_nowait((conn.sock, path, head))
+                self.authorizer.authorize(header)
+            except ScrapeRefused as exc:
+                self._send_and_close(sock, refusal(exc, head))
+                continue
+            except Exception as exc:  # a bug of ours: this scrape fails, the server keeps serving
+                log.exception("http: scrape review failed")
+                self._send_and_close(sock, response(500, f"error: {exc}\n".encode()))
+                continue
+            finally:
+                self.authorizer.release(peer)
+            try:
+                self._work.put_nowait((sock, "/metrics", head))
             except queue.Full:
                 self.on_rejected("busy")
-                self._send_and_close(conn.sock, response(503, b"busy: try again\n"), blocking=False)
+                self._send_and_close(sock, response(503, b"busy: try again\n"))
 
     def _reply_inline(self, conn: _Conn, data: bytes, reason: str | None = None) -> None:
         self._conns.pop(conn.sock.fileno(), None)
