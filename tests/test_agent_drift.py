@@ -1,17 +1,33 @@
 """Drift repaired between periodic resyncs: the real agent in the namespace lab, its periodic
 resync set to 10 minutes, so every repair here comes from the drift watch (netlink link and
 route events, the 1 s check of our iptables lines). Asserted on the kernel, never on time:
-each wait is far shorter than the resync period."""
+each wait is far shorter than the resync period.
+
+How long a fault leaves the pod unshaped (docs/reliability.md's bound, UNSHAPED_BOUND_S) is
+counted, not timed: the pod floods the internet host with 1400-byte datagrams at 3x its limit
+through the fault and its repair; the datagrams the internet host's kernel received
+(/proc/net/snmp Udp InDatagrams + InErrors) minus those the shaper sent on (the upload IFB's
+HTB root, which counts GSO segments) are the ones that went round the shaper; divided by the
+flood's own datagram rate, they are the seconds it was unshaped.
+
+Run it alone on the traffic lock: `flock /tmp/netagent-traffic.lock python3 -m pytest -q
+tests/test_agent_drift.py`."""
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import pytest
 
 from lab.agentproc import IFB, INGRESS_IFB, AgentProcess, iptables_text, pod_object, tc_classes, wait_for, write_objects
 from lab.faults import delete_link, flush_mangle, link_down, rename_link
 from lab.netns import require_root, run
-from lab.topology import Lab
+from lab.topology import INTERNET_V4, Lab
 
-pytestmark = [pytest.mark.root]
+pytestmark = [pytest.mark.root, pytest.mark.traffic]
 
 POLICY = [
     {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressClass", "metadata": {"name": "bronze"},
@@ -20,6 +36,12 @@ POLICY = [
      "spec": {"total": "1G", "teams": [{"name": "team-a", "namespaces": ["team-a"], "defaultClass": "bronze"}]}},
 ]
 REPAIR_WAIT = 20  # seconds; the periodic resync is 600
+LIMIT = 20_000_000  # bronze's max: the pod's limit
+FLOOD_S = 8  # the flood outlasts the fault's repair (asserted: a flood that ended first measured too little)
+SINK_PORT = 6001
+# The bound the reliability table prints for "unshaped" (mangle flushed, IFB deleted or down, uplink
+# renamed): the drift watch's 1 s hook check (netagent/drift.py HOOK_CHECK_S) plus the repair itself.
+UNSHAPED_BOUND_S = 1.5
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +80,91 @@ def current_uplink(node) -> str:
     return run("ip -o route show default", node.netns).split(" dev ", 1)[1].split()[0]
 
 
+def udp_received(lab) -> int:
+    """Datagrams the internet host's kernel took in (delivered or dropped at a full socket), per
+    datagram even for a GSO packet (a bound socket's receive path cuts it first)."""
+    lines = [l.split() for l in run(["cat", "/proc/net/snmp"], lab.internet).splitlines() if l.startswith("Udp:")]
+    udp = dict(zip(lines[0][1:], map(int, lines[1][1:])))
+    return udp["InDatagrams"] + udp["InErrors"]
+
+
+def shaper_sent(node) -> int | None:
+    """Packets (GSO segments) the upload IFB's HTB root sent on; None while the IFB is missing."""
+    out = run(["tc", "-s", "-j", "qdisc", "show", "dev", IFB, "root"], node.netns, check=False)
+    root = next((q for q in json.loads(out or "[]") if q.get("kind") == "htb"), None)
+    return None if root is None else root["packets"]
+
+
+class Flood:
+    """The pod's datagrams at 3x its limit to a receiver on the internet host, counted at both ends."""
+
+    def __init__(self, lab, node):
+        self.lab, self.node = lab, node
+        self.sink = lab.spawn(lab.internet, [sys.executable, "-m", "lab.faults", "sink", str(SINK_PORT),
+                                             str(FLOOD_S + 2)], stdout=subprocess.PIPE, text=True,
+                              cwd=str(Path(__file__).resolve().parent.parent))
+        json.loads(self.sink.stdout.readline())  # listening
+        self.flood = lab.udp_flood(node.pods[0].netns, INTERNET_V4, SINK_PORT, 3 * LIMIT, FLOOD_S)
+        self.received0, self.sent, self.last = udp_received(lab), 0, shaper_sent(node)
+        self.stop = threading.Event()
+        self.sampler = threading.Thread(target=self._sample_until_stopped, daemon=True)
+        self.sampler.start()
+
+    def _sample_until_stopped(self) -> None:
+        # A fault can take the counters with it (an IFB deleted, a tree made anew): sampled every
+        # 50 ms, a counter that went back starts from 0, and at most 50 ms of shaped packets
+        # (~90 at the limit) are missed, counted as unshaped (~0.02 s): the error is against us.
+        while not self.stop.wait(0.05):
+            self.sample()
+
+    def sample(self) -> None:
+        now = shaper_sent(self.node)
+        if now is not None:
+            self.sent += now - self.last if self.last is not None and now >= self.last else now
+        self.last = now
+
+    def unshaped_seconds(self) -> float:
+        self.stop.set()
+        self.sampler.join()
+        self.sample()
+        received = udp_received(self.lab) - self.received0
+        running = self.flood.poll() is None
+        out, _ = self.flood.communicate(timeout=FLOOD_S + 30)
+        self.sink.communicate(timeout=FLOOD_S + 30)
+        assert running, "the flood ended before the repair was counted: raise FLOOD_S"
+        report = json.loads(out)
+        rate = report["datagrams"] / report["seconds"]  # the flood's own datagrams a second
+        return max(0, received - self.sent) / rate
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sampler.join()
+        for p in (self.flood, self.sink):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 @pytest.mark.parametrize("fault", ["mangle flushed", "IFB deleted", "IFB set down", "uplink renamed"])
 def test_drift_is_repaired_before_the_periodic_resync(setup, fault):
     lab, node, agent = setup
     assert shaped(node)
     before = told(agent)
+    flood = Flood(lab, node)
+    try:
+        wait_for(lambda: flood.sent > 500, what="the flood through the shaper")
+        inject_and_repair(node, agent, fault, before)
+        unshaped = flood.unshaped_seconds()
+    finally:
+        flood.close()
+    print(f"{fault}: unshaped {unshaped:.2f} s (the pod's datagrams that went round the shaper)")
+    assert unshaped <= UNSHAPED_BOUND_S, f"{fault}: {unshaped:.2f} s unshaped"
+    if fault == "uplink renamed":  # put the name back: the lab removes the device by its name
+        rename_link(node.netns, current_uplink(node), node.uplink)
+        wait_for(lambda: shaped(node), timeout=REPAIR_WAIT, interval=0.1, what="shaped under the old name")
+
+
+def inject_and_repair(node, agent, fault: str, before: float) -> None:
     if fault == "mangle flushed":
         flush_mangle(node.netns)
     elif fault == "IFB deleted":
@@ -77,9 +179,6 @@ def test_drift_is_repaired_before_the_periodic_resync(setup, fault):
     # the repair is told (not left to the 600 s resync); a scrape may lag the repair
     wait_for(lambda: told(agent) > before, timeout=REPAIR_WAIT, what="the drift counted")
     wait_for(lambda: agent.get("/readyz")[0] == 200, timeout=REPAIR_WAIT, what="ready again")
-    if fault == "uplink renamed":  # put the name back: the lab removes the device by its name
-        rename_link(node.netns, current_uplink(node), node.uplink)
-        wait_for(lambda: shaped(node), timeout=REPAIR_WAIT, interval=0.1, what="shaped under the old name")
 
 
 def download_filtered(node) -> bool:
