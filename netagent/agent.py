@@ -18,6 +18,7 @@ from typing import Callable
 from core.objects import Snapshot
 from core.policy import Policy, ResolvedPod
 
+from .accounting import Accounting
 from .allocations import Allocations, AllocationSet
 from .config import AgentConfig
 from .datapath import DataPath
@@ -62,8 +63,9 @@ class Agent:
             self.node.local = local(lambda: self.node.policy()[0])
             self.node.ingress_local = local(lambda: self.node.policy()[0].for_ingress())
         self.runner = Runner(self.node.sync, cfg.min_sync_interval, cfg.resync_seconds)
+        self.accounting = Accounting()  # where a pod's internet byte is counted (netagent.accounting)
         self.sampler = Sampler(self.node, datapath, self.allocations, self.demand, self.runner.wake,
-                               cfg.sample_seconds, cfg.allocate_seconds)
+                               cfg.sample_seconds, cfg.allocate_seconds, self.accounting)
         self.controller_reachable = False
 
     # -- inputs ---------------------------------------------------------------
@@ -151,7 +153,7 @@ class Agent:
 
     def view(self) -> NodeView:
         return node_view(self.cfg, self.node.state, self.allocations, self.demand, self.datapath,
-                         self.controller_reachable, self.ingress_allocations, self.ingress_demand)
+                         self.controller_reachable, self.ingress_allocations, self.ingress_demand, self.accounting)
 
     def health(self) -> tuple[bool, str]:
         return self.runner.health()

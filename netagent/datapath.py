@@ -38,6 +38,7 @@ from tc.model import NODE_MINOR, ClassStats
 from tc.netlink import Shaper
 from tc.probe import Capabilities, probe, require
 
+from .accounting import Carry
 from .desired import COUNTING_MODES, DataPathOptions, DesiredState, DeviceCounting, from_wire, ip_bytes
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,7 @@ class KernelDataPath:
         self._counters: tuple[float, tuple[PodCounters, NodeCounters]] | None = None
         # per direction: (host traffic bypassing its shaper, accumulated between reads; (pods, last count))
         self._bypass: dict[str, tuple[int, tuple[frozenset, int] | None]] = {"egress": (0, None), "ingress": (0, None)}
+        self._shaped = {"egress": Carry(), "ingress": Carry()}  # the node classes' IP bytes, read under _counters_lock
         self.reads = {"class_stats": 0, "counters": 0}  # kernel reads done (bench/agent.py, tests)
 
     def check_conflicts(self) -> None:
@@ -371,7 +373,9 @@ class KernelDataPath:
         by ~3.5 %). The unshaped part is the node's iptables count minus what the pod sets and the
         unknown-pod rule counted (the same units); it is accumulated by difference between reads
         with the same pods, so a pod that goes (its bytes leave the sum) is not mistaken for host traffic."""
-        shaped = ip_bytes(node_class.bytes, node_class.packets, self.options) if node_class else 0
+        # the node class counts from zero when made again (the IFB replaced): carried, never backwards
+        shaped = self._shaped[direction].read(
+            ip_bytes(node_class.bytes, node_class.packets, self.options) if node_class else 0)
         rest = node.get(f"{direction}_internet", 0) - node.get(f"{direction}_unknown_internet", 0) - sum(
             c.get(f"{direction}_internet", 0) for c in pods.values())
         keys = frozenset(pods)

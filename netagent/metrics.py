@@ -11,7 +11,7 @@ pod only what accounting and the "who is held back" panels need: internet bytes 
 the throttled seconds (both directions), the pod's info (team and class joins) and policy
 problems (present only on a problem); the per-pod limit, allocation, demand and drop families
 and the in-cluster scope are left out (the controller holds the decisions per team). Same
-names, fewer series: 4 a pod (5 when downloads are shaped) instead of 10 (15).
+names, fewer series: 4 a pod (5 when downloads are shaped) instead of 11 (18).
 """
 from __future__ import annotations
 
@@ -59,13 +59,20 @@ class AgentCollector(Collector):
             return out[-1][1]
 
         pod_egress = rows(CounterMetricFamily("netagent_pod_egress_bytes",
-                                              "Bytes sent by the pod, by destination scope.",
+                                              "IP bytes sent by the pod, by destination scope; internet: as they "
+                                              "left its shaper for the uplink (docs/accounting.md).",
                                               labels=["namespace", "pod", "scope"]))
-        pod_ingress = rows(CounterMetricFamily("netagent_pod_ingress_bytes", "Bytes received by the pod, by source scope.",
+        pod_ingress = rows(CounterMetricFamily("netagent_pod_ingress_bytes",
+                                               "IP bytes received for the pod, by source scope; internet: as they "
+                                               "arrived from the uplink, before its download shaper.",
                                                labels=["namespace", "pod", "scope"]))
         dropped = rows(CounterMetricFamily("netagent_pod_egress_dropped_packets",
                                            "Internet-bound packets of the pod dropped by its shaper.",
                                            labels=["namespace", "pod"]))
+        dropped_bytes = rows(CounterMetricFamily(
+            "netagent_pod_egress_dropped_bytes",
+            "IP bytes the pod offered its internet shaper that it dropped: offered = sent + dropped.",
+            labels=["namespace", "pod"]))
         throttled = rows(CounterMetricFamily(
             "netagent_pod_egress_throttled_seconds",
             "Seconds during which the pod's internet egress was held back by its limit (sampled each second).",
@@ -99,6 +106,13 @@ class AgentCollector(Collector):
         dl_dropped = rows(CounterMetricFamily("netagent_pod_ingress_dropped_packets",
                                               "Internet packets to the pod dropped by its download shaper.",
                                               labels=["namespace", "pod"]))
+        dl_dropped_bytes = rows(CounterMetricFamily(
+            "netagent_pod_ingress_dropped_bytes",
+            "Internet IP bytes for the pod that its download shaper dropped: arrived = delivered + dropped.",
+            labels=["namespace", "pod"]))
+        dl_delivered = rows(CounterMetricFamily(
+            "netagent_pod_ingress_delivered_bytes",
+            "Internet IP bytes that left the pod's download shaper towards the pod.", labels=["namespace", "pod"]))
         dl_throttled = rows(CounterMetricFamily("netagent_pod_ingress_throttled_seconds",
                                                 "Seconds during which the pod's downloads were held back by its "
                                                 "limit (sampled each second).", labels=["namespace", "pod"]))
@@ -123,13 +137,17 @@ class AgentCollector(Collector):
                 dl_alloc.append((ids, p.ingress_allocation_bps * BYTES_PER_BIT))
                 dl_demand.append((ids, p.ingress_demand_bps * BYTES_PER_BIT))
                 dl_dropped.append((ids, p.ingress_dropped_packets))
+                dl_dropped_bytes.append((ids, p.ingress_dropped_bytes))
+                dl_delivered.append((ids, p.ingress_delivered_bytes))
             dropped.append((ids, p.dropped_packets))
+            dropped_bytes.append((ids, p.dropped_bytes))
             limit.append((ids, p.limit_bps * BYTES_PER_BIT))
             alloc.append((ids, p.allocation_bps * BYTES_PER_BIT))
             demand.append((ids, p.demand_bps * BYTES_PER_BIT))
 
         node_egress = rows(CounterMetricFamily("netagent_node_egress_bytes",
-                                               "Bytes leaving the node's uplinks, host traffic included.",
+                                               "IP bytes leaving the node's uplinks, host traffic included; "
+                                               "internet: after the node's shaper.",
                                                labels=["scope"]))
         node_ingress = rows(CounterMetricFamily("netagent_node_ingress_bytes",
                                                 "Bytes entering the node's uplinks, host traffic included.",

@@ -13,6 +13,7 @@ from typing import Callable
 
 from tc.model import NODE_MINOR
 
+from .accounting import Accounting, ClassReading
 from .allocations import Allocations, ingress_view
 from .datapath import DataPath
 from .demand import PodDemand, Sample
@@ -26,8 +27,10 @@ RATIO_WAKE_S = 5.0  # at most one sync this often for measured frame ratios (net
 
 class Sampler:
     def __init__(self, node: NodeSync, datapath: DataPath, allocations: Allocations, demand: dict[str, PodDemand],
-                 wake_sync: Callable[[], None], sample_seconds: float = 1.0, allocate_seconds: float = 2.0):
+                 wake_sync: Callable[[], None], sample_seconds: float = 1.0, allocate_seconds: float = 2.0,
+                 accounting: Accounting | None = None):
         self.node = node
+        self.accounting = accounting if accounting is not None else Accounting()
         self.datapath = datapath
         self.allocations = allocations
         self.demand = demand
@@ -81,6 +84,7 @@ class Sampler:
         self._sample(now, stats, {p.key: p.max_bps for p in pods}, self.allocations, self.demand,
                      self.node.state.budget_bps)
         changed = self._observe_frames(self.node.frames, stats)
+        self._account("egress", stats)
         ingress = self.node.ingress_allocations
         if ingress is not None and self.node.state.desired is not None and self.node.state.desired.ingress_shaper:
             now, stats = self.datapath.sample_ingress_stats()
@@ -88,12 +92,26 @@ class Sampler:
             self._sample(now, stats, {p.key: p.ingress_max_bps for p in pods}, ingress,
                          self.node.ingress_demand, self.node.state.ingress_budget_bps)
             changed |= self._observe_frames(self.node.ingress_frames, stats)
+            self._account("ingress", stats)
         # a new ratio reaches the kernel at the next sync; wake one for it, at most every RATIO_WAKE_S
         # (allocations that hold still wake none, and a sync costs more than a sample)
         self._ratio_changed |= changed
         if self._ratio_changed and now >= self._ratio_wake_at:
             self._ratio_changed, self._ratio_wake_at = False, now + RATIO_WAKE_S
             self.wake_sync()
+
+    def _account(self, direction: str, stats: dict) -> None:
+        """Each pod class's delivered IP bytes into the accounting (netagent.accounting), in read order."""
+        opts = self.node.cfg.datapath
+        minors = self.node.state.minors
+        readings = {}
+        for key, minor in minors.items():
+            st = stats.get(minor)
+            if st is not None:
+                readings[key] = ClassReading(ip_bytes(st.bytes, st.packets, opts), st.packets,
+                                             ip_bytes(st.backlog_bytes, st.backlog_packets, opts))
+        self.accounting.observe(direction, readings)
+        self.accounting.keep(direction, minors)
 
     def _observe_frames(self, ratios: FrameRatios, stats: dict) -> bool:
         """Each class's frames and packets into its measured frames per IP byte (the node class's

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
+from .accounting import Accounting
 from .allocations import Allocations
 from .config import AgentConfig
 from .datapath import DataPath
@@ -36,6 +37,7 @@ class PodView:
     egress_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SCOPES, 0))
     ingress_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SCOPES, 0))
     dropped_packets: int = 0
+    dropped_bytes: int = 0  # offered to the upload shaper and neither sent nor queued (netagent.accounting)
     problems: tuple[tuple[str, str], ...] = ()  # (reason, message)
     # downloads (internet ingress): the pod's download class (HTB rate/ceil), usage and demand
     ingress_allocation_bps: float = 0.0
@@ -45,6 +47,9 @@ class PodView:
     ingress_throttled: bool = False
     ingress_throttled_seconds: float = 0.0
     ingress_dropped_packets: int = 0
+    ingress_dropped_bytes: int = 0
+    # internet bytes that left the pod's download class towards the pod (ingress_bytes: as they arrived)
+    ingress_delivered_bytes: int = 0
 
 
 @dataclass
@@ -79,7 +84,7 @@ class NodeView:
 
 def node_view(cfg: AgentConfig, state: SyncState, allocations: Allocations, demand: dict[str, PodDemand],
               datapath: DataPath, controller_reachable: bool, ingress_allocations: Allocations | None = None,
-              ingress_demand: dict[str, PodDemand] | None = None) -> NodeView:
+              ingress_demand: dict[str, PodDemand] | None = None, accounting: Accounting | None = None) -> NodeView:
     """The node as the agent sees it now: its last decisions plus the kernel's counters, as the
     sampler and the reporter last read them (byte counters at most a report period old in controller
     mode, a second otherwise): a scrape costs no kernel read of its own, whatever the scrape rate."""
@@ -95,6 +100,7 @@ def node_view(cfg: AgentConfig, state: SyncState, allocations: Allocations, dema
     # the classes' rates back in IP bit/s with the frames per IP byte each was given
     ratios = desired.wire_ratios if desired is not None else {}
     ingress_ratios = desired.ingress_wire_ratios if desired is not None else {}
+    accounting = accounting or Accounting()
     out = []
     for p in state.pods:
         minor = state.minors.get(p.key)
@@ -113,6 +119,12 @@ def node_view(cfg: AgentConfig, state: SyncState, allocations: Allocations, dema
             ingress_bytes={s: c.get(f"ingress_{s}", 0) for s in SCOPES},
             dropped_packets=st.drops if st else 0, problems=p.problems,
         ))
+        # uploads counted as they left the pod's class (docs/accounting.md); the rules' count is what it offered
+        sent = accounting.delivered("egress", p.key)
+        if sent is not None:
+            offered = c.get("egress_internet", 0)
+            out[-1].egress_bytes["internet"] = sent[0]
+            out[-1].dropped_bytes = accounting.dropped("egress", p.key, offered)
         ishape, ist, idem = ingress_shapes.get(minor), ingress_stats.get(minor), ingress_demand.get(p.key)
         if ishape is not None:
             v = out[-1]
@@ -120,13 +132,19 @@ def node_view(cfg: AgentConfig, state: SyncState, allocations: Allocations, dema
             v.ingress_allocation_bps = from_wire(ishape.rate, opts, iratio)
             v.ingress_limit_bps = from_wire(ishape.ceil, opts, iratio)
             v.ingress_dropped_packets = ist.drops if ist else 0
+            got = accounting.delivered("ingress", p.key)
+            if got is not None:  # arrived (the rules, ingress_bytes) = reached the pod + dropped + queued
+                v.ingress_delivered_bytes = got[0]
+                v.ingress_dropped_bytes = accounting.dropped("ingress", p.key, c.get("ingress_internet", 0))
             if idem is not None:
                 v.ingress_demand_bps, v.ingress_usage_bps = idem.demand_bps, idem.usage_bps
                 v.ingress_throttled, v.ingress_throttled_seconds = idem.throttled, idem.throttled_seconds
     allocs = allocations.current
     return NodeView(
         node=cfg.node, pods=out,
-        egress_bytes={s: node_counters.get(f"egress_{s}", 0) for s in SCOPES},
+        # internet uploads as they left (after the node's shaper, plus what bypasses it); downloads as they arrived
+        egress_bytes={s: node_counters.get(f"egress_{s}_wire" if s == "internet" else f"egress_{s}",
+                                           node_counters.get(f"egress_{s}", 0)) for s in SCOPES},
         ingress_bytes={s: node_counters.get(f"ingress_{s}", 0) for s in SCOPES},
         unknown_source_egress_bytes=node_counters.get("egress_unknown_internet", 0),
         allocation_bps=from_wire(desired.shaper.node_rate, opts, ratios.get(NODE_RATIO_KEY)) if desired else 0,

@@ -29,14 +29,14 @@ def samples(view: NodeView, lean: bool) -> dict[tuple, float]:
             if not s.name.endswith("_created")}  # the registry's creation time differs per registry
 
 
-def test_lean_mode_exports_four_series_a_pod_instead_of_ten():
+def test_lean_mode_exports_four_series_a_pod_instead_of_eleven():
     full0, lean0 = len(samples(node(0), False)), len(samples(node(0), True))
     assert full0 == lean0  # the node's own series are the same
     # pod 0 has a policy problem (one series more in both modes)
-    assert len(samples(node(110), False)) - full0 == 10 * 110 + 1
+    assert len(samples(node(110), False)) - full0 == 11 * 110 + 1
     assert len(samples(node(110), True)) - lean0 == 4 * 110 + 1
-    # downloads shaped: 15 a pod in full, 5 in lean
-    assert len(samples(node(30, True), False)) - len(samples(node(0, True), False)) == 15 * 30 + 1
+    # downloads shaped: 18 a pod in full (drops in bytes, delivered downloads), 5 in lean
+    assert len(samples(node(30, True), False)) - len(samples(node(0, True), False)) == 18 * 30 + 1
     assert len(samples(node(30, True), True)) - len(samples(node(0, True), True)) == 5 * 30 + 1
 
 
