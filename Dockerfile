@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # One image for both parts: `netagent run` (the agent DaemonSet) and `netagent controller`.
-#   docker build --build-arg BASE=python:3.11-slim-bookworm@sha256:<digest> -t netagent:0.1.0 .
+#   docker build -t netagent:0.1.0 .          # on the pinned base below
 # Without a Docker engine or a registry: hack/image/build.sh (buildah, and a base image built
 # from Debian's packages, passed as BASE by its digest).
 # The agent needs the userspace tools it drives: iptables (both the nft and the legacy
@@ -9,9 +9,11 @@
 # Python dependencies come from the lock files, every file checked against its hash
 # (hack/image/lock.sh writes them).
 
-# The base of both stages: a Debian with Python 3.11, pip and apt. Pin it by digest
-# (name@sha256:...): hack/image/build.sh refuses a base without one.
-ARG BASE=python:3.11-slim
+# The base of both stages: a Debian with Python 3.11, pip and apt, pinned by digest so a build
+# gets exactly the image reviewed (a tag moves; a digest names content). Never edit the pin by
+# hand: hack/image/update-base-digest.sh resolves the tag's current digest and rewrites this line.
+# hack/image/build.sh passes its own locally built base, by digest too.
+ARG BASE=python:3.11-slim-bookworm@sha256:2e32f7d302adc1c37428355c1e646897c0c53f4fd60b6a551245fb90ee129f91
 
 FROM ${BASE} AS build
 WORKDIR /src

@@ -568,7 +568,8 @@ def test_dockerfile_builds_one_image_for_both_parts():
     # both stages on one base, a build argument (hack/image/build.sh passes a locally built one)
     assert [s.value[0] for s in stages] == ["${BASE}", "${BASE}"]
     base_args = [c.value[0] for c in commands[:commands.index(stages[0])] if c.cmd == "ARG"]
-    assert base_args == ["BASE=python:3.11-slim"]
+    base_arg, = base_args  # pinned by digest: tests/test_image_base.py
+    assert base_arg.startswith("BASE=python:3.11-slim") and "@sha256:" in base_arg, base_arg
     final = commands[commands.index(stages[-1]):]
     installs = " ".join(c.value[0] for c in final if c.cmd == "RUN")
     for package in ("iptables", "ipset", "iproute2"):

@@ -5,8 +5,8 @@
 #   hack/image/build.sh                 # base (once) + localhost/netagent:<version>
 #   hack/image/build.sh --archive FILE  # also write the image as an OCI archive (ctr images import)
 #
-# The base, localhost/netagent-base:<suite>, is what the Dockerfile's default base
-# (python:3.11-slim) offers the Dockerfile: Debian <suite> (bookworm: Python 3.11) from debootstrap
+# The base, localhost/netagent-base:<suite>, is what the Dockerfile's pinned default base
+# (python:3.11-slim-bookworm) offers it: Debian <suite> (bookworm: Python 3.11) from debootstrap
 # --variant=minbase with python3, pip and apt, `python` and `pip` on PATH, and pip allowed to
 # install into the system Python (PIP_BREAK_SYSTEM_PACKAGES=1, as a slim image's pip may). It is
 # built once and reused; NETAGENT_REBUILD_BASE=1 rebuilds it. The Dockerfile's RUN steps use the
