@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from core.address import is_loopback, parse_host_port
 from core.errors import ConfigError
+from core.files import missing_paths
 from core.quantity import parse_bps
 
 from .desired import COUNTING_MODES, DataPathOptions, DesiredStateError, canonical_cidrs
@@ -77,6 +78,9 @@ def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None
     data path's choice after probing the kernel (`Daemon.build`)."""
     if from_file and kubeconfig:
         raise ConfigError("--from-file and --kubeconfig exclude each other: pods come from files or from Kubernetes")
+    missing = missing_paths(list(from_file))
+    if missing:  # a typo would start a node with no pods and its uplink programmed anyway
+        raise ConfigError(f"--from-file {', '.join(missing)}: no such file or directory")
     node = node or (socket.gethostname() if from_file else "")
     if not node:
         raise ConfigError("--node is required with Kubernetes (set it from spec.nodeName via the downward API)")

@@ -153,3 +153,46 @@ def test_without_inotify_it_polls_and_says_so_once(tmp_path, running, monkeypatc
         assert r.pods(r.next()) == {"a": "interactive"}
         assert r2.pods(r2.next()) == {"a": "interactive"}
     assert sum("inotify unavailable" in m for m in caplog.messages) == 1
+
+
+NAMESPACES = """apiVersion: v1
+kind: Namespace
+metadata: {name: team-a, labels: {netagent.io/team: research}}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: team-b}
+"""
+
+
+def test_namespace_objects_give_their_labels_and_without_them_namespaces_are_unknown(tmp_path):
+    """Single-machine mode takes Namespaces with labels (teams chosen by namespaceSelector); files without
+    any Namespace leave the labels unknown (None: every namespace resolves by its name alone, on the agent as
+    on the controller's --from-file)."""
+    pods = tmp_path / "pods.yaml"
+    pods.write_text(POD % ("p", "gold"))
+    assert FileSource([str(pods)], node="n1").load()[0].namespaces is None
+    (tmp_path / "ns.yaml").write_text(NAMESPACES + "---\napiVersion: v1\nkind: Namespace\nmetadata: {labels: {a: b}}\n")
+    snap, _ = FileSource([str(tmp_path)], node="n1").load()
+    assert snap.namespaces == {"team-a": {"netagent.io/team": "research"}, "team-b": {}}
+    assert any("Namespace without metadata.name" in e for e in snap.errors)
+
+
+def test_run_from_a_path_that_does_not_exist_refuses_to_start_naming_it(tmp_path):
+    """`netagent run --from-file` with a typo refuses to start, naming the path (it used to start with no pods
+    and program the node's uplink anyway). Run in a network namespace of its own, created for it and gone with
+    it: were the refusal ever lost, nothing of the host's would be touched."""
+    import subprocess
+    import sys
+
+    from lab.netns import require_root
+
+    require_root()
+    typo = tmp_path / "polcy.yaml"
+    (tmp_path / "policy.yaml").write_text(NAMESPACES)
+    proc = subprocess.run(["unshare", "--net", sys.executable, "-m", "netagent", "run", "--from-file",
+                           str(tmp_path / "policy.yaml"), "--from-file", str(typo)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert f"--from-file {typo}: no such file or directory" in proc.stderr
+    assert "cannot start" in proc.stderr
