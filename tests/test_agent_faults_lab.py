@@ -2,8 +2,9 @@
 the real agent (`python3 -m netagent run`, resync 10 minutes) in the namespace lab, asserted on
 the kernel, never on time.
 
-- kill -9 during an apply: tc goes first, iptables in one transaction per family, so the rules
-  of 100 new pods are all in the kernel or none, never some; the restarted agent finishes.
+- kill -9 during an apply of 100 new pods: tc goes first, then the rules (one iptables-restore
+  transaction per family) and the pods' set entries, so no pod is classified into a class the
+  kernel lacks, the old pod's rules stay; the restarted agent finishes.
 - the xtables lock held by another process (the legacy backend takes it; iptables-nft does not):
   a new pod is shaped anyway (its address goes into an ipset: no lock), what is programmed
   stays; the rules themselves wait for the lock (/readyz 503 meanwhile, nothing half written)
@@ -13,9 +14,12 @@ bench/faults_agent.py measures the same faults under traffic for the table's fig
 """
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
 
-from lab.agentproc import AgentProcess, iptables_text, pod_object, tc_classes, wait_for, write_objects
+from lab.agentproc import IFB, AgentProcess, iptables_text, pod_object, tc_classes, wait_for, write_objects
 from lab.faults import hold_xtables_lock, release
 from lab.netns import require_root, run
 from lab.topology import Lab
@@ -53,6 +57,27 @@ def extra_rules(text: str) -> int:
     return sum(f"10.244.0.{100 + i}/" in text or f"10.244.0.{100 + i} " in text for i in range(EXTRA))
 
 
+def classified_into_missing_classes(netns: str) -> list[str]:
+    """The pods' upload set entries whose class (skbprio) the kernel does not hold: a pod half
+    applied, its packets sent to a class that is not there."""
+    held = set(re.findall(r"class htb (\S+)", run(["tc", "class", "show", "dev", IFB], netns, check=False)))
+    return [line for line in run(["ipset", "save"], netns).splitlines()
+            if line.startswith("add netagent-egress-inet4 ")
+            and (m := re.search(r"skbprio (\S+)", line)) and m.group(1) not in held]
+
+
+def settled(read, interval: float = 0.3) -> str:
+    """`read()` once two reads `interval` apart agree: an ipset or iptables-restore the killed agent
+    started may still be running (it is not killed with it)."""
+    last = read()
+    while True:
+        time.sleep(interval)
+        now = read()
+        if now == last:
+            return now
+        last = now
+
+
 def appended(save: str) -> list[str]:
     """The rules of an iptables-save (its header and chain lines carry counters and times)."""
     return [line for line in save.splitlines() if line.startswith("-A")]
@@ -69,10 +94,13 @@ def test_kill9_during_an_apply_leaves_old_or_new_rules_never_half(lab_node):
         # iptables-restore transaction
         wait_for(lambda: len(tc_classes(node.netns)) > 10, timeout=30, interval=0.002, what="the apply under way")
         agent.kill9()
-        rules = extra_rules(iptables_text(node.netns))
-        print(f"at the kill: {len(tc_classes(node.netns))} tc classes, rules of {rules} of {EXTRA} new pods")
-        assert rules in (0, EXTRA), f"half a ruleset: the rules of {rules} of {EXTRA} new pods"
-        assert node.pods[0].ip4 in iptables_text(node.netns), "the old pod's rules went with the kill"
+        text = settled(lambda: iptables_text(node.netns))
+        rules = extra_rules(text)
+        print(f"at the kill: {len(tc_classes(node.netns))} tc classes, {rules} of {EXTRA} new pods classified")
+        # The rules are one iptables-restore transaction; the pods' addresses go into the counted ipsets
+        # member by member, after their classes: each pod is whole (its entry and its class) or absent.
+        assert not classified_into_missing_classes(node.netns), "a pod classified into a class the kernel lacks"
+        assert node.pods[0].ip4 in text and "-j NETAGENT" in text, "the old pod's rules went with the kill"
         agent.start()
         agent.wait_ready()
         wait_for(lambda: extra_rules(iptables_text(node.netns)) == EXTRA, timeout=60, what="the rest applied")
