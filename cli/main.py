@@ -324,6 +324,9 @@ def _controller_flags(p: argparse.ArgumentParser) -> None:
     auth.add_argument("--agent-service-account", metavar="NAMESPACE:NAME",
                       help="accept only tokens of this ServiceAccount, the agent DaemonSet's (required in cluster "
                            "mode unless --no-auth)")
+    auth.add_argument("--metrics-auth", choices=controller_config.METRICS_AUTH, default="auto",
+                      help="/metrics only for a bearer token allowed to get the nonResourceURL /metrics (TokenReview + "
+                           "SubjectAccessReview); auto: in cluster mode with agent authentication and TLS (default auto)")
     auth.add_argument("--token-cache-seconds", type=float, default=60.0, help="how long a TokenReview verdict is reused at most (each for a random 75-100%% of it)")
     tls = p.add_argument_group("TLS (HTTPS by default; docs/controller.md)")
     tls.add_argument("--tls-secret", default="netagent-controller-tls",

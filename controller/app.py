@@ -30,7 +30,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from core.address import join_host_port
 from core.asynctls import set_tls_read_buffer
 from core.kubeapi import load_api_client
+from core.kubereview import access_review, token_review
 from core.policy import PolicyCache
+from core.scrapeauth import ScrapeAuthorizer
 
 from .allocator import Allocator, RoundResult
 from .api import APIStats, make_app
@@ -39,6 +41,7 @@ from .config import ControllerConfig, service_account_username
 from .events import EventWriter, kube_event_creator
 from .leader import LeaderElector
 from .metrics import ControllerMetrics
+from .metricsauth import ScrapeAuthCollector, guarded
 from .pacing import ReportPacer
 from .sources import ClusterCaches, FilePolicy
 from .state import ControllerState
@@ -120,6 +123,9 @@ class Controller:
         self.auth = auth
         leading = (lambda: self.elector.leading) if self.elector else (lambda: True)
         self.state = ControllerState(
+        self.scrape_auth = None
+        if cfg.metrics_auth:  # cluster mode with TLS (ControllerConfig): scrapers show a token allowed /metrics
+            self.scrape_auth = ScrapeAuthorizer(token_review(api), access_review(api))
             Allocator(policy, namespace_labels, known_pods=known_pods, known_nodes=known_nodes,
                       takeover_seconds=cfg.report_ttl),
             locate_pods=locate_pods, lease_seconds=cfg.lease_seconds,
@@ -134,6 +140,11 @@ class Controller:
         self.metrics = ControllerMetrics(self.state, leading)
         self.state.on_round = self._round_done
         self.state.on_round_failure = self.metrics.round_failures.inc
+        self._stop_scrape_reviews = lambda: None
+        self.metrics_handler = self.serve_metrics
+        if self.scrape_auth is not None:
+            self.metrics.registry.register(ScrapeAuthCollector(self.scrape_auth))
+            self.metrics_handler, self._stop_scrape_reviews = guarded(self.serve_metrics, self.scrape_auth)
         self.state.on_refused = self._refused
         if self.tls is not None:
             self.tls.refresh()  # no certificate, no start: the error says which Secret or file
@@ -168,7 +179,7 @@ class Controller:
                        scheme="http" if self.tls is None else "https",
                        max_pending=self.cfg.max_pending_reports, advised_period=self.pacer.period)
         if self.cfg.metrics_listen is None:
-            app.router.add_get("/metrics", self.serve_metrics)
+            app.router.add_get("/metrics", self.metrics_handler)
         return app
 
     async def serve_metrics(self, request: web.Request) -> web.Response:
@@ -215,10 +226,12 @@ class Controller:
         runners.append(app_runner)
         if self.cfg.metrics_listen is not None:
             metrics_app = web.Application()
-            metrics_app.router.add_get("/metrics", self.serve_metrics)
+            metrics_app.router.add_get("/metrics", self.metrics_handler)
             metrics_runner = web.AppRunner(metrics_app, access_log=None)
             await metrics_runner.setup()
-            await web.TCPSite(metrics_runner, *self.cfg.metrics_listen).start()
+            # a scraper's token is never sent in the clear: with metrics auth, this port serves TLS too
+            await web.TCPSite(metrics_runner, *self.cfg.metrics_listen,
+                              ssl_context=self.tls.context if self.tls and self.scrape_auth else None).start()
             runners.append(metrics_runner)
         self.start_background()
         mode = "files " + ", ".join(self.cfg.from_file) if self.files else "the API server"
@@ -237,6 +250,7 @@ class Controller:
                 await runner.cleanup()
 
 
+            self._stop_scrape_reviews()
 def run(cfg: ControllerConfig) -> int:
     """Serve until SIGTERM/SIGINT; 2 when the controller cannot start or cannot listen."""
     configure_gc()

@@ -47,6 +47,8 @@ class ControllerConfig:
     tls_manage: bool = True  # create the Secret when missing and renew its serving certificate
     tls_dns_names: tuple[str, ...] = ()
     tls_check_seconds: float = 60.0
+    # /metrics only for a token allowed to get it (TokenReview + SubjectAccessReview: core/scrapeauth.py)
+    metrics_auth: bool = False
 
     @property
     def tls_mode(self) -> str:
@@ -85,7 +87,8 @@ def from_flags(*, listen: str, metrics_listen: str | None, advertise: str | None
                agent_service_account: str | None, token_cache_seconds: float, insecure_http: bool = False,
                tls_cert_file: str | None = None, tls_key_file: str | None = None,
                tls_secret: str = "netagent-controller-tls", tls_manage: bool = True,
-               tls_dns_names: str | None = None, tls_check_seconds: float = 60.0) -> ControllerConfig:
+               tls_dns_names: str | None = None, tls_check_seconds: float = 60.0,
+               metrics_auth: str = "auto") -> ControllerConfig:
     """The command line's values -> ControllerConfig, or ConfigError naming the flag."""
     if from_file and kubeconfig:
         raise ConfigError("give either --from-file (no cluster) or --kubeconfig, not both")
@@ -125,6 +128,13 @@ def from_flags(*, listen: str, metrics_listen: str | None, advertise: str | None
             raise ConfigError(f"--tls-dns-names: {name!r} is not a DNS name")
     if tls_check_seconds <= 0:
         raise ConfigError("--tls-check-seconds must be positive")
+    if metrics_auth not in METRICS_AUTH:
+        raise ConfigError(f"--metrics-auth {metrics_auth!r}: choose {', '.join(METRICS_AUTH)}")
+    if metrics_auth == "true" and (from_file or no_auth or insecure_http):
+        raise ConfigError("--metrics-auth=true needs the API server and TLS (a bearer token never travels in the "
+                          "clear): not with --from-file, --no-auth or --insecure-http")
+    # auto: wherever agents are authenticated over TLS, scrapers are too
+    guard_metrics = metrics_auth == "true" or (metrics_auth == "auto" and not (from_file or no_auth or insecure_http))
     host, port = parse_host_port(listen, "--listen", EXAMPLE)
     advertise = advertise or default_advertise(host, port)
     return ControllerConfig(
@@ -138,5 +148,8 @@ def from_flags(*, listen: str, metrics_listen: str | None, advertise: str | None
         identity=identity or f"{socket.gethostname()}@{advertise}", election_lease_seconds=election_lease_seconds,
         no_auth=no_auth, agent_service_account=agent_service_account, token_cache_seconds=token_cache_seconds,
         insecure_http=insecure_http, tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_secret=tls_secret,
-        tls_manage=tls_manage, tls_dns_names=names, tls_check_seconds=tls_check_seconds,
+        tls_manage=tls_manage, tls_dns_names=names, tls_check_seconds=tls_check_seconds, metrics_auth=guard_metrics,
     )
+
+
+METRICS_AUTH = ("auto", "true", "false")

@@ -39,7 +39,7 @@ TLS_SECRET = "netagent-controller-tls"
 NAMESPACE = "netagent-system"
 AGENT_SA = f"system:serviceaccount:{NAMESPACE}:netagent-agent"
 CONTROLLER_SA = f"system:serviceaccount:{NAMESPACE}:netagent-controller"
-NAMESPACED_KINDS = {"ServiceAccount", "Role", "RoleBinding", "Deployment", "DaemonSet", "Service",
+NAMESPACED_KINDS = {"ServiceAccount", "Secret", "Role", "RoleBinding", "Deployment", "DaemonSet", "Service",
                     "PodDisruptionBudget", "ConfigMap", "PodMonitor", "ServiceMonitor", "PrometheusRule"}
 
 
@@ -99,7 +99,10 @@ def test_base_renders_every_part(base):
                    ("Role", "netagent-controller-tls"), ("RoleBinding", "netagent-controller-tls"),
                    ("DaemonSet", "netagent-agent"), ("Deployment", "netagent-controller"),
                    ("PodDisruptionBudget", "netagent-controller"), ("Service", "netagent-controller"),
-                   ("ConfigMap", "netagent-dashboard-cluster"), ("ConfigMap", "netagent-dashboard-node-pod")]:
+                   ("ConfigMap", "netagent-dashboard-cluster"), ("ConfigMap", "netagent-dashboard-node-pod"),
+                   ("ClusterRole", "netagent-metrics-auth"), ("ClusterRoleBinding", "netagent-metrics-auth"),
+                   ("ClusterRole", "netagent-metrics-reader"), ("ClusterRoleBinding", "netagent-metrics-reader"),
+                   ("ServiceAccount", "netagent-metrics-scraper"), ("Secret", "netagent-metrics-scraper")]:
         assert wanted in kinds, f"deploy/base lacks {wanted}"
     for d in base:
         if d["kind"] in NAMESPACED_KINDS:
@@ -360,7 +363,7 @@ def grants(docs, subject: str) -> set[tuple[str, str, str, str]]:
         scope = b["metadata"].get("namespace", "*")
         role = roles[(ref["kind"], None if ref["kind"] == "ClusterRole" else b["metadata"]["namespace"], ref["name"])]
         for rule in role["rules"]:
-            for group in rule["apiGroups"]:
+            for group in rule.get("apiGroups", ()):  # a nonResourceURLs rule has none
                 for resource in rule["resources"]:
                     for verb in rule["verbs"]:
                         out.add((scope, group, resource, verb))
@@ -370,11 +373,14 @@ def grants(docs, subject: str) -> set[tuple[str, str, str, str]]:
 AGENT_GRANTS = {("*", "", r, v) for r in ("pods", "namespaces") for v in ("get", "list", "watch")} | {
     ("*", "networking.k8s.io", "servicecidrs", v) for v in ("get", "list", "watch")} | {
     ("*", "netagent.io", r, v) for r in ("egressclasses", "egressbudgets") for v in ("get", "list", "watch")} | {
-    ("*", "", "events", v) for v in ("create", "patch")}
+    ("*", "", "events", v) for v in ("create", "patch")} | {
+    # /metrics behind a TokenReview and a SubjectAccessReview (templates/rbac-metrics.yaml)
+    ("*", "authentication.k8s.io", "tokenreviews", "create"), ("*", "authorization.k8s.io", "subjectaccessreviews", "create")}
 CONTROLLER_GRANTS = {("*", "", r, v) for r in ("pods", "namespaces") for v in ("get", "list", "watch")} | {
     ("*", "netagent.io", r, v) for r in ("egressclasses", "egressbudgets") for v in ("get", "list", "watch")} | {
     ("*", "netagent.io", "egressbudgets/status", v) for v in ("update", "patch")} | {
     ("*", "authentication.k8s.io", "tokenreviews", "create")} | {
+    ("*", "authorization.k8s.io", "subjectaccessreviews", "create")} | {
     (NAMESPACE, "coordination.k8s.io", "leases", v) for v in ("get", "create", "update")} | {
     ("*", "", "events", v) for v in ("create", "patch")} | {
     (NAMESPACE, "", "secrets", v) for v in ("get", "update", "create")}  # its TLS Secret (get/update by name)
@@ -388,6 +394,9 @@ def test_rbac_grants_exactly_what_each_part_needs(base):
 def test_rbac_has_no_wildcards_and_no_secrets_but_the_tls_one(base):
     for role in (d for d in base if d["kind"] in {"ClusterRole", "Role"}):
         for rule in role["rules"]:
+            if "nonResourceURLs" in rule:  # the metrics reader's: get /metrics, nothing else
+                assert rule == {"nonResourceURLs": ["/metrics"], "verbs": ["get"]}, rule
+                continue
             for field in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule[field], f"{role['metadata']['name']}: wildcard in {field}"
             assert not {"configmaps", "nodes/proxy", "serviceaccounts/token"} & set(rule["resources"])
@@ -723,6 +732,7 @@ def test_server_side_dry_run_accepts_deploy(kube_api):
     "get pods -n default", "list pods --all-namespaces", "watch pods --all-namespaces",
     "get egressclasses.netagent.io", "list egressclasses.netagent.io", "watch egressbudgets.netagent.io",
     "create events -n default", "patch events -n team-a",
+    "create tokenreviews.authentication.k8s.io", "create subjectaccessreviews.authorization.k8s.io",  # /metrics
 ])
 def test_agent_can(installed, verb):
     assert can_i(installed, AGENT_SA, *shlex.split(verb)), f"the agent cannot {verb}"
@@ -733,18 +743,28 @@ def test_agent_can(installed, verb):
     "create pods -n default", "update pods -n default", "patch pods -n default", "delete pods -n default",
     "create pods/eviction -n default", "list configmaps --all-namespaces", "get nodes",
     "update egressbudgets.netagent.io", "patch egressbudgets.netagent.io --subresource=status",
-    "create egressclasses.netagent.io", "create tokenreviews.authentication.k8s.io",
+    "create egressclasses.netagent.io",
     "update leases.coordination.k8s.io -n netagent-system", "create serviceaccounts/token -n netagent-system",
 ])
 def test_agent_cannot(installed, verb):
     assert not can_i(installed, AGENT_SA, *shlex.split(verb)), f"the agent may {verb}"
 
 
+@pytest.mark.parametrize("who,may", [
+    # the chart's scraper account (the PodMonitors' token) and kube-prometheus-stack's Prometheus, by default
+    (f"system:serviceaccount:{NAMESPACE}:netagent-metrics-scraper", True),
+    ("system:serviceaccount:monitoring:kube-prometheus-stack-prometheus", True),
+    (AGENT_SA, False), (CONTROLLER_SA, False), ("system:serviceaccount:default:default", False),
+])
+def test_who_may_get_metrics(installed, who, may):
+    assert can_i(installed, who, "get", "/metrics") == may, f"{who} may get /metrics: {not may}"
+
+
 @pytest.mark.parametrize("verb", [
     "list pods --all-namespaces", "watch pods --all-namespaces", "list namespaces", "watch namespaces",
     "list egressclasses.netagent.io", "watch egressbudgets.netagent.io",
     "update egressbudgets.netagent.io --subresource=status", "patch egressbudgets.netagent.io --subresource=status",
-    "create tokenreviews.authentication.k8s.io",
+    "create tokenreviews.authentication.k8s.io", "create subjectaccessreviews.authorization.k8s.io",
     "get leases.coordination.k8s.io -n netagent-system", "create leases.coordination.k8s.io -n netagent-system",
     "update leases.coordination.k8s.io -n netagent-system", "create events -n default",
     "get secrets/netagent-controller-tls -n netagent-system", "update secrets/netagent-controller-tls -n netagent-system",
