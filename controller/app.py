@@ -121,11 +121,11 @@ class Controller:
             self.tls = ServingTLS(FileTLS(cfg.tls_cert_file, cfg.tls_key_file), cfg.tls_check_seconds)
         self.policy = policy
         self.auth = auth
-        leading = (lambda: self.elector.leading) if self.elector else (lambda: True)
-        self.state = ControllerState(
         self.scrape_auth = None
         if cfg.metrics_auth:  # cluster mode with TLS (ControllerConfig): scrapers show a token allowed /metrics
             self.scrape_auth = ScrapeAuthorizer(token_review(api), access_review(api))
+        leading = (lambda: self.elector.leading) if self.elector else (lambda: True)
+        self.state = ControllerState(
             Allocator(policy, namespace_labels, known_pods=known_pods, known_nodes=known_nodes,
                       takeover_seconds=cfg.report_ttl),
             locate_pods=locate_pods, lease_seconds=cfg.lease_seconds,
@@ -138,13 +138,13 @@ class Controller:
                                  cfg.max_reports_per_second, cfg.lease_seconds)
         self.state.report_period = self.pacer.period
         self.metrics = ControllerMetrics(self.state, leading)
-        self.state.on_round = self._round_done
-        self.state.on_round_failure = self.metrics.round_failures.inc
         self._stop_scrape_reviews = lambda: None
         self.metrics_handler = self.serve_metrics
         if self.scrape_auth is not None:
             self.metrics.registry.register(ScrapeAuthCollector(self.scrape_auth))
             self.metrics_handler, self._stop_scrape_reviews = guarded(self.serve_metrics, self.scrape_auth)
+        self.state.on_round = self._round_done
+        self.state.on_round_failure = self.metrics.round_failures.inc
         self.state.on_refused = self._refused
         if self.tls is not None:
             self.tls.refresh()  # no certificate, no start: the error says which Secret or file
@@ -248,9 +248,9 @@ class Controller:
             await loop.run_in_executor(None, self.stop_background)
             for runner in runners:
                 await runner.cleanup()
-
-
             self._stop_scrape_reviews()
+
+
 def run(cfg: ControllerConfig) -> int:
     """Serve until SIGTERM/SIGINT; 2 when the controller cannot start or cannot listen."""
     configure_gc()
