@@ -1,0 +1,240 @@
+"""Issue 34: the real agent counts a pod's internet bytes where they are billed (root; real traffic).
+
+`python3 -m netagent run` in a lab node (routed and bridged pod networks), one pod capped at
+8 Mbit/s both ways. Each test moves traffic with iperf3 and compares what the agent shows in
+/state (the same numbers /metrics exports) with what reached the receiver, in L3 bytes (a counting
+rule in the receiver's INPUT, checked against iperf3's receiver):
+- UDP (1400-byte datagrams, so the L3 bytes are exact): a flood at 200 Mbit/s, 25x the cap.
+  Uploads: `egress_bytes.internet` (as they left the pod's shaper) within 2 % of the datagrams
+  the far end received; `dropped_bytes` within 2 % of what the shaper dropped (its own drop count
+  in packets, read from the kernel, times the datagram's L3 size). Downloads: `ingress_bytes`
+  (as they arrived) within 2 % of what crossed the uplink (the uplink's own counters) and
+  `ingress_delivered_bytes` of what the pod received; drops as for uploads. The node totals and
+  the pod's internet counter agree with the uplink's interface counters.
+- TCP at the cap (one flow) and above it (four flows): the pod's counter against the payload that
+  reached the far end (a counting rule in its INPUT, headers taken off) in segments (each MSS with
+  the MTU's headers); iperf3's receiver read at least 90 % of that payload (the rest: retransmitted
+  copies and the queue's tail after its end, both of which crossed the uplink).
+- A kill -9 of the agent in the middle of a flood: the counter after the restart goes on from
+  the kernel's class counter; the whole flood counted once (within 2 %).
+Transfers are a few seconds each; run under `flock /tmp/netagent-traffic.lock`.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+
+import pytest
+
+from lab.agentproc import AgentProcess, pod_object, wait_for, write_objects
+from lab.netns import require_root
+from lab.topology import INTERNET_V4, INTERNET_V6, UPLINK, Lab, run
+
+pytestmark = [pytest.mark.root, pytest.mark.traffic]
+
+M = 1_000_000
+CAP = 8 * M
+FLOOD = "200M"
+RUN_S = 3
+DATAGRAM = 1400
+UDP_HEADERS = {4: 20 + 8, 6: 40 + 8}
+MTU = 1500
+TOLERANCE = 0.02
+PORT = 5341
+POLICY = [
+    {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressClass", "metadata": {"name": "capped"},
+     "spec": {"weight": 1, "max": "8M", "ingress": {"weight": 1, "max": "8M"}}},
+    {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressBudget", "metadata": {"name": "default"},
+     "spec": {"total": "1G", "ingressTotal": "1G",
+              "teams": [{"name": "team-a", "namespaces": ["team-a"], "defaultClass": "capped"}]}},
+]
+
+
+@pytest.fixture(scope="module", params=["routed", "bridge"])
+def lab(request):
+    require_root()
+    with Lab(nodes=1, pods_per_node=1, pod_network=request.param) as lab:
+        lab.iperf_server(lab.internet, PORT)
+        yield lab
+
+
+@pytest.fixture(scope="module")
+def agent(lab, tmp_path_factory):
+    d = tmp_path_factory.mktemp("accounting")
+    node = lab.nodes[0]
+    write_objects(d / "policy.yaml", POLICY)
+    write_objects(d / "pods.yaml", [pod_object(node.pods[0], node)])
+    a = AgentProcess(lab, node, [d], port=9581, log_dir=d,
+                     extra=["--default-rate", "1M", "--ingress-default-rate", "1M"]).start()
+    try:
+        a.wait_ready()
+        wait_for(lambda: (a.pod(node.pods[0].name) or {}).get("ingress_limit_bps") == CAP, what="pod capped")
+        yield a
+    finally:
+        print(a.log())
+        a.close()
+
+
+def uplink(netns: str) -> dict[str, int]:
+    """The uplink's own counters, in L3 bytes (a frame's bytes less its Ethernet header)."""
+    s = json.loads(run(["ip", "-s", "-j", "link", "show", UPLINK], netns))[0]["stats64"]
+    return {"tx": s["tx"]["bytes"] - 14 * s["tx"]["packets"], "rx": s["rx"]["bytes"] - 14 * s["rx"]["packets"]}
+
+
+def class_drops(netns: str, ifb: str, minor: int) -> int:
+    """The shaper's own count of the packets it dropped for the pod's class (tc, not the agent)."""
+    out = run(["tc", "-s", "class", "show", "dev", ifb], netns)
+    total = 0
+    for block in out.split("\nclass ")[0:]:  # the pod's class and its leaves (handle or parent 1:<minor>)
+        m = re.match(r"(?:class )?htb \w+:(\w+) parent \w+:(\w+)", block)
+        d = re.search(r"\(dropped (\d+),", block)
+        if m and d and f"{minor:x}" in m.groups():
+            total += int(d.group(1))
+    return total
+
+
+@contextlib.contextmanager
+def far_end(netns: str, family: int, match: str, proto: str = "udp"):
+    """A counting rule in the receiver's INPUT: the L3 bytes that reached the far end, those that
+    arrived after iperf3's receiver stopped counting too (a shaper's queue drains after the sender's
+    end, and the end message goes ahead of it in the pod's small-packet class). Removed on exit."""
+    tool = "iptables" if family == 4 else "ip6tables"
+    rule = f"INPUT -p {proto} {match} -m comment --comment netagent-test-far-end"
+    run(f"{tool} -w -I {rule}", netns)
+    try:
+        def read(packets: bool = False) -> int:
+            out = run(f"{tool} -w -nvxL INPUT", netns)
+            return sum(int(line.split()[0 if packets else 1]) for line in out.splitlines()
+                       if "netagent-test-far-end" in line)
+        yield read
+    finally:
+        run(f"{tool} -w -D {rule}", netns)
+
+
+def settled(agent: AgentProcess, name: str) -> dict:
+    """The pod's numbers once they stopped moving (the sampler reads each second)."""
+    last: list = [None]
+
+    def still():
+        p = agent.pod(name)
+        key = (p["egress_bytes"]["internet"], p["ingress_bytes"]["internet"], p["ingress_delivered_bytes"],
+               p["dropped_bytes"], p["ingress_dropped_bytes"])
+        same, last[0] = key == last[0], key
+        return p if same else None
+    return wait_for(still, 20, 1.5, "counters settled")
+
+
+def snapshot(lab: Lab, agent: AgentProcess) -> dict:
+    node = lab.nodes[0]
+    p = settled(agent, node.pods[0].name)
+    st = agent.state()
+    minor = p["minor"]
+    return {"pod": p, "node_egress": st["egress_bytes"]["internet"], "node_ingress": st["ingress_bytes"]["internet"],
+            "uplink": uplink(node.netns), "up_drops": class_drops(node.netns, "netagent0", minor),
+            "down_drops": class_drops(node.netns, "netagent-in", minor)}
+
+
+def near(counted: float, truth: float, what: str) -> None:
+    assert abs(counted - truth) <= TOLERANCE * truth, f"{what}: counted {counted:.0f} B, truth {truth:.0f} B " \
+                                                      f"({(counted - truth) / truth:+.2%})"
+
+
+@pytest.mark.parametrize("family", [4, 6])
+@pytest.mark.parametrize("direction", ["upload", "download"])
+def test_a_udp_flood_above_the_cap_is_counted_as_delivered_and_dropped(lab, agent, direction, family):
+    node, pod = lab.nodes[0], lab.nodes[0].pods[0]
+    dst = INTERNET_V4 if family == 4 else INTERNET_V6
+    receiver, match = (lab.internet, f"--dport {PORT}") if direction == "upload" else (pod.netns, f"--sport {PORT}")
+    with far_end(receiver, family, match) as far:
+        before = snapshot(lab, agent)
+        result = lab.iperf(pod.netns, dst, PORT, seconds=RUN_S, udp_bitrate=FLOOD, reverse=direction == "download")
+        after = snapshot(lab, agent)
+        got = far()
+    d = {k: after["pod"][k] - before["pod"][k] for k in ("dropped_bytes", "ingress_dropped_bytes",
+                                                         "ingress_delivered_bytes")}
+    l3 = DATAGRAM + UDP_HEADERS[family]
+    # what the far end got: the receiver's datagrams (sent less lost, as the receiver counted them)
+    rx = result["end"]["sum_received"]
+    received = (rx["packets"] - rx["lost_packets"]) * l3
+    # iperf3's receiver got all but the shaper queue's tail (at most ~100 ms at the cap)
+    assert received <= got <= received + 0.1 * CAP / 8 + 10 * l3, (received, got)
+    received = got
+    up = {k: after["uplink"][k] - before["uplink"][k] for k in ("tx", "rx")}
+    if direction == "upload":
+        sent = after["pod"]["egress_bytes"]["internet"] - before["pod"]["egress_bytes"]["internet"]
+        near(sent, received, "pod's internet upload vs iperf3's receiver")
+        shaper_dropped = (after["up_drops"] - before["up_drops"]) * l3
+        assert shaper_dropped > 10 * received, "the flood was not above the cap"
+        near(d["dropped_bytes"], shaper_dropped, "pod's dropped upload bytes vs the shaper's drops")
+        near(after["node_egress"] - before["node_egress"], up["tx"], "node's internet upload vs the uplink's tx")
+        near(sent, up["tx"], "pod's internet upload vs the uplink's tx")
+    else:
+        arrived = after["pod"]["ingress_bytes"]["internet"] - before["pod"]["ingress_bytes"]["internet"]
+        near(arrived, up["rx"], "pod's internet download (arrived) vs the uplink's rx")
+        near(after["node_ingress"] - before["node_ingress"], up["rx"], "node's internet download vs the uplink's rx")
+        near(d["ingress_delivered_bytes"], received, "pod's delivered download vs iperf3's receiver")
+        shaper_dropped = (after["down_drops"] - before["down_drops"]) * l3
+        assert shaper_dropped > 10 * received, "the flood was not above the cap"
+        near(d["ingress_dropped_bytes"], shaper_dropped, "pod's dropped download bytes vs the shaper's drops")
+        near(d["ingress_delivered_bytes"] + d["ingress_dropped_bytes"], arrived, "arrived = delivered + dropped")
+
+
+@pytest.mark.parametrize("flows", [1, 4], ids=["at-cap", "above-cap"])
+@pytest.mark.parametrize("family", [4, 6])
+@pytest.mark.parametrize("direction", ["upload", "download"])
+def test_tcp_at_and_above_the_cap_is_counted_in_segments(lab, agent, direction, family, flows):
+    pod = lab.nodes[0].pods[0]
+    dst = INTERNET_V4 if family == 4 else INTERNET_V6
+    receiver, match = (lab.internet, f"--dport {PORT}") if direction == "upload" else (pod.netns, f"--sport {PORT}")
+    with far_end(receiver, family, match, "tcp") as far:
+        before = snapshot(lab, agent)
+        result = lab.iperf(pod.netns, dst, PORT, seconds=RUN_S, reverse=direction == "download",
+                           extra=["-P", str(flows)])
+        after = snapshot(lab, agent)
+        got, packets = far(), far(packets=True)
+    mss = result["start"]["tcp_mss_default"]
+    # the far end's rule counts a GRO/GSO packet once with one header (IP + TCP with timestamps): its
+    # payload is exact; on the wire each MSS of it was a segment with the MTU's headers
+    payload = got - packets * (MTU - mss)
+    received = payload + math.ceil(payload / mss) * (MTU - mss)
+    # iperf3's receiver read all of it but the retransmitted copies and what arrived after its end
+    assert 0.9 * payload <= result["end"]["sum_received"]["bytes"] <= payload
+    if direction == "upload":
+        counted = after["pod"]["egress_bytes"]["internet"] - before["pod"]["egress_bytes"]["internet"]
+    else:
+        counted = after["pod"]["ingress_delivered_bytes"] - before["pod"]["ingress_delivered_bytes"]
+    near(counted, received, f"pod's {direction} vs iperf3's receiver in segments")
+
+
+def test_a_restart_in_the_middle_of_a_flood_counts_every_byte_once(lab, agent):
+    pod = lab.nodes[0].pods[0]
+    with far_end(lab.internet, 4, f"--dport {PORT}") as far:
+        before = snapshot(lab, agent)
+        out = flood_across_a_restart(lab, agent, pod, before)
+        after = snapshot(lab, agent)
+        got = far()
+    rx = json.loads(out)["end"]["sum_received"]
+    received = (rx["packets"] - rx["lost_packets"]) * (DATAGRAM + UDP_HEADERS[4])
+    assert received <= got <= received + 0.1 * CAP / 8 + 10 * (DATAGRAM + UDP_HEADERS[4]), (received, got)
+    near(after["pod"]["egress_bytes"]["internet"] - before["pod"]["egress_bytes"]["internet"], got,
+         "upload across a restart vs the far end")
+
+
+def flood_across_a_restart(lab: Lab, agent: AgentProcess, pod, before: dict) -> str:
+    """A 6 s flood with the agent killed (-9) and started again in its middle; iperf3's JSON."""
+    flood = lab.iperf_async(pod.netns, INTERNET_V4, PORT, seconds=2 * RUN_S, udp_bitrate=FLOOD)
+    try:
+        start = before["pod"]["egress_bytes"]["internet"]
+        wait_for(lambda: agent.pod(pod.name)["egress_bytes"]["internet"] > start + 1_000_000, what="flood counted")
+        shown = agent.pod(pod.name)["egress_bytes"]["internet"]
+        agent.kill9()
+        agent.start()
+        agent.wait_ready()
+        assert agent.pod(pod.name)["egress_bytes"]["internet"] >= shown  # never backwards across the restart
+        out, _ = flood.communicate(timeout=60)
+        return out
+    finally:
+        if flood.poll() is None:
+            flood.kill()
