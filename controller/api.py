@@ -39,11 +39,13 @@ from .config import DEFAULT_MAX_PENDING_REPORTS
 log = logging.getLogger(__name__)
 MAX_BODY = MAX_REPORT_BYTES
 BODY_TIMEOUT = 10.0  # seconds to receive a report's body: a slow sender does not hold a request forever
-MAX_REVIEWS_IN_FLIGHT = 16  # TokenReviews of unknown tokens at once (their own threads)
-MAX_REVIEWS_PENDING = 256  # reviews waiting or in flight, all clients together; beyond: 429 at once
-MAX_REVIEWS_PER_CLIENT = 4  # ... from one client address
+MAX_REVIEWS_IN_FLIGHT = 16  # TokenReviews of unknown tokens at once (their own threads), per lane
+MAX_REVIEWS_PENDING = 256  # reviews waiting or in flight, all clients together, per lane; beyond: 429 at once
+MAX_REVIEWS_PER_CLIENT = 4  # ... from one client address (shared lane)
 MIN_OVERLOAD_RETRY = 2  # seconds: the shortest Retry-After an overloaded leader sends
 REVIEW_RATE_PER_CLIENT = 5.0  # uncached reviews per second one client address may cause (burst 2x)
+MAX_REVIEWS_PER_AGENT_POD = 2  # agent lane: pending per claimed pod (its report and one retry)
+REVIEW_RATE_PER_AGENT_POD = 1.0  # agent lane: reviews per second per claimed pod (burst 2x); an agent needs one a minute
 
 
 class ReportSink(Protocol):
@@ -82,33 +84,70 @@ class TokenBucket:
         return True
 
 
-class ReviewGate:
-    """Admission for uncached TokenReviews: per client address a token bucket and a bound on
-    pending reviews, a bound on all pending reviews, and a fixed pool of review threads. A
-    caller refused here gets 429 at once instead of queueing: 1,000 junk tokens a second from
-    one pod cost 5 reviews a second and never delay another client's review."""
+class _Lane:
+    """One review lane: per key a token bucket and a bound on pending reviews, a bound on all
+    its pending reviews, and its own fixed pool of review threads."""
 
-    def __init__(self, per_client_rate: float = REVIEW_RATE_PER_CLIENT, per_client: int = MAX_REVIEWS_PER_CLIENT,
-                 pending: int = MAX_REVIEWS_PENDING, in_flight: int = MAX_REVIEWS_IN_FLIGHT):
-        self.rate = TokenBucket(per_client_rate, 2 * per_client_rate)
-        self.per_client, self.max_pending = per_client, pending
-        self.pending: Counter[str] = Counter()
+    def __init__(self, name: str, rate: float, per_key: int, pending: int, in_flight: int):
+        self.rate = TokenBucket(rate, 2 * rate)
+        self.per_key, self.max_pending = per_key, pending
+        self.pending: Counter[object] = Counter()
         self.total = 0
-        self.pool = concurrent.futures.ThreadPoolExecutor(in_flight, thread_name_prefix="token-review")
+        self.pool = concurrent.futures.ThreadPoolExecutor(in_flight, thread_name_prefix=f"token-review-{name}")
 
-    def admit(self, client: str) -> bool:
-        """Called on the event loop (no lock needed); `release(client)` after an admitted review."""
-        if self.total >= self.max_pending or self.pending[client] >= self.per_client or not self.rate.allow(client):
+    def admit(self, key) -> bool:
+        if self.total >= self.max_pending or self.pending[key] >= self.per_key or not self.rate.allow(key):
             return False
-        self.pending[client] += 1
+        self.pending[key] += 1
         self.total += 1
         return True
 
-    def release(self, client: str) -> None:
+    def release(self, key) -> None:
         self.total -= 1
-        self.pending[client] -= 1
-        if not self.pending[client]:
-            del self.pending[client]
+        self.pending[key] -= 1
+        if not self.pending[key]:
+            del self.pending[key]
+
+
+class ReviewGate:
+    """Admission for uncached TokenReviews, in two lanes that never wait on each other:
+    - the agent lane, for tokens that name a live agent pod (TokenAuthenticator.triage): keyed
+      by the claimed pod, so a forger who knew a pod's uid would queue behind that pod only;
+    - the shared lane, keyed by client address: every token before the agent-pod watch has
+      listed (a new leader), as it was before the lanes existed.
+    Once the watch has listed, a token that names no live agent pod is refused before the gate,
+    so the shared lane is idle: the API server sees at most one lane's MAX_REVIEWS_IN_FLIGHT
+    reviews at once in either state. A caller refused here gets 429 at once instead of queueing:
+    1,000 junk tokens a second from one pod cost 5 reviews a second (none once synced) and never
+    delay another client's review."""
+
+    def __init__(self, per_client_rate: float = REVIEW_RATE_PER_CLIENT, per_client: int = MAX_REVIEWS_PER_CLIENT,
+                 pending: int = MAX_REVIEWS_PENDING, in_flight: int = MAX_REVIEWS_IN_FLIGHT,
+                 per_agent_pod_rate: float = REVIEW_RATE_PER_AGENT_POD,
+                 per_agent_pod: int = MAX_REVIEWS_PER_AGENT_POD):
+        self.shared = _Lane("shared", per_client_rate, per_client, pending, in_flight)
+        self.agents = _Lane("agents", per_agent_pod_rate, per_agent_pod, pending, in_flight)
+
+    def lane(self, pod: tuple[str, str] | None) -> _Lane:
+        return self.shared if pod is None else self.agents
+
+    def admit(self, client: str, pod: tuple[str, str] | None = None) -> bool:
+        """Called on the event loop (no lock needed); `release(client, pod)` after an admitted review."""
+        return self.lane(pod).admit(client if pod is None else pod)
+
+    def release(self, client: str, pod: tuple[str, str] | None = None) -> None:
+        self.lane(pod).release(client if pod is None else pod)
+
+    @property
+    def total(self) -> int:
+        return self.shared.total + self.agents.total
+
+    def pool(self, pod: tuple[str, str] | None = None) -> concurrent.futures.ThreadPoolExecutor:
+        return self.lane(pod).pool
+
+    def shutdown(self) -> None:
+        for lane in (self.shared, self.agents):
+            lane.pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass
@@ -149,15 +188,15 @@ def make_app(sink: ReportSink, auth: TokenAuthenticator | None, stats: APIStats 
     pending = 0
 
     async def authenticate(header: str | None, client: str) -> Identity:
-        identity = auth.cached(header)  # cheap checks and the cache: no API call, no thread
+        identity, pod = auth.triage(header)  # cheap checks and the cache: no API call, no thread
         if identity is not None:
             return identity
-        if not gate.admit(client):
+        if not gate.admit(client, pod):
             raise AuthError("ReviewsBusy", "too many unverified tokens from this client; retry")
         try:
-            return await asyncio.get_running_loop().run_in_executor(gate.pool, auth.authenticate, header)
+            return await asyncio.get_running_loop().run_in_executor(gate.pool(pod), auth.authenticate, header)
         finally:
-            gate.release(client)
+            gate.release(client, pod)
 
     def reject(status: int, reason: str, message: str, **kw) -> web.Response:
         stats.count_rejected(reason)
@@ -244,7 +283,7 @@ def make_app(sink: ReportSink, auth: TokenAuthenticator | None, stats: APIStats 
         return web.Response(status=200 if ok else 503, text=why + "\n")
 
     async def shutdown(app: web.Application) -> None:
-        gate.pool.shutdown(wait=False, cancel_futures=True)
+        gate.shutdown()
 
     app = web.Application(client_max_size=MAX_BODY)
     app.router.add_post("/v1/nodes/{node}/report", report)

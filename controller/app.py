@@ -110,7 +110,9 @@ class Controller:
                     return review(token)
 
                 allowed = service_account_username(cfg.agent_service_account) if cfg.agent_service_account else None
-                auth = TokenAuthenticator(counted_review, ttl=cfg.token_cache_seconds, allowed_user=allowed)
+                auth = TokenAuthenticator(counted_review, ttl=cfg.token_cache_seconds, allowed_user=allowed,
+                                          agent_pod=self.cluster.agent_pod,
+                                          agent_pods_synced=self.cluster.agent_pods_synced)
             self.events = EventWriter(kube_event_creator(api),
                                       on_result=lambda result: self.metrics.events.labels(result).inc())
         if cfg.tls_mode == "secret":

@@ -15,12 +15,30 @@ Cost and abuse bounds, in the order a request meets them:
   a failover) would otherwise all be reviewed again at once every TTL, a burst of N reviews
   (1,000 in the same few seconds every minute at 1,000 nodes, docs/scale.md finding 11);
   spread, they come at ~N/TTL a second;
-- uncached reviews pass a `ReviewGate` (controller/api.py): a bounded number at once, per
-  client address a bounded rate and number pending, a bounded queue overall; beyond it a 429
-  at once. Junk from one pod never queues ahead of the agents;
+- the agent-pod check (`AgentPods`, once the controller's watch of the agent's own pods has
+  listed them): a token's unverified `kubernetes.io` claims must name a pod (name AND uid) that
+  is an agent pod bound to the claimed node and neither terminating nor finished. Any other
+  token is refused here, with no review, by reason (`NotAgentPodToken`, `UnknownAgentPod`,
+  `AgentPodOnOtherNode`, `AgentPodTerminating`, `AgentPodNotRunning`). Why refuse rather than
+  give them a small lane of their own: the watch sees an agent pod (bound to its node, uid
+  set) before the kubelet can mint that pod's token, so a real agent is never among them but
+  for watch lag, which its next report outlives; any lane they could use, however small, is
+  one more queue a tenant's junk fills. A tenant cannot name a live agent pod without reading
+  the agent's namespace (the uid is random), and if it could, it would reach only that pod's
+  own small per-pod bounds. Until the watch has listed (a new leader at takeover, or no
+  --agent-service-account) every token is reviewed as before this check existed;
+- uncached reviews pass a `ReviewGate` (controller/api.py): tokens of known agent pods in
+  their own lane (per claimed pod a bounded rate and number pending, a bounded queue and
+  pool of their own), the rest (only before that watch has listed) in the shared one: per
+  client address a bounded rate and number pending, a bounded queue overall. Beyond a bound,
+  a 429 at once. Junk never queues ahead of the agents;
 - an outage of the API server (the review raises, it does not refuse): a token verified
   good within the last GRACE_SECONDS is still accepted, so an outage does not put the
   cluster on the floor; an unknown token gets a 503.
+
+Time: a verdict's freshness and grace run on the monotonic clock, so a step of the wall clock
+(NTP, a VM resumed) never extends a verdict. A token's `exp` is wall time: it is compared with
+the wall clock at every check, and bounds the verdict's monotonic deadline when it is stored.
 """
 from __future__ import annotations
 
@@ -93,6 +111,55 @@ def unverified_claims(token: str) -> dict:
     return claims
 
 
+@dataclass(frozen=True)
+class AgentPod:
+    """What the controller's watch keeps of one agent pod (controller/sources.py)."""
+    node: str
+    uid: str
+    terminating: bool  # metadata.deletionTimestamp is set
+    finished: bool  # status.phase is Succeeded or Failed
+
+
+# refusals of the agent-pod check: no review was made (docs/controller.md, "Refusals")
+AGENT_POD_REASONS = ("NotAgentPodToken", "UnknownAgentPod", "AgentPodOnOtherNode", "AgentPodTerminating",
+                     "AgentPodNotRunning")
+
+
+def claimed_pod(claims: dict) -> tuple[str, str, str, str] | None:
+    """(namespace, pod name, pod uid, node name) from a projected token's unverified
+    `kubernetes.io` claims; None when any of them is missing or not a string."""
+    k8s = claims.get("kubernetes.io")
+    if not isinstance(k8s, dict):
+        return None
+    pod, node = k8s.get("pod"), k8s.get("node")
+    if not isinstance(pod, dict) or not isinstance(node, dict):
+        return None
+    found = (k8s.get("namespace"), pod.get("name"), pod.get("uid"), node.get("name"))
+    return found if all(isinstance(v, str) and v for v in found) else None  # type: ignore[return-value]
+
+
+def check_agent_pod(claims: dict, agent_pod: Callable[[tuple[str, str]], AgentPod | None]) -> tuple[str, str]:
+    """The (namespace, name) of the live agent pod the token's claims name, or AuthError saying
+    why not (a reason of AGENT_POD_REASONS). Cheap: one lookup in the watched cache."""
+    found = claimed_pod(claims)
+    if found is None:
+        raise AuthError("NotAgentPodToken", "the token names no pod and node (the agent presents its pod's "
+                                            "projected ServiceAccount token)")
+    namespace, name, uid, node = found
+    pod = agent_pod((namespace, name))
+    if pod is None or pod.uid != uid:
+        raise AuthError("UnknownAgentPod", f"the token names pod {namespace[:63]}/{name[:253]} (uid {uid[:36]}), "
+                                           "which is not a running agent pod")
+    if pod.node != node:
+        raise AuthError("AgentPodOnOtherNode", f"the token claims node {node[:253]!r} but agent pod "
+                                               f"{namespace}/{name} is on node {pod.node!r}")
+    if pod.terminating:
+        raise AuthError("AgentPodTerminating", f"agent pod {namespace}/{name} is terminating")
+    if pod.finished:
+        raise AuthError("AgentPodNotRunning", f"agent pod {namespace}/{name} has finished")
+    return namespace, name
+
+
 def _exp(claims: dict) -> float | None:
     exp = claims.get("exp")
     return float(exp) if isinstance(exp, (int, float)) and not isinstance(exp, bool) else None
@@ -106,7 +173,10 @@ class TokenAuthenticator:
 
     def __init__(self, review: Callable[[str], dict], ttl: float = 60.0, max_entries: int = 50_000,
                  allowed_user: str | None = None, audience: str | None = AUDIENCE, grace: float = GRACE_SECONDS,
-                 clock: Callable[[], float] = time.time, rng: random.Random | None = None):
+                 clock: Callable[[], float] = time.time, rng: random.Random | None = None,
+                 monotonic: Callable[[], float] = time.monotonic,
+                 agent_pod: Callable[[tuple[str, str]], AgentPod | None] | None = None,
+                 agent_pods_synced: Callable[[], bool] = lambda: False):
         self.review = review  # token -> TokenReview status dict (API call)
         self.ttl = ttl  # the longest a verdict is reused without a review (--token-cache-seconds)
         self.rng = rng or random.Random()
@@ -114,8 +184,13 @@ class TokenAuthenticator:
         self.max_entries = max_entries
         self.allowed_user = allowed_user  # the username the agents' tokens carry; None: any
         self.audience = audience
-        self.clock = clock  # wall time: token `exp` claims are Unix times
-        # sha256(token) -> (fresh until, good-for-grace until, verdict); most recently used last
+        self.clock = clock  # wall time: token `exp` claims are Unix times; only compared with them
+        self.monotonic = monotonic  # every deadline of the cache: a wall clock's step never extends one
+        # the agent-pod check (module docstring): (namespace, name) -> the watched agent pod, and
+        # whether that watch has listed; until then (a new leader), every token is reviewed
+        self.agent_pod = agent_pod
+        self.agent_pods_synced = agent_pods_synced
+        # sha256(token) -> (fresh until, good-for-grace until, verdict), monotonic; most recently used last
         self._cache: OrderedDict[bytes, tuple[float, float, Identity | AuthError]] = OrderedDict()
         self._lock = threading.Lock()
         self.reviews = 0
@@ -152,20 +227,31 @@ class TokenAuthenticator:
                 del self._cache[key]
         return None
 
+    def triage(self, header: str | None) -> tuple[Identity | None, tuple[str, str] | None]:
+        """Without any API call: (the cached verdict, None when unknown or expired; the agent pod
+        the token names, whose review lane it may use, None before the agent-pod watch has
+        listed). Raises AuthError for a malformed or cheaply rejected token (the agent-pod check
+        included: it holds for cached verdicts too, so a terminating pod's token stops at once),
+        or a cached refusal."""
+        token, claims = self._checked(header)
+        pod = None
+        if self.agent_pod is not None and self.agent_pods_synced():
+            pod = check_agent_pod(claims, self.agent_pod)
+        verdict = self._lookup(hashlib.sha256(token.encode()).digest(), self.monotonic())
+        if isinstance(verdict, AuthError):
+            raise verdict
+        return verdict, pod
+
     def cached(self, header: str | None) -> Identity | None:
         """The cached verdict without any API call: an Identity, None when unknown or expired;
         raises AuthError for a malformed or cheaply rejected token, or a cached refusal."""
-        token, _ = self._checked(header)
-        verdict = self._lookup(hashlib.sha256(token.encode()).digest(), self.clock())
-        if isinstance(verdict, AuthError):
-            raise verdict
-        return verdict
+        return self.triage(header)[0]
 
     def authenticate(self, header: str | None) -> Identity:
         """Cached verdict or one TokenReview (blocking: call it from a worker thread)."""
         token, claims = self._checked(header)
         key = hashlib.sha256(token.encode()).digest()
-        now = self.clock()
+        now = self.monotonic()
         result = self._lookup(key, now)
         if result is None:
             self.reviews += 1
@@ -184,7 +270,9 @@ class TokenAuthenticator:
                                                     "(only the agent's ServiceAccount may; see --agent-service-account)")
             except AuthError as exc:
                 result = exc
-            exp = _exp(claims) or float("inf")  # verified now: the token's own expiry bounds every reuse
+            # verified now: the token's own expiry bounds every reuse, as a monotonic deadline
+            exp_wall = _exp(claims)
+            exp = float("inf") if exp_wall is None else now + (exp_wall - self.clock())
             if isinstance(result, Identity):
                 ttl = self.ttl * (1.0 - TTL_SPREAD * self.rng.random())
                 fresh, stale = min(now + ttl, exp), min(now + ttl + self.grace, exp)

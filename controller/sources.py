@@ -7,9 +7,11 @@ jittered backoff; never a poll):
 - Pods, cluster-wide, one watch -> (namespace, name) -> spec.nodeName, the node-binding
   check. Only that pair is kept per pod, not the object, so 300,000 pods cost a few tens
   of MB; events are parsed from the raw stream, not into client models.
-- the agent's own pods (its ServiceAccount's, in its namespace: a field selector), the same
-  pair -> the nodes that run an agent, which a new leader waits to hear from (the takeover
-  hold-back, controller/allocator.py). One node's pod each, so 10,000 nodes cost little.
+- the agent's own pods (its ServiceAccount's, in its namespace: a field selector), the pair ->
+  node, uid, terminating, finished (`AgentPod`): the nodes that run an agent, which a new
+  leader waits to hear from (the takeover hold-back, controller/allocator.py), and the pods
+  whose tokens may use the agent review lane (controller/auth.py). One node's pod each, so
+  10,000 nodes cost little.
 
 Files (`--from-file`, no cluster): the same objects in YAML, reloaded on change
 (`FilePolicy`); pods in the files, if any, drive the node-binding check; Namespace objects,
@@ -28,6 +30,8 @@ from core.files import FileSource
 from core.kubeapi import GROUP, VERSION
 from core.objects import Snapshot
 from core.reflector import Reflector
+
+from .auth import AgentPod
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,15 @@ def _policy_part(obj: dict) -> dict:
 def _pod_node(obj: dict) -> str | None:
     node = (obj.get("spec") or {}).get("nodeName")
     return sys.intern(node) if node else None  # unscheduled pods are on no node yet; one string per node
+
+
+def _agent_pod(obj: dict) -> AgentPod | None:
+    node = _pod_node(obj)
+    if node is None:
+        return None  # unscheduled: no kubelet can mint its token yet
+    meta, status = obj.get("metadata") or {}, obj.get("status") or {}
+    return AgentPod(node, meta.get("uid") or "", bool(meta.get("deletionTimestamp")),
+                    status.get("phase") in ("Succeeded", "Failed"))
 
 
 def _nodes(cache: Reflector) -> int:
@@ -81,7 +94,7 @@ class ClusterCaches:
         self.agent_pods: Reflector | None = None
         if agent_service_account is not None:
             namespace, name = agent_service_account
-            self.agent_pods = cache("agent-pods", core.list_namespaced_pod, _meta_key, _pod_node,
+            self.agent_pods = cache("agent-pods", core.list_namespaced_pod, _meta_key, _agent_pod,
                                     namespace=namespace, field_selector=f"spec.serviceAccountName={name}")
             self.caches += (self.agent_pods,)
 
@@ -113,7 +126,17 @@ class ClusterCaches:
 
     def agent_node_count(self) -> int:
         """Nodes that run an agent pod (without the agent's ServiceAccount: every node with a pod)."""
-        return _nodes(self.agent_pods if self.agent_pods is not None else self.pods)
+        if self.agent_pods is None:
+            return _nodes(self.pods)
+        return len({pod.node for pod in self.agent_pods.values()})
+
+    def agent_pod(self, key: tuple[str, str]) -> AgentPod | None:
+        """The watched agent pod (namespace, name), for the agent-pod check (controller/auth.py)."""
+        return self.agent_pods.get(key) if self.agent_pods is not None else None
+
+    def agent_pods_synced(self) -> bool:
+        """Whether the agent-pod watch has listed (without --agent-service-account: never)."""
+        return self.agent_pods is not None and self.agent_pods.synced.is_set()
 
     def policy_objects(self) -> tuple[list[dict], list[dict]]:
         return self.classes.values(), self.budgets.values()

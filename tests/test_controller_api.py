@@ -435,7 +435,7 @@ def test_recent_good_verdicts_hold_through_an_outage_for_a_bounded_grace():
             raise ConnectionRefusedError("apiserver down")
         return review_for({tok: (AGENT_SA, "node-a")}, [])(token)
 
-    auth = TokenAuthenticator(review, ttl=60, grace=600, clock=lambda: now[0])
+    auth = TokenAuthenticator(review, ttl=60, grace=600, clock=lambda: now[0], monotonic=lambda: now[0])
     assert auth.authenticate(f"Bearer {tok}").node == "node-a"
     up[0] = False
     now[0] += 300  # past the cache TTL, within the grace: the outage does not cost the agent its answers
@@ -452,7 +452,8 @@ def test_token_cache_honours_expiry_and_is_bounded():
     calls: list[str] = []
     short = jwt(exp=1000.0 + 10)
     tokens = {short: (AGENT_SA, "node-a"), **{jwt(sig=f"s{i}"): (AGENT_SA, "node-a") for i in range(50)}}
-    auth = TokenAuthenticator(review_for(tokens, calls), ttl=60, max_entries=20, clock=lambda: now[0])
+    auth = TokenAuthenticator(review_for(tokens, calls), ttl=60, max_entries=20, clock=lambda: now[0],
+                              monotonic=lambda: now[0])
     auth.authenticate(f"Bearer {short}")
     now[0] += 11  # the token's own exp is sooner than the cache TTL
     with pytest.raises(Exception, match="expired"):
@@ -473,7 +474,8 @@ def test_agents_reviewed_at_once_are_not_reviewed_at_once_again():
     now = [1000.0]
     calls: list[str] = []
     tokens = {jwt(sig=f"a{i}"): (AGENT_SA, f"node-{i}") for i in range(1000)}
-    auth = TokenAuthenticator(review_for(tokens, calls), ttl=60, clock=lambda: now[0], rng=random.Random(7))
+    auth = TokenAuthenticator(review_for(tokens, calls), ttl=60, clock=lambda: now[0], monotonic=lambda: now[0],
+                              rng=random.Random(7))
     reviewed_at: dict[str, float] = {}
     per_second: list[int] = []
     for _ in range(600):  # ten minutes, every agent reporting every second
