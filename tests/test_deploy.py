@@ -137,6 +137,18 @@ def test_prometheus_operator_overlay(base):
     assert endpoint["port"] in ports
     controller_monitor = find(docs, "PodMonitor", "netagent-controller")
     assert controller_monitor["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+    # /metrics needs a token allowed to get it (metrics.auth): both send the scraper account's, from
+    # the token Secret deploy/base makes; the agents' self-signed HTTPS is not verified (kubelet's way)
+    scraper = {"type": "Bearer", "credentials": {"name": "netagent-metrics-scraper", "key": "token"}}
+    assert endpoint["authorization"] == scraper and endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"] == {"insecureSkipVerify": True}
+    assert controller_monitor["spec"]["podMetricsEndpoints"][0]["authorization"] == scraper
+    secret = find(base, "Secret", "netagent-metrics-scraper")
+    assert secret["type"] == "kubernetes.io/service-account-token"
+    assert secret["metadata"]["annotations"]["kubernetes.io/service-account.name"] == "netagent-metrics-scraper"
+    container = pod_spec(docs, "DaemonSet", "netagent-agent")["containers"][0]
+    assert cli_args(container).metrics_auth == "true"
+    assert container["livenessProbe"]["httpGet"]["scheme"] == container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
     rules = yaml.safe_load((REPO / "dashboards" / "rules.yaml").read_text())
     assert find(docs, "PrometheusRule", "netagent")["spec"]["groups"] == rules["groups"]
 

@@ -345,7 +345,8 @@ def _sanitized(label: str) -> str:
 def scrape_configs(podmonitors: list[dict], discovery, secret_file) -> list[dict]:
     """The Prometheus scrape configs the Prometheus operator generates for these PodMonitors
     (selector and port relabelling of pod-role discovery's labels, jobLabel, honorLabels,
-    interval, scheme, TLS with the CA from a Secret and serverName, the monitor's relabelings),
+    interval, scheme, TLS with the CA from a Secret and serverName or insecureSkipVerify, the
+    bearer token of `authorization` from a Secret, the monitor's relabelings),
     with `discovery(namespace)` the service-discovery config for a namespace's pods and
     `secret_file(namespace, name, key)` the file holding a Secret key's value."""
     configs = []
@@ -383,10 +384,17 @@ def scrape_configs(podmonitors: list[dict], discovery, secret_file) -> list[dict
                       **discovery(ns),
                       "relabel_configs": relabel}
             tls = ep.get("tlsConfig")
-            if tls:
+            if tls and tls.get("insecureSkipVerify"):  # the agents' self-signed certificate (metrics.auth)
+                config["tls_config"] = {"insecure_skip_verify": True}
+            elif tls:
                 ref = tls["ca"]["secret"]
                 config["tls_config"] = {"ca_file": str(secret_file(ns, ref["name"], ref["key"])),
                                         "server_name": tls["serverName"]}
+            auth = ep.get("authorization")
+            if auth:  # the operator reads the Secret's key into the scrape config's credentials
+                ref = auth["credentials"]
+                config["authorization"] = {"type": auth.get("type", "Bearer"),
+                                           "credentials_file": str(secret_file(ns, ref["name"], ref["key"]))}
             configs.append(config)
     return configs
 
