@@ -24,12 +24,14 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import re
+import sys
 
 import pytest
 
 from lab.agentproc import AgentProcess, pod_object, wait_for, write_objects
-from lab.netns import require_root
+from lab.netns import bpf_filesystem, require_root
 from lab.topology import INTERNET_V4, INTERNET_V6, UPLINK, Lab, run
 
 pytestmark = [pytest.mark.root, pytest.mark.traffic]
@@ -61,13 +63,24 @@ def lab(request):
 
 
 @pytest.fixture(scope="module")
-def agent(lab, tmp_path_factory):
+def bpffs():
+    with bpf_filesystem() as root:
+        yield root
+
+
+@pytest.fixture(scope="module", params=["rules", "device"])
+def agent(request, lab, bpffs, tmp_path_factory):
+    """The agent counting internal bytes by the rules or on the pods' devices (eBPF): the internet
+    counters come from the shaper's classes either way, and must say the same."""
     d = tmp_path_factory.mktemp("accounting")
     node = lab.nodes[0]
     write_objects(d / "policy.yaml", POLICY)
     write_objects(d / "pods.yaml", [pod_object(node.pods[0], node)])
+    counting = ["--internal-counting", request.param, "--bpf-dir", os.path.join(bpffs, "netagent"),
+                "--service-cidr", "10.96.0.0/16"]
     a = AgentProcess(lab, node, [d], port=9581, log_dir=d,
-                     extra=["--default-rate", "1M", "--ingress-default-rate", "1M"]).start()
+                     extra=["--default-rate", "1M", "--ingress-default-rate", "1M", *counting]).start()
+    a.counting = request.param
     try:
         a.wait_ready()
         wait_for(lambda: (a.pod(node.pods[0].name) or {}).get("ingress_limit_bps") == CAP, what="pod capped")
@@ -75,6 +88,8 @@ def agent(lab, tmp_path_factory):
     finally:
         print(a.log())
         a.close()
+        run([sys.executable, "-m", "netagent", "cleanup", "--bpf-dir", os.path.join(bpffs, "netagent")], node.netns,
+            check=False)
 
 
 def uplink(netns: str) -> dict[str, int]:
@@ -185,6 +200,8 @@ def test_a_udp_flood_above_the_cap_is_counted_as_delivered_and_dropped(lab, agen
 @pytest.mark.parametrize("family", [4, 6])
 @pytest.mark.parametrize("direction", ["upload", "download"])
 def test_tcp_at_and_above_the_cap_is_counted_in_segments(lab, agent, direction, family, flows):
+    if agent.counting == "device" and flows == 1:
+        pytest.skip("CI time: one TCP run a direction and family with the device counter (the classes count both)")
     pod = lab.nodes[0].pods[0]
     dst = INTERNET_V4 if family == 4 else INTERNET_V6
     receiver, match = (lab.internet, f"--dport {PORT}") if direction == "upload" else (pod.netns, f"--sport {PORT}")
