@@ -5,7 +5,9 @@ second on the wire. HTB counts frames (Ethernet header included; a GSO packet co
 segments), so the measured rate is the pod's HTB class counter turned into IP bytes (bytes -
 14 x packets, exact per segment), read twice inside the run after a warm-up (so the initial
 bucket burst and the TCP ramp are outside the window), divided by the time between the reads.
-It must be within ±5% of the configured rate.
+It must be within ±5% of the configured rate, and so must what the receiver got
+(`receiver_ip_rate`: iperf3's receiving end, its payload turned into IP bytes), so a shaper
+whose counters and conversion agreed with each other but not with the wire would fail.
 Accounting compares the iptables counters (L3: IP header included) with what iperf3
 moved, converted to L3 with its exact datagram count (UDP, so the count is known).
 
@@ -19,14 +21,17 @@ import ipaddress
 import json
 import statistics
 import subprocess
+import sys
 import textwrap
 import time
 import warnings
+from typing import Callable
 
 import pytest
 
 from iptables.apply import Classifier
 from iptables.errors import IptablesError
+from lab.agentproc import server_intervals
 from lab.netns import normalised, residue_snapshot  # noqa: F401 (other tests import them from here)
 from lab.topology import INTERNAL_CIDRS, INTERNET_V4, INTERNET_V6, PEER_V4, PEER_V6, UPLINK, Lab, run
 from netagent.desired import DataPathOptions, DesiredState, NodeInputs, PodShape, desired_state, ip_bytes
@@ -161,13 +166,64 @@ def ip_rate(s1, s2, seconds: float) -> float:
     return (ip_bytes(s2.bytes, s2.packets, opts) - ip_bytes(s1.bytes, s1.packets, opts)) * 8 / seconds
 
 
-def measure(node: NodeUnderTest, pod, clients: list[subprocess.Popen]) -> tuple[float, int, list[dict]]:
-    """(IP rate in bit/s from the pod's HTB class over the window, class drops, iperf3 results)."""
+def receiver_ip_rate(result: dict, dst: str, udp: bool, reverse: bool = False, after_s: float = 1.0) -> float:
+    """What iperf3's receiving end got, IP bit/s, over its intervals from `after_s` on (the ramp and
+    the class's first burst are in the first second): the server's intervals for an upload (the
+    client ran with --get-server-output), the client's own for a download (-R). Its payload is
+    turned into IP bytes by the headers of each 1400-byte datagram or MSS-sized TCP segment."""
+    if reverse:
+        intervals = [(i["sum"]["start"], i["sum"]["end"], i["sum"]["bits_per_second"]) for i in result["intervals"]]
+    else:
+        intervals = server_intervals(result)
+    kept = [(start, end, bps) for start, end, bps in intervals if start >= after_s - 1e-3 and end > start]
+    assert kept, f"no receiver intervals after {after_s} s: {result.get('server_output_text') or result.get('error')}"
+    payload = sum((end - start) * bps for start, end, bps in kept) / sum(end - start for start, end, _ in kept)
+    family = 6 if ":" in dst else 4
+    size = DATAGRAM if udp else result["start"]["tcp_mss_default"]
+    headers = UDP_HEADERS[family] if udp else (40 if family == 6 else 20) + 20 + 12  # TCP with timestamps
+    return payload * (size + headers) / size
+
+
+def udp_datagrams_in(netns: str, family: int = 4) -> int:
+    """Datagrams the namespace's UDP took in at a bound socket, read or dropped at its full buffer
+    (/proc/net/snmp InDatagrams + InErrors, snmp6 for IPv6; a GSO packet counts each of its
+    datagrams there). The receiving host's count, whether or not its application keeps up."""
+    if family == 6:
+        rows = dict(l.split() for l in run(["cat", "/proc/net/snmp6"], netns).splitlines() if l.strip())
+        return int(rows["Udp6InDatagrams"]) + int(rows["Udp6InErrors"])
+    lines = [l.split() for l in run(["cat", "/proc/net/snmp"], netns).splitlines() if l.startswith("Udp:")]
+    udp = dict(zip(lines[0][1:], map(int, lines[1][1:])))
+    return udp["InDatagrams"] + udp["InErrors"]
+
+
+@contextlib.contextmanager
+def bound_udp_port(lab, netns: str, port: int):
+    """A socket bound to `port` that never reads: the receiving kernel counts each datagram once
+    (with no socket a GSO packet would count once as NoPorts)."""
+    code = ("import socket, sys, time; s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); "
+            f"s.bind(('::', {port})); print('bound', flush=True); time.sleep(600)")
+    proc = lab.spawn(netns, [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "bound"
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def measure(node: NodeUnderTest, pod, clients: list[subprocess.Popen],
+            received: Callable[[], int] | None = None, headers: int = UDP_HEADERS[4]
+            ) -> tuple[float, int, list[dict], float | None]:
+    """(IP rate in bit/s from the pod's HTB class over the window, class drops, iperf3 results, and
+    with `received` (a receiver's datagram count) the IP rate of the 1400-byte datagrams (+ their
+    `headers`) it counted in the same window)."""
     try:
         time.sleep(WARMUP_S)
+        r1 = received() if received else 0
         s1, t1 = node.class_stats(pod), time.monotonic()
         time.sleep(WINDOW_S)
         s2, t2 = node.class_stats(pod), time.monotonic()
+        r2 = received() if received else 0
         results = []
         for c in clients:
             out, err = c.communicate(timeout=RUN_S + 30)
@@ -177,7 +233,8 @@ def measure(node: NodeUnderTest, pod, clients: list[subprocess.Popen]) -> tuple[
         for c in clients:
             if c.poll() is None:
                 c.kill()
-    return ip_rate(s1, s2, t2 - t1), s2.drops - s1.drops, results
+    got = (r2 - r1) * (DATAGRAM + headers) * 8 / (t2 - t1) if received else None
+    return ip_rate(s1, s2, t2 - t1), s2.drops - s1.drops, results, got
 
 
 # -- rates -----------------------------------------------------------------------------
@@ -192,23 +249,37 @@ def test_internet_egress_held_to_its_rate(lab, node, capacity, rate, proto, dst)
     pod = node.pods[0]
     node.program({pod.name: (rate, rate)})
     if proto == "tcp":
-        clients = [lab.iperf_async(pod.netns, dst, PORTS[0], seconds=RUN_S)]
+        clients = [lab.iperf_async(pod.netns, dst, PORTS[0], seconds=RUN_S, extra=["--get-server-output"])]
     elif rate < G:
         clients = [lab.iperf_async(pod.netns, dst, PORTS[0], seconds=RUN_S, udp_bitrate=str(2 * rate))]
     else:
         # iperf3 3.12 sends one 1400-byte datagram per syscall, ~0.7 Gbit/s on this machine:
         # the 2 Gbit/s flood comes from a UDP GSO sender of the same datagrams
         clients = [lab.udp_flood(pod.netns, dst, 9, 2 * rate, seconds=RUN_S)]
-    measured, drops, results = measure(node, pod, clients)
+    # What the receiver got: TCP, iperf3's receiving end (a segment lost is sent again, so what it read is
+    # what arrived); UDP, the receiving host's kernel count in the same window as the class's (iperf3's
+    # single-threaded reader drops datagrams at its socket on a busy machine: that is not the shaper)
+    family = 6 if ":" in dst else 4
+    with contextlib.ExitStack() as stack:
+        if proto == "udp" and rate >= G:
+            stack.enter_context(bound_udp_port(lab, lab.internet, 9))  # the GSO flood's port
+        measured, drops, results, got = measure(
+            node, pod, clients, (lambda: udp_datagrams_in(lab.internet, family)) if proto == "udp" else None,
+            UDP_HEADERS[family])
     err = rate_error(measured, rate)
     what = f"{proto} to {dst} at {rate / M:g} Mbit/s: measured {measured / M:.2f} Mbit/s ({err:+.2%})"
+    got = receiver_ip_rate(results[0], dst, udp=False) if proto == "tcp" else got
+    what += f", the receiver got {got / M:.2f} Mbit/s ({rate_error(got, rate):+.2%})"
+    print(what)
     if capacity[proto] < 1.1 * rate:
         # the machine cannot carry this rate even unshaped: all it can honestly show is that
         # the class never lets more through; said loudly, never silently passed as accurate
         warnings.warn(f"{what}: only {capacity[proto] / M:.0f} Mbit/s unshaped here, accuracy not shown")
         assert measured <= (1 + TOLERANCE) * rate, what
+        assert got <= (1 + TOLERANCE) * rate, what
         return
     assert abs(err) <= TOLERANCE, what
+    assert abs(rate_error(got, rate)) <= TOLERANCE, what
     if proto == "udp":
         offered = sum(r["end"]["sum"]["bits_per_second"] if "end" in r else r["bits_per_second"] for r in results)
         assert offered >= 1.9 * rate, f"the flood offered only {offered / M:.0f} Mbit/s"
@@ -367,7 +438,7 @@ def test_two_pods_share_the_node_class(lab, node):
 
     # alone, a pod borrows the idle capacity up to its own ceil
     node.program({a.name: (20 * M, 50 * M), b.name: (60 * M, 100 * M)}, 100 * M)
-    measured, _, _ = measure(node, a, [lab.iperf_async(a.netns, INTERNET_V4, PORTS[0], seconds=RUN_S)])
+    measured, _, _, _ = measure(node, a, [lab.iperf_async(a.netns, INTERNET_V4, PORTS[0], seconds=RUN_S)])
     assert abs(rate_error(measured, 50 * M)) <= TOLERANCE, f"alone with ceil 50 Mbit/s: {measured / M:.2f}"
 
 
@@ -696,7 +767,7 @@ def test_legacy_backend_end_to_end(lab, node):
     try:
         assert "NETAGENT" not in run("iptables-save", node.node.netns)  # nothing of ours in nft
         node.state = state
-        measured, _, _ = measure(node, pod, [lab.iperf_async(pod.netns, INTERNET_V4, PORTS[1], seconds=RUN_S)])
+        measured, _, _, _ = measure(node, pod, [lab.iperf_async(pod.netns, INTERNET_V4, PORTS[1], seconds=RUN_S)])
         assert abs(rate_error(measured, 100 * M)) <= TOLERANCE, f"legacy: {measured / M:.2f} Mbit/s"
         before = legacy.counters()[0][pod_key(pod)]["egress_internet"]
         result = lab.iperf(pod.netns, INTERNET_V4, PORTS[1], seconds=2, udp_bitrate="50M")
