@@ -61,10 +61,12 @@ def install_crds(api) -> None:
     api.kubectl("wait", "--for=condition=Established", "crd/egressclasses.netagent.io", "crd/egressbudgets.netagent.io")
 
 
-def agent_rbac_token(api, namespace: str) -> str:
-    """A ServiceAccount in `namespace` bound to exactly the agent's ClusterRole rules from deploy/."""
+def agent_rbac_token(api, namespace: str, without: tuple[str, ...] = ()) -> str:
+    """A ServiceAccount in `namespace` bound to exactly the agent's ClusterRole rules from deploy/ (less the
+    rules on the resources `without` names: an older chart's role)."""
     docs = [d for d in yaml.safe_load_all((REPO / "deploy" / "base" / "rbac-agent.yaml").read_text()) if d]
     role = next(d for d in docs if d["kind"] == "ClusterRole")
+    role["rules"] = [r for r in role["rules"] if not set(r["resources"]) & set(without)]
     name = f"netagent-agent-{namespace}"
     rbac = client.RbacAuthorizationV1Api(api.admin)
     core = client.CoreV1Api(api.admin)
@@ -91,14 +93,15 @@ def delete_rbac(api, namespace: str) -> None:
 
 
 @contextlib.contextmanager
-def rbac_agent(kube_api, namespace: str, lab, node, tmp_path: Path, port: int, node_name: str):
+def rbac_agent(kube_api, namespace: str, lab, node, tmp_path: Path, port: int, node_name: str,
+               without: tuple[str, ...] = ()):
     """The agent for `node` (not started yet: a test may make objects first), reaching the apiserver through a
     forwarder in the node's namespace with a token of exactly the agent's ClusterRole from deploy/; after, its
     log printed, and the agent, the forwarder and the RBAC objects gone."""
     forward = NetnsPortForward(node.netns, ("127.0.0.1", int(kube_api.url.rsplit(":", 1)[1])))
     agent = None
     try:
-        token = agent_rbac_token(kube_api, namespace)
+        token = agent_rbac_token(kube_api, namespace, without)
         kubeconfig = write_kubeconfig(tmp_path / "agent.kubeconfig", f"https://127.0.0.1:{forward.port}",
                                       kube_api.ca_file, {"token": token})
         agent = AgentProcess(lab, node, [], port=port, log_dir=tmp_path, node_name=node_name,
