@@ -2,7 +2,8 @@
 
     netagent plan --from-file POLICY.yaml --demand DEMAND.csv [-o table|wide|json]
 
-POLICY.yaml holds EgressClass and EgressBudget objects (other kinds are ignored, so the
+POLICY.yaml holds EgressClass and EgressBudget objects, and Namespace objects whose labels choose
+teams by namespaceSelector (other kinds are ignored, so the
 agent's --from-file files work as they are). DEMAND.csv has the header
 `namespace,pod,class,demand` and optionally `bandwidth` (the pod's
 kubernetes.io/egress-bandwidth), `ingress_demand` (the pod's download demand) and
@@ -18,10 +19,11 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Mapping, TextIO
 
 from core.engine import AllocationResult, EngineError, PodDemandIn, allocate
 from core.files import load_objects
+from core.objects import namespace_labels
 from core.policy import Policy, load_policy, resolve_pod
 from core.quantity import format_bps, parse_bps
 
@@ -58,9 +60,9 @@ class Plan:
 def run(from_file: list[str], demand: str, output: str) -> int:
     """`netagent plan`: print the allocation the policy in `from_file` gives for the demand CSV."""
     try:
-        policy, problems = read_policy([Path(f) for f in from_file])
+        policy, problems, namespaces = read_policy([Path(f) for f in from_file])
         rows = read_demand(demand)
-        result, warnings = what_if(policy, rows, demand)
+        result, warnings = what_if(policy, rows, demand, namespaces)
     except (PlanInputError, EngineError) as exc:
         print(f"netagent plan: error: {exc}", file=sys.stderr)
         return 2
@@ -76,15 +78,19 @@ def run(from_file: list[str], demand: str, output: str) -> int:
     return 0
 
 
-def read_policy(paths: list[Path]) -> tuple[Policy, list[str]]:
-    """EgressClass and EgressBudget objects from YAML files, or directories of them."""
+def read_policy(paths: list[Path]) -> tuple[Policy, list[str], dict[str, dict[str, str]]]:
+    """EgressClass and EgressBudget objects from YAML files, or directories of them, and the labels of
+    the Namespace objects among them (teams chosen by namespaceSelector, as the controller reads them)."""
     try:
         objects = load_objects(paths)
     except ValueError as exc:
         raise PlanInputError(str(exc)) from None
     classes = [o for o in objects if o.get("kind") == "EgressClass"]
     budgets = [o for o in objects if o.get("kind") == "EgressBudget"]
-    return load_policy(classes, budgets)  # no budget: the built-in default (no total, caps only)
+    namespaces = {str(o["metadata"]["name"]): namespace_labels(o) for o in objects
+                  if o.get("kind") == "Namespace" and (o.get("metadata") or {}).get("name")}
+    policy, problems = load_policy(classes, budgets)  # no budget: the built-in default (no total, caps only)
+    return policy, problems, namespaces
 
 
 def read_demand(name: str) -> list[DemandRow]:
@@ -138,14 +144,16 @@ def parse_demand(f: TextIO, name: str) -> list[DemandRow]:
     return rows
 
 
-def what_if(policy: Policy, rows: list[DemandRow], name: str) -> tuple[Plan, list[str]]:
+def what_if(policy: Policy, rows: list[DemandRow], name: str,
+            namespaces: Mapping[str, Mapping[str, str]] | None = None) -> tuple[Plan, list[str]]:
     """Both directions planned by the controller's engine: uploads always, downloads when the
-    rows carry download demand."""
+    rows carry download demand. `namespaces`: namespace -> labels (a team chosen by label)."""
+    labels_of = (namespaces or {}).get
     warnings: list[str] = []
     pods: list[PodDemandIn] = []
     ingress_pods: list[PodDemandIn] = []
     for row in rows:
-        resolved = resolve_pod(policy, row.namespace, row.egress_class, row.bandwidth,
+        resolved = resolve_pod(policy, row.namespace, row.egress_class, row.bandwidth, labels_of(row.namespace),
                                ingress_bandwidth_annotation=row.ingress_bandwidth)
         warnings.extend(f"{name}:{row.line}: {reason}: {message}" for reason, message in resolved.problems)
         key = f"{row.namespace}/{row.pod}"

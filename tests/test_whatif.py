@@ -204,3 +204,22 @@ def test_bad_policy_objects_are_warnings_not_errors(tmp_path, policy):
     done = plan("-f", policy, "-f", extra, "-d", write(tmp_path, "namespace,pod,class,demand\na,p,,1M\n"))
     assert done.returncode == 0
     assert "EgressClass broken: spec.weight: 0 is not an integer from 1" in done.stderr
+
+
+def test_a_team_chosen_by_namespace_label_is_planned_as_the_controller_resolves_it(tmp_path):
+    """Namespace objects in the policy files give their labels (as to the agent's and the controller's
+    --from-file): a team chosen by namespaceSelector gets its pods, not the default team."""
+    path = write(tmp_path, """
+kind: EgressBudget
+metadata: {name: default}
+spec:
+  total: 100M
+  teams: [{name: research, namespaceSelector: {matchLabels: {netagent.io/team: research}}}]
+---
+kind: Namespace
+metadata: {name: lab, labels: {netagent.io/team: research}}
+""", "policy.yaml")
+    demand = write(tmp_path, "namespace,pod,class,demand\nlab,trainer,,1G\nweb,front,,1G\n")
+    done = plan("--from-file", path, "--demand", demand, "-o", "json")
+    assert done.returncode == 0, done.stderr
+    assert {r["pod"]: r["team"] for r in json.loads(done.stdout)} == {"trainer": "research", "front": "default"}
