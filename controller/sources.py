@@ -28,7 +28,7 @@ from kubernetes import client
 
 from core.files import FileSource
 from core.kubeapi import GROUP, VERSION
-from core.objects import Snapshot
+from core.objects import Snapshot, namespace_labels
 from core.reflector import Reflector
 
 from .auth import AgentPod
@@ -84,7 +84,7 @@ class ClusterCaches:
         self.pods = cache("pods", core.list_pod_for_all_namespaces, _meta_key, _pod_node)
         # labels decide teams chosen by namespaceSelector: a change re-resolves pods like a policy change
         self.namespaces = cache("namespaces", core.list_namespace, lambda o: o["metadata"]["name"],
-                                lambda o: dict(o["metadata"].get("labels") or {}), on_policy_change)
+                                namespace_labels, on_policy_change)  # what the agent keeps of them, too
         crd = dict(group=GROUP, version=VERSION)
         self.classes = cache("egressclasses", custom.list_cluster_custom_object, _meta_key, _policy_part,
                              on_policy_change, plural="egressclasses", **crd)

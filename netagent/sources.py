@@ -59,7 +59,7 @@ class KubeSource:
             "agent's ClusterRole; or give --service-cidr",
         )
         # namespaces' labels: teams chosen by namespaceSelector resolve here with the labels the controller
-        # reads (docs/agent.md, "Namespaces"); one small watch per node, labels kept, never a poll
+        # reads (docs/architecture.md, "One team for a pod"); one small watch per node, labels kept, never a poll
         self.namespaces = Reflector(
             "namespaces", core.list_namespace, self.stop_event, self._mark, lambda k: metric("namespaces", k),
             key=namespace_name, transform=namespace_labels, optional=True, absent_statuses=(403,),
