@@ -166,16 +166,19 @@ def ip_rate(s1, s2, seconds: float) -> float:
     return (ip_bytes(s2.bytes, s2.packets, opts) - ip_bytes(s1.bytes, s1.packets, opts)) * 8 / seconds
 
 
-def receiver_ip_rate(result: dict, dst: str, udp: bool, reverse: bool = False, after_s: float = 1.0) -> float:
-    """What iperf3's receiving end got, IP bit/s, over its intervals from `after_s` on (the ramp and
-    the class's first burst are in the first second): the server's intervals for an upload (the
-    client ran with --get-server-output), the client's own for a download (-R). Its payload is
-    turned into IP bytes by the headers of each 1400-byte datagram or MSS-sized TCP segment."""
+def receiver_ip_rate(result: dict, dst: str, udp: bool, reverse: bool = False, after_s: float = 1.0,
+                     until_s: float = float("inf")) -> float:
+    """What iperf3's receiving end got, IP bit/s, over its intervals from `after_s` (the ramp and
+    the class's first burst are in the first second) to `until_s`: the server's intervals for an
+    upload (the client ran with --get-server-output), the client's own for a download (-R). Its
+    payload is turned into IP bytes by the headers of each 1400-byte datagram or MSS-sized TCP
+    segment."""
     if reverse:
         intervals = [(i["sum"]["start"], i["sum"]["end"], i["sum"]["bits_per_second"]) for i in result["intervals"]]
     else:
         intervals = server_intervals(result)
-    kept = [(start, end, bps) for start, end, bps in intervals if start >= after_s - 1e-3 and end > start]
+    kept = [(start, end, bps) for start, end, bps in intervals
+            if start >= after_s - 1e-3 and end <= until_s + 1e-3 and end > start]
     assert kept, f"no receiver intervals after {after_s} s: {result.get('server_output_text') or result.get('error')}"
     payload = sum((end - start) * bps for start, end, bps in kept) / sum(end - start for start, end, _ in kept)
     family = 6 if ":" in dst else 4

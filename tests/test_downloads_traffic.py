@@ -5,7 +5,9 @@ node and each pod -> `Shaper.apply` of both shapers -> `Classifier.apply`. A dow
 iperf3 client in reverse mode (`-R`: the server on the "internet" host sends, through the node's
 NAT) or a UDP flood from the internet host to the pod (`Lab.download_flood`). Rates are measured
 as for uploads (tests/test_datapath_traffic.py): the pod's download HTB class counter in IP bytes
-over a window after a warm-up, within ±2 % of the configured rate.
+over a window after a warm-up, within ±2 % of the configured rate, and what the pod received
+within the same bound (TCP: iperf3's receiving end; UDP: the pod's kernel, tests/test_datapath_traffic.py
+`receiver_ip_rate`, `udp_datagrams_in`).
 
 Two labs: native routing (one veth per pod, /32 routes) and pods behind a bridge.
 """
@@ -22,7 +24,8 @@ from lab.netns import require_root
 from lab.topology import INTERNAL_CIDRS, INTERNET_V4, INTERNET_V6, PEER_V4, UPLINK, Lab, run
 from netagent.desired import DataPathOptions, NodeInputs, PodShape, desired_state, ip_bytes
 from tc.probe import probe
-from tests.test_datapath_traffic import NodeUnderTest, ip_rate, pod_key, rate_error, residue_snapshot
+from tests.test_datapath_traffic import (DATAGRAM, UDP_HEADERS, NodeUnderTest, ip_rate, pod_key, rate_error,
+                                         receiver_ip_rate, residue_snapshot, udp_datagrams_in)
 
 pytestmark = [pytest.mark.root, pytest.mark.traffic]
 
@@ -119,13 +122,16 @@ def download(lab, pod, dst: str, port: int, seconds: float = RUN_S, udp_bitrate:
 
 
 def window(node: DownloadNode, minors: list[int], clients: list[subprocess.Popen],
-           seconds: float = WINDOW_S) -> tuple[list[float], list[int], list[dict]]:
-    """(IP rate per minor over the window, drops per minor, the clients' JSON results)."""
+           seconds: float = WINDOW_S, received=None) -> tuple[list[float], list[int], list[dict]]:
+    """(IP rate per minor over the window, drops per minor, the clients' JSON results); with
+    `received` (a datagram count) its difference over the same window is stored in `node.received`."""
     try:
         time.sleep(WARMUP_S)
+        r1 = received() if received else 0
         s1, t1 = node.stats(), time.monotonic()
         time.sleep(seconds)
         s2, t2 = node.stats(), time.monotonic()
+        node.received = ((received() - r1), t2 - t1) if received else None
         results = []
         for c in clients:
             out, err = c.communicate(timeout=RUN_S + seconds + 30)
@@ -151,17 +157,29 @@ def test_download_held_to_its_rate(lab, node, rate, proto, dst):
     node.program({pod.name: (rate, rate)})
     seconds = SLOW_WINDOW_S if rate < SLOW_RATE else WINDOW_S
     run_s = RUN_S - WINDOW_S + seconds
-    if proto == "tcp":
-        clients = [download(lab, pod, dst, PORTS[0], seconds=run_s)]
+    if proto == "tcp":  # intervals of 0.2 s: the pod's receiving end read over the class's window
+        clients = [lab.iperf_async(pod.netns, dst, PORTS[0], seconds=run_s, extra=["-R", "-i", "0.2"])]
     elif rate < G:
         # iperf3's own datagrams (one per send): the GSO flood's 61 KB packets would sit in the leaf
         # pfifo (a packet limit) for seconds at these rates instead of overflowing it
         clients = [download(lab, pod, dst, PORTS[0], seconds=run_s, udp_bitrate=str(2 * rate))]
     else:
         clients = [lab.download_flood(pod.netns, lab.internet, dst, FLOOD_PORT, 2 * rate, seconds=run_s)]
-    (measured,), (drops,), results = window(node, [node.minor(pod)], clients, seconds)
+    family = 6 if ":" in dst else 4
+    # what the pod got: TCP, iperf3's receiving end (the client, -R); UDP, the pod's kernel in the class's window
+    (measured,), (drops,), results = window(node, [node.minor(pod)], clients, seconds,
+                                            (lambda: udp_datagrams_in(pod.netns, family)) if proto == "udp" else None)
+    if proto == "tcp":
+        got = receiver_ip_rate(results[0], dst, udp=False, reverse=True, after_s=WARMUP_S, until_s=WARMUP_S + seconds)
+    else:
+        datagrams, elapsed = node.received
+        got = datagrams * (DATAGRAM + UDP_HEADERS[family]) * 8 / elapsed
     err = rate_error(measured, rate)
-    assert abs(err) <= TOLERANCE, f"{proto} download from {dst} at {rate / M:g} Mbit/s: {measured / M:.2f} ({err:+.2%})"
+    what = (f"{proto} download from {dst} at {rate / M:g} Mbit/s: {measured / M:.2f} ({err:+.2%}), "
+            f"the pod got {got / M:.2f} ({rate_error(got, rate):+.2%})")
+    print(what)
+    assert abs(err) <= TOLERANCE, what
+    assert abs(rate_error(got, rate)) <= TOLERANCE, what
     if proto == "udp":
         r = results[0]
         offered = r["end"]["sum_sent"]["bits_per_second"] if "end" in r else r["bits_per_second"]
