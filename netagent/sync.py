@@ -73,6 +73,7 @@ class NodeSync:
         self._snapshot: Snapshot | None = None
         self._policy_objects: tuple | None = None
         self._missing_namespaces: set[str] = set()  # said once per disappearance
+        self._namespaces_seen: set[str] = set()  # of this node's pods, present at the last sync
         self.policy = PolicyCache(self._current_policy_objects)
         self.local = local
         # per direction: the pods (and budget) the local engine last saw
@@ -168,14 +169,21 @@ class NodeSync:
 
     def _note_missing_namespaces(self, pods: list[ResolvedPod], snap: Snapshot) -> None:
         """A namespace gone while pods of this node still run in it (deleted under them, its finalizer
-        forced): said once and counted; its pods resolve by its name alone, as on the controller."""
+        forced): said once and counted; its pods resolve by its name alone, as on the controller. One
+        this agent never saw (its watch event behind the pod's, or gone before the agent started) is
+        only noted: a race of two watches is no alarm."""
         missing = namespaces_missing(pods, snap.namespaces)
         for ns in sorted(set(missing) - self._missing_namespaces):
+            if ns not in self._namespaces_seen:
+                log.info("namespace %s of %d pod(s) of this node is not known (yet): they resolve by its name "
+                         "alone until it is", ns, missing[ns])
+                continue
             log.warning("namespace %s is gone while %d pod(s) of this node run in it: they resolve by the "
                         "namespace's name alone (its labels are gone; the controller does the same)", ns, missing[ns])
             if self.metrics:
                 self.metrics.namespaces_missing.inc()
         self._missing_namespaces = set(missing)
+        self._namespaces_seen = {p.namespace for p in pods} - self._missing_namespaces
 
     def _seed_frames(self, pods: list[ResolvedPod], effective: dict[str, Allocation], node_rate: int,
                      ingress_eff: dict[str, Allocation], ingress_rate: int | None) -> None:

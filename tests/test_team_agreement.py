@@ -281,3 +281,34 @@ def test_agent_and_controller_resolve_every_pod_alike_from_files(policy, namespa
     agent, mine = agent_resolves(snap)
     allocator = Allocator(PolicyCache(files.policy_objects), files.namespace_labels)
     assert controller_resolves(allocator, agent) == mine
+
+
+def test_a_namespace_gone_under_running_pods_is_counted_once_and_a_late_one_is_no_alarm(caplog):
+    """Its pods resolve by the namespace's name alone (as on the controller), it is said and counted once per
+    disappearance; a pod whose namespace the agent has not seen yet (the two watches race) is not counted."""
+    dp = FakeDataPath()
+    agent, metrics = make_agent(dp, controller=None)
+    trainer, neighbour = pod("lab", "trainer", "10.244.0.10"), pod("web", "neighbour", "10.244.0.11")
+    labels = {"lab": {"netagent.io/team": "research"}, "web": {}}
+
+    def sync(namespaces):
+        agent.on_snapshot(Snapshot((trainer, neighbour), CLASSES, BUDGETS, namespaces=namespaces))
+        assert agent.sync()
+        return {p.name: (p.team, p.egress_class) for p in agent.node.state.pods}
+
+    def counted():
+        return metrics.registry.get_sample_value("netagent_namespaces_missing_total")
+
+    assert sync({"web": {}}) == {"trainer": ("default", "default"), "neighbour": ("default", "default")}
+    assert counted() == 0  # lab not seen yet: a late watch event, not a deletion
+    assert sync(labels)["trainer"] == ("research", "bulk")
+    for _ in range(3):  # gone: said and counted once, however many syncs follow
+        assert sync({"web": {}}) == {"trainer": ("default", "default"), "neighbour": ("default", "default")}
+    assert counted() == 1
+    assert [r.getMessage() for r in caplog.records if "is gone" in r.getMessage()] == [
+        "namespace lab is gone while 1 pod(s) of this node run in it: they resolve by the namespace's name alone "
+        "(its labels are gone; the controller does the same)"]
+    assert sync(labels)["trainer"] == ("research", "bulk")  # made again, and gone again: counted again
+    sync({"web": {}})
+    assert counted() == 2
+    assert {p.key for p in dp.applied[-1].shaper.pods} == {"lab/trainer", "web/neighbour"}  # both still shaped
