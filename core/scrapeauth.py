@@ -14,9 +14,13 @@ cache, the bounds and the refusals. The order a scrape meets them:
   `refusal_ttl` (a flood of one bad token is not a flood of reviews). Prometheus' token, once
   granted, costs nothing per scrape;
 - admission of an unknown token (`admit`/`release`): at most `per_source` reviews pending per
-  client address and at most `max_pending` overall; a token granted before (its verdict expired)
-  has `reserve` more slots overall, so junk from the node's pods, which fills the general slots,
-  never keeps Prometheus' own token from its renewal. Refused admission: 429 at once, no review;
+  client address and at most `max_pending` overall, and at most `rate` reviews a second overall
+  and `source_rate` per client address (token buckets, burst 2x): the API server's load from junk
+  is bounded per agent whatever the node's pods send. A token granted before (its verdict
+  expired) has `reserve` more slots and no rate, so junk from the node's pods, which fills the
+  general slots and drains the buckets, never keeps Prometheus' own token from its renewal (a
+  first grant under a flood may wait for a slot: Prometheus retries at its next scrape).
+  Refused admission: 429 at once, no review;
 - the reviews themselves (`authorize`, blocking: a worker thread): a TokenReview failing to
   authenticate is a 401, a SubjectAccessReview not allowing is a 403; an API error a 503 (not the
   caller's fault, not cached).
@@ -96,13 +100,17 @@ class ScrapeAuthorizer:
 
     def __init__(self, token_review: Callable[[str], dict], access_review: Callable[[User, str, str], bool],
                  ttl: float = 60.0, refusal_ttl: float = 5.0, max_entries: int = 4096, max_pending: int = 8,
-                 reserve: int = 2, per_source: int = 1, path: str = PATH,
+                 reserve: int = 2, per_source: int = 1, rate: float = 5.0, source_rate: float = 1.0, path: str = PATH,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
         self.token_review = token_review  # token -> TokenReview status dict (API call)
         self.access_review = access_review  # (user, verb, path) -> allowed (API call)
         self.ttl, self.refusal_ttl, self.max_entries = ttl, refusal_ttl, max_entries
         self.max_pending, self.reserve, self.per_source = max_pending, reserve, per_source
         self.path, self.clock, self.wall = path, clock, wall
+        # token buckets (burst 2x) on reviews of tokens never granted: overall, and per client address
+        self.rate, self.source_rate = rate, source_rate
+        self._bucket = (2 * rate, clock())
+        self._source_buckets: dict[str, tuple[float, float]] = {}
         # sha256(token) -> (fresh until on `clock`, granted-before until on `clock`, verdict)
         self._cache: OrderedDict[bytes, tuple[float, float, User | ScrapeRefused]] = OrderedDict()
         self._lock = threading.Lock()
@@ -151,16 +159,36 @@ class ScrapeAuthorizer:
 
     def admit(self, source: str, header: str | None) -> bool:
         """A review slot for `source`, or False (counted as `busy`); `release(source)` after it."""
-        bound = self.max_pending + (self.reserve if self._granted_before(header) else 0)
+        known = self._granted_before(header)
+        bound = self.max_pending + (self.reserve if known else 0)
+        now = self.clock()
         with self._lock:
             if self._pending[source] >= self.per_source or self._total >= bound:
                 ok = False
+            elif known:  # a renewal: no rate, so junk that drains the buckets never delays it
+                ok = True
             else:
+                ok = self._take(source, now)
+            if ok:
                 self._pending[source] += 1
                 self._total += 1
-                ok = True
         if not ok:
             self.refusals["busy"] += 1
+        return ok
+
+    def _take(self, source: str, now: float) -> bool:
+        """One review from the overall bucket and the source's (lock held): the API server's load from
+        unknown tokens stays at most `rate` a second (burst 2x) however many pods send them."""
+        tokens, last = self._bucket
+        tokens = min(2 * self.rate, tokens + (now - last) * self.rate)
+        mine, mine_last = self._source_buckets.get(source, (2 * self.source_rate, now))
+        mine = min(2 * self.source_rate, mine + (now - mine_last) * self.source_rate)
+        if len(self._source_buckets) > 4 * self.max_entries:  # forget idle sources (full again anyway)
+            full = 2 / max(self.source_rate, 1e-9)
+            self._source_buckets = {k: v for k, v in self._source_buckets.items() if now - v[1] < full}
+        ok = tokens >= 1 and mine >= 1
+        self._bucket = (tokens - ok, now)
+        self._source_buckets[source] = (mine - ok, now)
         return ok
 
     def release(self, source: str) -> None:

@@ -239,3 +239,21 @@ def test_agent_metrics_auth_mode():
     assert metrics_auth_wanted("true", False, "127.0.0.1") and not metrics_auth_wanted("false", False, "0.0.0.0")
     with pytest.raises(ConfigError, match="needs the API server"):
         metrics_auth_wanted("true", True, "0.0.0.0")
+
+
+def test_review_rate_overall_and_per_source_but_never_for_a_renewal():
+    r, clock = Reviews(), Clock()
+    a = make(r, clock, ttl=60, max_pending=100, per_source=5, rate=5.0, source_rate=1.0)
+    prom = f"Bearer {jwt('sa:prometheus')}"
+    a.authorize(prom)
+    clock.t += 61
+    admitted = [i for i in range(40) if a.admit(f"10.0.0.{i}", f"Bearer {jwt(f'junk{i}')}")]
+    assert admitted == list(range(10))  # 40 addresses at once: the overall burst (2 x 5/s) passes, then nothing
+    assert a.admit("10.0.9.9", prom)  # the renewal of a token granted before: no rate applies
+    for i in admitted:
+        a.release(f"10.0.0.{i}")
+    a.release("10.0.9.9")
+    clock.t += 1  # five more overall; one address gets its burst of two, not more
+    got = [a.admit("10.0.1.1", f"Bearer {jwt(f'junk-b{i}')}") for i in range(3)]
+    assert got == [True, True, False]
+    assert a.refusals["busy"] == 31
