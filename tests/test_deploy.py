@@ -148,6 +148,7 @@ def test_prometheus_operator_overlay(base):
     assert secret["metadata"]["annotations"]["kubernetes.io/service-account.name"] == "netagent-metrics-scraper"
     container = pod_spec(docs, "DaemonSet", "netagent-agent")["containers"][0]
     assert cli_args(container).metrics_auth == "true"
+    assert cli_args(pod_spec(docs, "Deployment", "netagent-controller")["containers"][0]).metrics_auth == "auto"
     assert container["livenessProbe"]["httpGet"]["scheme"] == container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
     rules = yaml.safe_load((REPO / "dashboards" / "rules.yaml").read_text())
     assert find(docs, "PrometheusRule", "netagent")["spec"]["groups"] == rules["groups"]
