@@ -169,6 +169,15 @@ def iptables_text(netns: str) -> str:
     return "\n".join(out)
 
 
+def classified_into_missing_classes(netns: str, ifb: str = IFB) -> list[str]:
+    """The pods' upload set entries whose class (skbprio) the kernel does not hold: a pod half
+    applied, its packets sent to a class that is not there."""
+    held = set(re.findall(r"class htb (\S+)", run(["tc", "class", "show", "dev", ifb], netns, check=False)))
+    return [line for line in run(["ipset", "save"], netns, check=False).splitlines()
+            if line.startswith("add netagent-egress-inet4 ")
+            and (m := re.search(r"skbprio (\S+)", line)) and m.group(1) not in held]
+
+
 def kernel_dump(netns: str, uplink: str = "eth0") -> str:
     """Everything netagent programs, without counters: equal dumps mean no change was made."""
     parts = [

@@ -14,12 +14,12 @@ bench/faults_agent.py measures the same faults under traffic for the table's fig
 """
 from __future__ import annotations
 
-import re
 import time
 
 import pytest
 
-from lab.agentproc import IFB, AgentProcess, iptables_text, pod_object, tc_classes, wait_for, write_objects
+from lab.agentproc import (AgentProcess, classified_into_missing_classes, iptables_text, pod_object, tc_classes,
+                           wait_for, write_objects)
 from lab.faults import hold_xtables_lock, release
 from lab.netns import require_root, run
 from lab.topology import Lab
@@ -55,15 +55,6 @@ def extra_pods(node) -> list[dict]:
 
 def extra_rules(text: str) -> int:
     return sum(f"10.244.0.{100 + i}/" in text or f"10.244.0.{100 + i} " in text for i in range(EXTRA))
-
-
-def classified_into_missing_classes(netns: str) -> list[str]:
-    """The pods' upload set entries whose class (skbprio) the kernel does not hold: a pod half
-    applied, its packets sent to a class that is not there."""
-    held = set(re.findall(r"class htb (\S+)", run(["tc", "class", "show", "dev", IFB], netns, check=False)))
-    return [line for line in run(["ipset", "save"], netns).splitlines()
-            if line.startswith("add netagent-egress-inet4 ")
-            and (m := re.search(r"skbprio (\S+)", line)) and m.group(1) not in held]
 
 
 def settled(read, interval: float = 0.3) -> str:
