@@ -130,7 +130,7 @@ def test_a_namespace_label_change_and_a_namespace_gone_move_the_team_on_both_sid
                  what="the namespace gone")
         wait_for(lambda: agent.metric("netagent_namespaces_missing_total") == 1, 30, what="counted")
         assert f"namespace {labelled} is gone while 1 pod(s) of this node run in it" in agent.log()
-        assert agent_sees("trainer") == ("default", "default")
+        wait_for(lambda: agent_sees("trainer") == ("default", "default"), 30, what="the agent by the name alone")
         wait_for(lambda: answered(base, node_name, labelled, "trainer") == ("default", "default"), 30,
                  what="the controller alike")
         assert agent_sees("neighbour") == neighbour and ceil_of(node.netns, minor_of(other)) is not None
