@@ -44,6 +44,7 @@ targets=(
   "base/controller.yaml templates/controller.yaml"
   "base/agent.yaml templates/agent.yaml"
   "base/admission-policy.yaml templates/admission-policy.yaml"
+  "base/networkpolicy.yaml templates/networkpolicy.yaml"
   "base/dashboards.yaml templates/dashboards.yaml"
   "overlays/prometheus-operator/monitoring.yaml templates/monitoring.yaml"
   "uninstall/cleanup.yaml templates/cleanup.yaml --set cleanup=true"

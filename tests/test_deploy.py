@@ -40,7 +40,8 @@ NAMESPACE = "netagent-system"
 AGENT_SA = f"system:serviceaccount:{NAMESPACE}:netagent-agent"
 CONTROLLER_SA = f"system:serviceaccount:{NAMESPACE}:netagent-controller"
 NAMESPACED_KINDS = {"ServiceAccount", "Secret", "Role", "RoleBinding", "Deployment", "DaemonSet", "Service",
-                    "PodDisruptionBudget", "ConfigMap", "PodMonitor", "ServiceMonitor", "PrometheusRule"}
+                    "PodDisruptionBudget", "ConfigMap", "PodMonitor", "ServiceMonitor", "PrometheusRule",
+                    "NetworkPolicy"}
 
 
 def kustomize(path: Path) -> list[dict]:
@@ -98,6 +99,7 @@ def test_base_renders_every_part(base):
                    ("RoleBinding", "netagent-controller-leader-election"),
                    ("Role", "netagent-controller-tls"), ("RoleBinding", "netagent-controller-tls"),
                    ("DaemonSet", "netagent-agent"), ("Deployment", "netagent-controller"),
+                   ("NetworkPolicy", "netagent-controller"), ("NetworkPolicy", "netagent-agent"),
                    ("PodDisruptionBudget", "netagent-controller"), ("Service", "netagent-controller"),
                    ("ConfigMap", "netagent-dashboard-cluster"), ("ConfigMap", "netagent-dashboard-node-pod"),
                    ("ClusterRole", "netagent-metrics-auth"), ("ClusterRoleBinding", "netagent-metrics-auth"),
