@@ -89,7 +89,8 @@ class Controller:
             self.cluster = ClusterCaches(api, on_policy_change=policy.invalidate,
                                          on_event=lambda resource, kind: self.metrics.watch_events.labels(
                                              resource, kind).inc(),
-                                         agent_service_account=agent_sa)
+                                         agent_service_account=agent_sa,
+                                         on_namespace_gone=lambda ns, pods: self.metrics.namespaces_missing.inc())
             locate_pods, namespace_labels, readiness = (self.cluster.locate_pods, self.cluster.namespace_labels,
                                                       self.cluster.synced)
             known_pods, known_nodes = self.cluster.pod_count, self.cluster.agent_node_count

@@ -139,6 +139,9 @@ class ControllerMetrics:
         self.token_reviews = Counter(P + "token_reviews", "TokenReview calls (cache misses)", registry=r)
         self.watch_events = Counter(P + "watch_events", "watch events by resource and type", ["resource", "type"],
                                     registry=r)
+        self.namespaces_missing = Counter(P + "namespaces_missing", "Namespaces gone (deleted under running pods, "
+                                          "their finalizer forced) while pods were still in them; those pods "
+                                          "resolve by the namespace's name alone", registry=r)
         r.register(BudgetCollector(state, is_leader))
 
     def observe_round(self, result) -> None:

@@ -73,8 +73,11 @@ class ClusterCaches:
 
     def __init__(self, api: client.ApiClient, on_policy_change: Callable[[], None] = lambda: None,
                  on_event: Callable[[str, str], None] = lambda resource, kind: None,
-                 agent_service_account: tuple[str, str] | None = None):
+                 agent_service_account: tuple[str, str] | None = None,
+                 on_namespace_gone: Callable[[str, int], None] = lambda namespace, pods: None):
         self.stop_event = threading.Event()
+        self.on_namespace_gone = on_namespace_gone  # (namespace, pods still in it): deleted under them
+        self._namespace_names: set[str] = set()
         core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
 
         def cache(name, list_fn, key, transform, on_change=lambda: None, **kw) -> Reflector:
@@ -84,7 +87,8 @@ class ClusterCaches:
         self.pods = cache("pods", core.list_pod_for_all_namespaces, _meta_key, _pod_node)
         # labels decide teams chosen by namespaceSelector: a change re-resolves pods like a policy change
         self.namespaces = cache("namespaces", core.list_namespace, lambda o: o["metadata"]["name"],
-                                namespace_labels, on_policy_change)  # what the agent keeps of them, too
+                                namespace_labels,  # what the agent keeps of them, too
+                                lambda: (self._namespaces_changed(), on_policy_change()))
         crd = dict(group=GROUP, version=VERSION)
         self.classes = cache("egressclasses", custom.list_cluster_custom_object, _meta_key, _policy_part,
                              on_policy_change, plural="egressclasses", **crd)
@@ -101,6 +105,20 @@ class ClusterCaches:
     def start(self) -> None:
         for c in self.caches:
             c.start()
+
+    def _namespaces_changed(self) -> None:
+        """A Namespace gone while pods are still in it (its finalizer forced; the namespace controller
+        deletes the pods first otherwise): logged and counted. Their pods then resolve by the namespace's
+        name alone, here as on the agents. One scan of the pod cache per namespace gone: rare."""
+        names = set(self.namespaces.items)
+        gone, self._namespace_names = self._namespace_names - names, names
+        for ns in sorted(gone):
+            with self.pods.lock:
+                pods = sum(1 for key in self.pods.items if key[0] == ns)
+            if pods:
+                log.warning("namespace %s is gone while %d pod(s) are still in it: they resolve by the "
+                            "namespace's name alone (its labels are gone; the agents do the same)", ns, pods)
+                self.on_namespace_gone(ns, pods)
 
     def stop(self) -> None:
         self.stop_event.set()

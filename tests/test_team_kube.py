@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import urllib.request
 
 import pytest
 from kubernetes import client
@@ -83,6 +84,13 @@ def research(kube_api, kube_namespace):
                 custom.delete_cluster_custom_object(GROUP, VERSION, plural, obj["metadata"]["name"])
 
 
+def controller_metric(base: str, name: str) -> float:
+    """The controller's sample `name` (its /metrics is open: `controller` starts it with --metrics-auth false)."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
+                   if line.startswith(name) and line[len(name)] in "{ ")
+
+
 def test_a_namespace_label_change_and_a_namespace_gone_move_the_team_on_both_sides(
         kube_api, kube_namespace, lab, research, tmp_path):
     ns, node = kube_namespace, lab.nodes[0]
@@ -91,7 +99,7 @@ def test_a_namespace_label_change_and_a_namespace_gone_move_the_team_on_both_sid
     node_name = f"{ns}-node0"
     core = client.CoreV1Api(kube_api.admin)
     with rbac_agent(kube_api, ns, lab, node, tmp_path, 9582, node_name) as agent, \
-            controller(kube_api, tmp_path, ns, "--no-auth") as (_, base, _):
+            controller(kube_api, tmp_path, ns, "--no-auth") as (_, base, ctl_log):
         agent.resync = 3600  # every change below must come from a watch event
         make_pod(core, labelled, "trainer", node_name, mine)
         make_pod(core, ns, "neighbour", node_name, other)
@@ -133,6 +141,8 @@ def test_a_namespace_label_change_and_a_namespace_gone_move_the_team_on_both_sid
         wait_for(lambda: agent_sees("trainer") == ("default", "default"), 30, what="the agent by the name alone")
         wait_for(lambda: answered(base, node_name, labelled, "trainer") == ("default", "default"), 30,
                  what="the controller alike")
+        assert controller_metric(base, "netagent_controller_namespaces_missing_total") == 1
+        assert f"namespace {labelled} is gone while 1 pod(s) are still in it" in ctl_log.read_text()
         assert agent_sees("neighbour") == neighbour and ceil_of(node.netns, minor_of(other)) is not None
         assert agent.wait_ready(5) and agent.metric("netagent_reconcile_errors_total") == 0
         assert "Forbidden" not in agent.log() and "API error 403" not in agent.log()
