@@ -9,7 +9,10 @@ exactly (frame bytes - link header x segments).
 
 A class's counters start from zero when the class is made again (a pod's class recreated, the
 IFB replaced), so each is read through a `Carry`: a reading below the last one adds the last one
-to the carry, and the exposed value never goes down. Dropped bytes are the offered bytes the
+to the carry, and the exposed value never goes down. The carries are kept in the kernel beside the
+classes (`KernelDataPath.save_carries`), so the next agent goes on from them; an agent that finds
+none is the first that counts this way on the node (an upgrade from counting offered bytes): it
+seeds each pod present then with offered - sent, so its upload counter goes on from the old one. Dropped bytes are the offered bytes the
 class neither sent nor holds: offered - delivered - queued, never below what was shown before.
 """
 from __future__ import annotations
@@ -22,16 +25,17 @@ from typing import Hashable, Iterable
 class Carry:
     """One cumulative counter read from a kernel counter that may restart from zero."""
 
-    __slots__ = ("last", "carry")
+    __slots__ = ("last", "carry", "seen")
 
     def __init__(self) -> None:
         self.last = 0  # the kernel's last reading
         self.carry = 0  # what counters the kernel has forgotten had counted
+        self.seen = False  # read at least once (a restored carry is not yet)
 
     def read(self, kernel: int) -> int:
         if kernel < self.last:  # the counter was made again: what it had counted is kept
             self.carry += self.last
-        self.last = kernel
+        self.last, self.seen = kernel, True
         return self.carry + kernel
 
     @property
@@ -58,6 +62,39 @@ class Accounting:
         self._packets: dict[tuple[str, Hashable], Carry] = {}
         self._backlog: dict[tuple[str, Hashable], int] = {}
         self._dropped: dict[tuple[str, Hashable], int] = {}
+        self.seeding = False  # no carries were kept: the pods present at the first sync are seeded
+        self._dirty = False  # a carry changed since the last take_dirty()
+
+    def restore(self, carries: dict[tuple[str, Hashable], tuple[int, int]] | None) -> None:
+        """The carries a previous agent kept (None: none were, see `seeding`): each class's count goes on
+        from its carry. Before the first observe."""
+        with self._lock:
+            self.seeding = carries is None
+            for k, (nbytes, packets) in (carries or {}).items():
+                self._bytes.setdefault(k, Carry()).carry = nbytes
+                self._packets.setdefault(k, Carry()).carry = packets
+
+    def seed(self, direction: str, offered: dict[Hashable, int]) -> None:
+        """Upgrade: each pod already counted (`offered`: what the agent before showed, the rules' count)
+        starts from that, so its counter neither steps down nor restarts; ends the seeding."""
+        with self._lock:
+            for key, nbytes in offered.items():
+                b = self._bytes.get((direction, key))
+                if b is not None and nbytes > b.value:
+                    b.carry += nbytes - b.value
+            self.seeding, self._dirty = False, True  # kept even when empty: the next agent does not seed
+
+    def mark_dirty(self) -> None:
+        with self._lock:
+            self._dirty = True
+
+    def take_dirty(self) -> dict[tuple[str, Hashable], tuple[int, int]] | None:
+        """Every non-zero carry when one changed since the last call (to keep), else None."""
+        with self._lock:
+            if not self._dirty:
+                return None
+            self._dirty = False
+            return {k: (c.carry, self._packets[k].carry) for k, c in self._bytes.items() if c.carry}
 
     def observe(self, direction: str, readings: dict[Hashable, ClassReading]) -> None:
         """One read of every class of `direction`, in the order read (never an older copy after a newer:
@@ -65,8 +102,11 @@ class Accounting:
         with self._lock:
             for key, r in readings.items():
                 k = (direction, key)
-                self._bytes.setdefault(k, Carry()).read(r.ip_bytes)
+                b = self._bytes.setdefault(k, Carry())
+                carried = b.carry
+                b.read(r.ip_bytes)
                 self._packets.setdefault(k, Carry()).read(r.packets)
+                self._dirty |= b.carry != carried
                 self._backlog[k] = r.backlog_ip_bytes
 
     def keep(self, direction: str, keys: Iterable[Hashable]) -> None:
@@ -75,14 +115,23 @@ class Accounting:
         with self._lock:
             for d in (self._bytes, self._packets, self._backlog, self._dropped):
                 for gone in [k for k in d if k[0] == direction and k not in alive]:
+                    self._dirty |= d is self._bytes and d[gone].carry != 0
                     del d[gone]
 
-    def delivered(self, direction: str, key: Hashable) -> tuple[int, int] | None:
-        """(IP bytes, packets) the pod's class let through since it was first seen; None: no class
-        observed (a pod without one is counted by the rules alone)."""
+    def delivered(self, direction: str, key: Hashable, now: ClassReading | None = None) -> tuple[int, int] | None:
+        """(IP bytes, packets) the pod's class let through, carries included; None: no class observed
+        (a pod without one is counted by the rules alone). `now`: the class's reading in the caller's
+        hand, for a class not observed yet (a scrape between the agent's first sync and its first
+        sample), so the first value shown is already the carried one."""
         with self._lock:
-            b = self._bytes.get((direction, key))
-            return None if b is None else (b.value, self._packets[(direction, key)].value)
+            k = (direction, key)
+            b = self._bytes.get(k)
+            if b is not None and b.seen:
+                return b.value, self._packets[k].value
+            if now is None:
+                return None
+            p = self._packets.get(k)
+            return (b.carry if b else 0) + now.ip_bytes, (p.carry if p else 0) + now.packets
 
     def dropped(self, direction: str, key: Hashable, offered: int) -> int:
         """Bytes of `offered` (the rules' count of what reached the shaper, same start) that the class

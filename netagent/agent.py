@@ -110,6 +110,10 @@ class Agent:
             self.ingress_allocations.adopted = self.datapath.adopted_ingress_rates()
         except Exception as exc:
             log.warning("could not read existing tc classes to adopt: %s", exc)
+        try:  # the counts go on from the carries the agent before kept (docs/accounting.md)
+            self.accounting.restore(self.datapath.load_carries())
+        except Exception as exc:  # unreadable: no seeding either (it would count the pods' drops as sent)
+            log.warning("could not read the accounting carries: %s", exc)
         self.runner.start()
         self.sampler.start()
 

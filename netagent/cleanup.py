@@ -15,6 +15,7 @@ from iptables.apply import Classifier
 from tc.ebpf import remove_counting, unpin_dir
 from tc.netlink import Shaper
 
+from .datapath import remove_carries
 from .desired import DataPathOptions
 
 
@@ -41,7 +42,9 @@ def cleanup(ifb: str, iptables_backend: str, ingress_ifb: str = DataPathOptions.
     except Exception as exc:
         failed.append(f"tc cleanup failed: {exc}")
     try:
-        done += Classifier(backend=iptables_backend).cleanup()
+        classifier = Classifier(backend=iptables_backend)
+        done += classifier.cleanup()
+        done += remove_carries(classifier.runner)  # the accounting carries go with the classes they complete
     except Exception as exc:
         failed.append(f"iptables cleanup failed: {exc}")
     return done, failed

@@ -24,7 +24,9 @@ an apply ran meanwhile (the classifier's carried bytes and the kernel's sets mus
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
+import re
 import threading
 import time
 from typing import Protocol
@@ -81,6 +83,13 @@ class DataPath(Protocol):
 
     def sample_ingress_stats(self) -> tuple[float, dict[int, ClassStats]]:
         """As `sample_stats`, for the download shaper's classes ({} when downloads are not shaped)."""
+
+    def load_carries(self) -> dict[tuple[str, str], tuple[int, int]] | None:
+        """The accounting carries a previous agent kept ((direction, pod key) -> (bytes, packets));
+        None: none were kept on this node (netagent.accounting)."""
+
+    def save_carries(self, carries: dict[tuple[str, str], tuple[int, int]]) -> None:
+        """Keep the accounting carries in the kernel for the next agent (all of them, replacing)."""
 
     def adopted_ingress_rates(self) -> dict[int, tuple[int, int]]:
         """As `adopted_rates`, for the download shaper."""
@@ -149,6 +158,51 @@ def add_device_counts(pods: PodCounters, counted: dict[str, tuple[int, int, int,
         c = pods.setdefault(key, {})
         c["egress_internal"] = c.get("egress_internal", 0) + egress
         c["ingress_internal"] = c.get("ingress_internal", 0) + ingress
+
+
+# The accounting carries (netagent.accounting) live in the kernel beside the classes they complete, so
+# the next agent goes on from them and a reboot (which takes the classes) takes them too: an ipset that
+# no rule matches, one member a carry, its counters the carry, its comment "<direction> <pod key>".
+CARRY_SET = "netagent-carry"
+_CARRY_LINE = re.compile(r'^add \S+ \S+ packets (\d+) bytes (\d+) comment "(\S+) (\S+)"$')
+
+
+def load_carries(runner) -> dict[tuple[str, str], tuple[int, int]] | None:
+    proc = runner.run(["ipset", "save", CARRY_SET], check=False)
+    if proc.returncode != 0:
+        if "does not exist" in proc.stderr:
+            return None
+        raise DataPathError(f"ipset save {CARRY_SET} failed: {proc.stderr.strip()}")
+    out = {}
+    for line in proc.stdout.splitlines():
+        m = _CARRY_LINE.match(line.strip())
+        if m:
+            out[(m.group(3), m.group(4))] = (int(m.group(2)), int(m.group(1)))
+    return out
+
+
+def save_carries(runner, carries: dict[tuple[str, str], tuple[int, int]]) -> None:
+    """All carries at once: filled in a second set and swapped in (a reader sees the old or the new)."""
+    tmp = f"{CARRY_SET}-tmp"
+    spec = "hash:ip family inet counters comment maxelem 65536"
+    lines = [f"create {CARRY_SET} {spec} -exist", f"create {tmp} {spec} -exist", f"flush {tmp}"]
+    first = int(ipaddress.IPv4Address("127.0.0.1"))
+    for i, ((direction, key), (nbytes, packets)) in enumerate(sorted(carries.items())):
+        comment = f"{direction} {key}"
+        if len(comment) > 255 or '"' in comment or " " in key:
+            continue  # a pod key no comment can hold: its carry stays in this process only
+        lines.append(f'add {tmp} {ipaddress.IPv4Address(first + i)} packets {packets} bytes {nbytes} comment "{comment}"')
+    lines += [f"swap {tmp} {CARRY_SET}", f"destroy {tmp}"]
+    runner.run(["ipset", "restore"], stdin="\n".join(lines) + "\n")
+
+
+def remove_carries(runner) -> list[str]:
+    """Cleanup: the carries' sets, where they exist."""
+    removed = []
+    for name in (CARRY_SET, f"{CARRY_SET}-tmp"):
+        if runner.run(["ipset", "destroy", name], check=False).returncode == 0:
+            removed.append(f"ipset {name}")
+    return removed
 
 
 class KernelDataPath:
@@ -396,6 +450,12 @@ class KernelDataPath:
         o = self.options
         return {minor: (from_wire(st.rate_bytes * 8, o), from_wire(st.ceil_bytes * 8, o))
                 for minor, st in self.sample_ingress_stats()[1].items()}
+
+    def load_carries(self) -> dict[tuple[str, str], tuple[int, int]] | None:
+        return load_carries(self._classifier.runner)
+
+    def save_carries(self, carries: dict[tuple[str, str], tuple[int, int]]) -> None:
+        save_carries(self._classifier.runner, carries)
 
     def close(self) -> None:
         for s in (self._shaper, self._stats_shaper):

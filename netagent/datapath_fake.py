@@ -29,6 +29,7 @@ class FakeDataPath:
         self.ingress_stats: dict[int, ClassStats] = {}
         self.adopted_ingress: dict[int, tuple[int, int]] = {}
         self.devices: tuple[str, ...] = ()
+        self.carries: dict | None = None  # what save_carries kept (None: nothing kept on this "node")
 
     def apply(self, desired: DesiredState, full: bool = True) -> dict[str, int]:
         if self.fail_with is not None:
@@ -61,3 +62,9 @@ class FakeDataPath:
 
     def adopted_ingress_rates(self) -> dict[int, tuple[int, int]]:
         return dict(self.adopted_ingress)
+
+    def load_carries(self) -> dict | None:
+        return None if self.carries is None else dict(self.carries)
+
+    def save_carries(self, carries: dict) -> None:
+        self.carries = dict(carries)

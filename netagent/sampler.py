@@ -40,6 +40,7 @@ class Sampler:
         self._stop = threading.Event()
         self._ratio_changed = False  # a class's measured frame ratio changed since the last wake for it
         self._ratio_wake_at = 0.0
+        self._carry_error = ""
         self._thread = threading.Thread(target=self._loop, name="sampler", daemon=True)
 
     def start(self) -> None:
@@ -112,6 +113,20 @@ class Sampler:
                                              ip_bytes(st.backlog_bytes, st.backlog_packets, opts))
         self.accounting.observe(direction, readings)
         self.accounting.keep(direction, minors)
+        if direction == "egress" and self.accounting.seeding and self.node.state.sync_count:
+            # the first agent counting this way on the node: each pod goes on from the old (offered) count
+            pods, _ = self.datapath.counters(max_age=1.0)
+            self.accounting.seed("egress", {k: c.get("egress_internet", 0) for k, c in pods.items() if k in readings})
+        carries = self.accounting.take_dirty()
+        if carries is not None:
+            try:
+                self.datapath.save_carries(carries)
+                self._carry_error = ""
+            except Exception as exc:  # kept in the process meanwhile; tried again at the next sample
+                self.accounting.mark_dirty()
+                if str(exc) != self._carry_error:
+                    log.warning("could not keep the accounting carries in the kernel: %s", exc)
+                self._carry_error = str(exc)
 
     def _observe_frames(self, ratios: FrameRatios, stats: dict) -> bool:
         """Each class's frames and packets into its measured frames per IP byte (the node class's

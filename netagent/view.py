@@ -8,12 +8,12 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-from .accounting import Accounting
+from .accounting import Accounting, ClassReading
 from .allocations import Allocations
 from .config import AgentConfig
 from .datapath import DataPath
 from .demand import PodDemand
-from .desired import NODE_RATIO_KEY, from_wire
+from .desired import NODE_RATIO_KEY, from_wire, ip_bytes
 from .sync import SyncState
 
 SCOPES = ("internal", "internet")
@@ -82,6 +82,10 @@ class NodeView:
         return asdict(self)
 
 
+def reading(st, opts) -> ClassReading | None:
+    return None if st is None else ClassReading(ip_bytes(st.bytes, st.packets, opts), st.packets)
+
+
 def node_view(cfg: AgentConfig, state: SyncState, allocations: Allocations, demand: dict[str, PodDemand],
               datapath: DataPath, controller_reachable: bool, ingress_allocations: Allocations | None = None,
               ingress_demand: dict[str, PodDemand] | None = None, accounting: Accounting | None = None) -> NodeView:
@@ -120,8 +124,8 @@ def node_view(cfg: AgentConfig, state: SyncState, allocations: Allocations, dema
             dropped_packets=st.drops if st else 0, problems=p.problems,
         ))
         # uploads counted as they left the pod's class (docs/accounting.md); the rules' count is what it offered
-        sent = accounting.delivered("egress", p.key)
-        if sent is not None:
+        sent = accounting.delivered("egress", p.key, reading(st, opts))
+        if sent is not None and not accounting.seeding:  # seeding: the rules' count, as the agent before showed
             offered = c.get("egress_internet", 0)
             out[-1].egress_bytes["internet"] = sent[0]
             out[-1].dropped_bytes = accounting.dropped("egress", p.key, offered)
@@ -132,7 +136,7 @@ def node_view(cfg: AgentConfig, state: SyncState, allocations: Allocations, dema
             v.ingress_allocation_bps = from_wire(ishape.rate, opts, iratio)
             v.ingress_limit_bps = from_wire(ishape.ceil, opts, iratio)
             v.ingress_dropped_packets = ist.drops if ist else 0
-            got = accounting.delivered("ingress", p.key)
+            got = accounting.delivered("ingress", p.key, reading(ist, opts))
             if got is not None:  # arrived (the rules, ingress_bytes) = reached the pod + dropped + queued
                 v.ingress_delivered_bytes = got[0]
                 v.ingress_dropped_bytes = accounting.dropped("ingress", p.key, c.get("ingress_internet", 0))

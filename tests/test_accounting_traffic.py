@@ -33,6 +33,7 @@ import pytest
 from lab.agentproc import AgentProcess, pod_object, wait_for, write_objects
 from lab.netns import bpf_filesystem, require_root
 from lab.topology import INTERNET_V4, INTERNET_V6, UPLINK, Lab, run
+from netagent.datapath import CARRY_SET
 
 pytestmark = [pytest.mark.root, pytest.mark.traffic]
 
@@ -256,3 +257,59 @@ def flood_across_a_restart(lab: Lab, agent: AgentProcess, pod, before: dict) -> 
     finally:
         if flood.poll() is None:
             flood.kill()
+
+
+def pod_upload(agent: AgentProcess, name: str) -> int:
+    return agent.pod(name)["egress_bytes"]["internet"]
+
+
+def restart(agent: AgentProcess) -> None:
+    agent.kill9()
+    agent.start()
+    agent.wait_ready()
+
+
+def test_a_restart_after_a_class_was_made_again_goes_on_from_the_kept_carry(lab, agent):
+    """The IFB deleted under the agent: it makes every class again (counters from zero); the pod's
+    counter carries on, and a restart afterwards goes on from the carry kept in the kernel."""
+    node, pod = lab.nodes[0], lab.nodes[0].pods[0]
+    lab.iperf(pod.netns, INTERNET_V4, PORT, seconds=1, udp_bitrate="20M")
+    shown = settled(agent, pod.name)["egress_bytes"]["internet"]
+    run("ip link del netagent0", node.netns)
+    wait_for(lambda: "netagent0" in run("ip -br link", node.netns) and agent.state()["ready"], what="IFB made again")
+    assert settled(agent, pod.name)["egress_bytes"]["internet"] >= shown
+    assert "netagent-carry" in run("ipset list -n", node.netns)
+    restart(agent)
+    after = settled(agent, pod.name)["egress_bytes"]["internet"]
+    assert shown <= after <= shown + 100_000  # the iperf3 control connection's leftovers at most
+
+
+def test_an_upgrade_goes_on_from_the_offered_count_the_agent_before_showed(lab, agent):
+    """The agent before counted offered bytes and kept no carries: the first agent that counts sent
+    bytes starts each pod from the offered count, then grows by what is sent; its next restart does
+    not seed again."""
+    from iptables.apply import Classifier
+    node, pod = lab.nodes[0], lab.nodes[0].pods[0]
+    lab.iperf(pod.netns, INTERNET_V4, PORT, seconds=1, udp_bitrate=FLOOD)  # throttled: offered >> sent
+    sent = settled(agent, pod.name)["egress_bytes"]["internet"]
+    agent.kill9()
+    run(f"ipset destroy {CARRY_SET}", node.netns, check=False)  # the kernel as the agent before left it
+    classifier = Classifier(netns=node.netns)
+    try:
+        old = classifier.counters()[0][f"team-a/{pod.name}"]["egress_internet"]  # what it showed
+    finally:
+        classifier.close()
+    assert old > 2 * sent
+    agent.start()
+    agent.wait_ready()
+    seeded = settled(agent, pod.name)["egress_bytes"]["internet"]
+    assert old <= seeded <= old + 100_000
+    restart(agent)
+    assert seeded <= settled(agent, pod.name)["egress_bytes"]["internet"] <= seeded + 100_000
+    before = snapshot(lab, agent)
+    with far_end(lab.internet, 4, f"--dport {PORT}") as far:
+        lab.iperf(pod.netns, INTERNET_V4, PORT, seconds=RUN_S, udp_bitrate=FLOOD)
+        after = snapshot(lab, agent)
+        got = far()
+    near(after["pod"]["egress_bytes"]["internet"] - before["pod"]["egress_bytes"]["internet"], got,
+         "upload after an upgrade vs the far end")
