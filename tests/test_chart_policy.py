@@ -144,6 +144,7 @@ def test_no_policies_when_off_or_cleaning_up(args):
     ["--set-json", 'networkPolicy.monitoringNamespaceSelector={"matchLabels":null}'],  # {}: every namespace
     ["--set-json", 'networkPolicy.extraControllerPeers=[{"everyone":true}]'],
     ["--set", "networkPolicy.enable=true"],
+    ["--set", "networkPolicy.cilium=maybe"],
 ])
 def test_values_schema_refuses_bad_policy_values(bad):
     result = helm("template", "netagent", str(CHART), *bad, check=False)
@@ -180,3 +181,27 @@ def test_kube_apiserver_refuses_an_except_outside_its_cidr(kube_api, kube_namesp
     assert broken != out
     result = kube_api.kubectl("apply", "--dry-run=server", "-f", "-", input=broken, check=False)
     assert result.returncode != 0 and "except" in result.stderr, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("args,rendered", [
+    ([], False),  # auto, and the cluster serves no CiliumNetworkPolicy
+    (["--api-versions", "cilium.io/v2/CiliumNetworkPolicy"], True),  # auto on a Cilium cluster
+    (["--set", "networkPolicy.cilium=true"], True),
+    (["--set", "networkPolicy.cilium=false", "--api-versions", "cilium.io/v2/CiliumNetworkPolicy"], False),
+    (["--set", "networkPolicy.enabled=false", "--api-versions", "cilium.io/v2/CiliumNetworkPolicy"], False),
+])
+def test_cilium_admits_the_agents_by_node_identity(args, rendered):
+    """On Cilium an ipBlock selects nodes only with policy-cidr-match-mode=nodes: a CiliumNetworkPolicy
+    admits the agents (host, remote-node) to the controller's port, and nothing else. Structure only:
+    no Cilium CRD here to validate it against."""
+    docs = helm_template(*args)
+    cilium = [d for d in docs if d["kind"] == "CiliumNetworkPolicy"]
+    if not rendered:
+        assert cilium == []
+        return
+    policy, = cilium
+    assert policy["apiVersion"] == "cilium.io/v2" and policy["metadata"]["namespace"] == NAMESPACE
+    assert policy["spec"] == {
+        "endpointSelector": {"matchLabels": {"app.kubernetes.io/name": "netagent-controller"}},
+        "ingress": [{"fromEntities": ["host", "remote-node"],
+                     "toPorts": [{"ports": [{"port": str(CONTROLLER_PORT), "protocol": "TCP"}]}]}]}
