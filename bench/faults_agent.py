@@ -28,7 +28,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from core.certs import issue_serving, new_ca  # noqa: E402
-from lab.agentproc import IFB, AgentProcess, iptables_text, pod_object, tc_classes, write_objects  # noqa: E402
+from lab.agentproc import (IFB, AgentProcess, classified_into_missing_classes, iptables_text, pod_object,  # noqa: E402
+                           tc_classes, write_objects)
 from lab.faults import (delete_link, flush_mangle, hold_xtables_lock, link_down, peak_over, release,  # noqa: E402
                         rename_link, seconds_over)
 from lab.netns import run  # noqa: E402
@@ -74,8 +75,9 @@ def shaped(node, save: str = "iptables-save") -> bool:
     filters = run(["tc", "filter", "show", "dev", uplink_of(node), "egress"], node.netns, check=False)
     link = run(["ip", "-o", "link", "show", IFB], node.netns, check=False)
     rules = run([save, "-t", "mangle"], node.netns, check=False)
+    sets = run(["ipset", "save"], node.netns, check=False)  # the pods' addresses live in the ipsets
     return ("bpf" in filters and ",UP" in link and len(tc_classes(node.netns)) >= 3
-            and node.pods[0].ip4 in rules and "-j NETAGENT" in rules)
+            and node.pods[0].ip4 in sets and "-j NETAGENT" in rules)
 
 
 def residue(node) -> str:
@@ -101,7 +103,11 @@ def row(fault, buckets, repair, left, lost, must, holds) -> str:
     return f"| {fault} | {over:.1f} | {peak:.0f} | {rep} | {left} | {lost} | {must} | {'yes' if holds else 'NO'} |"
 
 
-def kernel_fault(lab, node, agent, name, inject, must="unshaped ≤ 1 s; repaired; nothing half-applied") -> str:
+# unshaped up to the drift watch's 1 s hook check plus the repair (tests/test_agent_drift.py UNSHAPED_BOUND_S)
+UNSHAPED_BOUND_S = 1.5
+
+
+def kernel_fault(lab, node, agent, name, inject, must="unshaped ≤ 1.5 s; repaired; nothing half-applied") -> str:
     wait_for(lambda: shaped(node), timeout=30, what="shaped before the fault")
     traffic = Traffic(lab, node.pods[0], 8)
     time.sleep(2)
@@ -110,7 +116,7 @@ def kernel_fault(lab, node, agent, name, inject, must="unshaped ≤ 1 s; repaire
     repair = timed_repair(node, t0)
     buckets = traffic.finish()
     over = seconds_over(buckets, LIMIT)
-    return row(name, buckets, repair, residue(node), "—", must, repair is not None and over <= 1.0)
+    return row(name, buckets, repair, residue(node), "—", must, repair is not None and over <= UNSHAPED_BOUND_S)
 
 
 def idle_connections(lab, node, agent) -> str:
@@ -141,7 +147,8 @@ def idle_connections(lab, node, agent) -> str:
 
 def xtables_lock(lab, node, files, tmp) -> str:
     """The legacy backend takes the xtables lock (iptables-nft ignores it): an agent on it, a new
-    pod while another process holds the lock 30 s."""
+    pod while another process holds the lock 30 s. The pod needs no iptables write (its address
+    goes into an ipset, which takes no lock): it must be shaped while the lock is held."""
     agent = AgentProcess(lab, node, [files], port=9577, log_dir=tmp, resync=600, learn_uplink=True,
                          extra=["--iptables-backend", "legacy"]).start()
     try:
@@ -153,22 +160,24 @@ def xtables_lock(lab, node, files, tmp) -> str:
         holder = hold_xtables_lock(30)
         second = node.pods[1]
         write_objects(files / "pods.yaml", [pod_object(p, node) for p in node.pods[:2]])
-        time.sleep(12)  # past iptables-restore's own 5 s wait for the lock, and a retry
-        half = second.ip4 in run([save, "-t", "mangle"], node.netns)  # must not be: the lock is held
-        not_ready = agent.get("/readyz")[0] != 200
-        holder.wait(60)
         t0 = time.monotonic()
-        try:
-            wait_for(lambda: second.ip4 in run([save, "-t", "mangle"], node.netns), timeout=30, interval=0.05)
+        try:  # the new pod's set entry, while the lock is held
+            wait_for(lambda: second.ip4 in run(["ipset", "save"], node.netns), timeout=25, interval=0.05)
             repair = time.monotonic() - t0
         except AssertionError:
             repair = None
+        while_held = holder.poll() is None
+        not_ready = agent.get("/readyz")[0] != 200
+        missing = classified_into_missing_classes(node.netns)
+        holder.wait(60)
         buckets = traffic.finish()
         release(holder)
         write_objects(files / "pods.yaml", [pod_object(node.pods[0], node)])
-        holds = repair is not None and not half and seconds_over(buckets, LIMIT) <= 1.0
-        return row(f"xtables lock held 30 s (legacy backend; readyz 503 while held: {not_ready})", buckets, repair,
-                   residue(node), "—", "shaping kept; applied when the lock frees; nothing half-applied", holds)
+        holds = repair is not None and while_held and not missing and seconds_over(buckets, LIMIT) <= 1.0
+        return row(f"xtables lock held 30 s (legacy backend; the new pod shaped while held: {while_held}; readyz 503 "
+                   f"while held: {not_ready})", buckets, repair, residue(node), "—",
+                   "shaping kept; a new pod shaped while held (ipsets); rules wait for the lock, readyz 503, "
+                   "nothing half-applied", holds)
     finally:
         agent.close()
         run(["iptables-legacy", "-t", "mangle", "-F"], node.netns, check=False)
@@ -189,9 +198,10 @@ def kill_during_apply(lab, node, files, agent) -> tuple[str, AgentProcess]:
     wait_for(lambda: len(tc_classes(node.netns)) > 10, timeout=30, interval=0.002, what="the apply under way")
     agent.kill9()
     classes = len(tc_classes(node.netns)) - 4
+    time.sleep(0.5)  # an ipset or iptables-restore the killed agent started finishes on its own
     rules = iptables_text(node.netns)
     n = sum(f"10.244.0.{100 + i} " in rules or f"10.244.0.{100 + i}/" in rules for i in range(100))
-    complete = n in (0, 100)
+    complete = not classified_into_missing_classes(node.netns) and node.pods[0].ip4 in rules
     t0 = time.monotonic()
     agent.start()
     agent.wait_ready()
@@ -200,9 +210,10 @@ def kill_during_apply(lab, node, files, agent) -> tuple[str, AgentProcess]:
     repair = time.monotonic() - t0
     buckets = traffic.finish()
     write_objects(files / "pods.yaml", [pod_object(node.pods[0], node)])
-    return row(f"agent kill -9 during an apply (at the kill: {classes} of 100 new tc classes, rules of {n} of 100; "
-               "tc goes first, iptables in one transaction)", buckets, repair,
-               residue(node), "—", "kernel state complete (old or new, never half)",
+    return row(f"agent kill -9 during an apply (at the kill: {classes} of 100 new tc classes, {n} of 100 pods "
+               "classified; tc goes first, iptables in one transaction, then the sets)", buckets, repair,
+               residue(node), "—", "kernel state complete: no pod classified into a missing class; old rules kept; "
+               "the restart finishes",
                complete and seconds_over(buckets, LIMIT) <= 1.0), agent
 
 

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="netagent-faults-") as tmp:
         out = Path(tmp) / "rows.jsonl"
-        env = {**os.environ, "NETAGENT_FAULTS": "1", "NETAGENT_FAULTS_OUT": str(out),
+        env = {**os.environ, "NETAGENT_FAULTS_OUT": str(out),
                "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                               str(REPO / "tests" / "test_faults_controller.py")], cwd=REPO, env=env)

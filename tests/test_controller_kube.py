@@ -84,14 +84,14 @@ def nodes_and_pods(kube_api, kube_namespace):
 
 
 def post(base: str, node: str, pods: list[dict], token: str | None,
-         context: ssl.SSLContext | None = None) -> tuple[int, dict]:
+         context: ssl.SSLContext | None = None, timeout: float = 10) -> tuple[int, dict]:
     body = json.dumps({"node": node, "pods": pods, "node_internet_egress_bps": 1e6}).encode()
     headers = {"Content-Type": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(f"{base}/v1/nodes/{node}/report", data=body, headers=headers, method="POST")
     try:
-        with urllib.request.urlopen(req, timeout=10, context=context) as r:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"{}")
