@@ -45,7 +45,9 @@ MAX_REVIEWS_PER_CLIENT = 4  # ... from one client address (shared lane)
 MIN_OVERLOAD_RETRY = 2  # seconds: the shortest Retry-After an overloaded leader sends
 REVIEW_RATE_PER_CLIENT = 5.0  # uncached reviews per second one client address may cause (burst 2x)
 MAX_REVIEWS_PER_AGENT_POD = 2  # agent lane: pending per claimed pod (its report and one retry)
-REVIEW_RATE_PER_AGENT_POD = 5.0  # agent lane: reviews per second per claimed pod (burst 2x), as per client address: an agent needs one a minute, a restarted one a few at once
+# agent lane: reviews per second per claimed pod (burst 2x), as per client address: an agent needs
+# one a minute, one restarted or handed fresh tokens a few at once
+REVIEW_RATE_PER_AGENT_POD = 5.0
 
 
 class ReportSink(Protocol):

@@ -181,7 +181,8 @@ async def test_junk_from_a_hundred_addresses_never_delays_agents():
                               agent_pod=pods.get, agent_pods_synced=lambda: True)
     statuses: list[tuple[int, str]] = []
     rejected: Counter[str] = Counter()
-    async with serve(new_state(), auth, stats=APIStats(count_rejected=lambda reason: rejected.update([reason]))) as (session, base):
+    stats = APIStats(count_rejected=lambda reason: rejected.update([reason]))
+    async with serve(new_state(), auth, stats=stats) as (session, base):
         stop = asyncio.Event()
 
         async def tenant(i: int):
