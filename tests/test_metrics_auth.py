@@ -10,20 +10,28 @@ kubelet's; the chart's monitors say insecureSkipVerify) from inside the node's n
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import signal
 import ssl
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 from kubernetes import client
 
 from lab.agentproc import AgentProcess, NetnsPortForward, wait_for
+from lab.nsexec import http_get
 from lab.netns import require_root
 from lab.topology import Lab
-from tests.kube import deployed_rbac, write_kubeconfig
+from tests.kube import REPO, deployed_rbac, write_kubeconfig
 from tests.test_agent_kube import agent_rbac_token, delete_rbac, install_crds
 from tests.test_controller_kube import _unverified, controller
+from tests.test_dashboards import tool
+from tests.test_install import pod_role_targets, scrape_configs
 
 pytestmark = [pytest.mark.root]
 
@@ -194,3 +202,77 @@ def test_the_controllers_metrics_likewise(kube_api, kube_namespace, tmp_path):
                     d["metadata"]["name"])
             except client.ApiException:
                 pass
+
+
+def test_a_real_prometheus_scrapes_through_the_charts_podmonitor(kube_api, kube_namespace, lab, tmp_path):
+    """Debian's Prometheus, configured from deploy/'s agent PodMonitor as the operator would configure
+    it (tests/test_install.py's translation: HTTPS, insecureSkipVerify, the scraper token from its
+    Secret, here the granted ServiceAccount's token), scrapes the secured agent: up 1 and the pods'
+    series; the same job without the token: up 0 (401), counted by the agent."""
+    ns, node = kube_namespace, lab.nodes[0]
+    core = client.CoreV1Api(kube_api.admin)
+    granted = sa_token(core, ns, PROMETHEUS_SA)
+    docs = [d for d in yaml.safe_load_all((REPO / "deploy/overlays/prometheus-operator/monitoring.yaml").read_text())
+            if d]
+    monitor = next(d for d in docs if d["kind"] == "PodMonitor" and d["metadata"]["name"] == "netagent-agent")
+    daemonset = next(d for d in yaml.safe_load_all((REPO / "deploy/base/agent.yaml").read_text())
+                     if d and d["kind"] == "DaemonSet")
+    template = daemonset["spec"]["template"]
+    with secured_agent(kube_api, ns, lab, tmp_path, 9584) as agent:
+        container = template["spec"]["containers"][0]
+        pod = client.V1Pod(  # what pod discovery sees of the agent's pod: its labels and port, here
+            metadata=client.V1ObjectMeta(namespace=monitor["metadata"]["namespace"], name="netagent-agent-x",
+                                         labels=template["metadata"]["labels"]),
+            spec=client.V1PodSpec(node_name=f"{ns}-node0", containers=[client.V1Container(
+                name=container["name"], ports=[client.V1ContainerPort(container_port=agent.port,
+                                                                      name=container["ports"][0]["name"])])]),
+            status=client.V1PodStatus(phase="Running", pod_ip="127.0.0.1"))
+
+        def secret_file(namespace: str, name: str, key: str) -> Path:
+            assert (name, key) == ("netagent-metrics-scraper", "token")  # the chart's scraper Secret
+            path = tmp_path / "scraper-token"
+            path.write_text(granted)
+            return path
+
+        def discovery(namespace: str) -> dict:
+            path = tmp_path / "pods.json"
+            path.write_text(json.dumps(pod_role_targets([pod])))
+            return {"file_sd_configs": [{"files": [str(path)]}]}
+
+        config, = scrape_configs([monitor], discovery, secret_file)
+        assert config["scheme"] == "https" and config["tls_config"] == {"insecure_skip_verify": True}
+        config["scrape_interval"] = "1s"
+        tokenless = {**{k: v for k, v in config.items() if k != "authorization"}, "job_name": "tokenless",
+                     "relabel_configs": [*config["relabel_configs"], {"target_label": "job", "replacement": "tokenless"}]}
+        prom_port = 9590
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({"scrape_configs": [config, tokenless]}))
+        log = (tmp_path / "prometheus.log").open("w")
+        prom = lab.spawn(node.netns, [tool("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
+                                      f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                      f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=log, stderr=log)
+        try:
+            agent.start()
+
+            def query(q: str) -> list:
+                assert prom.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
+                try:
+                    code, body = agent.worker.call(
+                        http_get, f"http://127.0.0.1:{prom_port}/api/v1/query?" + urllib.parse.urlencode({"query": q}))
+                except OSError:  # Prometheus still starting
+                    return []
+                return json.loads(body)["data"]["result"] if code == 200 else []
+
+            def up() -> dict | None:
+                got = {r["metric"]["job"]: r["value"][1] for r in query("up")}
+                return got if len(got) == 2 else None
+
+            jobs = wait_for(lambda: (u := up()) and u.get("netagent-agent") == "1" and u, 90, 0.5,
+                            "Prometheus scraping the agent with the scraper token")
+            assert jobs["tokenless"] == "0", jobs
+            assert wait_for(lambda: query('netagent_build_info{node="%s-node0"}' % ns), 30, 0.5, "the agent's series")
+            code, body = scrape(agent, "/metrics", granted)
+            assert code == 200 and sample(body, "netagent_metrics_auth_refusals_total", 'reason="missing_token"') >= 1
+        finally:
+            os.killpg(prom.pid, signal.SIGTERM)
+            prom.wait(20)
+            log.close()
