@@ -266,8 +266,12 @@ def test_a_real_prometheus_scrapes_through_the_charts_podmonitor(kube_api, kube_
                 got = {r["metric"]["job"]: r["value"][1] for r in query("up")}
                 return got if len(got) == 2 else None
 
-            jobs = wait_for(lambda: (u := up()) and u.get("netagent-agent") == "1" and u, 90, 0.5,
-                            "Prometheus scraping the agent with the scraper token")
+            try:
+                jobs = wait_for(lambda: (u := up()) and u.get("netagent-agent") == "1" and u, 90, 0.5,
+                                "Prometheus scraping the agent with the scraper token")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; targets: {query('up')}; Prometheus' log:\n"
+                                     f"{(tmp_path / 'prometheus.log').read_text()[-3000:]}") from None
             assert jobs["tokenless"] == "0", jobs
             assert wait_for(lambda: query('netagent_build_info{node="%s-node0"}' % ns), 30, 0.5, "the agent's series")
             code, body = scrape(agent, "/metrics", granted)
