@@ -1048,6 +1048,8 @@ def start_controllers(cp: ControlPlane, args, token: str, workdir: Path) -> list
              "--listen", f"127.0.0.1:{port}", "--advertise", f"127.0.0.1:{port}",
              "--namespace", SYSTEM_NS, "--identity", f"scale-controller-{r}@127.0.0.1:{port}",
              "--agent-service-account", f"{SYSTEM_NS}:{AGENT_SA}", "--log-format", "json",
+             # controller_series scrapes /metrics without a token; the guard is bench/metrics_auth.py's
+             "--metrics-auth", "false",
              *(a for _, flag, value in controller_flags(args) for a in (flag, str(value)))],
             cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
         out.append((proc, f"https://127.0.0.1:{port}", log))
