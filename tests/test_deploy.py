@@ -837,13 +837,23 @@ def _pod_dry_run(api, name: str, spec: dict) -> subprocess.CompletedProcess:
     return api.kubectl("create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(pod), check=False)
 
 
-def test_namespace_admits_the_agent_and_nothing_beyond_its_profile(installed, base):
+@pytest.fixture
+def default_account(installed):
+    """The namespace's "default" ServiceAccount, which the probe and the cleanup pod run as: a bare
+    API server runs no controller manager, so it exists only when an earlier test's cluster made it."""
+    made = installed.kubectl("create", "serviceaccount", "default", "-n", NAMESPACE, check=False).returncode == 0
+    yield "default"
+    if made:
+        installed.kubectl("delete", "serviceaccount", "default", "-n", NAMESPACE, "--ignore-not-found", check=False)
+
+
+def test_namespace_admits_the_agent_and_nothing_beyond_its_profile(installed, base, default_account):
     """Pod Security "privileged" lets the agent in; the chart's ValidatingAdmissionPolicy keeps
     every other pod of the namespace within the agent's profile (dry runs pass admission)."""
     agent = pod_spec(base, "DaemonSet", "netagent-agent")
 
     def admitted():  # the policy takes effect once the apiserver's policy informer has it
-        result = _pod_dry_run(installed, "probe", {**agent, "serviceAccountName": "default", "containers": [
+        result = _pod_dry_run(installed, "probe", {**agent, "serviceAccountName": default_account, "containers": [
             {**agent["containers"][0], "name": "probe"}]})
         return "host network, host paths and added capabilities" in result.stderr
 
