@@ -18,10 +18,17 @@ MAX_BPS = 2**53
 _DECIMAL = {"": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
 _BINARY = {"Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40, "Pi": 50, "Ei": 60}
 _SUB_UNIT = {"n": "nano (10^-9)", "u": "micro (10^-6)", "m": "milli (10^-3)"}
-_QUANTITY = re.compile(
-    r"^(?P<num>[+-]?(?:\d+(?:\.\d*)?|\.\d+))"
-    r"(?:(?P<exp>[eE][+-]?\d+)|(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]))?$"
-)
+# The one grammar of a rate, used as is by this parser, the CRDs' CEL `matches()` and the chart's
+# validation (tests/test_rate_grammar.py checks they carry this exact string and agree on a table).
+# A subset of RE2 and of Python's re, so one string means the same everywhere: no \d (Unicode digits
+# in Python), no \Z; fullmatch() so "$" never lets a trailing newline through. Exponents are bounded
+# here (|e| <= 30): a huge one is a cheap DoS for Decimal, and every grammar refuses it the same way.
+# No sign but "+": "-1M" and "-0" are refused by the pattern everywhere (the CRDs cannot word it).
+RATE_PATTERN = ("^[+]?([0-9]+([.][0-9]*)?|[.][0-9]+)"
+                "([KMGTPE]i|[kMGTPE]|[eE][+-]?0*([0-9]|[12][0-9]|30))?$")
+_QUANTITY = re.compile(RATE_PATTERN)
+# The same shape with the sub-unit suffixes and a minus sign, only to word the refusal well.
+_NEAR_MISS = re.compile(r"^(?P<sign>[+-]?)(?P<num>[0-9]+(?:[.][0-9]*)?|[.][0-9]+)(?P<suffix>[A-Za-z]{0,2})$")
 ALLOWED = ('a Kubernetes quantity in bit/s: a number with an optional suffix k, M, G, T, P, E '
            '(powers of 1000), Ki, Mi, Gi, Ti, Pi, Ei (powers of 1024) or an exponent, '
            'e.g. "500k", "10M", "1.5G", "100Mi", "2e9"')
@@ -32,7 +39,7 @@ def parse_bps(value: str | int | float, what: str, allow_zero: bool = False) -> 
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise ValueError(f"{what}: {value!r} is not {ALLOWED}")
     if isinstance(value, str):
-        amount = _parse_text(value.strip(), what)
+        amount = _parse_text(value, what)
     else:
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{what}: {value!r} is not a finite rate; use {ALLOWED}")
@@ -49,29 +56,33 @@ def parse_bps(value: str | int | float, what: str, allow_zero: bool = False) -> 
 
 
 def _parse_text(text: str, what: str) -> Decimal:
-    match = _QUANTITY.match(text)
+    match = _QUANTITY.fullmatch(text)
     if not match:
         hint = ""
-        if re.match(r"^[\d.]+\s*[kKmMgGtT]?(bit|bps|b/s|bit/s|ibit)", text, re.IGNORECASE):
+        near = _NEAR_MISS.fullmatch(text)
+        if near and near["sign"] == "-":
+            raise ValueError(f"{what}: {text!r} is negative; a rate must be positive")
+        if near and near["suffix"] in _SUB_UNIT:
+            suffix = near["suffix"]
+            raise ValueError(f'{what}: {text!r} uses {suffix!r}, which means {_SUB_UNIT[suffix]} bit/s; '
+                             f'for megabit write "M", e.g. "{near["num"]}M"')
+        if re.match(r"^[+]?[0-9.]+[eE][+-]?[0-9]+$", text):
+            hint = " (an exponent must be between -30 and 30)"
+        elif text != text.strip():
+            hint = " (no spaces around it)"
+        elif re.match(r"^[\d.]+\s*[kKmMgGtT]?(bit|bps|b/s|bit/s|ibit)", text, re.IGNORECASE):
             hint = ' (units are implied: write "10M", not "10Mbit" or "10Mbps")'
         raise ValueError(f"{what}: {text!r} is not {ALLOWED}{hint}")
-    suffix = match["suffix"] or ""
-    if suffix in _SUB_UNIT:
-        raise ValueError(f'{what}: {text!r} uses {suffix!r}, which means {_SUB_UNIT[suffix]} bit/s; '
-                         f'for megabit write "M", e.g. "{match["num"]}M"')
-    try:
-        number = Decimal(match["num"])
-        if match["exp"]:
-            # bound the exponent before Decimal computes 10**exp (a huge one is a cheap DoS)
-            exponent = int(match["exp"][1:])
-            if exponent > 30 or exponent < -30:
-                raise ValueError(f"{what}: {text!r} has an exponent out of range")
-            return number.scaleb(exponent)
-    except InvalidOperation as exc:
-        raise ValueError(f"{what}: {text!r} is not {ALLOWED}") from exc
+    number, suffix = match[1], match[3] or ""
+    if match[4] is not None:  # an exponent ("1e3"), not a suffix ("1Ei")
+        try:
+            return Decimal(number).scaleb(int(suffix[1:]))
+        except InvalidOperation as exc:
+            raise ValueError(f"{what}: {text!r} is not {ALLOWED}") from exc
+    value = Decimal(number)
     if suffix in _BINARY:
-        return number * (2 ** _BINARY[suffix])
-    return number.scaleb(_DECIMAL[suffix])
+        return value * (2 ** _BINARY[suffix])
+    return value.scaleb(_DECIMAL[suffix])
 
 
 def format_bps(bps: float) -> str:

@@ -198,7 +198,7 @@ BAD_INGRESS = [  # (kind, spec, what the API server's message names)
     ("egressclasses", {"ingress": {"max": "-5M"}}, "spec.ingress.max"),
     ("egressclasses", {"ingress": {"max": 0}}, "must be above zero"),
     ("egressclasses", {"ingress": {"weight": 0}}, "spec.ingress.weight"),
-    ("egressclasses", {"ingress": {"min": "10P"}}, "must be at most 9P"),
+    ("egressclasses", {"ingress": {"min": "10P"}}, "must be at most 8Pi bit/s (2^53, about 9P)"),
     ("egressbudgets", {"total": "1G", "ingressTotal": "0"}, "spec.ingressTotal"),
     ("egressbudgets", {"total": "1G", "ingressTotal": "500m"}, "spec.ingressTotal"),
     ("egressbudgets", {"total": "1G", "teams": [{"name": "t", "ingress": {"min": "2G", "max": "1G"}}]},

@@ -1,0 +1,171 @@
+"""One grammar for rates: one table of strings through every place that reads a rate, the same verdict in each.
+
+- the agent's flag parser (`netagent run --default-rate`, through the CLI's own argparse and config builder),
+- `netagent plan` with an EgressClass whose spec.max is the string (the policy parser of the controller),
+- the chart (`helm template` with agent.defaultRate from a values file and from `--set`, the real helm: schema
+  and templates/validate-rates.yaml),
+- the CRDs (an EgressClass with spec.max created through the real kube-apiserver, server-side dry run: CEL).
+
+The grammar itself is core.quantity.RATE_PATTERN; the CRDs and the chart carry that exact string (checked below
+without any binary). Where they disagreed the parser was the truth (docs/crds.md, "Rates").
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from cli.main import _flags_for, build_parser
+from cli.main import main as netagent_main
+from core.quantity import MAX_BPS, RATE_PATTERN, parse_bps
+from netagent.config import ConfigError, from_flags
+from tests.test_agent_kube import install_crds
+from tests.test_deploy import CHART, DEPLOY, helm
+
+# (string, accepted) -- the expected verdict is the parser's; every grammar must give the same.
+TABLE = [
+    ("10M", True), ("10Mi", True), ("1.5G", True), ("100k", True), ("1T", True), ("1P", True), ("9P", True),
+    ("1e3", True), ("1E3", True), ("1e+3", True), ("1e-3", True), ("2e9", True), ("1e030", False), ("1e30", False),
+    ("1e31", False), ("+3M", True), (".5k", True), ("1.", True), ("1.e3", True), ("0.1", True), ("1Ki", True),
+    ("100Gi", True), ("8Pi", True), ("0.001Ei", True), ("1000000", True),
+    ("9007199254740992", True), ("9007199254740993", False), ("8.1Pi", False), ("10P", False), ("1Ei", False),
+    ("9223372036854775808", False),  # 2^63: past int64 as well
+    ("0", False), ("0.0k", False), ("-1M", False), ("-0", False), ("-1", False),
+    ("10Mbit", False), ("10mbit", False), ("10Mbps", False), ("500m", False), ("1u", False), ("100K", False),
+    ("", False), ("10 M", False), (" 7k", False), ("7k ", False), ("abc", False), ("1e", False), ("0x10", False),
+    ("1,5M", False), ("1_000", False), ("١٠M", False),  # Arabic-Indic digits: Python's \d would take them
+]
+
+
+def agent_flag(text: str, tmp_path: Path) -> bool:
+    """`netagent run --default-rate TEXT` as far as its configuration: the CLI's argparse, then the builder.
+    --uplink lo only so the builder needs no default route; nothing is started, nothing is changed."""
+    policy = tmp_path / "empty.yaml"
+    policy.touch()
+    args = build_parser().parse_args(["run", "--from-file", str(policy), "--node", "n1", "--uplink", "lo",
+                                      f"--default-rate={text}"])
+    try:
+        cfg = from_flags(**_flags_for(from_flags, args))
+    except ConfigError as exc:
+        assert str(exc).startswith("--default-rate"), f"{text!r}: refused for another reason: {exc}"
+        return False
+    assert 1 <= cfg.datapath.default_rate <= MAX_BPS
+    return True
+
+
+def plan(text: str, tmp_path: Path) -> bool:
+    """`netagent plan -f policy -d demand` with an EgressClass whose spec.max is TEXT (JSON: always a string):
+    accepted means the pod is planned in that class."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(json.dumps({"apiVersion": "netagent.io/v1alpha1", "kind": "EgressClass",
+                                  "metadata": {"name": "gold"}, "spec": {"weight": 1, "max": text}})
+                      + "\n---\n" + json.dumps({"apiVersion": "netagent.io/v1alpha1", "kind": "EgressBudget",
+                                                "metadata": {"name": "default"}, "spec": {"total": "1G"}}))
+    demand = tmp_path / "demand.csv"
+    demand.write_text("namespace,pod,class,demand\na,p1,gold,10M\n")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = netagent_main(["plan", "-f", str(policy), "-d", str(demand), "-o", "json"])
+    assert code == 0, err.getvalue()
+    # a class the parser refuses is ignored with a warning (it never costs the rest of the policy anything)
+    refused = "EgressClass gold: spec: max:" in err.getvalue()
+    assert refused == ("the EgressClass is ignored" in err.getvalue()), err.getvalue()
+    assert refused == ('"gold"' not in out.getvalue()), out.getvalue()
+    return not refused
+
+
+def chart(text: str, tmp_path: Path, how: str) -> bool:
+    """`helm template` with agent.defaultRate=TEXT from a values file (always a string) or `--set` (which
+    types "1000000" as an integer, as users' command lines do): accepted means the agent's args carry it."""
+    if how == "--set":
+        given = ["--set", f"agent.defaultRate={text}"]
+    else:
+        values = tmp_path / "values.yaml"
+        values.write_text(json.dumps({"agent": {"defaultRate": text}}))
+        given = ["-f", str(values)]
+    result = helm("template", "netagent", str(CHART), *given, "--show-only", "templates/agent.yaml", check=False)
+    if result.returncode:
+        assert "agent.defaultRate" in result.stderr or "/agent/defaultRate" in result.stderr, result.stderr
+        return False
+    args = yaml.safe_load(result.stdout)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert f"--default-rate={text}" in args, args
+    return True
+
+
+def crd(objects: client.CustomObjectsApi, text: str) -> bool:
+    """An EgressClass with spec.max=TEXT created through the real API server (dry run: nothing is stored)."""
+    body = {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressClass", "metadata": {"name": "rate-table"},
+            "spec": {"weight": 1, "max": text}}
+    try:
+        objects.create_cluster_custom_object("netagent.io", "v1alpha1", "egressclasses", body, dry_run="All")
+    except ApiException as exc:
+        assert exc.status == 422, f"{text!r}: {exc.status} {exc.body}"
+        assert "spec.max" in exc.body, exc.body
+        return False
+    return True
+
+
+def test_every_grammar_gives_the_same_verdict(kube_api, tmp_path):
+    install_crds(kube_api)
+    objects = client.CustomObjectsApi(kube_api.admin)
+    rows, disagree = [], []
+    for text, accepted in TABLE:
+        verdicts = {"agent --default-rate": agent_flag(text, tmp_path), "netagent plan": plan(text, tmp_path),
+                    "helm -f": chart(text, tmp_path, "-f"), "kube-apiserver": crd(objects, text)}
+        if "," not in text:  # --set splits its argument at commas
+            verdicts["helm --set"] = chart(text, tmp_path, "--set")
+        rows.append(f"{text!r:24} " + " ".join(f"{k}={'ok' if v else 'refused'}" for k, v in verdicts.items()))
+        if set(verdicts.values()) != {accepted}:
+            disagree.append(rows[-1] + f"  (expected {'ok' if accepted else 'refused'})")
+    assert not disagree, "grammars disagree:\n" + "\n".join(disagree)
+
+
+# --- the one string, without any binary ----------------------------------------------------------------
+
+
+def _rate_rules(node, path=""):
+    """(path, matches() pattern) of every int-or-string field of a CRD schema, None where it has no rule."""
+    if isinstance(node, dict):
+        if node.get("x-kubernetes-int-or-string"):
+            rules = [r["rule"] for r in node.get("x-kubernetes-validations", []) if ".matches(" in r["rule"]]
+            found = [re.search(r"\.matches\('([^']*)'\)", r)[1] for r in rules]
+            yield path, found
+        for key, value in node.items():
+            yield from _rate_rules(value, f"{path}.{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _rate_rules(value, f"{path}[{i}]")
+
+
+@pytest.mark.parametrize("name", ["egressclasses", "egressbudgets"])
+def test_crds_carry_the_parsers_pattern(name):
+    crd_doc = yaml.safe_load((DEPLOY / "crds" / f"{name}.yaml").read_text())
+    fields = list(_rate_rules(crd_doc))
+    assert len(fields) >= 4, fields
+    for path, patterns in fields:
+        assert patterns == [RATE_PATTERN], f"{name}{path}: {patterns}"
+    text = (CHART / "templates" / f"crd-{name}.yaml").read_text()
+    assert text.count(".matches('") == text.count(f".matches('{RATE_PATTERN}')") == len(fields)
+
+
+def test_chart_checks_the_parsers_pattern():
+    text = (CHART / "templates" / "validate-rates.yaml").read_text()
+    assert f'regexMatch "{RATE_PATTERN}" $rate' in text
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert "pattern" not in schema["properties"]["agent"]["properties"]["defaultRate"]  # one grammar, not two
+
+
+def test_the_pattern_is_plain_enough_for_every_engine():
+    """RE2 (CEL, helm) and Python's re read it alike: no classes whose meaning differs (\\d is Unicode in
+    Python), no \\Z, no lookaround."""
+    assert "\\" not in RATE_PATTERN and "(?" not in RATE_PATTERN
+    assert RATE_PATTERN.startswith("^") and RATE_PATTERN.endswith("$")
+    with pytest.raises(ValueError):
+        parse_bps("10M\n", "x")  # "$" before a trailing newline matches in Python: the parser fullmatches
