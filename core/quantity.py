@@ -27,6 +27,8 @@ _SUB_UNIT = {"n": "nano (10^-9)", "u": "micro (10^-6)", "m": "milli (10^-3)"}
 RATE_PATTERN = ("^[+]?([0-9]+([.][0-9]*)?|[.][0-9]+)"
                 "([KMGTPE]i|[kMGTPE]|[eE][+-]?0*([0-9]|[12][0-9]|30))?$")
 _QUANTITY = re.compile(RATE_PATTERN)
+# The CRDs' maxLength on a rate (it bounds CEL's cost); the parser and the chart refuse longer text too.
+RATE_MAX_CHARS = 32
 # The same shape with the sub-unit suffixes and a minus sign, only to word the refusal well.
 _NEAR_MISS = re.compile(r"^(?P<sign>[+-]?)(?P<num>[0-9]+(?:[.][0-9]*)?|[.][0-9]+)(?P<suffix>[A-Za-z]{0,2})$")
 ALLOWED = ('a Kubernetes quantity in bit/s: a number with an optional suffix k, M, G, T, P, E '
@@ -56,6 +58,9 @@ def parse_bps(value: str | int | float, what: str, allow_zero: bool = False) -> 
 
 
 def _parse_text(text: str, what: str) -> Decimal:
+    if len(text) > RATE_MAX_CHARS:
+        raise ValueError(f"{what}: {text[:RATE_MAX_CHARS]!r}... is longer than {RATE_MAX_CHARS} characters; "
+                         f"expected {ALLOWED}")
     match = _QUANTITY.fullmatch(text)
     if not match:
         hint = ""

@@ -24,7 +24,7 @@ from kubernetes.client.rest import ApiException
 
 from cli.main import _flags_for, build_parser
 from cli.main import main as netagent_main
-from core.quantity import MAX_BPS, RATE_PATTERN, parse_bps
+from core.quantity import MAX_BPS, RATE_MAX_CHARS, RATE_PATTERN, parse_bps
 from netagent.config import ConfigError, from_flags
 from tests.test_agent_kube import install_crds
 from tests.test_deploy import CHART, DEPLOY, helm
@@ -41,6 +41,12 @@ TABLE = [
     ("10Mbit", False), ("10mbit", False), ("10Mbps", False), ("500m", False), ("1u", False), ("100K", False),
     ("", False), ("10 M", False), (" 7k", False), ("7k ", False), ("abc", False), ("1e", False), ("0x10", False),
     ("1,5M", False), ("1_000", False), ("١٠M", False),  # Arabic-Indic digits: Python's \d would take them
+    # 2^53 exactly, in every form, and just above it: no float rounding anywhere
+    ("9007199254740991.5", True), ("9007199254740992.5", False), ("9007199254.740992M", True),
+    ("9007199254.7409925M", False), ("8796093022208Ki", True), ("8796093022208.0001Ki", False),
+    ("0.0078125Ei", True), ("0.00781251Ei", False), ("9.007199254740992e15", True),
+    ("9.0071992547409921e15", False), ("90071992547409920e-1", True),
+    ("0" * 31 + "1", True), ("0" * 32 + "1", False),  # the CRDs' maxLength, RATE_MAX_CHARS
 ]
 
 
@@ -136,6 +142,7 @@ def _rate_rules(node, path=""):
         if node.get("x-kubernetes-int-or-string"):
             rules = [r["rule"] for r in node.get("x-kubernetes-validations", []) if ".matches(" in r["rule"]]
             found = [re.search(r"\.matches\('([^']*)'\)", r)[1] for r in rules]
+            assert node.get("maxLength") == RATE_MAX_CHARS, f"{path}: maxLength {node.get('maxLength')}"
             yield path, found
         for key, value in node.items():
             yield from _rate_rules(value, f"{path}.{key}")
@@ -158,6 +165,7 @@ def test_crds_carry_the_parsers_pattern(name):
 def test_chart_checks_the_parsers_pattern():
     text = (CHART / "templates" / "validate-rates.yaml").read_text()
     assert f'regexMatch "{RATE_PATTERN}" $rate' in text
+    assert f"gt (len $rate) {RATE_MAX_CHARS}" in text
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert "pattern" not in schema["properties"]["agent"]["properties"]["defaultRate"]  # one grammar, not two
 
