@@ -177,3 +177,17 @@ def test_the_pattern_is_plain_enough_for_every_engine():
     assert RATE_PATTERN.startswith("^") and RATE_PATTERN.endswith("$")
     with pytest.raises(ValueError):
         parse_bps("10M\n", "x")  # "$" before a trailing newline matches in Python: the parser fullmatches
+
+
+@pytest.mark.parametrize("given, words", [
+    ("10Mbit", ['agent.defaultRate="10Mbit" is refused', "e.g. 500k, 10M", "write 10M, not 10Mbit"]),
+    ("500m", ['agent.defaultRate="500m" is refused', "m means milli", "write M"]),
+    ("0", ['agent.defaultRate="0" is refused', "it is zero", "e.g. 1M"]),
+    ("10P", ['agent.defaultRate="10P" is refused', "largest rate, 8Pi (2^53)", "e.g. 1M"]),
+    ("", ['agent.defaultRate="" is refused', "expected a rate in bit/s"]),
+])
+def test_chart_refusal_names_the_value_what_it_expected_and_an_example(given, words):
+    result = helm("template", "netagent", str(CHART), "--set", f"agent.defaultRate={given}", check=False)
+    assert result.returncode != 0
+    for word in words:
+        assert word in result.stderr, result.stderr
