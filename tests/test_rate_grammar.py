@@ -66,12 +66,12 @@ def agent_flag(text: str, tmp_path: Path) -> bool:
     return True
 
 
-def plan(text: str, tmp_path: Path) -> bool:
+def plan(text: str, tmp_path: Path, field: str = "max") -> bool:
     """`netagent plan -f policy -d demand` with an EgressClass whose spec.max is TEXT (JSON: always a string):
     accepted means the pod is planned in that class."""
     policy = tmp_path / "policy.yaml"
     policy.write_text(json.dumps({"apiVersion": "netagent.io/v1alpha1", "kind": "EgressClass",
-                                  "metadata": {"name": "gold"}, "spec": {"weight": 1, "max": text}})
+                                  "metadata": {"name": "gold"}, "spec": {"weight": 1, field: text}})
                       + "\n---\n" + json.dumps({"apiVersion": "netagent.io/v1alpha1", "kind": "EgressBudget",
                                                 "metadata": {"name": "default"}, "spec": {"total": "1G"}}))
     demand = tmp_path / "demand.csv"
@@ -81,7 +81,7 @@ def plan(text: str, tmp_path: Path) -> bool:
         code = netagent_main(["plan", "-f", str(policy), "-d", str(demand), "-o", "json"])
     assert code == 0, err.getvalue()
     # a class the parser refuses is ignored with a warning (it never costs the rest of the policy anything)
-    refused = "EgressClass gold: spec: max:" in err.getvalue()
+    refused = f"EgressClass gold: spec: {field}:" in err.getvalue()
     assert refused == ("the EgressClass is ignored" in err.getvalue()), err.getvalue()
     assert refused == ('"gold"' not in out.getvalue()), out.getvalue()
     return not refused
@@ -105,15 +105,15 @@ def chart(text: str, tmp_path: Path, how: str) -> bool:
     return True
 
 
-def crd(objects: client.CustomObjectsApi, text: str) -> bool:
+def crd(objects: client.CustomObjectsApi, text: str, field: str = "max") -> bool:
     """An EgressClass with spec.max=TEXT created through the real API server (dry run: nothing is stored)."""
     body = {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressClass", "metadata": {"name": "rate-table"},
-            "spec": {"weight": 1, "max": text}}
+            "spec": {"weight": 1, field: text}}
     try:
         objects.create_cluster_custom_object("netagent.io", "v1alpha1", "egressclasses", body, dry_run="All")
     except ApiException as exc:
         assert exc.status == 422, f"{text!r}: {exc.status} {exc.body}"
-        assert "spec.max" in exc.body, exc.body
+        assert f"spec.{field}" in exc.body, exc.body
         return False
     return True
 
@@ -130,6 +130,17 @@ def test_every_grammar_gives_the_same_verdict(kube_api, tmp_path):
         rows.append(f"{text!r:24} " + " ".join(f"{k}={'ok' if v else 'refused'}" for k, v in verdicts.items()))
         if set(verdicts.values()) != {accepted}:
             disagree.append(rows[-1] + f"  (expected {'ok' if accepted else 'refused'})")
+        # spec.min takes zero (a guarantee of nothing); every other verdict is the same
+        at_least_zero = accepted or text in ("0", "0.0k")
+        try:
+            assert parse_bps(text, "x", allow_zero=True) >= 0 and at_least_zero, text
+        except ValueError:
+            assert not at_least_zero, text
+        guarantees = {"netagent plan spec.min": plan(text, tmp_path, "min"),
+                      "kube-apiserver spec.min": crd(objects, text, "min")}
+        if set(guarantees.values()) != {at_least_zero}:
+            disagree.append(f"{text!r:24} " + " ".join(f"{k}={'ok' if v else 'refused'}" for k, v in guarantees.items())
+                            + f"  (expected {'ok' if at_least_zero else 'refused'})")
     assert not disagree, "grammars disagree:\n" + "\n".join(disagree)
 
 
