@@ -171,5 +171,9 @@ def test_rules_dashboards_and_jobs_do_not_depend_on_the_release():
         service_jobs = monitor_jobs(render(release, namespace, "serviceMonitor"))
         shipped[release] = (rule_groups(docs), dashboards, monitor_jobs(docs), service_jobs)
     assert shipped["egress"] == shipped["netagent"]
+    # and any job a dashboard query selects is one the monitors give
+    _, dashboards, jobs, _ = shipped["egress"]
+    dashboard_jobs = {j for text in dashboards.values() for j in re.findall(r'\bjob\s*=~?\s*\\"([^"\\]*)', text)}
+    assert dashboard_jobs <= set().union(*jobs.values()), dashboard_jobs
     # ServiceMonitors and PodMonitors name the jobs alike: the alerts fit either
     assert shipped["egress"][2] == shipped["egress"][3] == {k: {v} for k, v in TEST_JOBS.items()}
