@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from decimal import ROUND_CEILING, Decimal, InvalidOperation
+from decimal import ROUND_CEILING, Decimal, InvalidOperation, localcontext
 
 # The largest rate we represent: 2**53 bit/s (9 Pbit/s) is still exact in a float64,
 # so the numpy engine and the integer policy agree bit for bit. Also "no cap".
@@ -58,6 +58,14 @@ def parse_bps(value: str | int | float, what: str, allow_zero: bool = False) -> 
 
 
 def _parse_text(text: str, what: str) -> Decimal:
+    # exact: the default 28 digits would round "9007199254740992.000000000000001" down to 2^53 (accepted),
+    # where the CRDs and the chart compare the exact value (refused); 32 characters fit in 80 digits
+    with localcontext() as ctx:
+        ctx.prec = 80
+        return _parse_exact(text, what)
+
+
+def _parse_exact(text: str, what: str) -> Decimal:
     if len(text) > RATE_MAX_CHARS:
         raise ValueError(f"{what}: {text[:RATE_MAX_CHARS]!r}... is longer than {RATE_MAX_CHARS} characters; "
                          f"expected {ALLOWED}")

@@ -46,6 +46,7 @@ TABLE = [
     ("9007199254.7409925M", False), ("8796093022208Ki", True), ("8796093022208.0001Ki", False),
     ("0.0078125Ei", True), ("0.00781251Ei", False), ("9.007199254740992e15", True),
     ("9.0071992547409921e15", False), ("90071992547409920e-1", True),
+    ("9007199254740992.000000000000001", False),  # 31 digits: past Decimal's default precision
     ("0" * 31 + "1", True), ("0" * 32 + "1", False),  # the CRDs' maxLength, RATE_MAX_CHARS
 ]
 
