@@ -75,12 +75,19 @@ def report_loop(base: str, node: str, pods: list[dict], token: str | None, model
                 stop: threading.Event, period: float = 0.3, latencies: list | None = None,
                 answered_at: list | None = None) -> threading.Thread:
     def loop():
+        target = base
         while not stop.is_set():
             t0 = time.monotonic()
             try:
-                code, answer = post(base, node, pods, token, context=_unverified())
+                code, answer = post(target, node, pods, token, context=_unverified())
+                if code == 307 and answer.get("leader"):
+                    # a follower names the leader: report there, as the agent does (netagent/transport.py);
+                    # whichever replica wins the Lease after a fault is the one that answers
+                    target = f"{base.split('://', 1)[0]}://{answer['leader']}"
+                    code, answer = post(target, node, pods, token, context=_unverified())
             except OSError:
                 code, answer = 0, {}
+                target = base  # the leader named last may be gone: ask the first replica again
             if latencies is not None:
                 latencies.append((code, time.monotonic() - t0))
             model.observe(node, len(pods), code, answer)
