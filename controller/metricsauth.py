@@ -48,18 +48,4 @@ class ScrapeAuthCollector(Collector):
         self.authorizer, self.prefix = authorizer, prefix
 
     def collect(self):
-        a, p = self.authorizer, self.prefix
-        reviews = CounterMetricFamily(p + "metrics_auth_reviews", "API reviews made for /metrics scrapes (cache "
-                                      "misses), by kind (token: TokenReview, access: SubjectAccessReview).",
-                                      labels=["kind"])
-        for kind in ("token", "access"):
-            reviews.add_metric([kind], a.reviews[kind])
-        refusals = CounterMetricFamily(p + "metrics_auth_refusals", "/metrics scrapes refused, by reason "
-                                       "(missing_token, malformed_token, unauthenticated: 401; forbidden: 403; "
-                                       "busy: 429; review_failed: 503).", labels=["reason"])
-        for reason in sorted(set(a.refusals) | {"missing_token", "unauthenticated", "forbidden", "busy"}):
-            refusals.add_metric([reason], a.refusals[reason])
-        yield reviews
-        yield refusals
-        yield GaugeMetricFamily(p + "metrics_auth_cache_entries", "Scrape verdicts cached (grants and refusals).",
-                                value=len(a))
+        yield from self.authorizer.families(self.prefix, CounterMetricFamily, GaugeMetricFamily)

@@ -241,3 +241,19 @@ class ScrapeAuthorizer:
 
     def __len__(self) -> int:
         return len(self._cache)
+
+    def families(self, prefix: str, counter: Callable, gauge: Callable) -> list:
+        """The authorizer's own figures as metric families, built by the caller's `counter` and
+        `gauge` classes (prometheus_client's *MetricFamily): one text for the agent and the controller."""
+        reviews = counter(prefix + "metrics_auth_reviews", "API reviews made for /metrics scrapes (cache "
+                          "misses), by kind (token: TokenReview, access: SubjectAccessReview).", labels=["kind"])
+        for kind in ("token", "access"):
+            reviews.add_metric([kind], self.reviews[kind])
+        refusals = counter(prefix + "metrics_auth_refusals", "/metrics scrapes refused, by reason "
+                           "(missing_token, malformed_token, unauthenticated: 401; forbidden: 403; "
+                           "busy: 429; review_failed: 503).", labels=["reason"])
+        for reason in sorted(set(self.refusals) | {"missing_token", "unauthenticated", "forbidden", "busy"}):
+            refusals.add_metric([reason], self.refusals[reason])
+        cached = gauge(prefix + "metrics_auth_cache_entries", "Scrape verdicts cached (grants and refusals).",
+                       value=len(self))
+        return [reviews, refusals, cached]
