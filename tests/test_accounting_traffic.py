@@ -13,8 +13,8 @@ rule in the receiver's INPUT, checked against iperf3's receiver):
   the pod's internet counter agree with the uplink's interface counters.
 - TCP at the cap (one flow) and above it (four flows): the pod's counter against the payload that
   reached the far end (a counting rule in its INPUT, headers taken off) in segments (each MSS with
-  the MTU's headers); iperf3's receiver read at least 90 % of that payload (the rest: retransmitted
-  copies and the queue's tail after its end, both of which crossed the uplink).
+  the MTU's headers); iperf3's receiver read at least 90 % of that payload less a second of the cap
+  (the rest: retransmitted copies and the queue's tail after its end, both of which crossed the uplink).
 - A kill -9 of the agent in the middle of a flood: the counter after the restart goes on from
   the kernel's class counter; the whole flood counted once (within 2 %).
 Transfers are a few seconds each; run under `flock /tmp/netagent-traffic.lock`.
@@ -41,6 +41,7 @@ M = 1_000_000
 CAP = 8 * M
 FLOOD = "200M"
 RUN_S = 3
+QUEUE_S = 1.0  # what may still arrive after iperf3's receiver stops, in seconds of the cap
 DATAGRAM = 1400
 UDP_HEADERS = {4: 20 + 8, 6: 40 + 8}
 MTU = 1500
@@ -218,8 +219,12 @@ def test_tcp_at_and_above_the_cap_is_counted_in_segments(lab, agent, direction, 
     # payload is exact; on the wire each MSS of it was a segment with the MTU's headers
     payload = got - packets * (MTU - mss)
     received = payload + math.ceil(payload / mss) * (MTU - mss)
-    # iperf3's receiver read all of it but the retransmitted copies and what arrived after its end
-    assert 0.9 * payload <= result["end"]["sum_received"]["bytes"] <= payload
+    # iperf3's receiver read all of it but the retransmitted copies and what arrived after it stopped
+    # reading: four flows above the cap still have their windows in flight then (a fresh-clone CI run
+    # read 2.96 MB of 3.54 MB, 16 % short, where a bound of 10 % alone failed); a far-end rule that
+    # counted anything else (another flow, each copy twice) still misses these bounds
+    read = result["end"]["sum_received"]["bytes"]
+    assert 0.9 * payload - QUEUE_S * CAP / 8 <= read <= payload, (read, payload)
     if direction == "upload":
         counted = after["pod"]["egress_bytes"]["internet"] - before["pod"]["egress_bytes"]["internet"]
     else:

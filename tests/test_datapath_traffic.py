@@ -368,7 +368,8 @@ def test_internal_traffic_is_not_shaped(lab, node):
     same path with no netagent at all, alternated so both sides share the machine's noise (and in
     turn first and second in a pair, so neither side always runs right after a reprogramming).
     Offered 1 Gbit/s (100x the pod's limit), the shaped pod delivers what the unshaped one does
-    (medians within 3 %); at line rate the median of the pairs' ratios stays above LINE_SHARE.
+    (medians within 3 %); at line rate the fastest shaped run is at least LINE_SHARE of the fastest
+    unshaped one.
     Nothing enters HTB; the pod's internal counter counts at least the bytes delivered."""
     pod = node.pods[0]
 
@@ -401,11 +402,15 @@ def test_internal_traffic_is_not_shaped(lab, node):
         f"(runs {[round(v / G, 3) for v in fixed[True]]} vs {[round(v / G, 3) for v in fixed[False]]})")
 
     line = pairs(LINE_RUNS, None)
-    # the median of each pair's ratio: a pair shares the machine's state of the moment
-    share = statistics.median(s / u for s, u in zip(line[True], line[False]))
-    assert share >= LINE_SHARE, (
-        f"internal at line rate: median pair ratio {share:.3f} "
-        f"(runs {[round(v / G, 2) for v in line[True]]} vs {[round(v / G, 2) for v in line[False]]})")
+    # each side's fastest run: the machine's noise only ever takes capacity away from a run, so the
+    # fastest is the nearest to what the path itself carries (the download test's rule; the median of
+    # the pairs' ratios, the rule until 2026-11-28, is printed beside it)
+    share = max(line[True]) / max(line[False])
+    old_rule = statistics.median(s / u for s, u in zip(line[True], line[False]))
+    report = (f"internal at line rate: fastest runs {share:.3f} (old rule, median pair ratio {old_rule:.3f}); "
+              f"Gbit/s {[round(v / G, 2) for v in line[True]]} vs {[round(v / G, 2) for v in line[False]]}")
+    print(report)
+    assert share >= LINE_SHARE, report
 
 
 # -- sharing -----------------------------------------------------------------------------
