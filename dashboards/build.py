@@ -5,8 +5,9 @@
 
 Dashboards are built with grafana-foundation-sdk. Rates are shown in bit/s (the unit of the
 CRDs and of `kubernetes.io/egress-bandwidth`); the metrics are in bytes, hence the `* 8`.
-The heavy joins live in recording rules (dashboards/rules.yaml), which the PrometheusRule of
-the chart (charts/netagent) embeds.
+The dashboards query the exporters' raw series with $__rate_interval, so they work on the
+day the chart is installed (no recording rule needed); the recording rules and alerts of
+dashboards/rules.yaml ship with the chart's PrometheusRule (monitoring.prometheusRule).
 """
 from __future__ import annotations
 
@@ -38,8 +39,69 @@ NODE = f'{CLUSTER}, node=~"$node"'
 POD = f'{NODE}, namespace=~"$namespace", pod=~"$pod"'
 # a follower's view is stale by design: controller series count only from the Lease holder
 LEADER = "and on (cluster, job, instance) (netagent_controller_is_leader == 1)"
+TEAM = 'team=~"$team"'
+# Grafana's window for rate(): at least four scrape intervals, whatever the monitors' interval is
+RATE = "$__rate_interval"
 # template variables a query may reference (fill_variables substitutes them as Grafana would)
-VARIABLES = ("datasource", "cluster", "node", "namespace", "pod")
+VARIABLES = ("datasource", "cluster", "team", "node", "namespace", "pod")
+
+# The dashboards query the exporters' raw series, never the recording rules of dashboards/rules.yaml:
+# those ship only with monitoring.prometheusRule (a CRD and a rule evaluator the cluster may not have,
+# off by default), and a fixed rate1m cannot follow $__rate_interval. Each entry is what the recording
+# rule of the same name computes, with the dashboard's selector inside (docs/dashboards.md).
+POD_INFO = f"max by (cluster, namespace, pod, team, class) (netagent_pod_info{{{CLUSTER}, {TEAM}}})"
+
+
+def _pods(metric: str, sel: str, extra: str = "") -> str:
+    """Per-pod rate of an agent counter, only the selected teams' pods, with their team and class."""
+    return (f"(sum by (cluster, node, namespace, pod) (rate({metric}{{{sel}{extra}}}[{RATE}])) "
+            f"* on (cluster, namespace, pod) group_left (team, class) {POD_INFO})")
+
+
+def _leader(metric: str, by: str, sel: str, extra: str = "") -> str:
+    """A controller gauge as the replica holding the Lease reports it (a follower's view is stale)."""
+    return f"max by ({by}) ({metric}{{{sel}{extra}}} {LEADER})"
+
+
+def raw(name: str, sel: str) -> str:
+    """The raw-series expression of recording rule netagent:<name>, restricted by selector sel."""
+    internet = ', scope="internet"'
+    team = f", {TEAM}"
+    for direction, infix in (("egress", ""), ("ingress", "ingress_")):
+        pods = {
+            f"pod_internet_{direction}_bytes:rate1m": _pods(f"netagent_pod_{direction}_bytes_total", sel, internet),
+            f"pod_{direction}_dropped_packets:rate5m": _pods(f"netagent_pod_{direction}_dropped_packets_total", sel),
+            f"pod_{direction}_throttled:ratio_rate5m": _pods(f"netagent_pod_{direction}_throttled_seconds_total", sel),
+            f"team_class_internet_{direction}_bytes:rate1m":
+                f"sum by (cluster, team, class) {_pods(f'netagent_pod_{direction}_bytes_total', sel, internet)}",
+            f"cluster_internet_{direction}_bytes:rate1m":
+                f"sum by (cluster) (rate(netagent_pod_{direction}_bytes_total{{{sel}{internet}}}[{RATE}]))",
+            f"controller_{infix}budget_bytes_per_second:leader": _leader(
+                f"netagent_controller_{infix}budget_bytes_per_second", "cluster", sel),
+        }
+        for kind in ("allocated", "demand", "used"):
+            pods[f"controller_{infix}{kind}_bytes_per_second:leader"] = _leader(
+                f"netagent_controller_{infix}{kind}_bytes_per_second", "cluster, team, class", sel, team)
+        if name in pods:
+            expr = pods[name]
+            if name == "controller_ingress_budget_bytes_per_second:leader":
+                # without spec.ingressTotal the download budget is 2^50 B/s: no budget
+                expr = expr.replace(f"}} {LEADER}", f"}} < 2^50 {LEADER}")
+            return expr
+    if name in ("controller_budget_used:ratio", "controller_ingress_budget_used:ratio"):
+        infix = "ingress_" if "ingress" in name else ""
+        budget = raw(f"controller_{infix}budget_bytes_per_second:leader", sel)
+        used = _leader(f"netagent_controller_{infix}used_bytes_per_second", "cluster, team, class", sel)
+        return f"sum by (cluster) ({used}) / on (cluster) ({budget} > 0)"
+    if name == "team_class_egress_demand_bytes_per_second:sum":
+        return (f"sum by (cluster, team, class) (netagent_pod_egress_demand_bytes_per_second{{{sel}}} "
+                f"* on (cluster, namespace, pod) group_left (team, class) {POD_INFO})")
+    if name == "cluster_node_internet_ingress_bytes:rate5m":
+        return f"sum by (cluster) (rate(netagent_node_ingress_bytes_total{{{sel}{internet}}}[{RATE}]))"
+    if name == "controller_allocation_duration_seconds:p99_5m":
+        return (f"histogram_quantile(0.99, sum by (cluster, le) "
+                f"(rate(netagent_controller_allocation_duration_seconds_bucket{{{sel}}}[{RATE}]) {LEADER}))")
+    raise KeyError(f"no raw expression for netagent:{name}")
 
 
 def query(expr: str, legend: str = "", instant: bool = False, ref: str = "A") -> gp.Dataquery:
@@ -103,7 +165,8 @@ def base(uid: str, title: str, description: str) -> gd.Dashboard:
             .editable().refresh("30s").time("now-1h", "now").timezone("browser")
             .tooltip(gm.DashboardCursorSync.CROSSHAIR)
             .with_variable(datasource_variable())
-            .with_variable(variable("cluster", "Cluster", "label_values(netagent_build_info, cluster)")))
+            .with_variable(variable("cluster", "Cluster", "label_values(netagent_build_info, cluster)"))
+            .with_variable(variable("team", "Team", f"label_values(netagent_pod_info{{{CLUSTER}}}, team)")))
 
 
 # the budget drawn as a dashed red line over stacked usage
@@ -121,17 +184,17 @@ def cluster_dashboard() -> gd.Dashboard:
     d = d.with_row(gd.Row("Budget"))
     d = d.with_panel(stat(
         "Budget", "spec.total of the EgressBudget, as the leader controller holds it.", "bps",
-        f"sum(netagent:controller_budget_bytes_per_second:leader{{{CLUSTER}}}) * 8"))
+        f"sum({raw('controller_budget_bytes_per_second:leader', CLUSTER)}) * 8"))
     d = d.with_panel(stat(
         "Used / budget", "Internet egress the controller measures, as a share of the budget (per cluster).",
-        "percentunit", f"netagent:controller_budget_used:ratio{{{CLUSTER}}}",
+        "percentunit", f"{raw('controller_budget_used:ratio', CLUSTER)}",
         thresholds=[(None, "green"), (0.8, "orange"), (0.95, "red")]))
     d = d.with_panel(stat(
         "Internet egress now", "Sum of the pods' internet egress measured by the agents.", "bps",
-        f"sum(netagent:cluster_internet_egress_bytes:rate1m{{{CLUSTER}}}) * 8"))
+        f"sum({raw('cluster_internet_egress_bytes:rate1m', CLUSTER)}) * 8"))
     d = d.with_panel(stat(
         "Demand", "Sum of the pods' estimated internet egress demand.", "bps",
-        f"sum(netagent:team_class_egress_demand_bytes_per_second:sum{{{CLUSTER}}}) * 8"))
+        f"sum({raw('team_class_egress_demand_bytes_per_second:sum', CLUSTER)}) * 8"))
     d = d.with_panel(stat(
         "Pods", "Pods the controller allocates for.", "short",
         f"sum(netagent_controller_pods{{{CLUSTER}}} {LEADER})"))
@@ -141,30 +204,30 @@ def cluster_dashboard() -> gd.Dashboard:
     d = d.with_panel(timeseries(
         "Internet egress by team, against the budget",
         "Stacked: each team's measured internet egress (agents' counters). Line: the budget.", "bps",
-        query(f"sum by (team) (netagent:team_class_internet_egress_bytes:rate1m{{{CLUSTER}}}) * 8", "{{team}}"),
-        query(f"sum(netagent:controller_budget_bytes_per_second:leader{{{CLUSTER}}}) * 8", "budget", ref="B"),
+        query(f"sum by (team) ({raw('team_class_internet_egress_bytes:rate1m', CLUSTER)}) * 8", "{{team}}"),
+        query(f"sum({raw('controller_budget_bytes_per_second:leader', CLUSTER)}) * 8", "budget", ref="B"),
         width=12, stacked=True)
         .override_by_name("budget", BUDGET_LINE))
     d = d.with_panel(timeseries(
         "Internet egress by team and class", "Measured internet egress per (team, class).", "bps",
-        query(f"netagent:team_class_internet_egress_bytes:rate1m{{{CLUSTER}}} * 8", "{{team}} / {{class}}"),
+        query(f"{raw('team_class_internet_egress_bytes:rate1m', CLUSTER)} * 8", "{{team}} / {{class}}"),
         width=12))
 
     d = d.with_row(gd.Row("Demand and allocation"))
     d = d.with_panel(timeseries(
         "Demand vs allocation by team",
         "What each team's pods want (estimated demand) and the fair share the controller gives them.", "bps",
-        query(f"sum by (team) (netagent:controller_demand_bytes_per_second:leader{{{CLUSTER}}}) * 8",
+        query(f"sum by (team) ({raw('controller_demand_bytes_per_second:leader', CLUSTER)}) * 8",
               "demand {{team}}"),
-        query(f"sum by (team) (netagent:controller_allocated_bytes_per_second:leader{{{CLUSTER}}}) * 8",
+        query(f"sum by (team) ({raw('controller_allocated_bytes_per_second:leader', CLUSTER)}) * 8",
               "allocated {{team}}", ref="B"),
         width=12))
     d = d.with_panel(table(
         "Demand, allocation and use by team and class",
         "The controller's view at the end of the range (leader only).", "bps",
-        query(f"netagent:controller_demand_bytes_per_second:leader{{{CLUSTER}}} * 8", "demand", True),
-        query(f"netagent:controller_allocated_bytes_per_second:leader{{{CLUSTER}}} * 8", "allocated", True, "B"),
-        query(f"netagent:controller_used_bytes_per_second:leader{{{CLUSTER}}} * 8", "used", True, "C"),
+        query(f"{raw('controller_demand_bytes_per_second:leader', CLUSTER)} * 8", "demand", True),
+        query(f"{raw('controller_allocated_bytes_per_second:leader', CLUSTER)} * 8", "allocated", True, "B"),
+        query(f"{raw('controller_used_bytes_per_second:leader', CLUSTER)} * 8", "used", True, "C"),
         width=12))
 
     d = d.with_panel(stat(
@@ -179,22 +242,22 @@ def cluster_dashboard() -> gd.Dashboard:
         "Guarantee vs allocation by team", "Each team's guaranteed minimum and its fair share now.", "bps",
         query(f"max by (team) (netagent_controller_team_guarantee_bytes_per_second{{{CLUSTER}}} {LEADER}) * 8",
               "guarantee {{team}}"),
-        query(f"sum by (team) (netagent:controller_allocated_bytes_per_second:leader{{{CLUSTER}}}) * 8",
+        query(f"sum by (team) ({raw('controller_allocated_bytes_per_second:leader', CLUSTER)}) * 8",
               "allocated {{team}}", ref="B"),
         width=12))
 
     d = d.with_row(gd.Row("Pods"))
     d = d.with_panel(table(
         "Top pods by internet egress", "The 15 pods sending most to the internet now.", "bps",
-        query(f"topk(15, netagent:pod_internet_egress_bytes:rate1m{{{CLUSTER}}}) * 8", "", True), width=8))
+        query(f"topk(15, {raw('pod_internet_egress_bytes:rate1m', CLUSTER)}) * 8", "", True), width=8))
     d = d.with_panel(table(
         "Most throttled pods",
-        "Share of the last 5 minutes each pod spent held back by its limit (1 = always).", "percentunit",
-        query(f"topk(15, netagent:pod_egress_throttled:ratio_rate5m{{{CLUSTER}}})", "", True), width=8))
+        "Share of the rate interval each pod spent held back by its limit (1 = always).", "percentunit",
+        query(f"topk(15, {raw('pod_egress_throttled:ratio_rate5m', CLUSTER)})", "", True), width=8))
     d = d.with_panel(timeseries(
         "Shaper drops by team", "Internet-bound packets dropped at the pods' limits.", "pps",
-        query(f"sum by (team) (netagent:pod_egress_dropped_packets:rate5m{{{CLUSTER}}} "
-              f"* on (cluster, namespace, pod) group_left (team) netagent:pod_info:max)", "{{team}}"),
+        query(f"sum by (team) ({raw('pod_egress_dropped_packets:rate5m', CLUSTER)} "
+              f")", "{{team}}"),
         width=8))
 
     d = downloads_rows(d)
@@ -214,8 +277,8 @@ def cluster_dashboard() -> gd.Dashboard:
         "short", f"count(netagent_pod_policy_problem{{{CLUSTER}}} == 1) or vector(0)",
         thresholds=[(None, "green"), (1, "orange")]))
     d = d.with_panel(stat(
-        "Allocation p99", "99th percentile of the leader's allocation round duration over 5 minutes.", "s",
-        f"max(netagent:controller_allocation_duration_seconds:p99_5m{{{CLUSTER}}})",
+        "Allocation p99", "99th percentile of the leader's allocation round duration over the rate interval.", "s",
+        f"max({raw('controller_allocation_duration_seconds:p99_5m', CLUSTER)})",
         thresholds=[(None, "green"), (0.5, "orange"), (2, "red")]))
     d = d.with_panel(stat(
         "Drift repairs (1h)", "Kernel state changed by someone else and restored by the agents.", "short",
@@ -226,8 +289,8 @@ def cluster_dashboard() -> gd.Dashboard:
         query(f"netagent_controller_is_leader{{{CLUSTER}}}", "{{instance}}"), width=8))
     d = d.with_panel(timeseries(
         "Reports", "Agent reports the controller accepts and rejects (by reason), per second.", "reqps",
-        query(f"sum(rate(netagent_controller_reports_total{{{CLUSTER}}}[5m]))", "accepted"),
-        query(f"sum by (reason) (rate(netagent_controller_rejected_reports_total{{{CLUSTER}}}[5m]))",
+        query(f"sum(rate(netagent_controller_reports_total{{{CLUSTER}}}[$__rate_interval]))", "accepted"),
+        query(f"sum by (reason) (rate(netagent_controller_rejected_reports_total{{{CLUSTER}}}[$__rate_interval]))",
               "rejected {{reason}}", ref="B"),
         width=8))
     d = d.with_panel(timeseries(
@@ -236,8 +299,8 @@ def cluster_dashboard() -> gd.Dashboard:
         "budget times this, so that the measured total stays at the budget (1 = no correction; above 1 when "
         "the pods, fully loaded, measure short of it; below 1 when they overshoot); the download gain does the "
         "same on spec.ingressTotal.", "short",
-        query(f"sum(rate(netagent_controller_allocation_rounds_total{{{CLUSTER}}}[5m]) {LEADER})", "rounds/s"),
-        query(f"sum(rate(netagent_controller_allocation_failures_total{{{CLUSTER}}}[5m]) {LEADER})",
+        query(f"sum(rate(netagent_controller_allocation_rounds_total{{{CLUSTER}}}[$__rate_interval]) {LEADER})", "rounds/s"),
+        query(f"sum(rate(netagent_controller_allocation_failures_total{{{CLUSTER}}}[$__rate_interval]) {LEADER})",
               "failed rounds/s", ref="B"),
         query(f"max(netagent_controller_feedback_gain{{{CLUSTER}}} {LEADER})", "feedback gain", ref="C"),
         query(f"max(netagent_controller_ingress_feedback_gain{{{CLUSTER}}} {LEADER})", "download feedback gain",
@@ -259,21 +322,21 @@ def downloads_rows(d: gd.Dashboard) -> gd.Dashboard:
     d = d.with_panel(stat(
         "Download budget", "spec.ingressTotal of the EgressBudget, as the leader controller holds it (empty "
         "when unset: downloads are then held only by the pods' caps).", "bps",
-        f"sum(netagent:controller_ingress_budget_bytes_per_second:leader{{{CLUSTER}}}) * 8"))
+        f"sum({raw('controller_ingress_budget_bytes_per_second:leader', CLUSTER)}) * 8"))
     d = d.with_panel(stat(
         "Downloads used / budget", "Internet downloads the controller measures, as a share of spec.ingressTotal "
-        "(per cluster).", "percentunit", f"netagent:controller_ingress_budget_used:ratio{{{CLUSTER}}}",
+        "(per cluster).", "percentunit", f"{raw('controller_ingress_budget_used:ratio', CLUSTER)}",
         thresholds=[(None, "green"), (0.8, "orange"), (0.95, "red")]))
     d = d.with_panel(stat(
         "Internet downloads now", "Sum of the pods' internet ingress measured by the agents.", "bps",
-        f"sum(netagent:cluster_internet_ingress_bytes:rate1m{{{CLUSTER}}}) * 8"))
+        f"sum({raw('cluster_internet_ingress_bytes:rate1m', CLUSTER)}) * 8"))
     d = d.with_panel(stat(
         "Download demand", "Sum of the pods' estimated download demand (the controller's view).", "bps",
-        f"sum(netagent:controller_ingress_demand_bytes_per_second:leader{{{CLUSTER}}}) * 8"))
+        f"sum({raw('controller_ingress_demand_bytes_per_second:leader', CLUSTER)}) * 8"))
     d = d.with_panel(stat(
         "Uplinks' internet ingress", "Everything arriving from the internet at the nodes' uplinks, host traffic "
         "and downloads dropped at the pods included (NetagentIngressBudgetExceeded compares it with the "
-        "budget).", "bps", f"sum(netagent:cluster_node_internet_ingress_bytes:rate5m{{{CLUSTER}}}) * 8"))
+        "budget).", "bps", f"sum({raw('cluster_node_internet_ingress_bytes:rate5m', CLUSTER)}) * 8"))
     d = d.with_panel(stat(
         "Agents not shaping downloads", "Agents reporting to the controller that do not shape downloads (older "
         "agents, or a download data path that could not be programmed): their pods get no download share "
@@ -284,31 +347,31 @@ def downloads_rows(d: gd.Dashboard) -> gd.Dashboard:
     d = d.with_panel(timeseries(
         "Internet downloads by team, against the download budget",
         "Stacked: each team's measured internet ingress (agents' counters). Line: spec.ingressTotal.", "bps",
-        query(f"sum by (team) (netagent:team_class_internet_ingress_bytes:rate1m{{{CLUSTER}}}) * 8", "{{team}}"),
-        query(f"sum(netagent:controller_ingress_budget_bytes_per_second:leader{{{CLUSTER}}}) * 8", "budget",
+        query(f"sum by (team) ({raw('team_class_internet_ingress_bytes:rate1m', CLUSTER)}) * 8", "{{team}}"),
+        query(f"sum({raw('controller_ingress_budget_bytes_per_second:leader', CLUSTER)}) * 8", "budget",
               ref="B"),
         width=12, stacked=True)
         .override_by_name("budget", BUDGET_LINE))
     d = d.with_panel(timeseries(
         "Internet downloads by team and class", "Measured internet ingress per (team, class).", "bps",
-        query(f"netagent:team_class_internet_ingress_bytes:rate1m{{{CLUSTER}}} * 8", "{{team}} / {{class}}"),
+        query(f"{raw('team_class_internet_ingress_bytes:rate1m', CLUSTER)} * 8", "{{team}} / {{class}}"),
         width=12))
     d = d.with_panel(timeseries(
         "Download demand vs allocation by team",
         "What each team's pods want to download (estimated demand) and the fair download share the controller "
         "gives them.", "bps",
-        query(f"sum by (team) (netagent:controller_ingress_demand_bytes_per_second:leader{{{CLUSTER}}}) * 8",
+        query(f"sum by (team) ({raw('controller_ingress_demand_bytes_per_second:leader', CLUSTER)}) * 8",
               "demand {{team}}"),
-        query(f"sum by (team) (netagent:controller_ingress_allocated_bytes_per_second:leader{{{CLUSTER}}}) * 8",
+        query(f"sum by (team) ({raw('controller_ingress_allocated_bytes_per_second:leader', CLUSTER)}) * 8",
               "allocated {{team}}", ref="B"),
         width=12))
     d = d.with_panel(table(
         "Download demand, allocation and use by team and class",
         "The controller's download view at the end of the range (leader only).", "bps",
-        query(f"netagent:controller_ingress_demand_bytes_per_second:leader{{{CLUSTER}}} * 8", "demand", True),
-        query(f"netagent:controller_ingress_allocated_bytes_per_second:leader{{{CLUSTER}}} * 8", "allocated", True,
+        query(f"{raw('controller_ingress_demand_bytes_per_second:leader', CLUSTER)} * 8", "demand", True),
+        query(f"{raw('controller_ingress_allocated_bytes_per_second:leader', CLUSTER)} * 8", "allocated", True,
               "B"),
-        query(f"netagent:controller_ingress_used_bytes_per_second:leader{{{CLUSTER}}} * 8", "used", True, "C"),
+        query(f"{raw('controller_ingress_used_bytes_per_second:leader', CLUSTER)} * 8", "used", True, "C"),
         width=12))
     d = d.with_panel(stat(
         "Teams below download guarantee", "Teams allocated less downloads than min(download guarantee, demand) "
@@ -324,22 +387,22 @@ def downloads_rows(d: gd.Dashboard) -> gd.Dashboard:
         "share now.", "bps",
         query(f"max by (team) (netagent_controller_ingress_team_guarantee_bytes_per_second{{{CLUSTER}}} {LEADER}) "
               f"* 8", "guarantee {{team}}"),
-        query(f"sum by (team) (netagent:controller_ingress_allocated_bytes_per_second:leader{{{CLUSTER}}}) * 8",
+        query(f"sum by (team) ({raw('controller_ingress_allocated_bytes_per_second:leader', CLUSTER)}) * 8",
               "allocated {{team}}", ref="B"),
         width=12))
     d = d.with_panel(table(
         "Top pods by internet download", "The 15 pods receiving most from the internet now.", "bps",
-        query(f"topk(15, netagent:pod_internet_ingress_bytes:rate1m{{{CLUSTER}}}) * 8", "", True), width=8))
+        query(f"topk(15, {raw('pod_internet_ingress_bytes:rate1m', CLUSTER)}) * 8", "", True), width=8))
     d = d.with_panel(table(
         "Most throttled pods (downloads)",
-        "Share of the last 5 minutes each pod's downloads spent held back by its download limit (1 = always).",
-        "percentunit", query(f"topk(15, netagent:pod_ingress_throttled:ratio_rate5m{{{CLUSTER}}})", "", True),
+        "Share of the rate interval each pod's downloads spent held back by its download limit (1 = always).",
+        "percentunit", query(f"topk(15, {raw('pod_ingress_throttled:ratio_rate5m', CLUSTER)})", "", True),
         width=8))
     d = d.with_panel(timeseries(
         "Download drops by team", "Internet packets to the pods dropped at their download limits (they crossed "
         "the uplink already).", "pps",
-        query(f"sum by (team) (netagent:pod_ingress_dropped_packets:rate5m{{{CLUSTER}}} "
-              f"* on (cluster, namespace, pod) group_left (team) netagent:pod_info:max)", "{{team}}"),
+        query(f"sum by (team) ({raw('pod_ingress_dropped_packets:rate5m', CLUSTER)} "
+              f")", "{{team}}"),
         width=8))
     return d
 
@@ -350,20 +413,20 @@ def node_pod_dashboard() -> gd.Dashboard:
              "downloads (ingress) against their limits, fair shares and demand.")
     d = (d.with_variable(variable("node", "Node", f"label_values(netagent_build_info{{{CLUSTER}}}, node)"))
          .with_variable(variable("namespace", "Namespace",
-                                 f"label_values(netagent_pod_info{{{NODE}}}, namespace)"))
+                                 f"label_values(netagent_pod_info{{{NODE}, {TEAM}}}, namespace)"))
          .with_variable(variable("pod", "Pod",
-                                 f'label_values(netagent_pod_info{{{NODE}, namespace=~"$namespace"}}, pod)')))
+                                 f'label_values(netagent_pod_info{{{NODE}, {TEAM}, namespace=~"$namespace"}}, pod)')))
     d = d.with_row(gd.Row("Node"))
     d = d.with_panel(timeseries(
         "Node egress by scope, against its allocation",
         "All traffic leaving the node's uplinks (host traffic included), internal vs internet; the node class "
         "rate (this node's share of the budget); internet egress forwarded from sources that are no known pod "
         "(pods the agent has not learnt yet), held at the default-class floor.", "bps",
-        query(f"sum by (node, scope) (rate(netagent_node_egress_bytes_total{{{NODE}}}[1m])) * 8",
+        query(f"sum by (node, scope) (rate(netagent_node_egress_bytes_total{{{NODE}}}[$__rate_interval])) * 8",
               "{{node}} {{scope}}"),
         query(f"sum by (node) (netagent_node_allocation_bytes_per_second{{{NODE}}}) * 8",
               "{{node}} allocation", ref="B"),
-        query(f"sum by (node) (rate(netagent_node_unknown_source_egress_bytes_total{{{NODE}}}[1m])) * 8",
+        query(f"sum by (node) (rate(netagent_node_unknown_source_egress_bytes_total{{{NODE}}}[$__rate_interval])) * 8",
               "{{node}} internet from unknown sources", ref="C"),
         width=12))
     d = d.with_panel(timeseries(
@@ -372,26 +435,26 @@ def node_pod_dashboard() -> gd.Dashboard:
         "included), internal vs internet; the node's download class rate (its share of spec.ingressTotal; "
         "absent while the agent does not shape downloads); internet ingress to addresses that are no known pod "
         "(pods the agent has not learnt yet), held at the download default-class floor.", "bps",
-        query(f"sum by (node, scope) (rate(netagent_node_ingress_bytes_total{{{NODE}}}[1m])) * 8",
+        query(f"sum by (node, scope) (rate(netagent_node_ingress_bytes_total{{{NODE}}}[$__rate_interval])) * 8",
               "{{node}} {{scope}}"),
         query(f"sum by (node) (netagent_node_ingress_allocation_bytes_per_second{{{NODE}}}) * 8",
               "{{node}} download allocation", ref="B"),
-        query(f"sum by (node) (rate(netagent_node_unknown_destination_ingress_bytes_total{{{NODE}}}[1m])) * 8",
+        query(f"sum by (node) (rate(netagent_node_unknown_destination_ingress_bytes_total{{{NODE}}}[$__rate_interval])) * 8",
               "{{node}} internet to unknown destinations", ref="C"),
         width=12))
     d = d.with_panel(timeseries(
         "Reconcile duration p99", "Time to compute and apply the desired kernel state.", "s",
         query(f"histogram_quantile(0.99, sum by (node, le) "
-              f"(rate(netagent_reconcile_duration_seconds_bucket{{{NODE}}}[5m])))", "{{node}}"),
+              f"(rate(netagent_reconcile_duration_seconds_bucket{{{NODE}}}[$__rate_interval])))", "{{node}}"),
         width=8))
     d = d.with_panel(timeseries(
         "Reconciles, errors and drift repairs",
         "Reconciles per second; failed ones by stage; kernel state someone else changed and the agent restored, "
         "by kind.", "ops",
-        query(f"sum by (node) (rate(netagent_reconcile_duration_seconds_count{{{NODE}}}[5m]))", "{{node}} reconciles"),
-        query(f"sum by (node, stage) (rate(netagent_reconcile_errors_total{{{NODE}}}[5m]))",
+        query(f"sum by (node) (rate(netagent_reconcile_duration_seconds_count{{{NODE}}}[$__rate_interval]))", "{{node}} reconciles"),
+        query(f"sum by (node, stage) (rate(netagent_reconcile_errors_total{{{NODE}}}[$__rate_interval]))",
               "{{node}} errors {{stage}}", ref="B"),
-        query(f"sum by (node, kind) (rate(netagent_drift_repairs_total{{{NODE}}}[5m]))",
+        query(f"sum by (node, kind) (rate(netagent_drift_repairs_total{{{NODE}}}[$__rate_interval]))",
               "{{node}} drift {{kind}}", ref="C"),
         width=8))
     d = d.with_panel(timeseries(
@@ -404,11 +467,11 @@ def node_pod_dashboard() -> gd.Dashboard:
         "Pods on the node", "Class and team of each pod; its internet egress, limit and fair share now (B, C, D); "
         "its internet downloads, download limit and download fair share now (E, F, G).", "bps",
         query(f"max by (node, namespace, pod, team, class) (netagent_pod_info{{{POD}}})", "", True),
-        query(f"sum by (node, namespace, pod) (netagent:pod_internet_egress_bytes:rate1m{{{POD}}}) * 8", "", True, "B"),
+        query(f"sum by (node, namespace, pod) ({raw('pod_internet_egress_bytes:rate1m', POD)}) * 8", "", True, "B"),
         query(f"sum by (node, namespace, pod) (netagent_pod_egress_limit_bytes_per_second{{{POD}}}) * 8", "", True, "C"),
         query(f"sum by (node, namespace, pod) (netagent_pod_egress_allocation_bytes_per_second{{{POD}}}) * 8",
               "", True, "D"),
-        query(f"sum by (node, namespace, pod) (netagent:pod_internet_ingress_bytes:rate1m{{{POD}}}) * 8", "", True, "E"),
+        query(f"sum by (node, namespace, pod) ({raw('pod_internet_ingress_bytes:rate1m', POD)}) * 8", "", True, "E"),
         query(f"sum by (node, namespace, pod) (netagent_pod_ingress_limit_bytes_per_second{{{POD}}}) * 8", "", True,
               "F"),
         query(f"sum by (node, namespace, pod) (netagent_pod_ingress_allocation_bytes_per_second{{{POD}}}) * 8",
@@ -421,7 +484,7 @@ def node_pod_dashboard() -> gd.Dashboard:
         "Pod internet egress against limit, fair share and demand",
         "Measured internet egress; the limit the agent enforces (HTB ceil); the fair share (HTB rate); the "
         "estimated demand.", "bps",
-        query(f"sum by (namespace, pod) (rate(netagent_pod_egress_bytes_total{{{POD}, scope=\"internet\"}}[1m])) * 8",
+        query(f"sum by (namespace, pod) (rate(netagent_pod_egress_bytes_total{{{POD}, scope=\"internet\"}}[$__rate_interval])) * 8",
               "{{namespace}}/{{pod}} sent"),
         query(f"sum by (namespace, pod) (netagent_pod_egress_limit_bytes_per_second{{{POD}}}) * 8",
               "{{namespace}}/{{pod}} limit", ref="B"),
@@ -435,7 +498,7 @@ def node_pod_dashboard() -> gd.Dashboard:
         "Downloads (internet to pod): measured internet ingress; the download limit the agent enforces (HTB ceil "
         "of the pod's download class); its fair share of spec.ingressTotal (HTB rate); the estimated download "
         "demand.", "bps",
-        query(f"sum by (namespace, pod) (rate(netagent_pod_ingress_bytes_total{{{POD}, scope=\"internet\"}}[1m])) * 8",
+        query(f"sum by (namespace, pod) (rate(netagent_pod_ingress_bytes_total{{{POD}, scope=\"internet\"}}[$__rate_interval])) * 8",
               "{{namespace}}/{{pod}} received"),
         query(f"sum by (namespace, pod) (netagent_pod_ingress_limit_bytes_per_second{{{POD}}}) * 8",
               "{{namespace}}/{{pod}} download limit", ref="B"),
@@ -446,34 +509,34 @@ def node_pod_dashboard() -> gd.Dashboard:
         width=24))
     d = d.with_panel(timeseries(
         "Pod egress by scope", "Internal traffic is never shaped; internet traffic is.", "bps",
-        query(f"sum by (namespace, pod, scope) (rate(netagent_pod_egress_bytes_total{{{POD}}}[1m])) * 8",
+        query(f"sum by (namespace, pod, scope) (rate(netagent_pod_egress_bytes_total{{{POD}}}[$__rate_interval])) * 8",
               "{{namespace}}/{{pod}} {{scope}}"),
         width=12))
     d = d.with_panel(timeseries(
         "Pod ingress by scope", "Received traffic by source scope: internet downloads are shaped (by an agent "
         "that shapes downloads), internal traffic never is.", "bps",
-        query(f"sum by (namespace, pod, scope) (rate(netagent_pod_ingress_bytes_total{{{POD}}}[1m])) * 8",
+        query(f"sum by (namespace, pod, scope) (rate(netagent_pod_ingress_bytes_total{{{POD}}}[$__rate_interval])) * 8",
               "{{namespace}}/{{pod}} {{scope}}"),
         width=12))
     d = d.with_panel(timeseries(
         "Pod shaper drops", "Internet-bound packets of the pod dropped at its limit.", "pps",
-        query(f"sum by (namespace, pod) (rate(netagent_pod_egress_dropped_packets_total{{{POD}}}[5m]))",
+        query(f"sum by (namespace, pod) (rate(netagent_pod_egress_dropped_packets_total{{{POD}}}[$__rate_interval]))",
               "{{namespace}}/{{pod}}"),
         width=12))
     d = d.with_panel(timeseries(
         "Pod throttled share", "Share of time the pod's internet egress was held back by its limit.", "percentunit",
-        query(f"sum by (namespace, pod) (rate(netagent_pod_egress_throttled_seconds_total{{{POD}}}[5m]))",
+        query(f"sum by (namespace, pod) (rate(netagent_pod_egress_throttled_seconds_total{{{POD}}}[$__rate_interval]))",
               "{{namespace}}/{{pod}}"),
         width=12))
     d = d.with_panel(timeseries(
         "Pod download drops", "Internet packets to the pod dropped at its download limit.", "pps",
-        query(f"sum by (namespace, pod) (rate(netagent_pod_ingress_dropped_packets_total{{{POD}}}[5m]))",
+        query(f"sum by (namespace, pod) (rate(netagent_pod_ingress_dropped_packets_total{{{POD}}}[$__rate_interval]))",
               "{{namespace}}/{{pod}}"),
         width=12))
     d = d.with_panel(timeseries(
         "Pod download throttled share", "Share of time the pod's downloads were held back by its download limit.",
         "percentunit",
-        query(f"sum by (namespace, pod) (rate(netagent_pod_ingress_throttled_seconds_total{{{POD}}}[5m]))",
+        query(f"sum by (namespace, pod) (rate(netagent_pod_ingress_throttled_seconds_total{{{POD}}}[$__rate_interval]))",
               "{{namespace}}/{{pod}}"),
         width=12))
     return d
@@ -517,9 +580,11 @@ def variable_queries(dashboard: dict) -> Iterator[tuple[str, str]]:
             yield v["name"], q["query"] if isinstance(q, dict) else q
 
 
-def fill_variables(expr: str, values: dict[str, str] | None = None) -> str:
-    """Substitute template variables as Grafana does; unset ones get "All" (the regex `.*`)."""
+def fill_variables(expr: str, values: dict[str, str] | None = None, rate_interval: str = "1m") -> str:
+    """Substitute template variables as Grafana does; unset ones get "All" (the regex `.*`);
+    $__rate_interval gets rate_interval (Grafana: four scrape intervals at least)."""
     values = values or {}
+    expr = expr.replace(RATE, rate_interval)
     for name in VARIABLES:
         expr = expr.replace(f"${{{name}}}", values.get(name, ".*")).replace(f"${name}", values.get(name, ".*"))
     return expr

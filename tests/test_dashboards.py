@@ -110,7 +110,7 @@ def test_dashboards_are_well_formed():
 def test_node_and_pod_drilldown_has_its_variables():
     d = dashboards()["node-pod.json"]
     variables = [v["name"] for v in d["templating"]["list"]]
-    assert variables == ["datasource", "cluster", "node", "namespace", "pod"]
+    assert variables == ["datasource", "cluster", "team", "node", "namespace", "pod"]
     pod_panels = [t["expr"] for title, t in ((p.get("title"), t) for p in d["panels"] for t in p.get("targets", []))
                   if title and title.startswith("Pod ")]
     assert pod_panels and all('pod=~"$pod"' in e and 'namespace=~"$namespace"' in e for e in pod_panels)
@@ -178,9 +178,32 @@ def test_the_contract_reads_both_exporters():
         contract.exported_names("(Gauge if counter else Counter)('netagent_x', 'help')\n")
 
 
+def test_dashboards_need_no_recording_rule_and_follow_the_rate_interval():
+    """Day one: the chart's defaults ship the dashboards but no PrometheusRule (monitoring.prometheusRule
+    is off), so a panel reading a recording rule would stay empty; every rate() follows Grafana's
+    $__rate_interval (a fixed window breaks at a scrape interval above a quarter of it)."""
+    recorded = contract.recording_rules()
+    for where, expr in contract.dashboard_expressions():
+        assert not set(contract.NAME.findall(expr)) & recorded, f"{where} reads a recording rule: {expr}"
+        for window in re.findall(r"\b(?:rate|irate)\([^\[]*\[([^\]]+)\]", expr):
+            assert window == "$__rate_interval", f"{where}: rate over [{window}]: {expr}"
+    for name, d in dashboards().items():
+        variables = {v["name"] for v in d["templating"]["list"]}
+        assert "team" in variables, f"{name} has no team variable"
+
+
 def test_every_recording_rule_is_used():
+    """Used by an alert, or the recorded twin of a dashboard expression (build.raw: the same computation
+    on raw series, for those who query the rules outside the dashboards)."""
     used = set(contract.used_metrics())
-    unused = contract.recording_rules() - used
+    mirrored = set()
+    for name in contract.recording_rules():
+        try:
+            build.raw(name.removeprefix("netagent:"), 'cluster=~".*"')
+            mirrored.add(name)
+        except KeyError:
+            pass
+    unused = contract.recording_rules() - used - mirrored
     assert not unused, f"recording rules nothing queries: {sorted(unused)}"
 
 
