@@ -40,14 +40,21 @@ def promtool() -> str:
     return path
 
 
-def render(release: str, namespace: str, monitor: str) -> list[dict]:
+def helm_template(release: str, namespace: str, *args: str) -> subprocess.CompletedProcess:
     helm = require_node_assets(["helm"]) / "helm"
-    result = subprocess.run(
-        [str(helm), "template", release, str(CHART), "--namespace", namespace,
-         "--set", f"monitoring.{monitor}.enabled=true", "--set", "monitoring.prometheusRule.enabled=true"],
-        capture_output=True, text=True, timeout=120)
+    return subprocess.run([str(helm), "template", release, str(CHART), "--namespace", namespace, *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def render(release: str, namespace: str, monitor: str, *args: str) -> list[dict]:
+    result = helm_template(release, namespace, "--set", f"monitoring.{monitor}.enabled=true",
+                           "--set", "monitoring.prometheusRule.enabled=true", *args)
     assert result.returncode == 0, result.stderr
     return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+def runbook_base() -> str:
+    return yaml.safe_load((CHART / "values.yaml").read_text())["monitoring"]["runbookBaseURL"]
 
 
 def _replacement(template: str, match: re.Match) -> str:
@@ -123,6 +130,8 @@ def relabelled_cases(jobs: dict[str, set[str]]) -> str:
         job, = jobs[kind]
         text = re.sub(rf'(\bjob="){re.escape(test_job)}"', rf'\g<1>{job}"', text)
         text = re.sub(rf"(\bjob: ){re.escape(test_job)}$", rf"\g<1>{job}", text, flags=re.M)
+    # the chart makes the runbook URLs absolute (monitoring.runbookBaseURL)
+    text = text.replace("runbook_url: docs/alerts.md#", f"runbook_url: {runbook_base()}#")
     cases = yaml.safe_load(text)
     cases["rule_files"] = ["rules.yaml"]
     return yaml.safe_dump(cases, sort_keys=False, width=1000)
@@ -177,3 +186,51 @@ def test_rules_dashboards_and_jobs_do_not_depend_on_the_release():
     assert dashboard_jobs <= set().union(*jobs.values()), dashboard_jobs
     # ServiceMonitors and PodMonitors name the jobs alike: the alerts fit either
     assert shipped["egress"][2] == shipped["egress"][3] == {k: {v} for k, v in TEST_JOBS.items()}
+
+
+def test_monitoring_knobs(tmp_path):
+    """kube-prometheus-stack's knobs: runbookBaseURL, relabelings and metricRelabelings on every monitor
+    (after the chart's job/node relabelings, which they cannot undo by accident), additionalRuleLabels on
+    every alert (its own severity wins), per-alert disabling; a misspelt alert name is refused by name."""
+    base = "https://wiki.example.com/netagent/alerts"
+    extra = {"targetLabel": "cluster", "replacement": "eu-1"}
+    drop = {"sourceLabels": ["__name__"], "regex": "netagent_pod_ingress_.*", "action": "drop"}
+    (tmp_path / "values.yaml").write_text(yaml.safe_dump({"monitoring": {
+        "runbookBaseURL": base, "relabelings": [extra], "metricRelabelings": [drop],
+        "prometheusRule": {"additionalRuleLabels": {"team": "platform", "severity": "page"},
+                           "disabled": {"NetagentDropsHigh": True, "NetagentIngressDropsHigh": False}}}}))
+    for monitor in MONITORS:
+        docs = render("egress", "traffic-control", monitor, "-f", str(tmp_path / "values.yaml"))
+        monitors = [d for d in docs if d["kind"] == MONITORS[monitor]]
+        assert len(monitors) == 2
+        for m in monitors:
+            for ep in m["spec"].get("podMetricsEndpoints", m["spec"].get("endpoints")):
+                assert ep["relabelings"][0]["targetLabel"] == "job" and ep["relabelings"][-1] == extra
+                assert ep["metricRelabelings"] == [drop]
+        assert monitor_jobs(docs) == {k: {v} for k, v in TEST_JOBS.items()}
+        groups = rule_groups(docs)
+        rules = [r for g in groups for r in g["rules"] if "alert" in r]
+        names = {r["alert"] for r in rules}
+        assert "NetagentDropsHigh" not in names and "NetagentIngressDropsHigh" in names
+        assert len(names) == len(alerts(rule_groups(render("egress", "traffic-control", monitor)))) - 1
+        for r in rules:
+            assert r["labels"]["team"] == "platform" and r["labels"]["severity"] != "page", r["alert"]
+            assert r["annotations"]["runbook_url"] == f"{base}#{r['alert'].lower()}"
+        assert all("labels" not in r or "team" not in r["labels"] for g in groups for r in g["rules"] if "record" in r)
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}))
+    check = subprocess.run([promtool(), "check", "rules", "rules.yaml"], cwd=tmp_path, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+    typo = helm_template("egress", "traffic-control", "--set", "monitoring.prometheusRule.enabled=true",
+                         "--set", "monitoring.prometheusRule.disabled.NetagentDropHigh=true")
+    assert typo.returncode != 0
+    assert "monitoring.prometheusRule.disabled.NetagentDropHigh: no alert of that name" in typo.stderr
+    assert "NetagentDropsHigh" in typo.stderr  # what it expected
+
+
+def test_runbook_urls_are_absolute_by_default():
+    base = runbook_base()
+    assert base.startswith("https://") and base.endswith("docs/alerts.md")
+    for r in (r for g in rule_groups(render("netagent", "netagent-system", "podMonitor")) for r in g["rules"]):
+        if "alert" in r:
+            assert r["annotations"]["runbook_url"] == f"{base}#{r['alert'].lower()}"
