@@ -103,3 +103,19 @@ runAsGroup: 65532
 capabilities:
   drop: ["ALL"]
 {{- end -}}
+
+{{/* A PodDisruptionBudget's minAvailable or maxUnavailable (one of them: the API server refuses both).
+     Arguments: pdb (the value), where (its name, for the message). */}}
+{{- define "netagent.pdbSpec" -}}
+{{- $min := .pdb.minAvailable }}{{ $max := .pdb.maxUnavailable }}
+{{- if and (not (kindIs "invalid" $min)) (not (kindIs "invalid" $max)) }}
+{{- fail (printf "%s: minAvailable=%v and maxUnavailable=%v are both set; expected one of them (set the other to null), e.g. {maxUnavailable: 1}" .where $min $max) }}
+{{- end }}
+{{- if not (kindIs "invalid" $min) }}
+minAvailable: {{ $min }}
+{{- else if not (kindIs "invalid" $max) }}
+maxUnavailable: {{ $max }}
+{{- else }}
+{{- fail (printf "%s: neither minAvailable nor maxUnavailable is set; expected one of them, e.g. {maxUnavailable: 1}" .where) }}
+{{- end }}
+{{- end -}}
