@@ -15,6 +15,9 @@ rule in the receiver's INPUT, checked against iperf3's receiver):
   reached the far end (a counting rule in its INPUT, headers taken off) in segments (each MSS with
   the MTU's headers); iperf3's receiver read at least 90 % of that payload less a second of the cap
   (the rest: retransmitted copies and the queue's tail after its end, both of which crossed the uplink).
+  In the same run the pod's and the node's internet counters, both ways (data and ACKs), agree with
+  the uplink's interface counters. The device counter's at-cap runs are skipped (CI time): the four-
+  flow runs read the same counters.
 - A kill -9 of the agent in the middle of a flood: the counter after the restart goes on from
   the kernel's class counter; the whole flood counted once (within 2 %).
 Transfers are a few seconds each; run under `flock /tmp/netagent-traffic.lock`.
@@ -153,6 +156,19 @@ def snapshot(lab: Lab, agent: AgentProcess) -> dict:
             "down_drops": class_drops(node.netns, "netagent-in", minor)}
 
 
+def agrees_with_the_uplink(before: dict, after: dict) -> None:
+    """The pod's and the node's internet counters against the uplink's own interface counters in the
+    same run, both directions (a TCP run's data one way, its ACKs the other). The uplink counts a
+    packet as the kernel passed it: uploads left it as segments (the class counts segments), downloads
+    arrived as GSO packets, one header each, as the rules and the device counter count them."""
+    up = {k: after["uplink"][k] - before["uplink"][k] for k in ("tx", "rx")}
+    pod = {k: after["pod"][k]["internet"] - before["pod"][k]["internet"] for k in ("egress_bytes", "ingress_bytes")}
+    near(pod["egress_bytes"], up["tx"], "pod's internet upload vs the uplink's tx")
+    near(after["node_egress"] - before["node_egress"], up["tx"], "node's internet upload vs the uplink's tx")
+    near(pod["ingress_bytes"], up["rx"], "pod's internet download (arrived) vs the uplink's rx")
+    near(after["node_ingress"] - before["node_ingress"], up["rx"], "node's internet download vs the uplink's rx")
+
+
 def near(counted: float, truth: float, what: str) -> None:
     print(f"{what}: {counted:.0f} B against {truth:.0f} B ({(counted - truth) / truth:+.2%})")  # the docs' figures (-s)
     assert abs(counted - truth) <= TOLERANCE * truth, f"{what}: counted {counted:.0f} B, truth {truth:.0f} B " \
@@ -204,7 +220,9 @@ def test_a_udp_flood_above_the_cap_is_counted_as_delivered_and_dropped(lab, agen
 @pytest.mark.parametrize("direction", ["upload", "download"])
 def test_tcp_at_and_above_the_cap_is_counted_in_segments(lab, agent, direction, family, flows):
     if agent.counting == "device" and flows == 1:
-        pytest.skip("CI time: one TCP run a direction and family with the device counter (the classes count both)")
+        # the device counter changes where internal bytes and the node's arrived total are read, not the
+        # classes or rules the TCP comparisons read: the four-flow run covers it, this one would repeat it
+        pytest.skip("CI time: the device counter's TCP runs are the four-flow ones (the same counters as at the cap)")
     pod = lab.nodes[0].pods[0]
     dst = INTERNET_V4 if family == 4 else INTERNET_V6
     receiver, match = (lab.internet, f"--dport {PORT}") if direction == "upload" else (pod.netns, f"--sport {PORT}")
@@ -230,6 +248,7 @@ def test_tcp_at_and_above_the_cap_is_counted_in_segments(lab, agent, direction, 
     else:
         counted = after["pod"]["ingress_delivered_bytes"] - before["pod"]["ingress_delivered_bytes"]
     near(counted, received, f"pod's {direction} ({flows} flows) vs the far end in segments")
+    agrees_with_the_uplink(before, after)
 
 
 def test_a_restart_in_the_middle_of_a_flood_counts_every_byte_once(lab, agent):
