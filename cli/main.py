@@ -221,11 +221,42 @@ def _status_flags(p: argparse.ArgumentParser) -> None:
                                    f"--state-listen (default: {agent_config.DEFAULT_STATE_LISTEN}, then "
                                    f"{agent_config.DEFAULT_LISTEN})")
     p.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    cluster = p.add_argument_group("the cluster view, from a laptop (any of these selects it; docs/operations.md)")
+    cluster.add_argument("--kubeconfig", metavar="PATH", help="kubeconfig to read the cluster with "
+                         "(default with --context/-n: $KUBECONFIG or ~/.kube/config)")
+    cluster.add_argument("--context", help="the kubeconfig context to use")
+    cluster.add_argument("-n", "--namespace", help="where netagent runs (default: netagent-system)")
+    cluster.add_argument("--controller", metavar="URL", help="reach the controller here (e.g. https://127.0.0.1:8443 "
+                         "through `kubectl port-forward`) instead of at the address its Lease names")
+    cluster.add_argument("--controller-ca", metavar="FILE", help="the CA of the controller's certificate (default: "
+                         "ca.crt of the Secret --tls-secret, when you may read it)")
+    cluster.add_argument("--tls-secret", default="netagent-controller-tls", help=argparse.SUPPRESS)
+    cluster.add_argument("--lease-name", default="netagent-controller", help="the controller's Lease")
+    cluster.add_argument("--top", type=int, default=10, help="how many of the busiest pods to list (at most 100)")
+
+
+def _cluster_status(a: argparse.Namespace) -> int:
+    from cli import cluster, clusterview
+
+    try:
+        api, context = cluster.load(a.kubeconfig, a.context)
+    except cluster.KubeconfigError as exc:
+        print(exc, file=sys.stderr)
+        return clusterview.EXIT_DEGRADED
+    with api:
+        snapshot = cluster.gather(api, context, a.namespace or cluster.DEFAULT_NAMESPACE, lease_name=a.lease_name,
+                                  controller_url=a.controller, controller_ca=a.controller_ca,
+                                  tls_secret=a.tls_secret, top=a.top)
+    v = clusterview.view(snapshot)
+    print(json.dumps(v, indent=2) if a.output == "json" else clusterview.render(v))
+    return v["exit_code"]
 
 
 def _status(a: argparse.Namespace) -> int:
     from netagent import status
 
+    if getattr(a, "cluster", False) or a.kubeconfig or a.context or a.namespace or a.controller:
+        return _cluster_status(a)
     where = [a.agent] if a.agent else [agent_config.DEFAULT_STATE_LISTEN, agent_config.DEFAULT_LISTEN]
     for i, agent in enumerate(where):
         try:
@@ -409,6 +440,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+def kubectl_plugin(argv: list[str] | None = None) -> int:
+    """`kubectl netagent status ...` (the executable kubectl-netagent on PATH): `netagent status`'s
+    cluster view, with kubectl's default kubeconfig when no --kubeconfig is given."""
+    parser = argparse.ArgumentParser(prog="kubectl netagent", description="netagent's cluster view, as a kubectl plugin")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("status", help="the cluster view: budget, teams, top pods, agents, controller",
+                       description="the cluster view: budget, teams, top pods, agents, controller")
+    _status_flags(p)
+    p.set_defaults(_run=_status, cluster=True)
+    args = parser.parse_args(argv)
     return int(args._run(args) or 0)
 
 

@@ -34,6 +34,7 @@ from core.kubereview import access_review, token_review
 from core.policy import PolicyCache
 from core.scrapeauth import ScrapeAuthorizer
 
+from . import view
 from .allocator import Allocator, RoundResult
 from .api import APIStats, make_app
 from .auth import TokenAuthenticator, kube_token_review
@@ -143,9 +144,13 @@ class Controller:
         self.metrics = ControllerMetrics(self.state, leading)
         self._stop_scrape_reviews = lambda: None
         self.metrics_handler = self.serve_metrics
+        self.view_handler = self.serve_view
         if self.scrape_auth is not None:
             self.metrics.registry.register(ScrapeAuthCollector(self.scrape_auth))
-            self.metrics_handler, self._stop_scrape_reviews = guarded(self.serve_metrics, self.scrape_auth)
+            self.metrics_handler, stop_metrics = guarded(self.serve_metrics, self.scrape_auth)
+            # /v1/status asks what /metrics asks (get on the nonResourceURL /metrics): the same figures, per team and pod
+            self.view_handler, stop_view = guarded(self.serve_view, self.scrape_auth)
+            self._stop_scrape_reviews = lambda: (stop_metrics(), stop_view())
         self.state.on_round = self._round_done
         self.state.on_round_failure = self.metrics.round_failures.inc
         self.state.on_refused = self._refused
@@ -183,7 +188,18 @@ class Controller:
                        max_pending=self.cfg.max_pending_reports, advised_period=self.pacer.period)
         if self.cfg.metrics_listen is None:
             app.router.add_get("/metrics", self.metrics_handler)
+        app.router.add_get("/v1/status", self.view_handler)
         return app
+
+    async def serve_view(self, request: web.Request) -> web.Response:
+        """The leader's last round for `netagent status --kubeconfig` (controller/view.py); off the
+        event loop: it walks the last round's pods."""
+        try:
+            top = int(request.query.get("top", view.TOP_PODS))
+        except ValueError:
+            return web.json_response({"error": "top: an integer", "reason": "Invalid"}, status=400)
+        body = await asyncio.get_running_loop().run_in_executor(None, view.cluster_view, self.state, top)
+        return web.json_response(body)
 
     async def serve_metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.metrics.registry)

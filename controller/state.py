@@ -172,6 +172,11 @@ class ControllerState:
                           safe_ingress_floor_bps=result.safe_ingress_floor_bps if ingress_rate is not None else None,
                           report_period_seconds=self.report_period())
 
+    def last(self) -> tuple[dict[str, tuple[float, object]], RoundResult | None]:
+        """(latest reports by node, last round), read together (controller/view.py)."""
+        with self._lock:
+            return dict(self.latest), self.result
+
     # -- the allocation loop -----------------------------------------------------
     def nodes(self) -> int:
         return len(self.latest)

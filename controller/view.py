@@ -1,0 +1,62 @@
+"""GET /v1/status: the leader's last round as `netagent status --kubeconfig` shows it (cli/cluster.py).
+
+Small and read-only: per direction the budget totals and each team's figures, the pods that use
+the most, and how long ago each node's agent reported (an agent silent for longer than the lease
+it was given runs on the safe floor: fail-static). Guarded like /metrics (controller/app.py).
+"""
+from __future__ import annotations
+
+import heapq
+import time
+
+TOP_PODS = 10
+MAX_TOP_PODS = 100
+
+
+def _direction(summary) -> dict | None:
+    if summary is None:
+        return None
+    return {
+        "budget_bps": summary.budget_bps, "allocated_bps": summary.allocated_bps, "demand_bps": summary.demand_bps,
+        "used_bps": summary.used_bps, "pods": summary.pods, "nodes": summary.nodes,
+        "oversubscribed": summary.oversubscribed, "held_back_bps": summary.held_back_bps,
+        "teams": [{"team": team, "allocated_bps": t.allocated_bps, "demand_bps": t.demand_bps, "used_bps": t.used_bps,
+                   "guarantee_bps": t.guarantee_bps, "guarantee_unmet": t.guarantee_unmet, "pods": t.pods}
+                  for team, t in sorted(summary.teams.items())],
+    }
+
+
+def cluster_view(state, top: int = TOP_PODS, now: float | None = None) -> dict:
+    """The view from `state` (a ControllerState); reads its last round and latest reports only."""
+    now = time.monotonic() if now is None else now
+    ready, why = state.ready()
+    latest, result = state.last()
+    nodes = {node: round(now - t, 1) for node, (t, _) in sorted(latest.items())}
+    out = {"leader": state.is_leader(), "ready": ready, "why": why, "lease_seconds": state.lease_seconds,
+           "report_ttl_seconds": state.report_ttl, "nodes": nodes, "generation": 0, "uploads": None,
+           "downloads": None, "top_pods": []}
+    if result is None:
+        return out
+    summary = result.summary
+    out.update(generation=result.generation, uploads=_direction(summary),
+               downloads=_direction(summary.ingress if summary else None))
+    usage = {}
+    for node, (_, prepared) in latest.items():
+        report = getattr(prepared, "report", prepared)  # allocator.PreparedReport keeps the report it was made from
+        for p in getattr(report, "pods", ()):
+            usage[(p.namespace, p.name)] = (p.usage_bps, p.ingress_usage_bps)
+
+    def rank(item):
+        _, a = item
+        up, down = usage.get((a.namespace, a.name), (0.0, 0.0))
+        return (up + down, a.allocation_bps)
+
+    ranked = heapq.nlargest(max(0, min(top, MAX_TOP_PODS)),
+                            ((node, a) for node, allocations in result.by_node.items() for a in allocations), key=rank)
+    for node, a in ranked:
+        up, down = usage.get((a.namespace, a.name), (0.0, 0.0))
+        out["top_pods"].append({"namespace": a.namespace, "name": a.name, "node": node, "team": a.team,
+                                "class": a.egress_class, "used_bps": up, "allocation_bps": a.allocation_bps,
+                                "limit_bps": a.limit_bps, "download_used_bps": down,
+                                "download_allocation_bps": a.ingress_allocation_bps})
+    return out
