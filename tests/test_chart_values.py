@@ -92,3 +92,95 @@ def test_kube_apiserver_accepts_the_knobs(kube_api, kube_namespace, tmp_path):
     for made in ("daemonset.apps/netagent-agent", "deployment.apps/netagent-controller",
                  "poddisruptionbudget.policy/netagent-agent", "poddisruptionbudget.policy/netagent-controller"):
         assert f"{made} created (server dry run)" in result.stdout, result.stdout
+
+
+# --- readable refusals ------------------------------------------------------------------------------
+
+SCHEMA = CHART / "values.schema.json"
+
+
+def test_the_schema_keeps_no_pattern():
+    """Helm prints a refused pattern as the bare regex and a failed allOf as "at '': 'allOf' failed":
+    shapes are checked by templates/validate-values.yaml instead, whose message says what is expected."""
+    import json
+
+    def walk(node, path="$"):
+        if isinstance(node, dict):
+            for key in ("pattern", "propertyNames", "allOf", "anyOf", "oneOf", "if", "not"):
+                assert key not in node, f"{path} has {key!r}: add a row to templates/validate-values.yaml instead"
+            for key, sub in node.items():
+                yield from walk(sub, f"{path}.{key}")
+        elif isinstance(node, list):
+            for i, sub in enumerate(node):
+                yield from walk(sub, f"{path}[{i}]")
+        yield path
+
+    list(walk(json.loads(SCHEMA.read_text())))
+
+
+# (values, the refused value as the message names it)
+REFUSED = [
+    ({"internalCIDRs": ["10.0.0.0"]}, 'internalCIDRs[0]="10.0.0.0"'),
+    ({"podCIDRs": ["10.0.0.0/33"]}, 'podCIDRs[0]="10.0.0.0/33"'),
+    ({"networkPolicy": {"agentCIDRs": ["nodes"]}}, 'networkPolicy.agentCIDRs[0]="nodes"'),
+    ({"image": {"repository": "Netagent"}}, 'image.repository="Netagent"'),
+    ({"image": {"digest": "md5:0123"}}, 'image.digest="md5:0123"'),
+    ({"commonLabels": {"bad key": "x"}}, 'commonLabels key="bad key"'),
+    ({"monitoring": {"labels": {"-release": "kps"}}}, 'monitoring.labels key="-release"'),
+    ({"classes": [{"name": "Bronze!", "spec": {}}]}, 'classes[0].name="Bronze!"'),
+    ({"uplinks": ["eth0/1"]}, 'uplinks[0]="eth0/1"'),
+    ({"tls": {"certManager": {"duration": "90d"}}}, 'tls.certManager.duration="90d"'),
+    ({"agent": {"resources": {"limits": {"memory": "256MB"}}}}, 'agent.resources.limits.memory="256MB"'),
+    ({"controller": {"resources": {"requests": {"cpu": "lots"}}}}, 'controller.resources.requests.cpu="lots"'),
+    ({"agent": {"extraArgs": ["-v"]}}, 'agent.extraArgs[0]="-v"'),
+    ({"agent": {"maxUnavailable": "0%"}}, 'agent.maxUnavailable="0%"'),
+    ({"agent": {"extraVolumeMounts": [{"name": "x", "mountPath": "etc"}]}}, 'agent.extraVolumeMounts[0].mountPath="etc"'),
+    ({"controller": {"extraVolumes": [{"name": "Extra", "emptyDir": {}}]}}, 'controller.extraVolumes[0].name="Extra"'),
+    ({"controller": {"podDisruptionBudget": {"minAvailable": "half"}}}, 'controller.podDisruptionBudget.minAvailable="half"'),
+    ({"monitoring": {"interval": "15"}}, 'monitoring.interval="15"'),
+    ({"monitoring": {"runbookBaseURL": "docs/alerts.md"}}, 'monitoring.runbookBaseURL="docs/alerts.md"'),
+    ({"dashboards": {"namespace": "Monitoring"}}, 'dashboards.namespace="Monitoring"'),
+]
+
+
+@pytest.mark.parametrize("values,names", REFUSED, ids=[n.split("=")[0] for _, n in REFUSED])
+def test_a_refused_value_is_named_with_what_was_expected_and_an_example(tmp_path, values, names):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(values))
+    for command in (["template", "netagent"], ["install", "--dry-run=client", "netagent"]):
+        result = helm(*command, str(CHART), "-f", str(path), check=False)
+        assert result.returncode != 0, f"helm {command[0]} accepted {values}"
+        message = result.stderr.split("execution error at", 1)[-1]
+        assert f"{names} is refused: expected " in message and ", e.g. " in message, result.stderr[-800:]
+        assert "allOf" not in result.stderr and "does not match pattern" not in result.stderr
+
+
+def test_both_monitor_kinds_are_refused_by_name():
+    result = helm("template", "netagent", str(CHART), "--set", "monitoring.podMonitor.enabled=true",
+                  "--set", "monitoring.serviceMonitor.enabled=true", check=False)
+    assert result.returncode != 0
+    assert "monitoring.podMonitor.enabled and monitoring.serviceMonitor.enabled are both true: expected one of them" \
+        in result.stderr and "e.g. monitoring.podMonitor.enabled=true" in result.stderr
+    assert "allOf" not in result.stderr
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--set", "agent.port=0"], "at '/agent/port': minimum: got 0, want 1"),
+    (["--set", "agent.logLevel=loud"], "at '/agent/logLevel': value must be one of 'debug', 'info'"),
+    (["--set", "agnet.port=9560"], "at '': additional properties 'agnet' not allowed"),
+])
+def test_what_the_schema_still_refuses_names_the_value_and_what_is_allowed(args, says):
+    """Types, ranges, enums and unknown keys stay in the schema (helm lint refuses them too): helm's own
+    message names the value's path and the allowed values or bound."""
+    result = helm("template", "netagent", str(CHART), *args, check=False)
+    assert result.returncode != 0 and says in result.stderr, result.stderr[-800:]
+
+
+def test_the_defaults_and_the_documented_examples_pass(tmp_path):
+    path = tmp_path / "examples.yaml"
+    path.write_text(yaml.safe_dump({
+        "internalCIDRs": ["10.0.0.0/8", "fd00::/8"], "commonLabels": {"example.com/team": "net"},
+        "agent": {"resources": {"limits": {"memory": "256Mi", "cpu": "100m"}}, "markBit": "0x1000",
+                  "extraArgs": ["--log-level=debug"]},
+        "tls": {"certManager": {"duration": "1h30m"}}, "monitoring": {"interval": "15s"}}))
+    helm("template", "netagent", str(CHART), "-f", str(path))
