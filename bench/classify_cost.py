@@ -13,7 +13,7 @@ them, fake pods on the addresses around it; on the nft and the legacy backend):
   new      the ruleset this checkout's `Classifier` programs, counting internal bytes by the rules (ipsets: one
            or two lookups; `--internal-counting rules`)
   device   the same with internal bytes counted on the devices (`--internal-counting device`): the rules
-           of `internal_by_device` and the eBPF counter of tc/ebpf.py on the pod's device, which the `ingress`
+           of `internal_by_device` and the eBPF counter of tc/ebpf/ on the pod's device, which the `ingress`
            case crosses, and on the uplink (the node's totals), which the `egress` case crosses
   lean     a reference, not a product path: `new` with one rule on top that returns a packet whose both ends
            are internal before anything else, counted nowhere (`--candidates`: none, the bare hook, new,
@@ -343,7 +343,7 @@ def close_counters() -> None:
 
 
 def device_counting(netns: str, device: str, st: ClassifierState) -> None:
-    """The device counter as the agent programs it (tc/ebpf.py): every pod's addresses in its map, its programs
+    """The device counter as the agent programs it (tc/ebpf/): every pod's addresses in its map, its programs
     on both hooks of the measured pod's host-side device and of the uplinks (the node's totals)."""
     if not BPF_ROOT:
         BPF_ROOT.append(BPFFS.enter_context(bpf_filesystem()))

@@ -27,7 +27,7 @@ shaped, the measured pod among --pods pods' classes) or one piece of it:
   none        no netagent
   rules       --internal-counting rules: internal bytes counted in ipsets, the node's totals by rules
   device      --internal-counting device: the pods' internal bytes counted on their devices, the node's
-              totals on the uplink (tc/ebpf.py, on tcx links), the rules' internal path without a set or
+              totals on the uplink (tc/ebpf/, on tcx links), the rules' internal path without a set or
               device test; device-tc: the same with the counter on tc filters (kernels before 6.6)
   device-open the same without the gate: every packet meets the shaper's redirect filters
   tc          the shaper alone; ipt-rules, ipt-device: the rules alone; ebpf, ebpf-tc: the device counter alone

@@ -16,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tc import bpf, sizing  # noqa: E402
+from tc import markfilter, sizing  # noqa: E402
 from tc.diff import ClassParams, desired_classes, desired_leaves  # noqa: E402
 from tc.model import DEFAULT_MINOR, NODE_MINOR, HtbClassSpec, ShaperSpec, ack_minor, bulk_minor  # noqa: E402
 from tc.netlink import Shaper  # noqa: E402
@@ -50,7 +50,8 @@ def tc_commands(spec: ShaperSpec) -> list[list[str]]:
                      "pfifo", "limit", str(sizing.leaf_limit_packets(leaf.ceil))])
     cmds.append(["tc", "qdisc", "add", "dev", "eth0", "clsact"])
     cmds.append(["tc", "filter", "add", "dev", "eth0", "egress", "pref", "49152", "handle", "1", "bpf", "bytecode",
-                 bpf.as_tc_bytecode(bpf.mark_test(spec.mark_bit)), "action", "mirred", "egress", "redirect", "dev", spec.ifb])
+                 markfilter.as_tc_bytecode(markfilter.mark_test(spec.mark_bit)),
+                 "action", "mirred", "egress", "redirect", "dev", spec.ifb])
     return cmds
 
 

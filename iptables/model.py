@@ -43,6 +43,6 @@ class ClassifierState:
     ingress_default_class: tuple[int, int] | None = None
     # Where the pods' internal bytes are counted. False: by the rules, in the egress-int/ingress-int
     # ipsets (a set lookup or two per internal packet). True: by an eBPF counter on each pod's own
-    # device (tc/ebpf.py), so the rules return a packet whose both ends are internal before any set
+    # device (tc/ebpf/), so the rules return a packet whose both ends are internal before any set
     # lookup; internet traffic, node totals, marks and classes are the same either way.
     internal_by_device: bool = False

@@ -28,7 +28,7 @@ the internal set:
         small packet: SET --map-set ingress-ack dst --map-prio  (the pod's download control leaf)
         [not marked -> P-UNKNOWN-IN: MARK, CLASSIFY download default]
 
-With the internal bytes counted on the devices (`internal_by_device`, tc/ebpf.py: the pods' on
+With the internal bytes counted on the devices (`internal_by_device`, tc/ebpf/: the pods' on
 their devices, the node's totals on its uplinks), no rule counts them: a packet whose both ends
 are internal meets the POSTROUTING hook and its plain scope rules only, no set and no device
 test, and nothing hooks PREROUTING (it only counted the node's ingress):

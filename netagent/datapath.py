@@ -124,7 +124,7 @@ def probe_leaf_qdisc() -> tuple[str, Capabilities]:
 def choose_internal_counting(mode: str, bpf_dir: str, services_known: bool) -> tuple[bool, str]:
     """Where the pods' internal bytes are counted: (on their devices?, why), for --internal-counting.
 
-    On the devices (tc/ebpf.py) internal packets cost no set lookup (docs/datapath.md). `auto` takes
+    On the devices (tc/ebpf/) internal packets cost no set lookup (docs/datapath.md). `auto` takes
     it when the kernel lets us load the program and pin its map, and the service CIDRs are known: a
     pod's packet to a ClusterIP crosses its device before kube-proxy's DNAT, so the device tells it
     internal only by the service range. `device` insists (a refusal stops the agent, with the

@@ -86,7 +86,7 @@ class DataPathOptions:
     ingress_ifb: str = "netagent-in"
     ingress_htb_major: int = DOWNLOAD_ROOT_MAJOR  # a major of its own: a download class never reads as an upload one
     ingress_default_rate: int = 1_000_000  # the download floor for pods not known yet, bit/s
-    # the pods' internal bytes: counted on their devices by an eBPF program (tc/ebpf.py; chosen at
+    # the pods' internal bytes: counted on their devices by an eBPF program (tc/ebpf/; chosen at
     # start, `choose_internal_counting`) rather than by the rules in ipsets
     internal_by_device: bool = False
     bpf_dir: str = "/sys/fs/bpf/netagent"  # where the device counter's maps, programs and links are pinned (a bpffs)
@@ -154,7 +154,7 @@ class NodeInputs:
 
 @dataclass(frozen=True)
 class DeviceCounting:
-    """The eBPF counter of the internal bytes (tc/ebpf.py): what is internal, which pod addresses are
+    """The eBPF counter of the internal bytes (tc/ebpf/): what is internal, which pod addresses are
     counted, on which devices; and the uplinks, where the node's totals are counted."""
     networks: tuple[tuple[int, tuple[str, ...]], ...]  # (family, CIDRs): the internal CIDRs, link-local and multicast too
     addresses: tuple[str, ...]  # every programmed pod's addresses

@@ -26,7 +26,7 @@ from pyroute2.netlink.rtnl.tcmsg import sched_bpf, sched_htb, sched_pfifo, tcmsg
 from pyroute2.netlink.rtnl.tcmsg.common import calc_xmittime
 from pyroute2.netlink.rtnl.tcmsg.common_act import get_tca_action
 
-from . import bpf, rawnl, sizing
+from . import markfilter, rawnl, sizing
 from .diff import Op, plan_ops
 from .errors import TcError
 from .model import (
@@ -302,7 +302,7 @@ class Shaper:
                 if pref != spec.filter_pref or not handle:
                     continue  # the chain header, or somebody else's filter
                 f = rawnl.parse_filter(payload)
-                bit = bpf.mark_bit_of(f.bpf_ops) if f.kind == "bpf" and f.bpf_ops else None
+                bit = markfilter.mark_bit_of(f.bpf_ops) if f.kind == "bpf" and f.bpf_ops else None
                 found.append(ObservedFilter(up, pref, handle, f.kind, bit,
                                             f.mirred_ifindex if f.mirred_eaction == 1 else None))
         obs.filters[up] = found
@@ -323,7 +323,7 @@ class Shaper:
             raw.decode()
             opts = raw.get_attr("TCA_OPTIONS")
             ops = opts.get_attr("TCA_BPF_OPS") if opts else None
-            bit = bpf.mark_bit_of(ops) if ops else None
+            bit = markfilter.mark_bit_of(ops) if ops else None
             act = opts.get_attr("TCA_BPF_ACT") if opts else None
             if act:
                 for _, a in act["attrs"]:
@@ -428,7 +428,7 @@ class Shaper:
         raise TcError(f"unknown tc operation {a!r}")
 
     def _filter_message(self, uplink_index: int, ifb_index: int, spec: ShaperSpec, replace: bool):
-        program = bpf.encode(bpf.mark_test(spec.mark_bit))
+        program = markfilter.encode(markfilter.mark_test(spec.mark_bit))
         action = get_tca_action(
             {"action": {"kind": "mirred", "direction": "egress", "action": "redirect", "ifindex": ifb_index}}
         )

@@ -693,7 +693,7 @@ def test_image_build_stage_makes_a_wheel_with_the_cli(tmp_path):
     wheel, = (tmp_path / "wheels").glob("netagent-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for module in ("cli/main.py", "netagent/__main__.py", "netagent/daemon.py", "controller/app.py", "core/wire.py",
-                   "tc/netlink.py", "iptables/apply.py"):
+                   "tc/netlink.py", "tc/ebpf/counter.py", "iptables/apply.py"):
         assert module in names, module
     # the product only: neither the lab (and its demo) nor the tests or benchmarks
     assert not [n for n in names if n.split("/")[0] in ("lab", "tests", "bench")]

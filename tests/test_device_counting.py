@@ -1,5 +1,5 @@
 """Issue 12: the pods' internal bytes counted on their own devices and the node's totals on its uplink
-(tc/ebpf.py), driven through the agent's `KernelDataPath` on a lab node, in both pod networks (routed veths,
+(tc/ebpf/), driven through the agent's `KernelDataPath` on a lab node, in both pod networks (routed veths,
 and veths on a bridge) and both families.
 
 The rules then count no internal byte and no node ingress (no set lookup and no device test for an internal

@@ -1,4 +1,4 @@
-"""tc/ebpf.py: the pods' internal counters on a real kernel.
+"""tc/ebpf/: the pods' internal counters on a real kernel.
 
 A scratch "node" namespace routes between two "pod" namespaces (a veth each, addresses in the
 internal CIDRs) and holds an "internet" address on its loopback; the counter's map is pinned in a
@@ -25,7 +25,8 @@ import pytest
 import nlwire
 from lab.netns import bpf_filesystem, scratch_netns, sh
 from tc import ebpf
-from tc.ebpf import EbpfError, InternalCounter
+from tc.ebpf import EbpfError, InternalCounter, asm, maps, syscall, tcx
+from tc.ebpf import programs as progs
 
 root = pytest.mark.root
 
@@ -131,10 +132,10 @@ def ours(netns: str, dev: str) -> list[str]:
     with nlwire.in_netns(netns):
         index = socket.if_nametoindex(dev)
         for egress, hook in ((False, "ingress"), (True, "egress")):
-            for prog_id in ebpf.tcx_programs(index, egress):
-                fd = ebpf._bpf(13, ebpf._attr("=I", prog_id))  # BPF_PROG_GET_FD_BY_ID
+            for prog_id in tcx.tcx_programs(index, egress):
+                fd = syscall.bpf(13, syscall.bpf_attr("=I", prog_id))  # BPF_PROG_GET_FD_BY_ID
                 try:
-                    found.append(f"tcx {hook} {ebpf._info(fd, 80)[64:80].rstrip(bytes(1)).decode()}")
+                    found.append(f"tcx {hook} {syscall.obj_info(fd, 80)[64:80].rstrip(bytes(1)).decode()}")
                 finally:
                     os.close(fd)
     for hook in ("ingress", "egress"):
@@ -419,9 +420,9 @@ def test_the_gate_spares_an_unmarked_packet_the_filters_only_while_it_skips_nobo
 
         # a tcx program after ours (one that decides nothing) would not see an unmarked packet either
         with nlwire.in_netns(lab.node):
-            prog = ebpf._load(ebpf.insn(0xB7, 0, 0, 0, -1) + ebpf.insn(0x95), "other")
-            link = ebpf._bpf(ebpf.BPF_LINK_CREATE, ebpf._attr("=IIII", prog, socket.if_nametoindex("veth-a"),
-                                                                ebpf.BPF_TCX[True], 0))
+            prog = progs.load(asm.insn(0xB7, 0, 0, 0, -1) + asm.insn(0x95), "other")
+            link = syscall.bpf(syscall.BPF_LINK_CREATE, syscall.bpf_attr("=IIII", prog, socket.if_nametoindex("veth-a"),
+                                                                           syscall.BPF_TCX[True], 0))
         try:
             assert counter.attach(DEVICES) == 1
             assert counter.gated["veth-a"].startswith("the tcx program ")
@@ -533,7 +534,7 @@ def test_cleanup_without_a_counter_removes_what_a_gone_agent_left(bpffs, lab, tm
     assert sh("tc qdisc show dev veth-a; tc qdisc show dev veth-b", lab.node).count("clsact") == 0
     links = [f"tcx link {pin_dir}/{name}" for name in sorted(os.listdir(pin_dir)) if name.startswith("link-")]
     programs = [f"pinned program {pin_dir}/prog-{name}" for name in sorted(  # the gated ones on tcx links only
-        name for (_, _, gated), name in ebpf.PROGRAMS.items() if way == "tcx" or not gated)]
+        name for (_, _, gated), name in progs.PROGRAMS.items() if way == "tcx" or not gated)]
     assert ebpf.unpin_dir(pin_dir) == [*links, *programs, f"pinned map {pin_dir}/internal",
                                        f"pinned map {pin_dir}/node", f"directory {pin_dir}"]
     assert len(links) == (4 if way == "tcx" else 0)
@@ -573,7 +574,7 @@ def test_the_programs_for_no_networks_and_for_forty_a_family_load(bpffs):
 
 @root
 def test_a_program_the_verifier_refuses_is_named_with_the_verifiers_words(bpffs, monkeypatch):
-    monkeypatch.setattr(ebpf, "program", lambda networks, egress, map_fd, node=False, gate=0: ebpf.insn(0x95))  # exit, r0 unset
+    monkeypatch.setattr(progs, "program", lambda networks, egress, map_fd, node=False, gate=0: asm.insn(0x95))  # exit, r0 unset
     with InternalCounter(os.path.join(bpffs, "netagent")) as counter:
         with pytest.raises(EbpfError, match=r"(?s)na_count_in failed: .*EACCES.*the verifier said: .*R0 !read_ok"):
             counter.set_networks(NETS)
@@ -584,12 +585,12 @@ def test_a_program_the_verifier_refuses_is_named_with_the_verifiers_words(bpffs,
 # -- pure ----------------------------------------------------------------------------------------
 
 def test_keys_are_sixteen_bytes_ipv4_mapped_and_read_back_canonical():
-    assert ebpf.key_of("10.244.0.10") == bytes(10) + b"\xff\xff" + bytes([10, 244, 0, 10])
-    assert ebpf.key_of("fd00:244:0::10") == bytes.fromhex("fd000244000000000000000000000010")
-    assert ebpf.address_of(ebpf.key_of("10.244.0.10")) == "10.244.0.10"
-    assert ebpf.address_of(ebpf.key_of("FD00:244:0:0::10")) == "fd00:244::10"
+    assert maps.key_of("10.244.0.10") == bytes(10) + b"\xff\xff" + bytes([10, 244, 0, 10])
+    assert maps.key_of("fd00:244:0::10") == bytes.fromhex("fd000244000000000000000000000010")
+    assert maps.address_of(maps.key_of("10.244.0.10")) == "10.244.0.10"
+    assert maps.address_of(maps.key_of("FD00:244:0:0::10")) == "fd00:244::10"
     with pytest.raises(EbpfError, match="not an IP address"):
-        ebpf.key_of("10.244.0.0/24")
+        maps.key_of("10.244.0.0/24")
 
 
 @pytest.mark.parametrize("networks,message", [
@@ -601,17 +602,17 @@ def test_keys_are_sixteen_bytes_ipv4_mapped_and_read_back_canonical():
 ])
 def test_the_program_refuses_networks_it_cannot_mean(networks, message):
     with pytest.raises(EbpfError, match=message):
-        ebpf.program(networks, False, 3)
+        progs.program(networks, False, 3)
 
 
 def test_the_same_networks_make_the_same_program_and_none_count_nothing():
-    one = ebpf.program({4: ("10.0.0.0/8", "172.16.0.0/12"), 6: ("fd00::/8",)}, True, 3)
-    assert one == ebpf.program({6: ("fd00::/8",), 4: ("172.16.0.1/12", "10.0.0.0/8", "10.0.0.0/8")}, True, 3)
-    assert one != ebpf.program({4: ("10.0.0.0/8", "172.16.0.0/12"), 6: ("fd00::/8",)}, False, 3)
-    assert ebpf.program({}, False, 3) == ebpf.insn(0xB7, 0, 0, 0, -1) + ebpf.insn(0x95)  # return TC_ACT_UNSPEC
-    assert len(ebpf.program(FORTY, False, 3)) // 8 < 4096  # the unprivileged limit, for scale
+    one = progs.program({4: ("10.0.0.0/8", "172.16.0.0/12"), 6: ("fd00::/8",)}, True, 3)
+    assert one == progs.program({6: ("fd00::/8",), 4: ("172.16.0.1/12", "10.0.0.0/8", "10.0.0.0/8")}, True, 3)
+    assert one != progs.program({4: ("10.0.0.0/8", "172.16.0.0/12"), 6: ("fd00::/8",)}, False, 3)
+    assert progs.program({}, False, 3) == asm.insn(0xB7, 0, 0, 0, -1) + asm.insn(0x95)  # return TC_ACT_UNSPEC
+    assert len(progs.program(FORTY, False, 3)) // 8 < 4096  # the unprivileged limit, for scale
     # the gate is two loads, a test and a jump more at the end, on an egress hook only
-    assert len(ebpf.program(NETS, True, 3, gate=MARK)) == len(ebpf.program(NETS, True, 3)) + 4 * 8
-    assert ebpf.program({}, True, 3, gate=MARK) != ebpf.program({}, True, 3)
+    assert len(progs.program(NETS, True, 3, gate=MARK)) == len(progs.program(NETS, True, 3)) + 4 * 8
+    assert progs.program({}, True, 3, gate=MARK) != progs.program({}, True, 3)
     with pytest.raises(EbpfError, match="only on an egress hook"):
-        ebpf.program(NETS, False, 3, gate=MARK)
+        progs.program(NETS, False, 3, gate=MARK)

@@ -653,11 +653,11 @@ def test_bad_download_classes_are_named(bad):
         R.build(state(1, pods=(PodClassification("ns/p0", ("10.244.0.10",), (1, 0x10), bad),)), 4)
 
 
-# -- internal bytes counted on the pods' devices (tc/ebpf.py) ----------------------------------------
+# -- internal bytes counted on the pods' devices (tc/ebpf/) ----------------------------------------
 
 def evaluate_by_device(state: ClassifierState, family: int, src: str, dst: str, oif: str, local_src: bool = False,
                        **kw) -> dict:
-    """`evaluate` with the rules of `internal_by_device`, and the device counter modelled as tc/ebpf.py
+    """`evaluate` with the rules of `internal_by_device`, and the device counter modelled as tc/ebpf/
     programs it: on a pod's device, what the pod sends to an internal destination counts as its internal
     egress (before the rules), what it receives from an internal source as its internal ingress (after);
     on an uplink, what arrives counts as the node's ingress by its source's scope (before the rules), what

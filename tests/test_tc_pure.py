@@ -1,7 +1,7 @@
 """tc logic that needs no kernel: BPF program, sizing, the diff."""
 import pytest
 
-from tc import bpf, sizing
+from tc import markfilter, sizing
 from tc.diff import desired_classes, desired_leaves, leaf_kind, plan_ops
 from tc.model import (
     DEFAULT_MINOR,
@@ -56,12 +56,12 @@ def converged(s: ShaperSpec, mtu: int = 1500) -> ObservedShaper:
 
 
 def test_bpf_program_matches_the_verified_bytecode():
-    assert bpf.as_tc_bytecode(bpf.mark_test(0x10000)) == (
+    assert markfilter.as_tc_bytecode(markfilter.mark_test(0x10000)) == (
         "5,32 0 0 4294963220,84 0 0 65536,21 0 1 65536,6 0 0 4294967295,6 0 0 0"
     )
-    raw = bpf.encode(bpf.mark_test(0x400))
-    assert bpf.mark_bit_of(raw) == 0x400
-    assert bpf.mark_bit_of(raw[:-8]) is None
+    raw = markfilter.encode(markfilter.mark_test(0x400))
+    assert markfilter.mark_bit_of(raw) == 0x400
+    assert markfilter.mark_bit_of(raw[:-8]) is None
 
 
 def test_sizing_is_gso_safe_and_bounded():

@@ -1,0 +1,306 @@
+"""The internal counter: the pods' map and the node's, the programs that fill them, attached to the pod
+devices and uplinks of one network namespace by tcx links or clsact filters (the package's docstring
+says why and what is counted).
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import platform
+import struct
+from collections.abc import Iterable, Iterator
+
+from . import clsact, programs, tcx
+from .clsact import Filters
+from .maps import (KEY_SIZE, MAP_NAME, NODE_INTERNAL, NODE_INTERNET, NODE_MAP_NAME, NODE_MAP_SHAPE, NODE_PIN_NAME,
+                   PIN_NAME, PROG_PIN, VALUE, address_of, adopt, bpffs_problem, create_map, get_pinned,
+                   key_of, map_shape, pin_object, possible_cpus, unpin_dir)
+from .programs import Networks, parse_networks
+from .syscall import (BPF_MAP_DELETE_ELEM, BPF_MAP_LOOKUP_BATCH, BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM, BPF_NOEXIST,
+                      SYS_BPF, EbpfError, addr, bpf, bpf_attr, map_info, prog_info, refusal)
+
+log = logging.getLogger(__name__)
+
+ARPHRD_ETHER = 1
+BATCH = 128  # entries a map read asks for at once
+
+
+def unavailable(pin_dir: str) -> str | None:
+    """None when the counter can run here, else the reason as a sentence. Loads the program the
+    counter would load (against a one-entry map) and closes both: nothing is left behind."""
+    if platform.machine() not in SYS_BPF:
+        return f"bpf(2) has no syscall number known here ({platform.machine()!r}; known: {', '.join(SYS_BPF)})"
+    fds: list[int] = []
+    try:
+        fds.append(create_map(map_shape(1)))
+        nets = {4: ("10.0.0.0/8",), 6: ("fd00::/8",)}
+        fds.append(programs.load(programs.program(nets, False, fds[0]), "na_probe"))
+        fds.append(create_map(NODE_MAP_SHAPE, NODE_MAP_NAME))
+        fds.append(programs.load(programs.program(nets, False, fds[2], node=True), "na_probe_node"))
+    except OSError as exc:
+        return refusal(exc)
+    except EbpfError as exc:
+        return str(exc)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return bpffs_problem(pin_dir)
+
+
+class InternalCounter:
+    """The pods' internal counters and the node's totals through its uplinks: two pinned maps and the
+    four programs that fill them, attached to the pod devices and the uplinks of one network
+    namespace (None: this one).
+
+    Attached with tcx links where the kernel has them (`attach_by` "tcx", Linux >= 6.6: a program runs
+    straight from the device's hook, ~50 ns a packet), else as cls_bpf filters on a clsact qdisc ("tc":
+    ~150 ns, the qdisc and classifier machinery; bench/forward_cost.py). The links are pinned in
+    `pin_dir`, so they outlive the agent (fail-static) and a restarted agent adopts them; the programs
+    are pinned too, so it can tell the ones it would load without opening a program by id (which
+    needs CAP_SYS_ADMIN)."""
+
+    def __init__(self, pin_dir: str, netns: str | None = None, pref: int = 0xC001, max_entries: int = 4096,
+                 attach_by: str = "auto", gate_mark: int = 0, gate_pref: int = 0xC000):
+        if attach_by not in ("auto", "tcx", "tc"):
+            raise EbpfError(f"attach_by {attach_by!r}: choose auto, tcx or tc")
+        if gate_mark and (gate_mark & (gate_mark - 1) or not 0 < gate_mark < 1 << 32):
+            raise EbpfError(f"gate_mark {gate_mark:#x}: one bit of a 32-bit mark")
+        self.pin_dir = pin_dir
+        self.pin = os.path.join(pin_dir, PIN_NAME)
+        self.node_pin = os.path.join(pin_dir, NODE_PIN_NAME)
+        self.netns = netns
+        self.pref = pref
+        self.max_entries = max_entries
+        self.cpus = possible_cpus()
+        self.networks: Networks | None = None
+        self.progs: dict[tuple[bool, bool, bool], tuple[int, int, bytes]] = {}  # PROGRAMS' keys -> (fd, id, tag)
+        self._tc = Filters(netns, pref)
+        self._batch: tuple[ctypes.Array, ctypes.Array] | None = None
+        self.map_fd = self.node_map_fd = -1
+        problem = bpffs_problem(pin_dir)
+        if problem:
+            raise EbpfError(problem)
+        os.makedirs(pin_dir, exist_ok=True)
+        try:
+            self.map_fd = adopt(self.pin, map_shape(max_entries), MAP_NAME)
+            self.node_map_fd = adopt(self.node_pin, NODE_MAP_SHAPE, NODE_MAP_NAME)
+        except BaseException:
+            self.close()
+            raise
+        self.map_ids = {False: map_info(self.map_fd)[1], True: map_info(self.node_map_fd)[1]}  # uplink? -> map id
+        self.attach_by = attach_by if attach_by != "auto" else "tcx" if tcx.tcx_available(netns) else "tc"
+        # the egress links end the hook for an unmarked packet, sparing it the clsact filters after them (the
+        # shaper's redirect at gate_pref), where nothing else would be skipped (attach() checks each device)
+        self.gate_mark = gate_mark if self.attach_by == "tcx" else 0
+        self.gate_pref = gate_pref
+        self.gated: dict[str, str | None] = {}  # device -> None (its egress link gates) or why not, as last attached
+
+    def close(self) -> None:
+        """Close the map's and programs' descriptors; attached programs keep running (their filters
+        hold them, and they hold the map)."""
+        for fd, _, _ in self.progs.values():
+            os.close(fd)
+        self.progs = {}
+        for fd in (self.map_fd, self.node_map_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.map_fd = self.node_map_fd = -1
+        self._tc.close()
+
+    def __enter__(self) -> "InternalCounter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def unpin(self) -> None:
+        """Remove the pinned maps (the programs attached keep them while they run) and the pin
+        directory when nothing else is in it."""
+        unpin_dir(self.pin_dir)
+
+    # -- programs ---------------------------------------------------------------------------------
+    def set_networks(self, networks: dict[int, tuple[str, ...]]) -> bool:
+        """Load the four programs (pod device and uplink, ingress and egress) for these internal CIDRs
+        (family -> CIDR texts) unless they are the ones loaded; True when (re)loaded. attach() then
+        puts them on the devices."""
+        nets = parse_networks(networks)
+        if nets == self.networks and self.progs:
+            return False
+        texts = {family: tuple(map(str, n)) for family, n in nets.items()}
+        loaded: dict[tuple[bool, bool, bool], tuple[int, int, bytes]] = {}
+        try:
+            for (uplink, egress, gated), name in programs.PROGRAMS.items():
+                if gated and not self.gate_mark:
+                    continue
+                code = programs.program(texts, egress, self.node_map_fd if uplink else self.map_fd, node=uplink,
+                                        gate=self.gate_mark if gated else 0)
+                fd = programs.load(code, name)
+                prog_id, tag, _ = prog_info(fd)
+                pinned = self._pinned_program(name, tag, self.map_ids[uplink])
+                if pinned is not None:  # the same program, already running: keep it (its id is the filters')
+                    os.close(fd)
+                    fd, prog_id = pinned
+                else:
+                    pin_object(fd, os.path.join(self.pin_dir, PROG_PIN + name))
+                loaded[(uplink, egress, gated)] = (fd, prog_id, tag)
+        except BaseException:
+            for fd, _, _ in loaded.values():
+                os.close(fd)
+            raise
+        for fd, _, _ in self.progs.values():
+            os.close(fd)
+        self.progs, self.networks = loaded, nets
+        return True
+
+    def _pinned_program(self, name: str, tag: bytes, map_id: int) -> tuple[int, int] | None:
+        """(fd, id) of the program pinned as `name` when it is the one with this tag using this map."""
+        pin = os.path.join(self.pin_dir, PROG_PIN + name)
+        fd = get_pinned(pin)
+        if fd is None:
+            return None
+        if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:bpf-prog":
+            prog_id, found_tag, maps = prog_info(fd)
+            if found_tag == tag and maps == (map_id,):
+                return fd, prog_id
+        os.close(fd)
+        return None
+
+    # -- the map ----------------------------------------------------------------------------------
+    def _entries(self) -> Iterator[tuple[bytes, memoryview]]:
+        """Every (key, per-CPU values as u64s) of the map, BATCH at a time (BPF_MAP_LOOKUP_BATCH)."""
+        if self._batch is None:
+            self._batch = ((ctypes.c_uint8 * (KEY_SIZE * BATCH))(), (ctypes.c_uint64 * (4 * self.cpus * BATCH))())
+        keys, values = self._batch
+        token_in, token_out = ctypes.c_uint32(0), ctypes.c_uint32(0)  # a hash map's batch token: a bucket
+        first = True
+        while True:
+            attr = bpf_attr("=QQQQII", 0 if first else addr(token_in), addr(token_out), addr(keys), addr(values),
+                         BATCH, self.map_fd)
+            try:
+                bpf(BPF_MAP_LOOKUP_BATCH, attr)
+                done = False
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:  # ENOENT: the last batch (its entries are still given)
+                    raise EbpfError(f"reading the internal-counter map failed: {exc.strerror}") from None
+                done = True
+            (count,) = struct.unpack_from("=I", attr, 32)
+            raw_keys, raw_values = bytes(keys), memoryview(values).cast("B").cast("Q")
+            per = 4 * self.cpus
+            for i in range(count):
+                yield raw_keys[i * KEY_SIZE:(i + 1) * KEY_SIZE], raw_values[i * per:(i + 1) * per]
+            if done:
+                return
+            token_in.value, first = token_out.value, False
+
+    def read(self) -> dict[str, tuple[int, int, int, int]]:
+        """Pod address -> (egress bytes, egress packets, ingress bytes, ingress packets), the pod's
+        view (egress: what it sent), summed over the CPUs."""
+        return {address_of(key): (sum(v[0::4]), sum(v[1::4]), sum(v[2::4]), sum(v[3::4])) for key, v in self._entries()}
+
+    def read_node(self) -> dict[str, int]:
+        """The node's totals through its uplinks, summed over the CPUs, in bytes, by the rules' node
+        kinds: egress_internal, ingress_internal, ingress_internet (its internet egress is the rules')."""
+        key = ctypes.c_uint32(0)
+        values = (ctypes.c_uint64 * (4 * self.cpus))()
+        found = {}
+        for index in (NODE_INTERNAL, NODE_INTERNET):
+            key.value = index
+            try:
+                bpf(BPF_MAP_LOOKUP_ELEM, bpf_attr("=IIQQ", self.node_map_fd, 0, addr(key), addr(values)))
+            except OSError as exc:
+                raise EbpfError(f"reading the node counter's map failed: {exc.strerror}") from None
+            found[index] = (sum(values[0::4]), sum(values[2::4]))
+        return {"egress_internal": found[NODE_INTERNAL][0], "ingress_internal": found[NODE_INTERNAL][1],
+                "ingress_internet": found[NODE_INTERNET][1]}
+
+    def set_pods(self, addresses: Iterable[str]) -> int:
+        """Make the map's keys exactly these pods' addresses: a new pod starts at zero, a pod that
+        stays keeps its counts. -> how many entries were added or deleted."""
+        want = {key_of(a) for a in addresses}
+        if len(want) > self.max_entries:
+            raise EbpfError(f"{len(want)} pod addresses do not fit the internal counter's {self.max_entries} entries "
+                            "(its max_entries); nothing was changed")
+        have = {key for key, _ in self._entries()}
+        key_buf = ctypes.create_string_buffer(KEY_SIZE)
+        zero = ctypes.create_string_buffer(VALUE.size * self.cpus)
+        for key in have - want:  # first: room for the new ones
+            key_buf.raw = key
+            try:
+                bpf(BPF_MAP_DELETE_ELEM, bpf_attr("=IIQ", self.map_fd, 0, addr(key_buf)))
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:
+                    raise EbpfError(f"deleting {address_of(key)} from the internal counter failed: "
+                                    f"{exc.strerror}") from None
+        for key in want - have:
+            key_buf.raw = key
+            try:
+                bpf(BPF_MAP_UPDATE_ELEM, bpf_attr("=IIQQQ", self.map_fd, 0, addr(key_buf), addr(zero), BPF_NOEXIST))
+            except OSError as exc:
+                if exc.errno != errno.EEXIST:  # another counter on the same map added it meanwhile
+                    raise EbpfError(f"adding {address_of(key)} to the internal counter failed: "
+                                    f"{exc.strerror}") from None
+        return len(have ^ want)
+
+    def attach(self, devices: Iterable[str], uplinks: Iterable[str] = ()) -> int:
+        """On each listed pod device and uplink, on its ingress and egress, the current programs (the
+        pods' or the node's): a pinned tcx link each (`attach_by` "tcx"; a link running another program
+        is updated in place), or a clsact qdisc and our filter at our pref ("tc"; a filter running
+        another program, or the other role's, is replaced). What the other way left on those devices
+        goes. Devices not listed are left alone (a pod's device takes its filters when it goes; the
+        link pins of devices that went are removed here). -> changes made.
+
+        Another filter at our pref is not ours to replace, and an uplink that is not an Ethernet
+        device would be misread: such devices are named in an EbpfError after the others were done."""
+        if not self.progs:
+            raise EbpfError("attach() before set_networks(): no counting program is loaded")
+        tc = self._tc
+        uplinks = tuple(dict.fromkeys(uplinks))
+        try:
+            self._ensure_pins()
+            index = tc.indexes((*devices, *uplinks))
+            taken: list[str] = []
+            if uplinks:
+                kinds = tc.chan.link_types()
+                for dev in uplinks:
+                    if dev in index and kinds.get(dev) != ARPHRD_ETHER:
+                        taken.append(f"uplink {dev}: link type {kinds.get(dev)} is not Ethernet, and the program reads "
+                                     "the addresses at Ethernet offsets (count by the rules here: --internal-counting rules)")
+                        del index[dev]
+            # what an agent that attached the other way left goes (a filter dump only where a clsact is)
+            if self.attach_by == "tcx":
+                done, self.gated = tcx.attach_links(tc, self.pin_dir, index, uplinks, self.progs, self.gate_mark,
+                                                     self.gate_pref, self.gated)
+                done += tc.detach(index)
+            else:
+                done = clsact.attach_filters(tc, index, uplinks, taken, self.progs)
+                done += tcx.drop_links(self.pin_dir, index)
+        except OSError as exc:
+            raise EbpfError(f"attaching the counter in network namespace {self.netns!r}: {exc}") from exc
+        if done:
+            log.info("ebpf: %d change(s): %s", len(done), ", ".join(done[:8]) + (" ..." if len(done) > 8 else ""))
+        if taken:
+            raise EbpfError(f"the counter is not attached to {'; '.join(taken)}")
+        return len(done)
+
+    def _ensure_pins(self) -> None:
+        """Pin the maps and programs again where their pins went (someone removed the directory): a restarted
+        agent finds them, and the links have a directory to be pinned in."""
+        os.makedirs(self.pin_dir, exist_ok=True)
+        for fd, pin in ((self.map_fd, self.pin), (self.node_map_fd, self.node_pin),
+                        *((fd, os.path.join(self.pin_dir, PROG_PIN + programs.PROGRAMS[which])) for which, (fd, _, _)
+                          in self.progs.items())):
+            if not os.path.lexists(pin):
+                pin_object(fd, pin)
+
+    def detach(self, devices: Iterable[str]) -> list[str]:
+        """Remove our links and our filters (our pref and our name) from these devices, and the clsact
+        qdisc of a device we removed a filter from when no filter (anyone's) remains on it. -> what was
+        removed."""
+        removed = self._tc.detach(devices)
+        try:
+            removed += tcx.drop_links(self.pin_dir, self._tc.indexes(devices))
+        except OSError as exc:
+            raise EbpfError(f"detaching the counter in network namespace {self.netns!r}: {exc}") from exc
+        return removed

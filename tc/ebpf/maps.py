@@ -1,0 +1,165 @@
+"""Maps and pins: the pods' map and the node's, their keys and shapes, the objects pinned in a bpffs.
+
+Pinned, the maps keep their counts while no agent runs and a restarted agent adopts them; the
+programs and tcx links are pinned beside them (PROG_PIN, LINK_PIN).
+"""
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import logging
+import os
+import struct
+
+from .syscall import (BPF_F_NO_PREALLOC, BPF_MAP_CREATE, BPF_MAP_TYPE_PERCPU_ARRAY, BPF_MAP_TYPE_PERCPU_HASH,
+                      BPF_OBJ_GET, BPF_OBJ_PIN, EbpfError, addr, bpf, bpf_attr, map_info, refusal, statfs_magic)
+
+log = logging.getLogger(__name__)
+
+BPF_FS_MAGIC = 0xCAFE4A11
+KEY_SIZE = 16
+VALUE = struct.Struct("=4Q")  # egress bytes, egress packets, ingress bytes, ingress packets (pod's view)
+MAP_NAME = b"na_internal"
+PIN_NAME = "internal"
+# the node's totals through its uplinks: a per-CPU array of two VALUEs (node's view), by the far end's scope
+NODE_MAP_NAME = b"na_node"
+NODE_PIN_NAME = "node"
+NODE_INTERNAL, NODE_INTERNET = 0, 1
+PROG_PIN = "prog-"  # + the program's name
+LINK_PIN = "link-"  # + "<ifindex>-in" / "-out": a tcx link, the attachment itself
+
+
+def key_of(address: str) -> bytes:
+    """A pod address as the map's key: 16 bytes, an IPv4 address as IPv4-mapped IPv6."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError as exc:
+        raise EbpfError(f"pod address {address!r} is not an IP address") from exc
+    return ip.packed if ip.version == 6 else b"\0" * 10 + b"\xff\xff" + ip.packed
+
+
+def address_of(key: bytes) -> str:
+    """The canonical text of a key's address (an IPv4-mapped key as plain IPv4)."""
+    ip = ipaddress.IPv6Address(bytes(key))
+    return str(ip.ipv4_mapped or ip)
+
+
+def map_shape(max_entries: int) -> tuple[int, int, int, int, int]:
+    """The pods' map's (type, key size, value size, max entries, flags), as bpf_map_info gives them back."""
+    return BPF_MAP_TYPE_PERCPU_HASH, KEY_SIZE, VALUE.size, max_entries, BPF_F_NO_PREALLOC
+
+
+NODE_MAP_SHAPE = (BPF_MAP_TYPE_PERCPU_ARRAY, 4, VALUE.size, 2, 0)  # the node's map: NODE_INTERNAL, NODE_INTERNET
+
+
+def create_map(shape: tuple[int, int, int, int, int], name: bytes = MAP_NAME) -> int:
+    return bpf(BPF_MAP_CREATE, bpf_attr("=IIIIIII16s", *shape, 0, 0, name))
+
+
+def bpffs_problem(pin_dir: str) -> str | None:
+    """Why maps cannot be pinned in `pin_dir` (it, or its parent when it does not exist yet, must be
+    on a bpffs), or None."""
+    where = pin_dir if os.path.isdir(pin_dir) else os.path.dirname(os.path.abspath(pin_dir))
+    try:
+        magic = statfs_magic(where)
+    except OSError as exc:
+        return f"the pin directory {pin_dir} cannot be made: {where}: {exc.strerror}"
+    if magic != BPF_FS_MAGIC:
+        return (f"{where} is not on a bpffs (filesystem magic {magic:#x}), so the counter's map cannot be pinned "
+                f"there; mount one (mount -t bpf bpf {where}) or choose a pin directory under one")
+    return None
+
+
+def create_pinned(pin: str, shape: tuple[int, int, int, int, int], name: bytes) -> int:
+    """A new map of this shape, pinned at `pin`."""
+    try:
+        fd = create_map(shape, name)
+    except OSError as exc:
+        raise EbpfError(f"creating the counter's map {name.decode()} failed: {refusal(exc)}") from None
+    try:
+        pin_object(fd, pin)
+    except EbpfError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def adopt(pin: str, shape: tuple[int, int, int, int, int], name: bytes) -> int:
+    """The map pinned by an earlier agent, with its counts; a new one when nothing is pinned there,
+    or what is is not such a map (another object, or another shape or size)."""
+    fd = get_pinned(pin)
+    if fd is None:
+        return create_pinned(pin, shape, name)
+    if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:bpf-map":
+        kind, _id, *found_shape = map_info(fd)
+        # a different capacity too: set_pods refuses by the capacity it was given
+        if (kind, *found_shape) == shape:
+            return fd
+        found = f"a map of (type, key, value, entries, flags) {(kind, *found_shape)}"
+    else:
+        found = "another kind of bpf object"
+    os.close(fd)
+    log.warning("ebpf: %s holds %s, not the counter's map %s: replaced by a new map, its counts start at zero",
+                pin, found, shape)
+    os.unlink(pin)
+    return create_pinned(pin, shape, name)
+
+
+def get_pinned(pin: str) -> int | None:
+    """The object pinned at `pin` (an fd), or None when nothing is."""
+    if not os.path.lexists(pin):
+        return None
+    path = ctypes.create_string_buffer(os.fsencode(pin))
+    try:
+        return bpf(BPF_OBJ_GET, bpf_attr("=QI", addr(path), 0))
+    except OSError as exc:
+        raise EbpfError(f"opening the pinned object {pin} failed: {exc.strerror}") from None
+
+
+def pin_object(fd: int, pin: str) -> None:
+    """Pin `fd` at `pin`, in place of what was pinned there."""
+    if os.path.lexists(pin):
+        os.unlink(pin)
+    path = ctypes.create_string_buffer(os.fsencode(pin))
+    try:
+        bpf(BPF_OBJ_PIN, bpf_attr("=QI", addr(path), fd))
+    except OSError as exc:
+        raise EbpfError(f"pinning at {pin} failed: {exc.strerror}") from None
+
+
+def possible_cpus() -> int:
+    """How many values a per-CPU map holds for each key: one per possible CPU."""
+    with open("/sys/devices/system/cpu/possible") as f:
+        text = f.read().strip()
+    count = 0
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        count += int(last or first) - int(first) + 1
+    return count
+
+
+def unpin_dir(pin_dir: str) -> list[str]:
+    """Remove the counter's pins from `pin_dir` (its tcx links, which detaches their programs once no
+    process holds them, its programs and its maps), and `pin_dir` when that left it empty; nothing off
+    a bpffs (then it is not ours). Programs attached as tc filters keep the maps while they run. ->
+    what was removed."""
+    if not os.path.isdir(pin_dir) or statfs_magic(pin_dir) != BPF_FS_MAGIC:
+        return []
+    removed = []
+    for name in sorted(os.listdir(pin_dir)):
+        pin = os.path.join(pin_dir, name)
+        if name.startswith(LINK_PIN):  # releasing the link detaches its program
+            os.unlink(pin)
+            removed.append(f"tcx link {pin}")
+        elif name.startswith(PROG_PIN):
+            os.unlink(pin)
+            removed.append(f"pinned program {pin}")
+    for name in (PIN_NAME, NODE_PIN_NAME):
+        pin = os.path.join(pin_dir, name)
+        if os.path.lexists(pin):
+            os.unlink(pin)
+            removed.append(f"pinned map {pin}")
+    if not os.listdir(pin_dir):
+        os.rmdir(pin_dir)
+        removed.append(f"directory {pin_dir}")
+    return removed

@@ -1,0 +1,198 @@
+"""The counting programs: built from the internal networks, loaded as sched_cls programs.
+
+Which program runs where is `PROGRAMS`; the maps they fill are maps.py's, the hooks they run on
+tcx.py's and clsact.py's.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import ipaddress
+import struct
+
+from .asm import R0, R1, R2, R3, R4, R6, R10, insn, le, resolve
+from .maps import NODE_INTERNAL, NODE_INTERNET
+from .syscall import BPF_PROG_LOAD, BPF_PROG_TYPE_SCHED_CLS, EbpfError, addr, bpf, bpf_attr, refusal
+
+BPF_PSEUDO_MAP_FD = 1
+BPF_FUNC_MAP_LOOKUP_ELEM, BPF_FUNC_SKB_LOAD_BYTES = 1, 26
+LICENSE = b"Apache-2.0"  # the project's; the two helpers used are not GPL-only
+
+TC_ACT_UNSPEC = -1
+TC_ACT_OK = 0  # tcx: TCX_PASS, the verdict without the hook's later programs and filters
+ETH_HLEN = 14
+SKB_LEN, SKB_PKT_TYPE, SKB_MARK, SKB_PROTOCOL = 0, 4, 8, 16  # offsets in struct __sk_buff
+PACKET_OTHERHOST = 3
+# where the addresses are, from the start of the frame (the MAC header): source and destination together
+ADDRESSES = {4: (26, 8), 6: (22, 32)}  # family: (offset, length)
+ETHERTYPE = {4: 0x0008, 6: 0xDD86}  # htons(ETH_P_IP), htons(ETH_P_IPV6) as a u32 load of skb->protocol sees them
+
+# the programs by (on an uplink?, on the device's egress?, gated?): their names, and where they are pinned so
+# that a restarted agent finds them (with CAP_BPF alone it cannot open a program by its id); the gated ones
+# (egress, tcx links only) end the hook for a packet without the shaper's mark bit
+PROGRAMS = {(False, False, False): "na_count_in", (False, True, False): "na_count_out",
+            (True, False, False): "na_node_in", (True, True, False): "na_node_out",
+            (False, True, True): "na_count_out_g", (True, True, True): "na_node_out_g"}
+
+
+Networks = dict[int, tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]]
+
+
+def parse_networks(networks: dict[int, tuple[str, ...]]) -> Networks:
+    """family -> CIDR texts, checked (the family's, not /0) and in a canonical order (sorted, no
+    duplicates), so that the same set always makes the same program."""
+    out: Networks = {}
+    for family, texts in sorted(networks.items()):
+        if family not in (4, 6):
+            raise EbpfError(f"internal networks: family {family!r} is neither 4 nor 6")
+        parsed = set()
+        for text in texts:
+            try:
+                net = ipaddress.ip_network(text, strict=False)
+            except ValueError as exc:
+                raise EbpfError(f"internal network {text!r} is not a CIDR: {exc}") from exc
+            if net.version != family:
+                raise EbpfError(f"internal network {text!r} is not an IPv{family} network")
+            if net.prefixlen == 0:
+                raise EbpfError(f"internal network {text!r} is every address: a /0 would count all traffic "
+                                "as internal; list the internal networks")
+            parsed.add(net)
+        if parsed:
+            out[family] = tuple(sorted(parsed))
+    return out
+
+
+def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, node: bool = False, gate: int = 0) -> bytes:
+    """The counting program of one hook of a pod's device (node=False) or of an uplink (node=True),
+    as instructions.
+
+    Pod device: on its ingress (egress=False: what the pod sends) a packet whose destination is in
+    `networks` is added to the entry of its source, in the entry's egress slots; on its egress (what
+    the pod receives) a packet whose source is internal to its destination's entry, in the ingress
+    slots. A packet of no entry, or not IP over Ethernet, is not counted.
+
+    Uplink (the node's totals, in the node map): on its egress a packet with an internal destination
+    is added to NODE_INTERNAL's egress slots (the rules count the node's internet egress, which they
+    classify anyway); on its ingress every IP packet for this host is added to NODE_INTERNAL's or
+    NODE_INTERNET's ingress slots by its source's scope, as the rules' PREROUTING hook counted it.
+
+    Returns TC_ACT_UNSPEC: the next program or filter decides. With `gate` (a mark bit, egress hooks
+    only), a packet without that bit gets TC_ACT_OK instead: on a tcx link that ends the hook, so the
+    clsact filters after it (the shaper's redirect, which only a marked packet matches) are not run
+    for it."""
+    nets = parse_networks(networks)
+    if node:
+        scope, slot, other = (1, 0, False) if egress else (0, 16, True)
+    else:
+        scope, slot, other = (0, 16, False) if egress else (1, 0, False)
+    key = 1 - scope  # pods: which address (0: source, 1: destination) is the key
+    if gate and not egress:
+        raise EbpfError("a gate only on an egress hook: the shaper redirects what leaves a device")
+    if not nets and not other:  # nothing to count
+        return resolve([insn(0xBF, R6, R1), *_verdict(gate)]) if gate else resolve(_verdict(0))
+    # instructions, ("label", name), and ("jmp", code, dst, imm, target): a jump resolved once labels are placed
+    body: list = []
+
+    def jump(code: int, dst: int, imm: int, target: str) -> None:
+        body.append(("jmp", code, dst, imm, target))
+
+    miss = "OTHER" if other else "OUT"  # where an IP packet of no internal network goes
+    body.append(insn(0xBF, R6, R1))  # r6 = ctx
+    if node and not egress:
+        body.append(insn(0x61, R2, R6, SKB_PKT_TYPE))  # a frame for another host never reaches IP (nor the rules)
+        jump(0x15, R2, PACKET_OTHERHOST, "OUT")
+    body.append(insn(0x61, R2, R6, SKB_PROTOCOL))  # r2 = skb->protocol
+    for family in (4, 6):
+        if family in nets:
+            jump(0x15, R2, ETHERTYPE[family], f"V{family}")  # if r2 == ethertype
+        elif other:
+            jump(0x15, R2, ETHERTYPE[family], "OTHER")  # no internal network of this family: all of it is not
+    jump(0x05, 0, 0, "OUT")
+    for family, family_nets in nets.items():
+        offset, size = ADDRESSES[family]
+        base = -32 if family == 6 else -8  # both addresses copied to the stack at fp+base
+        width = size // 2
+        body.append(("label", f"V{family}"))
+        # bpf_skb_load_bytes(skb, offset, fp+base, size): the addresses, also from a frame whose
+        # headers are not in the linear area, without changing the skb
+        body += [insn(0xBF, R1, R6), insn(0xB7, R2, 0, 0, offset), insn(0xBF, R3, R10), insn(0x07, R3, 0, 0, base),
+                 insn(0xB7, R4, 0, 0, size), insn(0x85, 0, 0, 0, BPF_FUNC_SKB_LOAD_BYTES)]
+        jump(0x55, R0, 0, "OUT")  # if r0 != 0: a short packet
+        for n, net in enumerate(family_nets):
+            raw, mask = net.network_address.packed, net.netmask.packed
+            for i in range(0, len(raw), 4):
+                if mask[i:i + 4] == b"\0\0\0\0":
+                    continue
+                body.append(insn(0x61, R4, R10, base + scope * width + i))  # r4 = a word of the tested address
+                if mask[i:i + 4] != b"\xff\xff\xff\xff":
+                    body.append(insn(0x54, R4, 0, 0, le(mask[i:i + 4])))  # w4 &= mask (32-bit ALU)
+                jump(0x56, R4, le(raw[i:i + 4]), f"NEXT{family}.{n}")  # if w4 != word (JMP32): the next network
+            jump(0x05, 0, 0, "INTERNAL" if node else f"KEY{family}")
+            body.append(("label", f"NEXT{family}.{n}"))
+        jump(0x05, 0, 0, miss)
+        if node:
+            continue
+        body.append(("label", f"KEY{family}"))
+        if family == 6:
+            body += [insn(0xBF, R2, R10), insn(0x07, R2, 0, 0, base + key * width)]  # the key is the copied address
+        else:  # the key ::ffff:a.b.c.d built at fp-24
+            body += [insn(0x7A, R10, 0, -24, 0), insn(0x62, R10, 0, -16, le(b"\0\0\xff\xff")),
+                     insn(0x61, R4, R10, base + key * width), insn(0x63, R10, R4, -12),
+                     insn(0xBF, R2, R10), insn(0x07, R2, 0, 0, -24)]
+        jump(0x05, 0, 0, "LOOKUP")
+    if node:  # the node map's index, a u32 at fp-40
+        if nets:
+            body.append(("label", "INTERNAL"))
+            body.append(insn(0x62, R10, 0, -40, NODE_INTERNAL))
+            jump(0x05, 0, 0, "INDEX")
+        if other:
+            body.append(("label", "OTHER"))
+            body.append(insn(0x62, R10, 0, -40, NODE_INTERNET))
+        if nets or other:
+            body.append(("label", "INDEX"))
+            body += [insn(0xBF, R2, R10), insn(0x07, R2, 0, 0, -40)]
+    if nets or other:
+        body.append(("label", "LOOKUP"))
+        body += [insn(0x18, R1, BPF_PSEUDO_MAP_FD, 0, map_fd), insn(0, 0, 0, 0, 0),  # r1 = the map (ld_imm64)
+                 insn(0x85, 0, 0, 0, BPF_FUNC_MAP_LOOKUP_ELEM)]
+        jump(0x15, R0, 0, "OUT")  # no such pod
+        body += [insn(0x61, R1, R6, SKB_LEN), insn(0x17, R1, 0, 0, ETH_HLEN),  # r1 = skb->len - ETH_HLEN
+                 insn(0x79, R2, R0, slot), insn(0x0F, R2, R1), insn(0x7B, R0, R2, slot),  # bytes += r1 (this CPU's)
+                 insn(0x79, R2, R0, slot + 8), insn(0x07, R2, 0, 0, 1), insn(0x7B, R0, R2, slot + 8)]  # packets += 1
+    body.append(("label", "OUT"))
+    body += _verdict(gate)
+    return resolve(body)
+
+
+def _verdict(gate: int) -> list:
+    """The program's end (r6 = ctx): TC_ACT_UNSPEC, or with a gate TC_ACT_OK for a packet without the bit."""
+    if not gate:
+        return [insn(0xB7, R0, 0, 0, TC_ACT_UNSPEC), insn(0x95)]
+    return [insn(0xB7, R0, 0, 0, TC_ACT_UNSPEC), insn(0x61, R2, R6, SKB_MARK),  # r0 = UNSPEC, w2 = skb->mark
+            insn(0x54, R2, 0, 0, le(struct.pack("<I", gate))), ("jmp", 0x56, R2, 0, "END"),  # w2 &= bit; if w2 != 0
+            insn(0xB7, R0, 0, 0, TC_ACT_OK), ("label", "END"), insn(0x95)]
+
+
+def _prog_load(code: bytes, name: str, vlog: ctypes.Array | None) -> int:
+    insns = ctypes.create_string_buffer(code, len(code))
+    lic = ctypes.create_string_buffer(LICENSE)
+    return bpf(BPF_PROG_LOAD, bpf_attr("=IIQQIIQII16s", BPF_PROG_TYPE_SCHED_CLS, len(code) // 8, addr(insns), addr(lic),
+                                     1 if vlog is not None else 0, len(vlog) if vlog is not None else 0, addr(vlog),
+                                     0, 0, name.encode()[:15]))
+
+
+def load(code: bytes, name: str) -> int:
+    """Load a sched_cls program. A refused one is loaded again with the verifier's log on, for the
+    error to say why (a log on every load would cost the verifier time and a buffer)."""
+    try:
+        return _prog_load(code, name, None)
+    except OSError as exc:
+        if exc.errno in (errno.EPERM, errno.ENOSYS):
+            raise EbpfError(f"loading the counting program {name} failed: {refusal(exc)}") from None
+    vlog = ctypes.create_string_buffer(1 << 20)
+    try:
+        return _prog_load(code, name, vlog)
+    except OSError as exc:
+        tail = vlog.value.decode(errors="replace")[-2000:].strip()
+        raise EbpfError(f"loading the counting program {name} failed: {refusal(exc)}; "
+                        f"the verifier said: ...{tail}") from None
