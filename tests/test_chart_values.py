@@ -184,3 +184,37 @@ def test_the_defaults_and_the_documented_examples_pass(tmp_path):
                   "extraArgs": ["--log-level=debug"]},
         "tls": {"certManager": {"duration": "1h30m"}}, "monitoring": {"interval": "15s"}}))
     helm("template", "netagent", str(CHART), "-f", str(path))
+
+
+# --- the chart's README ------------------------------------------------------------------------------
+
+
+def test_chart_readme_is_generated_from_the_values():
+    import subprocess
+    import sys
+
+    from tests.test_deploy import REPO
+
+    result = subprocess.run([sys.executable, str(REPO / "hack" / "chart_readme.py"), "--check"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, f"charts/netagent/README.md is stale: run python3 hack/chart_readme.py\n{result.stdout}"
+    readme = (CHART / "README.md").read_text()
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+
+    def leaves(node, prefix=""):
+        for key, value in node.items():
+            if isinstance(value, dict) and value and all(isinstance(k, str) and "/" not in k for k in value):
+                yield from leaves(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}"
+
+    # a leaf has its row, or sits in a map written inline (`requests: {cpu: 20m}`) whose row shows it
+    missing = [path for path in leaves(values)
+               if not any(f"| `{'.'.join(path.split('.')[:n])}` | `" in readme for n in range(1, path.count(".") + 2))]
+    assert not missing, f"values without a row in the chart README: {missing}"
+
+
+def test_helm_show_readme_prints_it():
+    shown = helm("show", "readme", str(CHART)).stdout
+    assert shown.strip() == (CHART / "README.md").read_text().strip()
+    assert "| `monitoring.runbookBaseURL` |" in shown and "| `agent.extraVolumes` |" in shown
