@@ -22,6 +22,7 @@ from controller import config as controller_config
 from core.errors import NetagentError
 from core.logsetup import setup as setup_logging
 from netagent import config as agent_config
+from netagent import version_line
 from netagent.desired import COUNTING_MODES, DEFAULT_MARK_BIT, DataPathOptions
 
 # Each subcommand imports the code it runs inside its handler, so a process loads only its own
@@ -428,11 +429,22 @@ SUBCOMMANDS = {
 }
 
 
+class _Version(argparse.Action):
+    """--version printed as one line (argparse's own action wraps it at the terminal's width)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="netagent", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action=_Version, nargs=0, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, flags, run) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
+        # `netagent controller --version` as well: the Deployment's command line plus one flag
+        p.add_argument("--version", action=_Version, nargs=0, help="print the version and exit")
         flags(p)
         p.set_defaults(_run=run)
     return parser
