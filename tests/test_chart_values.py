@@ -218,3 +218,63 @@ def test_helm_show_readme_prints_it():
     shown = helm("show", "readme", str(CHART)).stdout
     assert shown.strip() == (CHART / "README.md").read_text().strip()
     assert "| `monitoring.runbookBaseURL` |" in shown and "| `agent.extraVolumes` |" in shown
+
+
+# --- docs/install.md's RBAC table ----------------------------------------------------------------------
+
+
+def _words(cell: str) -> list[str]:
+    return [w.strip().strip("`") for w in cell.replace("nonResourceURL", "").split(",") if w.strip()]
+
+
+def documented_grants() -> set[tuple]:
+    """(ServiceAccount, where, API group, resource, name, verb) for every row of "RBAC, exactly"."""
+    from tests.test_deploy import REPO
+
+    text = (REPO / "docs" / "install.md").read_text()
+    table = text.split("### RBAC, exactly", 1)[1].split("| ServiceAccount |", 1)[1].split("\n\n", 1)[0]
+    grants, accounts = set(), []
+    for line in table.splitlines()[2:]:
+        account, where, group, resources, names, verbs, _why = (c.strip() for c in line.strip().strip("|").split("|"))
+        if account:
+            accounts = [a if "/" in a else f"netagent-system/{a}" for a in _words(account)]
+        group = "" if group in ("core", "") else group.strip("`")
+        where = "" if where == "cluster" else where.strip("`")
+        for a in accounts:
+            for resource in _words(resources):
+                for name in _words(names) or [""]:
+                    for verb in _words(verbs):
+                        grants.add((a, where, group, resource, name, verb))
+    return grants
+
+
+def rendered_grants(docs: list[dict]) -> set[tuple]:
+    """The same tuples from the rendered Roles, ClusterRoles and their bindings."""
+    roles = {(d["kind"], d["metadata"].get("namespace", ""), d["metadata"]["name"]): d
+             for d in docs if d["kind"] in ("Role", "ClusterRole")}
+    grants = set()
+    for binding in (d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")):
+        where = binding["metadata"]["namespace"] if binding["kind"] == "RoleBinding" else ""
+        ref = binding["roleRef"]
+        role = roles[(ref["kind"], where if ref["kind"] == "Role" else "", ref["name"])]
+        for subject in binding["subjects"]:
+            assert subject["kind"] == "ServiceAccount", subject
+            account = f"{subject['namespace']}/{subject['name']}"
+            for rule in role["rules"]:
+                for verb in rule["verbs"]:
+                    if "nonResourceURLs" in rule:
+                        grants |= {(account, where, "", url, "", verb) for url in rule["nonResourceURLs"]}
+                        continue
+                    for group in rule["apiGroups"]:
+                        for resource in rule["resources"]:
+                            for name in rule.get("resourceNames") or [""]:
+                                grants.add((account, where, group, resource, name, verb))
+    return grants
+
+
+def test_the_rbac_table_is_what_the_chart_grants():
+    rendered = rendered_grants(helm_template())
+    documented = documented_grants()
+    assert len(documented) > 20
+    assert rendered == documented, (f"granted, not in docs/install.md: {sorted(rendered - documented)}\n"
+                                    f"in docs/install.md, not granted: {sorted(documented - rendered)}")
