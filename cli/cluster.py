@@ -157,7 +157,8 @@ def _controller(snap: Snapshot, api, core, namespace: str, lease: dict | None, u
         url, out["source"] = holder.split("@", 1)[1], "lease"
     else:
         out["source"] = "flag"
-    token = (api.configuration.api_key or {}).get("authorization")
+    # the kubeconfig's bearer token as the client would send it (refreshed by exec/auth-provider hooks)
+    token = ((api.configuration.auth_settings() or {}).get("BearerToken") or {}).get("value")
     context = None
     if "://" not in url or url.startswith("https://"):
         if ca is None:

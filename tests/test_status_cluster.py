@@ -280,3 +280,70 @@ def test_rbac_that_denies_the_view_names_the_verb_and_resource(crds, kube_namesp
     assert ("list", "egressbudgets.netagent.io") in denied and ("get", "leases.coordination.k8s.io") in denied
     text = run_status(crds.kubeconfig_for_token(token), kube_namespace).stdout
     assert f'system:serviceaccount:{kube_namespace}:nobody" cannot list resource "egressbudgets"' in text
+
+
+def reader_rbac(kube_api, namespace: str, subject: str) -> list[tuple[str, str]]:
+    """docs/examples/status-reader-rbac.yaml as written, moved into `namespace` (its ClusterRole
+    suffixed so tests never collide) and bound to ServiceAccount `subject`; returns what to delete."""
+    import yaml
+
+    docs = [d for d in yaml.safe_load_all((REPO / "docs/examples/status-reader-rbac.yaml").read_text()) if d]
+    cluster_role = f"netagent-status-reader-{namespace}"
+    for d in docs:
+        if d["kind"] == "ClusterRole":
+            d["metadata"]["name"] = cluster_role
+        else:
+            d["metadata"]["namespace"] = namespace
+    sa = [{"kind": "ServiceAccount", "name": subject, "namespace": namespace}]
+    docs += [{"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+              "metadata": {"name": cluster_role}, "subjects": sa,
+              "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role}},
+             {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+              "metadata": {"name": "netagent-status-reader", "namespace": namespace}, "subjects": sa,
+              "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "netagent-status-reader"}}]
+    kube_api.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+    return [("clusterrole", cluster_role), ("clusterrolebinding", cluster_role)]
+
+
+def test_a_token_user_with_the_reader_role_sees_everything_over_verified_tls(kube_api, budget, kube_namespace,
+                                                                             tmp_path):
+    """The controller as the chart runs it (TLS from its Secret, /metrics and /v1/status guarded):
+    a token user bound to the documented reader role gets the controller's view over TLS verified
+    against the Secret's CA (given with --controller-ca: the role reads no Secret); a user without
+    a token (a client certificate, as the harness' admin) is told the controller refused it."""
+    namespace = kube_namespace
+    core = client.CoreV1Api(kube_api.admin)
+    core.create_namespaced_service_account(namespace, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="viewer")))
+    created = reader_rbac(kube_api, namespace, "viewer")
+    try:
+        token = core.create_namespaced_service_account_token("viewer", namespace, client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(expiration_seconds=600))).status.token
+        viewer = kube_api.kubeconfig_for_token(token)
+        with controller(kube_api, tmp_path, namespace, "--metrics-auth", "true", "--lease-name", "netagent-controller",
+                        "--agent-service-account", f"{namespace}:agent", tls=True) as (_, base, _):
+            def leads():
+                lease = client.CoordinationV1Api(kube_api.admin).read_namespaced_lease("netagent-controller", namespace)
+                return base.split("://")[1] in (lease.spec.holder_identity or "")
+
+            wait_for(leads, what="the controller to hold the Lease")
+            secret = core.read_namespaced_secret("netagent-controller-tls", namespace)
+            ca = tmp_path / "ca.crt"
+            ca.write_bytes(__import__("base64").b64decode(secret.data["ca.crt"]))
+
+            out = run_status(viewer, namespace, "-o", "json", "--controller-ca", str(ca))
+            v = json.loads(out.stdout)
+            assert (out.returncode, v["verdict"]) == (0, "ok"), out.stdout + out.stderr
+            assert v["controller"]["url"] == base and v["controller"]["generation"] == 0  # its view, no round yet
+
+            out = run_status(viewer, namespace)  # no CA at hand: no token is sent, and the view says what to pass
+            assert out.returncode == 1 and "ControllerUnreachable" in out.stdout and "--controller-ca" in out.stdout, \
+                out.stdout + out.stderr
+
+            out = run_status(kube_api.kubeconfig, namespace, "-o", "json")  # admin: reads the CA, has no token
+            v = json.loads(out.stdout)
+            refused = [p for p in v["problems"] if p["kind"] == "ControllerRefused"]
+            assert out.returncode == 1 and refused and "401" in refused[0]["message"], out.stdout + out.stderr
+            assert "nonResourceURL /metrics" in refused[0]["message"]
+    finally:
+        for kind, name in created:
+            kube_api.kubectl("delete", kind, name, "--ignore-not-found")
