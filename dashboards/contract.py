@@ -134,14 +134,17 @@ def used_metrics() -> dict[str, set[str]]:
     return used
 
 
-def queries_without_data(prometheus_url: str, values: dict[str, str] | None = None) -> list[str]:
+def queries_without_data(prometheus_url: str, values: dict[str, str] | None = None,
+                         rate_interval: str = "1m") -> list[str]:
     """Every panel query that returns no series from a live Prometheus, with the template
-    variables filled in (unset ones as "All"), except rare-event queries in a panel that has
-    other data. An empty list means every panel shows something."""
+    variables filled in (unset ones as "All"; $__rate_interval as rate_interval, which Grafana
+    makes four scrape intervals at least), except rare-event queries in a panel that has other
+    data. An empty list means every panel shows something."""
     from .build import fill_variables, panel_queries
 
     def has_data(expr: str) -> bool:
-        url = f"{prometheus_url}/api/v1/query?" + urllib.parse.urlencode({"query": fill_variables(expr, values)})
+        url = f"{prometheus_url}/api/v1/query?" + urllib.parse.urlencode(
+            {"query": fill_variables(expr, values, rate_interval)})
         try:
             with urllib.request.urlopen(url, timeout=10) as r:
                 answer = json.load(r)

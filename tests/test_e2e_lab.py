@@ -1,7 +1,10 @@
 """End to end on one machine: the demo's lab (two nodes, six pods, real agents and a real
-controller, iperf3 traffic to the "internet" host) scraped by a real Prometheus inside the
-lab. Every panel query of every dashboard returns data from the live exporters, and the
-budget-saturated alert fires because the pods want far more than the budget.
+controller, iperf3 traffic to the "internet" host) scraped by real Prometheus servers inside the
+lab. Day one: a Prometheus configured as the chart's default values configure it (the PodMonitors'
+jobs and interval, and only the rules the chart ships by default: none, monitoring.prometheusRule
+is off) answers every panel query of every dashboard with data, $__rate_interval at four scrape
+intervals as Grafana makes it. A second one, with dashboards/rules.yaml loaded and scraping every
+second, fires the budget-saturated alert because the pods want far more than the budget.
 
 Prometheus runs in the lab's fabric namespace (where agents and controller listen); the
 test reaches its HTTP API through a thread that entered that namespace (lab.nsexec).
@@ -23,6 +26,29 @@ from lab.nsexec import http_get
 from lab.netns import require_root
 
 PROM_PORT = 9590
+DAY_ONE_PORT = 9591
+
+
+def chart_day_one() -> tuple[list[dict], str, dict[str, str]]:
+    """What the chart's default values give Prometheus, with the PodMonitors on (without a monitor
+    nothing is scraped): the rule groups it ships, the scrape interval, the job of the agents
+    (DaemonSet) and of the controllers (Deployment) as the operator would name them."""
+    from tests.test_alerts_chart import monitor_jobs
+    from tests.test_deploy import helm_template
+
+    docs = helm_template("--set", "monitoring.podMonitor.enabled=true")
+    groups = [g for d in docs if d["kind"] == "PrometheusRule" for g in d["spec"]["groups"]]
+    intervals = {ep["interval"] for d in docs if d["kind"] == "PodMonitor" for ep in d["spec"]["podMetricsEndpoints"]}
+    interval, = intervals
+    jobs = {kind: job for kind, (job,) in ((k, tuple(v)) for k, v in monitor_jobs(docs).items())}
+    return groups, interval, jobs
+
+
+def _seconds(duration: str) -> int:
+    import re
+
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    return int(sum(int(n) * units[u] for n, u in re.findall(r"(\d+)(ms|s|m|h)", duration)))
 
 
 @pytest.fixture(scope="module")
@@ -53,20 +79,38 @@ def lab_with_prometheus(tmp_path_factory):
                  "static_configs": [{"targets": [f"{CONTROLLER_IP}:{CONTROLLER_PORT}"]}]},
             ],
         }))
-        demo.lab.spawn(demo.lab.fabric, [prometheus, f"--config.file={work / 'prometheus.yml'}",
-                                         f"--storage.tsdb.path={work / 'data'}",
-                                         f"--web.listen-address={CONTROLLER_IP}:{PROM_PORT}"],
-                       stdout=open(work / "prometheus.log", "w"), stderr=subprocess.STDOUT)
+        groups, interval, jobs = chart_day_one()
+        day_one = work / "day-one"
+        day_one.mkdir()
+        (day_one / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}))
+        (day_one / "prometheus.yml").write_text(yaml.safe_dump({
+            "global": {"scrape_interval": interval, "evaluation_interval": interval},
+            "rule_files": ["rules.yaml"],
+            "scrape_configs": [
+                {"job_name": jobs["DaemonSet"], "honor_labels": True,
+                 "static_configs": [{"targets": [f"{n.ip4}:{AGENT_PORT}"], "labels": {"node": n.name}}
+                                    for n in demo.lab.nodes]},
+                {"job_name": jobs["Deployment"],
+                 "static_configs": [{"targets": [f"{CONTROLLER_IP}:{CONTROLLER_PORT}"]}]},
+            ],
+        }))
+        servers = {PROM_PORT: work, DAY_ONE_PORT: day_one}
+        for port, where in servers.items():
+            demo.lab.spawn(demo.lab.fabric, [prometheus, f"--config.file={where / 'prometheus.yml'}",
+                                             f"--storage.tsdb.path={where / 'data'}",
+                                             f"--web.listen-address={CONTROLLER_IP}:{port}"],
+                           stdout=open(where / "prometheus.log", "w"), stderr=subprocess.STDOUT)
+        for port, where in servers.items():
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if demo.fabric.call(http_get, f"http://{CONTROLLER_IP}:{port}/-/ready", 2)[0] == 200:
+                        break
+                except OSError:
+                    pass
+                assert time.monotonic() < deadline, (where / "prometheus.log").read_text()[-2000:]
+                time.sleep(0.5)
         url = f"http://{CONTROLLER_IP}:{PROM_PORT}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if demo.fabric.call(http_get, f"{url}/-/ready", 2)[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, (work / "prometheus.log").read_text()[-2000:]
-            time.sleep(0.5)
         yield demo, url, work
     finally:
         demo.close()
@@ -77,12 +121,18 @@ def _query(demo: Demo, url: str, path: str, **params) -> dict:
     return json.loads(body)
 
 
-def test_every_panel_returns_data_from_live_agents_and_controller(lab_with_prometheus):
-    demo, url, work = lab_with_prometheus
+def test_every_panel_returns_data_on_day_one(lab_with_prometheus):
+    """The chart's default values ship no PrometheusRule, and every panel still has data: the
+    dashboards read only the exporters' series (docs/dashboards.md "Raw series")."""
+    demo, _, work = lab_with_prometheus
+    groups, interval, _ = chart_day_one()
+    assert groups == [], "the chart's defaults ship rules now: this test no longer shows the dashboards need none"
+    url = f"http://{CONTROLLER_IP}:{DAY_ONE_PORT}"
+    rate_interval = f"{4 * _seconds(interval)}s"  # Grafana's $__rate_interval: four scrape intervals at least
     choice = {"node": "node1", "namespace": "data", "pod": "crawl"}
-    deadline = time.monotonic() + 150
+    deadline = time.monotonic() + 150 + 4 * _seconds(interval)
     for values in ({}, choice):
-        while empty := demo.fabric.call(contract.queries_without_data, url, values, timeout=120):
+        while empty := demo.fabric.call(contract.queries_without_data, url, values, rate_interval, timeout=120):
             targets = _query(demo, url, "/api/v1/targets")
             health = [(t["labels"].get("job"), t["health"], t.get("lastError")) for t in
                       targets.get("data", {}).get("activeTargets", [])]
