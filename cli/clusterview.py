@@ -111,6 +111,8 @@ def view(snap: dict) -> dict:
         out["installed"] = False
         problems.append({"kind": "NotInstalled", "message": f"netagent is not installed in namespace {ns}: its CRDs "
                          "are there, but no controller Lease, no agent and no controller pods (another namespace? -n)"})
+    if any(p["kind"] == "ApiServerUnreachable" for p in problems):
+        out["installed"] = None  # unknown
     if out["installed"]:
         ctl_view = (snap.get("controller") or {}).get("view")
         out["budgets"] = [_budget(b) for b in snap.get("budgets") or []]
@@ -179,7 +181,8 @@ def render(v: dict) -> str:
         elif ctl["url"] or ctl["error"]:
             lines.append(f"{pad}UNREACHABLE: {ctl['error']}")
         if ctl["pods"] is not None:
-            lines.append(f"{pad}pods: {ctl['pods']['ready']}/{ctl['pods']['total']} ready")
+            lines.append(f"{pad}pods: {ctl['pods']['ready']}/{ctl['pods']['total']} ready" if ctl["pods"]["total"] else
+                         f"{pad}pods: none labelled app.kubernetes.io/component=controller in this namespace")
         a = v["agents"]
         if a is None:
             lines.append(f"{'Agents:':<16}unknown (their pods could not be listed)")
@@ -213,7 +216,7 @@ def render(v: dict) -> str:
                 f"{', max ' + str(c['max']) if c['max'] is not None else ''})" for c in v["classes"]))
         for d in DIRECTIONS:
             if v["teams"][d]:
-                lines.append(f"{'Teams (' + d + '):':<16}")
+                lines.append(f"Teams ({d}):")
                 rows = [["TEAM", "SHARE", "ALLOCATED", "DEMAND", "USED", "GUARANTEE", "PODS"]]
                 rows += [[t["team"], "-" if t["share"] is None else f"{100 * t['share']:.0f}%", _rate(t["allocated_bps"]),
                           _rate(t["demand_bps"]), _rate(t["used_bps"]),
@@ -233,7 +236,7 @@ def render(v: dict) -> str:
                 lines.append(f"{pad}{e['last'] or '-'}  {e['namespace']}/{e['object']}  {e['reason']} (x{e['count']}): "
                              f"{(e['message'] or '').strip()[:160]}")
     if v["problems"]:
-        lines.append(f"{'Problems:':<16}")
+        lines.append("Problems:")
         lines.extend(f"{pad}{p['kind']}: {p['message']}" for p in v["problems"])
     lines.append(f"{'Status:':<16}{v['verdict'].upper()} (exit {v['exit_code']})")
     return "\n".join(lines)

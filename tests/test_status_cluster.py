@@ -134,21 +134,27 @@ def test_not_installed_forbidden_and_unreachable_say_which():
     text = clusterview.render(v)
     assert "UNREACHABLE: controller unreachable at https://10.0.0.5:8443" in text and "100M" in text
     assert v["agents"]["reporting"] is None  # unknown without the controller, not "0 reporting"
+    v = clusterview.view({"context": "x", "server": "https://127.0.0.1:1", "namespace": "n", "crds_installed": True,
+                          "problems": [{"kind": "ApiServerUnreachable", "message": "list egressbudgets: refused"}]})
+    assert (v["installed"], v["verdict"], v["exit_code"]) == (None, "degraded", 1)  # unknown, not "not installed"
+    assert "ApiServerUnreachable: list egressbudgets: refused" in clusterview.render(v)
     v = clusterview.view(snapshot(lease={**snapshot()["lease"], "renew_time": "2026-11-28T03:50:00Z"}))
     assert "no controller leads: the Lease netagent-controller expired 585 s ago" in clusterview.render(v)
 
 
 # -- against the real API server and controller -----------------------------------------------------
 
-def run_status(kubeconfig: Path, namespace: str, *extra: str, plugin: bool = False) -> subprocess.CompletedProcess:
-    if plugin:  # the kubectl plugin's executable, as pip installed it beside `netagent`
-        exe = shutil.which("kubectl-netagent", path=os.pathsep.join([str(Path(sys.executable).parent),
-                                                                    os.environ.get("PATH", "")]))
-        assert exe, "kubectl-netagent is not installed: pip install -e ."
-        argv = [exe, "status"]
+def run_status(kubeconfig: Path, namespace: str, *extra: str, kubectl: Path | None = None) -> subprocess.CompletedProcess:
+    """`netagent status --kubeconfig ...`, or with `kubectl` the real kubectl running its plugin:
+    `kubectl netagent status ...` finds kubectl-netagent (pip installed it beside `netagent`) on PATH."""
+    env = dict(os.environ)
+    if kubectl is not None:
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        assert shutil.which("kubectl-netagent", path=env["PATH"]), "kubectl-netagent is not installed: pip install -e ."
+        argv = [str(kubectl), "netagent", "status"]
     else:
         argv = [sys.executable, "-m", "netagent", "status"]
-    return subprocess.run([*argv, "--kubeconfig", str(kubeconfig), "-n", namespace, *extra], cwd=REPO,
+    return subprocess.run([*argv, "--kubeconfig", str(kubeconfig), "-n", namespace, *extra], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -236,7 +242,7 @@ def test_cluster_view_against_the_real_apiserver_and_controller(kube_api, budget
             assert a["not_reporting"] == [{"pod": "netagent-agent-c", "node": node_c}]
             assert [x["pod"] for x in a["unready"]] == ["netagent-agent-x"]
             assert v["events"][0]["reason"] == "RefusedPodNotOnNode"
-            text = run_status(kube_api.kubeconfig, namespace, *LEASE, plugin=True)  # `kubectl netagent status`
+            text = run_status(kube_api.kubeconfig, namespace, *LEASE, kubectl=kube_api.assets / "kubectl")
             assert text.returncode == 1 and "fail-static: netagent-agent-b" in text.stdout, text.stdout + text.stderr
             (tmp_path / "degraded.txt").write_text(text.stdout)
             if os.environ.get("NETAGENT_STATUS_CAPTURE"):  # docs/operations.md shows these two, captured here
