@@ -170,7 +170,7 @@ def test_crds_carry_the_parsers_pattern(name):
     assert len(fields) >= 4, fields
     for path, patterns in fields:
         assert patterns == [RATE_PATTERN], f"{name}{path}: {patterns}"
-    text = (CHART / "templates" / f"crd-{name}.yaml").read_text()
+    text = (CHART / "crds" / f"{name}.netagent.io.yaml").read_text()
     assert text.count(".matches('") == text.count(f".matches('{RATE_PATTERN}')") == len(fields)
 
 
