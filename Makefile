@@ -19,3 +19,10 @@ node-assets:
 .PHONY: image
 image:
 	@bash hack/image/build.sh
+
+# A release into out/release/ (docs/release.md): the image stamped with the version from git
+# (-dirty for a dirty tree), its OCI archive and SBOM (syft, built once like the assets above), and
+# the chart packaged for an OCI registry. `make release CHART_ONLY=1`: the chart alone.
+.PHONY: release
+release:
+	@bash hack/release/release.sh $(if $(CHART_ONLY),--chart-only)

@@ -13,7 +13,8 @@
 # host's network (apt-get from Debian, pip from PyPI).
 #
 # Environment:
-#   NETAGENT_IMAGE        image name (default localhost/netagent:<pyproject version>)
+#   NETAGENT_IMAGE        image name (default localhost/netagent:<netagent.__version__>)
+#   NETAGENT_SOURCE_URL   the org.opencontainers.image.source label (default https://netagent.io)
 #   NETAGENT_BASE_IMAGE   use this base instead of building one, pinned by digest (e.g.
 #                         python:3.11-slim-bookworm@sha256:<digest> where a registry is reachable)
 #   DEBIAN_SUITE, DEBIAN_MIRROR  what debootstrap installs from (bookworm, http://deb.debian.org/debian)
@@ -48,8 +49,12 @@ if [[ ! -e /etc/cni ]]; then
   trap 'rm -f /etc/cni/net.d/cni.lock; rmdir /etc/cni/net.d /etc/cni 2>/dev/null || true' EXIT
 fi
 
-version=$(awk -F'"' '$1 ~ /^version *= *$/ { print $2; exit }' "$repo/pyproject.toml")
-image="${NETAGENT_IMAGE:-localhost/netagent:${version:?no version in pyproject.toml}}"
+# The stamp (hack/release/stamp.py): netagent.__version__ and the tree's place in git, `-dirty` when
+# it has uncommitted changes; the image's version label and `netagent --version` carry it
+read -r stamped revision tree created < <(python3 "$repo/hack/release/stamp.py" --repo "$repo") \
+  || { echo "image: cannot stamp a version (hack/release/stamp.py)" >&2; exit 1; }
+version=${stamped%%-*}
+image="${NETAGENT_IMAGE:-localhost/netagent:$version}"
 suite="${DEBIAN_SUITE:-bookworm}"
 mirror="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 base="${NETAGENT_BASE_IMAGE:-localhost/netagent-base:$suite}"
@@ -127,12 +132,16 @@ fi
 
 start=$SECONDS
 echo "image: buildah build $image from Dockerfile on $pinned"
+echo "image: version $stamped, revision $revision, tree $tree"
 # The RUN steps trust the host's CA bundle (so a TLS-intercepting proxy's CA is trusted too): it is
 # mounted for the build, never copied into the image.
 ca_bundle="${NETAGENT_BUILD_CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}"
 ca_mount=()
 [[ -f $ca_bundle ]] && ca_mount=(--volume "$ca_bundle:/etc/ssl/certs/ca-certificates.crt:ro")
-buildah build --quiet --layers --force-rm --network=host "${ca_mount[@]}" --build-arg "BASE=$pinned" \
+# the labels' values (the Dockerfile's last ARGs: only the labels change with them)
+labels=(--build-arg "VERSION=$stamped" --build-arg "REVISION=$revision"
+  --build-arg "CREATED=$created" --build-arg "SOURCE=${NETAGENT_SOURCE_URL:-https://netagent.io}")
+buildah build --quiet --layers --force-rm --network=host "${ca_mount[@]}" --build-arg "BASE=$pinned" "${labels[@]}" \
   -t "$image" -f "$repo/Dockerfile" "$repo" >/dev/null
 echo "image: built $image in $((SECONDS - start)) s ($(image_size "$image"))"
 if [[ -n $archive ]]; then

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The start-up import time of an image's two processes, measured inside a container of it (buildah,
+# no engine): the wall time of a fresh `python3 -c "import cli.main, netagent.daemon"` (what
+# `netagent run` loads before it touches the node) and of `... controller.app` (`netagent
+# controller`), as the image's user, median of N runs each. Prints one line per process.
+#
+#   hack/release/importtime.sh IMAGE [N]     # N defaults to 7
+set -euo pipefail
+image=${1:?usage: importtime.sh IMAGE [N]}
+runs=${2:-7}
+[[ $runs =~ ^[1-9][0-9]*$ ]] || { echo "importtime: N must be a positive integer, not '$runs'" >&2; exit 2; }
+ctr=$(buildah from --quiet --pull-never "$image")
+trap 'buildah rm "$ctr" >/dev/null' EXIT
+# the outer interpreter only times its children; each child is a new process, as at a pod's start
+buildah run --network=none "$ctr" -- python3 -c '
+import statistics, subprocess, sys, time
+runs = int(sys.argv[1])
+for name, modules in (("agent", "cli.main, netagent.daemon"), ("controller", "cli.main, controller.app")):
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import " + modules], check=True)
+        times.append(time.perf_counter() - start)
+    print(f"{name}: import {modules}: median {statistics.median(times):.2f} s of {runs} (min {min(times):.2f}, max {max(times):.2f})")
+' "$runs"
