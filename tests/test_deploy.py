@@ -154,7 +154,10 @@ def test_prometheus_operator_overlay(base):
     assert cli_args(container).metrics_auth == "true"
     assert cli_args(pod_spec(docs, "Deployment", "netagent-controller")["containers"][0]).metrics_auth == "auto"
     assert container["livenessProbe"]["httpGet"]["scheme"] == container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
-    rules = yaml.safe_load((REPO / "dashboards" / "rules.yaml").read_text())
+    # the chart's rules are dashboards/rules.yaml's, runbook URLs made absolute (monitoring.runbookBaseURL)
+    base_url = yaml.safe_load((CHART / "values.yaml").read_text())["monitoring"]["runbookBaseURL"]
+    rules = yaml.safe_load((REPO / "dashboards" / "rules.yaml").read_text()
+                           .replace("runbook_url: docs/alerts.md#", f"runbook_url: {base_url}#"))
     assert find(docs, "PrometheusRule", "netagent")["spec"]["groups"] == rules["groups"]
 
 
