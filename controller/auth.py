@@ -261,6 +261,8 @@ class TokenAuthenticator:
                 held = self._lookup(key, now, stale_ok=True)  # the API server fails: a recent good verdict holds
                 if held is None:
                     raise
+                if isinstance(held, AuthError):  # a refusal another thread cached meanwhile
+                    raise held from None
                 self.grace_used += 1
                 return held
             try:

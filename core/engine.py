@@ -322,7 +322,8 @@ def _fit_headroom(team: np.ndarray, n_teams: int, team_max: np.ndarray, capacity
     total_headroom = float(headroom.sum())
     if total_headroom > 0 and alloc.sum() + total_headroom > capacity:
         headroom *= max(0.0, (capacity - float(alloc.sum())) / total_headroom)
-    return alloc + headroom
+    out: np.ndarray = alloc + headroom
+    return out
 
 
 def _hold(team: np.ndarray, n_teams: int, team_max: np.ndarray, capacity: float, before: np.ndarray,

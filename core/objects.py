@@ -77,8 +77,8 @@ class Snapshot:
     """Everything the agent knows from its sources at one moment."""
 
     pods: tuple[PodRecord, ...] = ()
-    classes: tuple[dict, ...] = ()  # EgressClass objects, Kubernetes dict form
-    budgets: tuple[dict, ...] = ()  # EgressBudget objects
+    classes: tuple[dict[str, Any], ...] = ()  # EgressClass objects, Kubernetes dict form
+    budgets: tuple[dict[str, Any], ...] = ()  # EgressBudget objects
     generation: int = 0
     errors: tuple[str, ...] = field(default=())  # source problems (a file that failed to parse, ...)
     # the cluster's service CIDRs (its ServiceCIDR objects); None: not known from this source

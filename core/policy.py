@@ -139,11 +139,11 @@ class Policy:
         team = self._team_by_namespace.get(namespace)
         if team is not None:
             return team
-        selectors = [t for t in self.teams if t.namespace_selector is not None]
+        selectors = [(t, t.namespace_selector) for t in self.teams if t.namespace_selector is not None]
         if selectors:
             merged = {NAMESPACE_NAME_LABEL: namespace, **(labels or {})}
-            for t in selectors:
-                if t.namespace_selector.matches(merged):
+            for t, selector in selectors:
+                if selector.matches(merged):
                     return t
         return self._team_by_name[self.default_team]
 
@@ -333,7 +333,7 @@ class PolicyCache:
     """`load_policy` over the current policy objects, recomputed only after `invalidate()`;
     its problems are logged once per change, not on every call. Thread-safe."""
 
-    def __init__(self, objects: Callable[[], tuple[Iterable[dict], Iterable[dict]]]):
+    def __init__(self, objects: Callable[[], tuple[Iterable[dict[str, Any]], Iterable[dict[str, Any]]]]):
         self.objects = objects  # -> (EgressClass objects, EgressBudget objects)
         self._dirty = True
         self._value: tuple[Policy, list[str]] | None = None
@@ -358,7 +358,7 @@ class PolicyCache:
 
 # -- loading -------------------------------------------------------------------------------
 
-def load_policy(classes: Iterable[dict], budgets: Iterable[dict]) -> tuple[Policy, list[str]]:
+def load_policy(classes: Iterable[dict[str, Any]], budgets: Iterable[dict[str, Any]]) -> tuple[Policy, list[str]]:
     """EgressClass and EgressBudget objects (Kubernetes dict form) -> (Policy, problems).
 
     Objects that cannot be used are skipped and described in `problems`. With several
@@ -398,12 +398,12 @@ def load_policy(classes: Iterable[dict], budgets: Iterable[dict]) -> tuple[Polic
     return builtin_default_policy(frozen_classes), problems
 
 
-def _name_of(obj: dict) -> str:
+def _name_of(obj: dict[str, Any]) -> str:
     meta = obj.get("metadata")
     return str(meta.get("name") or "") if isinstance(meta, dict) else ""
 
 
-def _spec_of(obj: Any, kind: str) -> tuple[str, dict]:
+def _spec_of(obj: Any, kind: str) -> tuple[str, dict[str, Any]]:
     if not isinstance(obj, dict):
         raise PolicyError(f"{kind}: expected an object, got {type(obj).__name__}")
     name = _name_of(obj)
@@ -434,7 +434,7 @@ def _rate(value: Any, what: str, default: int, allow_zero: bool) -> int:
         raise PolicyError(str(exc)) from exc
 
 
-def _ingress(spec: dict, what: str, weight: int) -> tuple[int, int, int]:
+def _ingress(spec: dict[str, Any], what: str, weight: int) -> tuple[int, int, int]:
     """The download values of a class or team: its `ingress` block {weight, min, max} ->
     (weight, min, max); absent: the upload weight, no guarantee, no cap."""
     block = spec.get("ingress")
@@ -447,7 +447,7 @@ def _ingress(spec: dict, what: str, weight: int) -> tuple[int, int, int]:
     return (in_weight, *_min_max(block, what))
 
 
-def _min_max(spec: dict, what: str) -> tuple[int, int]:
+def _min_max(spec: dict[str, Any], what: str) -> tuple[int, int]:
     min_bps = _rate(spec.get("min"), f"{what}: min", 0, allow_zero=True)
     max_bps = _rate(spec.get("max"), f"{what}: max", MAX_BPS, allow_zero=False)
     if min_bps > max_bps:

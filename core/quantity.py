@@ -94,7 +94,7 @@ def _parse_exact(text: str, what: str) -> Decimal:
             raise ValueError(f"{what}: {text!r} is not {ALLOWED}") from exc
     value = Decimal(number)
     if suffix in _BINARY:
-        return value * (2 ** _BINARY[suffix])
+        return value * (1 << _BINARY[suffix])
     return value.scaleb(_DECIMAL[suffix])
 
 

@@ -33,7 +33,7 @@ from typing import Protocol
 
 from core.errors import NetagentError
 from iptables.apply import Classifier
-from iptables.model import PodClassification
+from iptables.model import ClassifierState, PodClassification
 from tc.ebpf import EbpfError, InternalCounter, remove_counting, unavailable, unpin_dir
 from tc.errors import TcError
 from tc.model import NODE_MINOR, ClassStats
@@ -83,6 +83,9 @@ class DataPath(Protocol):
 
     def sample_ingress_stats(self) -> tuple[float, dict[int, ClassStats]]:
         """As `sample_stats`, for the download shaper's classes ({} when downloads are not shaped)."""
+
+    def ingress_class_stats(self) -> dict[int, ClassStats]:
+        """As `class_stats`, for the download shaper's classes ({} when downloads are not shaped)."""
 
     def load_carries(self) -> dict[tuple[str, str], tuple[int, int]] | None:
         """The accounting carries a previous agent kept ((direction, pod key) -> (bytes, packets));
@@ -240,7 +243,7 @@ class KernelDataPath:
         self._ipt_lock = threading.Lock()
         self._counters_lock = threading.Lock()  # one counters read at a time; the others take its result
         self._ipt_seq = 0  # odd while an iptables apply runs; bumped at its start and end
-        self._applied_classifier = None  # the classifier state the kernel was last made to match
+        self._applied_classifier: ClassifierState | None = None  # the state the kernel was last made to match
         self._hooks: tuple[int, ...] | None = None  # our mangle lines per family the last apply made (from its rules)
         self._hooks_read: tuple[object, tuple[int, ...]] | None = None  # (rules version, the lines then)
         self._stats: tuple[float, dict[int, ClassStats]] | None = None

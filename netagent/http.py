@@ -33,7 +33,7 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, cast
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -252,9 +252,10 @@ class AgentHTTP:
             self._close(conn, "read_timeout")
 
     def _read(self, conn: _Conn) -> None:
+        tls_sock = cast(ssl.SSLSocket, conn.sock)  # what it is whenever the listener has TLS
         if conn.listener.tls is not None and not conn.handshaken:
             try:
-                conn.sock.do_handshake()
+                tls_sock.do_handshake()
             except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
                 return
             except OSError:  # not TLS (a plain-http client), or a bad handshake
@@ -263,8 +264,8 @@ class AgentHTTP:
             conn.handshaken = True
         try:
             data = conn.sock.recv(4096)
-            while conn.listener.tls is not None and data and conn.sock.pending():  # decrypted, not on the fd
-                data += conn.sock.recv(conn.sock.pending())
+            while conn.listener.tls is not None and data and tls_sock.pending():  # decrypted, not on the fd
+                data += conn.sock.recv(tls_sock.pending())
         except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return
         except OSError:

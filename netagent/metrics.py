@@ -216,7 +216,7 @@ def render(families: list[tuple[Metric, list[tuple[list[str], float]]]],
         name = family.name + "_total" if family.type == "counter" else family.name
         doc = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
         out.append(f"# HELP {name} {doc}\n# TYPE {name} {family.type}\n")
-        labelnames = family._labelnames  # what add_metric zips the values with
+        labelnames = family._labelnames  # type: ignore[attr-defined]  # what add_metric zips the values with
         order = sorted(range(len(labelnames)), key=labelnames.__getitem__)
         for values, value in rows:
             key = (name, tuple(values))

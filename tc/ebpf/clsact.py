@@ -139,7 +139,7 @@ def attach_filters(tc: Filters, index: dict[str, int], uplinks: tuple[str, ...],
             ops.append((f"add clsact to {dev}",
                         tc_message(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_EXCL, idx, 0xFFFF0000, TC_H_CLSACT,
                                    "clsact")))
-            found = {hook: ([], 0) for hook in HOOKS}
+            found: dict[str, tuple[list[Found], int]] = {hook: ([], 0) for hook in HOOKS}
         else:
             found = tc.at_pref(idx)
         for hook, (parent, name, egress) in (NODE_HOOKS if uplink else HOOKS).items():

@@ -35,7 +35,7 @@ def unavailable(pin_dir: str) -> str | None:
     fds: list[int] = []
     try:
         fds.append(create_map(map_shape(1)))
-        nets = {4: ("10.0.0.0/8",), 6: ("fd00::/8",)}
+        nets: dict[int, tuple[str, ...]] = {4: ("10.0.0.0/8",), 6: ("fd00::/8",)}
         fds.append(programs.load(programs.program(nets, False, fds[0]), "na_probe"))
         fds.append(create_map(NODE_MAP_SHAPE, NODE_MAP_NAME))
         fds.append(programs.load(programs.program(nets, False, fds[2], node=True), "na_probe_node"))

@@ -59,7 +59,7 @@ def refusal(exc: OSError) -> str:
         return "bpf(2) refused: EPERM (the process needs CAP_BPF and CAP_NET_ADMIN, or CAP_SYS_ADMIN)"
     if exc.errno == errno.ENOSYS:
         return "bpf(2) is missing: ENOSYS (a kernel without CONFIG_BPF_SYSCALL)"
-    return f"bpf(2) failed: {errno.errorcode.get(exc.errno, exc.errno)} ({exc.strerror})"
+    return f"bpf(2) failed: {errno.errorcode.get(exc.errno or 0, exc.errno)} ({exc.strerror})"
 
 
 def statfs_magic(path: str) -> int:
