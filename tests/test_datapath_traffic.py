@@ -567,7 +567,7 @@ def edge_cases() -> list[tuple[str, str]]:
 def datagram_sender(lab: Lab, pod):
     """SENDER in the pod; yields send(dst, count) -> the size of the IP packet it sent `count` times (100
     bytes of UDP payload, from the pod's address of dst's family). Killed after the block."""
-    sender = lab.spawn(pod.netns, ["python3", "-c", SENDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    sender = lab.spawn(pod.netns, [sys.executable, "-c", SENDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE, text=True)
     try:
         assert sender.stdout.readline().strip() == "ready", sender.stderr.read()
@@ -628,7 +628,7 @@ def test_a_pods_small_packets_of_any_protocol_go_ahead_of_its_bulk_data(lab, nod
     protocol stay in the bulk leaf. Counted in packets per leaf, both families."""
     pod = node.pods[0]
     node.program({pod.name: (100 * M, 100 * M)})
-    sender = lab.spawn(pod.netns, ["python3", "-c", SENDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    sender = lab.spawn(pod.netns, [sys.executable, "-c", SENDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE, text=True)
     try:
         assert sender.stdout.readline().strip() == "ready", sender.stderr.read()

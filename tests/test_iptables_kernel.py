@@ -8,6 +8,7 @@ import ipaddress
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -289,7 +290,8 @@ SEND = ("import socket,sys\n"
 
 def send_udp(netns: str, targets: list[tuple[str, int]]) -> int:
     """Send one UDP datagram per (address, payload size); -> the IP bytes they occupy."""
-    subprocess.run(["ip", "netns", "exec", netns, "python3", "-c", SEND, *(f"{a},{s}" for a, s in targets)], check=True)
+    subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c", SEND, *(f"{a},{s}" for a, s in targets)],
+                   check=True)
     return sum(s + (48 if ":" in a else 28) for a, s in targets)
 
 

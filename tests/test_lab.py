@@ -2,6 +2,7 @@
 import json
 import re
 import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -76,7 +77,7 @@ def sender(pod_netns: str, src: str, dst: str) -> None:
     fam = "AF_INET6" if ":" in dst else "AF_INET"
     code = f"import socket; s = socket.socket(socket.{fam}, socket.SOCK_DGRAM); s.bind(({src!r}, 0)); " \
            f"s.sendto(b'x', ({dst!r}, 9999))"
-    run(["python3", "-c", code], pod_netns)
+    run([sys.executable, "-c", code], pod_netns)
 
 
 @pytest.mark.parametrize("dst,who,snat", [
@@ -87,7 +88,7 @@ def test_snat_only_towards_the_internet(lab, dst, who, snat):
     """A cloud node: the internet sees the node's address, the VPC sees the pod's."""
     node, pod = lab.nodes[0], lab.nodes[0].pods[1]
     v6 = ":" in dst
-    rx = lab.spawn(getattr(lab, who), ["python3", "-c", RECEIVER, dst], stdout=subprocess.PIPE, text=True)
+    rx = lab.spawn(getattr(lab, who), [sys.executable, "-c", RECEIVER, dst], stdout=subprocess.PIPE, text=True)
     assert rx.stdout.readline().strip() == "ready"
     sender(pod.netns, pod.ip6 if v6 else pod.ip4, dst)
     seen = rx.stdout.readline().strip()
