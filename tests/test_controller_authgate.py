@@ -170,6 +170,29 @@ def test_exp_is_still_honoured_on_the_wall_clock():
     assert auth.cached(f"Bearer {tok}") is None
 
 
+def test_a_refusal_cached_while_the_review_failed_is_a_refusal_not_an_identity():
+    """The API server fails this review while another review of the same token (another request's,
+    here nested in the failing one) refused it and cached the refusal: the grace lookup finds that
+    refusal and raises it. Before, it returned the AuthError as if it were the Identity (mypy found it)."""
+    tok = pod_jwt()
+    calls: list[str] = []
+    refuse = reviewer(set(), calls)  # the token is not (or no longer) good
+    failed: list[str] = []  # the review the API server fails
+
+    def review(token: str) -> dict:
+        if not failed:
+            failed.append(token)
+            with pytest.raises(AuthError):
+                auth.authenticate(f"Bearer {tok}")  # the other request: reviewed, refused, cached
+            raise ConnectionError("the API server went away")
+        return refuse(token)
+
+    auth = TokenAuthenticator(review)
+    with pytest.raises(AuthError, match="invalid bearer token"):
+        auth.authenticate(f"Bearer {tok}")
+    assert calls == [tok]
+
+
 async def test_junk_from_a_hundred_addresses_never_delays_agents():
     """100 tenant addresses post junk tokens that claim pods the watch does not know (and the
     agent's ServiceAccount and audience, and a forged signature) while ten agents with fresh
