@@ -33,7 +33,7 @@ from iptables.render import set_members
 from tc.model import (
     DEFAULT_MINOR,
     DOWNLOAD_ROOT_MAJOR,
-    INGRESS_IFB_ALIAS,
+    DOWNLOAD_IFB_ALIAS,
     MAX_RATE_BPS,
     MIN_RATE_BPS,
     POD_MINOR_MAX,
@@ -367,6 +367,6 @@ def _ingress_shaper(inputs: NodeInputs, ready: list[PodShape], minors: dict[str,
         major=opts.ingress_htb_major,
         leaf=opts.leaf_qdisc,
         filter_pref=opts.filter_pref,
-        ifb_alias=INGRESS_IFB_ALIAS,
+        ifb_alias=DOWNLOAD_IFB_ALIAS,
         optional_devices=True,
     )

@@ -47,10 +47,11 @@ def pod_of_leaf(minor: int) -> int | None:
 MAX_RATE_BPS = (1 << 64) - 1
 MIN_RATE_BPS = 8  # one byte per second: HTB cannot express less
 
-# The IFB's alias says what it carries and marks it as ours (adoption, cleanup).
-EGRESS_IFB_ALIAS = "netagent: internet egress shaper"
-INGRESS_IFB_ALIAS = "netagent: internet ingress (download) shaper"
-IFB_ALIASES = frozenset({EGRESS_IFB_ALIAS, INGRESS_IFB_ALIAS})
+# The IFB's alias says what it carries and marks it as ours (adoption, cleanup). The texts are what
+# nodes already carry (an agent adopts by them): the names say the pod's direction, the texts stay.
+UPLOAD_IFB_ALIAS = "netagent: internet egress shaper"
+DOWNLOAD_IFB_ALIAS = "netagent: internet ingress (download) shaper"
+IFB_ALIASES = frozenset({UPLOAD_IFB_ALIAS, DOWNLOAD_IFB_ALIAS})
 
 
 @dataclass(frozen=True, order=True)
@@ -91,7 +92,7 @@ class ShaperSpec:
     leaf: str = "pfifo"  # leaf qdisc kind: fq_codel where the kernel has it, else tbf (tc/sizing.py: segmenting)
     filter_pref: int = 0xC000  # clsact filter priority on the uplinks (ours alone)
     ifb_txqueuelen: int = 5000
-    ifb_alias: str = EGRESS_IFB_ALIAS
+    ifb_alias: str = UPLOAD_IFB_ALIAS
     optional_devices: bool = False  # downloads: `uplinks` are pod devices that come and go
 
     def __post_init__(self) -> None:

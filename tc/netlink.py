@@ -30,7 +30,7 @@ from . import markfilter, rawnl, sizing
 from .diff import Op, plan_ops
 from .errors import TcError
 from .model import (
-    EGRESS_IFB_ALIAS,
+    UPLOAD_IFB_ALIAS,
     IFB_ALIASES,
     ClassStats,
     ObservedClass,
@@ -43,7 +43,7 @@ from .model import (
 
 log = logging.getLogger(__name__)
 
-IFB_ALIAS = EGRESS_IFB_ALIAS  # marks the upload IFB as ours (the download IFB: tc.model.INGRESS_IFB_ALIAS)
+IFB_ALIAS = UPLOAD_IFB_ALIAS  # marks the upload IFB as ours (the download IFB: tc.model.DOWNLOAD_IFB_ALIAS)
 TC_H_CLSACT = 0xFFFFFFF1
 CLSACT_INGRESS = 0xFFFFFFF2  # TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_INGRESS)
 CLSACT_EGRESS = 0xFFFFFFF3  # TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_EGRESS)

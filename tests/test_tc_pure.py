@@ -1,4 +1,7 @@
 """tc logic that needs no kernel: BPF program, sizing, the diff."""
+import re
+from pathlib import Path
+
 import pytest
 
 from tc import markfilter, sizing
@@ -299,3 +302,17 @@ def test_a_tiny_guarantee_keeps_its_buckets_within_htbs_32_bit_buffer():
         assert 0 < p.buffer <= MAX_TICKS and 0 < p.cbuffer <= MAX_TICKS
         if bps >= 10**6:
             assert p.burst_bytes == sizing.burst_bytes(bps)  # only buckets that cannot fit are cut
+
+
+def test_ingress_and_egress_in_tc_are_hook_words_only():
+    """In tc/, "ingress" and "egress" name a device's hook (clsact's, tcx's), never a pod's direction
+    (upload, download: the shaper's IFB aliases are UPLOAD_/DOWNLOAD_). The one exception is the
+    node counter's keys, which are the rules' node kinds that the agent's counters share."""
+    hook_words = {"ingress", "egress", "CLSACT_INGRESS", "CLSACT_EGRESS", "BPF_TCX_INGRESS", "BPF_TCX_EGRESS",
+                  "TC_H_MIN_INGRESS", "TC_H_MIN_EGRESS"}
+    rules_kinds = {"egress_internal", "ingress_internal", "ingress_internet"}  # InternalCounter.read_node
+    tc_dir = Path(__file__).resolve().parents[1] / "tc"
+    found = {(word, str(path.relative_to(tc_dir))) for path in tc_dir.rglob("*.py")
+             for word in re.findall(r"\b\w*(?:ingress|egress)\w*\b", path.read_text(), re.IGNORECASE)}
+    assert {(w, p) for w, p in found if w not in hook_words | rules_kinds} == set()
+    assert {p for w, p in found if w in rules_kinds} == {"ebpf/counter.py"}

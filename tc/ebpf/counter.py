@@ -195,8 +195,8 @@ class InternalCounter:
             token_in.value, first = token_out.value, False
 
     def read(self) -> dict[str, tuple[int, int, int, int]]:
-        """Pod address -> (egress bytes, egress packets, ingress bytes, ingress packets), the pod's
-        view (egress: what it sent), summed over the CPUs."""
+        """Pod address -> (bytes sent, packets sent, bytes received, packets received) by the pod,
+        summed over the CPUs."""
         return {address_of(key): (sum(v[0::4]), sum(v[1::4]), sum(v[2::4]), sum(v[3::4])) for key, v in self._entries()}
 
     def read_node(self) -> dict[str, int]:

@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 BPF_FS_MAGIC = 0xCAFE4A11
 KEY_SIZE = 16
-VALUE = struct.Struct("=4Q")  # egress bytes, egress packets, ingress bytes, ingress packets (pod's view)
+VALUE = struct.Struct("=4Q")  # bytes and packets the pod sent, bytes and packets it received
 MAP_NAME = b"na_internal"
 PIN_NAME = "internal"
 # the node's totals through its uplinks: a per-CPU array of two VALUEs (node's view), by the far end's scope

@@ -66,15 +66,16 @@ def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, nod
     """The counting program of one hook of a pod's device (node=False) or of an uplink (node=True),
     as instructions.
 
-    Pod device: on its ingress (egress=False: what the pod sends) a packet whose destination is in
-    `networks` is added to the entry of its source, in the entry's egress slots; on its egress (what
-    the pod receives) a packet whose source is internal to its destination's entry, in the ingress
-    slots. A packet of no entry, or not IP over Ethernet, is not counted.
+    Pod device: on its ingress hook (egress=False: what the pod sends) a packet whose destination is
+    in `networks` is added to the entry of its source, in the entry's sent slots; on its egress hook
+    (what the pod receives) a packet whose source is internal to its destination's entry, in the
+    received slots. A packet of no entry, or not IP over Ethernet, is not counted.
 
-    Uplink (the node's totals, in the node map): on its egress a packet with an internal destination
-    is added to NODE_INTERNAL's egress slots (the rules count the node's internet egress, which they
-    classify anyway); on its ingress every IP packet for this host is added to NODE_INTERNAL's or
-    NODE_INTERNET's ingress slots by its source's scope, as the rules' PREROUTING hook counted it.
+    Uplink (the node's totals, in the node map): on its egress hook a packet with an internal
+    destination is added to NODE_INTERNAL's sent slots (the rules count what the node sends to the
+    internet, which they classify anyway); on its ingress hook every IP packet for this host is added
+    to NODE_INTERNAL's or NODE_INTERNET's received slots by its source's scope, as the rules'
+    PREROUTING hook counted it.
 
     Returns TC_ACT_UNSPEC: the next program or filter decides. With `gate` (a mark bit, egress hooks
     only), a packet without that bit gets TC_ACT_OK instead: on a tcx link that ends the hook, so the
