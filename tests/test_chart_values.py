@@ -278,3 +278,27 @@ def test_the_rbac_table_is_what_the_chart_grants():
     assert len(documented) > 20
     assert rendered == documented, (f"granted, not in docs/install.md: {sorted(rendered - documented)}\n"
                                     f"in docs/install.md, not granted: {sorted(documented - rendered)}")
+
+
+# --- day one with kube-prometheus-stack ------------------------------------------------------------------
+
+OPERATOR = ["--api-versions", "monitoring.coreos.com/v1/PodMonitor",
+            "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor"]
+
+
+def test_default_values_are_scraped_where_the_operator_is():
+    """kube-prometheus-stack's defaults select monitors labelled release=<its release> and its Grafana
+    sidecar takes ConfigMaps labelled grafana_dashboard=1: the chart's defaults give exactly that where
+    the cluster serves PodMonitor (auto), and no monitor where it does not (the install would fail)."""
+    docs = helm_template(*OPERATOR)
+    monitors = [d for d in docs if d["kind"] == "PodMonitor"]
+    assert {m["metadata"]["name"] for m in monitors} == {"netagent-agent", "netagent-controller"}
+    assert all(m["metadata"]["labels"]["release"] == "kube-prometheus-stack" for m in monitors)
+    assert not [d for d in docs if d["kind"] in ("ServiceMonitor", "PrometheusRule")]  # the dashboards need no rule
+    dashboards = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("netagent-dashboard")]
+    assert len(dashboards) == 2 and all(d["metadata"]["labels"]["grafana_dashboard"] == "1" for d in dashboards)
+    assert not [d for d in helm_template() if d["kind"] in ("PodMonitor", "ServiceMonitor")]
+    services = helm_template(*OPERATOR, "--set", "monitoring.serviceMonitor.enabled=true")
+    assert {d["kind"] for d in services if "Monitor" in d["kind"]} == {"ServiceMonitor"}
+    off = helm_template(*OPERATOR, "--set", "monitoring.podMonitor.enabled=false")
+    assert not [d for d in off if d["kind"] == "PodMonitor"]

@@ -30,13 +30,13 @@ DAY_ONE_PORT = 9591
 
 
 def chart_day_one() -> tuple[list[dict], str, dict[str, str]]:
-    """What the chart's default values give Prometheus, with the PodMonitors on (without a monitor
-    nothing is scraped): the rule groups it ships, the scrape interval, the job of the agents
-    (DaemonSet) and of the controllers (Deployment) as the operator would name them."""
+    """What the chart's default values give Prometheus in a cluster with the Prometheus operator
+    (PodMonitors: monitoring.podMonitor.enabled=auto): the rule groups it ships, the scrape interval,
+    the job of the agents (DaemonSet) and of the controllers (Deployment) as the operator names them."""
     from tests.test_alerts_chart import monitor_jobs
     from tests.test_deploy import helm_template
 
-    docs = helm_template("--set", "monitoring.podMonitor.enabled=true")
+    docs = helm_template("--api-versions", "monitoring.coreos.com/v1/PodMonitor")
     groups = [g for d in docs if d["kind"] == "PrometheusRule" for g in d["spec"]["groups"]]
     intervals = {ep["interval"] for d in docs if d["kind"] == "PodMonitor" for ep in d["spec"]["podMetricsEndpoints"]}
     interval, = intervals
