@@ -33,6 +33,7 @@ from tests.test_controller_kube import (  # noqa: F401 (fixtures)
     post,
     workload,
 )
+from tests.kube import CONTROL_PLANE_BINARIES, ControlPlane, require_assets
 from tests.test_controller_service import free_port, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -353,3 +354,12 @@ def test_a_token_user_with_the_reader_role_sees_everything_over_verified_tls(kub
     finally:
         for kind, name in created:
             kube_api.kubectl("delete", kind, name, "--ignore-not-found")
+
+
+def test_a_cluster_without_the_crds_is_not_installed(tmp_path):
+    """A control plane of its own (the shared one keeps the CRDs other tests installed): the API
+    server serves no egressbudgets.netagent.io."""
+    with ControlPlane(require_assets(CONTROL_PLANE_BINARIES)) as bare:
+        out = run_status(bare.kubeconfig, "netagent-system")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "netagent is not installed in this cluster: the API server serves no egressbudgets.netagent.io" in out.stdout
