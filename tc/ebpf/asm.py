@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 R0, R1, R2, R3, R4, R6, R10 = 0, 1, 2, 3, 4, 6, 10
+# what resolve() takes: an instruction, ("label", name) or ("jmp", code, dst, imm, target)
+Item = bytes | tuple[Any, ...]
 
 
 def insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
@@ -12,14 +15,15 @@ def insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> b
 
 def le(word: bytes) -> int:
     """Four network-order bytes as a 32-bit load on a little-endian host sees them, as a signed immediate."""
-    return struct.unpack("<i", word)[0]
+    return int(struct.unpack("<i", word)[0])
 
 
-def resolve(body: list) -> bytes:
+def resolve(body: list[Item]) -> bytes:
     """Place the labels and fill in the jumps' offsets. `body` holds instructions, ("label", name) and
     ("jmp", code, dst, imm, target); every item but a label is one 8-byte slot (ld_imm64's two slots
     are two items)."""
-    labels, pos = {}, 0
+    labels: dict[str, int] = {}
+    pos = 0
     for item in body:
         if isinstance(item, tuple) and item[0] == "label":
             labels[item[1]] = pos

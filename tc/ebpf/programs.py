@@ -10,7 +10,7 @@ import errno
 import ipaddress
 import struct
 
-from .asm import R0, R1, R2, R3, R4, R6, R10, insn, le, resolve
+from .asm import R0, R1, R2, R3, R4, R6, R10, Item, insn, le, resolve
 from .maps import NODE_INTERNAL, NODE_INTERNET
 from .syscall import BPF_PROG_LOAD, BPF_PROG_TYPE_SCHED_CLS, EbpfError, addr, bpf, bpf_attr, refusal
 
@@ -92,7 +92,7 @@ def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, nod
     if not nets and not other:  # nothing to count
         return resolve([insn(0xBF, R6, R1), *_verdict(gate)]) if gate else resolve(_verdict(0))
     # instructions, ("label", name), and ("jmp", code, dst, imm, target): a jump resolved once labels are placed
-    body: list = []
+    body: list[Item] = []
 
     def jump(code: int, dst: int, imm: int, target: str) -> None:
         body.append(("jmp", code, dst, imm, target))
@@ -165,7 +165,7 @@ def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, nod
     return resolve(body)
 
 
-def _verdict(gate: int) -> list:
+def _verdict(gate: int) -> list[Item]:
     """The program's end (r6 = ctx): TC_ACT_UNSPEC, or with a gate TC_ACT_OK for a packet without the bit."""
     if not gate:
         return [insn(0xB7, R0, 0, 0, TC_ACT_UNSPEC), insn(0x95)]
@@ -174,7 +174,7 @@ def _verdict(gate: int) -> list:
             insn(0xB7, R0, 0, 0, TC_ACT_OK), ("label", "END"), insn(0x95)]
 
 
-def _prog_load(code: bytes, name: str, vlog: ctypes.Array | None) -> int:
+def _prog_load(code: bytes, name: str, vlog: ctypes.Array[ctypes.c_char] | None) -> int:
     insns = ctypes.create_string_buffer(code, len(code))
     lic = ctypes.create_string_buffer(LICENSE)
     return bpf(BPF_PROG_LOAD, bpf_attr("=IIQQIIQII16s", BPF_PROG_TYPE_SCHED_CLS, len(code) // 8, addr(insns), addr(lic),
