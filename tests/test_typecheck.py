@@ -1,7 +1,7 @@
 """The type checker over the product packages: mypy with the settings in pyproject.toml's [tool.mypy]
 (strict for the pure core modules, the defaults elsewhere, attr-defined everywhere).
 
-Its cache lives in the temporary directory, not the tree: a fresh clone checks everything (~45 s of
+Its cache lives in the temporary directory, not the tree: a fresh clone checks everything (~40 s of
 CPU), a second run only what changed (a few seconds).
 """
 from __future__ import annotations
