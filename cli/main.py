@@ -408,7 +408,7 @@ def _demo(a: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         if exc.name == "lab":
             print("netagent demo runs from a source checkout (the lab is not part of the installed product): "
-                  "git clone the project, then `sudo bash scripts/bootstrap.sh --demo && sudo python3 -m netagent demo`",
+                  "git clone the project, then `sudo bash scripts/bootstrap.sh --demo && sudo .venv/bin/python -m netagent demo`",
                   file=sys.stderr)
         else:
             print(f"netagent demo needs {exc.name}: pip install -e '.[demo]' (or `sudo bash scripts/bootstrap.sh --demo`)",
