@@ -24,6 +24,10 @@ import pytest
 from kubernetes import client
 
 from cli import clusterview
+from controller.allocator import RoundResult, Summary, TeamTotals
+from controller.state import ControllerState
+from controller.view import cluster_view
+from core.wire import NodeReport, PodAllocation, PodReport
 from tests.test_controller_kube import (  # noqa: F401 (fixtures)
     budget,
     controller,
@@ -141,6 +145,33 @@ def test_not_installed_forbidden_and_unreachable_say_which():
     assert "ApiServerUnreachable: list egressbudgets: refused" in clusterview.render(v)
     v = clusterview.view(snapshot(lease={**snapshot()["lease"], "renew_time": "2026-11-28T03:50:00Z"}))
     assert "no controller leads: the Lease netagent-controller expired 585 s ago" in clusterview.render(v)
+
+
+def test_the_controllers_view_ranks_pods_by_use_and_ages_each_nodes_report():
+    """controller/view.py over a real ControllerState and a round of its own (no allocator: the
+    view only reads what a round left)."""
+    def allocate(reports):
+        by_node = {n: [PodAllocation(p.namespace, p.name, "web", "bulk", 10e6, 20e6) for p in r.pods]
+                   for n, r in reports.items()}
+        summary = Summary("default", 100e6, 30e6, 40e6, 9e6, 3, 2, False,
+                          teams={"web": TeamTotals(30e6, 40e6, 9e6, 3, 5e6, False)})
+        return RoundResult(by_node, {n: 50e6 for n in reports}, 1e6, summary)
+
+    state = ControllerState(allocate, lease_seconds=30)
+    state.submit(None, NodeReport("n-a", [PodReport("web", "small", 1e6, 2e6), PodReport("web", "big", 6e6, 9e6)]))
+    state.submit(None, NodeReport("n-b", [PodReport("web", "mid", 2e6, 3e6, ingress_usage_bps=1e6)]))
+    state.run_round()
+    now = max(t for t, _ in state.latest.values()) + 40
+    v = cluster_view(state, top=2, now=now)
+    assert [p["name"] for p in v["top_pods"]] == ["big", "mid"]  # by use, both directions
+    assert v["top_pods"][1] == {"namespace": "web", "name": "mid", "node": "n-b", "team": "web", "class": "bulk",
+                                "used_bps": 2e6, "allocation_bps": 10e6, "limit_bps": 20e6,
+                                "download_used_bps": 1e6, "download_allocation_bps": None}
+    assert set(v["nodes"]) == {"n-a", "n-b"} and min(v["nodes"].values()) >= 40  # older than the 30 s lease
+    assert v["uploads"]["teams"] == [{"team": "web", "allocated_bps": 30e6, "demand_bps": 40e6, "used_bps": 9e6,
+                                      "guarantee_bps": 5e6, "guarantee_unmet": False, "pods": 3}]
+    assert (v["downloads"], v["generation"], v["lease_seconds"]) == (None, 1, 30)
+    assert json.loads(json.dumps(v)) == v
 
 
 # -- against the real API server and controller -----------------------------------------------------
