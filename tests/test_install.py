@@ -1,8 +1,12 @@
 """The install users do, end to end on the real node (tests/node.py): the image built with
-hack/image/build.sh and imported into the node's containerd, `helm install` of charts/netagent,
-pods started by the kubelet through the CNI with iperf3 in their image and shaped by the agent
-running in its container, `kubectl annotate` to another class, `helm upgrade` to a new image tag
-with no unshaped moment, `helm uninstall` with the documented cleanup leaving nothing behind.
+hack/image/build.sh and imported into the node's containerd, `helm install` of charts/netagent as
+release `egress` into `egress-system` (names not the chart's), pods started by the kubelet through
+the CNI with iperf3 in their image and shaped by the agent running in its container, a real
+Prometheus scraping through the chart's PodMonitors, `kubectl annotate` to another class, `helm
+upgrade` with a changed class (in the API server when helm returns, applied by the agent),
+`helm rollback` (the class back), an upgrade the API server refuses (its message, nothing of it
+left), the CRDs applied as documented and `helm upgrade` to a new image tag with no unshaped
+moment, `helm uninstall` with the documented cleanup leaving nothing behind.
 
 The lab around the node (all removed afterwards, also on failure):
 - the "internet": a network namespace holding 203.0.113.1 (and an internal peer, 10.212.0.1),
@@ -44,7 +48,11 @@ from tests.node import busybox_image, node_assets_dir, require_image_builder, re
 pytestmark = [pytest.mark.kube, pytest.mark.cluster, pytest.mark.root, pytest.mark.traffic]
 
 CHART = REPO / "charts" / "netagent"
-NAMESPACE = "netagent-system"
+# a release and a namespace of other names than the chart's: names come from the release (objects
+# <release>-netagent-*), the alerts' jobs do not (docs/alerts.md "Release names")
+RELEASE, NAMESPACE = "egress", "egress-system"
+FULLNAME = f"{RELEASE}-netagent"
+AGENT, CONTROLLER, CLEANUP = f"{FULLNAME}-agent", f"{FULLNAME}-controller", f"{FULLNAME}-cleanup"
 WORKLOADS = "shaped"
 IPERF_IMAGE = "localhost/netagent-test/iperf3:1"
 INTERNET, INTERNAL_PEER = "203.0.113.1", "10.212.0.1"
@@ -57,6 +65,8 @@ CONTROLLER_PORT = 9561
 AGENT_STATE = "http://127.0.0.1:9562/state"  # the agent serves /state on loopback only (--state-listen)
 IFB = "netagent0"
 TRAFFIC_LOCK = "/tmp/netagent-traffic.lock"
+CLASSES = [{"name": "bronze", "spec": {"weight": 1, "max": "20M"}},
+           {"name": "silver", "spec": {"weight": 2, "max": "40M"}}]
 CAPABILITY_BITS = {"NET_ADMIN": 12, "NET_RAW": 13, "BPF": 39}  # linux/capability.h
 
 
@@ -155,7 +165,7 @@ def services(kube_api):
     api_host, api_port = kube_api.url.removeprefix("https://").rsplit(":", 1)
 
     def controller_pod():
-        pods = core.list_namespaced_pod(NAMESPACE, label_selector="app.kubernetes.io/name=netagent-controller").items
+        pods = core.list_namespaced_pod(NAMESPACE, label_selector=f"app.kubernetes.io/name={CONTROLLER}").items
         ready = [p for p in pods if p.status.pod_ip and any(
             c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])]
         return (ready[0].status.pod_ip, CONTROLLER_PORT) if ready else None
@@ -213,9 +223,12 @@ def chart_copy(tmp: Path, version: str | None = None, crd_note: str | None = Non
         meta = yaml.safe_load((chart / "Chart.yaml").read_text())
         meta["version"] = version
         (chart / "Chart.yaml").write_text(yaml.safe_dump(meta))
-    if crd_note:
-        crd = chart / "templates" / "crd-egressclasses.yaml"
-        crd.write_text(crd.read_text().replace(
+    if crd_note:  # a new revision of crds/ (tests/test_chart_upgrade.py: how revisions are kept)
+        crd = chart / "crds" / "egressclasses.netagent.io.yaml"
+        text = crd.read_text()
+        revision = int(re.search(r'netagent.io/crd-revision: "(\d+)"', text).group(1))
+        text = text.replace(f'netagent.io/crd-revision: "{revision}"', f'netagent.io/crd-revision: "{revision + 1}"')
+        crd.write_text(text.replace(
             "    - {name: Age, type: date, jsonPath: .metadata.creationTimestamp}",
             f"    - {{name: Note, type: string, jsonPath: .metadata.name, description: {crd_note}}}\n"
             "    - {name: Age, type: date, jsonPath: .metadata.creationTimestamp}"))
@@ -435,7 +448,7 @@ def prometheus_scraping_the_chart(kube_api, workdir: Path):
     core = client.CoreV1Api(kube_api.admin)
     podmonitors = objects.list_namespaced_custom_object("monitoring.coreos.com", "v1", NAMESPACE, "podmonitors")["items"]
     rules = objects.list_namespaced_custom_object("monitoring.coreos.com", "v1", NAMESPACE, "prometheusrules")["items"]
-    assert {p["metadata"]["name"] for p in podmonitors} == {"netagent-agent", "netagent-controller"}
+    assert {p["metadata"]["name"] for p in podmonitors} == {AGENT, CONTROLLER}
     assert len(rules) == 1
 
     def secret_file(ns: str, name: str, key: str) -> Path:
@@ -559,8 +572,7 @@ def test_helm_install_shapes_upgrades_and_uninstalls_on_the_real_node(
         # the Prometheus operator's objects (its CRDs are installed; a Prometheus made from them scrapes)
         "monitoring": {"podMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}, "interval": "5s"},
         "controller": {"service": {"clusterIP": CONTROLLER_SVC}},  # no cluster DNS here (module docstring)
-        "classes": [{"name": "bronze", "spec": {"weight": 1, "max": "20M"}},
-                    {"name": "silver", "spec": {"weight": 2, "max": "40M"}}],
+        "classes": CLASSES,
         "budget": {"name": "default", "spec": {"total": "1G", "teams": [{
             "name": "lab", "namespaces": [WORKLOADS], "defaultClass": "bronze",
             "allowedClasses": ["bronze", "silver"]}]}},
@@ -569,16 +581,16 @@ def test_helm_install_shapes_upgrades_and_uninstalls_on_the_real_node(
     core.create_namespace({"metadata": {"name": WORKLOADS}})
     installed = False
     try:
-        helm(kube_api, "install", "netagent", str(chart), "-n", NAMESPACE, "--create-namespace",
+        helm(kube_api, "install", RELEASE, str(chart), "-n", NAMESPACE, "--create-namespace",
              "-f", str(values), "--wait", "--timeout", "5m")
         installed = True
-        ds = apps.read_namespaced_daemon_set("netagent-agent", NAMESPACE)
+        ds = apps.read_namespaced_daemon_set(AGENT, NAMESPACE)
         assert ds.status.number_ready == ds.status.desired_number_scheduled == 1
-        deploy = apps.read_namespaced_deployment("netagent-controller", NAMESPACE)
+        deploy = apps.read_namespaced_deployment(CONTROLLER, NAMESPACE)
         assert deploy.status.ready_replicas == 2
 
         # the agent runs with exactly its pod spec's privileges
-        agent_pod, = core.list_namespaced_pod(NAMESPACE, label_selector="app.kubernetes.io/name=netagent-agent").items
+        agent_pod, = core.list_namespaced_pod(NAMESPACE, label_selector=f"app.kubernetes.io/name={AGENT}").items
         spec_sc = agent_pod.spec.containers[0].security_context
         pid = container_pid(core, real_node, NAMESPACE, agent_pod.metadata.name)
         status = proc_status(pid)
@@ -609,7 +621,7 @@ def test_helm_install_shapes_upgrades_and_uninstalls_on_the_real_node(
         assert ca_files == ["ca.crt"], ca_files
         state = wait_for(lambda: (s := agent_state())["controller_reachable"] and s, 60,
                          what="the agent reaching the controller over HTTPS", interval=0.5)
-        assert state["controller"] == f"https://netagent-controller.{NAMESPACE}.svc:{CONTROLLER_PORT}", state["controller"]
+        assert state["controller"] == f"https://{CONTROLLER}.{NAMESPACE}.svc:{CONTROLLER_PORT}", state["controller"]
 
         # pods through the CNI, with iperf3 in their image, shaped on their internet egress only
         def pod(name, annotations):
@@ -636,7 +648,7 @@ def test_helm_install_shapes_upgrades_and_uninstalls_on_the_real_node(
                 wait_for(lambda p=p: pod_class_rate(p.status.pod_ip), 60, what=f"{name} shaped", interval=0.2)
             except AssertionError as e:
                 e.add_note(json.dumps(agent_state(), default=str)[:3000])
-                e.add_note(kube_api.kubectl("logs", "-n", NAMESPACE, "daemonset/netagent-agent", "--tail=30",
+                e.add_note(kube_api.kubectl("logs", "-n", NAMESPACE, f"daemonset/{AGENT}", "--tail=30",
                                             check=False).stdout[-3000:])
                 raise
         wait_for(lambda: pod_class_rate(pods["capped"].status.pod_ip) == limits["capped"], 60,
@@ -712,6 +724,62 @@ def test_helm_install_shapes_upgrades_and_uninstalls_on_the_real_node(
         wait_for(lambda: pod_class_rate(silver_ip) == 20_000_000, 30, what="the new class applied", interval=0.02)
         print(f"annotate -> class rate applied in {time.monotonic() - start:.2f} s")
 
+        # the policy is the release's: `helm upgrade` with a changed class changes it in the API server
+        # and the agent applies it (bronze lowered: its max caps the pod at once); `helm rollback` puts
+        # it back (the pod's limit rises again once the controller answers: at most the class's max)
+        def bronze_max():
+            return kube_api.kubectl("get", "egressclass", "bronze", "-o", "jsonpath={.spec.max}").stdout
+
+        lowered = [{"name": "bronze", "spec": {"weight": 1, "max": "15M"}}, CLASSES[1]]
+        revision = json.loads(helm(kube_api, "status", RELEASE, "-n", NAMESPACE, "-o", "json").stdout)["version"]
+        helm(kube_api, "upgrade", RELEASE, str(chart), "-n", NAMESPACE, "--reuse-values",
+             "--set-json", f"classes={json.dumps(lowered)}", "--rollback-on-failure", "--timeout", "5m")
+        assert bronze_max() == "15M"
+        start = time.monotonic()
+        wait_for(lambda: pod_class_rate(silver_ip) == 15_000_000, 30, what="the upgraded class applied", interval=0.02)
+        print(f"helm upgrade (class changed) -> class rate applied in {time.monotonic() - start:.2f} s")
+        helm(kube_api, "rollback", RELEASE, str(revision), "-n", NAMESPACE, "--wait", "--timeout", "5m")
+        assert bronze_max() == "20M"
+        start = time.monotonic()
+        wait_for(lambda: 15_020_000 < (pod_class_rate(silver_ip) or 0) <= 20_020_000, 60,
+                 what=f"the rolled-back class applied (last read {pod_class_rate(silver_ip)})", interval=0.02)
+        print(f"helm rollback -> class rate {pod_class_rate(silver_ip)} in {time.monotonic() - start:.2f} s")
+
+        # an upgrade the API server refuses (a rate its CEL refuses) fails with its message; with
+        # --rollback-on-failure (docs/install.md "Upgrade") what it applied before the refusal is undone
+        # Helm applies bronze before it reaches silver: for the moment of the upgrade the lowered bronze is
+        # in the API server and the agent applies it; the rollback puts it back (the lowest rate seen is printed)
+        refused = [{"name": "bronze", "spec": {"weight": 1, "max": "15M"}},
+                   {"name": "silver", "spec": {"weight": 2, "max": "40Mbit"}}]
+        seen, stop_sampling = [], threading.Event()
+
+        def sample_rate():
+            while not stop_sampling.is_set():
+                seen.append(pod_class_rate(silver_ip))
+                time.sleep(0.02)
+
+        sampler = threading.Thread(target=sample_rate, daemon=True)
+        sampler.start()
+        try:
+            result = helm(kube_api, "upgrade", RELEASE, str(chart), "-n", NAMESPACE, "--reuse-values",
+                          "--set-json", f"classes={json.dumps(refused)}", "--rollback-on-failure",
+                          "--timeout", "5m", check=False)
+            assert result.returncode != 0
+            assert 'EgressClass.netagent.io "silver" is invalid: spec.max: Invalid value: "40Mbit"' in result.stderr, \
+                result.stderr[-2000:]
+            assert bronze_max() == "20M"
+            status = json.loads(helm(kube_api, "status", RELEASE, "-n", NAMESPACE, "-o", "json").stdout)
+            assert status["info"]["status"] == "deployed"
+            start = time.monotonic()
+            wait_for(lambda: 15_020_000 < (pod_class_rate(silver_ip) or 0) <= 20_020_000, 60,
+                     what=f"the class as before the refused upgrade (last read {pod_class_rate(silver_ip)})",
+                     interval=0.02)
+        finally:
+            stop_sampling.set()
+            sampler.join()
+        print(f"refused upgrade: lowest class rate seen {min(r for r in seen if r)}, back to "
+              f"{pod_class_rate(silver_ip)} {time.monotonic() - start:.2f} s after helm returned")
+
         # helm upgrade to a new image tag (and a changed CRD): rolling update with the tc classes
         # in force at every moment
         before = {p.metadata.uid for p in core.list_namespaced_pod(NAMESPACE).items}
@@ -734,8 +802,15 @@ def test_helm_install_shapes_upgrades_and_uninstalls_on_the_real_node(
         watcher = threading.Thread(target=watch_classes, daemon=True)
         watcher.start()
         try:
-            helm(kube_api, "upgrade", "netagent", str(chart_copy(tmp_path, "0.1.1", "upgraded")), "-n", NAMESPACE,
-                 "--reuse-values", "--set", f"image.tag={tag}-next", "--wait", "--timeout", "5m")
+            next_chart = chart_copy(tmp_path, "0.1.1", "upgraded")
+            upgrade = ("upgrade", RELEASE, str(next_chart), "-n", NAMESPACE, "--reuse-values",
+                       "--set", f"image.tag={tag}-next", "--rollback-on-failure", "--timeout", "5m")
+            # Helm never upgrades crds/: refused until they are applied, as docs/install.md says
+            result = helm(kube_api, *upgrade, check=False)
+            assert result.returncode != 0 and "needs revision 3" in result.stderr, result.stderr[-1500:]
+            crds = helm(kube_api, "show", "crds", str(next_chart)).stdout
+            kube_api.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=crds)
+            helm(kube_api, *upgrade)
             # adopted from the kernel's HTB ceil (frame units) until its first answer: within rounding of
             # 20M; once the new leader has answered, its allocation, which the new leader's feedback gain
             # may put below the cap (CI read 16.67M: a gain of 0.833 after its first rounds), never above
@@ -762,14 +837,16 @@ def test_helm_install_shapes_upgrades_and_uninstalls_on_the_real_node(
         crd = ext.read_custom_resource_definition("egressclasses.netagent.io")
         columns = crd.spec.versions[0].additional_printer_columns
         assert any(c.name == "Note" and c.description == "upgraded" for c in columns), "CRD not updated"
-        assert crd.metadata.labels["helm.sh/chart"] == "netagent-0.1.1"
+        assert crd.metadata.labels["netagent.io/crd-revision"] == "3"
 
         # uninstall as documented: cleanup mode, then helm uninstall, then the CRDs
-        helm(kube_api, "upgrade", "netagent", str(chart_copy(tmp_path, "0.1.1")), "-n", NAMESPACE,
+        helm(kube_api, "upgrade", RELEASE, str(next_chart), "-n", NAMESPACE,
              "--reuse-values", "--set", "cleanup=true", "--wait", "--timeout", "5m")
-        kube_api.kubectl("-n", NAMESPACE, "rollout", "status", "daemonset/netagent-cleanup", "--timeout=120s")
-        helm(kube_api, "uninstall", "netagent", "-n", NAMESPACE, "--wait", "--timeout", "5m")
+        kube_api.kubectl("-n", NAMESPACE, "rollout", "status", f"daemonset/{CLEANUP}", "--timeout=120s")
+        helm(kube_api, "uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout", "5m")
         installed = False
+        # the release's policy objects went with it (the CRDs stay: Helm never deletes crds/)
+        assert kube_api.kubectl("get", "egressclasses,egressbudgets", "-o", "name").stdout.split() == []
         kube_api.kubectl("-n", NAMESPACE, "delete", "secret", "netagent-controller-tls")  # the controller made it
         kube_api.kubectl("delete", "crd", "egressclasses.netagent.io", "egressbudgets.netagent.io")
         left = residue()
@@ -783,12 +860,13 @@ def test_helm_install_shapes_upgrades_and_uninstalls_on_the_real_node(
         assert not [o for o in cluster_scoped if "netagent" in o], cluster_scoped
     finally:
         if installed:
-            helm(kube_api, "uninstall", "netagent", "-n", NAMESPACE, "--wait", check=False)
+            helm(kube_api, "uninstall", RELEASE, "-n", NAMESPACE, "--wait", check=False)
         core.delete_namespace(WORKLOADS)
         kube_api.kubectl("-n", NAMESPACE, "delete", "secret", "netagent-controller-tls", "--ignore-not-found",
                          check=False)
         for crd in ("egressclasses.netagent.io", "egressbudgets.netagent.io"):
             kube_api.kubectl("delete", "crd", crd, "--ignore-not-found", check=False)
+        kube_api.kubectl("delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=false", check=False)
         subprocess.run([sys_python(), "-m", "netagent", "cleanup"], capture_output=True, cwd=REPO,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
 
