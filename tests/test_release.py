@@ -161,16 +161,23 @@ def _sha256sums_hold(out: Path) -> None:
         assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest, name
 
 
+def _released(stdout: str) -> tuple[str, str]:
+    """The stamp and revision release.sh says it used (the shared tree's HEAD may move meanwhile)."""
+    found = re.search(r"^release: version (\S+) \(revision (\S+),", stdout, re.M)
+    assert found, stdout
+    return found.group(1), found.group(2)
+
+
 def test_release_packages_the_chart_with_the_stamp(tmp_path):
     helm = require_node_assets(["helm"]) / "helm"
     env = {**os.environ, "NETAGENT_HELM": str(helm)}
     result = subprocess.run(["bash", str(RELEASE), "--chart-only", "--out", str(tmp_path)], capture_output=True,
                             text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
-    stamped, _, tree, _ = _run_stamp(REPO)
-    assert f"release: version {stamped} " in result.stdout
+    stamped, revision = _released(result.stdout)
     # a dirty tree's release says so, in the version and in words
-    assert (tree == "dirty") == stamped.endswith("-dirty") == ("uncommitted changes" in result.stderr)
+    assert stamped.endswith("-dirty") == ("uncommitted changes" in result.stderr)
+    assert stamped.startswith(netagent.__version__) and f".g{revision[:12]}" in stamped
     package = tmp_path / f"netagent-{stamped}.tgz"
     with tarfile.open(package) as tar:
         chart = yaml.safe_load(tar.extractfile("netagent/Chart.yaml"))
@@ -294,11 +301,17 @@ def test_make_release_writes_image_sbom_and_chart(tmp_path):
         pytest.skip(f"no syft under {SYFT} (hack/release/syft.sh builds it; CI does not: docs/release.md)")
     require_image_builder()
     helm = require_node_assets(["helm"]) / "helm"
-    env = {**os.environ, "NETAGENT_HELM": str(helm), "SYFT": str(syft[-1])}
-    result = subprocess.run(["bash", str(RELEASE), "--out", str(tmp_path)], capture_output=True, text=True,
-                            timeout=1800, env=env)
+    repository = "localhost/netagent-release-test"
+    env = {**os.environ, "NETAGENT_HELM": str(helm), "SYFT": str(syft[-1]), "NETAGENT_RELEASE_REPOSITORY": repository}
+    try:
+        result = subprocess.run(["bash", str(RELEASE), "--out", str(tmp_path)], capture_output=True, text=True,
+                                timeout=1800, env=env)
+    finally:  # the release's tag goes; the layers stay in buildah's cache, as tests/test_install.py leaves them
+        tags = _buildah("images", "--format", "{{.Name}}:{{.Tag}}", repository, check=False).stdout.split()
+        for tag in tags:
+            _buildah("rmi", tag, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    stamped, revision, _, _ = _run_stamp(REPO)
+    stamped, revision = _released(result.stdout)
     names = {p.name for p in tmp_path.iterdir()}
     assert names == {f"netagent-{stamped}.oci.tar", f"netagent-{stamped}.spdx.json", f"netagent-{stamped}.tgz",
                      "SHA256SUMS"}, names
