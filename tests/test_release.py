@@ -307,8 +307,8 @@ def test_make_release_writes_image_sbom_and_chart(tmp_path):
         result = subprocess.run(["bash", str(RELEASE), "--out", str(tmp_path)], capture_output=True, text=True,
                                 timeout=1800, env=env)
     finally:  # the release's tag goes; the layers stay in buildah's cache, as tests/test_install.py leaves them
-        tags = _buildah("images", "--format", "{{.Name}}:{{.Tag}}", repository, check=False).stdout.split()
-        for tag in tags:
+        tags = _buildah("images", "--format", "{{.Name}}:{{.Tag}}", check=False).stdout.split()
+        for tag in (t for t in tags if t.startswith(f"{repository}:")):
             _buildah("rmi", tag, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     stamped, revision = _released(result.stdout)
