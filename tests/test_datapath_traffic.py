@@ -400,17 +400,22 @@ def test_internal_traffic_is_not_shaped(lab, node):
         f"offered {FIXED_RATE / G:g} Gbit/s: internal {shaped / G:.3f} vs unshaped {unshaped / G:.3f} Gbit/s "
         f"(runs {[round(v / G, 3) for v in fixed[True]]} vs {[round(v / G, 3) for v in fixed[False]]})")
 
-    line = pairs(LINE_RUNS, None)
-    # pooled: all shaped bytes over all unshaped bytes of the alternated pairs (the median of the pairs'
-    # ratios, the rule until 2026-11-28, and each side's fastest run are printed beside it)
-    share = sum(line[True]) / sum(line[False])
-    old_rule = statistics.median(s / u for s, u in zip(line[True], line[False]))
-    fastest = max(line[True]) / max(line[False])
-    report = (f"internal at line rate: pooled {share:.3f} (earlier rules: median pair ratio {old_rule:.3f}, "
-              f"fastest runs {fastest:.3f}); "
-              f"Gbit/s {[round(v / G, 2) for v in line[True]]} vs {[round(v / G, 2) for v in line[False]]}")
-    print(report)
+    share, report = line_rate_share(pairs(LINE_RUNS, None), "internal")
     assert share >= LINE_SHARE, report
+
+
+def line_rate_share(runs: dict[bool, list[float]], what: str) -> tuple[float, str]:
+    """The pooled ratio of alternated line-rate pairs (all shaped bytes over all unshaped ones) and a
+    report, printed, that sets the earlier rules beside it (the median of the pairs' ratios, the rule
+    until 2026-11-28, and each side's fastest run); `runs` are each side's runs in pair order."""
+    pooled = sum(runs[True]) / sum(runs[False])
+    median = statistics.median(s / u for s, u in zip(runs[True], runs[False]))
+    fastest = max(runs[True]) / max(runs[False])
+    report = (f"{what} at line rate: pooled {pooled:.3f} (earlier rules: median of pair ratios {median:.3f}, "
+              f"fastest runs {fastest:.3f}); Gbit/s shaped {[round(v / G, 2) for v in runs[True]]} "
+              f"unshaped {[round(v / G, 2) for v in runs[False]]}")
+    print(report)
+    return pooled, report
 
 
 # -- sharing -----------------------------------------------------------------------------

@@ -24,8 +24,8 @@ from lab.netns import require_root
 from lab.topology import INTERNAL_CIDRS, INTERNET_V4, INTERNET_V6, PEER_V4, UPLINK, Lab, run
 from netagent.desired import DataPathOptions, NodeInputs, PodShape, desired_state, ip_bytes
 from tc.probe import probe
-from tests.test_datapath_traffic import (DATAGRAM, UDP_HEADERS, NodeUnderTest, ip_rate, pod_key, rate_error,
-                                         receiver_ip_rate, residue_snapshot, udp_datagrams_in)
+from tests.test_datapath_traffic import (DATAGRAM, UDP_HEADERS, NodeUnderTest, ip_rate, line_rate_share, pod_key,
+                                         rate_error, receiver_ip_rate, residue_snapshot, udp_datagrams_in)
 
 pytestmark = [pytest.mark.root, pytest.mark.traffic]
 
@@ -254,12 +254,7 @@ def test_internal_and_pod_to_pod_downloads_are_not_shaped(lab, node, what):
 
     fixed = pair_ratios(alternated(node, once(["-b", str(FIXED_RATE)]), rates, FIXED_PAIRS))
     assert statistics.median(fixed) >= SHARE, f"{what} at 1 Gbit/s offered: ratios {[round(r, 3) for r in fixed]}"
-    line = alternated(node, once(PINNED), rates, LINE_PAIRS)
-    pooled = sum(line[True]) / sum(line[False])
-    report = (f"{what} at line rate: pooled {pooled:.3f} (earlier rules: median of pair ratios "
-              f"{statistics.median(pair_ratios(line)):.3f}, fastest runs {max(line[True]) / max(line[False]):.3f}); "
-              f"Gbit/s shaped {[round(v / G, 2) for v in line[True]]} unshaped {[round(v / G, 2) for v in line[False]]}")
-    print(report)
+    pooled, report = line_rate_share(alternated(node, once(PINNED), rates, LINE_PAIRS), what)
     assert pooled >= LINE_SHARE, report
 
 
