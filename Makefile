@@ -5,7 +5,7 @@
 kube-assets:
 	@bash hack/kube-assets/build.sh
 
-# Real-node assets for tests/node.py: kubelet (the release of kube-assets), containerd with its runc
+# Real-node assets for tests/node/: kubelet (the release of kube-assets), containerd with its runc
 # shim and ctr, the CNI plugins (ptp, bridge, host-local, loopback, portmap, bandwidth) and helm,
 # built from Go modules into ${XDG_CACHE_HOME:-$HOME/.cache}/netagent/node-assets/<version>/bin
 # (or NETAGENT_NODE_ASSETS). runc, buildah and busybox-static come from Debian.

@@ -1,4 +1,4 @@
-"""The install users do, end to end on the real node (tests/node.py): the image built with
+"""The install users do, end to end on the real node (tests/node/): the image built with
 hack/image/build.sh and imported into the node's containerd, `helm install` of charts/netagent as
 release `egress` into `egress-system` (names not the chart's), pods started by the kubelet through
 the CNI with iperf3 in their image and shaped by the agent running in its container, a real

@@ -1,4 +1,4 @@
-"""The real node (tests/node.py): a kubelet with containerd, runc and the CNI plugins on this
+"""The real node (tests/node/): a kubelet with containerd, runc and the CNI plugins on this
 machine runs a pod created through the API, with an address from the CNI that answers from the
 host. Missing assets skip, or fail under NETAGENT_REQUIRE_KUBE=1 (CI)."""
 from __future__ import annotations

@@ -1,425 +1,25 @@
-"""A real Kubernetes node for the tests: containerd, runc, the CNI plugins and a kubelet on this
-machine, registered with a :class:`tests.kube.ControlPlane`'s kube-apiserver.
-
-Pods scheduled to it (or created with ``spec.nodeName`` set to :attr:`RealNode.name`) really run:
-runc starts them in their own namespaces and cgroups, the CNI ``ptp`` (default) or ``bridge``
-plugin with ``host-local`` IPAM gives each pod a veth and an address from ``pod_cidr`` (native
-routing: a route per pod, or the bridge's subnet route, in the host's namespace; no overlay, no
-masquerade), and the pod's IP answers from the host.
-
-Everything is private to one :class:`RealNode` and removed by :meth:`RealNode.stop`, also after a
-failed start: containerd's root, state and socket (``/run/netagent-test/<id>``), the kubelet's
-root directory and pod logs, the cgroup subtree (``cgroupRoot`` ``/netagent-<id>`` in every
-hierarchy), the CNI network (named ``netagent-<id>``: its veths, routes, IPAM store and libcni's
-cache entries), the kubelet's iptables chains and the kernel settings it changes (both put back as
-they were), and every process started for it (kubelet, containerd, its shims, the pods). The
-kubelet runs on cgroup v1 hosts too (``failCgroupV1: false``; Kubernetes >= 1.35 refuses cgroup v1
-unless told), with the ``cgroupfs`` driver (no systemd needed) and ``failSwapOn: false``.
-
-No registry is used: images are OCI archives built here and imported with ``ctr``.
-:func:`busybox_image` writes one from Debian's static busybox (``busybox-static``); the node's
-pod sandbox ("pause") image is such an image whose shell waits for SIGTERM.
-
-Fixture (registered through tests/conftest.py): ``real_node``, a started RealNode on ``kube_api``.
-
-The binaries come from ``make node-assets`` (hack/node-assets/build.sh) or
-``NETAGENT_NODE_ASSETS``; runc and busybox-static from Debian (scripts/bootstrap.sh). Missing
-assets skip the test, or fail it under ``NETAGENT_REQUIRE_KUBE=1`` (as in tests/kube.py).
-
-Usage::
-
-    with RealNode(kube_api) as node:            # Node Ready when this returns
-        node.import_image(busybox_image(tmp / "bb.tar", "localhost/netagent-test/busybox:1"))
-        ... create pods with spec.nodeName=node.name, imagePullPolicy: Never ...
-"""
+"""RealNode: containerd, runc, the CNI plugins and a kubelet on this machine (see tests/node/__init__.py)."""
 from __future__ import annotations
 
 import base64
 import hashlib
-import io
 import ipaddress
 import json
 import os
 import shutil
-import signal
 import subprocess
-import tarfile
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-import pytest
 import yaml
 
-from lab.netns import require_root
-from tests.kube import (
-    REPO,
-    ControlPlane,
-    KubeAssetsMissing,
-    KubeHarnessError,
-    Process,
-    free_port,
-    kube_version,
-    required,
-    write_kubeconfig,
-)
+from tests.kube import ControlPlane, KubeHarnessError, Process, free_port, write_kubeconfig
+from tests.node.assets import CNI_CACHE, CONTAINER_LOG_LINKS, DEFAULT_POD_CIDR, DEVICE_PLUGIN_DIR, K8S_NAMESPACE, PAUSE_IMAGE, RUNC, RUN_ROOT, SHIM_SOCKET_DIR, find_node_assets
+from tests.node.host import cgroup_pids, create_cgroup_root, default_route_ip, kill, kubelet_chains, log_errors, pids_with_arg, read_tunables, remove_cgroups, remove_chains, restore_tunables, unmount_all
+from tests.node.images import pause_image
 
-NODE_ASSETS_MODULE = REPO / "hack" / "node-assets"
-NODE_BINARIES = (
-    "kubelet", "containerd", "containerd-shim-runc-v2", "ctr",
-    "cni/ptp", "cni/bridge", "cni/host-local", "cni/loopback", "cni/portmap", "cni/bandwidth",
-)
-RUNC = "runc"
-BUSYBOX = Path("/bin/busybox")
-RUN_ROOT = Path("/run/netagent-test")  # short: containerd's socket path must stay under 108 bytes
-SHIM_SOCKET_DIR = Path("/run/containerd/s")  # hard-coded in containerd's shim code
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-CNI_CACHE = Path("/var/lib/cni")  # libcni's cache (results/), not configurable through containerd
-CONTAINER_LOG_LINKS = Path("/var/log/containers")  # the kubelet's symlinks; a constant in the kubelet
-# the kubelet's device-plugin socket: a constant path, whatever its --root-dir (so two RealNodes at
-# once would take it from each other; nothing here uses device plugins)
-DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
-K8S_NAMESPACE = "k8s.io"  # containerd namespace of the CRI plugin
-PAUSE_IMAGE = "localhost/netagent-test/pause:busybox"
-BUSYBOX_IMAGE_NAME = "localhost/netagent-test/busybox:latest"
-DEFAULT_POD_CIDR = "10.213.0.0/24"
-# The kubelet sets these on start (protectKernelDefaults: false; true makes it refuse to start
-# instead) and the CNI plugins turn on forwarding: RealNode puts the host's values back.
-KERNEL_TUNABLES = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "kernel/panic_on_oops",
-                   "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes", "net/ipv4/ip_forward")
-# Chains the kubelet makes in the host's iptables (v4 and v6): the backend hint, its canary (in
-# mangle, nat and filter), and KUBE-FIREWALL (filter INPUT/OUTPUT: drops non-loopback traffic to
-# 127.0.0.0/8). RealNode removes those that were not there before it started.
-KUBELET_CHAINS = ("KUBE-IPTABLES-HINT", "KUBE-KUBELET-CANARY", "KUBE-FIREWALL")
-STOP_GRACE_SECONDS = 10
-
-
-# ---------------------------------------------------------------------------------------------
-# Assets
-
-
-def node_assets_dir() -> Path:
-    override = os.environ.get("NETAGENT_NODE_ASSETS")
-    if override:
-        return Path(override)
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "netagent" / "node-assets" / kube_version() / "bin"
-
-
-def _static_busybox() -> bool:
-    try:
-        # a dynamically linked ELF names its interpreter (PT_INTERP) as a path in the file
-        return BUSYBOX.is_file() and b"/lib64/ld-linux" not in BUSYBOX.read_bytes()[:8192]
-    except OSError:
-        return False
-
-
-def find_node_assets(names: Iterable[str] = NODE_BINARIES) -> Path:
-    directory = node_assets_dir()
-    problems = []
-    missing = [n for n in names if not os.access(directory / n, os.X_OK)]
-    if missing:
-        problems.append(
-            f"real-node binaries missing from {directory}: {', '.join(missing)}; build them with "
-            "`make node-assets` (or set NETAGENT_NODE_ASSETS to a directory holding them)"
-        )
-    if shutil.which(RUNC) is None:
-        problems.append("runc is not installed (apt-get install runc)")
-    if not _static_busybox():
-        problems.append(f"no static busybox at {BUSYBOX} for the test images (apt-get install busybox-static)")
-    if problems:
-        raise KubeAssetsMissing("; ".join(problems))
-    return directory
-
-
-def require_node_assets(names: Iterable[str] = NODE_BINARIES) -> Path:
-    """The node asset directory (see tests.kube.required)."""
-    return required(find_node_assets, names)
-
-
-IMAGE_BUILD = REPO / "hack" / "image" / "build.sh"
-IMAGE_TOOLS = ("buildah", "debootstrap")
-
-
-def find_image_builder(tools: Iterable[str] = IMAGE_TOOLS) -> Path:
-    """hack/image/build.sh, when the tools it builds the netagent image with are installed."""
-    missing = [t for t in tools if shutil.which(t) is None]
-    if missing:
-        raise KubeAssetsMissing(f"{', '.join(missing)} not installed: the netagent image is built with "
-                                f"hack/image/build.sh (apt-get install {' '.join(IMAGE_TOOLS)}; "
-                                "scripts/bootstrap.sh installs them)")
-    return IMAGE_BUILD
-
-
-def require_image_builder() -> Path:
-    """hack/image/build.sh, or skip (fail under NETAGENT_REQUIRE_KUBE=1; see tests.kube.required)."""
-    return required(find_image_builder, IMAGE_TOOLS)
-
-
-# ---------------------------------------------------------------------------------------------
-# Images without a registry
-
-
-def _sha256(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-def busybox_image(path: Path, name: str = BUSYBOX_IMAGE_NAME, *, entrypoint: list[str] | None = None,
-                  cmd: list[str] | None = None, files: dict[str, bytes] | None = None) -> Path:
-    """Write an OCI image archive (``ctr images import`` reads it) holding Debian's static busybox
-    with a symlink per applet in /bin, /etc/passwd and /etc/group, and `files` (path -> content).
-    The archive's index names the image `name` (annotation io.containerd.image.name)."""
-    applets = subprocess.run([str(BUSYBOX), "--list"], capture_output=True, text=True, check=True).stdout.split()
-    layer = io.BytesIO()
-    with tarfile.open(fileobj=layer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        def add(name: str, data: bytes | None = None, mode: int = 0o644, kind: bytes = tarfile.REGTYPE,
-                link: str = "") -> None:
-            info = tarfile.TarInfo(name)
-            info.mode, info.type, info.linkname, info.mtime = mode, kind, link, 0
-            if data is not None:
-                info.size = len(data)
-            tar.addfile(info, io.BytesIO(data) if data is not None else None)
-
-        for d in ("bin", "etc", "proc", "sys", "dev", "tmp", "root", "var", "run"):
-            add(d, mode=0o1777 if d == "tmp" else 0o755, kind=tarfile.DIRTYPE)
-        add("bin/busybox", BUSYBOX.read_bytes(), mode=0o755)
-        for applet in sorted(set(applets) - {"busybox"}):
-            if "/" not in applet:
-                add(f"bin/{applet}", kind=tarfile.SYMTYPE, link="busybox")
-        add("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n")
-        add("etc/group", b"root:x:0:\nnogroup:x:65534:\n")
-        for file_path, content in sorted((files or {}).items()):
-            add(file_path.lstrip("/"), content, mode=0o755)
-    layer_bytes = layer.getvalue()
-    config = {
-        "architecture": "amd64", "os": "linux", "created": "1970-01-01T00:00:00Z",
-        "config": {"Env": ["PATH=/bin"], "Entrypoint": entrypoint, "Cmd": cmd if cmd is not None else ["/bin/sh"],
-                   "WorkingDir": "/"},
-        "rootfs": {"type": "layers", "diff_ids": [_sha256(layer_bytes)]},
-    }
-    config_bytes = json.dumps(config, sort_keys=True).encode()
-    manifest = {
-        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
-                   "digest": _sha256(config_bytes), "size": len(config_bytes)},
-        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar",
-                    "digest": _sha256(layer_bytes), "size": len(layer_bytes)}],
-    }
-    manifest_bytes = json.dumps(manifest, sort_keys=True).encode()
-    index = {
-        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
-        "manifests": [{
-            "mediaType": manifest["mediaType"], "digest": _sha256(manifest_bytes), "size": len(manifest_bytes),
-            "platform": {"architecture": "amd64", "os": "linux"},
-            "annotations": {"io.containerd.image.name": name,
-                            "org.opencontainers.image.ref.name": name.rsplit(":", 1)[-1]},
-        }],
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(path, "w") as out:
-        def put(member: str, data: bytes) -> None:
-            info = tarfile.TarInfo(member)
-            info.size, info.mtime, info.mode = len(data), 0, 0o644
-            out.addfile(info, io.BytesIO(data))
-
-        put("oci-layout", b'{"imageLayoutVersion":"1.0.0"}')
-        put("index.json", json.dumps(index).encode())
-        for blob in (layer_bytes, config_bytes, manifest_bytes):
-            put(f"blobs/sha256/{_sha256(blob).split(':')[1]}", blob)
-    return path
-
-
-def pause_image(path: Path, name: str = PAUSE_IMAGE) -> Path:
-    """The pod sandbox image: busybox's shell as PID 1 of the pod, waiting until SIGTERM/SIGINT
-    (what registry.k8s.io/pause does; a pause process reaps nothing here, as pods do not share
-    their PID namespace by default)."""
-    return busybox_image(path, name, entrypoint=[
-        "/bin/sh", "-c", "trap 'exit 0' TERM INT; while :; do sleep 3600 & wait $!; done",
-    ], cmd=[])
-
-
-# ---------------------------------------------------------------------------------------------
-# Host state helpers (all scoped to one node's own paths and names)
-
-
-def _mounts_under(*roots: Path) -> list[str]:
-    """Mount points at or below `roots`, deepest first (from /proc/self/mountinfo)."""
-    found = []
-    prefixes = [str(r.resolve()) for r in roots]
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            point = line.split()[4].encode().decode("unicode_escape")
-            if any(point == p or point.startswith(p + "/") for p in prefixes):
-                found.append(point)
-    return sorted(set(found), key=lambda p: p.count("/"), reverse=True)
-
-
-def _unmount_all(*roots: Path) -> list[str]:
-    """Unmount everything under `roots`; returns what could not be unmounted."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    MNT_DETACH = 2
-    for _ in range(3):
-        left = _mounts_under(*roots)
-        for point in left:
-            if libc.umount2(point.encode(), 0) != 0:
-                libc.umount2(point.encode(), MNT_DETACH)
-        if not _mounts_under(*roots):
-            return []
-    return _mounts_under(*roots)
-
-
-def _pids_with_arg(argument: str) -> list[int]:
-    """PIDs whose command line contains `argument` as one argument (e.g. our containerd socket)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            args = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argument.encode() in args:
-            pids.append(int(entry.name))
-    return pids
-
-
-def _cgroup_dirs(cgroup_root: str) -> list[Path]:
-    """Our cgroup subtree's top directory in every mounted hierarchy (v1 and the unified one)."""
-    return [d / cgroup_root.strip("/") for d in CGROUP_ROOT.iterdir()
-            if d.is_dir() and (d / cgroup_root.strip("/")).is_dir()]
-
-
-def _cgroup_pids(cgroup_root: str) -> set[int]:
-    pids: set[int] = set()
-    for top in _cgroup_dirs(cgroup_root):
-        for procs in top.rglob("cgroup.procs"):
-            try:
-                pids.update(int(p) for p in procs.read_text().split())
-            except (OSError, ValueError):
-                pass
-    return pids
-
-
-def _remove_cgroups(cgroup_root: str) -> list[str]:
-    """rmdir the subtree (deepest first) in every hierarchy; returns what is left."""
-    left = []
-    for top in _cgroup_dirs(cgroup_root):
-        for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True) + [top]:
-            for _ in range(20):
-                try:
-                    d.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.1)
-            else:
-                left.append(str(d))
-    return left
-
-
-def _create_cgroup_root(cgroup_root: str) -> None:
-    """The kubelet refuses a cgroupRoot that does not exist: make it in every v1 hierarchy (cpuset
-    needs its cpus and mems copied from the parent before anything can join it)."""
-    for d in CGROUP_ROOT.iterdir():
-        if not d.is_dir() or not (d / "cgroup.procs").exists() or d.name == "unified":
-            continue
-        target = d / cgroup_root.strip("/")
-        target.mkdir(exist_ok=True)
-        for knob in ("cpuset.cpus", "cpuset.mems"):
-            if (target / knob).exists() and not (target / knob).read_text().strip():
-                (target / knob).write_text((d / knob).read_text())
-
-
-def _kill(pids: Iterable[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _log_errors(process: Process, lines: int = 8) -> str:
-    """The last error lines of a kubelet (klog E/F) or containerd (level=error/fatal) log, else its tail."""
-    try:
-        text = process.log_file.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    errors = [line for line in text if line[:1] in ("E", "F") and line[1:2].isdigit()
-              or "level=error" in line or "level=fatal" in line]
-    return "\n".join((errors or text)[-lines:])
-
-
-def _read_tunables() -> dict[str, str]:
-    values = {}
-    for name in KERNEL_TUNABLES:
-        try:
-            values[name] = (Path("/proc/sys") / name).read_text().strip()
-        except OSError:
-            pass
-    return values
-
-
-def _restore_tunables(saved: dict[str, str]) -> list[str]:
-    failed = []
-    for name, value in saved.items():
-        path = Path("/proc/sys") / name
-        try:
-            if path.read_text().strip() != value:
-                path.write_text(value)
-        except OSError as e:
-            failed.append(f"sysctl {name}={value}: {e}")
-    return failed
-
-
-def _kubelet_chains() -> set[tuple[str, str, str]]:
-    """(tool, table, chain) for the kubelet's chains present now."""
-    found = set()
-    for tool in ("iptables", "ip6tables"):
-        for table in ("mangle", "nat", "filter"):
-            out = subprocess.run([tool, "-w", "-t", table, "-S"], capture_output=True, text=True).stdout
-            for line in out.splitlines():
-                fields = line.split()
-                if fields[:1] == ["-N"] and fields[1] in KUBELET_CHAINS:
-                    found.add((tool, table, fields[1]))
-    return found
-
-
-def _remove_chains(chains: Iterable[tuple[str, str, str]]) -> list[str]:
-    """Delete the jumps to these chains, then flush and delete them."""
-    import shlex
-
-    failed = []
-    for tool, table, chain in sorted(chains):
-        out = subprocess.run([tool, "-w", "-t", table, "-S"], capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            rule = shlex.split(line)
-            if rule[:1] == ["-A"] and rule[1] != chain and "-j" in rule and rule[rule.index("-j") + 1] == chain:
-                subprocess.run([tool, "-w", "-t", table, "-D", *rule[1:]], capture_output=True)
-        for op in ("-F", "-X"):
-            done = subprocess.run([tool, "-w", "-t", table, op, chain], capture_output=True, text=True)
-            if done.returncode:
-                failed.append(f"{tool} -t {table} {op} {chain}: {done.stderr.strip()}")
-                break
-    return failed
-
-
-def _default_route_ip() -> str:
-    """The source address of the default route (the kubelet's node IP must be a non-loopback
-    address of the host; it is only registered, no traffic is sent to it by these tests)."""
-    out = subprocess.run(["ip", "-j", "route", "get", "192.0.2.255"], capture_output=True, text=True)
-    try:
-        return json.loads(out.stdout)[0]["prefsrc"]
-    except (ValueError, LookupError, KeyError):
-        raise KubeHarnessError(f"cannot find the host's default-route address: {out.stderr.strip()}") from None
-
-
-# ---------------------------------------------------------------------------------------------
-# The node
 
 
 class RealNode:
@@ -484,9 +84,9 @@ class RealNode:
     def start(self) -> None:
         try:
             self.assets = self.assets or find_node_assets()
-            self.node_ip = self.node_ip or _default_route_ip()
-            self._tunables = _read_tunables()
-            self._chains_before = _kubelet_chains()
+            self.node_ip = self.node_ip or default_route_ip()
+            self._tunables = read_tunables()
+            self._chains_before = kubelet_chains()
             self._write_cni_config()
             self._start_containerd()
             self.import_image(pause_image(self.workdir / "pause.tar"))
@@ -515,17 +115,17 @@ class RealNode:
         containerd = self._process("containerd")
         if containerd is not None:
             containerd.stop()
-        _kill(_pids_with_arg(str(self.socket)))  # shims outlive containerd by design
+        kill(pids_with_arg(str(self.socket)))  # shims outlive containerd by design
         self._remove_shim_sockets()
         self.processes.clear()
-        _kill(_cgroup_pids(self.cgroup_root))
-        leftovers += [f"mount {m}" for m in _unmount_all(self.workdir, self.run_dir)]
-        leftovers += [f"cgroup {c}" for c in _remove_cgroups(self.cgroup_root)]
+        kill(cgroup_pids(self.cgroup_root))
+        leftovers += [f"mount {m}" for m in unmount_all(self.workdir, self.run_dir)]
+        leftovers += [f"cgroup {c}" for c in remove_cgroups(self.cgroup_root)]
         if self.cni == "bridge":
             subprocess.run(["ip", "link", "del", self.bridge_name], capture_output=True)
         if self._chains_before is not None:
-            leftovers += _remove_chains(_kubelet_chains() - self._chains_before)
-        leftovers += _restore_tunables(self._tunables)
+            leftovers += remove_chains(kubelet_chains() - self._chains_before)
+        leftovers += restore_tunables(self._tunables)
         self._remove_log_links()
         if DEVICE_PLUGIN_DIR in self._host_dirs:
             (DEVICE_PLUGIN_DIR / "kubelet.sock").unlink(missing_ok=True)
@@ -574,7 +174,7 @@ class RealNode:
                 code = process.exit_code()
                 if code is not None:
                     raise KubeHarnessError(
-                        f"{process.name} exited with code {code}; log: {self._kept_log(process)}\n{_log_errors(process)}"
+                        f"{process.name} exited with code {code}; log: {self._kept_log(process)}\n{log_errors(process)}"
                     )
             try:
                 node = core.read_node(self.name)
@@ -591,7 +191,7 @@ class RealNode:
                 kubelet = self._process("kubelet")
                 raise KubeHarnessError(
                     f"node {self.name} not Ready within {timeout or self.ready_timeout:g} s: {last}; "
-                    f"kubelet log: {self._kept_log(kubelet)}\n{_log_errors(kubelet) if kubelet else ''}"
+                    f"kubelet log: {self._kept_log(kubelet)}\n{log_errors(kubelet) if kubelet else ''}"
                 )
             time.sleep(0.5)
 
@@ -680,13 +280,13 @@ disabled_plugins = ["io.containerd.nri.v1.nri", "io.containerd.snapshotter.v1.bt
         while self.ctr("version", check=False, timeout=10).returncode != 0:
             if containerd.exit_code() is not None or time.monotonic() > deadline:
                 raise KubeHarnessError(
-                    f"containerd did not start; log: {self._kept_log(containerd)}\n{_log_errors(containerd)}"
+                    f"containerd did not start; log: {self._kept_log(containerd)}\n{log_errors(containerd)}"
                 )
             time.sleep(0.2)
 
     def _start_kubelet(self) -> None:
         api = self.api
-        _create_cgroup_root(self.cgroup_root)
+        create_cgroup_root(self.cgroup_root)
         cert, key = api.pki.client(f"kubelet-{self.id}", f"system:node:{self.name}", ["system:nodes"])
         kubeconfig = write_kubeconfig(
             self.workdir / "kubelet.kubeconfig", api.url, api.ca_file,
@@ -860,16 +460,3 @@ disabled_plugins = ["io.containerd.nri.v1.nri", "io.containerd.snapshotter.v1.bt
             self._failure_log_dir.mkdir(parents=True, exist_ok=True)
             for log in logs:
                 shutil.copy2(log, self._failure_log_dir / log.name)
-
-
-@pytest.fixture
-def real_node(kube_api: ControlPlane) -> Iterator[RealNode]:
-    """A RealNode (ptp + host-local) on the session's control plane, Ready; torn down after the test."""
-    require_root()
-    require_node_assets()
-    node = RealNode(kube_api)
-    node.start()
-    try:
-        yield node
-    finally:
-        node.stop()
