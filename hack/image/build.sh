@@ -14,7 +14,7 @@
 #
 # Environment:
 #   NETAGENT_IMAGE        image name (default localhost/netagent:<netagent.__version__>)
-#   NETAGENT_SOURCE_URL   the org.opencontainers.image.source label (default https://netagent.io)
+#   NETAGENT_SOURCE_URL   the org.opencontainers.image.source label (default https://github.com/netagent/netagent, where the chart's runbook links point too)
 #   NETAGENT_BASE_IMAGE   use this base instead of building one, pinned by digest (e.g.
 #                         python:3.11-slim-bookworm@sha256:<digest> where a registry is reachable)
 #   DEBIAN_SUITE, DEBIAN_MIRROR  what debootstrap installs from (bookworm, http://deb.debian.org/debian)
@@ -140,7 +140,7 @@ ca_mount=()
 [[ -f $ca_bundle ]] && ca_mount=(--volume "$ca_bundle:/etc/ssl/certs/ca-certificates.crt:ro")
 # the labels' values (the Dockerfile's last ARGs: only the labels change with them)
 labels=(--build-arg "VERSION=$stamped" --build-arg "REVISION=$revision"
-  --build-arg "CREATED=$created" --build-arg "SOURCE=${NETAGENT_SOURCE_URL:-https://netagent.io}")
+  --build-arg "CREATED=$created" --build-arg "SOURCE=${NETAGENT_SOURCE_URL:-https://github.com/netagent/netagent}")
 buildah build --quiet --layers --force-rm --network=host "${ca_mount[@]}" --build-arg "BASE=$pinned" "${labels[@]}" \
   -t "$image" -f "$repo/Dockerfile" "$repo" >/dev/null
 echo "image: built $image in $((SECONDS - start)) s ($(image_size "$image"))"
