@@ -497,11 +497,12 @@ class SimAgent:
         if self._session is None:
             i = self.i + 1
             local = (f"127.{1 + i // 65536}.{(i // 256) % 256}.{i % 256}", 0)
-            # a new connection (and TLS handshake) per report, as the agent's transport
-            # (netagent/transport.py sends Connection: close)
+            # one connection kept alive between reports, as the agent's transport (netagent/transport.py);
+            # --connection-per-report: a new connection and TLS handshake per report, as agents before 0.1.0
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=2, ssl=self.host.controller_ctx, local_addr=local,
-                                               force_close=True),
+                                               force_close=self.host.connection_per_report,
+                                               keepalive_timeout=3600),
                 timeout=aiohttp.ClientTimeout(total=3))  # the agent's 3 s
         return self._session
 
@@ -645,6 +646,7 @@ class AgentHost:
     def __init__(self, cfg: dict):
         self.period = cfg["period"]
         self.downloads = cfg["downloads"]
+        self.connection_per_report = cfg.get("connection_per_report", False)
         self.controller_urls = cfg["controller_urls"]
         self.controller_ctx = ssl.create_default_context(cadata=cfg["controller_ca"])
         self.agent_api = Api(cfg["api_urls"][0], Path(cfg["api_ca_file"]), limit=0)
@@ -1189,7 +1191,8 @@ async def run(args) -> None:
 
         # -- the agents, in --agent-processes workers
         bench.start_agents(tokens, {
-            "period": args.period, "downloads": args.downloads, "controller_urls": [u for _, u, _ in controllers],
+            "period": args.period, "downloads": args.downloads,
+            "connection_per_report": args.connection_per_report, "controller_urls": [u for _, u, _ in controllers],
             "controller_ca": controller_ca_pem, "api_urls": api_urls, "api_ca_file": str(cp.ca_file),
             "tls_read_bytes": args.sim_tls_read_bytes})
         guard.pids.update(bench.worker_pids)
@@ -1409,6 +1412,9 @@ def main() -> None:
     p.add_argument("--shift-periods", type=int, default=6,
                    help="report periods followed after a demand shift (0: no shift)")
     p.add_argument("--no-failover", dest="failover", action="store_false", help="do not kill the leader at the end")
+    p.add_argument("--connection-per-report", action="store_true",
+                   help="agents open a new connection (and TLS handshake) per report, as before keep-alive: the "
+                        "baseline of docs/scale.md's keep-alive table")
     p.add_argument("--no-downloads", dest="downloads", action="store_false",
                    help="agents shape uploads only (no spec.ingressTotal; the rows before downloads were simulated)")
     p.add_argument("--failover-timeout", type=float, default=120.0, help="seconds to wait for the new leader")

@@ -266,7 +266,9 @@ def main() -> int:
     proc = subprocess.Popen([sys.executable, "-m", "cli.main", "controller", "--from-file", str(policy),
                              "--no-auth", "--insecure-http", "--listen", f"127.0.0.1:{port}", "--period", f"{args.period / 5:g}",
                              "--answer-wait", f"{args.period / 5 * 1.5:g}",
-                             "--lease-seconds", f"{args.period * 10:g}", "--report-rate", f"{4 / args.period:g}"],
+                             "--lease-seconds", f"{args.period * 10:g}", "--report-rate", f"{4 / args.period:g}",
+                             # every simulated node posts from 127.0.0.1 over one pool of kept connections
+                             "--max-connections-per-address", "1000"],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:

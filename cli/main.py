@@ -339,6 +339,17 @@ def _controller_flags(p: argparse.ArgumentParser) -> None:
                    help="reports one replica holds at once (authenticating, reading, waiting for a round); more are "
                         "shed at once with 503 Overloaded and a Retry-After of the paced period, which agents honour: "
                         "a leader offered more than it answers keeps its memory flat")
+    p.add_argument("--max-connections", type=int, default=controller_config.DEFAULT_MAX_CONNECTIONS, metavar="N",
+                   help="agent connections one replica keeps open at once (agents keep one alive between reports, so "
+                        "a report costs no TLS handshake); more are closed on accept and counted "
+                        "(netagent_controller_connections_refused_total)")
+    p.add_argument("--max-connections-per-address", type=int,
+                   default=controller_config.DEFAULT_MAX_CONNECTIONS_PER_ADDRESS, metavar="N",
+                   help="connections one client address may keep open (an agent needs 1, 2 during a failover)")
+    p.add_argument("--keepalive-timeout", type=float, default=controller_config.DEFAULT_KEEPALIVE_TIMEOUT,
+                   metavar="SECONDS",
+                   help="an agent connection idle this long is closed (longer than the report period, so "
+                        "connections are kept between reports)")
     p.add_argument("--report-ttl", type=float, default=150.0,
                    help="a node silent this long leaves the allocation (at least --lease-seconds: until then it may "
                         "still enforce its last answer)")

@@ -38,6 +38,7 @@ from . import view
 from .allocator import Allocator, RoundResult
 from .api import APIStats, make_app
 from .auth import TokenAuthenticator, kube_token_review
+from .connections import ConnectionBounds, raise_open_files_limit
 from .config import ControllerConfig, service_account_username
 from .events import EventWriter, kube_event_creator
 from .leader import LeaderElector
@@ -142,6 +143,8 @@ class Controller:
                                  cfg.max_reports_per_second, cfg.lease_seconds)
         self.state.report_period = self.pacer.period
         self.metrics = ControllerMetrics(self.state, leading)
+        self.connections = ConnectionBounds(cfg.max_connections, cfg.max_connections_per_address)
+        self.metrics.registry.register(self.connections)
         self._stop_scrape_reviews = lambda: None
         self.metrics_handler = self.serve_metrics
         self.view_handler = self.serve_view
@@ -236,10 +239,13 @@ class Controller:
             self.files.stop()
 
     async def serve(self) -> None:
-        set_tls_read_buffer()  # connections per report: core/asynctls.py
+        set_tls_read_buffer()  # thousands of kept connections: core/asynctls.py
+        raise_open_files_limit(self.cfg.max_connections + 1024)  # one descriptor a connection, and the rest
         runners = []
-        app_runner = web.AppRunner(self.app(), access_log=None)
+        app_runner = web.AppRunner(self.app(), access_log=None, keepalive_timeout=self.cfg.keepalive_timeout)
         await app_runner.setup()
+        assert app_runner.server is not None
+        self.connections.hook(app_runner.server)
         await web.TCPSite(app_runner, *self.cfg.listen, backlog=1024,
                           ssl_context=self.tls.context if self.tls else None).start()
         runners.append(app_runner)

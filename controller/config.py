@@ -10,6 +10,12 @@ from core.errors import ConfigError
 from core.objects import DNS_NAME
 from core.wire import AGENT_ANSWER_TIMEOUT
 
+from .connections import (
+    DEFAULT_KEEPALIVE_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
+)
+
 DEFAULT_PORT = 9561
 EXAMPLE = f"0.0.0.0:{DEFAULT_PORT}"
 # what one leader's event loop carries with CPU to spare for rounds and watches (docs/scale.md)
@@ -30,6 +36,10 @@ class ControllerConfig:
     report_rate: float = 2.0
     max_reports_per_second: float = DEFAULT_MAX_REPORTS_PER_SECOND  # all nodes together (controller/pacing.py)
     max_pending_reports: int = DEFAULT_MAX_PENDING_REPORTS
+    # agents' kept-alive connections (controller/connections.py)
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_connections_per_address: int = DEFAULT_MAX_CONNECTIONS_PER_ADDRESS
+    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT
     report_ttl: float = 150.0  # >= lease_seconds: a silent node's share is held while it may still use it
     status_interval: float = 30.0
     namespace: str = "netagent"
@@ -82,7 +92,10 @@ def from_flags(*, listen: str, metrics_listen: str | None, advertise: str | None
                kubeconfig: str | None, period: float, answer_wait: float, lease_seconds: float,
                report_rate: float, report_ttl: float, status_interval: float,
                max_reports_per_second: float = DEFAULT_MAX_REPORTS_PER_SECOND,
-               max_pending_reports: int = DEFAULT_MAX_PENDING_REPORTS, namespace: str, lease_name: str,
+               max_pending_reports: int = DEFAULT_MAX_PENDING_REPORTS,
+               max_connections: int = DEFAULT_MAX_CONNECTIONS,
+               max_connections_per_address: int = DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
+               keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT, namespace: str, lease_name: str,
                identity: str | None, election_lease_seconds: float, no_auth: bool,
                agent_service_account: str | None, token_cache_seconds: float, insecure_http: bool = False,
                tls_cert_file: str | None = None, tls_key_file: str | None = None,
@@ -102,6 +115,13 @@ def from_flags(*, listen: str, metrics_listen: str | None, advertise: str | None
                           "positive number of reports per second")
     if not 1 <= max_pending_reports <= 100_000:
         raise ConfigError(f"--max-pending-reports ({max_pending_reports}) must be between 1 and 100000")
+    if not 1 <= max_connections <= 1_000_000:
+        raise ConfigError(f"--max-connections ({max_connections}) must be between 1 and 1000000")
+    if not 1 <= max_connections_per_address <= max_connections:
+        raise ConfigError(f"--max-connections-per-address ({max_connections_per_address}) must be between 1 and "
+                          f"--max-connections ({max_connections})")
+    if not 0 < keepalive_timeout <= 3600:
+        raise ConfigError(f"--keepalive-timeout ({keepalive_timeout:g}) must be between 0 and 3600 seconds")
     if report_ttl < lease_seconds:
         raise ConfigError(f"--report-ttl ({report_ttl:g}) must be at least --lease-seconds ({lease_seconds:g}): a "
                           "node that cannot reach the controller keeps enforcing its last answer for the lease, so "
@@ -143,7 +163,8 @@ def from_flags(*, listen: str, metrics_listen: str | None, advertise: str | None
         advertise=advertise, from_file=tuple(from_file), kubeconfig=kubeconfig, period=period,
         answer_wait=answer_wait, lease_seconds=lease_seconds, report_rate=report_rate, report_ttl=report_ttl,
         max_reports_per_second=max_reports_per_second,
-        max_pending_reports=max_pending_reports,
+        max_pending_reports=max_pending_reports, max_connections=max_connections,
+        max_connections_per_address=max_connections_per_address, keepalive_timeout=keepalive_timeout,
         status_interval=status_interval, namespace=namespace, lease_name=lease_name,
         identity=identity or f"{socket.gethostname()}@{advertise}", election_lease_seconds=election_lease_seconds,
         no_auth=no_auth, agent_service_account=agent_service_account, token_cache_seconds=token_cache_seconds,

@@ -13,6 +13,11 @@ The rules (docs/agent.md, "Talking to the controller"):
     never followed (urllib's default handler would turn them into a GET to any host with the
     Authorization header copied; this client does not use urllib at all).
   * Every exchange has a timeout and a size limit on what is read back.
+  * One connection is kept open per controller address (HTTP/1.1 keep-alive) and a new one resumes
+    the last TLS session, so a report costs no handshake (issue 37: the handshake was most of the
+    leader's CPU a report). A kept connection the controller closed while idle is found on the next
+    use and the report is sent once more on a new connection: a report replaces the node's last one
+    (level-triggered), so a repeat changes nothing. A rotated CA drops kept connections and sessions.
 """
 from __future__ import annotations
 
@@ -148,20 +153,38 @@ class _PinnedHTTPSConnection(http.client.HTTPConnection):
 
     default_port = 443
 
-    def __init__(self, host: str, port: int, *, context: ssl.SSLContext, server_hostname: str, timeout: float):
+    def __init__(self, host: str, port: int, *, context: ssl.SSLContext, server_hostname: str, timeout: float,
+                 session: ssl.SSLSession | None = None):
         super().__init__(host, port, timeout=timeout)
-        self._ctx, self._sni = context, server_hostname
+        self._ctx, self._sni, self._session = context, server_hostname, session
 
     def connect(self) -> None:
         super().connect()
-        self.sock = self._ctx.wrap_socket(self.sock, server_hostname=self._sni)
+        self.sock = self._ctx.wrap_socket(self.sock, server_hostname=self._sni, session=self._session)
+
+    def tls_session(self) -> ssl.SSLSession | None:
+        """The TLS session to resume next time (TLS 1.3 sends its ticket after the handshake, so
+        this is read after an answer), None when there is none."""
+        sock = self.sock
+        return sock.session if isinstance(sock, ssl.SSLSocket) else None
+
+
+# A kept connection the controller closed while idle shows as one of these on its next use
+STALE_CONNECTION = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+KEPT_ADDRESSES = 2  # the Service's address and the leader's a redirect led to
+
+
+@dataclass
+class _Kept:
+    conn: http.client.HTTPConnection
+    context: ssl.SSLContext | None  # the pinned CA's context it was verified with
 
 
 class ControllerClient:
     """POSTs to the controller under the rules of this module's docstring."""
 
     def __init__(self, url: str, ca_file: str | None, insecure_http: bool = False, timeout: float = 3.0,
-                 max_answer_bytes: int = 4 << 20):
+                 max_answer_bytes: int = 4 << 20, keep_alive: bool = True):
         self.endpoint, self.prefix = parse_endpoint(url)
         if self.endpoint.scheme == "https" and not ca_file:
             raise ValueError("an https controller needs its CA (--controller-ca)")
@@ -170,6 +193,12 @@ class ControllerClient:
         self.ca = PinnedCA(ca_file) if self.endpoint.scheme == "https" else None
         self.timeout = timeout
         self.max_answer_bytes = max_answer_bytes
+        self.keep_alive = keep_alive
+        self._lock = threading.Lock()  # one exchange at a time over the kept connections
+        self._kept: dict[Endpoint, _Kept] = {}  # insertion order = least recently used first
+        self._sessions: dict[Endpoint, tuple[ssl.SSLContext, ssl.SSLSession]] = {}
+        self.connections_opened = 0  # new TCP (and TLS) connections, for tests and the agent's metrics
+        self.sessions_resumed = 0  # of those, how many resumed a TLS session (an abbreviated handshake)
 
     @property
     def url(self) -> str:
@@ -178,11 +207,44 @@ class ControllerClient:
     def may_send_token(self) -> bool:
         return self.endpoint.scheme == "https"
 
-    def _connection(self, target: Endpoint) -> http.client.HTTPConnection:
-        if target.scheme == "https":
-            return _PinnedHTTPSConnection(target.host, target.port, context=self.ca.context(),
-                                          server_hostname=self.endpoint.host, timeout=self.timeout)
-        return http.client.HTTPConnection(target.host, target.port, timeout=self.timeout)
+    def _connection(self, target: Endpoint) -> tuple[http.client.HTTPConnection, bool]:
+        """(a connection to `target`, whether it was kept from an earlier exchange). A kept one made
+        under another CA context than today's (a rotation) is closed, with the TLS sessions."""
+        context = self.ca.context() if target.scheme == "https" else None
+        kept = self._kept.pop(target, None)
+        if kept is not None:
+            if kept.context is context:
+                return kept.conn, True
+            kept.conn.close()
+        self.connections_opened += 1
+        if context is None:
+            return http.client.HTTPConnection(target.host, target.port, timeout=self.timeout), False
+        remembered = self._sessions.get(target)
+        session = remembered[1] if remembered is not None and remembered[0] is context else None
+        return _PinnedHTTPSConnection(target.host, target.port, context=context, server_hostname=self.endpoint.host,
+                                      timeout=self.timeout, session=session), False
+
+    def _keep(self, target: Endpoint, conn: http.client.HTTPConnection) -> None:
+        """Keep `conn` for the next exchange with `target` (and its TLS session for a new one)."""
+        if isinstance(conn, _PinnedHTTPSConnection):
+            session = conn.tls_session()
+            if session is not None:
+                self._sessions[target] = (conn._ctx, session)
+        if not self.keep_alive:
+            conn.close()
+            return
+        self._kept[target] = _Kept(conn, conn._ctx if isinstance(conn, _PinnedHTTPSConnection) else None)
+        while len(self._kept) > KEPT_ADDRESSES:
+            self._kept.pop(next(iter(self._kept))).conn.close()
+        while len(self._sessions) > KEPT_ADDRESSES:
+            self._sessions.pop(next(iter(self._sessions)))
+
+    def close(self) -> None:
+        """Close the kept connections (the agent's shutdown)."""
+        with self._lock:
+            for kept in self._kept.values():
+                kept.conn.close()
+            self._kept.clear()
 
     def redirect_target(self, code: int, location: str | None, current: Endpoint) -> tuple[Endpoint, str]:
         """Where a redirect may be followed to, or ControllerError: only 307/308 with a Location in
@@ -206,7 +268,9 @@ class ControllerClient:
         URL a redirect led to, or None). Raises ControllerError."""
         target, prefix = parse_endpoint(base) if base else (self.endpoint, self.prefix)
         url_path = prefix + path
-        headers = {"Content-Type": "application/json", "Content-Length": str(len(body)), "Connection": "close"}
+        headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
+        if not self.keep_alive:
+            headers["Connection"] = "close"
         if token and self.may_send_token():
             headers["Authorization"] = "Bearer " + token
         redirected: str | None = None
@@ -227,11 +291,27 @@ class ControllerClient:
 
     def _once(self, target: Endpoint, path: str, body: bytes,
               headers: dict) -> tuple[int, str | None, bytes, str | None]:
-        conn = self._connection(target)
+        with self._lock:
+            return self._exchange(target, path, body, headers)
+
+    def _exchange(self, target: Endpoint, path: str, body: bytes,
+                  headers: dict) -> tuple[int, str | None, bytes, str | None]:
+        conn, kept = self._connection(target)
         deadline = time.monotonic() + self.timeout * 2  # the whole exchange, not only each socket read
+        reusable = False
         try:
-            conn.request("POST", path, body=body, headers=headers)
-            resp = conn.getresponse()
+            try:
+                conn.request("POST", path, body=body, headers=headers)
+                resp = conn.getresponse()
+            except STALE_CONNECTION:
+                if not kept:
+                    raise
+                conn.close()  # closed by the controller while idle: once more on a new connection
+                conn, kept = self._connection(target)
+                conn.request("POST", path, body=body, headers=headers)
+                resp = conn.getresponse()
+            if not kept and isinstance(conn.sock, ssl.SSLSocket) and conn.sock.session_reused:
+                self.sessions_resumed += 1
             length = resp.getheader("Content-Length")
             if length is not None and length.isdigit() and int(length) > self.max_answer_bytes:
                 raise ControllerError(f"controller {target.base} announced {length} bytes (limit "
@@ -248,6 +328,7 @@ class ControllerClient:
             if len(data) > self.max_answer_bytes:
                 raise ControllerError(f"controller {target.base} answered more than {self.max_answer_bytes} "
                                       f"bytes; answer refused", resp.status)
+            reusable = resp.isclosed() and not resp.will_close  # read to its end, and the server keeps it open
             return resp.status, resp.getheader("Location"), bytes(data), resp.getheader("Retry-After")
         except ssl.SSLCertVerificationError as exc:
             raise ControllerError(f"controller {target.base} is not a controller: its certificate does not verify "
@@ -256,4 +337,7 @@ class ControllerClient:
         except (ssl.SSLError, http.client.HTTPException, OSError, socket.timeout) as exc:
             raise ControllerError(f"controller {target.base} unreachable: {exc.__class__.__name__}: {exc}") from exc
         finally:
-            conn.close()
+            if reusable:
+                self._keep(target, conn)
+            else:
+                conn.close()
