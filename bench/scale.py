@@ -501,8 +501,8 @@ class SimAgent:
             # --connection-per-report: a new connection and TLS handshake per report, as agents before 0.1.0
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=2, ssl=self.host.controller_ctx, local_addr=local,
-                                               force_close=self.host.connection_per_report,
-                                               keepalive_timeout=3600),
+                                               **({"force_close": True} if self.host.connection_per_report
+                                                  else {"keepalive_timeout": 3600})),
                 timeout=aiohttp.ClientTimeout(total=3))  # the agent's 3 s
         return self._session
 
