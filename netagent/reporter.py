@@ -217,6 +217,7 @@ class Reporter:
         self._stop.wait(self.rng.uniform(0, self.period))  # spread the first reports too
         while not self._stop.is_set():
             self._stop.wait(self.tick())
+        self.client.close()  # the kept connection: the controller need not wait for its idle timeout
 
     def tick(self) -> float:
         """One report, its failure logged and counted; -> seconds until the next one, counted from
