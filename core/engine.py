@@ -21,6 +21,7 @@ from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
+from .direction import Direction
 from .policy import Policy
 from .quantity import MAX_BPS
 
@@ -142,12 +143,12 @@ class TeamColumns:
     max_bps: np.ndarray
 
     @classmethod
-    def from_policy(cls, policy: Policy) -> "TeamColumns":
-        """The columns of `policy.teams`, in its order."""
-        teams = policy.teams
-        return cls(tuple(t.name for t in teams), np.array([t.weight for t in teams], dtype=np.float64),
-                   np.array([t.min_bps for t in teams], dtype=np.float64),
-                   np.array([t.max_bps for t in teams], dtype=np.float64))
+    def from_policy(cls, policy: Policy, direction: Direction = Direction.UPLOAD) -> "TeamColumns":
+        """The columns of `policy.teams` in direction `direction`, in its order."""
+        limits = [t.limits[direction] for t in policy.teams]
+        return cls(tuple(t.name for t in policy.teams), np.array([x.weight for x in limits], dtype=np.float64),
+                   np.array([x.min_bps for x in limits], dtype=np.float64),
+                   np.array([x.max_bps for x in limits], dtype=np.float64))
 
 
 @dataclass(frozen=True)
@@ -414,10 +415,11 @@ class AllocationResult:
 
 def allocate(policy: Policy, pods: Sequence[PodDemandIn], measured_total_bps: float | None = None,
              previous: AllocationResult | None = None, config: EngineConfig = EngineConfig(),
-             shaped_usage_bps: float | None = None) -> AllocationResult:
-    """Allocate the policy's budget to `pods`. A pod naming a team the policy does not have is
-    counted in the default team (the policy changed since it was resolved)."""
-    teams = TeamColumns.from_policy(policy)
+             shaped_usage_bps: float | None = None, direction: Direction = Direction.UPLOAD) -> AllocationResult:
+    """Allocate the policy's budget in `direction` to `pods` (their values for that direction).
+    A pod naming a team the policy does not have is counted in the default team (the policy
+    changed since it was resolved)."""
+    teams = TeamColumns.from_policy(policy, direction)
     index = policy.team_index()
     default = index[policy.default_team]
     keys = tuple(p.key for p in pods)
@@ -433,7 +435,7 @@ def allocate(policy: Policy, pods: Sequence[PodDemandIn], measured_total_bps: fl
     prev_columns = None
     if previous is not None:
         prev_columns = _realign(previous, keys)
-    result = allocate_columns(teams, columns, float(policy.total_bps), measured_total_bps, prev_columns, config,
+    result = allocate_columns(teams, columns, float(policy.totals[direction]), measured_total_bps, prev_columns, config,
                               shaped_usage_bps)
 
     pod_results = {k: PodResult(float(a), float(l)) for k, a, l in zip(keys, result.allocation, result.limit)}

@@ -4,9 +4,10 @@ Pure: dicts in (as YAML or the API server gives them), frozen values out. A bad
 object never stops the others: it is skipped and described in the problems list,
 so one typo in one class cannot unshape a cluster. See docs/crds.md.
 
-Two directions, one policy: the unprefixed fields are uploads (pod -> internet), the
-`ingress` ones downloads (internet -> pod). `Policy.for_ingress()` is the same policy
-with the download values in the upload places, so one engine allocates both.
+Two directions, one policy: a class's, team's and pod's values are a `Limits` per
+`Direction` (`spec.limits[d]`), the budget's totals a `PerDirection[int]` (`policy.totals[d]`);
+the engine takes the direction. The CRD's words are translated here only: uploads at the top
+level, downloads in an `ingress` block (`Direction.crd_block`), `spec.total`/`spec.ingressTotal`.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping
 
+from .direction import Direction, PerDirection
 from .objects import ANNOTATION_BANDWIDTH, ANNOTATION_CLASS, ANNOTATION_INGRESS_BANDWIDTH, DNS_NAME, PodRecord
 from .quantity import MAX_BPS, parse_bps
 
@@ -36,24 +38,58 @@ class PolicyError(ValueError):
     """One EgressClass, EgressBudget or team that cannot be used; the message names it and says why."""
 
 
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """One direction's sharing values: weight, guarantee (up to demand) and cap, bit/s."""
+    weight: float
+    min_bps: int = 0
+    max_bps: int = MAX_BPS  # MAX_BPS = no cap
+
+
+class _UploadCompat:
+    """COMPAT (issue 35, removed once netagent reads `limits[d]`): the pre-Direction field names
+    as read-only views of `limits`. New code uses `limits[d]`."""
+    limits: PerDirection[Limits]
+
+    @property
+    def weight(self) -> Any:
+        return self.limits.upload.weight
+
+    @property
+    def min_bps(self) -> int:
+        return self.limits.upload.min_bps
+
+    @property
+    def max_bps(self) -> int:
+        return self.limits.upload.max_bps
+
+    @property
+    def ingress_weight(self) -> Any:
+        return self.limits.download.weight
+
+    @property
+    def ingress_min_bps(self) -> int:
+        return self.limits.download.min_bps
+
+    @property
+    def ingress_max_bps(self) -> int:
+        return self.limits.download.max_bps
+
+
+def default_download(upload: Limits) -> Limits:
+    """A class's or team's download values without an `ingress` block: the upload weight, no
+    guarantee, no cap (nothing new guaranteed or capped silently)."""
+    return Limits(upload.weight)
+
+
 @dataclass(frozen=True)
-class EgressClassSpec:
-    """One validated EgressClass."""
+class EgressClassSpec(_UploadCompat):
+    """One validated EgressClass: per pod, per direction, its weight, guarantee and cap."""
     name: str
-    weight: int
-    min_bps: int  # guaranteed per pod (up to its demand)
-    max_bps: int  # cap per pod; MAX_BPS when unset
-    # downloads (spec.ingress); absent: the upload weight, no guarantee, no cap
-    ingress_weight: int = None  # type: ignore[assignment]  # None given = the upload weight
-    ingress_min_bps: int = 0
-    ingress_max_bps: int = MAX_BPS
-
-    def __post_init__(self) -> None:
-        if self.ingress_weight is None:
-            object.__setattr__(self, "ingress_weight", self.weight)
+    limits: PerDirection[Limits]
 
 
-BUILTIN_DEFAULT_CLASS = EgressClassSpec(DEFAULT_CLASS, 1, 0, MAX_BPS)
+BUILTIN_DEFAULT_CLASS = EgressClassSpec(DEFAULT_CLASS, PerDirection(Limits(1), Limits(1)))
 
 
 @dataclass(frozen=True)
@@ -86,24 +122,14 @@ class NamespaceSelector:
 
 
 @dataclass(frozen=True)
-class TeamSpec:
-    """One validated team of the EgressBudget."""
+class TeamSpec(_UploadCompat):
+    """One validated team of the EgressBudget; its limits hold for the team as a whole."""
     name: str
     namespaces: tuple[str, ...]
-    weight: int
-    min_bps: int  # guaranteed to the team as a whole (up to its demand)
-    max_bps: int  # cap for the team as a whole; MAX_BPS when unset
+    limits: PerDirection[Limits]
     default_class: str  # always a class that exists in the policy
     allowed_classes: tuple[str, ...]  # empty = all classes allowed
     namespace_selector: NamespaceSelector | None = None
-    # downloads (teams[].ingress); absent: the upload weight, no guarantee, no cap
-    ingress_weight: int = None  # type: ignore[assignment]  # None given = the upload weight
-    ingress_min_bps: int = 0
-    ingress_max_bps: int = MAX_BPS
-
-    def __post_init__(self) -> None:
-        if self.ingress_weight is None:
-            object.__setattr__(self, "ingress_weight", self.weight)
 
     def allows(self, egress_class: str) -> bool:
         """Whether the team's pods may use `egress_class` (an empty list allows all)."""
@@ -112,13 +138,12 @@ class TeamSpec:
 
 @dataclass(frozen=True)
 class Policy:
-    """The validated policy: the budget's total, its classes and teams, the default team."""
-    total_bps: int
+    """The validated policy: the budget's totals, its classes and teams, the default team."""
+    totals: PerDirection[int]  # spec.total, spec.ingressTotal; MAX_BPS = no budget
     classes: Mapping[str, EgressClassSpec]
     teams: tuple[TeamSpec, ...]  # the default team is always among them
     default_team: str
     budget_name: str  # "" for the built-in default policy
-    ingress_total_bps: int = MAX_BPS  # spec.ingressTotal: the cluster's internet downloads; MAX_BPS = no budget
     _team_by_namespace: Mapping[str, TeamSpec] = field(init=False, repr=False, compare=False)
     _team_by_name: Mapping[str, TeamSpec] = field(init=False, repr=False, compare=False)
 
@@ -155,16 +180,23 @@ class Policy:
         """Team name -> its position in `teams` (the engine's columnar team ids)."""
         return {t.name: i for i, t in enumerate(self.teams)}
 
+    # COMPAT (issue 35): pre-Direction names, removed once netagent reads `totals[d]` and passes
+    # the direction to the engine.
+    @property
+    def total_bps(self) -> int:
+        return self.totals.upload
+
+    @property
+    def ingress_total_bps(self) -> int:
+        return self.totals.download
+
     def for_ingress(self) -> "Policy":
-        """The download policy: every class's and team's weight, min and max replaced by its
-        ingress values, `total_bps` = `ingress_total_bps`; teams keep their order and names, so
-        the engine allocates downloads exactly as uploads. Idempotent."""
-        classes = {name: replace(c, weight=c.ingress_weight, min_bps=c.ingress_min_bps, max_bps=c.ingress_max_bps)
-                   for name, c in self.classes.items()}
-        teams = tuple(replace(t, weight=t.ingress_weight, min_bps=t.ingress_min_bps, max_bps=t.ingress_max_bps)
-                      for t in self.teams)
-        return Policy(self.ingress_total_bps, MappingProxyType(classes), teams, self.default_team,
-                      self.budget_name, self.ingress_total_bps)
+        """COMPAT: the download values in both directions' places (the engine's old way to
+        allocate downloads); new code passes Direction.DOWNLOAD to the engine. Idempotent."""
+        classes = {name: replace(c, limits=PerDirection.same(c.limits.download)) for name, c in self.classes.items()}
+        teams = tuple(replace(t, limits=PerDirection.same(t.limits.download)) for t in self.teams)
+        return Policy(PerDirection.same(self.totals.download), MappingProxyType(classes), teams, self.default_team,
+                      self.budget_name)
 
 
 def builtin_default_policy(classes: Mapping[str, EgressClassSpec] | None = None) -> Policy:
@@ -172,24 +204,38 @@ def builtin_default_policy(classes: Mapping[str, EgressClassSpec] | None = None)
     bandwidth annotation), one team "default" owning every namespace, every class allowed."""
     classes = dict(classes or {})
     classes.setdefault(DEFAULT_CLASS, BUILTIN_DEFAULT_CLASS)
-    team = TeamSpec(DEFAULT_TEAM, (), 1, 0, MAX_BPS, DEFAULT_CLASS, ())
-    return Policy(MAX_BPS, MappingProxyType(classes), (team,), DEFAULT_TEAM, "")
+    team = TeamSpec(DEFAULT_TEAM, (), PerDirection.same(Limits(1)), DEFAULT_CLASS, ())
+    return Policy(PerDirection.same(MAX_BPS), MappingProxyType(classes), (team,), DEFAULT_TEAM, "")
 
 
 @dataclass(frozen=True)
-class PodPolicy:
-    """A pod's resolved policy: team, class, weight, guarantee, cap for uploads and for downloads
-    (ingress_*), and what was wrong with its annotations."""
+class PodPolicy(_UploadCompat):
+    """A pod's resolved policy: team, class, per direction its weight, guarantee and cap (the
+    class's cap lowered by the direction's bandwidth annotation), and what was wrong with its
+    annotations."""
     team: str
     egress_class: str
-    weight: float
-    min_bps: int
-    max_bps: int
+    limits: PerDirection[Limits]
     problems: tuple[tuple[str, str], ...]  # (Kubernetes Event reason, human message)
-    ingress_weight: float = 1.0
-    ingress_min_bps: int = 0
-    ingress_max_bps: int = MAX_BPS  # the class's ingress max lowered by kubernetes.io/ingress-bandwidth
-    ingress_bandwidth_annotation: str | None = None  # the value it was resolved from
+    bandwidth: PerDirection[str | None] = PerDirection(None, None)  # the annotations resolved from
+
+    @property
+    def ingress_bandwidth_annotation(self) -> str | None:  # COMPAT (issue 35)
+        return self.bandwidth.download
+
+
+# A direction's bandwidth annotation and the Event reason when it is malformed.
+BANDWIDTH_ANNOTATION = PerDirection(ANNOTATION_BANDWIDTH, ANNOTATION_INGRESS_BANDWIDTH)
+INVALID_BANDWIDTH_REASON = PerDirection(REASON_INVALID_BANDWIDTH, REASON_INVALID_INGRESS_BANDWIDTH)
+
+
+def pod_limits(spec: EgressClassSpec, d: Direction, annotation: str | None,
+               problems: list[tuple[str, str]]) -> Limits:
+    """A pod's values in direction `d`: its class's, the cap lowered by the annotation (never
+    raised), the guarantee never above the cap; a malformed annotation adds a problem."""
+    c = spec.limits[d]
+    cap = _capped(c.max_bps, annotation, BANDWIDTH_ANNOTATION[d], INVALID_BANDWIDTH_REASON[d], problems)
+    return Limits(float(c.weight), min(c.min_bps, cap), cap)
 
 
 def resolve_pod(policy: Policy, namespace: str, class_annotation: str | None, bandwidth_annotation: str | None,
@@ -221,12 +267,9 @@ def resolve_pod(policy: Policy, namespace: str, class_annotation: str | None, ba
         else:
             chosen = requested
     spec = policy.classes[chosen]
-    max_bps = _capped(spec.max_bps, bandwidth_annotation, ANNOTATION_BANDWIDTH, REASON_INVALID_BANDWIDTH, problems)
-    ingress_max = _capped(spec.ingress_max_bps, ingress_bandwidth_annotation, ANNOTATION_INGRESS_BANDWIDTH,
-                          REASON_INVALID_INGRESS_BANDWIDTH, problems)
-    return PodPolicy(team.name, chosen, float(spec.weight), min(spec.min_bps, max_bps), max_bps, tuple(problems),
-                     float(spec.ingress_weight), min(spec.ingress_min_bps, ingress_max), ingress_max,
-                     ingress_bandwidth_annotation)
+    bandwidth = PerDirection(bandwidth_annotation, ingress_bandwidth_annotation)
+    limits = PerDirection.build(lambda d: pod_limits(spec, d, bandwidth[d], problems))
+    return PodPolicy(team.name, chosen, limits, tuple(problems), bandwidth)
 
 
 def _capped(cap: int, annotation: str | None, name: str, reason: str, problems: list[tuple[str, str]]) -> int:
@@ -267,6 +310,17 @@ class ResolvedPod:
         if self.ingress_weight is None:
             object.__setattr__(self, "ingress_weight", self.weight)
 
+    @property
+    def limits(self) -> PerDirection[Limits]:
+        """Its weight, guarantee and cap per direction (the new way to read them)."""
+        return PerDirection(Limits(self.weight, self.min_bps, self.max_bps),
+                            Limits(self.ingress_weight, self.ingress_min_bps, self.ingress_max_bps))
+
+    @property
+    def bandwidth(self) -> PerDirection[str | None]:
+        """Its bandwidth annotation per direction, as the pod carries it."""
+        return PerDirection(self.bandwidth_annotation, self.ingress_bandwidth_annotation)
+
 
 def shaped_pods(pods: Iterable[PodRecord]) -> list[PodRecord]:
     """The pods that get a class of their own, with IPs given up by pods being deleted.
@@ -306,13 +360,11 @@ def resolve_pods(policy: Policy, pods: Iterable[PodRecord],
         cls_ann, bw_ann = p.annotation(ANNOTATION_CLASS), p.annotation(ANNOTATION_BANDWIDTH)
         in_ann = p.annotation(ANNOTATION_INGRESS_BANDWIDTH)
         pp = resolve_pod(policy, p.namespace, cls_ann, bw_ann, labels_of(p.namespace), in_ann)
+        up, down = pp.limits.upload, pp.limits.download
         out.append(ResolvedPod(
-            key=p.key, namespace=p.namespace, name=p.name, uid=p.uid, ips=p.ips,
-            team=pp.team, egress_class=pp.egress_class, weight=float(pp.weight),
-            min_bps=int(pp.min_bps), max_bps=int(pp.max_bps), problems=tuple(pp.problems),
-            class_annotation=cls_ann, bandwidth_annotation=bw_ann,
-            ingress_weight=float(pp.ingress_weight), ingress_min_bps=int(pp.ingress_min_bps),
-            ingress_max_bps=int(pp.ingress_max_bps), ingress_bandwidth_annotation=in_ann,
+            p.key, p.namespace, p.name, p.uid, p.ips, pp.team, pp.egress_class,
+            float(up.weight), int(up.min_bps), int(up.max_bps), tuple(pp.problems), cls_ann, bw_ann,
+            float(down.weight), int(down.min_bps), int(down.max_bps), in_ann,
         ))
     return out
 
@@ -434,17 +486,25 @@ def _rate(value: Any, what: str, default: int, allow_zero: bool) -> int:
         raise PolicyError(str(exc)) from exc
 
 
-def _ingress(spec: dict[str, Any], what: str, weight: int) -> tuple[int, int, int]:
-    """The download values of a class or team: its `ingress` block {weight, min, max} ->
-    (weight, min, max); absent: the upload weight, no guarantee, no cap."""
-    block = spec.get("ingress")
+def _limits_block(block: dict[str, Any], what: str, default_weight: int = 1) -> Limits:
+    """One direction's {weight, min, max} block -> Limits; PolicyError naming the field."""
+    min_bps, max_bps = _min_max(block, what)
+    weight = default_weight if block.get("weight") is None else _weight(block["weight"], f"{what}.weight")
+    return Limits(weight, min_bps, max_bps)
+
+
+def _limits(spec: dict[str, Any], what: str) -> PerDirection[Limits]:
+    """A class's or team's values per direction: each direction's block (`Direction.crd_block`:
+    the top level for uploads, `ingress` for downloads) read by the same function; an absent
+    download block = `default_download` of the upload values."""
+    upload = _limits_block(spec, what)
+    block = spec.get(Direction.DOWNLOAD.crd_block or "")
     if block is None:
-        return weight, 0, MAX_BPS
-    what = f"{what}.ingress"
+        return PerDirection(upload, default_download(upload))
+    where = f"{what}.{Direction.DOWNLOAD.crd_block}"
     if not isinstance(block, dict):
-        raise PolicyError(f"{what}: must be an object {{weight, min, max}} (the download values)")
-    in_weight = weight if block.get("weight") is None else _weight(block["weight"], f"{what}.weight")
-    return (in_weight, *_min_max(block, what))
+        raise PolicyError(f"{where}: must be an object {{weight, min, max}} (the download values)")
+    return PerDirection(upload, _limits_block(block, where, int(upload.weight)))
 
 
 def _min_max(spec: dict[str, Any], what: str) -> tuple[int, int]:
@@ -458,10 +518,7 @@ def _min_max(spec: dict[str, Any], what: str) -> tuple[int, int]:
 def parse_class(obj: Any) -> EgressClassSpec:
     """One EgressClass object -> EgressClassSpec; PolicyError naming the field."""
     name, spec = _spec_of(obj, "EgressClass")
-    what = f"EgressClass {name}: spec"
-    min_bps, max_bps = _min_max(spec, what)
-    weight = _weight(spec.get("weight"), f"{what}.weight")
-    return EgressClassSpec(name, weight, min_bps, max_bps, *_ingress(spec, what, weight))
+    return EgressClassSpec(name, _limits(spec, f"EgressClass {name}: spec"))
 
 
 def _selector(value: Any, what: str) -> NamespaceSelector:
@@ -506,11 +563,11 @@ def parse_budget(obj: Any, classes: Mapping[str, EgressClassSpec]) -> tuple[Poli
     total = _rate(spec["total"], f"EgressBudget {name}: spec.total", 0, allow_zero=False)
     problems: list[str] = []
     try:
-        ingress_total = _rate(spec.get("ingressTotal"), f"EgressBudget {name}: spec.ingressTotal", MAX_BPS,
+        download_total = _rate(spec.get("ingressTotal"), f"EgressBudget {name}: spec.ingressTotal", MAX_BPS,
                               allow_zero=False)
     except PolicyError as exc:  # uploads keep their budget; downloads are held by their caps until it is fixed
         problems.append(f"{exc}; no cluster download budget until it is fixed")
-        ingress_total = MAX_BPS
+        download_total = MAX_BPS
     default_team = spec.get("defaultTeam") or DEFAULT_TEAM
     if not isinstance(default_team, str):
         raise PolicyError(f"EgressBudget {name}: spec.defaultTeam must be a team name")
@@ -528,9 +585,10 @@ def parse_budget(obj: Any, classes: Mapping[str, EgressClassSpec]) -> tuple[Poli
         if any(t.name == team.name for t in teams):
             problems.append(f"EgressBudget {name}: team {team.name} is defined twice; the first definition is used")
             continue
-        if team.ingress_min_bps > ingress_total:
-            problems.append(f"EgressBudget {name}: spec.teams[{i}] ({team.name}).ingress.min ({team.ingress_min_bps} "
-                            f"bit/s) is above spec.ingressTotal ({ingress_total} bit/s); it is scaled down to fit")
+        if team.limits.download.min_bps > download_total:
+            problems.append(f"EgressBudget {name}: spec.teams[{i}] ({team.name}).ingress.min "
+                            f"({team.limits.download.min_bps} "
+                            f"bit/s) is above spec.ingressTotal ({download_total} bit/s); it is scaled down to fit")
         for ns in team.namespaces:
             if ns in claimed:
                 problems.append(f"EgressBudget {name}: namespace {ns} is listed by teams {claimed[ns]} and "
@@ -539,25 +597,25 @@ def parse_budget(obj: Any, classes: Mapping[str, EgressClassSpec]) -> tuple[Poli
                 claimed[ns] = team.name
         teams.append(team)
     if not any(t.name == default_team for t in teams):
-        teams.append(TeamSpec(default_team, (), 1, 0, MAX_BPS, DEFAULT_CLASS, ()))
-    if sum(t.min_bps for t in teams) > total:
+        teams.append(TeamSpec(default_team, (), PerDirection.same(Limits(1)), DEFAULT_CLASS, ()))
+    if sum(t.limits.upload.min_bps for t in teams) > total:
         problems.append(f"EgressBudget {name}: the teams' guarantees add up to more than spec.total; "
                         f"they are scaled down proportionally when all are in use (Oversubscribed)")
-    problems.extend(_ingress_guarantee_problems(name, teams, classes, ingress_total))
-    return Policy(total, classes, tuple(teams), default_team, name, ingress_total), problems
+    problems.extend(_download_guarantee_problems(name, teams, classes, download_total))
+    return Policy(PerDirection(total, download_total), classes, tuple(teams), default_team, name), problems
 
 
-def _ingress_guarantee_problems(name: str, teams: list[TeamSpec], classes: Mapping[str, EgressClassSpec],
-                                ingress_total: int) -> list[str]:
+def _download_guarantee_problems(name: str, teams: list[TeamSpec], classes: Mapping[str, EgressClassSpec],
+                                download_total: int) -> list[str]:
     """Download guarantees above spec.ingressTotal (a class's per pod, or the teams' together),
     each naming its field; they are scaled down when all are in use, as upload guarantees are.
     A single team's is reported where it is parsed (with its index)."""
-    if ingress_total >= MAX_BPS:
+    if download_total >= MAX_BPS:
         return []
-    out = [f"EgressClass {c.name}: spec.ingress.min ({c.ingress_min_bps} bit/s per pod) is above "
-            f"EgressBudget {name} spec.ingressTotal ({ingress_total} bit/s); it is scaled down to fit"
-            for c in classes.values() if c.ingress_min_bps > ingress_total]
-    if sum(t.ingress_min_bps for t in teams) > ingress_total:
+    out = [f"EgressClass {c.name}: spec.ingress.min ({c.limits.download.min_bps} bit/s per pod) is above "
+            f"EgressBudget {name} spec.ingressTotal ({download_total} bit/s); it is scaled down to fit"
+            for c in classes.values() if c.limits.download.min_bps > download_total]
+    if sum(t.limits.download.min_bps for t in teams) > download_total:
         out.append(f"EgressBudget {name}: the teams' download guarantees (spec.teams[].ingress.min) add up to more "
                    f"than spec.ingressTotal; they are scaled down proportionally when all are in use (Oversubscribed)")
     return out
@@ -576,9 +634,7 @@ def _parse_team(raw: Any, what: str, classes: Mapping[str, EgressClassSpec], pro
     selector = None
     if raw.get("namespaceSelector") is not None:
         selector = _selector(raw["namespaceSelector"], f"{what}.namespaceSelector")
-    min_bps, max_bps = _min_max(raw, what)
-    weight = _weight(raw.get("weight"), f"{what}.weight")
-    ingress = _ingress(raw, what, weight)
+    limits = _limits(raw, what)
     allowed = _class_list(raw.get("allowedClasses"), f"{what}.allowedClasses")
     for c in allowed:
         if c not in classes:
@@ -594,5 +650,4 @@ def _parse_team(raw: Any, what: str, classes: Mapping[str, EgressClassSpec], pro
     elif allowed and default_class not in allowed:
         problems.append(f"{what}.defaultClass: {default_class} is not in allowedClasses; using {fallback!r}")
         default_class = fallback
-    return TeamSpec(team_name, tuple(dict.fromkeys(namespaces)), weight,
-                    min_bps, max_bps, default_class, allowed, selector, *ingress)
+    return TeamSpec(team_name, tuple(dict.fromkeys(namespaces)), limits, default_class, allowed, selector)
