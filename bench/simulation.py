@@ -103,13 +103,14 @@ def build_pods(nodes: int, per_node: int, rng: random.Random) -> list[SimPod]:
 def fair_allocation(pods: list[SimPod], capacity_bps: float) -> dict[str, float]:
     from dataclasses import replace
 
+    from core.direction import Direction
     from core.engine import PodDemandIn, allocate
     from core.policy import load_policy, resolve_pod
 
     objs = policy_objects()
     policy, _ = load_policy([o for o in objs if o["kind"] == "EgressClass"],
                             [o for o in objs if o["kind"] == "EgressBudget"])
-    policy = replace(policy, total_bps=int(capacity_bps))
+    policy = replace(policy, totals=policy.totals.replace(Direction.UPLOAD, int(capacity_bps)))
     rows = []
     for p in pods:
         pp = resolve_pod(policy, p.namespace, p.egress_class, None)

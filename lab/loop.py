@@ -10,6 +10,7 @@ import dataclasses
 
 import numpy as np
 
+from core.direction import Direction
 from core.engine import PodDemandIn, allocate
 from core.policy import load_policy
 from netagent.demand import PodDemand, Sample
@@ -100,7 +101,7 @@ class Loop:
         """Each pod's fair share: the engine's answer for the true (mean) demands, at the capacity
         that puts the measured total on the budget."""
         capacity = (self.policy.total_bps - HOST_BPS) / L3_PER_L2
-        fair = allocate(dataclasses.replace(self.policy, total_bps=int(capacity)), self.inputs(lambda p: p.demand))
+        fair = allocate(dataclasses.replace(self.policy, totals=self.policy.totals.replace(Direction.UPLOAD, int(capacity))), self.inputs(lambda p: p.demand))
         return {p.key: fair.pods[p.key].allocation_bps for p in self.pods}
 
     def errors(self) -> dict[str, float]:
