@@ -5,9 +5,12 @@ no node: the release's workloads are only objects here, the policy objects are w
 - The EgressClasses and EgressBudget of `classes`/`budget` are ordinary templates of release `egress`
   in `egress-system`: install creates them, upgrade changes, adds and deletes them, rollback brings
   the previous ones back, `helm template` (Argo CD, Flux) renders them without hooks.
-- An upgrade whose policy the API server refuses (a rate its CEL refuses) fails with the API server's
-  message; with `--rollback-on-failure`, as documented, nothing of it stays. Without it Helm leaves
-  what it applied before the refusal: the test shows that too, so the docs can say why the flag.
+- An upgrade with a policy value the CRDs would refuse (a rate their CEL refuses, a weight out of range,
+  an unknown key, a min above its max...) fails at render, before anything is applied, naming the
+  value with an example. One the cluster refuses for its own reasons (an admission policy) fails with
+  the API server's message; with `--rollback-on-failure`, as documented, nothing of it stays. Without
+  it Helm leaves what it applied before the refusal: the test shows that too, so the docs can say why
+  the flag.
 - From the chart as it was with its CRDs as templates and the policy as a post-install hook
   (commit f6f7e5b): the upgrade is refused until the new CRDs are applied (their change: negative
   exponents), then until the CRDs are kept (crds.keep=false would have them deleted with every
@@ -19,12 +22,14 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 import yaml
 
+from lab.procs import wait_for
 from tests.kube import REPO
 from tests.node import require_node_assets
 
@@ -142,32 +147,121 @@ def test_policy_follows_install_upgrade_and_rollback(kube_api, release, tmp_path
     assert maxima(kube_api) == {"bronze": "20M"}
 
 
-def test_an_upgrade_the_api_server_refuses_fails_and_rolls_back_whole(kube_api, release, tmp_path):
+def resource_versions(kube_api, namespace: str) -> dict[str, str]:
+    """kind/name -> resourceVersion of the policy objects and the release's objects in its namespace."""
+    out = {}
+    for what, args in (("policy", ("egressclasses,egressbudgets",)),
+                       ("release", ("deployments,daemonsets,configmaps,serviceaccounts,services", "-n", namespace))):
+        items = json.loads(kube_api.kubectl("get", *args, "-o", "json").stdout)["items"]
+        out.update({f"{o['kind']}/{o['metadata']['name']}": o["metadata"]["resourceVersion"] for o in items})
+    return out
+
+
+# policy values the API server would refuse, each refused by the chart at render: (values, words of the message)
+REFUSED_AT_RENDER = [
+    ({"classes": [CLASSES[0], {"name": "silver", "spec": {"weight": 2, "max": "10Mbit"}}]},
+     ['classes[1] (silver).spec.max="10Mbit" is refused', "write 10M, not 10Mbit"]),
+    ({"classes": [CLASSES[0], {"name": "silver", "spec": {"weight": 2, "min": "50M", "max": "40M"}}]},
+     ["classes[1] (silver).spec.min=50M is refused: above", "e.g. min: 5M with max: 20M"]),
+    ({"classes": [CLASSES[0], {"name": "silver", "spec": {"weight": 0, "max": "40M"}}]},
+     ["/classes/1/spec/weight", "minimum"]),
+    ({"classes": [CLASSES[0], {"name": "silver", "spec": {"weight": 2, "ingres": {"max": "40M"}}}]},
+     ["/classes/1/spec", "'ingres' not allowed"]),
+    ({"budget": {**BUDGET, "spec": {**BUDGET["spec"], "total": "0"}}},
+     ['budget.spec.total="0" is refused: it is zero']),
+    ({"budget": {**BUDGET, "spec": {**BUDGET["spec"], "teams": [{**BUDGET["spec"]["teams"][0], "defaultClass": "gold"}]}}},
+     ['budget.spec.teams[0] (lab).defaultClass="gold" is refused', "allowedClasses"]),
+]
+
+
+def test_an_upgrade_with_a_policy_value_the_api_server_would_refuse_fails_before_applying_anything(
+        kube_api, release, tmp_path):
+    """Every refusal of the CRDs (their schema and CEL rules) is checked by the chart at render
+    (values.schema.json from hack/chart_policy_schema.py, templates/validate-rates.yaml): the upgrade
+    fails with the value's path, what is expected and an example, and nothing changes (every object's
+    resourceVersion, the release's revision and status), without --rollback-on-failure."""
+    install(kube_api, tmp_path, release)
+    before = resource_versions(kube_api, release)
+    for bad, words in REFUSED_AT_RENDER:
+        upgrade = values(tmp_path, controller={"logLevel": "debug"})  # and a valid change beside it
+        upgrade.write_text(yaml.safe_dump({**yaml.safe_load(upgrade.read_text()), **bad}))
+        result = helm(kube_api, "upgrade", RELEASE, str(CHART), "-n", release, "-f", str(upgrade), check=False)
+        assert result.returncode != 0, bad
+        for word in words:
+            assert word in result.stderr, result.stderr[-2000:]
+        assert "is invalid" not in result.stderr  # not the API server's refusal: nothing was sent
+    assert resource_versions(kube_api, release) == before
+    status = json.loads(helm(kube_api, "status", RELEASE, "-n", release, "-o", "json").stdout)
+    assert status["info"]["status"] == "deployed" and status["version"] == 1
+
+
+VAP = """
+apiVersion: admissionregistration.k8s.io/v1
+kind: ValidatingAdmissionPolicy
+metadata: {name: netagent-test-fixed-silver}
+spec:
+  failurePolicy: Fail
+  matchConstraints:
+    resourceRules:
+    - {apiGroups: [netagent.io], apiVersions: [v1alpha1], operations: [UPDATE], resources: [egressclasses]}
+  validations:
+  - expression: "object.metadata.name != 'silver' || object.spec.max == oldObject.spec.max"
+    message: "the platform team fixed silver's cap"
+---
+apiVersion: admissionregistration.k8s.io/v1
+kind: ValidatingAdmissionPolicyBinding
+metadata: {name: netagent-test-fixed-silver}
+spec: {policyName: netagent-test-fixed-silver, validationActions: [Deny]}
+"""
+
+
+def test_an_upgrade_the_cluster_refuses_fails_and_rolls_back_whole(kube_api, release, tmp_path):
+    """A refusal the chart cannot foresee (here the cluster's own admission policy, a
+    ValidatingAdmissionPolicy, as Kyverno or Gatekeeper would): the upgrade fails with the API
+    server's message; with `--rollback-on-failure`, as documented, nothing of it stays. Without it
+    Helm leaves what it applied before the refusal: the test shows that too, so the docs can say why
+    the flag."""
     install(kube_api, tmp_path, release)
     before_args = controller_args(kube_api, release)
-    # one valid change of a class and of the controller, and a rate the CRD's CEL refuses
-    bad = values(tmp_path, controller={"logLevel": "debug"})
-    bad.write_text(yaml.safe_dump({**yaml.safe_load(bad.read_text()), "classes": [
-        {"name": "bronze", "spec": {"weight": 1, "max": "25M"}},
-        {"name": "silver", "spec": {"weight": 2, "max": "10Mbit"}}]}))
-    refusal = 'EgressClass.netagent.io "silver" is invalid: spec.max: Invalid value: "10Mbit": must be a rate in bit/s'
+    kube_api.kubectl("apply", "-f", "-", input=VAP)
+    try:
+        refusal = "the platform team fixed silver's cap"
 
-    # as documented: --rollback-on-failure; the API server's message, and every object as before
-    result = helm(kube_api, "upgrade", RELEASE, str(CHART), "-n", release, "-f", str(bad),
-                  *ROLLBACK_ON_FAILURE, check=False)
-    assert result.returncode != 0
-    assert refusal in result.stderr, result.stderr[-2000:]
-    assert maxima(kube_api) == {"bronze": "20M", "silver": "40M"}
-    assert controller_args(kube_api, release) == before_args
+        def denies() -> bool:  # the policy is in force once the API server's admission sees it
+            patch = kube_api.kubectl("patch", "egressclass", "silver", "--type=merge", "--dry-run=server",
+                                     "-p", '{"spec": {"max": "41M"}}', check=False)
+            return patch.returncode != 0 and refusal in patch.stderr
+        wait_for(denies, timeout=30, what="the admission policy in force")
+        bad = values(tmp_path, controller={"logLevel": "debug"})
+        bad.write_text(yaml.safe_dump({**yaml.safe_load(bad.read_text()), "classes": [
+            {"name": "bronze", "spec": {"weight": 1, "max": "25M"}},
+            {"name": "silver", "spec": {"weight": 2, "max": "10M"}}]}))
 
-    # without the flag Helm stops at the refusal and keeps what it had applied before it (the
-    # release says failed): why the docs give the flag with every upgrade
-    result = helm(kube_api, "upgrade", RELEASE, str(CHART), "-n", release, "-f", str(bad), check=False)
-    assert result.returncode != 0 and refusal in result.stderr, result.stderr[-2000:]
-    assert maxima(kube_api) == {"bronze": "25M", "silver": "40M"}
-    assert "--log-level=debug" in controller_args(kube_api, release)
-    status = json.loads(helm(kube_api, "status", RELEASE, "-n", release, "-o", "json").stdout)
-    assert status["info"]["status"] == "failed"
+        # as documented: --rollback-on-failure; the API server's message, and every object as before
+        result = helm(kube_api, "upgrade", RELEASE, str(CHART), "-n", release, "-f", str(bad),
+                      *ROLLBACK_ON_FAILURE, check=False)
+        assert result.returncode != 0
+        assert refusal in result.stderr, result.stderr[-2000:]
+        assert maxima(kube_api) == {"bronze": "20M", "silver": "40M"}
+        assert controller_args(kube_api, release) == before_args
+
+        # without the flag Helm stops at the refusal and keeps what it had applied before it (the
+        # release says failed): why the docs give the flag with every upgrade
+        result = helm(kube_api, "upgrade", RELEASE, str(CHART), "-n", release, "-f", str(bad), check=False)
+        assert result.returncode != 0 and refusal in result.stderr, result.stderr[-2000:]
+        assert maxima(kube_api) == {"bronze": "25M", "silver": "40M"}
+        assert "--log-level=debug" in controller_args(kube_api, release)
+        status = json.loads(helm(kube_api, "status", RELEASE, "-n", release, "-o", "json").stdout)
+        assert status["info"]["status"] == "failed"
+    finally:
+        kube_api.kubectl("delete", "validatingadmissionpolicybinding,validatingadmissionpolicy",
+                         "netagent-test-fixed-silver", "--ignore-not-found", check=False)
+
+
+def test_the_chart_schema_for_policy_values_is_the_crds(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "hack" / "chart_policy_schema.py"), "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 # --- from the chart with CRDs as templates ------------------------------------------------------

@@ -2,7 +2,8 @@
 
 - the agent's flag parser (`netagent run --default-rate`, through the CLI's own argparse and config builder),
 - `netagent plan` with an EgressClass whose spec.max is the string (the policy parser of the controller),
-- the chart (`helm template` with agent.defaultRate from a values file and from `--set`, the real helm: schema
+- the chart (`helm template` with agent.defaultRate from a values file and from `--set`, and an EgressClass of
+  the policy values (classes[].spec.max and .min), the real helm: schema
   and templates/validate-rates.yaml),
 - the CRDs (an EgressClass with spec.max created through the real kube-apiserver, server-side dry run: CEL).
 
@@ -106,6 +107,22 @@ def chart(text: str, tmp_path: Path, how: str) -> bool:
     return True
 
 
+def chart_policy(text: str, tmp_path: Path, field: str = "max") -> bool:
+    """`helm template` with an EgressClass's spec.FIELD=TEXT in the chart's policy values: accepted means
+    the rendered EgressClass carries it (refused at render, before anything is applied)."""
+    values = tmp_path / "policy-values.yaml"
+    values.write_text(json.dumps({"classes": [{"name": "rate-table", "spec": {"weight": 1, field: text}}],
+                                  "budget": {"spec": {"total": "10G"}}}))
+    result = helm("template", "netagent", str(CHART), "-f", str(values), "--show-only", "templates/policy.yaml",
+                  check=False)
+    if result.returncode:
+        assert f"classes[0] (rate-table).spec.{field}=" in result.stderr, result.stderr
+        return False
+    rendered = [d for d in yaml.safe_load_all(result.stdout) if d and d["kind"] == "EgressClass"]
+    assert str(rendered[0]["spec"][field]) == text, rendered
+    return True
+
+
 def crd(objects: client.CustomObjectsApi, text: str, field: str = "max") -> bool:
     """An EgressClass with spec.max=TEXT created through the real API server (dry run: nothing is stored)."""
     body = {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressClass", "metadata": {"name": "rate-table"},
@@ -125,7 +142,8 @@ def test_every_grammar_gives_the_same_verdict(kube_api, tmp_path):
     rows, disagree = [], []
     for text, accepted in TABLE:
         verdicts = {"agent --default-rate": agent_flag(text, tmp_path), "netagent plan": plan(text, tmp_path),
-                    "helm -f": chart(text, tmp_path, "-f"), "kube-apiserver": crd(objects, text)}
+                    "helm -f": chart(text, tmp_path, "-f"), "helm policy": chart_policy(text, tmp_path),
+                    "kube-apiserver": crd(objects, text)}
         if "," not in text:  # --set splits its argument at commas
             verdicts["helm --set"] = chart(text, tmp_path, "--set")
         rows.append(f"{text!r:24} " + " ".join(f"{k}={'ok' if v else 'refused'}" for k, v in verdicts.items()))
@@ -138,6 +156,7 @@ def test_every_grammar_gives_the_same_verdict(kube_api, tmp_path):
         except ValueError:
             assert not at_least_zero, text
         guarantees = {"netagent plan spec.min": plan(text, tmp_path, "min"),
+                      "helm policy spec.min": chart_policy(text, tmp_path, "min"),
                       "kube-apiserver spec.min": crd(objects, text, "min")}
         if set(guarantees.values()) != {at_least_zero}:
             disagree.append(f"{text!r:24} " + " ".join(f"{k}={'ok' if v else 'refused'}" for k, v in guarantees.items())
@@ -175,7 +194,7 @@ def test_crds_carry_the_parsers_pattern(name):
 
 
 def test_chart_checks_the_parsers_pattern():
-    text = (CHART / "templates" / "validate-rates.yaml").read_text()
+    text = (CHART / "templates" / "_rates.tpl").read_text()
     assert f'regexMatch "{RATE_PATTERN}" $rate' in text
     assert f"gt (len $rate) {RATE_MAX_CHARS}" in text
     schema = json.loads((CHART / "values.schema.json").read_text())
