@@ -40,9 +40,9 @@ report (with the node binding, the old node can no longer report it).
 
 Two directions, one engine: uploads (egress) over every report against the budget's total,
 and downloads (ingress) over the reports of agents that shape them (`shapes_ingress`)
-against `spec.ingressTotal`, with the policy's download values (`Policy.for_ingress`). Each
-direction keeps its own hysteresis, feedback gain (from node_internet_ingress_bps and the
-pods' ingress_usage_bps, bounded per node the same way) and node rates. Pods of an agent that
+against `spec.ingressTotal`, with the policy's download values (`Limits` per `Direction`): one
+loop over the directions, each with its own hysteresis, feedback gain (from the node's and the
+pods' measured internet traffic in that direction, bounded per node the same way) and node rates. Pods of an agent that
 does not shape downloads get no download answer (None): that agent enforces its own caps.
 """
 from __future__ import annotations
@@ -57,6 +57,7 @@ from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
+from core.direction import DIRECTIONS, Direction, PerDirection
 from core.engine import ColumnarResult, PodColumns, TeamColumns, allocate_columns
 from core.quantity import MAX_BPS
 from core.policy import Policy, resolve_pod
@@ -67,15 +68,16 @@ log = logging.getLogger(__name__)
 # what a pod's policy depends on: namespace, class, and the two bandwidth annotations
 _ANNOTATIONS = attrgetter("namespace", "egress_class", "egress_bandwidth", "ingress_bandwidth")
 _KEY = attrgetter("namespace", "name")
-_DEMAND = attrgetter("demand_bps")
-_USAGE = attrgetter("usage_bps")
-_INGRESS_DEMAND = attrgetter("ingress_demand_bps")
-_INGRESS_USAGE = attrgetter("ingress_usage_bps")
+# the wire's field names per direction (core/wire.py is the edge that keeps them)
+_DEMAND = PerDirection(attrgetter("demand_bps"), attrgetter("ingress_demand_bps"))
+_USAGE = PerDirection(attrgetter("usage_bps"), attrgetter("ingress_usage_bps"))
+_NODE_MEASURED = PerDirection(attrgetter("node_internet_egress_bps"), attrgetter("node_internet_ingress_bps"))
 MIN_SAFE_FLOOR_BPS = float(TRICKLE_BPS)  # a pod always keeps a trickle
 # a node's reported internet traffic (either direction) counts up to this times what it was allocated
 REPORT_MARGIN = 1.25
 MAX_RESOLVED = 65_536  # distinct (namespace, class, annotations) resolutions kept; then the cache starts afresh
-ROW = 8  # a resolved row: team index, class index, weight, min, max, ingress weight, ingress min, ingress max
+ROW = 8  # a resolved row: team index, class index, then weight, min, max per direction:
+_COLUMNS = PerDirection(slice(2, 5), slice(5, 8))
 
 
 @dataclass
@@ -134,30 +136,23 @@ class NodeAllocations(Mapping):
     report about once per round, so nothing is kept: 825,000 pods' answers would be ~280 MiB)."""
 
     def __init__(self, spans: dict[str, tuple[int, list[PodReport]]], team: np.ndarray, cls: np.ndarray,
-                 team_names: tuple[str, ...], class_names: tuple[str, ...], alloc: np.ndarray, limit: np.ndarray,
-                 ingress_alloc: np.ndarray | None = None, ingress_limit: np.ndarray | None = None,
-                 ingress_nodes: frozenset[str] = frozenset()):
+                 team_names: tuple[str, ...], class_names: tuple[str, ...], lanes: PerDirection["_Lane"]):
         self._spans = spans
         self._team, self._cls = team, cls
         self._team_names, self._class_names = team_names, class_names
-        self._alloc, self._limit = alloc, limit
-        # per pod, aligned with alloc (NaN for pods of nodes not in ingress_nodes)
-        self._ingress_alloc, self._ingress_limit = ingress_alloc, ingress_limit
-        self._ingress_nodes = ingress_nodes
+        self._lanes = lanes
 
     def __getitem__(self, node: str) -> list[PodAllocation]:
         start, pods = self._spans[node]
         end = start + len(pods)
         teams, classes = self._team[start:end].tolist(), self._cls[start:end].tolist()
-        alloc, limit = self._alloc[start:end].tolist(), self._limit[start:end].tolist()
         tn, cn = self._team_names, self._class_names
-        if node in self._ingress_nodes:
-            in_alloc = self._ingress_alloc[start:end].tolist()
-            in_limit = self._ingress_limit[start:end].tolist()
-            return [PodAllocation(p.namespace, p.name, tn[t], cn[c], a, lim, ia, il)
-                    for p, t, c, a, lim, ia, il in zip(pods, teams, classes, alloc, limit, in_alloc, in_limit)]
-        return [PodAllocation(p.namespace, p.name, tn[t], cn[c], a, lim)
-                for p, t, c, a, lim in zip(pods, teams, classes, alloc, limit)]
+        # per direction (alloc, limit) lists; None for a direction this node's agent does not shape
+        figures = [(lane.alloc[start:end].tolist(), lane.limit[start:end].tolist()) if node in lane.nodes
+                   else ([None] * len(pods),) * 2 for _, lane in self._lanes.items()]
+        (up_a, up_l), (down_a, down_l) = figures
+        return [PodAllocation(p.namespace, p.name, tn[t], cn[c], a, lim, da, dl)
+                for p, t, c, a, lim, da, dl in zip(pods, teams, classes, up_a, up_l, down_a, down_l)]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._spans)
@@ -174,25 +169,21 @@ class PreparedReport:
     tables: "_Tables"  # the policy tables (and resolution cache) the rows index into
     keys: tuple[tuple[str, str], ...]  # (namespace, name) per pod
     rows: np.ndarray  # per pod: its row in the policy's table (see ROW)
-    demand: np.ndarray
-    usage: np.ndarray
-    ingress_demand: np.ndarray
-    ingress_usage: np.ndarray
+    demand: PerDirection[np.ndarray]  # downloads: zeros when the agent does not shape them
+    usage: PerDirection[np.ndarray]
 
 
 class _Tables(NamedTuple):
     """One policy's tables: team columns per direction, names and indexes, the resolution cache
     ((namespace, class, egress bandwidth, ingress bandwidth) -> row) and the rows (see ROW)."""
     policy: Policy
-    teams: TeamColumns
+    teams: PerDirection[TeamColumns]
     team_names: tuple[str, ...]
     class_names: tuple[str, ...]
     team_index: dict[str, int]
     class_index: dict[str, int]
     cache: dict[tuple, int]
     rows: list[tuple[float, ...]]
-    ingress_policy: Policy  # policy.for_ingress()
-    ingress_teams: TeamColumns
 
 
 @dataclass
@@ -202,6 +193,16 @@ class _Direction:
     gain_carrier: ColumnarResult | None = None  # the last round's result: carries the feedback gain
     node_rate: dict[str, float] = field(default_factory=dict)  # the previous round's: bound each node's measured total
     last_feedback: float = float("-inf")
+
+
+class _Lane(NamedTuple):
+    """One direction's round, aligned with all the round's pods (NaN for pods of other nodes)."""
+    alloc: np.ndarray
+    limit: np.ndarray
+    nodes: frozenset[str]  # the nodes allocated in this direction
+    node_rate: dict[str, float]
+    floor: float | None  # None: no node allocated in this direction
+    summary: "Summary | None"
 
 
 class _Run(NamedTuple):
@@ -230,8 +231,7 @@ class Allocator:
         self.takeover_seconds = takeover_seconds
         self.clock = clock
         self._term_start = float("-inf")
-        self._egress = _Direction()
-        self._ingress = _Direction()
+        self._lanes = PerDirection(_Direction(), _Direction())
         self._tables: _Tables | None = None
         self._resolving = threading.Lock()
 
@@ -258,11 +258,10 @@ class Allocator:
                 if tables is None or tables.policy is not policy or (fresh and len(tables.cache) >= MAX_RESOLVED):
                     team_names = tuple(t.name for t in policy.teams)
                     class_names = tuple(policy.classes)
-                    ingress = policy.for_ingress()
                     tables = self._tables = _Tables(
-                        policy, TeamColumns.from_policy(policy), team_names, class_names,
-                        {n: i for i, n in enumerate(team_names)}, {n: i for i, n in enumerate(class_names)}, {}, [],
-                        ingress, TeamColumns.from_policy(ingress))
+                        policy, PerDirection.build(lambda d: TeamColumns.from_policy(policy, d)), team_names,
+                        class_names, {n: i for i, n in enumerate(team_names)},
+                        {n: i for i, n in enumerate(class_names)}, {}, [])
         return tables
 
     def prepare(self, report: NodeReport, policy: Policy | None = None, in_round: bool = False) -> PreparedReport:
@@ -287,20 +286,20 @@ class Allocator:
                         namespace, egress_class, bandwidth, ingress_bandwidth = key
                         pp = resolve_pod(policy, namespace, egress_class, bandwidth,
                                          self.namespace_labels(namespace), ingress_bandwidth)
-                        table.append((team_index[pp.team], class_index[pp.egress_class], float(pp.weight),
-                                      float(pp.min_bps), float(pp.max_bps), float(pp.ingress_weight),
-                                      float(pp.ingress_min_bps), float(pp.ingress_max_bps)))
+                        table.append((team_index[pp.team], class_index[pp.egress_class],
+                                      *(float(v) for d in DIRECTIONS for v in (pp.limits[d].weight,
+                                                                               pp.limits[d].min_bps,
+                                                                               pp.limits[d].max_bps))))
                         row = cache[key] = len(table) - 1
                     rows[i] = row
         n = len(pods)
-        shapes_ingress = report.shapes_ingress
-        return PreparedReport(
-            report, tables, tuple(map(_KEY, pods)), np.array(rows, dtype=np.intp),
-            np.fromiter(map(_DEMAND, pods), dtype=np.float64, count=n),
-            np.fromiter(map(_USAGE, pods), dtype=np.float64, count=n),
-            np.fromiter(map(_INGRESS_DEMAND, pods), dtype=np.float64, count=n) if shapes_ingress else np.zeros(n),
-            np.fromiter(map(_INGRESS_USAGE, pods), dtype=np.float64, count=n) if shapes_ingress else np.zeros(n),
-        )
+        shapes = PerDirection(True, report.shapes_ingress)
+
+        def column(field: PerDirection[attrgetter], d: Direction) -> np.ndarray:
+            return np.fromiter(map(field[d], pods), dtype=np.float64, count=n) if shapes[d] else np.zeros(n)
+        return PreparedReport(report, tables, tuple(map(_KEY, pods)), np.array(rows, dtype=np.intp),
+                              PerDirection.build(lambda d: column(_DEMAND, d)),
+                              PerDirection.build(lambda d: column(_USAGE, d)))
 
     def __call__(self, reports: dict[str, PreparedReport | NodeReport]) -> RoundResult:
         """One round over the latest report of every node: uploads over all of them, downloads
@@ -315,68 +314,61 @@ class Allocator:
             if not isinstance(item, PreparedReport) or item.tables is not tables:
                 item = self.prepare(item if isinstance(item, NodeReport) else item.report, policy, in_round=True)
             prepared.append(item)
-        n = sum(len(item.keys) for item in prepared)
+        sizes = [len(item.keys) for item in prepared]
+        n = sum(sizes)
         # `rows` is read after preparing: a pod resolved just now has its row
         ids = np.concatenate([item.rows for item in prepared]) if prepared else np.zeros(0, dtype=np.intp)
         table = np.array(tables.rows, dtype=np.float64).reshape(len(tables.rows), ROW)[ids]
-        demand = _joined(prepared, "demand")
-        usage = _joined(prepared, "usage")
         team = table[:, 0].astype(np.intp)
         cls = table[:, 1].astype(np.intp)
         now = self.clock()
-
         share = self.heard_share(len(reports), now)
-        total = float(policy.total_bps) * share
-        up = self._run(self._egress, tables.teams, total, nodes, prepared, team, table[:, 2:5], demand, usage,
-                       [item.report.node_internet_egress_bps for item in prepared], now)
-        alloc, limit = up.result.allocation, up.result.limit
-        # the floor is every pod's share of the whole budget (all agents on it at once stay within it)
-        floor = max(MIN_SAFE_FLOOR_BPS, float(policy.total_bps) / max(1, n, self.known_pods()))
-        summary = self._summary(policy, problems, up.result, team, cls, tables.team_names, tables.class_names,
-                                demand, usage, up.used_bps, len(reports))
-        summary.held_back_bps = float(policy.total_bps) - total
-
-        # downloads: only the reports of agents that shape them
-        shaping = [item.report.shapes_ingress for item in prepared]
-        in_nodes = [node for node, s in zip(nodes, shaping) if s]
-        in_prepared = [item for item, s in zip(prepared, shaping) if s]
-        in_alloc = in_limit = None
-        node_ingress_rate: dict[str, float] = {}
-        ingress_floor = None
-        if in_prepared:
-            mask = np.repeat(np.array(shaping), [len(item.keys) for item in prepared])
-            in_total = float(policy.ingress_total_bps)
-            if in_total < MAX_BPS:  # unset (no download budget): nothing to hold back
-                in_total *= share
-            in_demand, in_usage = _joined(in_prepared, "ingress_demand"), _joined(in_prepared, "ingress_usage")
-            down = self._run(self._ingress, tables.ingress_teams, in_total, in_nodes, in_prepared, team[mask],
-                             table[mask, 5:8], in_demand, in_usage,
-                             [item.report.node_internet_ingress_bps for item in in_prepared], now)
-            in_alloc, in_limit = np.full(n, np.nan), np.full(n, np.nan)
-            in_alloc[mask], in_limit[mask] = down.result.allocation, down.result.limit
-            node_ingress_rate = down.node_rate
-            ingress_floor = max(MIN_SAFE_FLOOR_BPS, float(policy.ingress_total_bps) / max(1, int(mask.sum()),
-                                                                                          self.known_pods()))
-            summary.ingress = self._summary(tables.ingress_policy, (), down.result, team[mask], cls[mask],
-                                            tables.team_names, tables.class_names, in_demand, in_usage,
-                                            down.used_bps, len(in_nodes))
-            summary.ingress.held_back_bps = float(policy.ingress_total_bps) - in_total
-        else:
-            self._ingress = _Direction()  # no agent shapes downloads now: start afresh when one does
-            if policy.ingress_total_bps < MAX_BPS:
-                # a download budget no agent keeps: exported (0 nodes) so NetagentIngressNotShaped can say so
-                summary.ingress = Summary(policy.budget_name, float(policy.ingress_total_bps), 0.0, 0.0, 0.0,
-                                          pods=0, nodes=0, oversubscribed=False)
-
+        lanes = PerDirection.build(lambda d: self._lane(d, policy, tables, nodes, prepared, sizes, table, team, cls,
+                                                        share, now))
+        summary = lanes.upload.summary
+        if summary is not None:
+            summary.policy_problems = tuple(problems)
+            summary.ingress = lanes.download.summary
         spans: dict[str, tuple[int, list[PodReport]]] = {}
         start = 0
         for node, item in zip(nodes, prepared):
             spans[node] = (start, item.report.pods)
             start += len(item.keys)
-        by_node = NodeAllocations(spans, team, cls, tables.team_names, tables.class_names, alloc, limit,
-                                  in_alloc, in_limit, frozenset(in_nodes))
-        return RoundResult(by_node, up.node_rate, floor, summary, node_ingress_rate=node_ingress_rate,
-                           safe_ingress_floor_bps=ingress_floor)
+        by_node = NodeAllocations(spans, team, cls, tables.team_names, tables.class_names, lanes)
+        return RoundResult(by_node, lanes.upload.node_rate, lanes.upload.floor or MIN_SAFE_FLOOR_BPS, summary,
+                           node_ingress_rate=lanes.download.node_rate, safe_ingress_floor_bps=lanes.download.floor)
+
+    def _lane(self, d: Direction, policy: Policy, tables: _Tables, nodes: list[str],
+              prepared: list[PreparedReport], sizes: list[int], table: np.ndarray, team: np.ndarray,
+              cls: np.ndarray, share: float, now: float) -> _Lane:
+        """Direction `d`'s allocation over the reports of the agents that shape it (uploads: all
+        of them, even none; downloads: those with shapes_ingress)."""
+        shaping = [d is Direction.UPLOAD or item.report.shapes_ingress for item in prepared]
+        lane_nodes = [node for node, s in zip(nodes, shaping) if s]
+        lane_prepared = [item for item, s in zip(prepared, shaping) if s]
+        budget = float(policy.totals[d])
+        n = sum(sizes)
+        if not lane_prepared and d is not Direction.UPLOAD:
+            self._lanes = self._lanes.replace(d, _Direction())  # no agent shapes it now: start afresh when one does
+            # a budget no agent keeps: exported (0 nodes) so NetagentIngressNotShaped can say so
+            summary = (Summary(policy.budget_name, budget, 0.0, 0.0, 0.0, pods=0, nodes=0, oversubscribed=False)
+                       if budget < MAX_BPS else None)
+            return _Lane(np.full(n, np.nan), np.full(n, np.nan), frozenset(), {}, None, summary)
+        mask = np.repeat(np.array(shaping, dtype=bool), sizes) if prepared else np.zeros(0, dtype=bool)
+        total = budget * share if budget < MAX_BPS else budget  # unset (no budget): nothing to hold back
+        demand = _joined(lane_prepared, lambda item: item.demand[d])
+        usage = _joined(lane_prepared, lambda item: item.usage[d])
+        run = self._run(self._lanes[d], tables.teams[d], total, lane_nodes, lane_prepared, team[mask],
+                        table[mask, _COLUMNS[d]], demand, usage,
+                        [_NODE_MEASURED[d](item.report) for item in lane_prepared], now)
+        alloc, limit = np.full(n, np.nan), np.full(n, np.nan)
+        alloc[mask], limit[mask] = run.result.allocation, run.result.limit
+        # the floor is every pod's share of the whole budget (all agents on it at once stay within it)
+        floor = max(MIN_SAFE_FLOOR_BPS, budget / max(1, int(mask.sum()), self.known_pods()))
+        summary = self._summary(policy.budget_name, budget, run.result, team[mask], cls[mask], tables.team_names,
+                                tables.class_names, demand, usage, run.used_bps, len(lane_nodes))
+        summary.held_back_bps = budget - total
+        return _Lane(alloc, limit, frozenset(lane_nodes), run.node_rate, floor, summary)
 
     def _run(self, state: _Direction, teams: TeamColumns, total: float, nodes: list[str],
              prepared: list[PreparedReport], team: np.ndarray, policy_columns: np.ndarray, demand: np.ndarray,
@@ -449,7 +441,7 @@ class Allocator:
                        limit=np.concatenate(limits) if limits else empty)
 
     @staticmethod
-    def _summary(policy, problems, result, team, cls, team_names, class_names, demand, usage, used_total,
+    def _summary(budget_name, budget_bps, result, team, cls, team_names, class_names, demand, usage, used_total,
                  nodes) -> Summary:
         n_teams, n_classes = len(team_names), len(class_names)
         group = team * n_classes + cls
@@ -470,13 +462,13 @@ class Allocator:
                                               int(result.team_pods[t]), guarantee,
                                               allocated < guarantee * (1 - 1e-6))
         return Summary(
-            budget_name=policy.budget_name, budget_bps=float(policy.total_bps),
+            budget_name=budget_name, budget_bps=budget_bps,
             allocated_bps=float(result.allocation.sum()), demand_bps=float(demand.sum()), used_bps=used_total,
             pods=int(team.size), nodes=nodes, oversubscribed=bool(result.oversubscribed), gain=float(result.gain),
-            groups=groups, teams=teams, policy_problems=tuple(problems),
+            groups=groups, teams=teams,
         )
 
 
-def _joined(prepared: list[PreparedReport], column: str) -> np.ndarray:
+def _joined(prepared: list[PreparedReport], column: Callable[[PreparedReport], np.ndarray]) -> np.ndarray:
     """One per-pod column of the prepared reports, concatenated in their order."""
-    return np.concatenate([getattr(item, column) for item in prepared]) if prepared else np.zeros(0)
+    return np.concatenate([column(item) for item in prepared]) if prepared else np.zeros(0)
