@@ -10,7 +10,8 @@ kubernetes.io/egress-bandwidth), `ingress_demand` (the pod's download demand) an
 `ingress_bandwidth` (its kubernetes.io/ingress-bandwidth); rates are bit/s, Kubernetes
 quantities allowed; an empty class means the team's default, an empty ingress_demand 0.
 With an `ingress_demand` column the downloads are planned too, against spec.ingressTotal
-with the download values (`Policy.for_ingress`). The engine is the controller's own.
+with the download values: one plan per `Direction`, the same code. The engine is the
+controller's own; the CSV's and the output's words per direction are the edge (`COLUMN`, `HEAD`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, TextIO
 
+from core.direction import DIRECTIONS, Direction, PerDirection
 from core.engine import AllocationResult, EngineError, PodDemandIn, allocate
 from core.files import load_objects
 from core.objects import namespace_labels
@@ -29,6 +31,9 @@ from core.quantity import format_bps, parse_bps
 
 REQUIRED_COLUMNS = ("namespace", "pod", "class", "demand")
 OPTIONAL_COLUMNS = ("bandwidth", "ingress_demand", "ingress_bandwidth")
+# what a direction's CSV columns and JSON keys start with (demand, bandwidth, allocation, limit), and its table headers
+COLUMN = PerDirection("", "ingress_")
+HEAD = PerDirection("", "INGRESS-")
 
 
 class PlanInputError(ValueError):
@@ -41,20 +46,15 @@ class DemandRow:
     namespace: str
     pod: str
     egress_class: str | None
-    demand_bps: int
-    bandwidth: str | None
-    ingress_demand_bps: int | None = None  # None: no ingress_demand column (no download plan)
-    ingress_bandwidth: str | None = None
+    demand_bps: PerDirection[int | None]  # None: the CSV has no demand column for the direction (not planned)
+    bandwidth: PerDirection[str | None]
 
 
 @dataclass(frozen=True)
 class Plan:
-    """Both directions' allocations for the demand rows (`downloads` None without ingress_demand)."""
-    uploads: AllocationResult
-    pods: list[PodDemandIn]
-    downloads: AllocationResult | None
-    ingress_pods: list[PodDemandIn]
-    ingress_policy: Policy
+    """Each direction's allocation for the demand rows (None: not planned, no demand column)."""
+    results: PerDirection[AllocationResult | None]
+    pods: PerDirection[list[PodDemandIn]]
 
 
 def run(from_file: list[str], demand: str, output: str) -> int:
@@ -133,15 +133,19 @@ def parse_demand(f: TextIO, name: str) -> list[DemandRow]:
             raise PlanInputError(f"{where}: pod {key[0]}/{key[1]} already given on line {seen[key]}")
         seen[key] = line
         try:
-            demand = parse_bps(row["demand"], f"{where}: demand", allow_zero=True)
-            ingress_demand = None
-            if "ingress_demand" in row:
-                ingress_demand = parse_bps(row["ingress_demand"] or "0", f"{where}: ingress_demand", allow_zero=True)
+            demand = PerDirection.build(lambda d: _demand(row, COLUMN[d] + "demand", where))
         except ValueError as exc:
             raise PlanInputError(str(exc)) from exc
         rows.append(DemandRow(line, row["namespace"], row["pod"], row["class"] or None, demand,
-                              row.get("bandwidth") or None, ingress_demand, row.get("ingress_bandwidth") or None))
+                              PerDirection.build(lambda d: row.get(COLUMN[d] + "bandwidth") or None)))
     return rows
+
+
+def _demand(row: dict[str, str], column: str, where: str) -> int | None:
+    """A direction's demand cell (empty: 0); None when the CSV has no such column."""
+    if column not in row:
+        return None
+    return parse_bps(row[column] or "0", f"{where}: {column}", allow_zero=True)
 
 
 def what_if(policy: Policy, rows: list[DemandRow], name: str,
@@ -150,34 +154,33 @@ def what_if(policy: Policy, rows: list[DemandRow], name: str,
     rows carry download demand. `namespaces`: namespace -> labels (a team chosen by label)."""
     labels_of = (namespaces or {}).get
     warnings: list[str] = []
-    pods: list[PodDemandIn] = []
-    ingress_pods: list[PodDemandIn] = []
+    pods: PerDirection[list[PodDemandIn]] = PerDirection([], [])
     for row in rows:
-        resolved = resolve_pod(policy, row.namespace, row.egress_class, row.bandwidth, labels_of(row.namespace),
-                               ingress_bandwidth_annotation=row.ingress_bandwidth)
+        resolved = resolve_pod(policy, row.namespace, row.egress_class, row.bandwidth.upload,
+                               labels_of(row.namespace), ingress_bandwidth_annotation=row.bandwidth.download)
         warnings.extend(f"{name}:{row.line}: {reason}: {message}" for reason, message in resolved.problems)
-        key = f"{row.namespace}/{row.pod}"
-        pods.append(PodDemandIn(key, resolved.team, resolved.egress_class, resolved.weight,
-                                resolved.min_bps, resolved.max_bps, row.demand_bps))
-        ingress_pods.append(PodDemandIn(key, resolved.team, resolved.egress_class, resolved.ingress_weight,
-                                        resolved.ingress_min_bps, resolved.ingress_max_bps,
-                                        row.ingress_demand_bps or 0))
-    ingress_policy = policy.for_ingress()
-    planned = any(row.ingress_demand_bps is not None for row in rows)
-    downloads = allocate(ingress_policy, ingress_pods) if planned else None
-    return Plan(allocate(policy, pods), pods, downloads, ingress_pods, ingress_policy), warnings
+        for d in DIRECTIONS:
+            limits = resolved.limits[d]
+            pods[d].append(PodDemandIn(f"{row.namespace}/{row.pod}", resolved.team, resolved.egress_class,
+                                       limits.weight, limits.min_bps, limits.max_bps, row.demand_bps[d] or 0))
+
+    def plan(d: Direction) -> AllocationResult | None:
+        planned = d is Direction.UPLOAD or any(row.demand_bps[d] is not None for row in rows)
+        return allocate(policy, pods[d], direction=d) if planned else None
+    return Plan(PerDirection.build(plan), pods), warnings
 
 
 def as_json(rows: list[DemandRow], plan: Plan) -> list[dict]:
     out = []
-    for row, p in zip(rows, plan.pods):
-        up = plan.uploads.pods[p.key]
-        item = {"namespace": row.namespace, "pod": row.pod, "team": p.team, "class": p.egress_class,
-                "demand": row.demand_bps, "allocation": _number(up.allocation_bps), "limit": _number(up.limit_bps)}
-        if plan.downloads is not None:
-            down = plan.downloads.pods[p.key]
-            item.update(ingress_demand=row.ingress_demand_bps or 0, ingress_allocation=_number(down.allocation_bps),
-                        ingress_limit=_number(down.limit_bps))
+    for i, row in enumerate(rows):
+        p = plan.pods.upload[i]
+        item: dict = {"namespace": row.namespace, "pod": row.pod, "team": p.team, "class": p.egress_class}
+        for d, result in plan.results.items():
+            if result is not None:
+                got = result.pods[p.key]
+                item.update({COLUMN[d] + "demand": row.demand_bps[d] or 0,
+                             COLUMN[d] + "allocation": _number(got.allocation_bps),
+                             COLUMN[d] + "limit": _number(got.limit_bps)})
         out.append(item)
     return out
 
@@ -188,43 +191,39 @@ def _number(bps: float) -> int | float:
 
 
 def as_table(policy: Policy, rows: list[DemandRow], plan: Plan, wide: bool = False) -> str:
-    result, down = plan.uploads, plan.downloads
-    head = ("NAMESPACE", "POD", "TEAM", "CLASS", "DEMAND", "ALLOCATION", "LIMIT")
-    if down is not None:
-        head += ("INGRESS-DEMAND", "INGRESS-ALLOCATION", "INGRESS-LIMIT")
+    planned = [(d, result) for d, result in plan.results.items() if result is not None]
+    head = ("NAMESPACE", "POD", "TEAM", "CLASS")
+    head += tuple(HEAD[d] + h for d, _ in planned for h in ("DEMAND", "ALLOCATION", "LIMIT"))
     if wide:
-        head += ("WEIGHT", "GUARANTEE", "CAP")
-        if down is not None:
-            head += ("INGRESS-WEIGHT", "INGRESS-GUARANTEE", "INGRESS-CAP")
+        head += tuple(HEAD[d] + h for d, _ in planned for h in ("WEIGHT", "GUARANTEE", "CAP"))
     body = []
-    for row, p, q in zip(rows, plan.pods, plan.ingress_pods):
-        cells = (row.namespace, row.pod, p.team, p.egress_class, format_bps(row.demand_bps),
-                 format_bps(result.pods[p.key].allocation_bps), format_bps(result.pods[p.key].limit_bps))
-        if down is not None:
-            cells += (format_bps(q.demand_bps), format_bps(down.pods[q.key].allocation_bps),
-                      format_bps(down.pods[q.key].limit_bps))
+    for i, row in enumerate(rows):
+        p = plan.pods.upload[i]
+        cells: tuple[str, ...] = (row.namespace, row.pod, p.team, p.egress_class)
+        for d, result in planned:
+            q = plan.pods[d][i]
+            cells += (format_bps(q.demand_bps), format_bps(result.pods[q.key].allocation_bps),
+                      format_bps(result.pods[q.key].limit_bps))
         if wide:
-            cells += (f"{p.weight:g}", format_bps(p.min_bps), format_bps(p.max_bps))
-            if down is not None:
-                cells += (f"{q.weight:g}", format_bps(q.min_bps), format_bps(q.max_bps))
+            cells += tuple(cell for d, _ in planned for q in (plan.pods[d][i],)
+                           for cell in (f"{q.weight:g}", format_bps(q.min_bps), format_bps(q.max_bps)))
         body.append(cells)
-    out = [_columns([head] + body), ""]
-    out += _teams(policy, result, "")
+    out = [_columns([head] + body)]
     budget = policy.budget_name or "none (built-in default: no total, caps only)"
-    out.append(_budget_line(f"budget {budget}", result))
-    if down is not None:
-        out += [""] + _teams(plan.ingress_policy, down, "INGRESS-")
-        out.append(_budget_line("downloads (spec.ingressTotal)", down))
+    what = PerDirection(f"budget {budget}", "downloads (spec.ingressTotal)")
+    for d, result in planned:
+        out += [""] + _teams(policy, d, result, HEAD[d])
+        out.append(_budget_line(what[d], result))
     return "\n".join(out) + "\n"
 
 
-def _teams(policy: Policy, result: AllocationResult, prefix: str) -> list[str]:
+def _teams(policy: Policy, d: Direction, result: AllocationResult, prefix: str) -> list[str]:
     teams = [tuple(prefix + h if i else h for i, h in
                    enumerate(("TEAM", "WEIGHT", "PODS", "DEMAND", "GUARANTEE", "ALLOCATED", "LIMITS")))]
     for team in policy.teams:
         t = result.teams[team.name]
         if t.pods:
-            teams.append((team.name, str(team.weight), str(t.pods), format_bps(t.demand_bps), format_bps(t.min_bps),
+            teams.append((team.name, str(team.limits[d].weight), str(t.pods), format_bps(t.demand_bps), format_bps(t.min_bps),
                           format_bps(t.allocated_bps), format_bps(t.limit_bps) + (" (guarantees scaled)" if t.scaled
                                                                                   else "")))
     return [_columns(teams), ""]
