@@ -10,17 +10,15 @@ from core.errors import ConfigError
 from core.objects import DNS_NAME
 from core.wire import AGENT_ANSWER_TIMEOUT
 
-from .connections import (
-    DEFAULT_KEEPALIVE_TIMEOUT,
-    DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
-)
-
 DEFAULT_PORT = 9561
 EXAMPLE = f"0.0.0.0:{DEFAULT_PORT}"
 # what one leader's event loop carries with CPU to spare for rounds and watches: 0.75 ms a report on a
 # kept connection + a 0.73 s round at 10,000 x 30 pods = 8.3 s of a 10 s period (bench/report_cost.py)
 DEFAULT_MAX_REPORTS_PER_SECOND = 1000.0
+# agents' kept-alive connections (controller/connections.py)
+DEFAULT_MAX_CONNECTIONS = 20_000  # 10,000 agents, each with a spare during a failover
+DEFAULT_MAX_CONNECTIONS_PER_ADDRESS = 8  # one agent (a node IP) needs 1, 2 during a failover
+DEFAULT_KEEPALIVE_TIMEOUT = 75.0  # > the longest period the pacer advises by default (lease / 4 = 30 s)
 DEFAULT_MAX_PENDING_REPORTS = 1000  # reports one replica holds at once; beyond: 503 Overloaded (controller/api.py)
 
 

@@ -19,16 +19,16 @@ import logging
 import resource
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-log = logging.getLogger(__name__)
+from .config import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_ADDRESS
 
-DEFAULT_MAX_CONNECTIONS = 20_000  # 10,000 agents, each with a spare during a failover
-DEFAULT_MAX_CONNECTIONS_PER_ADDRESS = 8  # one agent (a node IP) needs 1, 2 during a failover
-DEFAULT_KEEPALIVE_TIMEOUT = 75.0  # > the longest period the pacer advises by default (lease / 4 = 30 s): kept between reports
+if TYPE_CHECKING:  # the agent's CLI loads controller/config.py, never aiohttp (tests/test_layers.py)
+    from aiohttp import web
+
+log = logging.getLogger(__name__)
 
 TOO_MANY = "TooManyConnections"
 TOO_MANY_FROM_ADDRESS = "TooManyConnectionsFromAddress"
