@@ -62,16 +62,12 @@ from core.engine import ColumnarResult, PodColumns, TeamColumns, allocate_column
 from core.quantity import MAX_BPS
 from core.policy import Policy, resolve_pod
 from core.quantity import TRICKLE_BPS
-from core.wire import NodeReport, PodAllocation, PodReport
+from core.wire import NODE_MEASURED, POD_DEMAND, POD_USAGE, NodeReport, PodAllocation, PodReport
 
 log = logging.getLogger(__name__)
 # what a pod's policy depends on: namespace, class, and the two bandwidth annotations
 _ANNOTATIONS = attrgetter("namespace", "egress_class", "egress_bandwidth", "ingress_bandwidth")
 _KEY = attrgetter("namespace", "name")
-# the wire's field names per direction (core/wire.py is the edge that keeps them)
-_DEMAND = PerDirection(attrgetter("demand_bps"), attrgetter("ingress_demand_bps"))
-_USAGE = PerDirection(attrgetter("usage_bps"), attrgetter("ingress_usage_bps"))
-_NODE_MEASURED = PerDirection(attrgetter("node_internet_egress_bps"), attrgetter("node_internet_ingress_bps"))
 MIN_SAFE_FLOOR_BPS = float(TRICKLE_BPS)  # a pod always keeps a trickle
 # a node's reported internet traffic (either direction) counts up to this times what it was allocated
 REPORT_MARGIN = 1.25
@@ -283,9 +279,9 @@ class Allocator:
                     if row is None:
                         row = cache.get(key)
                     if row is None:
-                        namespace, egress_class, bandwidth, ingress_bandwidth = key
-                        pp = resolve_pod(policy, namespace, egress_class, bandwidth,
-                                         self.namespace_labels(namespace), ingress_bandwidth)
+                        namespace, egress_class, up_bandwidth, down_bandwidth = key
+                        pp = resolve_pod(policy, namespace, egress_class, up_bandwidth,
+                                         self.namespace_labels(namespace), down_bandwidth)
                         table.append((team_index[pp.team], class_index[pp.egress_class],
                                       *(float(v) for d in DIRECTIONS for v in (pp.limits[d].weight,
                                                                                pp.limits[d].min_bps,
@@ -298,8 +294,8 @@ class Allocator:
         def column(field: PerDirection[attrgetter], d: Direction) -> np.ndarray:
             return np.fromiter(map(field[d], pods), dtype=np.float64, count=n) if shapes[d] else np.zeros(n)
         return PreparedReport(report, tables, tuple(map(_KEY, pods)), np.array(rows, dtype=np.intp),
-                              PerDirection.build(lambda d: column(_DEMAND, d)),
-                              PerDirection.build(lambda d: column(_USAGE, d)))
+                              PerDirection.build(lambda d: column(POD_DEMAND, d)),
+                              PerDirection.build(lambda d: column(POD_USAGE, d)))
 
     def __call__(self, reports: dict[str, PreparedReport | NodeReport]) -> RoundResult:
         """One round over the latest report of every node: uploads over all of them, downloads
@@ -360,7 +356,7 @@ class Allocator:
         usage = _joined(lane_prepared, lambda item: item.usage[d])
         run = self._run(self._lanes[d], tables.teams[d], total, lane_nodes, lane_prepared, team[mask],
                         table[mask, _COLUMNS[d]], demand, usage,
-                        [_NODE_MEASURED[d](item.report) for item in lane_prepared], now)
+                        [NODE_MEASURED[d](item.report) for item in lane_prepared], now)
         alloc, limit = np.full(n, np.nan), np.full(n, np.nan)
         alloc[mask], limit[mask] = run.result.allocation, run.result.limit
         # the floor is every pod's share of the whole budget (all agents on it at once stay within it)

@@ -165,11 +165,11 @@ class ControllerState:
             return NodeAnswer(node, 0, self.lease_seconds, 0.0, 0.0, [], problems + [NO_ROUND], refused,
                               report_period_seconds=self.report_period())
         # downloads: only for a node whose agent shapes them (its pods' answers carry them too)
-        ingress_rate = result.node_ingress_rate.get(node)
+        download_rate = result.node_ingress_rate.get(node)
         return NodeAnswer(node, result.generation, self.lease_seconds, result.safe_floor_bps,
                           result.node_rate[node], result.by_node[node], problems, refused,
-                          node_ingress_rate_bps=ingress_rate,
-                          safe_ingress_floor_bps=result.safe_ingress_floor_bps if ingress_rate is not None else None,
+                          node_ingress_rate_bps=download_rate,
+                          safe_ingress_floor_bps=result.safe_ingress_floor_bps if download_rate is not None else None,
                           report_period_seconds=self.report_period())
 
     def last(self) -> tuple[dict[str, tuple[float, object]], RoundResult | None]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import heapq
 import time
 
+from core.wire import POD_ALLOCATION, POD_USAGE
+
 TOP_PODS = 10
 MAX_TOP_PODS = 100
 
@@ -44,7 +46,7 @@ def cluster_view(state, top: int = TOP_PODS, now: float | None = None) -> dict:
     for node, (_, prepared) in latest.items():
         report = getattr(prepared, "report", prepared)  # allocator.PreparedReport keeps the report it was made from
         for p in getattr(report, "pods", ()):
-            usage[(p.namespace, p.name)] = (p.usage_bps, p.ingress_usage_bps)
+            usage[(p.namespace, p.name)] = (POD_USAGE.upload(p), POD_USAGE.download(p))
 
     def rank(item):
         _, a = item
@@ -58,5 +60,5 @@ def cluster_view(state, top: int = TOP_PODS, now: float | None = None) -> dict:
         out["top_pods"].append({"namespace": a.namespace, "name": a.name, "node": node, "team": a.team,
                                 "class": a.egress_class, "used_bps": up, "allocation_bps": a.allocation_bps,
                                 "limit_bps": a.limit_bps, "download_used_bps": down,
-                                "download_allocation_bps": a.ingress_allocation_bps})
+                                "download_allocation_bps": POD_ALLOCATION.download(a)})
     return out

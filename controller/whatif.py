@@ -157,7 +157,7 @@ def what_if(policy: Policy, rows: list[DemandRow], name: str,
     pods: PerDirection[list[PodDemandIn]] = PerDirection([], [])
     for row in rows:
         resolved = resolve_pod(policy, row.namespace, row.egress_class, row.bandwidth.upload,
-                               labels_of(row.namespace), ingress_bandwidth_annotation=row.bandwidth.download)
+                               labels_of(row.namespace), row.bandwidth.download)
         warnings.extend(f"{name}:{row.line}: {reason}: {message}" for reason, message in resolved.problems)
         for d in DIRECTIONS:
             limits = resolved.limits[d]

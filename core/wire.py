@@ -17,6 +17,7 @@ from typing import Annotated
 
 import msgspec
 
+from .direction import PerDirection
 from .objects import DNS_NAME_PATTERN
 
 MAX_PODS_PER_REPORT = 1024  # pods allocated per report: kubelet's max-pods tops out far below this
@@ -176,3 +177,11 @@ report_decoder = msgspec.json.Decoder(NodeReport)  # the controller's side
 answer_decoder = msgspec.json.Decoder(NodeAnswer)  # the agent's side: answers are checked as reports are
 error_decoder = msgspec.json.Decoder(ErrorBody)
 encoder = msgspec.json.Encoder()
+
+
+# The wire's field names per Direction, read through these only (the edge translates; the JSON
+# names stay): POD_USAGE[d](pod_report), NODE_MEASURED[d](node_report), POD_ALLOCATION[d](answer_pod).
+POD_DEMAND = PerDirection(attrgetter("demand_bps"), attrgetter("ingress_demand_bps"))
+POD_USAGE = PerDirection(attrgetter("usage_bps"), attrgetter("ingress_usage_bps"))
+NODE_MEASURED = PerDirection(attrgetter("node_internet_egress_bps"), attrgetter("node_internet_ingress_bps"))
+POD_ALLOCATION = PerDirection(attrgetter("allocation_bps"), attrgetter("ingress_allocation_bps"))
