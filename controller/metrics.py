@@ -17,6 +17,8 @@ from typing import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from core.direction import PerDirection
+
 from .allocator import Summary
 from .state import ControllerState
 
@@ -45,60 +47,68 @@ class BudgetCollector:
             yield GaugeMetricFamily(P + "last_round_timestamp_seconds",
                                     "when the latest allocation round finished (Unix time)",
                                     value=result.wall_time)
-            yield GaugeMetricFamily(P + "safe_floor_bytes_per_second",
-                                    "per-pod rate agents fall to when their lease runs out",
-                                    value=result.safe_floor_bps / 8)
-            if result.safe_ingress_floor_bps is not None:
-                yield GaugeMetricFamily(P + "ingress_safe_floor_bytes_per_second",
-                                        "per-pod download rate agents fall to when their lease runs out",
-                                        value=result.safe_ingress_floor_bps / 8)
+            for d, floor in PerDirection(result.safe_floor_bps, result.safe_ingress_floor_bps).items():
+                if floor is not None:
+                    yield SAFE_FLOOR[d](floor / 8)
         if summary is None:
             return
         yield GaugeMetricFamily(P + "policy_problems", "EgressClass/EgressBudget problems (objects or teams ignored)",
                                 value=float(len(summary.policy_problems)))
-        yield GaugeMetricFamily(P + "held_back_bytes_per_second", "budget a new leader holds back for the nodes "
-                                "it has not heard from yet (they keep the old leader's answers)",
-                                value=summary.held_back_bps / 8)
-        yield from _direction(summary, (
-            GaugeMetricFamily(P + "budget_bytes_per_second", "the EgressBudget's spec.total",
-                              value=summary.budget_bps / 8),
-            GaugeMetricFamily(P + "oversubscribed", "1 when the teams' guarantees add up to more than the budget",
-                              value=1.0 if summary.oversubscribed else 0.0),
-            GaugeMetricFamily(P + "feedback_gain", "the engine's gain on the budget: pods' shaped usage / measured "
-                              "egress, so the measured total settles at the budget", value=summary.gain),
-            GaugeMetricFamily(P + "allocated_bytes_per_second", "sum of the pods' fair shares", labels=TC),
-            GaugeMetricFamily(P + "demand_bytes_per_second", "sum of the pods' estimated demand", labels=TC),
-            GaugeMetricFamily(P + "used_bytes_per_second", "sum of the pods' measured internet egress", labels=TC),
-            GaugeMetricFamily(P + "group_pods", "pods by team and class", labels=TC),
-            GaugeMetricFamily(P + "team_guarantee_bytes_per_second", "the team's guaranteed minimum", labels=T),
-            GaugeMetricFamily(P + "guarantee_unmet", "1 when a team is allocated less than its guarantee (up to its "
-                              "demand)", labels=T)))
-        down = summary.ingress
-        if down is None:  # no agent that shapes downloads reports: no download view
-            return
-        yield GaugeMetricFamily(P + "ingress_agents", "nodes whose agent shapes downloads and reported",
-                                value=float(down.nodes))
-        yield GaugeMetricFamily(P + "ingress_held_back_bytes_per_second", "download budget a new leader holds "
-                                "back for the nodes it has not heard from yet", value=down.held_back_bps / 8)
-        yield from _direction(down, (
-            GaugeMetricFamily(P + "ingress_budget_bytes_per_second", "the EgressBudget's spec.ingressTotal "
-                              "(downloads; 2^53/8 when unset)", value=down.budget_bps / 8),
-            GaugeMetricFamily(P + "ingress_oversubscribed", "1 when the teams' download guarantees add up to more "
-                              "than spec.ingressTotal", value=1.0 if down.oversubscribed else 0.0),
-            GaugeMetricFamily(P + "ingress_feedback_gain", "the engine's gain on spec.ingressTotal: pods' shaped "
-                              "downloads / measured internet ingress", value=down.gain),
-            GaugeMetricFamily(P + "ingress_allocated_bytes_per_second", "sum of the pods' download fair shares",
-                              labels=TC),
-            GaugeMetricFamily(P + "ingress_demand_bytes_per_second", "sum of the pods' estimated download demand",
-                              labels=TC),
-            GaugeMetricFamily(P + "ingress_used_bytes_per_second", "sum of the pods' measured internet ingress",
-                              labels=TC),
-            GaugeMetricFamily(P + "ingress_group_pods", "pods in the download allocation by team and class",
-                              labels=TC),
-            GaugeMetricFamily(P + "ingress_team_guarantee_bytes_per_second", "the team's guaranteed download minimum",
-                              labels=T),
-            GaugeMetricFamily(P + "ingress_guarantee_unmet", "1 when a team is allocated less than its download "
-                              "guarantee (up to its demand)", labels=T)))
+        # uploads always; downloads while an agent that shapes them reports (or spec.ingressTotal is set)
+        for d, s in PerDirection(summary, summary.ingress).items():
+            if s is not None:
+                yield from LANE_FAMILIES[d](s)
+                yield from _direction(s, BUDGET_FAMILIES[d](s))
+
+
+# The families per Direction, one table: the names stay literal (dashboards/contract.py reads
+# them from this source) and as users know them (downloads: `ingress_` after the prefix).
+SAFE_FLOOR = PerDirection(
+    lambda v: GaugeMetricFamily(P + "safe_floor_bytes_per_second",
+                                "per-pod rate agents fall to when their lease runs out", value=v),
+    lambda v: GaugeMetricFamily(P + "ingress_safe_floor_bytes_per_second",
+                                "per-pod download rate agents fall to when their lease runs out", value=v))
+LANE_FAMILIES: PerDirection[Callable[[Summary], tuple[Metric, ...]]] = PerDirection(
+    lambda s: (GaugeMetricFamily(P + "held_back_bytes_per_second", "budget a new leader holds back for the nodes "
+                                 "it has not heard from yet (they keep the old leader's answers)",
+                                 value=s.held_back_bps / 8),),
+    lambda s: (GaugeMetricFamily(P + "ingress_agents", "nodes whose agent shapes downloads and reported",
+                                 value=float(s.nodes)),
+               GaugeMetricFamily(P + "ingress_held_back_bytes_per_second", "download budget a new leader holds "
+                                 "back for the nodes it has not heard from yet", value=s.held_back_bps / 8)))
+BUDGET_FAMILIES: PerDirection[Callable[[Summary], tuple[GaugeMetricFamily, ...]]] = PerDirection(
+    lambda s: (
+        GaugeMetricFamily(P + "budget_bytes_per_second", "the EgressBudget's spec.total", value=s.budget_bps / 8),
+        GaugeMetricFamily(P + "oversubscribed", "1 when the teams' guarantees add up to more than the budget",
+                          value=1.0 if s.oversubscribed else 0.0),
+        GaugeMetricFamily(P + "feedback_gain", "the engine's gain on the budget: pods' shaped usage / measured "
+                          "egress, so the measured total settles at the budget", value=s.gain),
+        GaugeMetricFamily(P + "allocated_bytes_per_second", "sum of the pods' fair shares", labels=TC),
+        GaugeMetricFamily(P + "demand_bytes_per_second", "sum of the pods' estimated demand", labels=TC),
+        GaugeMetricFamily(P + "used_bytes_per_second", "sum of the pods' measured internet egress", labels=TC),
+        GaugeMetricFamily(P + "group_pods", "pods by team and class", labels=TC),
+        GaugeMetricFamily(P + "team_guarantee_bytes_per_second", "the team's guaranteed minimum", labels=T),
+        GaugeMetricFamily(P + "guarantee_unmet", "1 when a team is allocated less than its guarantee (up to its "
+                          "demand)", labels=T)),
+    lambda s: (
+        GaugeMetricFamily(P + "ingress_budget_bytes_per_second", "the EgressBudget's spec.ingressTotal "
+                          "(downloads; 2^53/8 when unset)", value=s.budget_bps / 8),
+        GaugeMetricFamily(P + "ingress_oversubscribed", "1 when the teams' download guarantees add up to more "
+                          "than spec.ingressTotal", value=1.0 if s.oversubscribed else 0.0),
+        GaugeMetricFamily(P + "ingress_feedback_gain", "the engine's gain on spec.ingressTotal: pods' shaped "
+                          "downloads / measured internet ingress", value=s.gain),
+        GaugeMetricFamily(P + "ingress_allocated_bytes_per_second", "sum of the pods' download fair shares",
+                          labels=TC),
+        GaugeMetricFamily(P + "ingress_demand_bytes_per_second", "sum of the pods' estimated download demand",
+                          labels=TC),
+        GaugeMetricFamily(P + "ingress_used_bytes_per_second", "sum of the pods' measured internet ingress",
+                          labels=TC),
+        GaugeMetricFamily(P + "ingress_group_pods", "pods in the download allocation by team and class",
+                          labels=TC),
+        GaugeMetricFamily(P + "ingress_team_guarantee_bytes_per_second", "the team's guaranteed download minimum",
+                          labels=T),
+        GaugeMetricFamily(P + "ingress_guarantee_unmet", "1 when a team is allocated less than its download "
+                          "guarantee (up to its demand)", labels=T)))
 
 
 def _direction(summary: Summary, families: tuple[GaugeMetricFamily, ...]) -> Iterable[Metric]:
