@@ -6,11 +6,12 @@ import pytest
 import yaml
 from hypothesis import given, settings, strategies as st
 
+from core.direction import Direction, PerDirection
 from core.engine import PodDemandIn, allocate
 from core.objects import PodRecord
 from core.policy import (DEFAULT_CLASS, REASON_CLASS_NOT_ALLOWED, REASON_INVALID_BANDWIDTH,
-                         REASON_INVALID_INGRESS_BANDWIDTH, REASON_UNKNOWN_CLASS, PolicyError, load_policy, parse_class,
-                         resolve_pod, resolve_pods)
+                         REASON_INVALID_INGRESS_BANDWIDTH, REASON_UNKNOWN_CLASS, Limits, PolicyError, load_policy,
+                         parse_class, resolve_pod, resolve_pods)
 from core.quantity import MAX_BPS, parse_bps
 
 POLICY = list(yaml.safe_load_all("""
@@ -297,8 +298,8 @@ def test_example_policy_loads_cleanly():
     policy, problems = load_policy([d for d in docs if d["kind"] == "EgressClass"],
                                    [d for d in docs if d["kind"] == "EgressBudget"])
     assert problems == [] and policy.total_bps == 10**9 and policy.default_team == "shared"
-    assert policy.ingress_total_bps == 500 * 10**6  # and a download example: spec.ingressTotal, ingress blocks
-    assert policy.for_ingress().classes["bulk"].max_bps == 50 * 10**6
+    assert policy.totals[Direction.DOWNLOAD] == 500 * 10**6  # and a download example: spec.ingressTotal, ingress
+    assert policy.classes["bulk"].limits[Direction.DOWNLOAD].max_bps == 50 * 10**6
 
 
 JSONISH = st.recursive(
@@ -329,11 +330,12 @@ BUDGET_SHAPED = st.fixed_dictionaries({
 def test_any_input_loads_or_is_described_never_crashes(classes, budgets, namespace, annotation):
     policy, problems = load_policy(classes, budgets)
     assert all(isinstance(p, str) and p for p in problems)
-    pod = resolve_pod(policy, namespace, annotation, annotation, ingress_bandwidth_annotation=annotation)
-    assert pod.egress_class in policy.classes and 0 <= pod.min_bps <= pod.max_bps
-    assert 0 <= pod.ingress_min_bps <= pod.ingress_max_bps and pod.ingress_weight >= 1
-    down = policy.for_ingress()
-    assert down.total_bps == policy.ingress_total_bps and [t.name for t in down.teams] == [t.name for t in policy.teams]
+    pod = resolve_pod(policy, namespace, annotation, annotation, namespace_labels=None,
+                      ingress_bandwidth_annotation=annotation)
+    assert pod.egress_class in policy.classes
+    for d, limits in pod.limits.items():
+        assert 0 <= limits.min_bps <= limits.max_bps and limits.weight >= 1, d
+        assert all(0 < t.limits[d].weight and 0 <= t.limits[d].min_bps <= t.limits[d].max_bps for t in policy.teams)
 
 
 def test_every_text_a_user_reads_says_a_guarantee_is_a_floor_under_the_weighted_share():
@@ -384,40 +386,35 @@ spec:
 def test_ingress_values_load_beside_the_upload_ones():
     policy, problems = load(DOWNLOADS)
     assert problems == []
-    assert (policy.total_bps, policy.ingress_total_bps) == (10**10, 2 * 10**9)
+    assert policy.totals == PerDirection(10**10, 2 * 10**9)
     gold, bronze = policy.classes["gold"], policy.classes["bronze"]
-    assert (gold.weight, gold.min_bps, gold.max_bps) == (4, 10**7, 10**9)  # uploads untouched
-    assert (gold.ingress_weight, gold.ingress_min_bps, gold.ingress_max_bps) == (2, 5 * 10**7, 5 * 10**9)
+    assert gold.limits == PerDirection(Limits(4, 10**7, 10**9), Limits(2, 5 * 10**7, 5 * 10**9))  # uploads untouched
     # no ingress block: the upload weight, no guarantee, no cap (nothing new guaranteed or capped silently)
-    assert (bronze.ingress_weight, bronze.ingress_min_bps, bronze.ingress_max_bps) == (3, 0, MAX_BPS)
+    assert bronze.limits.download == Limits(3, 0, MAX_BPS)
     research, batch = policy.team("research"), policy.team("batch")
-    assert (research.ingress_weight, research.ingress_min_bps, research.ingress_max_bps) == (1, 5 * 10**8, 15 * 10**8)
-    assert (batch.ingress_weight, batch.ingress_min_bps, batch.ingress_max_bps) == (1, 0, MAX_BPS)
-    assert policy.team("default").ingress_weight == 1
+    assert research.limits.download == Limits(1, 5 * 10**8, 15 * 10**8)
+    assert batch.limits.download == Limits(1, 0, MAX_BPS)
+    assert policy.team("default").limits.download.weight == 1
 
 
 def test_existing_objects_have_no_download_budget():
     policy, problems = load()
-    assert problems == [] and policy.ingress_total_bps == MAX_BPS
-    down = policy.for_ingress()
-    assert down.total_bps == MAX_BPS
-    for name, c in policy.classes.items():
-        assert (down.classes[name].weight, down.classes[name].min_bps, down.classes[name].max_bps) == \
-            (c.weight, 0, MAX_BPS)
+    assert problems == [] and policy.totals.download == MAX_BPS
+    for c in policy.classes.values():
+        assert c.limits.download == Limits(c.limits.upload.weight, 0, MAX_BPS)
 
 
-def test_for_ingress_swaps_in_the_download_values_and_is_idempotent():
-    policy, _ = load(DOWNLOADS)
-    down = policy.for_ingress()
-    assert down.total_bps == 2 * 10**9 and down.ingress_total_bps == 2 * 10**9
-    assert (down.classes["gold"].weight, down.classes["gold"].min_bps, down.classes["gold"].max_bps) == \
-        (2, 5 * 10**7, 5 * 10**9)
-    assert (down.team("research").weight, down.team("research").min_bps, down.team("research").max_bps) == \
-        (1, 5 * 10**8, 15 * 10**8)
-    assert down.team_for("jobs").name == "batch" and down.default_team == policy.default_team
-    assert down.team("research").default_class == "default" and down.team("batch").default_class == "bronze"
-    assert down.for_ingress() == down
-    assert policy.team("research").weight == 3  # the upload policy is not changed
+def test_one_parser_reads_both_directions_blocks():
+    """The CRD keeps downloads in an `ingress` block (Direction.crd_block): read by the same
+    function as the top level, so a bad value names the same field in either place."""
+    spec = {"weight": 2, "min": "1M", "max": "9M", "ingress": {"weight": 2, "min": "1M", "max": "9M"}}
+    c = parse_class({"metadata": {"name": "x"}, "spec": spec})
+    assert c.limits.upload == c.limits.download == Limits(2, 10**6, 9 * 10**6)
+    for d in Direction:
+        bad = {**spec, "ingress": dict(spec["ingress"])}
+        (bad if d.crd_block is None else bad[d.crd_block])["max"] = "-1M"
+        with pytest.raises(PolicyError, match=rf"spec\.{d.crd_block}: max" if d.crd_block else r"spec: max"):
+            parse_class({"metadata": {"name": "x"}, "spec": bad})
 
 
 def test_the_engine_allocates_downloads_on_the_ingress_policy():
@@ -426,9 +423,9 @@ def test_the_engine_allocates_downloads_on_the_ingress_policy():
     pods = []
     for ns, name in (("ra", "a"), ("jobs", "b"), ("jobs", "c")):
         pp = resolve_pod(policy, ns, None, None)
-        pods.append(PodDemandIn(f"{ns}/{name}", pp.team, pp.egress_class, pp.ingress_weight, pp.ingress_min_bps,
-                                pp.ingress_max_bps, 10**10))
-    down = allocate(policy.for_ingress(), pods)
+        d = pp.limits.download
+        pods.append(PodDemandIn(f"{ns}/{name}", pp.team, pp.egress_class, d.weight, d.min_bps, d.max_bps, 10**10))
+    down = allocate(policy, pods, direction=Direction.DOWNLOAD)
     assert down.total_bps == 2 * 10**9 and down.allocated_bps == pytest.approx(2 * 10**9)
     # research: its download guarantee (500M) is a floor under an equal-weight share (1G) -> 1G; batch 1G
     assert down.teams["research"].allocated_bps == pytest.approx(10**9)
@@ -441,11 +438,10 @@ def test_the_engine_allocates_downloads_on_the_ingress_policy():
 def test_ingress_annotation_lowers_the_download_cap_only():
     policy, _ = load(DOWNLOADS)
     pod = resolve_pod(policy, "ra", "gold", "200M", ingress_bandwidth_annotation="20M")
-    assert (pod.max_bps, pod.min_bps) == (2 * 10**8, 10**7)
-    assert (pod.ingress_max_bps, pod.ingress_min_bps, pod.ingress_weight) == (2 * 10**7, 2 * 10**7, 2.0)
-    assert pod.ingress_bandwidth_annotation == "20M" and pod.problems == ()
+    assert pod.limits == PerDirection(Limits(4.0, 10**7, 2 * 10**8), Limits(2.0, 2 * 10**7, 2 * 10**7))
+    assert pod.bandwidth == PerDirection("200M", "20M") and pod.problems == ()
     raised = resolve_pod(policy, "ra", "gold", None, ingress_bandwidth_annotation="100G")
-    assert raised.ingress_max_bps == 5 * 10**9  # never raised above the class's
+    assert raised.limits.download.max_bps == 5 * 10**9  # never raised above the class's
     assert resolve_pod(policy, "ra", "gold", None, ingress_bandwidth_annotation="  ").problems == ()
 
 
@@ -456,8 +452,8 @@ def test_bad_ingress_annotation_keeps_the_class_values_with_a_problem(value):
     ((reason, message),) = pod.problems
     assert reason == REASON_INVALID_INGRESS_BANDWIDTH and "kubernetes.io/ingress-bandwidth" in message
     assert "ignored" in message
-    assert (pod.ingress_max_bps, pod.ingress_min_bps) == (5 * 10**9, 5 * 10**7)  # the class's download values
-    assert pod.max_bps == 2 * 10**8  # the upload annotation still applies
+    assert (pod.limits.download.max_bps, pod.limits.download.min_bps) == (5 * 10**9, 5 * 10**7)  # the class's
+    assert pod.limits.upload.max_bps == 2 * 10**8  # the upload annotation still applies
 
 
 def test_resolve_pods_reads_the_ingress_annotation():
