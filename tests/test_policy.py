@@ -500,7 +500,7 @@ def test_bad_team_ingress_skips_the_team_naming_the_field():
 def test_bad_ingress_total_keeps_the_upload_budget():
     budget = {"metadata": {"name": "default"}, "spec": {"total": "1G", "ingressTotal": "-5G"}}
     policy, (problem,) = load_policy([], [budget])
-    assert policy.total_bps == 10**9 and policy.ingress_total_bps == MAX_BPS and policy.budget_name == "default"
+    assert policy.totals == PerDirection(10**9, MAX_BPS) and policy.budget_name == "default"
     assert "spec.ingressTotal" in problem and "no cluster download budget" in problem
 
 
@@ -525,5 +525,5 @@ spec:
     assert "EgressClass big: spec.ingress.min" in text
     assert "spec.teams[].ingress.min) add up to more than spec.ingressTotal" in text
     assert not any("spec.teams[1]" in p for p in problems)  # 600M alone fits
-    assert policy.team("a").ingress_min_bps == 2 * 10**9  # kept: scaled down by the engine, as for uploads
+    assert policy.team("a").limits.download.min_bps == 2 * 10**9  # kept: scaled down by the engine, as for uploads
     assert load(DOWNLOADS)[1] == []  # guarantees within the download total: no problem
