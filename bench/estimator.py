@@ -68,7 +68,7 @@ def shift(seed: int, estimator, jitter: float = 0.0) -> tuple[bool, float, float
             errors = list(loop.errors().values())
             worst.append(max(errors))
             within.append(sum(e <= TOLERANCE for e in errors) / len(errors))
-            totals.append(abs(loop.total / loop.policy.total_bps - 1))
+            totals.append(abs(loop.total / loop.policy.totals.upload - 1))
     return max(worst) <= TOLERANCE, statistics.mean(within), max(totals)
 
 

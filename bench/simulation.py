@@ -114,7 +114,8 @@ def fair_allocation(pods: list[SimPod], capacity_bps: float) -> dict[str, float]
     rows = []
     for p in pods:
         pp = resolve_pod(policy, p.namespace, p.egress_class, None)
-        rows.append(PodDemandIn(p.key, pp.team, pp.egress_class, pp.weight, pp.min_bps, pp.max_bps, p.demand))
+        up = pp.limits.upload
+        rows.append(PodDemandIn(p.key, pp.team, pp.egress_class, up.weight, up.min_bps, up.max_bps, p.demand))
     return {k: r.allocation_bps for k, r in allocate(policy, rows).pods.items()}
 
 

@@ -32,6 +32,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from core.direction import Direction
 from core.engine import PodDemandIn, allocate
 from core.policy import load_policy, resolve_pod
 
@@ -138,15 +139,13 @@ def fair_shares(policy: list[dict], classes: dict[tuple[str, str], str | None],
     (the download budget and values with `download`)."""
     pol, _ = load_policy([o for o in policy if o["kind"] == "EgressClass"],
                          [o for o in policy if o["kind"] == "EgressBudget"])
+    d = Direction.DOWNLOAD if download else Direction.UPLOAD
     pods = []
     for _, ns, name, _ in PODS:
         pp = resolve_pod(pol, ns, classes[(ns, name)], None)
-        if download:
-            pods.append(PodDemandIn(f"{ns}/{name}", pp.team, pp.egress_class, pp.ingress_weight, pp.ingress_min_bps,
-                                    pp.ingress_max_bps, 1e9))
-        else:
-            pods.append(PodDemandIn(f"{ns}/{name}", pp.team, pp.egress_class, pp.weight, pp.min_bps, pp.max_bps, 1e9))
-    res = allocate(pol.for_ingress() if download else pol, pods)
+        lim = pp.limits[d]
+        pods.append(PodDemandIn(f"{ns}/{name}", pp.team, pp.egress_class, lim.weight, lim.min_bps, lim.max_bps, 1e9))
+    res = allocate(pol, pods, direction=d)
     return {k: v.allocation_bps for k, v in res.pods.items()}
 
 

@@ -65,7 +65,8 @@ class Loop:
         for i in range(n):
             team = ("research", "data", "web")[i % 3]
             spec = self.policy.classes["interactive" if team == "web" else "bulk"]
-            self.pods.append(Pod(f"{team}/p{i}", team, spec.name, spec.weight, spec.min_bps, spec.max_bps,
+            up = spec.limits.upload
+            self.pods.append(Pod(f"{team}/p{i}", team, spec.name, up.weight, up.min_bps, up.max_bps,
                                  float(rng.lognormal(0, 0.6)) * 1.6e9 / n, estimator=estimator()))
         self.jitter = jitter
         self.rng = np.random.default_rng(seed + 1000)
@@ -100,7 +101,7 @@ class Loop:
     def fair(self) -> dict[str, float]:
         """Each pod's fair share: the engine's answer for the true (mean) demands, at the capacity
         that puts the measured total on the budget."""
-        capacity = (self.policy.total_bps - HOST_BPS) / L3_PER_L2
+        capacity = (self.policy.totals.upload - HOST_BPS) / L3_PER_L2
         fair = allocate(dataclasses.replace(self.policy, totals=self.policy.totals.replace(Direction.UPLOAD, int(capacity))), self.inputs(lambda p: p.demand))
         return {p.key: fair.pods[p.key].allocation_bps for p in self.pods}
 
@@ -174,7 +175,8 @@ def class_change(seed: int, estimator: type[PodDemand] = PodDemand, periods: int
         team["weight"] *= 3 if team["name"] == "data" else 1
     loop.policy = load(objs)
     spec = loop.policy.classes["interactive"]
-    pod.cls, pod.weight, pod.min_bps, pod.max_bps = spec.name, spec.weight, spec.min_bps, spec.max_bps
+    up = spec.limits.upload
+    pod.cls, pod.weight, pod.min_bps, pod.max_bps = spec.name, up.weight, up.min_bps, up.max_bps
     grew = loop.fair()[pod.key] / fair[pod.key]
     return grew, loop.run(periods)
 
