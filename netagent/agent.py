@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
+from core.direction import Direction
 from core.objects import Snapshot
 from core.policy import Policy, ResolvedPod
 
@@ -44,10 +45,10 @@ class ReportInputs:
 
 
 class Agent:
-    def __init__(self, cfg: AgentConfig, datapath: DataPath, local: Callable[[Callable[[], Policy]], LocalAllocate]
+    def __init__(self, cfg: AgentConfig, datapath: DataPath, local: Callable[..., LocalAllocate]
                  | None = None, metrics=None, problems=None, initial: AllocationSet | None = None):
-        """`local` makes the single-node allocator from the agent's policy (netagent.local.LocalAllocator);
-        None in controller mode."""
+        """`local(policy, direction=d)` makes the single-node allocator of direction `d` from the agent's
+        policy (netagent.local.LocalAllocator); None in controller mode."""
         self.cfg = cfg
         self.datapath = datapath
         self.allocations = Allocations(cfg.default_floor_bps, initial)
@@ -60,8 +61,8 @@ class Agent:
                              ingress_allocations=self.ingress_allocations if cfg.shape_ingress else None,
                              ingress_demand=self.ingress_demand)
         if local is not None:
-            self.node.local = local(lambda: self.node.policy()[0])
-            self.node.ingress_local = local(lambda: self.node.policy()[0].for_ingress())
+            self.node.local = local(lambda: self.node.policy()[0], direction=Direction.UPLOAD)
+            self.node.ingress_local = local(lambda: self.node.policy()[0], direction=Direction.DOWNLOAD)
         self.runner = Runner(self.node.sync, cfg.min_sync_interval, cfg.resync_seconds)
         self.accounting = Accounting()  # where a pod's internet byte is counted (netagent.accounting)
         self.sampler = Sampler(self.node, datapath, self.allocations, self.demand, self.runner.wake,

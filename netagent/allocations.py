@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
+from core.direction import Direction
 from core.policy import ResolvedPod
 from core.quantity import MAX_BPS, TRICKLE_BPS
 from tc.model import NODE_MINOR
@@ -156,4 +157,5 @@ def ingress_view(p: ResolvedPod) -> ResolvedPod:
     """The pod as the download direction sees it: its download weight, guarantee and cap (the class's
     ingress max lowered by kubernetes.io/ingress-bandwidth) in the fields every allocation step reads,
     so `Allocations`, `cap_to_node` and the engine serve both directions unchanged. Pure."""
-    return dataclasses.replace(p, weight=p.ingress_weight, min_bps=p.ingress_min_bps, max_bps=p.ingress_max_bps)
+    download = p.limits[Direction.DOWNLOAD]
+    return dataclasses.replace(p, weight=download.weight, min_bps=download.min_bps, max_bps=download.max_bps)

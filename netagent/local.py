@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from core.direction import Direction
 from core.engine import PodDemandIn, allocate
 from core.policy import Policy, ResolvedPod
 
@@ -17,9 +18,10 @@ from .demand import MIN_DEMAND_BPS, PodDemand
 
 
 class LocalAllocator:
-    def __init__(self, policy: Callable[[], Policy], floor_bps: int):
+    def __init__(self, policy: Callable[[], Policy], floor_bps: int, direction: Direction = Direction.UPLOAD):
         self.policy = policy  # the policy the pods were resolved against
         self.floor_bps = floor_bps
+        self.direction = direction  # the engine allocates this direction's budget on the pods' values for it
         self._previous = None  # the engine's last result: its hysteresis works from it
         self._generation = 0
 
@@ -31,13 +33,15 @@ class LocalAllocator:
                 continue  # waiting for an IP (or gave it up): nothing to shape, no share to hold
             d = demand.get(p.key)
             measured += d.usage_bps if d else 0.0
+            limits = p.limits[self.direction]
             inputs.append(PodDemandIn(
-                key=p.key, team=p.team, egress_class=p.egress_class, weight=p.weight,
-                min_bps=p.min_bps, max_bps=p.max_bps,
-                demand_bps=float(d.demand_bps) if d else float(max(p.min_bps, MIN_DEMAND_BPS)),
+                key=p.key, team=p.team, egress_class=p.egress_class, weight=limits.weight,
+                min_bps=limits.min_bps, max_bps=limits.max_bps,
+                demand_bps=float(d.demand_bps) if d else float(max(limits.min_bps, MIN_DEMAND_BPS)),
             ))
         previous = self._previous if self._previous is not None and self._previous.keys else None
-        result = allocate(self.policy(), inputs, measured_total_bps=measured if demand else None, previous=previous)
+        result = allocate(self.policy(), inputs, measured_total_bps=measured if demand else None, previous=previous,
+                          direction=self.direction)
         self._previous = result
         self._generation += 1
         return AllocationSet(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from core.direction import Direction
 from core.policy import ResolvedPod
 from core.wire import MAX_PODS_PER_REPORT
 
@@ -22,16 +23,17 @@ REASON_TOO_LONG = "AnnotationTooLong"
 CLASS_ANNOTATION = "netagent.io/egress-class"
 BANDWIDTH_ANNOTATION = "kubernetes.io/egress-bandwidth"
 INGRESS_BANDWIDTH_ANNOTATION = "kubernetes.io/ingress-bandwidth"
-LIMITS = ((CLASS_ANNOTATION, "class_annotation", MAX_CLASS_CHARS),
-          (BANDWIDTH_ANNOTATION, "bandwidth_annotation", MAX_BANDWIDTH_CHARS),
-          (INGRESS_BANDWIDTH_ANNOTATION, "ingress_bandwidth_annotation", MAX_BANDWIDTH_CHARS))
+# (annotation, how to read it from the pod, its length limit)
+LIMITS = ((CLASS_ANNOTATION, lambda p: p.class_annotation, MAX_CLASS_CHARS),
+          (BANDWIDTH_ANNOTATION, lambda p: p.bandwidth[Direction.UPLOAD], MAX_BANDWIDTH_CHARS),
+          (INGRESS_BANDWIDTH_ANNOTATION, lambda p: p.bandwidth[Direction.DOWNLOAD], MAX_BANDWIDTH_CHARS))
 
 
 def too_long(p: ResolvedPod) -> tuple[tuple[str, str], ...]:
     """The pod's over-long annotations as problems (reason, message); () when none."""
     out = []
-    for annotation, attr, limit in LIMITS:
-        value = getattr(p, attr)
+    for annotation, read, limit in LIMITS:
+        value = read(p)
         if value is not None and len(value) > limit:
             out.append((REASON_TOO_LONG, f"annotation {annotation} is {len(value)} characters long (at most {limit}); "
                                          "it is ignored and not sent to the controller"))
@@ -47,7 +49,7 @@ def with_outbound_problems(p: ResolvedPod) -> ResolvedPod:
 def bounded_annotations(p: ResolvedPod) -> tuple[str | None, str | None]:
     """(class annotation, bandwidth annotation) as they may be sent: None when over the limit."""
     return tuple(None if v is not None and len(v) > limit else v  # type: ignore[return-value]
-                 for v, limit in ((p.class_annotation, MAX_CLASS_CHARS), (p.bandwidth_annotation, MAX_BANDWIDTH_CHARS)))
+                 for v, limit in ((p.class_annotation, MAX_CLASS_CHARS), (p.bandwidth[Direction.UPLOAD], MAX_BANDWIDTH_CHARS)))
 
 
 def bounded_pods(pods: list, key=lambda item: item[0].key, limit: int = MAX_PODS_PER_REPORT) -> tuple[list, int]:
@@ -60,5 +62,5 @@ def bounded_pods(pods: list, key=lambda item: item[0].key, limit: int = MAX_PODS
 
 def bounded_ingress_annotation(p: ResolvedPod) -> str | None:
     """kubernetes.io/ingress-bandwidth as it may be sent: None when over the limit."""
-    v = p.ingress_bandwidth_annotation
+    v = p.bandwidth[Direction.DOWNLOAD]
     return None if v is not None and len(v) > MAX_BANDWIDTH_CHARS else v

@@ -24,6 +24,7 @@ from typing import Callable
 
 import msgspec
 
+from core.direction import Direction
 from core.quantity import MAX_BPS
 from core.wire import NodeAnswer, NodeReport, PodReport, answer_decoder, encoder
 
@@ -52,13 +53,13 @@ def build_report(inputs: ReportInputs, seq: int, period: float, node_egress_bps:
     for p, d in kept:
         egress_class, egress_bandwidth = bounded_annotations(p)
         dropped = (egress_class is None) + (egress_bandwidth is None) - (p.class_annotation is None) \
-            - (p.bandwidth_annotation is None)
+            - (p.bandwidth[Direction.UPLOAD] is None)
         if dropped:
             omitted("annotation_too_long", dropped)
         pods.append(PodReport(
             namespace=p.namespace, name=p.name,
             usage_bps=float(d.usage_bps) if d else 0.0,
-            demand_bps=float(d.demand_bps) if d else float(p.min_bps),
+            demand_bps=float(d.demand_bps) if d else float(p.limits[Direction.UPLOAD].min_bps),
             throttled=bool(d.throttled) if d else False,
             egress_class=egress_class, egress_bandwidth=egress_bandwidth,
             **_ingress_fields(p, inputs),
@@ -74,7 +75,7 @@ def _ingress_fields(p, inputs: ReportInputs) -> dict:
     d = inputs.ingress_demand.get(p.key) if inputs.shapes_ingress else None
     if inputs.shapes_ingress:
         out.update(ingress_usage_bps=float(d.usage_bps) if d else 0.0,
-                   ingress_demand_bps=float(d.demand_bps) if d else float(p.ingress_min_bps),
+                   ingress_demand_bps=float(d.demand_bps) if d else float(p.limits[Direction.DOWNLOAD].min_bps),
                    ingress_throttled=bool(d.throttled) if d else False)
     return out
 

@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Callable
 
+from core.direction import Direction
 from tc.model import NODE_MINOR
 
 from .accounting import Accounting, ClassReading
@@ -82,15 +83,14 @@ class Sampler:
         """One sample of every pod class, both directions: usage, throttling and demand per pod."""
         now, stats = self.datapath.sample_stats()  # the one read a second; the view shares it
         pods = self.node.state.pods
-        self._sample(now, stats, {p.key: p.max_bps for p in pods}, self.allocations, self.demand,
+        self._sample(now, stats, {p.key: p.limits[Direction.UPLOAD].max_bps for p in pods}, self.allocations, self.demand,
                      self.node.state.budget_bps)
         changed = self._observe_frames(self.node.frames, stats)
         self._account("egress", stats)
         ingress = self.node.ingress_allocations
         if ingress is not None and self.node.state.desired is not None and self.node.state.desired.ingress_shaper:
             now, stats = self.datapath.sample_ingress_stats()
-            # the download cap: what `ingress_view(p).max_bps` is, without copying every pod a second
-            self._sample(now, stats, {p.key: p.ingress_max_bps for p in pods}, ingress,
+            self._sample(now, stats, {p.key: p.limits[Direction.DOWNLOAD].max_bps for p in pods}, ingress,
                          self.node.ingress_demand, self.node.state.ingress_budget_bps)
             changed |= self._observe_frames(self.node.ingress_frames, stats)
             self._account("ingress", stats)

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from core.direction import Direction
 from core.objects import Snapshot
 from core.policy import PolicyCache, ResolvedPod, namespaces_missing, resolve_pods
 from tc.model import MIN_RATE_BPS, NODE_MINOR
@@ -63,7 +64,7 @@ class NodeSync:
         self.cfg = cfg
         self.ingress_allocations = ingress_allocations
         self.ingress_demand = ingress_demand if ingress_demand is not None else {}
-        self.ingress_local: LocalAllocate | None = None  # single-node mode: the engine on policy.for_ingress()
+        self.ingress_local: LocalAllocate | None = None  # single-node mode: the engine on the download budget
         self.datapath = datapath
         self.allocations = allocations
         self.demand = demand  # written by the sampler; read here for local allocation
@@ -124,7 +125,7 @@ class NodeSync:
             policy, _ = self.policy()
             pods = [with_outbound_problems(p) for p in resolve_pods(policy, snap.pods, snap.namespaces)]
             self._note_missing_namespaces(pods, snap)
-            budget = int(policy.total_bps)
+            budget = int(policy.totals[Direction.UPLOAD])
             if self.problems is not None:
                 for p in pods:
                     self.problems.report(p.namespace, p.name, p.uid, p.problems)
@@ -212,7 +213,7 @@ class NodeSync:
         ingressTotal when it has one, else the sum of the pods' download caps."""
         floor = self.cfg.datapath.ingress_default_rate
         views = [ingress_view(p) for p in pods]
-        budget = self.cfg.ingress_rate_bps or int(policy.ingress_total_bps)
+        budget = self.cfg.ingress_rate_bps or int(policy.totals[Direction.DOWNLOAD])
         self._allocate_locally_if_inputs_changed(views, budget, "ingress")
         eff = self.ingress_allocations.effective(views, self.minor_of, time.monotonic())
         rate = self.ingress_allocations.node_rate(eff, floor)
