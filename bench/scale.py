@@ -66,6 +66,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from core.asynctls import TLS_READ_BUFFER_BYTES, set_tls_read_buffer  # noqa: E402
+from core.direction import Direction  # noqa: E402
 from core.engine import PodDemandIn, allocate  # noqa: E402
 from core.objects import ANNOTATION_BANDWIDTH, ANNOTATION_CLASS, PodRecord  # noqa: E402
 from core.policy import load_policy, resolve_pods  # noqa: E402
@@ -844,11 +845,10 @@ class Bench:
         if download:
             demands = [PodDemandIn(f"{r.node}|{r.key}", r.team, r.egress_class, r.ingress_weight, r.ingress_min_bps,
                                    r.ingress_max_bps, r.down_want) for r in rows]
-            policy = policy.for_ingress()
         else:
             demands = [PodDemandIn(f"{r.node}|{r.key}", r.team, r.egress_class, r.weight, r.min_bps,
                                    r.max_bps, r.want) for r in rows]
-        result = allocate(policy, demands)
+        result = allocate(policy, demands, direction=Direction.DOWNLOAD if download else Direction.UPLOAD)
         for k, r in result.pods.items():
             i, key = k.split("|", 1)
             out[(int(i), key)] = r.allocation_bps
