@@ -53,9 +53,10 @@ class Agent:
         self.datapath = datapath
         self.allocations = Allocations(cfg.default_floor_bps, initial)
         self.demand: dict[str, PodDemand] = {}
-        # downloads: the same machinery on the pods' download values (allocations.ingress_view)
+        # downloads: the same machinery on the pods' download values (pod.limits[DOWNLOAD])
         self.ingress_allocations = Allocations(cfg.datapath.ingress_default_rate,
-                                               dataclasses.replace(initial) if initial is not None else None)
+                                               dataclasses.replace(initial) if initial is not None else None,
+                                               direction=Direction.DOWNLOAD)
         self.ingress_demand: dict[str, PodDemand] = {}
         self.node = NodeSync(cfg, datapath, self.allocations, self.demand, metrics=metrics, problems=problems,
                              ingress_allocations=self.ingress_allocations if cfg.shape_ingress else None,

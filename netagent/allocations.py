@@ -13,7 +13,6 @@ Pure apart from its lock: callers pass the time and how to find a pod's HTB mino
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -51,8 +50,10 @@ class AllocationSet:
 class Allocations:
     """The allocation set in force, adoption after a restart, and the fail-static decision."""
 
-    def __init__(self, default_floor_bps: int, initial: AllocationSet | None = None):
+    def __init__(self, default_floor_bps: int, initial: AllocationSet | None = None,
+                 direction: Direction = Direction.UPLOAD):
         self.default_floor_bps = default_floor_bps
+        self.direction = direction  # whose pod values (cap, guarantee) bound what is enforced
         self.current = initial or AllocationSet(source="none")
         self.adopted: dict[int, tuple[int, int]] = {}  # HTB minor -> (rate, ceil) the kernel held at start
         self.fail_static = False
@@ -90,22 +91,23 @@ class Allocations:
         out: dict[str, Allocation] = {}
         for p in pods:
             got = a.pods.get(p.key)
+            limits = p.limits[self.direction]
             if got is not None and not expired:
-                out[p.key] = Allocation(min(got.allocation_bps, p.max_bps), min(got.limit_bps, p.max_bps))
+                out[p.key] = Allocation(min(got.allocation_bps, limits.max_bps), min(got.limit_bps, limits.max_bps))
                 continue
             if expired:
-                f = min(floor, p.max_bps)
+                f = min(floor, limits.max_bps)
                 out[p.key] = Allocation(f, f)
                 continue
             minor = minor_of(p) if self.adopted else None
             if got is None and a.own_cap:
-                cap = min(p.max_bps, a.node_rate_bps or MAX_BPS)
+                cap = min(limits.max_bps, a.node_rate_bps or MAX_BPS)
                 out[p.key] = Allocation(cap, cap)
             elif minor is not None and minor in self.adopted:
                 rate, ceil = self.adopted[minor]
                 out[p.key] = Allocation(rate, ceil)
             else:
-                base = min(max(p.min_bps, floor), p.max_bps)
+                base = min(max(limits.min_bps, floor), limits.max_bps)
                 out[p.key] = Allocation(base, base)
         return out
 
@@ -144,7 +146,7 @@ def cap_to_node(effective: dict[str, Allocation], node_rate: int, reserved: int 
 def least_ceils(allocations: Allocations, pods: Iterable[ResolvedPod]) -> dict[str, int] | None:
     """`cap_to_node`'s caps: each pod's cap, or None in fail-static (the safe floors then add up to
     the budget across the cluster only as ceils: no pod may borrow above its floor). Pure."""
-    return None if allocations.fail_static else {p.key: p.max_bps for p in pods}
+    return None if allocations.fail_static else {p.key: p.limits[allocations.direction].max_bps for p in pods}
 
 
 def pod_rates(a: Allocation) -> tuple[int, int]:
@@ -152,10 +154,3 @@ def pod_rates(a: Allocation) -> tuple[int, int]:
     rate = max(TRICKLE_BPS, int(a.allocation_bps))
     return rate, max(rate, int(a.limit_bps))
 
-
-def ingress_view(p: ResolvedPod) -> ResolvedPod:
-    """The pod as the download direction sees it: its download weight, guarantee and cap (the class's
-    ingress max lowered by kubernetes.io/ingress-bandwidth) in the fields every allocation step reads,
-    so `Allocations`, `cap_to_node` and the engine serve both directions unchanged. Pure."""
-    download = p.limits[Direction.DOWNLOAD]
-    return dataclasses.replace(p, weight=download.weight, min_bps=download.min_bps, max_bps=download.max_bps)

@@ -15,7 +15,7 @@ from core.direction import Direction
 from tc.model import NODE_MINOR
 
 from .accounting import Accounting, ClassReading
-from .allocations import Allocations, ingress_view
+from .allocations import Allocations
 from .datapath import DataPath
 from .demand import PodDemand, Sample
 from .desired import NODE_RATIO_KEY, from_wire, ip_bytes
@@ -68,7 +68,7 @@ class Sampler:
                         self.wake_sync()
                     ingress_local, ingress = self.node.ingress_local, self.node.ingress_allocations
                     if state.pods and ingress_local is not None and ingress is not None and ingress.replace(
-                            ingress_local([ingress_view(p) for p in state.pods], self.node.ingress_demand,
+                            ingress_local(list(state.pods), self.node.ingress_demand,
                                           state.ingress_budget_bps)):
                         self.wake_sync()
                 if (self.allocations.adopted and self.node.state.sync_count

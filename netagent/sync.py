@@ -21,7 +21,7 @@ from core.objects import Snapshot
 from core.policy import PolicyCache, ResolvedPod, namespaces_missing, resolve_pods
 from tc.model import MIN_RATE_BPS, NODE_MINOR
 
-from .allocations import Allocation, Allocations, AllocationSet, cap_to_node, ingress_view, least_ceils, pod_rates
+from .allocations import Allocation, Allocations, AllocationSet, cap_to_node, least_ceils, pod_rates
 from .config import AgentConfig
 from .datapath import DataPath
 from .demand import PodDemand
@@ -78,7 +78,7 @@ class NodeSync:
         self.policy = PolicyCache(self._current_policy_objects)
         self.local = local
         # per direction: the pods (and budget) the local engine last saw
-        self._allocated_inputs: dict[str, dict[str, object]] = {}
+        self._allocated_inputs: dict[Direction, dict[str, object]] = {}
         self._lock = threading.Lock()  # one sync at a time (the runner's thread, or a test)
         # each class's measured frames per IP byte (netagent.frames), per direction: written by the
         # sampler from the counters it reads anyway, given to the classes at the next sync
@@ -131,7 +131,7 @@ class NodeSync:
                     self.problems.report(p.namespace, p.name, p.uid, p.problems)
                 self.problems.forget({p.uid for p in pods})
             stage = "allocate"
-            self._allocate_locally_if_inputs_changed(pods, budget)
+            self._allocate_locally_if_inputs_changed(pods, budget, Direction.UPLOAD)
             effective = self.allocations.effective(pods, self.minor_of, time.monotonic())
             stage = "plan"
             node_rate = self.allocations.node_rate(effective, self.cfg.datapath.default_rate)
@@ -208,16 +208,15 @@ class NodeSync:
 
     def _ingress(self, pods: list[ResolvedPod], policy) -> tuple[int, dict[str, Allocation], int]:
         """Downloads: (the node's download rate, each pod's download rate and ceil, the budget the local
-        engine shares) by the same steps as uploads, on the pods' download values (`ingress_view`).
+        engine shares) by the same steps as uploads, on the pods' download values (`pod.limits[DOWNLOAD]`).
         Node rate: the controller's answer; single-node mode: --ingress-rate, else the budget's
         ingressTotal when it has one, else the sum of the pods' download caps."""
         floor = self.cfg.datapath.ingress_default_rate
-        views = [ingress_view(p) for p in pods]
         budget = self.cfg.ingress_rate_bps or int(policy.totals[Direction.DOWNLOAD])
-        self._allocate_locally_if_inputs_changed(views, budget, "ingress")
-        eff = self.ingress_allocations.effective(views, self.minor_of, time.monotonic())
+        self._allocate_locally_if_inputs_changed(pods, budget, Direction.DOWNLOAD)
+        eff = self.ingress_allocations.effective(pods, self.minor_of, time.monotonic())
         rate = self.ingress_allocations.node_rate(eff, floor)
-        return rate, cap_to_node(eff, rate, floor, least_ceils(self.ingress_allocations, views)), budget
+        return rate, cap_to_node(eff, rate, floor, least_ceils(self.ingress_allocations, pods)), budget
 
     def _count(self, changes: dict[str, int], before: DesiredState | None, desired: DesiredState,
                elapsed: float) -> None:
@@ -251,17 +250,16 @@ class NodeSync:
         log.error("reconcile failed (%s); the previous kernel state stays in force", reason)
 
     def _allocate_locally_if_inputs_changed(self, pods: list[ResolvedPod], budget: int,
-                                            direction: str = "egress") -> None:
+                                            direction: Direction) -> None:
         """Single-node mode: a pod that appears, gets its IP or changes class (or a new budget
         total) gets its share in this sync, not at the next allocation round. Right after a
         restart, pods whose class the kernel already holds keep it (adoption) until the next round.
-        `direction` "ingress": the same for downloads (`pods` are the pods' download views)."""
-        local, allocations, demand = (self.local, self.allocations, self.demand) if direction == "egress" else (
+        `direction`: whose values (weight, guarantee, cap) and allocator."""
+        local, allocations, demand = (self.local, self.allocations, self.demand) if direction is Direction.UPLOAD else (
             self.ingress_local, self.ingress_allocations, self.ingress_demand)
         if local is None:
             return
-        inputs: dict[str, object] = {p.key: (p.team, p.egress_class, p.weight, p.min_bps, p.max_bps, bool(p.ips))
-                                     for p in pods}
+        inputs: dict[str, object] = {p.key: (p.team, p.egress_class, p.limits[direction], bool(p.ips)) for p in pods}
         inputs[""] = budget  # a new budget total is a change too
         if inputs == self._allocated_inputs.get(direction):
             return

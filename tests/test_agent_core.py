@@ -242,7 +242,7 @@ def download_classes(desired) -> dict:
 
 
 def test_local_mode_shares_the_download_total_and_honours_the_ingress_annotation():
-    """Single-node mode runs the engine on policy.for_ingress(): the node's download class is the
+    """Single-node mode runs the engine on the download direction: the node's download class is the
     budget's ingressTotal, a pod's download cap is its class's ingress max lowered by
     kubernetes.io/ingress-bandwidth; the download shaper sits on the pod devices."""
     dp = FakeDataPath()
