@@ -49,11 +49,11 @@ def load(docs=None):
 def test_loads_the_example():
     policy, problems = load()
     assert problems == []
-    assert policy.total_bps == 10**10 and policy.budget_name == "default"
+    assert policy.totals.upload == 10**10 and policy.budget_name == "default"
     assert set(policy.classes) == {"gold", "bronze", DEFAULT_CLASS}
-    assert policy.classes["bronze"].max_bps == 100_000_000 and policy.classes["bronze"].min_bps == 0
+    assert policy.classes["bronze"].limits.upload.max_bps == 100_000_000 and policy.classes["bronze"].limits.upload.min_bps == 0
     assert [t.name for t in policy.teams] == ["research", "batch", "labelled", "others"]  # implicit default team last
-    assert policy.team("research").min_bps == 10**9 and policy.team("research").max_bps == MAX_BPS
+    assert policy.team("research").limits.upload.min_bps == 10**9 and policy.team("research").limits.upload.max_bps == MAX_BPS
     assert policy.team_for("team-b").name == "research"
     assert policy.team_for("jobs").name == "batch"
     assert policy.team_for("elsewhere").name == "others"
@@ -63,22 +63,22 @@ def test_loads_the_example():
 
 def test_no_budget_gives_the_builtin_policy():
     policy, problems = load_policy([], [])
-    assert problems == [] and policy.total_bps == MAX_BPS and policy.budget_name == ""
+    assert problems == [] and policy.totals.upload == MAX_BPS and policy.budget_name == ""
     assert [t.name for t in policy.teams] == ["default"]
     pod = resolve_pod(policy, "anything", None, "5M")
-    assert (pod.team, pod.egress_class, pod.max_bps, pod.min_bps) == ("default", DEFAULT_CLASS, 5_000_000, 0)
+    assert (pod.team, pod.egress_class, pod.limits.upload.max_bps, pod.limits.upload.min_bps) == ("default", DEFAULT_CLASS, 5_000_000, 0)
 
 
 def test_resolve_default_class_and_annotation_cap():
     policy, _ = load()
     pod = resolve_pod(policy, "team-a", None, None)
-    assert (pod.team, pod.egress_class, pod.weight, pod.min_bps, pod.max_bps, pod.problems) == \
-        ("research", "gold", 4.0, 10_000_000, 10**9, ())
+    assert (pod.team, pod.egress_class, pod.limits.upload, pod.problems) == \
+        ("research", "gold", Limits(4.0, 10_000_000, 10**9), ())
     # the bandwidth annotation tightens the cap and pulls the guarantee down with it
     pod = resolve_pod(policy, "team-a", "gold", "5M")
-    assert (pod.min_bps, pod.max_bps) == (5_000_000, 5_000_000)
+    assert (pod.limits.upload.min_bps, pod.limits.upload.max_bps) == (5_000_000, 5_000_000)
     # ... but never loosens it
-    assert resolve_pod(policy, "team-a", "bronze", "10G").max_bps == 100_000_000
+    assert resolve_pod(policy, "team-a", "bronze", "10G").limits.upload.max_bps == 100_000_000
 
 
 @pytest.mark.parametrize("ns, cls, bw, reason, expect_class", [
@@ -95,7 +95,7 @@ def test_resolve_problems_fall_back_to_the_team_default(ns, cls, bw, reason, exp
     message = pod.problems[0][1]
     assert (cls or bw) in message
     if reason == REASON_INVALID_BANDWIDTH:
-        assert pod.max_bps == policy.classes["gold"].max_bps  # annotation ignored, not half-applied
+        assert pod.limits.upload.max_bps == policy.classes["gold"].limits.upload.max_bps  # annotation ignored, not half-applied
 
 
 def test_blank_annotations_mean_unset():
@@ -131,7 +131,7 @@ def test_bad_names_and_duplicates():
     _, problems = load_policy([{"metadata": {"name": "Bad_Name"}, "spec": {}}], [])
     assert "must be a lower-case DNS name" in problems[0]
     policy, problems = load_policy([bad_class({"weight": 2}, "a"), bad_class({"weight": 3}, "a")], [])
-    assert policy.classes["a"].weight == 2 and "defined twice" in problems[0]
+    assert policy.classes["a"].limits.upload.weight == 2 and "defined twice" in problems[0]
 
 
 def budget(spec, name="default"):
@@ -140,7 +140,7 @@ def budget(spec, name="default"):
 
 def test_budget_without_total_falls_back_to_builtin():
     policy, problems = load(POLICY[:2] + [budget({"teams": []})])
-    assert policy.budget_name == "" and policy.total_bps == MAX_BPS
+    assert policy.budget_name == "" and policy.totals.upload == MAX_BPS
     assert "spec.total is required" in problems[0]
 
 
@@ -168,12 +168,12 @@ def test_bad_team_skipped_others_kept():
 def test_guarantee_overflow_is_reported():
     spec = {"total": "1G", "teams": [{"name": "a", "min": "800M"}, {"name": "b", "min": "800M"}]}
     policy, problems = load(POLICY[:2] + [budget(spec)])
-    assert policy.total_bps == 10**9 and any("Oversubscribed" in p for p in problems)
+    assert policy.totals.upload == 10**9 and any("Oversubscribed" in p for p in problems)
 
 
 def test_several_budgets_prefer_default_then_name():
     policy, problems = load(POLICY[:2] + [budget({"total": "1G"}, "zeta"), budget({"total": "2G"}, "alpha")])
-    assert policy.budget_name == "alpha" and policy.total_bps == 2 * 10**9
+    assert policy.budget_name == "alpha" and policy.totals.upload == 2 * 10**9
     assert any("EgressBudget zeta: only one budget is used" in p for p in problems)
     policy, _ = load(POLICY + [budget({"total": "1G"}, "alpha")])
     assert policy.budget_name == "default"
@@ -297,7 +297,7 @@ def test_example_policy_loads_cleanly():
     docs = list(yaml.safe_load_all((CRDS.parent.parent / "docs" / "examples" / "policy.yaml").read_text()))
     policy, problems = load_policy([d for d in docs if d["kind"] == "EgressClass"],
                                    [d for d in docs if d["kind"] == "EgressBudget"])
-    assert problems == [] and policy.total_bps == 10**9 and policy.default_team == "shared"
+    assert problems == [] and policy.totals.upload == 10**9 and policy.default_team == "shared"
     assert policy.totals[Direction.DOWNLOAD] == 500 * 10**6  # and a download example: spec.ingressTotal, ingress
     assert policy.classes["bulk"].limits[Direction.DOWNLOAD].max_bps == 50 * 10**6
 
