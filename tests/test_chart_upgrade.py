@@ -258,6 +258,43 @@ def test_an_upgrade_the_cluster_refuses_fails_and_rolls_back_whole(kube_api, rel
                          "netagent-test-fixed-silver", "--ignore-not-found", check=False)
 
 
+# policy values at the edges of what the chart accepts (bounds, zero guarantees, min equal to max, every
+# rate form, dotted class names, every selector operator): the CRDs must accept them too, or the chart's
+# render-time checks would pass an upgrade that the API server then refuses halfway
+ACCEPTED_AT_THE_EDGES = {
+    "classes": [
+        {"name": "bronze", "spec": {"weight": 1, "min": "0", "max": "1"}},
+        {"name": "gold.v2", "spec": {"weight": 1000000, "min": "10Mi", "max": "10Mi",
+                                     "ingress": {"weight": 1, "min": "0.5M", "max": "2e7"}}},
+        {"name": "free", "spec": {"weight": 3}},
+    ],
+    "budget": {"name": "default", "spec": {
+        "total": "8Pi", "ingressTotal": "+1.5G", "defaultTeam": "lab",
+        "teams": [
+            {"name": "lab", "namespaces": ["lab", "lab-2"], "defaultClass": "gold.v2",
+             "allowedClasses": ["bronze", "gold.v2"], "weight": 1000000, "min": "0", "max": "1e15",
+             "ingress": {"min": "1k", "max": "1k"}},
+            {"name": "research", "namespaceSelector": {"matchLabels": {"team": "research"}, "matchExpressions": [
+                {"key": "tier", "operator": "In", "values": ["gpu"]},
+                {"key": "legacy", "operator": "DoesNotExist"}]}},
+        ]}},
+}
+
+
+def test_policy_values_the_chart_accepts_the_api_server_accepts(kube_api, release, tmp_path):
+    """Parity the other way from the refusals above, sampled: a real install of values at the edges
+    the chart accepts creates every object (the API server's schema and CEL rules accept them)."""
+    path = tmp_path / "edges.json"
+    path.write_text(json.dumps(ACCEPTED_AT_THE_EDGES))  # JSON: "1e15" and "0" stay strings
+    helm(kube_api, "install", RELEASE, str(CHART), "-n", release, "-f", str(path))
+    assert maxima(kube_api) == {"bronze": "1", "gold.v2": "10Mi", "free": None}
+    budget = json.loads(kube_api.kubectl("get", "egressbudget", "default", "-o", "json").stdout)
+    given = ACCEPTED_AT_THE_EDGES["budget"]["spec"]
+    assert {k: budget["spec"][k] for k in ("total", "ingressTotal", "defaultTeam")} == \
+        {k: given[k] for k in ("total", "ingressTotal", "defaultTeam")}
+    assert [t["name"] for t in budget["spec"]["teams"]] == ["lab", "research"]  # (the CRDs add defaults)
+
+
 def test_the_chart_schema_for_policy_values_is_the_crds(tmp_path):
     result = subprocess.run([sys.executable, str(REPO / "hack" / "chart_policy_schema.py"), "--check"],
                             capture_output=True, text=True)
