@@ -23,6 +23,8 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from core.direction import DIRECTIONS, Direction, PerDirection
+
 from . import __version__
 from .view import SCOPES, NodeView
 
@@ -30,6 +32,71 @@ BYTES_PER_BIT = 1 / 8
 
 
 LEAN_SCOPES = ("internet",)  # lean mode: the pods' byte counters of this scope only
+LEAN_POD_FIELDS = ("throttled_seconds", "ingress_throttled_seconds")  # lean mode: the only per-pod decision kept
+
+_POD = ["namespace", "pod"]
+# One lane of pod families per direction: (the family, the PodView field it reads, the factor to its unit).
+# The first is the lane's bytes by scope. The PodView field names are the /state JSON's (an edge: kept);
+# each family's name is literal at its constructor, as dashboards/contract.py reads them from this source.
+POD_LANE_FAMILIES: PerDirection[tuple[tuple[Callable[[], Metric], str, float], ...]] = PerDirection(
+    upload=(
+        (lambda: CounterMetricFamily("netagent_pod_egress_bytes",
+                                     "IP bytes sent by the pod, by destination scope; internet: as they "
+                                     "left its shaper for the uplink (docs/accounting.md).",
+                                     labels=["namespace", "pod", "scope"]), "egress_bytes", 1),
+        (lambda: CounterMetricFamily("netagent_pod_egress_dropped_packets",
+                                     "Internet-bound packets of the pod dropped by its shaper.",
+                                     labels=_POD), "dropped_packets", 1),
+        (lambda: CounterMetricFamily(
+            "netagent_pod_egress_dropped_bytes",
+            "IP bytes the pod offered its internet shaper that it dropped: offered = sent + dropped.",
+            labels=_POD), "dropped_bytes", 1),
+        (lambda: CounterMetricFamily(
+            "netagent_pod_egress_throttled_seconds",
+            "Seconds during which the pod's internet egress was held back by its limit (sampled each second).",
+            labels=_POD), "throttled_seconds", 1),
+        (lambda: GaugeMetricFamily("netagent_pod_egress_limit_bytes_per_second",
+                                   "Internet egress limit enforced for the pod (HTB ceil).",
+                                   labels=_POD), "limit_bps", BYTES_PER_BIT),
+        (lambda: GaugeMetricFamily("netagent_pod_egress_allocation_bytes_per_second",
+                                   "The pod's fair share of the internet budget (HTB rate).",
+                                   labels=_POD), "allocation_bps", BYTES_PER_BIT),
+        (lambda: GaugeMetricFamily("netagent_pod_egress_demand_bytes_per_second",
+                                   "Estimated internet egress demand of the pod.", labels=_POD), "demand_bps",
+         BYTES_PER_BIT),
+    ),
+    download=(
+        (lambda: CounterMetricFamily("netagent_pod_ingress_bytes",
+                                     "IP bytes received for the pod, by source scope; internet: as they "
+                                     "arrived from the uplink, before its download shaper.",
+                                     labels=["namespace", "pod", "scope"]), "ingress_bytes", 1),
+        (lambda: GaugeMetricFamily(
+            "netagent_pod_ingress_limit_bytes_per_second",
+            "Internet ingress (download) limit enforced for the pod (HTB ceil of its download class).",
+            labels=_POD), "ingress_limit_bps", BYTES_PER_BIT),
+        (lambda: GaugeMetricFamily(
+            "netagent_pod_ingress_allocation_bytes_per_second",
+            "The pod's fair share of the download budget (HTB rate of its download class).",
+            labels=_POD), "ingress_allocation_bps", BYTES_PER_BIT),
+        (lambda: GaugeMetricFamily("netagent_pod_ingress_demand_bytes_per_second",
+                                   "Estimated internet ingress (download) demand of the pod.",
+                                   labels=_POD), "ingress_demand_bps", BYTES_PER_BIT),
+        (lambda: CounterMetricFamily("netagent_pod_ingress_dropped_packets",
+                                     "Internet packets to the pod dropped by its download shaper.",
+                                     labels=_POD), "ingress_dropped_packets", 1),
+        (lambda: CounterMetricFamily(
+            "netagent_pod_ingress_dropped_bytes",
+            "Internet IP bytes for the pod that its download shaper dropped: arrived = delivered + dropped.",
+            labels=_POD), "ingress_dropped_bytes", 1),
+        (lambda: CounterMetricFamily(
+            "netagent_pod_ingress_delivered_bytes",
+            "Internet IP bytes that left the pod's download shaper towards the pod.", labels=_POD),
+         "ingress_delivered_bytes", 1),
+        (lambda: CounterMetricFamily("netagent_pod_ingress_throttled_seconds",
+                                     "Seconds during which the pod's downloads were held back by its "
+                                     "limit (sampled each second).", labels=_POD), "ingress_throttled_seconds", 1),
+    ),
+)
 
 
 class AgentCollector(Collector):
@@ -58,92 +125,32 @@ class AgentCollector(Collector):
             out.append((family, []))
             return out[-1][1]
 
-        pod_egress = rows(CounterMetricFamily("netagent_pod_egress_bytes",
-                                              "IP bytes sent by the pod, by destination scope; internet: as they "
-                                              "left its shaper for the uplink (docs/accounting.md).",
-                                              labels=["namespace", "pod", "scope"]))
-        pod_ingress = rows(CounterMetricFamily("netagent_pod_ingress_bytes",
-                                               "IP bytes received for the pod, by source scope; internet: as they "
-                                               "arrived from the uplink, before its download shaper.",
-                                               labels=["namespace", "pod", "scope"]))
-        dropped = rows(CounterMetricFamily("netagent_pod_egress_dropped_packets",
-                                           "Internet-bound packets of the pod dropped by its shaper.",
-                                           labels=["namespace", "pod"]))
-        dropped_bytes = rows(CounterMetricFamily(
-            "netagent_pod_egress_dropped_bytes",
-            "IP bytes the pod offered its internet shaper that it dropped: offered = sent + dropped.",
-            labels=["namespace", "pod"]))
-        throttled = rows(CounterMetricFamily(
-            "netagent_pod_egress_throttled_seconds",
-            "Seconds during which the pod's internet egress was held back by its limit (sampled each second).",
-            labels=["namespace", "pod"]))
-        limit = rows(GaugeMetricFamily("netagent_pod_egress_limit_bytes_per_second",
-                                       "Internet egress limit enforced for the pod (HTB ceil).",
-                                       labels=["namespace", "pod"]))
-        alloc = rows(GaugeMetricFamily("netagent_pod_egress_allocation_bytes_per_second",
-                                       "The pod's fair share of the internet budget (HTB rate).",
-                                       labels=["namespace", "pod"]))
-        demand = rows(GaugeMetricFamily("netagent_pod_egress_demand_bytes_per_second",
-                                        "Estimated internet egress demand of the pod.", labels=["namespace", "pod"]))
+        lanes = {d: [(rows(make()), attr, scale) for make, attr, scale in POD_LANE_FAMILIES[d]] for d in DIRECTIONS}
         info = rows(GaugeMetricFamily("netagent_pod_info", "The pod's bandwidth class and team.",
                                       labels=["namespace", "pod", "class", "team"]))
         problem = rows(GaugeMetricFamily(
             "netagent_pod_policy_problem",
             "1 while the pod's netagent annotations are invalid and the default class applies.",
             labels=["namespace", "pod", "reason"]))
-        # each family named literally at its call: dashboards/contract.py reads the names from this source
-        dl_limit = rows(GaugeMetricFamily(
-            "netagent_pod_ingress_limit_bytes_per_second",
-            "Internet ingress (download) limit enforced for the pod (HTB ceil of its download class).",
-            labels=["namespace", "pod"]))
-        dl_alloc = rows(GaugeMetricFamily(
-            "netagent_pod_ingress_allocation_bytes_per_second",
-            "The pod's fair share of the download budget (HTB rate of its download class).",
-            labels=["namespace", "pod"]))
-        dl_demand = rows(GaugeMetricFamily("netagent_pod_ingress_demand_bytes_per_second",
-                                           "Estimated internet ingress (download) demand of the pod.",
-                                           labels=["namespace", "pod"]))
-        dl_dropped = rows(CounterMetricFamily("netagent_pod_ingress_dropped_packets",
-                                              "Internet packets to the pod dropped by its download shaper.",
-                                              labels=["namespace", "pod"]))
-        dl_dropped_bytes = rows(CounterMetricFamily(
-            "netagent_pod_ingress_dropped_bytes",
-            "Internet IP bytes for the pod that its download shaper dropped: arrived = delivered + dropped.",
-            labels=["namespace", "pod"]))
-        dl_delivered = rows(CounterMetricFamily(
-            "netagent_pod_ingress_delivered_bytes",
-            "Internet IP bytes that left the pod's download shaper towards the pod.", labels=["namespace", "pod"]))
-        dl_throttled = rows(CounterMetricFamily("netagent_pod_ingress_throttled_seconds",
-                                                "Seconds during which the pod's downloads were held back by its "
-                                                "limit (sampled each second).", labels=["namespace", "pod"]))
-        shaped = v.ingress_allocation_bps is not None
+        # a download lane's series exist while the download shaper is programmed, for pods with a class
+        shaped = PerDirection(True, v.ingress_allocation_bps is not None)
         lean = self.lean
         scopes = LEAN_SCOPES if lean else SCOPES
         for p in v.pods:
             ids = [p.namespace, p.name]
-            for scope in scopes:
-                pod_egress.append(([*ids, scope], p.egress_bytes.get(scope, 0)))
-                pod_ingress.append(([*ids, scope], p.ingress_bytes.get(scope, 0)))
-            throttled.append((ids, p.throttled_seconds))
+            for d in DIRECTIONS:
+                (bytes_rows, bytes_attr, _), *families = lanes[d]
+                counts = getattr(p, bytes_attr)
+                for scope in scopes:
+                    bytes_rows.append(([*ids, scope], counts.get(scope, 0)))
+                if not shaped[d] or (d is Direction.DOWNLOAD and p.minor is None):
+                    continue
+                for family_rows, attr, scale in families:
+                    if not lean or attr in LEAN_POD_FIELDS:
+                        family_rows.append((ids, getattr(p, attr) * scale))
             info.append(([*ids, p.egress_class, p.team], 1))
             for reason in sorted({r for r, _ in p.problems}):
                 problem.append(([*ids, reason], 1))
-            if shaped and p.minor is not None:
-                dl_throttled.append((ids, p.ingress_throttled_seconds))
-            if lean:
-                continue
-            if shaped and p.minor is not None:
-                dl_limit.append((ids, p.ingress_limit_bps * BYTES_PER_BIT))
-                dl_alloc.append((ids, p.ingress_allocation_bps * BYTES_PER_BIT))
-                dl_demand.append((ids, p.ingress_demand_bps * BYTES_PER_BIT))
-                dl_dropped.append((ids, p.ingress_dropped_packets))
-                dl_dropped_bytes.append((ids, p.ingress_dropped_bytes))
-                dl_delivered.append((ids, p.ingress_delivered_bytes))
-            dropped.append((ids, p.dropped_packets))
-            dropped_bytes.append((ids, p.dropped_bytes))
-            limit.append((ids, p.limit_bps * BYTES_PER_BIT))
-            alloc.append((ids, p.allocation_bps * BYTES_PER_BIT))
-            demand.append((ids, p.demand_bps * BYTES_PER_BIT))
 
         node_egress = rows(CounterMetricFamily("netagent_node_egress_bytes",
                                                "IP bytes leaving the node's uplinks, host traffic included; "
@@ -163,7 +170,7 @@ class AgentCollector(Collector):
         rows(GaugeMetricFamily("netagent_node_allocation_bytes_per_second",
                                "The node class rate: this node's share of the internet budget.",
                                labels=[])).append(([], v.allocation_bps * BYTES_PER_BIT))
-        if shaped:
+        if shaped[Direction.DOWNLOAD]:
             rows(GaugeMetricFamily("netagent_node_ingress_allocation_bytes_per_second",
                                    "The node's download class rate: this node's share of the download budget.",
                                    labels=[])).append(([], v.ingress_allocation_bps * BYTES_PER_BIT))
