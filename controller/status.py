@@ -15,10 +15,18 @@ from typing import Callable
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from core.direction import Direction, PerDirection
 from core.kubeapi import GROUP, TIMEOUT, VERSION
 from core.quantity import format_bps
 
 from .allocator import Summary
+
+# The EgressBudget status's words per Direction (the CRD's names): downloads' fields and
+# condition are the upload ones with an `ingress` prefix (allocated -> ingressAllocated); the
+# download ones are null (removed) while no agent that shapes downloads reports.
+STATUS_FIELD = PerDirection(lambda name: name, lambda name: "ingress" + name[0].upper() + name[1:])
+TOTAL_FIELD = PerDirection("spec.total", "spec.ingressTotal")
+CONDITION = PerDirection("Oversubscribed", "IngressOversubscribed")
 
 log = logging.getLogger(__name__)
 
@@ -34,20 +42,20 @@ def budget_status(summary: Summary, computed_at: float, previous: dict | None,
     lastTransitionTime while its status does not change."""
     unmet = sorted(t for t, v in summary.teams.items() if v.guarantee_unmet)
     generation = {} if observed_generation is None else {"observedGeneration": observed_generation}
-    down = summary.ingress
-    conditions = [_oversubscribed("Oversubscribed", summary.oversubscribed, "spec.total", "",
-                                  computed_at, previous, generation)]
-    if down is not None:
-        conditions.append(_oversubscribed("IngressOversubscribed", down.oversubscribed, "spec.ingressTotal",
-                                          "download ", computed_at, previous, generation))
+    summaries = PerDirection(summary, summary.ingress)
+    figures: dict = {}
+    conditions = []
+    for d, s in summaries.items():
+        field = STATUS_FIELD[d]
+        figures.update({field(name): format_bps(getattr(s, name + "_bps")) if s else None
+                        for name in ("allocated", "demand", "used")})
+        if s is not None:
+            conditions.append(_oversubscribed(CONDITION[d], s.oversubscribed, TOTAL_FIELD[d],
+                                              "" if d is Direction.UPLOAD else "download ", computed_at, previous,
+                                              generation))
     return {
         **generation,
-        "allocated": format_bps(summary.allocated_bps),
-        "demand": format_bps(summary.demand_bps),
-        "used": format_bps(summary.used_bps),
-        "ingressAllocated": format_bps(down.allocated_bps) if down else None,
-        "ingressDemand": format_bps(down.demand_bps) if down else None,
-        "ingressUsed": format_bps(down.used_bps) if down else None,
+        **figures,
         "pods": summary.pods,
         "nodes": summary.nodes,
         "teamsBelowGuarantee": unmet,
