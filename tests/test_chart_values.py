@@ -104,9 +104,16 @@ def test_the_schema_keeps_no_pattern():
     shapes are checked by templates/validate-values.yaml instead, whose message says what is expected."""
     import json
 
+    from hack.chart_policy_schema import HINT
+
     def walk(node, path="$"):
         if isinstance(node, dict):
-            for key in ("pattern", "propertyNames", "allOf", "anyOf", "oneOf", "if", "not"):
+            if node.get("$comment") == HINT:  # the example beside a leaf (hack/chart_policy_schema.py)
+                assert set(node) == {"$comment", "const", "not"} and node["not"] == {"const": node["const"]}, path
+                return
+            if "anyOf" in node:
+                assert len(node["anyOf"]) == 2 and node["anyOf"][1].get("$comment") == HINT, path
+            for key in ("pattern", "propertyNames", "allOf", "oneOf", "if", "not"):
                 assert key not in node, f"{path} has {key!r}: add a row to templates/validate-values.yaml instead"
             for key, sub in node.items():
                 yield from walk(sub, f"{path}.{key}")
@@ -165,15 +172,32 @@ def test_both_monitor_kinds_are_refused_by_name():
 
 
 @pytest.mark.parametrize("args,says", [
-    (["--set", "agent.port=0"], "at '/agent/port': minimum: got 0, want 1"),
-    (["--set", "agent.logLevel=loud"], "at '/agent/logLevel': value must be one of 'debug', 'info'"),
-    (["--set", "agnet.port=9560"], "at '': additional properties 'agnet' not allowed"),
+    # a range: the bound and an example
+    (["--set", "agent.port=0"], ["at '/agent/port': minimum: got 0, want 1",
+                                 "at '/agent/port': value must be 'an integer from 1 to 65535, e.g. port: "]),
+    # a type: the type and an example (the default of values.yaml)
+    (["--set", "controller.replicas=two"], ["at '/controller/replicas': got string, want integer",
+                                            "value must be 'an integer from 1 to 7, e.g. replicas: 2'"]),
+    (["--set", "agent.nodeSelector.gpu=1"], ["at '/agent/nodeSelector/gpu': got number, want string",
+                                             "e.g. nodeSelector: {key: \"value\"}"]),
+    # an enum: the allowed values are the examples (helm prints the enum's refusal alone)
+    (["--set", "agent.logLevel=loud"], ["at '/agent/logLevel': value must be one of 'debug', 'info'"]),
+    # an unknown key: named by its own path, with the known keys and an example
+    (["--set", "agnet.port=9560"], ["at '/agnet': value must be 'no such key in the values: expected one of ",
+                                    ", agent, ", "e.g. "]),
+    (["--set", "agent.prot=9560"], ["at '/agent/prot': value must be 'no such key in agent: expected one of ",
+                                    ", port, "]),
+    (["--set", "classes[0].name=a,classes[0].spec.weight=x"],
+     ["at '/classes/0/spec/weight': got string, want integer", "e.g. weight: 1'"]),
 ])
 def test_what_the_schema_still_refuses_names_the_value_and_what_is_allowed(args, says):
     """Types, ranges, enums and unknown keys stay in the schema (helm lint refuses them too): helm's own
-    message names the value's path and the allowed values or bound."""
+    message names the value's path and the allowed values or bound, and beneath it the example branch
+    (hack/chart_policy_schema.py) what is expected with an example."""
     result = helm("template", "netagent", str(CHART), *args, check=False)
-    assert result.returncode != 0 and says in result.stderr, result.stderr[-800:]
+    assert result.returncode != 0, args
+    for words in says:
+        assert words in result.stderr, result.stderr[-800:]
 
 
 def test_the_defaults_and_the_documented_examples_pass(tmp_path):
