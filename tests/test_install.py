@@ -745,10 +745,10 @@ def test_helm_install_shapes_upgrades_and_uninstalls_on_the_real_node(
                  what=f"the rolled-back class applied (last read {pod_class_rate(silver_ip)})", interval=0.02)
         print(f"helm rollback -> class rate {pod_class_rate(silver_ip)} in {time.monotonic() - start:.2f} s")
 
-        # an upgrade the API server refuses (a rate its CEL refuses) fails with its message; with
-        # --rollback-on-failure (docs/install.md "Upgrade") what it applied before the refusal is undone
-        # Helm applies bronze before it reaches silver: for the moment of the upgrade the lowered bronze is
-        # in the API server and the agent applies it; the rollback puts it back (the lowest rate seen is printed)
+        # an upgrade with a rate the CRDs' CEL would refuse fails at render (templates/validate-rates.yaml),
+        # before Helm applies anything: the lowered bronze beside it never reaches the API server, so the
+        # class keeps its rate throughout (before the check, Helm applied bronze, the agent shaped to it,
+        # and only --rollback-on-failure put it back)
         refused = [{"name": "bronze", "spec": {"weight": 1, "max": "15M"}},
                    {"name": "silver", "spec": {"weight": 2, "max": "40Mbit"}}]
         seen, stop_sampling = [], threading.Event()
@@ -765,8 +765,8 @@ def test_helm_install_shapes_upgrades_and_uninstalls_on_the_real_node(
                           "--set-json", f"classes={json.dumps(refused)}", "--rollback-on-failure",
                           "--timeout", "5m", check=False)
             assert result.returncode != 0
-            assert 'EgressClass.netagent.io "silver" is invalid: spec.max: Invalid value: "40Mbit"' in result.stderr, \
-                result.stderr[-2000:]
+            assert 'classes[1] (silver).spec.max="40Mbit" is refused' in result.stderr, result.stderr[-2000:]
+            assert "is invalid" not in result.stderr  # not the API server's refusal: nothing was sent
             assert bronze_max() == "20M"
             status = json.loads(helm(kube_api, "status", RELEASE, "-n", NAMESPACE, "-o", "json").stdout)
             assert status["info"]["status"] == "deployed"
@@ -777,8 +777,9 @@ def test_helm_install_shapes_upgrades_and_uninstalls_on_the_real_node(
         finally:
             stop_sampling.set()
             sampler.join()
-        print(f"refused upgrade: lowest class rate seen {min(r for r in seen if r)}, back to "
+        print(f"refused upgrade: lowest class rate seen {min(r for r in seen if r)}, "
               f"{pod_class_rate(silver_ip)} {time.monotonic() - start:.2f} s after helm returned")
+        assert min(r for r in seen if r) > 15_020_000  # never lowered: nothing of the upgrade was applied
 
         # helm upgrade to a new image tag (and a changed CRD): rolling update with the tc classes
         # in force at every moment
