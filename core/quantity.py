@@ -57,41 +57,69 @@ def parse_bps(value: str | int | float, what: str, allow_zero: bool = False) -> 
     return bps
 
 
-def _parse_text(text: str, what: str) -> Decimal:
+# The largest byte count: a signed 64-bit counter's top (a quota, a used figure, Kubernetes' own int64).
+MAX_BYTES = 2**63 - 1
+BYTES_ALLOWED = ('a Kubernetes quantity in bytes: a number with an optional suffix k, M, G, T, P, E '
+                 '(powers of 1000), Ki, Mi, Gi, Ti, Pi, Ei (powers of 1024) or an exponent, '
+                 'e.g. "500Gi", "50Ti", "50T", "1e12"')
+
+
+def parse_bytes(value: str | int, what: str) -> int:
+    """`value` as whole bytes, by the rates' grammar (RATE_PATTERN): "50Ti" is 50*2^40, "50T" 50*10^12.
+
+    Zero, negative, non-finite and above MAX_BYTES (2^63-1) are refused: raises ValueError starting with `what`
+    (e.g. "EgressBudget main: teams[research].quota.bytes"). Fractions round up to a whole byte.
+    """
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ValueError(f"{what}: {value!r} is not {BYTES_ALLOWED}")
+    amount = (_parse_text(value, what, BYTES_ALLOWED, "a byte count") if isinstance(value, str)
+              else Decimal(value))
+    if amount < 0:
+        raise ValueError(f"{what}: {value!r} is negative; a byte count must be positive")
+    count = int(amount.to_integral_value(rounding=ROUND_CEILING))
+    if count == 0:
+        raise ValueError(f"{what}: {value!r} is zero; a byte count here must be at least 1 byte")
+    if count > MAX_BYTES:
+        raise ValueError(f"{what}: {value!r} is above the largest byte count supported (2^63-1 bytes, about 8Ei)")
+    return count
+
+
+def _parse_text(text: str, what: str, allowed: str = ALLOWED, noun: str = "a rate") -> Decimal:
     # exact: the default 28 digits would round "9007199254740992.000000000000001" down to 2^53 (accepted),
     # where the CRDs and the chart compare the exact value (refused); 32 characters fit in 80 digits
     with localcontext() as ctx:
         ctx.prec = 80
-        return _parse_exact(text, what)
+        return _parse_exact(text, what, allowed, noun)
 
 
-def _parse_exact(text: str, what: str) -> Decimal:
+def _parse_exact(text: str, what: str, allowed: str, noun: str) -> Decimal:
+    unit = "bit/s" if noun == "a rate" else "bytes"
     if len(text) > RATE_MAX_CHARS:
         raise ValueError(f"{what}: {text[:RATE_MAX_CHARS]!r}... is longer than {RATE_MAX_CHARS} characters; "
-                         f"expected {ALLOWED}")
+                         f"expected {allowed}")
     match = _QUANTITY.fullmatch(text)
     if not match:
         hint = ""
         near = _NEAR_MISS.fullmatch(text)
         if near and near["sign"] == "-":
-            raise ValueError(f"{what}: {text!r} is negative; a rate must be positive")
+            raise ValueError(f"{what}: {text!r} is negative; {noun} must be positive")
         if near and near["suffix"] in _SUB_UNIT:
             suffix = near["suffix"]
-            raise ValueError(f'{what}: {text!r} uses {suffix!r}, which means {_SUB_UNIT[suffix]} bit/s; '
-                             f'for megabit write "M", e.g. "{near["num"]}M"')
+            raise ValueError(f'{what}: {text!r} uses {suffix!r}, which means {_SUB_UNIT[suffix]} {unit}; '
+                             f'for mega{unit[:4] if unit == "bytes" else "bit"} write "M", e.g. "{near["num"]}M"')
         if re.match(r"^[+]?[0-9.]+[eE][+-]?[0-9]+$", text):
             hint = " (an exponent must be between -30 and 30)"
         elif text != text.strip():
             hint = " (no spaces around it)"
         elif re.match(r"^[\d.]+\s*[kKmMgGtT]?(bit|bps|b/s|bit/s|ibit)", text, re.IGNORECASE):
             hint = ' (units are implied: write "10M", not "10Mbit" or "10Mbps")'
-        raise ValueError(f"{what}: {text!r} is not {ALLOWED}{hint}")
+        raise ValueError(f"{what}: {text!r} is not {allowed}{hint}")
     number, suffix = match[1], match[3] or ""
     if match[4] is not None:  # an exponent ("1e3"), not a suffix ("1Ei")
         try:
             return Decimal(number).scaleb(int(suffix[1:]))
         except InvalidOperation as exc:
-            raise ValueError(f"{what}: {text!r} is not {ALLOWED}") from exc
+            raise ValueError(f"{what}: {text!r} is not {allowed}") from exc
     value = Decimal(number)
     if suffix in _BINARY:
         return value * (1 << _BINARY[suffix])
