@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping
 
@@ -46,36 +46,6 @@ class Limits:
     max_bps: int = MAX_BPS  # MAX_BPS = no cap
 
 
-class _UploadCompat:
-    """COMPAT (issue 35, removed once netagent reads `limits[d]`): the pre-Direction field names
-    as read-only views of `limits`. New code uses `limits[d]`."""
-    limits: PerDirection[Limits]
-
-    @property
-    def weight(self) -> Any:
-        return self.limits.upload.weight
-
-    @property
-    def min_bps(self) -> int:
-        return self.limits.upload.min_bps
-
-    @property
-    def max_bps(self) -> int:
-        return self.limits.upload.max_bps
-
-    @property
-    def ingress_weight(self) -> Any:
-        return self.limits.download.weight
-
-    @property
-    def ingress_min_bps(self) -> int:
-        return self.limits.download.min_bps
-
-    @property
-    def ingress_max_bps(self) -> int:
-        return self.limits.download.max_bps
-
-
 def default_download(upload: Limits) -> Limits:
     """A class's or team's download values without an `ingress` block: the upload weight, no
     guarantee, no cap (nothing new guaranteed or capped silently)."""
@@ -83,7 +53,7 @@ def default_download(upload: Limits) -> Limits:
 
 
 @dataclass(frozen=True)
-class EgressClassSpec(_UploadCompat):
+class EgressClassSpec:
     """One validated EgressClass: per pod, per direction, its weight, guarantee and cap."""
     name: str
     limits: PerDirection[Limits]
@@ -122,7 +92,7 @@ class NamespaceSelector:
 
 
 @dataclass(frozen=True)
-class TeamSpec(_UploadCompat):
+class TeamSpec:
     """One validated team of the EgressBudget; its limits hold for the team as a whole."""
     name: str
     namespaces: tuple[str, ...]
@@ -180,24 +150,6 @@ class Policy:
         """Team name -> its position in `teams` (the engine's columnar team ids)."""
         return {t.name: i for i, t in enumerate(self.teams)}
 
-    # COMPAT (issue 35): pre-Direction names, removed once netagent reads `totals[d]` and passes
-    # the direction to the engine.
-    @property
-    def total_bps(self) -> int:
-        return self.totals.upload
-
-    @property
-    def ingress_total_bps(self) -> int:
-        return self.totals.download
-
-    def for_ingress(self) -> "Policy":
-        """COMPAT: the download values in both directions' places (the engine's old way to
-        allocate downloads); new code passes Direction.DOWNLOAD to the engine. Idempotent."""
-        classes = {name: replace(c, limits=PerDirection.same(c.limits.download)) for name, c in self.classes.items()}
-        teams = tuple(replace(t, limits=PerDirection.same(t.limits.download)) for t in self.teams)
-        return Policy(PerDirection.same(self.totals.download), MappingProxyType(classes), teams, self.default_team,
-                      self.budget_name)
-
 
 def builtin_default_policy(classes: Mapping[str, EgressClassSpec] | None = None) -> Policy:
     """Without an EgressBudget: no cluster-wide total (pods are held only to their class max and
@@ -209,7 +161,7 @@ def builtin_default_policy(classes: Mapping[str, EgressClassSpec] | None = None)
 
 
 @dataclass(frozen=True)
-class PodPolicy(_UploadCompat):
+class PodPolicy:
     """A pod's resolved policy: team, class, per direction its weight, guarantee and cap (the
     class's cap lowered by the direction's bandwidth annotation), and what was wrong with its
     annotations."""
@@ -218,10 +170,6 @@ class PodPolicy(_UploadCompat):
     limits: PerDirection[Limits]
     problems: tuple[tuple[str, str], ...]  # (Kubernetes Event reason, human message)
     bandwidth: PerDirection[str | None] = PerDirection(None, None)  # the annotations resolved from
-
-    @property
-    def ingress_bandwidth_annotation(self) -> str | None:  # COMPAT (issue 35)
-        return self.bandwidth.download
 
 
 # A direction's bandwidth annotation and the Event reason when it is malformed.

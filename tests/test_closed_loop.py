@@ -19,7 +19,7 @@ def test_every_pod_within_5_percent_of_fair_two_periods_after_a_shift(seed):
     errors = loop.run(8)
     # errors[0] is after the first round that saw the shift; "within 2 periods" is errors[2:]
     assert max(errors[2:]) <= TOLERANCE, errors
-    assert abs(loop.total / loop.policy.total_bps - 1) <= TOLERANCE
+    assert abs(loop.total / loop.policy.totals.upload - 1) <= TOLERANCE
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -32,7 +32,7 @@ def test_a_pod_whose_demand_jumps_tenfold_gets_its_fair_share_within_4_periods(s
 def test_measured_total_settles_at_the_budget_through_the_gain():
     loop = Loop(4)
     loop.run(15)
-    assert loop.total == pytest.approx(loop.policy.total_bps, rel=0.02)
+    assert loop.total == pytest.approx(loop.policy.totals.upload, rel=0.02)
     assert loop.result.gain == pytest.approx((1e9 - HOST_BPS) / 1e9 / L3_PER_L2, rel=0.01)
 
 

@@ -217,8 +217,9 @@ async def test_two_nodes_get_the_engine_allocation_split_per_node():
     engine_in = []
     for p in b_pods + a_pods:
         pp = resolve_pod(policy, p["namespace"], p["egress_class"], p["egress_bandwidth"])
-        engine_in.append(PodDemandIn(f"{p['namespace']}/{p['name']}", pp.team, pp.egress_class, pp.weight,
-                                     pp.min_bps, pp.max_bps, p["demand_bps"]))
+        up = pp.limits.upload
+        engine_in.append(PodDemandIn(f"{p['namespace']}/{p['name']}", pp.team, pp.egress_class, up.weight,
+                                     up.min_bps, up.max_bps, p["demand_bps"]))
     expected = allocate(policy, engine_in).pods
     for answer, pods in ((ans_a, a_pods), (ans_b, b_pods)):
         assert answer["generation"] == result.generation == 1
