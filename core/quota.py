@@ -1,0 +1,272 @@
+"""Volume quotas (issue 38): a team's internet bytes per calendar Day, Week or Month, per direction.
+
+Pure: parsing a team's `quota` block, the calendar period in a time zone, the ledger that turns the
+agents' cumulative per-pod counters into a team's used bytes, and which teams are exhausted.
+No I/O; the controller persists the ledger (controller/quotastore.py, next session) and the engine
+caps exhausted teams (core/engine.py, D1's hook).
+
+The CRD's shape (top level = uploads, an `ingress` block for downloads):
+    quota: {period: Month, bytes: 50Ti, exhaustedRate: 100M, ingress: {bytes: 200Ti, exhaustedRate: 500M}}
+The period is shared by both directions (written once, at the top level).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Mapping
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from core.direction import DIRECTIONS, Direction, PerDirection
+from core.quantity import parse_bps, parse_bytes
+
+
+class Period(enum.Enum):
+    DAY = "Day"
+    WEEK = "Week"  # ISO weeks: Monday 00:00 to the next Monday 00:00
+    MONTH = "Month"
+
+
+PERIODS = tuple(p.value for p in Period)
+
+
+@dataclass(frozen=True, slots=True)
+class DirectionQuota:
+    """One direction's quota: `bytes` per period; `exhausted_bps` None = only the safe floor once spent."""
+
+    bytes: int
+    exhausted_bps: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TeamQuota:
+    period: Period
+    # None: no quota in that direction (a quota on uploads only, or on downloads only)
+    limits: PerDirection[DirectionQuota | None]
+
+
+def parse_time_zone(value: Any, what: str) -> tuple[ZoneInfo, list[str]]:
+    """`spec.quotaTimeZone` (an IANA name) -> (zone, problems); absent -> UTC. A bad name is a problem, UTC used."""
+    if value is None:
+        return ZoneInfo("UTC"), []
+    if not isinstance(value, str) or not value or value.startswith("/") or ".." in value:
+        return ZoneInfo("UTC"), [f"{what}: {value!r} is not an IANA time zone name (e.g. \"Europe/Berlin\", \"UTC\")"]
+    try:
+        return ZoneInfo(value), []
+    except (ZoneInfoNotFoundError, ValueError):
+        return ZoneInfo("UTC"), [f"{what}: unknown time zone {value!r}; use an IANA name "
+                                 f"(e.g. \"Europe/Berlin\", \"America/New_York\", \"UTC\")"]
+
+
+def period_bounds(period: Period, at: datetime, zone: ZoneInfo) -> tuple[datetime, datetime]:
+    """The calendar period holding the aware instant `at`, in `zone`: [start, end) as aware datetimes.
+
+    Boundaries are local midnights; a day across a DST change is 23 or 25 hours long, as a bill's is.
+    """
+    if at.tzinfo is None:
+        raise ValueError("period_bounds needs an aware datetime")
+    local = at.astimezone(zone)
+    day = local.date()
+    if period is Period.DAY:
+        first, nxt = day, day + timedelta(days=1)
+    elif period is Period.WEEK:
+        first = day - timedelta(days=day.weekday())
+        nxt = first + timedelta(days=7)
+    else:
+        first = day.replace(day=1)
+        nxt = (first.replace(year=first.year + 1, month=1) if first.month == 12
+               else first.replace(month=first.month + 1))
+    # midnight of a calendar date in the zone (wall clock, so a DST change moves it in UTC, not in local time)
+    start = datetime(first.year, first.month, first.day, tzinfo=zone)
+    end = datetime(nxt.year, nxt.month, nxt.day, tzinfo=zone)
+    return start, end
+
+
+def parse_team_quota(spec: Mapping[str, Any] | None, what: str,
+                     team_max_bps: PerDirection[int] | None = None) -> tuple[TeamQuota | None, list[str]]:
+    """A team's `quota` block -> (TeamQuota or None, problems naming the field).
+
+    `what` names the team, e.g. "EgressBudget main: teams[research].quota". `team_max_bps`: the team's cap
+    per direction; an exhaustedRate above it is a problem. Any problem -> (None, problems): the caller keeps
+    the previous valid policy (core/policy.py's rule).
+    """
+    if spec is None:
+        return None, []
+    if not isinstance(spec, Mapping):
+        return None, [f"{what}: expected a mapping with period, bytes, exhaustedRate, ingress"]
+    problems: list[str] = []
+    unknown = sorted(set(spec) - {"period", "bytes", "exhaustedRate", "ingress"})
+    if unknown:
+        problems.append(f"{what}: unknown field(s) {', '.join(unknown)}; expected period, bytes, exhaustedRate, ingress")
+    raw_period = spec.get("period")
+    period: Period | None = None
+    if raw_period is None:
+        problems.append(f"{what}.period: required, one of {', '.join(PERIODS)}")
+    elif raw_period not in PERIODS:
+        problems.append(f"{what}.period: {raw_period!r} is not one of {', '.join(PERIODS)}")
+    else:
+        period = Period(raw_period)
+
+    def one(block: Any, d: Direction) -> DirectionQuota | None:
+        where = what if d.crd_block is None else f"{what}.{d.crd_block}"
+        if block is None:
+            return None
+        if not isinstance(block, Mapping):
+            problems.append(f"{where}: expected a mapping with bytes, exhaustedRate")
+            return None
+        if d is Direction.DOWNLOAD:
+            extra = sorted(set(block) - {"bytes", "exhaustedRate"})
+            if extra:
+                problems.append(f"{where}: unknown field(s) {', '.join(extra)}; expected bytes, exhaustedRate")
+        has_rate = block.get("exhaustedRate") is not None
+        if block.get("bytes") is None:
+            if has_rate:
+                problems.append(f"{where}.bytes: required with exhaustedRate")
+            return None
+        try:
+            count = parse_bytes(block["bytes"], f"{where}.bytes")
+        except ValueError as exc:
+            problems.append(str(exc))
+            return None
+        rate: int | None = None
+        if has_rate:
+            try:
+                rate = parse_bps(block["exhaustedRate"], f"{where}.exhaustedRate")
+            except ValueError as exc:
+                problems.append(str(exc))
+                return None
+            cap = team_max_bps[d] if team_max_bps is not None else None
+            if cap is not None and rate > cap:
+                problems.append(f"{where}.exhaustedRate: {block['exhaustedRate']!r} ({rate} bit/s) is above the "
+                                f"team's cap ({cap} bit/s); an exhausted team cannot get more than its cap")
+                return None
+        return DirectionQuota(count, rate)
+
+    limits = PerDirection(one(spec, Direction.UPLOAD), one(spec.get("ingress"), Direction.DOWNLOAD))
+    if period is not None and limits.upload is None and limits.download is None and not problems:
+        problems.append(f"{what}: a quota needs bytes (uploads) or ingress.bytes (downloads)")
+    if problems or period is None:
+        return None, problems
+    return TeamQuota(period, limits), []
+
+
+@dataclass(slots=True)
+class _PodCounter:
+    epoch: str
+    last: int  # the pod's cumulative counter at its last accepted report in this epoch
+
+
+@dataclass(slots=True)
+class Ledger:
+    """Per team and direction, the bytes used in one period, from the agents' cumulative per-pod counters.
+
+    Each report carries, per pod and direction, a cumulative byte counter and the agent's `epoch` (new at
+    every agent boot or restart; the counter restarts from 0 with it). The ledger keeps each pod's last
+    counter and adds only the increase, so:
+    - a retried or duplicated report adds nothing (same counter: increase 0);
+    - a reordered (older) report adds nothing (a smaller counter in the same epoch is ignored, and the later
+      report already counted those bytes);
+    - a lost report drops nothing the agent still holds: the next report's counter includes its bytes;
+    - a new epoch starts the pod's counter afresh: its first counter counts in full.
+    Bound of what is lost: at an agent restart, each pod's bytes since its last delivered report (at most
+    one report period of its traffic, plus the reports that failed in a row before the restart); at a pod
+    deletion, its bytes since its last report (at most one report period). A report of an old epoch after a
+    new one has been seen is ignored (`stale` counts it): it may drop that old report's last increase, never
+    count a byte twice. Period rollover: `roll()` starts a new period's ledger keeping the pods' last counters,
+    so bytes before the boundary count in the old period, bytes after it in the new one (to report precision).
+    """
+
+    used: dict[tuple[str, Direction], int] = field(default_factory=dict)
+    pods: dict[tuple[str, Direction], _PodCounter] = field(default_factory=dict)
+    epochs_seen: dict[str, set[str]] = field(default_factory=dict)  # pod key -> epochs already superseded
+    stale: int = 0
+    # True after a controller resumes from persisted use: a pod first seen then is a baseline, not counted
+    # (its bytes so far are in the persisted figure or within the lost interval), so nothing counts twice
+    resumed: bool = False
+    fresh: set[tuple[str, Direction]] = field(default_factory=set)
+
+    def add(self, team: str, pod: str, d: Direction, epoch: str, counter: int) -> int:
+        """Account one pod's cumulative `counter` (bytes, direction d) reported in `epoch`; returns bytes added."""
+        if counter < 0:
+            raise ValueError(f"pod {pod}: a cumulative counter cannot be negative ({counter})")
+        key = (pod, d)
+        old = self.pods.get(key)
+        if old is not None and epoch != old.epoch:
+            if epoch in self.epochs_seen.get(pod, set()):
+                self.stale += 1  # a late report of a superseded epoch
+                return 0
+            self.epochs_seen.setdefault(pod, set()).add(old.epoch)
+            self.fresh.add(key)  # a new epoch seen live: its counter started at 0, count it in full
+            old = None
+        if old is None and self.resumed and key not in self.fresh:
+            self.pods[key] = _PodCounter(epoch, counter)
+            return 0
+        added = counter if old is None else max(0, counter - old.last)
+        if old is None or counter > old.last:
+            self.pods[key] = _PodCounter(epoch, counter)
+        if added:
+            self.used[(team, d)] = self.used.get((team, d), 0) + added
+        return added
+
+    def seed(self, pod: str, d: Direction, epoch: str, counter: int) -> None:
+        """Know a pod's counter without counting it (a controller resuming from persisted use: the bytes up
+        to `counter` are already in the persisted figure, or were lost within the persistence bound)."""
+        self.pods[(pod, d)] = _PodCounter(epoch, counter)
+
+    def team_used(self, team: str, d: Direction) -> int:
+        return self.used.get((team, d), 0)
+
+    def forget_pod(self, pod: str) -> None:
+        """A deleted pod: its counted bytes stay in the team's use; its counter state goes."""
+        for d in DIRECTIONS:
+            self.pods.pop((pod, d), None)
+        self.epochs_seen.pop(pod, None)
+
+    def roll(self) -> Ledger:
+        """A new period: use starts at 0; the pods' last counters carry over so nothing is counted twice."""
+        return Ledger(used={}, pods=dict(self.pods), epochs_seen={k: set(v) for k, v in self.epochs_seen.items()},
+                      resumed=self.resumed, fresh=set(self.fresh))
+
+    @classmethod
+    def resume(cls, used: Mapping[tuple[str, Direction], int]) -> Ledger:
+        """A ledger resumed from the persisted use (controller restart or failover). Each pod's first report
+        after it is a baseline; the bytes between the last persisted write and that report are lost (at most
+        one persistence interval plus one report period), and the figure is never above the true bytes."""
+        return cls(used=dict(used), resumed=True)
+
+
+def exhausted_teams(quotas: Mapping[str, TeamQuota], ledger: Ledger, d: Direction) -> frozenset[str]:
+    """The teams whose period use in direction d has reached their bytes."""
+    out = set()
+    for team, quota in quotas.items():
+        limit = quota.limits[d]
+        if limit is not None and ledger.team_used(team, d) >= limit.bytes:
+            out.add(team)
+    return frozenset(out)
+
+
+@dataclass(frozen=True, slots=True)
+class TeamCap:
+    """One direction's limits of a team as the engine reads them (weight, guarantee, cap in bit/s)."""
+
+    weight: int
+    min_bps: int
+    max_bps: int
+
+
+def apply_exhaustion(limits: Mapping[str, TeamCap], quotas: Mapping[str, TeamQuota], exhausted: frozenset[str],
+                     d: Direction, safe_floor_bps: int) -> dict[str, TeamCap]:
+    """Each exhausted team capped at its exhaustedRate (or the safe floor), guarantee 0; others unchanged.
+
+    A guarantee never overrides an exhausted quota; the freed share goes to the others by the engine's rules.
+    The cap never rises above the team's own cap.
+    """
+    out = dict(limits)
+    for team in exhausted:
+        if team not in limits or team not in quotas:
+            continue
+        limit = quotas[team].limits[d]
+        cap = safe_floor_bps if limit is None or limit.exhausted_bps is None else limit.exhausted_bps
+        cur = limits[team]
+        out[team] = TeamCap(cur.weight, 0, min(cur.max_bps, cap))
+    return out
