@@ -251,6 +251,42 @@ def test_tcp_at_and_above_the_cap_is_counted_in_segments(lab, agent, direction, 
     agrees_with_the_uplink(before, after)
 
 
+SEGMENT_TOLERANCE = 0.005  # issue 38's quota: a team's use within 1 % of what iperf3 moved
+
+
+def uplink_segments(netns: str) -> dict[str, int]:
+    """The uplink's rx packets and L3 bytes: a GRO'd download is one packet with one header there."""
+    s = json.loads(run(["ip", "-s", "-j", "link", "show", UPLINK], netns))[0]["stats64"]["rx"]
+    return {"packets": s["packets"], "bytes": s["bytes"] - 14 * s["packets"]}
+
+
+@pytest.mark.xfail(strict=True, reason="issue 34's open gap: the arrived counter (the rules after de-NAT) counts "
+                                       "a GRO-merged download once with one header, 1.7-2.3 % short of the "
+                                       "per-segment L3 bytes that crossed the uplink (billed); no fix yet")
+@pytest.mark.parametrize("family", [4, 6])
+def test_tcp_download_arrived_equals_the_uplink_in_segments(lab, agent, family):
+    """The pod's and the node's arrived TCP download against the L3 bytes the uplink carried as segments
+    (each MSS with the MTU's headers, as the far end sent them and a NAT gateway bills them). Fails
+    today (strict xfail): when a fix counts segments, this passes and the marker must go."""
+    if agent.counting == "device":
+        pytest.skip("CI time: the rules' and the device counter's arrived totals agree (the TCP test above)")
+    pod = lab.nodes[0].pods[0]
+    dst = INTERNET_V4 if family == 4 else INTERNET_V6
+    before, seg_before = snapshot(lab, agent), uplink_segments(lab.nodes[0].netns)
+    result = lab.iperf(pod.netns, dst, PORT, seconds=RUN_S, reverse=True)
+    after, seg_after = snapshot(lab, agent), uplink_segments(lab.nodes[0].netns)
+    mss = result["start"]["tcp_mss_default"]
+    packets = seg_after["packets"] - seg_before["packets"]
+    payload = seg_after["bytes"] - seg_before["bytes"] - packets * (MTU - mss)
+    segments = payload + math.ceil(payload / mss) * (MTU - mss)
+    arrived = after["pod"]["ingress_bytes"]["internet"] - before["pod"]["ingress_bytes"]["internet"]
+    node = after["node_ingress"] - before["node_ingress"]
+    for counted, what in ((arrived, "pod's arrived download"), (node, "node's arrived download")):
+        print(f"{what} vs the uplink in segments: {counted} B against {segments} B "
+              f"({(counted - segments) / segments:+.2%}; {packets} packets)")
+        assert abs(counted - segments) <= SEGMENT_TOLERANCE * segments, (what, counted, segments)
+
+
 def test_a_restart_in_the_middle_of_a_flood_counts_every_byte_once(lab, agent):
     pod = lab.nodes[0].pods[0]
     with far_end(lab.internet, 4, f"--dport {PORT}") as far:
