@@ -163,3 +163,47 @@ def unpin_dir(pin_dir: str) -> list[str]:
         os.rmdir(pin_dir)
         removed.append(f"directory {pin_dir}")
     return removed
+
+
+# Destination scopes (issue 39, foundations; not attached to any program yet): two LPM tries, one
+# per family, key = u32 prefix length + the address bytes (network order), value = a u32 scope id
+# (core.scopes.SCOPE_IDS). A changed description is an upsert/delete of entries, never a re-attach.
+BPF_MAP_TYPE_LPM_TRIE = 11
+SCOPE_VALUE = struct.Struct("=I")
+SCOPE_MAP_NAMES = {4: b"na_scopes4", 6: b"na_scopes6"}
+
+
+def scope_map_shape(version: int, max_entries: int) -> tuple[int, int, int, int, int]:
+    """An LPM trie must be created without preallocation (the kernel refuses it otherwise)."""
+    return BPF_MAP_TYPE_LPM_TRIE, 4 + (4 if version == 4 else 16), SCOPE_VALUE.size, max_entries, BPF_F_NO_PREALLOC
+
+
+def scope_key(network: ipaddress.IPv4Network | ipaddress.IPv6Network) -> bytes:
+    return struct.pack("=I", network.prefixlen) + network.network_address.packed
+
+
+def scope_apply(fds: dict[int, int], upserts: dict, deletes: list) -> None:
+    """Apply core.scopes.diff_entries' result to the tries keyed by IP version."""
+    from .syscall import BPF_MAP_DELETE_ELEM, BPF_MAP_UPDATE_ELEM
+    for net in deletes:
+        key = ctypes.create_string_buffer(scope_key(net))
+        bpf(BPF_MAP_DELETE_ELEM, bpf_attr("=IIQ", fds[net.version], 0, addr(key)))
+    for net, sid in upserts.items():
+        key = ctypes.create_string_buffer(scope_key(net))
+        val = ctypes.create_string_buffer(SCOPE_VALUE.pack(sid))
+        bpf(BPF_MAP_UPDATE_ELEM, bpf_attr("=IIQQQ", fds[net.version], 0, addr(key), addr(val), 0))
+
+
+def scope_lookup(fds: dict[int, int], address: str) -> int | None:
+    """The kernel's longest-prefix match for one address (a full-length key), None = no entry."""
+    from .syscall import BPF_MAP_LOOKUP_ELEM
+    ip = ipaddress.ip_address(address)
+    key = ctypes.create_string_buffer(struct.pack("=I", ip.max_prefixlen) + ip.packed)
+    val = ctypes.create_string_buffer(SCOPE_VALUE.size)
+    try:
+        bpf(BPF_MAP_LOOKUP_ELEM, bpf_attr("=IIQQ", fds[ip.version], 0, addr(key), addr(val)))
+    except OSError as exc:
+        if exc.errno == 2:  # ENOENT
+            return None
+        raise
+    return int(SCOPE_VALUE.unpack(val.raw[:SCOPE_VALUE.size])[0])
