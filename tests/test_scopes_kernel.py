@@ -51,3 +51,11 @@ def test_lpm_trie_loaded_updated_in_place_and_looked_up(tries):
     scope_apply(tries, {ipaddress.ip_network("10.1.2.0/24"): SCOPE_IDS[Scope.INTERNAL]}, [])
     assert scope_lookup(tries, "10.1.2.3") == SCOPE_IDS[Scope.INTERNAL]
     assert scope_lookup(tries, "10.1.3.3") == SCOPE_IDS[Scope.CROSS_REGION]
+
+
+def test_the_lookup_cost_bench_loads_and_runs_its_programs(tries):
+    """bench/scope_lookup_cost's program passes the verifier with the trie and runs (no timing asserted)."""
+    from bench.scope_lookup_cost import per_run_ns, program
+    ip = bytes([10, 0, 1, 1])
+    assert per_run_ns(program(None, ip), 10) >= 0
+    assert per_run_ns(program(tries[4], ip), 10) >= 0
