@@ -11,8 +11,9 @@ import logging
 import os
 import struct
 
-from .syscall import (BPF_F_NO_PREALLOC, BPF_MAP_CREATE, BPF_MAP_TYPE_PERCPU_ARRAY, BPF_MAP_TYPE_PERCPU_HASH,
-                      BPF_OBJ_GET, BPF_OBJ_PIN, EbpfError, addr, bpf, bpf_attr, map_info, refusal, statfs_magic)
+from .syscall import (BPF_F_NO_PREALLOC, BPF_MAP_CREATE, BPF_MAP_DELETE_ELEM, BPF_MAP_LOOKUP_ELEM,
+                      BPF_MAP_TYPE_PERCPU_ARRAY, BPF_MAP_TYPE_PERCPU_HASH, BPF_MAP_UPDATE_ELEM, BPF_OBJ_GET,
+                      BPF_OBJ_PIN, EbpfError, addr, bpf, bpf_attr, map_info, refusal, statfs_magic)
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +185,6 @@ def scope_key(network: ipaddress.IPv4Network | ipaddress.IPv6Network) -> bytes:
 
 def scope_apply(fds: dict[int, int], upserts: dict, deletes: list) -> None:
     """Apply core.scopes.diff_entries' result to the tries keyed by IP version."""
-    from .syscall import BPF_MAP_DELETE_ELEM, BPF_MAP_UPDATE_ELEM
     for net in deletes:
         key = ctypes.create_string_buffer(scope_key(net))
         bpf(BPF_MAP_DELETE_ELEM, bpf_attr("=IIQ", fds[net.version], 0, addr(key)))
@@ -196,7 +196,6 @@ def scope_apply(fds: dict[int, int], upserts: dict, deletes: list) -> None:
 
 def scope_lookup(fds: dict[int, int], address: str) -> int | None:
     """The kernel's longest-prefix match for one address (a full-length key), None = no entry."""
-    from .syscall import BPF_MAP_LOOKUP_ELEM
     ip = ipaddress.ip_address(address)
     key = ctypes.create_string_buffer(struct.pack("=I", ip.max_prefixlen) + ip.packed)
     val = ctypes.create_string_buffer(SCOPE_VALUE.size)
