@@ -104,7 +104,7 @@ def test_the_controller_keeps_its_metric_names():
 
 # -- the guard: a direction is a value, never a name prefix, outside the edges ---------------------
 
-# Packages held to it. netagent/ joins when its lanes land (issue 35, D2): add it here.
+# Packages held to it. netagent/ joins when its lanes land (issue 35): add it here.
 PACKAGES = ("core", "controller", "cli")
 EDGE_FILES = {"core/wire.py"}  # its dataclass fields mirror the JSON names
 PREFIXED = re.compile(r"^(ingress|egress)_[a-z_]+$")

@@ -1,5 +1,5 @@
 """The CRD schema for issue 38's quota fields, held here until it joins the EgressBudget CRD (the chart's crds/,
-its revision, deploy/ and values.schema.json move together: /tmp/coord3/Q-integration.md). The real
+its revision, deploy/ and values.schema.json move together: docs/quotas.md, "What is not built yet"). The real
 kube-apiserver refuses the issue's Bad-input list and accepts its example, through a throwaway CRD of its own
 group that carries exactly QUOTA_SCHEMA and TIME_ZONE_SCHEMA beside a team's max/ingress.max."""
 from __future__ import annotations

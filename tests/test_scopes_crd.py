@@ -1,5 +1,5 @@
 """The NetworkScopes CRD schema (issue 39), held here until it joins charts/netagent/crds/ with its RBAC
-(/tmp/coord3/S-integration.md). The real kube-apiserver accepts the issue's example and refuses what a
+(docs/scopes.md, "Not built yet"). The real kube-apiserver accepts the issue's example and refuses what a
 schema can refuse: a negative or non-numeric price, a bad CIDR, an unknown scope under prices, a currency
 that is not 3 upper-case letters. core/scopes.parse refuses each too."""
 from __future__ import annotations
