@@ -71,12 +71,17 @@ def kube_version() -> str:
     raise KubeHarnessError(f"no k8s.io/kubernetes version in {ASSETS_MODULE / 'go.mod'}")
 
 
-def assets_dir() -> Path:
-    override = os.environ.get("NETAGENT_KUBE_ASSETS")
+def cached_bin_dir(override_env: str, kind: str) -> Path:
+    """$`override_env` if set, else ~/.cache/netagent/<kind>/<Kubernetes version>/bin (XDG_CACHE_HOME honoured)."""
+    override = os.environ.get(override_env)
     if override:
         return Path(override)
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "netagent" / "kube-assets" / kube_version() / "bin"
+    return cache / "netagent" / kind / kube_version() / "bin"
+
+
+def assets_dir() -> Path:
+    return cached_bin_dir("NETAGENT_KUBE_ASSETS", "kube-assets")
 
 
 def find_assets(names: Iterable[str]) -> Path:

@@ -7,7 +7,8 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-from tests.kube import REPO, KubeAssetsMissing, kube_version, required
+from lab.kube import cached_bin_dir
+from tests.kube import REPO, KubeAssetsMissing, required
 
 
 NODE_ASSETS_MODULE = REPO / "hack" / "node-assets"
@@ -40,16 +41,8 @@ KUBELET_CHAINS = ("KUBE-IPTABLES-HINT", "KUBE-KUBELET-CANARY", "KUBE-FIREWALL")
 STOP_GRACE_SECONDS = 10
 
 
-# ---------------------------------------------------------------------------------------------
-# Assets
-
-
 def node_assets_dir() -> Path:
-    override = os.environ.get("NETAGENT_NODE_ASSETS")
-    if override:
-        return Path(override)
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "netagent" / "node-assets" / kube_version() / "bin"
+    return cached_bin_dir("NETAGENT_NODE_ASSETS", "node-assets")
 
 
 def _static_busybox() -> bool:
