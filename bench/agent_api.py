@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.timing import process_cpu_seconds  # noqa: E402
 
 PODS_PER_NODE = 110
 CLASSES = [{"kind": "EgressClass", "metadata": {"name": "bulk"}, "spec": {"weight": 1, "max": "1G"}},
@@ -271,12 +272,6 @@ def baseline(n: int = 500, repeats: int = 5) -> tuple[float, float]:
         return min(runs)
 
     return best(msgspec_decode_validate), best(stdlib_decode_validate)
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """user + system CPU time of a process (all its threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> int:

@@ -43,23 +43,11 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from lab.kube import Pki  # noqa: E402
+from bench.timing import process_cpu_seconds as cpu_seconds  # noqa: E402
+from lab.kube import Pki, free_port  # noqa: E402
 from lab.procs import stop_process, wait_for  # noqa: E402
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 PERIOD = 5.0  # the controller's --period: a round every 5 s
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def policy_docs() -> list[dict]:

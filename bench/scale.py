@@ -65,6 +65,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.timing import process_cpu_seconds as cpu_seconds  # noqa: E402
 from core.asynctls import TLS_READ_BUFFER_BYTES, set_tls_read_buffer  # noqa: E402
 from core.direction import Direction  # noqa: E402
 from core.engine import PodDemandIn, allocate  # noqa: E402
@@ -198,11 +199,6 @@ def appetite(rng: random.Random) -> float:
 
 
 # -- processes -----------------------------------------------------------------------------------
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
 
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
