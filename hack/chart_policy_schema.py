@@ -71,13 +71,11 @@ def spec_schema(crd: Path) -> dict:
 
 
 def updated(schema: dict) -> dict:
-    out = json.loads(json.dumps(schema))
-    out = _plain(out)
+    out = _plain(schema)  # a new tree without the hints: a rerun rewrites them
     for name, crd in CRDS.items():
         out["$defs"][name] = spec_schema(crd)
     out["properties"]["classes"]["items"]["properties"]["spec"] = {"$ref": "#/$defs/egressClassSpec"}
     out["properties"]["budget"]["properties"]["spec"] = {"$ref": "#/$defs/egressBudgetSpec"}
-    out = _plain(out)
     defaults = yaml.safe_load(VALUES.read_text())
     defs = {k: with_hints(v, [k], None) for k, v in out.pop("$defs").items()}
     out = with_hints(out, [], defaults)
