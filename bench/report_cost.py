@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -73,7 +74,6 @@ def report(node: int, pods: int, seq: int) -> bytes:
 
 def rounds_done(base: str, ctx: ssl.SSLContext) -> float:
     """netagent_controller_allocation_rounds_total from the controller's /metrics."""
-    import urllib.request
     with urllib.request.urlopen(base + "/metrics", timeout=10, context=ctx) as r:
         for line in r.read().decode().splitlines():
             if line.startswith("netagent_controller_allocation_rounds_total "):

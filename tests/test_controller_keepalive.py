@@ -9,6 +9,7 @@ import re
 import socket
 import ssl
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,6 @@ from tests.test_controller_service import controller_process, node_report, write
 
 def metric(base: str, ctx: ssl.SSLContext, name: str, labels: str = "") -> float:
     """One sample of the controller's /metrics, fetched from 127.0.0.1 on a connection of its own."""
-    import urllib.request
     with urllib.request.urlopen(base + "/metrics", timeout=5, context=ctx) as r:
         text = r.read().decode()
     m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
