@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import socket
 import subprocess
@@ -40,6 +41,7 @@ DEVICES = ("veth-a", "veth-b")
 FORTY = {4: tuple(f"172.{16 + i // 4}.{i % 4}.0/24" for i in range(40)), 6: tuple(f"fd{i:02x}::/16" for i in range(40))}
 # IP bytes of one ICMP echo (or UDP datagram) with 100 bytes of payload: the header, 8, 100
 V4, V6 = 20 + 8 + 100, 40 + 8 + 100
+ETH = 14
 
 
 @pytest.fixture
@@ -520,6 +522,59 @@ def test_the_uplinks_count_the_nodes_totals_by_the_far_ends_scope_in_ip_bytes(bp
         ebpf.unpin_dir(os.path.join(bpffs, "netagent"))
 
 
+def link_counts(netns: str, dev: str) -> tuple[int, int]:
+    """A device's received (bytes, packets), as its own counters have them."""
+    stats = json.loads(sh(f"ip -s -j link show dev {dev}", netns))[0]["stats64"]["rx"]
+    return stats["bytes"], stats["packets"]
+
+
+@root
+@pytest.mark.parametrize("family", (4, 6))
+def test_an_internet_download_is_counted_in_segments_on_the_pod_and_on_the_uplink(bpffs, lab, far, family):
+    """iperf3 from the internet host beyond up0 to pod a: its TSO packets cross up0 and veth-a merged (as
+    a NIC's GRO merges a real download). The rules and the devices' own counters see each such packet
+    once with one header; the wire carried every segment with its own. The segments map holds, for pod a,
+    exactly the headers of the segments beyond each packet's first; the node's internet arrival on up0
+    adds the same; with them both equal the download in segments."""
+    a = lab.pod["a"]
+    wan, pod, header = (WAN4, A4, 20 + 32) if family == 4 else (WAN6, A6, 40 + 32)  # IP + TCP with timestamps
+    server = subprocess.Popen(["ip", "netns", "exec", far, "iperf3", "-s", "-1", "-B", wan],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    counter = started(bpffs, lab)
+    try:
+        counter.attach(DEVICES, uplinks=("up0",))
+        for _ in range(50):
+            if ":5201" in sh("ss -ltnH", far):
+                break
+            time.sleep(0.1)
+        up_before, pod_before = link_counts(lab.node, "up0"), link_counts(a, "eth0")
+        result = json.loads(sh(f"iperf3 -c {wan} -R -t 2 -J", a))
+        time.sleep(0.5)  # the last segments and the control connection's close
+        up_after, pod_after = link_counts(lab.node, "up0"), link_counts(a, "eth0")
+        merged_bytes, merged = counter.read_segments()[pod]
+        node = counter.read_node()["ingress_internet"]
+    finally:
+        counter.close()
+        ebpf.unpin_dir(os.path.join(bpffs, "netagent"))
+        server.kill()
+        server.wait()
+    payload, mss = result["end"]["sum_received"]["bytes"], result["start"]["tcp_mss_default"]
+    up_bytes, up_packets = up_after[0] - up_before[0], up_after[1] - up_before[1]
+    pod_bytes, pod_packets = pod_after[0] - pod_before[0], pod_after[1] - pod_before[1]
+    segments = math.ceil(payload / mss)
+    print(f"IPv{family}: {payload} B payload, {segments} segments of {mss} B in {pod_packets} packets; "
+          f"merged: {merged} segments, {merged_bytes} B of headers")
+    assert merged > pod_packets, "the download was not merged: the test does not see what it is for"
+    assert merged_bytes == merged * header  # each merged segment's IP and TCP headers, exactly
+    # the packets that crossed veth-a, with the merged segments' headers: the download as its segments
+    in_segments = payload + (segments + 10) * header
+    assert abs(pod_bytes - ETH * pod_packets + merged_bytes - in_segments) <= 0.005 * in_segments
+    # at least the full-sized segments the payload makes (a TSO packet's last one may be short: a few more)
+    assert segments <= pod_packets + merged <= 1.01 * segments + 20
+    # the node's arrival on up0: its own count of what arrived (per packet) and the same headers
+    assert node == up_bytes - ETH * up_packets + merged_bytes
+
+
 @root
 @pytest.mark.parametrize("way", WAYS)
 def test_cleanup_without_a_counter_removes_what_a_gone_agent_left(bpffs, lab, tmp_path, way):
@@ -536,7 +591,8 @@ def test_cleanup_without_a_counter_removes_what_a_gone_agent_left(bpffs, lab, tm
     programs = [f"pinned program {pin_dir}/prog-{name}" for name in sorted(  # the gated ones on tcx links only
         name for (_, _, gated), name in progs.PROGRAMS.items() if way == "tcx" or not gated)]
     assert ebpf.unpin_dir(pin_dir) == [*links, *programs, f"pinned map {pin_dir}/internal",
-                                       f"pinned map {pin_dir}/node", f"directory {pin_dir}"]
+                                       f"pinned map {pin_dir}/node", f"pinned map {pin_dir}/segments",
+                                       f"directory {pin_dir}"]
     assert len(links) == (4 if way == "tcx" else 0)
     assert ours_soon(lab.node, "veth-a", []) == ours_soon(lab.node, "veth-b", []) == []
     assert ebpf.unpin_dir(pin_dir) == []
@@ -574,7 +630,7 @@ def test_the_programs_for_no_networks_and_for_forty_a_family_load(bpffs):
 
 @root
 def test_a_program_the_verifier_refuses_is_named_with_the_verifiers_words(bpffs, monkeypatch):
-    monkeypatch.setattr(progs, "program", lambda networks, egress, map_fd, node=False, gate=0: asm.insn(0x95))  # exit, r0 unset
+    monkeypatch.setattr(progs, "program", lambda networks, egress, map_fd, node=False, gate=0, segments_fd=-1: asm.insn(0x95))  # exit, r0 unset
     with InternalCounter(os.path.join(bpffs, "netagent")) as counter:
         with pytest.raises(EbpfError, match=r"(?s)na_count_in failed: .*EACCES.*the verifier said: .*R0 !read_ok"):
             counter.set_networks(NETS)

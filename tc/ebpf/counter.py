@@ -15,8 +15,9 @@ from collections.abc import Iterable, Iterator
 from . import clsact, programs, tcx
 from .clsact import Filters
 from .maps import (KEY_SIZE, MAP_NAME, NODE_INTERNAL, NODE_INTERNET, NODE_MAP_NAME, NODE_MAP_SHAPE, NODE_PIN_NAME,
-                   PIN_NAME, PROG_PIN, VALUE, address_of, adopt, bpffs_problem, create_map, get_pinned,
-                   key_of, map_shape, pin_object, possible_cpus, unpin_dir)
+                   PIN_NAME, PROG_PIN, SEGMENTS_MAP_NAME, SEGMENTS_PIN_NAME, address_of, adopt,
+                   bpffs_problem, create_map, get_pinned, key_of, map_shape, pin_object, possible_cpus,
+                   segments_shape, unpin_dir)
 from .programs import Networks, parse_networks
 from .syscall import (BPF_MAP_DELETE_ELEM, BPF_MAP_LOOKUP_BATCH, BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM, BPF_NOEXIST,
                       SYS_BPF, EbpfError, addr, bpf, bpf_attr, map_info, prog_info, refusal)
@@ -39,6 +40,8 @@ def unavailable(pin_dir: str) -> str | None:
         fds.append(programs.load(programs.program(nets, False, fds[0]), "na_probe"))
         fds.append(create_map(NODE_MAP_SHAPE, NODE_MAP_NAME))
         fds.append(programs.load(programs.program(nets, False, fds[2], node=True), "na_probe_node"))
+        fds.append(create_map(segments_shape(1), SEGMENTS_MAP_NAME))  # gso_size: Linux >= 5.7
+        fds.append(programs.load(programs.program(nets, True, fds[0], segments_fd=fds[4]), "na_probe_segs"))
     except OSError as exc:
         return refusal(exc)
     except EbpfError as exc:
@@ -70,6 +73,7 @@ class InternalCounter:
         self.pin_dir = pin_dir
         self.pin = os.path.join(pin_dir, PIN_NAME)
         self.node_pin = os.path.join(pin_dir, NODE_PIN_NAME)
+        self.segments_pin = os.path.join(pin_dir, SEGMENTS_PIN_NAME)
         self.netns = netns
         self.pref = pref
         self.max_entries = max_entries
@@ -77,8 +81,8 @@ class InternalCounter:
         self.networks: Networks | None = None
         self.progs: dict[tuple[bool, bool, bool], tuple[int, int, bytes]] = {}  # PROGRAMS' keys -> (fd, id, tag)
         self._tc = Filters(netns, pref)
-        self._batch: tuple[ctypes.Array, ctypes.Array] | None = None
-        self.map_fd = self.node_map_fd = -1
+        self._batch: dict[int, tuple[ctypes.Array, ctypes.Array]] = {}  # u64s a value -> read buffers
+        self.map_fd = self.node_map_fd = self.segments_fd = -1
         problem = bpffs_problem(pin_dir)
         if problem:
             raise EbpfError(problem)
@@ -86,10 +90,11 @@ class InternalCounter:
         try:
             self.map_fd = adopt(self.pin, map_shape(max_entries), MAP_NAME)
             self.node_map_fd = adopt(self.node_pin, NODE_MAP_SHAPE, NODE_MAP_NAME)
+            self.segments_fd = adopt(self.segments_pin, segments_shape(max_entries), SEGMENTS_MAP_NAME)
         except BaseException:
             self.close()
             raise
-        self.map_ids = {False: map_info(self.map_fd)[1], True: map_info(self.node_map_fd)[1]}  # uplink? -> map id
+        self.map_ids = {fd: map_info(fd)[1] for fd in (self.map_fd, self.node_map_fd, self.segments_fd)}
         self.attach_by = attach_by if attach_by != "auto" else "tcx" if tcx.tcx_available(netns) else "tc"
         # the egress links end the hook for an unmarked packet, sparing it the clsact filters after them (the
         # shaper's redirect at gate_pref), where nothing else would be skipped (attach() checks each device)
@@ -103,10 +108,10 @@ class InternalCounter:
         for fd, _, _ in self.progs.values():
             os.close(fd)
         self.progs = {}
-        for fd in (self.map_fd, self.node_map_fd):
+        for fd in (self.map_fd, self.node_map_fd, self.segments_fd):
             if fd >= 0:
                 os.close(fd)
-        self.map_fd = self.node_map_fd = -1
+        self.map_fd = self.node_map_fd = self.segments_fd = -1
         self._tc.close()
 
     def __enter__(self) -> "InternalCounter":
@@ -134,11 +139,14 @@ class InternalCounter:
             for (uplink, egress, gated), name in programs.PROGRAMS.items():
                 if gated and not self.gate_mark:
                     continue
+                # a pod device's egress (what the pod receives) also counts the internet's merged segments
+                segments = self.segments_fd if egress and not uplink else programs.NO_MAP
                 code = programs.program(texts, egress, self.node_map_fd if uplink else self.map_fd, node=uplink,
-                                        gate=self.gate_mark if gated else 0)
+                                        gate=self.gate_mark if gated else 0, segments_fd=segments)
                 fd = programs.load(code, name)
                 prog_id, tag, _ = prog_info(fd)
-                pinned = self._pinned_program(name, tag, self.map_ids[uplink])
+                uses = (self.node_map_fd if uplink else self.map_fd, *((segments,) if segments >= 0 else ()))
+                pinned = self._pinned_program(name, tag, {self.map_ids[m] for m in uses})
                 if pinned is not None:  # the same program, already running: keep it (its id is the filters')
                     os.close(fd)
                     fd, prog_id = pinned
@@ -154,30 +162,33 @@ class InternalCounter:
         self.progs, self.networks = loaded, nets
         return True
 
-    def _pinned_program(self, name: str, tag: bytes, map_id: int) -> tuple[int, int] | None:
-        """(fd, id) of the program pinned as `name` when it is the one with this tag using this map."""
+    def _pinned_program(self, name: str, tag: bytes, map_ids: set[int]) -> tuple[int, int] | None:
+        """(fd, id) of the program pinned as `name` when it is the one with this tag using these maps."""
         pin = os.path.join(self.pin_dir, PROG_PIN + name)
         fd = get_pinned(pin)
         if fd is None:
             return None
         if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:bpf-prog":
             prog_id, found_tag, maps = prog_info(fd)
-            if found_tag == tag and maps == (map_id,):
+            if found_tag == tag and len(maps) == len(map_ids) and set(maps) == map_ids:
                 return fd, prog_id
         os.close(fd)
         return None
 
-    # -- the map ----------------------------------------------------------------------------------
-    def _entries(self) -> Iterator[tuple[bytes, memoryview]]:
-        """Every (key, per-CPU values as u64s) of the map, BATCH at a time (BPF_MAP_LOOKUP_BATCH)."""
-        if self._batch is None:
-            self._batch = ((ctypes.c_uint8 * (KEY_SIZE * BATCH))(), (ctypes.c_uint64 * (4 * self.cpus * BATCH))())
-        keys, values = self._batch
+    # -- the maps ---------------------------------------------------------------------------------
+    def _entries(self, fd: int, words: int) -> Iterator[tuple[bytes, memoryview]]:
+        """Every (key, per-CPU values as u64s) of a pod-keyed map with `words` u64s a value, BATCH at a
+        time (BPF_MAP_LOOKUP_BATCH)."""
+        buffers = self._batch.get(words)
+        if buffers is None:
+            buffers = self._batch[words] = ((ctypes.c_uint8 * (KEY_SIZE * BATCH))(),
+                                            (ctypes.c_uint64 * (words * self.cpus * BATCH))())
+        keys, values = buffers
         token_in, token_out = ctypes.c_uint32(0), ctypes.c_uint32(0)  # a hash map's batch token: a bucket
         first = True
         while True:
             attr = bpf_attr("=QQQQII", 0 if first else addr(token_in), addr(token_out), addr(keys), addr(values),
-                         BATCH, self.map_fd)
+                         BATCH, fd)
             try:
                 bpf(BPF_MAP_LOOKUP_BATCH, attr)
                 done = False
@@ -187,7 +198,7 @@ class InternalCounter:
                 done = True
             (count,) = struct.unpack_from("=I", attr, 32)
             raw_keys, raw_values = bytes(keys), memoryview(values).cast("B").cast("Q")
-            per = 4 * self.cpus
+            per = words * self.cpus
             for i in range(count):
                 yield raw_keys[i * KEY_SIZE:(i + 1) * KEY_SIZE], raw_values[i * per:(i + 1) * per]
             if done:
@@ -197,7 +208,14 @@ class InternalCounter:
     def read(self) -> dict[str, tuple[int, int, int, int]]:
         """Pod address -> (bytes sent, packets sent, bytes received, packets received) by the pod,
         summed over the CPUs."""
-        return {address_of(key): (sum(v[0::4]), sum(v[1::4]), sum(v[2::4]), sum(v[3::4])) for key, v in self._entries()}
+        return {address_of(key): (sum(v[0::4]), sum(v[1::4]), sum(v[2::4]), sum(v[3::4]))
+                for key, v in self._entries(self.map_fd, 4)}
+
+    def read_segments(self) -> dict[str, tuple[int, int]]:
+        """Pod address -> (bytes, segments) of what the pod received from the internet that the rules'
+        count of it misses: the headers of the segments merged into its packets beyond each one's
+        first, and how many such segments; summed over the CPUs."""
+        return {address_of(key): (sum(v[0::2]), sum(v[1::2])) for key, v in self._entries(self.segments_fd, 2)}
 
     def read_node(self) -> dict[str, int]:
         """The node's totals through its uplinks, summed over the CPUs, in bytes, by the rules' node
@@ -216,19 +234,26 @@ class InternalCounter:
                 "ingress_internet": found[NODE_INTERNET][1]}
 
     def set_pods(self, addresses: Iterable[str]) -> int:
-        """Make the map's keys exactly these pods' addresses: a new pod starts at zero, a pod that
-        stays keeps its counts. -> how many entries were added or deleted."""
+        """Make the maps' keys exactly these pods' addresses: a new pod starts at zero, a pod that
+        stays keeps its counts. -> how many addresses were added or deleted (in either map)."""
         want = {key_of(a) for a in addresses}
         if len(want) > self.max_entries:
             raise EbpfError(f"{len(want)} pod addresses do not fit the internal counter's {self.max_entries} entries "
                             "(its max_entries); nothing was changed")
-        have = {key for key, _ in self._entries()}
+        changed: set[bytes] = set()
+        for fd, words in ((self.map_fd, 4), (self.segments_fd, 2)):
+            have = {key for key, _ in self._entries(fd, words)}
+            self._set_keys(fd, have, want, words)
+            changed |= have ^ want
+        return len(changed)
+
+    def _set_keys(self, fd: int, have: set[bytes], want: set[bytes], words: int) -> None:
         key_buf = ctypes.create_string_buffer(KEY_SIZE)
-        zero = ctypes.create_string_buffer(VALUE.size * self.cpus)
+        zero = ctypes.create_string_buffer(8 * words * self.cpus)
         for key in have - want:  # first: room for the new ones
             key_buf.raw = key
             try:
-                bpf(BPF_MAP_DELETE_ELEM, bpf_attr("=IIQ", self.map_fd, 0, addr(key_buf)))
+                bpf(BPF_MAP_DELETE_ELEM, bpf_attr("=IIQ", fd, 0, addr(key_buf)))
             except OSError as exc:
                 if exc.errno != errno.ENOENT:
                     raise EbpfError(f"deleting {address_of(key)} from the internal counter failed: "
@@ -236,12 +261,11 @@ class InternalCounter:
         for key in want - have:
             key_buf.raw = key
             try:
-                bpf(BPF_MAP_UPDATE_ELEM, bpf_attr("=IIQQQ", self.map_fd, 0, addr(key_buf), addr(zero), BPF_NOEXIST))
+                bpf(BPF_MAP_UPDATE_ELEM, bpf_attr("=IIQQQ", fd, 0, addr(key_buf), addr(zero), BPF_NOEXIST))
             except OSError as exc:
                 if exc.errno != errno.EEXIST:  # another counter on the same map added it meanwhile
                     raise EbpfError(f"adding {address_of(key)} to the internal counter failed: "
                                     f"{exc.strerror}") from None
-        return len(have ^ want)
 
     def attach(self, devices: Iterable[str], uplinks: Iterable[str] = ()) -> int:
         """On each listed pod device and uplink, on its ingress and egress, the current programs (the
@@ -288,7 +312,7 @@ class InternalCounter:
         """Pin the maps and programs again where their pins went (someone removed the directory): a restarted
         agent finds them, and the links have a directory to be pinned in."""
         os.makedirs(self.pin_dir, exist_ok=True)
-        for fd, pin in ((self.map_fd, self.pin), (self.node_map_fd, self.node_pin),
+        for fd, pin in ((self.map_fd, self.pin), (self.node_map_fd, self.node_pin), (self.segments_fd, self.segments_pin),
                         *((fd, os.path.join(self.pin_dir, PROG_PIN + programs.PROGRAMS[which])) for which, (fd, _, _)
                           in self.progs.items())):
             if not os.path.lexists(pin):

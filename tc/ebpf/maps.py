@@ -26,6 +26,11 @@ PIN_NAME = "internal"
 NODE_MAP_NAME = b"na_node"
 NODE_PIN_NAME = "node"
 NODE_INTERNAL, NODE_INTERNET = 0, 1
+# what the rules miss of a pod's internet arrivals, keyed as the pods' map: the headers of the segments a
+# GRO-merged packet carried beyond its first (bytes), and how many such segments (programs._merged)
+SEGMENTS = struct.Struct("=2Q")
+SEGMENTS_MAP_NAME = b"na_segments"
+SEGMENTS_PIN_NAME = "segments"
 PROG_PIN = "prog-"  # + the program's name
 LINK_PIN = "link-"  # + "<ifindex>-in" / "-out": a tcx link, the attachment itself
 
@@ -48,6 +53,11 @@ def address_of(key: bytes) -> str:
 def map_shape(max_entries: int) -> tuple[int, int, int, int, int]:
     """The pods' map's (type, key size, value size, max entries, flags), as bpf_map_info gives them back."""
     return BPF_MAP_TYPE_PERCPU_HASH, KEY_SIZE, VALUE.size, max_entries, BPF_F_NO_PREALLOC
+
+
+def segments_shape(max_entries: int) -> tuple[int, int, int, int, int]:
+    """The segments map's shape: the pods' map's keys, SEGMENTS values."""
+    return BPF_MAP_TYPE_PERCPU_HASH, KEY_SIZE, SEGMENTS.size, max_entries, BPF_F_NO_PREALLOC
 
 
 NODE_MAP_SHAPE = (BPF_MAP_TYPE_PERCPU_ARRAY, 4, VALUE.size, 2, 0)  # the node's map: NODE_INTERNAL, NODE_INTERNET
@@ -155,7 +165,7 @@ def unpin_dir(pin_dir: str) -> list[str]:
         elif name.startswith(PROG_PIN):
             os.unlink(pin)
             removed.append(f"pinned program {pin}")
-    for name in (PIN_NAME, NODE_PIN_NAME):
+    for name in (PIN_NAME, NODE_PIN_NAME, SEGMENTS_PIN_NAME):
         pin = os.path.join(pin_dir, name)
         if os.path.lexists(pin):
             os.unlink(pin)

@@ -16,12 +16,17 @@ from .syscall import BPF_PROG_LOAD, BPF_PROG_TYPE_SCHED_CLS, EbpfError, addr, bp
 
 BPF_PSEUDO_MAP_FD = 1
 BPF_FUNC_MAP_LOOKUP_ELEM, BPF_FUNC_SKB_LOAD_BYTES = 1, 26
+NO_MAP = -1
 LICENSE = b"Apache-2.0"  # the project's; the two helpers used are not GPL-only
 
 TC_ACT_UNSPEC = -1
 TC_ACT_OK = 0  # tcx: TCX_PASS, the verdict without the hook's later programs and filters
 ETH_HLEN = 14
 SKB_LEN, SKB_PKT_TYPE, SKB_MARK, SKB_PROTOCOL = 0, 4, 8, 16  # offsets in struct __sk_buff
+SKB_GSO_SEGS, SKB_GSO_SIZE = 164, 176  # readable by sched_cls programs since Linux 5.7 (gso_size)
+IPPROTO_TCP, IPPROTO_UDP, UDP_HLEN = 6, 17, 8
+# the stack beyond the addresses (fp-32..-1), the IPv4 key (fp-24..-9) and the node map's index (fp-40):
+MERGED, MERGED_SEGS, HEADER = -48, -56, -72  # merged segments' headers (u64), their count (u64), header bytes read
 PACKET_OTHERHOST = 3
 # where the addresses are, from the start of the frame (the MAC header): source and destination together
 ADDRESSES = {4: (26, 8), 6: (22, 32)}  # family: (offset, length)
@@ -62,20 +67,26 @@ def parse_networks(networks: dict[int, tuple[str, ...]]) -> Networks:
     return out
 
 
-def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, node: bool = False, gate: int = 0) -> bytes:
+def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, node: bool = False, gate: int = 0,
+            segments_fd: int = NO_MAP) -> bytes:
     """The counting program of one hook of a pod's device (node=False) or of an uplink (node=True),
     as instructions.
 
     Pod device: on its ingress hook (egress=False: what the pod sends) a packet whose destination is
     in `networks` is added to the entry of its source, in the entry's sent slots; on its egress hook
     (what the pod receives) a packet whose source is internal to its destination's entry, in the
-    received slots. A packet of no entry, or not IP over Ethernet, is not counted.
+    received slots. A packet of no entry, or not IP over Ethernet, is not counted. With `segments_fd`
+    (the egress hook only), a packet from the internet that carries several segments (GRO merged it on
+    the uplink, or TSO built it) adds the headers of its segments beyond the first, and their count, to
+    its destination's entry in that map: the rules count such a packet once with one header, the
+    uplink's wire carried each segment with its own (`_merged`).
 
     Uplink (the node's totals, in the node map): on its egress hook a packet with an internal
     destination is added to NODE_INTERNAL's sent slots (the rules count what the node sends to the
     internet, which they classify anyway); on its ingress hook every IP packet for this host is added
     to NODE_INTERNAL's or NODE_INTERNET's received slots by its source's scope, as the rules'
-    PREROUTING hook counted it.
+    PREROUTING hook counted it, an internet packet with the headers of each of its segments (in bytes;
+    packets stay packets).
 
     Returns TC_ACT_UNSPEC: the next program or filter decides. With `gate` (a mark bit, egress hooks
     only), a packet without that bit gets TC_ACT_OK instead: on a tcx link that ends the hook, so the
@@ -89,7 +100,10 @@ def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, nod
     key = 1 - scope  # pods: which address (0: source, 1: destination) is the key
     if gate and not egress:
         raise EbpfError("a gate only on an egress hook: the shaper redirects what leaves a device")
-    if not nets and not other:  # nothing to count
+    if segments_fd != NO_MAP and (node or not egress):
+        raise EbpfError("the segments map only on a pod device's egress hook: what the pod receives")
+    segments = segments_fd != NO_MAP
+    if not nets and not other and not segments:  # nothing to count
         return resolve([insn(0xBF, R6, R1), *_verdict(gate)]) if gate else resolve(_verdict(0))
     # instructions, ("label", name), and ("jmp", code, dst, imm, target): a jump resolved once labels are placed
     body: list[Item] = []
@@ -97,19 +111,23 @@ def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, nod
     def jump(code: int, dst: int, imm: int, target: str) -> None:
         body.append(("jmp", code, dst, imm, target))
 
-    miss = "OTHER" if other else "OUT"  # where an IP packet of no internal network goes
+    # where an IP packet of no internal network goes: the node's internet slots, the segments map, or out
+    def miss(family: int) -> str:
+        return f"OTHER{family}" if other else f"INET{family}" if segments else "OUT"
+    loaded = tuple(f for f in (4, 6) if f in nets or segments)  # families whose addresses are read
     body.append(insn(0xBF, R6, R1))  # r6 = ctx
     if node and not egress:
         body.append(insn(0x61, R2, R6, SKB_PKT_TYPE))  # a frame for another host never reaches IP (nor the rules)
         jump(0x15, R2, PACKET_OTHERHOST, "OUT")
     body.append(insn(0x61, R2, R6, SKB_PROTOCOL))  # r2 = skb->protocol
     for family in (4, 6):
-        if family in nets:
+        if family in loaded:
             jump(0x15, R2, ETHERTYPE[family], f"V{family}")  # if r2 == ethertype
         elif other:
-            jump(0x15, R2, ETHERTYPE[family], "OTHER")  # no internal network of this family: all of it is not
+            jump(0x15, R2, ETHERTYPE[family], miss(family))  # no internal network of this family: all of it is not
     jump(0x05, 0, 0, "OUT")
-    for family, family_nets in nets.items():
+    for family in loaded:
+        family_nets = nets.get(family, ())
         offset, size = ADDRESSES[family]
         base = -32 if family == 6 else -8  # both addresses copied to the stack at fp+base
         width = size // 2
@@ -130,24 +148,31 @@ def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, nod
                 jump(0x56, R4, le(raw[i:i + 4]), f"NEXT{family}.{n}")  # if w4 != word (JMP32): the next network
             jump(0x05, 0, 0, "INTERNAL" if node else f"KEY{family}")
             body.append(("label", f"NEXT{family}.{n}"))
-        jump(0x05, 0, 0, miss)
+        jump(0x05, 0, 0, miss(family))
         if node:
             continue
-        body.append(("label", f"KEY{family}"))
-        if family == 6:
-            body += [insn(0xBF, R2, R10), insn(0x07, R2, 0, 0, base + key * width)]  # the key is the copied address
-        else:  # the key ::ffff:a.b.c.d built at fp-24
-            body += [insn(0x7A, R10, 0, -24, 0), insn(0x62, R10, 0, -16, le(b"\0\0\xff\xff")),
-                     insn(0x61, R4, R10, base + key * width), insn(0x63, R10, R4, -12),
-                     insn(0xBF, R2, R10), insn(0x07, R2, 0, 0, -24)]
-        jump(0x05, 0, 0, "LOOKUP")
+        if family_nets:
+            body.append(("label", f"KEY{family}"))
+            body += _key(family, base + key * width)
+            jump(0x05, 0, 0, "LOOKUP")
+        if segments:  # from the internet: the headers of the segments merged into it, to its destination's entry
+            body.append(("label", f"INET{family}"))
+            body += _merged(family, f"SEG{family}")
+            body.append(("label", f"SEG{family}"))
+            body.append(insn(0x79, R2, R10, MERGED_SEGS))
+            jump(0x15, R2, 0, "OUT")  # one segment: nothing the rules miss
+            body += _key(family, base + key * width)
+            jump(0x05, 0, 0, "SEGLOOKUP")
     if node:  # the node map's index, a u32 at fp-40
         if nets:
             body.append(("label", "INTERNAL"))
-            body.append(insn(0x62, R10, 0, -40, NODE_INTERNAL))
+            body += [insn(0x62, R10, 0, -40, NODE_INTERNAL), insn(0x7A, R10, 0, MERGED, 0)]
             jump(0x05, 0, 0, "INDEX")
         if other:
-            body.append(("label", "OTHER"))
+            for family in (4, 6):
+                body.append(("label", f"OTHER{family}"))
+                body += _merged(family, "INET")
+            body.append(("label", "INET"))
             body.append(insn(0x62, R10, 0, -40, NODE_INTERNET))
         if nets or other:
             body.append(("label", "INDEX"))
@@ -157,12 +182,71 @@ def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, nod
         body += [insn(0x18, R1, BPF_PSEUDO_MAP_FD, 0, map_fd), insn(0, 0, 0, 0, 0),  # r1 = the map (ld_imm64)
                  insn(0x85, 0, 0, 0, BPF_FUNC_MAP_LOOKUP_ELEM)]
         jump(0x15, R0, 0, "OUT")  # no such pod
-        body += [insn(0x61, R1, R6, SKB_LEN), insn(0x17, R1, 0, 0, ETH_HLEN),  # r1 = skb->len - ETH_HLEN
-                 insn(0x79, R2, R0, slot), insn(0x0F, R2, R1), insn(0x7B, R0, R2, slot),  # bytes += r1 (this CPU's)
+        body += [insn(0x61, R1, R6, SKB_LEN), insn(0x17, R1, 0, 0, ETH_HLEN)]  # r1 = skb->len - ETH_HLEN
+        if node:
+            body += [insn(0x79, R2, R10, MERGED), insn(0x0F, R1, R2)]  # + the merged segments' headers
+        body += [insn(0x79, R2, R0, slot), insn(0x0F, R2, R1), insn(0x7B, R0, R2, slot),  # bytes += r1 (this CPU's)
                  insn(0x79, R2, R0, slot + 8), insn(0x07, R2, 0, 0, 1), insn(0x7B, R0, R2, slot + 8)]  # packets += 1
+        if segments:
+            jump(0x05, 0, 0, "OUT")
+    if segments:
+        body.append(("label", "SEGLOOKUP"))
+        body += [insn(0x18, R1, BPF_PSEUDO_MAP_FD, 0, segments_fd), insn(0, 0, 0, 0, 0),
+                 insn(0x85, 0, 0, 0, BPF_FUNC_MAP_LOOKUP_ELEM)]
+        jump(0x15, R0, 0, "OUT")  # no such pod
+        for at, stack in ((0, MERGED), (8, MERGED_SEGS)):  # headers' bytes, then segments, += (this CPU's)
+            body += [insn(0x79, R1, R10, stack), insn(0x79, R2, R0, at), insn(0x0F, R2, R1), insn(0x7B, R0, R2, at)]
     body.append(("label", "OUT"))
     body += _verdict(gate)
     return resolve(body)
+
+
+def _key(family: int, at: int) -> list[Item]:
+    """r2 = a pointer to the map key of the address copied to fp+at: an IPv6 address as it is, an IPv4 one
+    as ::ffff:a.b.c.d built at fp-24."""
+    if family == 6:
+        return [insn(0xBF, R2, R10), insn(0x07, R2, 0, 0, at)]
+    return [insn(0x7A, R10, 0, -24, 0), insn(0x62, R10, 0, -16, le(b"\0\0\xff\xff")),
+            insn(0x61, R4, R10, at), insn(0x63, R10, R4, -12),
+            insn(0xBF, R2, R10), insn(0x07, R2, 0, 0, -24)]
+
+
+def _merged(family: int, done: str) -> list[Item]:
+    """fp+MERGED = (gso_segs - 1) x the segment's IP and TCP (or UDP) headers, fp+MERGED_SEGS = gso_segs - 1,
+    for a packet that carries several segments (GRO merged them; a local sender's TSO built it): what the
+    wire carried beyond skb->len - ETH_HLEN, as the kernel's own qdisc_pkt_len counts it for a shaper.
+    Both 0 for any other packet (one segment, or headers this does not parse: IPv6 extension headers,
+    tunnels); then on to `done`. Needs r6 = ctx; uses r0-r4."""
+    p = f"M{family}."
+    body: list[Item] = [
+        insn(0x61, R2, R6, SKB_GSO_SIZE), ("jmp", 0x15, R2, 0, p + "NONE"),  # not a GSO packet
+        insn(0x61, R2, R6, SKB_GSO_SEGS), ("jmp", 0xB5, R2, 1, p + "NONE"),  # if segs <= 1
+        insn(0x17, R2, 0, 0, 1), insn(0x7B, R10, R2, MERGED_SEGS),  # segments beyond the first
+        # bpf_skb_load_bytes(skb, ETH_HLEN, fp+HEADER, n): the IP header's first bytes
+        insn(0xBF, R1, R6), insn(0xB7, R2, 0, 0, ETH_HLEN), insn(0xBF, R3, R10), insn(0x07, R3, 0, 0, HEADER),
+        insn(0xB7, R4, 0, 0, 10 if family == 4 else 8), insn(0x85, 0, 0, 0, BPF_FUNC_SKB_LOAD_BYTES),
+        ("jmp", 0x55, R0, 0, p + "NONE"),
+    ]
+    if family == 4:  # r2 = IHL x 4, r3 = protocol
+        body += [insn(0x71, R2, R10, HEADER), insn(0x57, R2, 0, 0, 15), insn(0x67, R2, 0, 0, 2),
+                 ("jmp", 0xA5, R2, 20, p + "NONE"), insn(0x71, R3, R10, HEADER + 9)]
+    else:  # r2 = the fixed header, r3 = next header (an extension header is not parsed)
+        body += [insn(0xB7, R2, 0, 0, 40), insn(0x71, R3, R10, HEADER + 6)]
+    body += [insn(0x7B, R10, R2, MERGED),  # the IP header's length, for now
+             insn(0xB7, R4, 0, 0, UDP_HLEN), ("jmp", 0x15, R3, IPPROTO_UDP, p + "L4"),
+             ("jmp", 0x55, R3, IPPROTO_TCP, p + "NONE"),
+             # the TCP header's data offset: the high nibble of its byte 12
+             insn(0xBF, R1, R6), insn(0x07, R2, 0, 0, ETH_HLEN + 12), insn(0xBF, R3, R10), insn(0x07, R3, 0, 0, HEADER),
+             insn(0xB7, R4, 0, 0, 1), insn(0x85, 0, 0, 0, BPF_FUNC_SKB_LOAD_BYTES),
+             ("jmp", 0x55, R0, 0, p + "NONE"),
+             insn(0x71, R4, R10, HEADER), insn(0x77, R4, 0, 0, 4), insn(0x67, R4, 0, 0, 2),
+             ("jmp", 0xA5, R4, 20, p + "NONE"),
+             ("label", p + "L4"),  # r4 = the transport header's length
+             insn(0x79, R2, R10, MERGED), insn(0x0F, R2, R4), insn(0x79, R3, R10, MERGED_SEGS), insn(0x2F, R2, R3),
+             insn(0x7B, R10, R2, MERGED), ("jmp", 0x05, 0, 0, done),
+             ("label", p + "NONE"),
+             insn(0x7A, R10, 0, MERGED, 0), insn(0x7A, R10, 0, MERGED_SEGS, 0), ("jmp", 0x05, 0, 0, done)]
+    return body
 
 
 def _verdict(gate: int) -> list[Item]:
