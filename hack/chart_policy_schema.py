@@ -48,7 +48,8 @@ EXAMPLES = {"image.tag": "0.1.0", "image.digest": "sha256:0123…", "nameOverrid
             "toleration.key": "example.com/gpu", "toleration.value": "true", "name": "research",
             "mountPath": "/etc/netagent/extra", "defaultTeam": "default", "namespaces.[]": "research",
             "matchExpressions.[].key": "team", "values.[]": "research", "defaultClass": "bronze",
-            "allowedClasses.[]": "bronze", "*": "value"}
+            "allowedClasses.[]": "bronze", "quota.period": "Month", "quotaTimeZone": "Europe/Berlin",
+            "*": "value"}
 
 
 def convert(node: Any) -> Any:

@@ -39,6 +39,9 @@ CRD = {
     "egressbudgets": {"spec": {"total", "ingressTotal", "defaultTeam", "teams"},
                       "spec.teams[]": {"name", "weight", "min", "max", "ingress"},
                       "spec.teams[].ingress": {"weight", "min", "max"},
+                      "spec.teams[].quota": {"period", "bytes", "exhaustedRate", "ingress"},
+                      "spec.teams[].quota.ingress": {"bytes", "exhaustedRate"},
+                      "status.quota.teams[]": {"name", "used", "ingressUsed", "exhausted", "ingressExhausted"},
                       "status": {"allocated", "demand", "used", "ingressAllocated", "ingressDemand", "ingressUsed"}},
 }
 
