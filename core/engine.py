@@ -41,7 +41,11 @@ class EngineConfig:
     held_back_max: float = 0.005
     gain_min: float = 0.5  # bounds of the feedback gain on the budget
     gain_max: float = 1.5
-    gain_smoothing: float = 0.5  # share of the distance to the measured ratio moved per round
+    # share of the distance to the measured ratio moved per feedback: all of it (issue 37). The ratio is
+    # the plant's (usage / measured), not an error to integrate: with measured = k x usage + U the next
+    # gain's error is the last one's times U / measured (< 1, same sign), so a full step cannot overshoot
+    # or oscillate, and a half step only left the cold start 2-3 % over the budget for 2 more periods
+    gain_smoothing: float = 1.0
     gain_deadband: float = 0.005  # the gain stays when the measured ratio is this close to it
     gain_min_usage: float = 0.05  # the pods' usage must be this share of the budget for a ratio to mean anything
     # the gain moves only when the pods' usage and the measured total, each as a share of the

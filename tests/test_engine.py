@@ -284,6 +284,27 @@ def test_gain_holds_through_a_transient_and_moves_once_the_plant_is_steady():
     assert gains[0] == 1.0 and gains[1] < 0.96 and gains[-1] == pytest.approx(1 / 1.1, rel=0.01), gains
 
 
+def test_a_steady_plant_sets_the_gain_in_one_feedback_and_the_total_never_swings_past_the_budget():
+    """Issue 37: the gain takes the whole step to the measured ratio. With measured = k x usage + U the
+    next gain's error is the last one's times U / measured (same sign, < 1): from the first steady
+    feedback on, the measured total is within 1 % of the budget and approaches it from one side only.
+    The half step (smoothing 0.5) needed three more feedbacks to get within 1 %."""
+    policy = budget()
+    pods = [pod("a/1", "a", 1e9), pod("b/1", "b", 1e9)]
+    result = allocate(policy, pods)
+    totals = []
+    for _ in range(12):
+        used = result.allocated_bps
+        measured = used / 0.955 + 5 * M  # the iptables count of the lab (IP bytes) and 5 % unshaped host traffic
+        totals.append(measured)
+        result = allocate(policy, pods, measured_total_bps=measured, previous=result, shaped_usage_bps=used)
+    # totals[0] ran under gain 1 (the first feedback sets the point only), totals[1] too (the second is
+    # the first steady one and moves the gain), totals[2] under the gain it set
+    assert totals[1] > 104 * M
+    assert all(abs(t / (100 * M) - 1) <= 0.01 for t in totals[2:]), totals
+    assert all(t >= 100 * M * (1 - 0.005) for t in totals), totals  # from above, never below: no swing
+
+
 # -- errors -----------------------------------------------------------------------------------
 
 def test_bad_input_is_refused_with_the_pod_named():
