@@ -17,6 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from core.direction import PerDirection  # noqa: E402
 from lab.topology import INTERNAL_CIDRS, UPLINK, Lab  # noqa: E402
 from netagent.desired import DataPathOptions, NodeInputs, PodShape, desired_state  # noqa: E402
 from tc.netlink import Shaper  # noqa: E402
@@ -40,23 +41,24 @@ def main() -> int:
             t = time.perf_counter()
             devices = sh.devices_of_kind(("veth",), exclude=(UPLINK,))
             listing = time.perf_counter() - t
-            shapes = tuple(PodShape(f"d/{p.name}", (p.ip4,), 10 * M, 10 * M, 10 * M, 20 * M) for p in node.pods)
+            shapes = tuple(PodShape(f"d/{p.name}", (p.ip4,), PerDirection.same(10 * M), PerDirection(10 * M, 20 * M))
+                           for p in node.pods)
 
             def state(rate: int):
-                return desired_state(NodeInputs((UPLINK,), INTERNAL_CIDRS, shapes, 10**9, opts,
-                                                ingress_node_rate=rate, pod_devices=devices))
+                return desired_state(NodeInputs((UPLINK,), INTERNAL_CIDRS, shapes, PerDirection(10**9, rate), opts,
+                                                pod_devices=devices))
 
             s = state(10**9)
             t0 = time.perf_counter()
             sh.apply(s.shaper)
             t1 = time.perf_counter()
-            sh.apply(s.ingress_shaper)
+            sh.apply(s.shapers.download)
             t2 = time.perf_counter()
             changes = []
             for i in range(args.rounds):
                 s = state((2 + i) * 10**9)
                 t = time.perf_counter()
-                assert sh.apply(s.ingress_shaper).changes == 1
+                assert sh.apply(s.shapers.download).changes == 1
                 changes.append(time.perf_counter() - t)
             print(f"{len(devices)} pod devices; device listing {listing * 1000:.1f} ms")
             print(f"from nothing: upload tree {(t1 - t0) * 1000:.1f} ms, download tree with "

@@ -52,6 +52,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.classify_cost import SENDER  # noqa: E402  (one datagram sender for both per-packet benches)
+from core.direction import PerDirection  # noqa: E402
 from lab.netns import bpf_filesystem, run  # noqa: E402
 from iptables.apply import Classifier  # noqa: E402
 from netagent.datapath import KernelDataPath  # noqa: E402
@@ -140,7 +141,7 @@ def install(chain: Chain, row: str, n: int, bpf_root: str | None, stack: context
     options = DataPathOptions(leaf_qdisc=probe(netns).leaf_qdisc, internal_by_device=by_device,
                               bpf_dir=os.path.join(bpf_root or "/nonexistent", netns),
                               count_attach="tc" if row.endswith("-tc") else "auto", count_gate=row != "device-open")
-    desired = desired_state(NodeInputs((UPLINK,), INTERNAL, pods(n), 10 * G, options, ingress_node_rate=10 * G,
+    desired = desired_state(NodeInputs((UPLINK,), INTERNAL, pods(n), PerDirection.same(10 * G), options,
                                        pod_devices=(POD_DEV,)))
     if row in ("rules", "device", "device-open", "device-tc"):
         dp = KernelDataPath(options, iptables_backend="nft", netns=netns)
@@ -149,7 +150,7 @@ def install(chain: Chain, row: str, n: int, bpf_root: str | None, stack: context
     elif row == "tc":
         shaper = stack.enter_context(Shaper(netns))
         shaper.apply(desired.shaper)
-        shaper.apply(desired.ingress_shaper)
+        shaper.apply(desired.shapers.download)
     elif row.startswith("ipt-"):
         Classifier(backend="nft", netns=netns).apply(desired.classifier)
     else:

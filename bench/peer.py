@@ -80,6 +80,7 @@ from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from core.direction import PerDirection  # noqa: E402
 from iptables.apply import Classifier  # noqa: E402
 from lab.netns import bpf_filesystem, residue_snapshot, run  # noqa: E402
 from lab.topology import INTERNAL_CIDRS, INTERNET_V4, PEER_V4, UPLINK, Lab, Pod  # noqa: E402
@@ -126,7 +127,8 @@ UPLOAD = Direction("upload", False, "egressRate", "egressBurst",
 # the pod's class in the download tree (the netagent-in IFB fed from the pod-facing veths), with the
 # pod's uploads left unshaped.
 DOWNLOAD = Direction("download", True, "ingressRate", "ingressBurst",
-                     lambda key, pod, rate: PodShape(key, (pod.ip4, pod.ip6), UNSHAPED_BPS, UNSHAPED_BPS, rate, rate))
+                     lambda key, pod, rate: PodShape(key, (pod.ip4, pod.ip6), PerDirection(UNSHAPED_BPS, rate),
+                                                     PerDirection(UNSHAPED_BPS, rate)))
 DIRECTIONS = {d.name: d for d in (UPLOAD, DOWNLOAD)}
 
 
@@ -216,8 +218,8 @@ class Netagent:
         pod = self.direction.netagent_pod("bench/pod", self.pod, rate)
         devices = self.shaper.devices_of_kind(("veth",), exclude=(UPLINK,))
         if self.direction.reverse:  # both shapers, as the agent runs them; the download tree fed from the pod veths
-            inputs = NodeInputs((UPLINK,), INTERNAL_CIDRS, (pod,), UNSHAPED_BPS, self.options,
-                                ingress_node_rate=10 * rate, pod_devices=devices)
+            inputs = NodeInputs((UPLINK,), INTERNAL_CIDRS, (pod,), PerDirection(UNSHAPED_BPS, 10 * rate), self.options,
+                                pod_devices=devices)
         else:
             inputs = NodeInputs((UPLINK,), INTERNAL_CIDRS, (pod,), 10 * rate, self.options, pod_devices=devices)
         self.state = desired_state(inputs)
@@ -225,7 +227,7 @@ class Netagent:
 
     def remove(self, rate: int) -> None:
         if self.state:
-            for s in (self.state.shaper, self.state.ingress_shaper):
+            for _, s in self.state.shapers.items():
                 if s:
                     self.shaper.cleanup(s.ifb, s.uplinks, s.filter_pref)
             if self.state.device_counting:

@@ -30,6 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from core.direction import PerDirection  # noqa: E402
 from iptables.apply import Classifier  # noqa: E402
 from lab.topology import INTERNAL_CIDRS, INTERNET_V4, PEER_V4, UPLINK, Lab, run  # noqa: E402
 from netagent.desired import NodeInputs, DataPathOptions, PodShape, desired_state, ip_bytes, to_wire  # noqa: E402
@@ -205,22 +206,23 @@ class DownloadBench:
 
     def program(self, rate: int) -> None:
         b = self.b
-        shapes = (PodShape(b.key, (b.pod.ip4, b.pod.ip6), 100 * 10**9, 100 * 10**9, rate, rate),)
+        shapes = (PodShape(b.key, (b.pod.ip4, b.pod.ip6), PerDirection(100 * 10**9, rate),
+                           PerDirection(100 * 10**9, rate)),)
         devices = b.shaper.devices_of_kind(("veth",), exclude=(UPLINK,))
-        b.state = desired_state(NodeInputs((UPLINK,), INTERNAL_CIDRS, shapes, 100 * 10**9, b.options,
-                                           ingress_node_rate=10 * rate, pod_devices=devices))
+        b.state = desired_state(NodeInputs((UPLINK,), INTERNAL_CIDRS, shapes, PerDirection(100 * 10**9, 10 * rate),
+                                           b.options, pod_devices=devices))
         b.shaper.apply(b.state.shaper)
-        b.shaper.apply(b.state.ingress_shaper)
+        b.shaper.apply(b.state.shapers.download)
         b.classifier.apply(b.state.classifier)
 
     def remove(self) -> None:
         # the redirect filters hang on the pod devices (and their clsact qdiscs), not on the uplink
-        devices = self.b.state.ingress_shaper.uplinks if self.b.state is not None else ()
+        devices = self.b.state.shapers.download.uplinks if self.b.state is not None else ()
         self.b.remove()
         self.b.shaper.cleanup(self.b.options.ingress_ifb, tuple(devices), self.b.options.filter_pref)
 
     def class_ip_bytes(self) -> tuple[int, int]:
-        s = self.b.state.ingress_shaper
+        s = self.b.state.shapers.download
         st = self.b.shaper.stats(s.ifb, s.major)[self.b.state.minors[self.b.key]]
         return ip_bytes(st.bytes, st.packets, self.b.options), st.drops
 

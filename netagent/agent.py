@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from core.direction import Direction
+from core.direction import Direction, PerDirection
 from core.objects import Snapshot
 from core.policy import Policy, ResolvedPod
 
@@ -24,6 +24,8 @@ from .allocations import Allocations, AllocationSet
 from .config import AgentConfig
 from .datapath import DataPath
 from .demand import PodDemand
+from .frames import FrameRatios
+from .lane import Lane
 from .runner import Runner
 from .sampler import Sampler
 from .sync import LocalAllocate, NodeSync
@@ -51,22 +53,25 @@ class Agent:
         policy (netagent.local.LocalAllocator); None in controller mode."""
         self.cfg = cfg
         self.datapath = datapath
-        self.allocations = Allocations(cfg.default_floor_bps, initial)
-        self.demand: dict[str, PodDemand] = {}
-        # downloads: the same machinery on the pods' download values (pod.limits[DOWNLOAD])
-        self.ingress_allocations = Allocations(cfg.datapath.ingress_default_rate,
-                                               dataclasses.replace(initial) if initial is not None else None,
-                                               direction=Direction.DOWNLOAD)
-        self.ingress_demand: dict[str, PodDemand] = {}
-        self.node = NodeSync(cfg, datapath, self.allocations, self.demand, metrics=metrics, problems=problems,
-                             ingress_allocations=self.ingress_allocations if cfg.shape_ingress else None,
-                             ingress_demand=self.ingress_demand)
+        opts = cfg.datapath
+
+        # one lane per direction: the same machinery on the pods' values for it (pod.limits[d]);
+        # downloads are counted only without --shape-ingress
+        def lane(d: Direction) -> Lane:
+            floor = cfg.default_floor_bps if d is Direction.UPLOAD else opts.floor(d)
+            start = dataclasses.replace(initial) if initial is not None and d is Direction.DOWNLOAD else initial
+            return Lane(d, Allocations(floor, start, direction=d), FrameRatios(opts.wire_mtu, opts.wire_l2_bytes),
+                        shaped=d is Direction.UPLOAD or cfg.shape_ingress)
+
+        self.lanes = PerDirection.build(lane)
+        self.node = NodeSync(cfg, datapath, self.lanes, metrics=metrics, problems=problems)
         if local is not None:
-            self.node.local = local(lambda: self.node.policy()[0], direction=Direction.UPLOAD)
-            self.node.ingress_local = local(lambda: self.node.policy()[0], direction=Direction.DOWNLOAD)
+            for d, ln in self.lanes.items():
+                ln.local = local(lambda: self.node.policy()[0], direction=d)
         self.runner = Runner(self.node.sync, cfg.min_sync_interval, cfg.resync_seconds)
         self.accounting = Accounting()  # where a pod's internet byte is counted (netagent.accounting)
-        self.sampler = Sampler(self.node, datapath, self.allocations, self.demand, self.runner.wake,
+        self.sampler = Sampler(self.node, datapath, self.lanes.upload.allocations, self.lanes.upload.demand,
+                               self.runner.wake,
                                cfg.sample_seconds, cfg.allocate_seconds, self.accounting)
         self.controller_reachable = False
 
@@ -84,10 +89,11 @@ class Agent:
             return
         self.runner.wake()
 
-    def set_allocations(self, allocs: AllocationSet, ingress: AllocationSet | None = None) -> None:
-        changed = self.allocations.replace(allocs)
-        if ingress is not None:
-            changed = self.ingress_allocations.replace(ingress) or changed
+    def set_allocations(self, allocs: PerDirection[AllocationSet | None]) -> None:
+        """The controller's answer, per direction (None: that direction's allocations stay as they are)."""
+        changed = False
+        for d, a in allocs.items():
+            changed = (a is not None and self.lanes[d].allocations.replace(a)) or changed
         if changed:
             self.runner.wake()
 
@@ -108,8 +114,8 @@ class Agent:
     def start(self) -> None:
         # what the kernel holds now seeds the allocations: a restart changes nothing
         try:
-            self.allocations.adopted = self.datapath.adopted_rates()
-            self.ingress_allocations.adopted = self.datapath.adopted_ingress_rates()
+            for d, ln in self.lanes.items():
+                ln.allocations.adopted = self.datapath.adopted_rates(d)
         except Exception as exc:
             log.warning("could not read existing tc classes to adopt: %s", exc)
         try:  # the counts go on from the carries the agent before kept (docs/accounting.md)
@@ -134,6 +140,16 @@ class Agent:
         return self.node.state.pods
 
     @property
+    def allocations(self) -> Allocations:
+        """The upload lane's allocations (what the controller's answer and its lease are judged by)."""
+        return self.lanes.upload.allocations
+
+    @property
+    def demand(self) -> dict[str, PodDemand]:
+        """The upload lane's demand, per pod key."""
+        return self.lanes.upload.demand
+
+    @property
     def fail_static(self) -> bool:
         return self.allocations.fail_static
 
@@ -153,13 +169,13 @@ class Agent:
             egress = ingress = None
         state = self.node.state
         pods = tuple((p, self.demand.get(p.key)) for p in state.pods)
-        shapes = bool(state.ready and state.desired is not None and state.desired.ingress_shaper is not None)
-        return ReportInputs(self.cfg.node, pods, None if egress is None else int(egress), dict(self.ingress_demand),
-                            None if ingress is None else int(ingress), shapes)
+        shapes = bool(state.ready and state.desired is not None and state.desired.shapers.download is not None)
+        return ReportInputs(self.cfg.node, pods, None if egress is None else int(egress),
+                            dict(self.lanes.download.demand), None if ingress is None else int(ingress), shapes)
 
     def view(self) -> NodeView:
-        return node_view(self.cfg, self.node.state, self.allocations, self.demand, self.datapath,
-                         self.controller_reachable, self.ingress_allocations, self.ingress_demand, self.accounting)
+        return node_view(self.cfg, self.node.state, self.lanes, self.datapath, self.controller_reachable,
+                         self.accounting)
 
     def health(self) -> tuple[bool, str]:
         return self.runner.health()

@@ -31,6 +31,7 @@ import threading
 import time
 from typing import Protocol
 
+from core.direction import Direction
 from core.errors import NetagentError
 from iptables.apply import Classifier
 from iptables.model import ClassifierState, PodClassification
@@ -62,11 +63,11 @@ class DataPath(Protocol):
     def apply(self, desired: DesiredState, full: bool = True) -> dict[str, int]:
         """Make the kernel match `desired`; the number of changes by kind ("tc", "iptables", "ipset")."""
 
-    def class_stats(self) -> dict[int, ClassStats]:
-        """HTB minor -> counters of the pod classes (and the node and default classes); may be the
-        sampler's copy, at most a second old."""
+    def class_stats(self, direction: Direction = Direction.UPLOAD) -> dict[int, ClassStats]:
+        """HTB minor -> counters of the direction's shaper's pod classes (and its node and default
+        classes; {} when the direction is not shaped); may be the sampler's copy, at most a second old."""
 
-    def sample_stats(self) -> tuple[float, dict[int, ClassStats]]:
+    def sample_stats(self, direction: Direction = Direction.UPLOAD) -> tuple[float, dict[int, ClassStats]]:
         """(monotonic time of the read, class stats) read now: the sampler's once-a-second read."""
 
     def counters(self, max_age: float = 0.0) -> tuple[PodCounters, NodeCounters]:
@@ -74,18 +75,15 @@ class DataPath(Protocol):
         reporter reads fresh, once per report period; the view takes that read). The node's
         `egress_internet_wire` is its internet egress in IP bytes on the wire (docs/datapath.md)."""
 
-    def adopted_rates(self) -> dict[int, tuple[int, int]]:
-        """HTB minor -> (rate, ceil) bit/s the kernel holds now: what a restarted agent keeps."""
+    def adopted_rates(self, direction: Direction = Direction.UPLOAD) -> dict[int, tuple[int, int]]:
+        """HTB minor -> (rate, ceil) bit/s the direction's shaper holds now: what a restarted agent keeps."""
 
     def pod_devices(self, uplinks: tuple[str, ...]) -> tuple[str, ...]:
         """The node's pod-facing devices (host-side veths, bridge ports included), less the uplinks:
         where downloads are redirected into the download shaper."""
 
     def sample_ingress_stats(self) -> tuple[float, dict[int, ClassStats]]:
-        """As `sample_stats`, for the download shaper's classes ({} when downloads are not shaped)."""
-
-    def ingress_class_stats(self) -> dict[int, ClassStats]:
-        """As `class_stats`, for the download shaper's classes ({} when downloads are not shaped)."""
+        """sample_stats(Direction.DOWNLOAD), under the name sampler.py calls until it loops over the lanes."""
 
     def load_carries(self) -> dict[tuple[str, str], tuple[int, int]] | None:
         """The accounting carries a previous agent kept ((direction, pod key) -> (bytes, packets));
@@ -93,9 +91,6 @@ class DataPath(Protocol):
 
     def save_carries(self, carries: dict[tuple[str, str], tuple[int, int]]) -> None:
         """Keep the accounting carries in the kernel for the next agent (all of them, replacing)."""
-
-    def adopted_ingress_rates(self) -> dict[int, tuple[int, int]]:
-        """As `adopted_rates`, for the download shaper."""
 
 
 STATS_MAX_AGE = 1.5  # the sampler reads every second; a scrape takes its copy unless a sample was missed
@@ -246,8 +241,7 @@ class KernelDataPath:
         self._applied_classifier: ClassifierState | None = None  # the state the kernel was last made to match
         self._hooks: tuple[int, ...] | None = None  # our mangle lines per family the last apply made (from its rules)
         self._hooks_read: tuple[object, tuple[int, ...]] | None = None  # (rules version, the lines then)
-        self._stats: tuple[float, dict[int, ClassStats]] | None = None
-        self._ingress_stats: tuple[float, dict[int, ClassStats]] | None = None
+        self._stats: dict[Direction, tuple[float, dict[int, ClassStats]]] = {}  # per direction: (read at, stats)
         self._counters: tuple[float, tuple[PodCounters, NodeCounters]] | None = None
         # per direction: (host traffic bypassing its shaper, accumulated between reads; (pods, last count))
         self._bypass: dict[str, tuple[int, tuple[frozenset, int] | None]] = {"egress": (0, None), "ingress": (0, None)}
@@ -269,10 +263,8 @@ class KernelDataPath:
         read back only when `full` or when its desired state changed: reading it costs two
         iptables-save runs, and a rate change, the common case, leaves it as it was."""
         with self._tc_lock:
-            tc_changes = self._shaper.apply(desired.shaper).changes
-            if desired.ingress_shaper is not None:
-                # the download classes exist before iptables marks a packet for them
-                tc_changes += self._shaper.apply(desired.ingress_shaper).changes
+            # every shaper's classes exist before iptables marks a packet for them
+            tc_changes = sum(self._shaper.apply(spec).changes for _, spec in desired.shapers.items() if spec is not None)
             # the devices count internal bytes before the rules stop counting them
             with self._counter_lock:
                 ebpf_changes = self._apply_counting(desired.device_counting, full, desired.classifier.uplinks)
@@ -289,9 +281,10 @@ class KernelDataPath:
                     self._ipt_seq += 1
                 self._applied_classifier = desired.classifier
                 self._hooks = self._classifier.expected_lines(desired.classifier)
-        if desired.ingress_shaper is None:
-            with self._tc_lock:  # download shaping turned off: nothing marks for it any more
-                changes["tc"] += len(self._remove_ingress_shaper())
+        for d, spec in desired.shapers.items():
+            if spec is None:
+                with self._tc_lock:  # this direction's shaping turned off: nothing marks for it any more
+                    changes["tc"] += len(self._remove_shaper(d))
         return changes
 
     def _apply_counting(self, counting: DeviceCounting | None, full: bool, uplinks: tuple[str, ...]) -> int:
@@ -332,12 +325,12 @@ class KernelDataPath:
         self._applied_counting = counting
         return changes
 
-    def _remove_ingress_shaper(self) -> list[str]:
+    def _remove_shaper(self, direction: Direction) -> list[str]:
         o = self.options
-        if not self._shaper.has_device(o.ingress_ifb):
+        ifb = o.ifb_of(direction)
+        if not self._shaper.has_device(ifb):
             return []
-        return self._shaper.cleanup(o.ingress_ifb, self._shaper.devices_of_kind(exclude=(o.ingress_ifb,)),
-                                    o.filter_pref)
+        return self._shaper.cleanup(ifb, self._shaper.devices_of_kind(exclude=(ifb,)), o.filter_pref)
 
     def pod_devices(self, uplinks: tuple[str, ...]) -> tuple[str, ...]:
         with self._tc_lock:
@@ -367,30 +360,23 @@ class KernelDataPath:
         finally:
             self._ipt_lock.release()
 
-    def sample_stats(self) -> tuple[float, dict[int, ClassStats]]:
+    def sample_stats(self, direction: Direction = Direction.UPLOAD) -> tuple[float, dict[int, ClassStats]]:
+        o = self.options
         with self._stats_lock:
-            stats = self._stats_shaper.stats(self.options.ifb, self.options.htb_major)
-            self.reads["class_stats"] += 1
-            self._stats = (time.monotonic(), stats)
-            return self._stats
+            stats = self._stats_shaper.stats(o.ifb_of(direction), o.major_of(direction))
+            if direction is Direction.UPLOAD:
+                self.reads["class_stats"] += 1
+            self._stats[direction] = (time.monotonic(), stats)
+            return self._stats[direction]
 
     def sample_ingress_stats(self) -> tuple[float, dict[int, ClassStats]]:
-        with self._stats_lock:
-            stats = self._stats_shaper.stats(self.options.ingress_ifb, self.options.ingress_htb_major)
-            self._ingress_stats = (time.monotonic(), stats)
-            return self._ingress_stats
+        return self.sample_stats(Direction.DOWNLOAD)
 
-    def ingress_class_stats(self) -> dict[int, ClassStats]:
-        cached = self._ingress_stats
+    def class_stats(self, direction: Direction = Direction.UPLOAD) -> dict[int, ClassStats]:
+        cached = self._stats.get(direction)
         if cached is not None and time.monotonic() - cached[0] <= STATS_MAX_AGE:
             return cached[1]
-        return self.sample_ingress_stats()[1]
-
-    def class_stats(self) -> dict[int, ClassStats]:
-        cached = self._stats
-        if cached is not None and time.monotonic() - cached[0] <= STATS_MAX_AGE:
-            return cached[1]
-        return self.sample_stats()[1]
+        return self.sample_stats(direction)[1]
 
     def counters(self, max_age: float = 0.0) -> tuple[PodCounters, NodeCounters]:
         with self._counters_lock:
@@ -415,8 +401,8 @@ class KernelDataPath:
                         found[1][kind] = found[1].get(kind, 0) + nbytes
             self.reads["counters"] += 1
             found[1]["egress_internet_wire"] = self._wire("egress", self.sample_stats()[1].get(NODE_MINOR), *found)
-            found[1]["ingress_internet_wire"] = self._wire("ingress", self.sample_ingress_stats()[1].get(NODE_MINOR),
-                                                           *found)
+            found[1]["ingress_internet_wire"] = self._wire("ingress", self.sample_stats(Direction.DOWNLOAD)[1].get(
+                NODE_MINOR), *found)
             self._counters = (t, found)
             return _copy(found)
 
@@ -442,17 +428,12 @@ class KernelDataPath:
         self._bypass[direction] = (total, (keys, rest))
         return shaped + total
 
-    def adopted_rates(self) -> dict[int, tuple[int, int]]:
-        """minor -> (rate, ceil) in IP bit/s of every HTB class the kernel holds now (the node
-        class included, as minor 1): a restarted agent starts from exactly these."""
+    def adopted_rates(self, direction: Direction = Direction.UPLOAD) -> dict[int, tuple[int, int]]:
+        """minor -> (rate, ceil) in IP bit/s of every HTB class the direction's shaper holds now (the
+        node class included, as minor 1): a restarted agent starts from exactly these."""
         o = self.options
         return {minor: (from_wire(st.rate_bytes * 8, o), from_wire(st.ceil_bytes * 8, o))
-                for minor, st in self.sample_stats()[1].items()}
-
-    def adopted_ingress_rates(self) -> dict[int, tuple[int, int]]:
-        o = self.options
-        return {minor: (from_wire(st.rate_bytes * 8, o), from_wire(st.ceil_bytes * 8, o))
-                for minor, st in self.sample_ingress_stats()[1].items()}
+                for minor, st in self.sample_stats(direction)[1].items()}
 
     def load_carries(self) -> dict[tuple[str, str], tuple[int, int]] | None:
         return load_carries(self._classifier.runner)

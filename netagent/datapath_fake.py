@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+from core.direction import Direction
 from tc.model import ClassStats
 
 from .datapath import NodeCounters, PodCounters
@@ -26,8 +27,8 @@ class FakeDataPath:
         self.pod_counters: PodCounters = {}
         self.node_counters: NodeCounters = {}
         self.fail_with: Exception | None = None  # raised by the next apply, then cleared
-        self.ingress_stats: dict[int, ClassStats] = {}
-        self.adopted_ingress: dict[int, tuple[int, int]] = {}
+        self.download_stats: dict[int, ClassStats] = {}  # `stats`, `adopted`: the upload shaper's
+        self.download_adopted: dict[int, tuple[int, int]] = {}
         self.devices: tuple[str, ...] = ()
         self.carries: dict | None = None  # what save_carries kept (None: nothing kept on this "node")
 
@@ -39,29 +40,23 @@ class FakeDataPath:
         self.full.append(full)
         return dict(self.next_changes)
 
-    def class_stats(self) -> dict[int, ClassStats]:
-        return dict(self.stats)
+    def class_stats(self, direction: Direction = Direction.UPLOAD) -> dict[int, ClassStats]:
+        return dict(self.stats if direction is Direction.UPLOAD else self.download_stats)
 
-    def sample_stats(self) -> tuple[float, dict[int, ClassStats]]:
-        return time.monotonic(), dict(self.stats)
+    def sample_stats(self, direction: Direction = Direction.UPLOAD) -> tuple[float, dict[int, ClassStats]]:
+        return time.monotonic(), self.class_stats(direction)
 
     def counters(self, max_age: float = 0.0) -> tuple[PodCounters, NodeCounters]:
         return {k: dict(v) for k, v in self.pod_counters.items()}, dict(self.node_counters)
 
-    def adopted_rates(self) -> dict[int, tuple[int, int]]:
-        return dict(self.adopted)
+    def adopted_rates(self, direction: Direction = Direction.UPLOAD) -> dict[int, tuple[int, int]]:
+        return dict(self.adopted if direction is Direction.UPLOAD else self.download_adopted)
 
     def pod_devices(self, uplinks: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(d for d in self.devices if d not in uplinks)
 
     def sample_ingress_stats(self) -> tuple[float, dict[int, ClassStats]]:
-        return time.monotonic(), dict(self.ingress_stats)
-
-    def ingress_class_stats(self) -> dict[int, ClassStats]:
-        return dict(self.ingress_stats)
-
-    def adopted_ingress_rates(self) -> dict[int, tuple[int, int]]:
-        return dict(self.adopted_ingress)
+        return self.sample_stats(Direction.DOWNLOAD)
 
     def load_carries(self) -> dict | None:
         return None if self.carries is None else dict(self.carries)

@@ -26,7 +26,9 @@ import dataclasses
 import ipaddress
 import math
 from dataclasses import dataclass, field
+from typing import TypeVar
 
+from core.direction import Direction, PerDirection
 from core.errors import NetagentError
 from iptables.model import ClassifierState, PodClassification
 from iptables.render import set_members
@@ -38,6 +40,7 @@ from tc.model import (
     MIN_RATE_BPS,
     POD_MINOR_MAX,
     RESERVED_MINORS,
+    UPLOAD_IFB_ALIAS,
     HtbClassSpec,
     ShaperSpec,
     ack_minor,
@@ -47,6 +50,7 @@ from tc.model import (
 # Not used by kube-proxy (0x4000, 0x8000), portmap (0x2000), Calico (0xff000000),
 # Tailscale (0xff0000) or Cilium's magic marks (0xf00).
 DEFAULT_MARK_BIT = 0x1000
+V = TypeVar("V")
 
 
 class DesiredStateError(NetagentError, ValueError):
@@ -55,16 +59,28 @@ class DesiredStateError(NetagentError, ValueError):
 
 @dataclass(frozen=True)
 class PodShape:
-    """A pod as the desired state needs it: key, addresses, rate and ceil in both directions."""
+    """A pod as the desired state needs it: key, addresses, and its class's rate and ceil per direction.
+
+    An int rate/ceil/ratio is the upload's alone (downloads at their floor): most callers shape uploads."""
     key: str  # "namespace/name"
     ips: tuple[str, ...]
-    rate: int  # guaranteed internet egress, bit/s
-    ceil: int  # internet egress cap, bit/s
-    ingress_rate: int | None = None  # guaranteed internet ingress (downloads), bit/s; None: the download floor
-    ingress_ceil: int | None = None  # internet ingress cap, bit/s; None: as ingress_rate
+    # guaranteed internet rate, bit/s; a download's None: the download floor
+    rate: int | PerDirection[int | None]
+    ceil: int | PerDirection[int | None]  # internet cap, bit/s; a download's None: as its rate
     # frames HTB counts per IP byte of this pod's class, as measured (netagent.frames); None: full-size
-    wire_ratio: float | None = None
-    ingress_wire_ratio: float | None = None
+    wire_ratio: float | None | PerDirection[float | None] = None
+
+    def rates(self, d: Direction) -> tuple[int | None, int | None]:
+        """(rate, ceil) in direction `d`."""
+        return per_direction(self.rate)[d], per_direction(self.ceil)[d]
+
+    def ratio(self, d: Direction) -> float | None:
+        return per_direction(self.wire_ratio)[d]
+
+
+def per_direction(value: V | PerDirection[V | None]) -> PerDirection[V | None]:
+    """A value given per direction, or the upload's alone (the download's None)."""
+    return value if isinstance(value, PerDirection) else PerDirection(value, None)
 
 
 # --internal-counting: where the pods' internal bytes are counted (netagent.datapath.choose_internal_counting)
@@ -96,6 +112,16 @@ class DataPathOptions:
     # on tcx links, its egress programs end the hook for a packet without the mark bit, so an internal
     # packet skips the shaper's redirect filter (~100 ns a packet), where that skips nobody else's
     count_gate: bool = True
+
+    def ifb_of(self, d: Direction) -> str:
+        return self.ifb if d is Direction.UPLOAD else self.ingress_ifb
+
+    def major_of(self, d: Direction) -> int:
+        return self.htb_major if d is Direction.UPLOAD else self.ingress_htb_major
+
+    def floor(self, d: Direction) -> int:
+        """Direction `d`'s floor, bit/s: its default class (addresses no known pod holds) and its pods' floor."""
+        return self.default_rate if d is Direction.UPLOAD else self.ingress_default_rate
 
 
 MAX_WIRE_RATIO = 2.0  # frames per IP byte: a 14-byte header on a 14-byte packet; beyond it the input is wrong
@@ -142,14 +168,21 @@ class NodeInputs:
     uplinks: tuple[str, ...]
     internal_cidrs: tuple[str, ...]
     pods: tuple[PodShape, ...]
-    node_rate: int  # the node's internet egress allocation, bit/s
+    # the node's internet allocation, bit/s, per direction (an int: the upload's); a download's
+    # None: downloads are counted, not shaped
+    node_rate: int | PerDirection[int | None]
     options: DataPathOptions = field(default_factory=DataPathOptions)
-    # the node's download (internet ingress) allocation, bit/s; None: downloads are counted, not shaped
-    ingress_node_rate: int | None = None
     pod_devices: tuple[str, ...] = ()  # pod-facing devices (host-side veths): downloads are shaped, internal bytes counted there
     # the node classes' measured frames per IP byte (netagent.frames); None: full-size
-    wire_ratio: float | None = None
-    ingress_wire_ratio: float | None = None
+    wire_ratio: float | None | PerDirection[float | None] = None
+
+    @property
+    def node_rates(self) -> PerDirection[int | None]:
+        return per_direction(self.node_rate)
+
+    @property
+    def node_ratios(self) -> PerDirection[float | None]:
+        return per_direction(self.wire_ratio)
 
 
 @dataclass(frozen=True)
@@ -164,17 +197,27 @@ class DeviceCounting:
 
 @dataclass(frozen=True)
 class DesiredState:
-    """The kernel state to apply: the tc shaper, the iptables classifier, and the pods' minors."""
-    shaper: ShaperSpec
+    """The kernel state to apply: a tc shaper per direction, the iptables classifier, the pods' minors."""
+    shapers: PerDirection[ShaperSpec | None]  # the upload's always; the download's None: not shaped on this node
     classifier: ClassifierState
     minors: dict[str, int]  # pod key -> its HTB class's minor (its leaves': tc.model), the same in both shapers
     skipped: dict[str, str]  # pod key -> why it is not programmed yet (e.g. no IP)
-    ingress_shaper: ShaperSpec | None = None  # downloads; None: not shaped on this node
-    # the measured frames per IP byte the classes were given (pod key, or NODE_RATIO_KEY for the
-    # node class): the view turns their rates back into IP rates with them
-    wire_ratios: dict[str, float] = field(default_factory=dict)
-    ingress_wire_ratios: dict[str, float] = field(default_factory=dict)
+    # per direction, the measured frames per IP byte the classes were given (pod key, or
+    # NODE_RATIO_KEY for the node class): the view turns their rates back into IP rates with them
+    wire_ratios: PerDirection[dict[str, float]] = field(default_factory=lambda: PerDirection({}, {}))
     device_counting: DeviceCounting | None = None  # None: the rules count internal bytes
+
+    @property
+    def shaper(self) -> ShaperSpec:
+        """The upload shaper (always programmed)."""
+        up = self.shapers.upload
+        assert up is not None
+        return up
+
+    @property
+    def ingress_shaper(self) -> ShaperSpec | None:
+        """shapers.download, under the name sampler.py reads until it loops over the lanes (issue 37's, in flight)."""
+        return self.shapers.download
 
 
 NODE_RATIO_KEY = ""  # the node class's key among the wire ratios (no pod key is empty)
@@ -230,24 +273,27 @@ def desired_state(inputs: NodeInputs) -> DesiredState:
     opts = inputs.options
     if not inputs.uplinks:
         raise DesiredStateError("no uplink: the node's internet-facing device(s) must be known (--uplink)")
-    _check_rate(inputs.node_rate, "node allocation")
+    rates = inputs.node_rates
+    if rates.upload is None:
+        raise DesiredStateError("node allocation: the upload shaper needs a rate")
+    _check_rate(rates.upload, "node allocation")
     _check_rate(opts.default_rate, "default-class floor")
     if not (68 <= opts.wire_mtu <= 65535 and 0 <= opts.wire_l2_bytes <= 256):
         raise DesiredStateError(f"wire MTU {opts.wire_mtu} / L2 header {opts.wire_l2_bytes} bytes out of range "
                                 "(68-65535, 0-256)")
     internal = canonical_cidrs(inputs.internal_cidrs)
-    node_rate = max(MIN_RATE_BPS, inputs.node_rate)
-    _check_ratio(inputs.wire_ratio, "node")
-    _check_ratio(inputs.ingress_wire_ratio, "node download")
+    for d, ratio in inputs.node_ratios.items():
+        _check_ratio(ratio, f"node{_WORD[d]}")
 
     ready: list[PodShape] = []
     skipped: dict[str, str] = {}
     seen_ips: dict[str, str] = {}
     for pod in sorted(inputs.pods, key=lambda p: p.key):
-        _check_rate(pod.rate, f"pod {pod.key}")
-        _check_rate(pod.ceil, f"pod {pod.key} ceil")
-        _check_ratio(pod.wire_ratio, f"pod {pod.key}")
-        _check_ratio(pod.ingress_wire_ratio, f"pod {pod.key} download")
+        rate, ceil = pod.rates(Direction.UPLOAD)
+        _check_rate(rate, f"pod {pod.key}")
+        _check_rate(ceil, f"pod {pod.key} ceil")
+        for d in Direction:
+            _check_ratio(pod.ratio(d), f"pod {pod.key}{_WORD[d]}")
         if not pod.ips:
             skipped[pod.key] = "no IP yet"
             continue
@@ -267,39 +313,21 @@ def desired_state(inputs: NodeInputs) -> DesiredState:
         ready.append(dataclasses.replace(pod, ips=tuple(ips)))
 
     minors = assign_minors(ready)
-    classes = [_pod_class(minors[p.key], p.key, p.rate, p.ceil, node_rate, opts, p.wire_ratio) for p in ready]
-    floor = max(MIN_RATE_BPS, to_wire(min(opts.default_rate, node_rate), opts))
-    shaper = ShaperSpec(
-        ifb=opts.ifb,
-        uplinks=tuple(inputs.uplinks),
-        mark_bit=opts.mark_bit,
-        node_rate=max(MIN_RATE_BPS, to_wire(node_rate, opts, inputs.wire_ratio)),
-        default=HtbClassSpec(DEFAULT_MINOR, floor, floor, "default"),
-        pods=tuple(sorted(classes)),
-        major=opts.htb_major,
-        leaf=opts.leaf_qdisc,
-        filter_pref=opts.filter_pref,
-    )
-    ingress_shaper = None
-    if inputs.ingress_node_rate is not None:
-        ingress_shaper = _ingress_shaper(inputs, ready, minors)
-    dl = ingress_shaper is not None
+    shapers = PerDirection.build(lambda d: _shaper(d, inputs, ready, minors))
+
+    def leaf(d: Direction, minor: int) -> tuple[int, int] | None:
+        return (opts.major_of(d), minor) if shapers[d] is not None else None
+
     # packets go straight to the pod's leaves: bulk by its address, its small packets to its control leaf
     classify = [PodClassification(p.key, p.ips, (opts.htb_major, bulk_minor(minors[p.key])),
-                                  (opts.ingress_htb_major, bulk_minor(minors[p.key])) if dl else None,
-                                  ack_class=(opts.htb_major, ack_minor(minors[p.key])),
-                                  ingress_ack_class=(opts.ingress_htb_major, ack_minor(minors[p.key])) if dl else None)
+                                  leaf(Direction.DOWNLOAD, bulk_minor(minors[p.key])),
+                                  leaf(Direction.UPLOAD, ack_minor(minors[p.key])),
+                                  leaf(Direction.DOWNLOAD, ack_minor(minors[p.key])))
                 for p in ready]
-    classifier = ClassifierState(
-        mark_bit=opts.mark_bit,
-        internal_cidrs=internal,
-        pods=tuple(classify),
-        uplinks=tuple(inputs.uplinks),
-        default_class=(opts.htb_major, DEFAULT_MINOR),  # unknown sources: shaped at the floor, never unshaped
-        # downloads to addresses no known pod holds: the download floor, never unshaped
-        ingress_default_class=(opts.ingress_htb_major, DEFAULT_MINOR) if dl else None,
-        internal_by_device=opts.internal_by_device,
-    )
+    # addresses no known pod holds: each shaped direction's default class (its floor), never unshaped
+    classifier = ClassifierState(opts.mark_bit, internal, tuple(classify), tuple(inputs.uplinks),
+                                 leaf(Direction.UPLOAD, DEFAULT_MINOR), leaf(Direction.DOWNLOAD, DEFAULT_MINOR),
+                                 internal_by_device=opts.internal_by_device)
     counting = None
     if opts.internal_by_device:
         members = set_members(internal)
@@ -307,9 +335,12 @@ def desired_state(inputs: NodeInputs) -> DesiredState:
                                   tuple(sorted(ip for p in ready for ip in p.ips)),
                                   tuple(sorted(set(inputs.pod_devices) - set(inputs.uplinks))),
                                   tuple(inputs.uplinks))
-    ratios = _ratios(inputs.wire_ratio, ((p.key, p.wire_ratio) for p in ready))
-    ingress_ratios = _ratios(inputs.ingress_wire_ratio, ((p.key, p.ingress_wire_ratio) for p in ready)) if dl else {}
-    return DesiredState(shaper, classifier, minors, skipped, ingress_shaper, ratios, ingress_ratios, counting)
+    ratios = PerDirection.build(lambda d: _ratios(inputs.node_ratios[d], ((p.key, p.ratio(d)) for p in ready))
+                                if shapers[d] is not None else {})
+    return DesiredState(shapers, classifier, minors, skipped, ratios, counting)
+
+
+_WORD = {Direction.UPLOAD: "", Direction.DOWNLOAD: " download"}  # in error messages: "pod ns/a download"
 
 
 def _ratios(node: float | None, pods) -> dict[str, float]:
@@ -339,34 +370,41 @@ def pod_class_ip(rate: int, ceil: int, node_rate: int) -> tuple[int, int]:
     return rate, min(max(ceil, rate), node_rate)
 
 
-def _ingress_shaper(inputs: NodeInputs, ready: list[PodShape], minors: dict[str, int]) -> ShaperSpec:
-    """The download shaper: the same tree as the upload one (node class, a class per pod with the
-    pod's minor, the default class at the download floor) on the download IFB, fed from the
-    pod-facing devices."""
+def _shaper(d: Direction, inputs: NodeInputs, ready: list[PodShape], minors: dict[str, int]) -> ShaperSpec | None:
+    """Direction `d`'s shaper: a node class, a class per pod (its minor, the same in both shapers)
+    and the default class at the direction's floor, on the direction's IFB. Uploads are fed from
+    the uplinks; downloads from the pod-facing devices (None when the node has no download rate:
+    counted, not shaped)."""
     opts = inputs.options
-    _check_rate(inputs.ingress_node_rate, "node download allocation")
-    _check_rate(opts.ingress_default_rate, "download floor")
-    node_rate = max(MIN_RATE_BPS, inputs.ingress_node_rate)
-    floor = min(opts.ingress_default_rate, node_rate)
+    node_rate = inputs.node_rates[d]
+    if node_rate is None:
+        return None
+    floor = opts.floor(d)
+    word = _WORD[d]
+    _check_rate(node_rate, f"node{word} allocation")
+    _check_rate(floor, "default-class floor" if d is Direction.UPLOAD else "download floor")
+    node_rate = max(MIN_RATE_BPS, node_rate)
+    floor = min(floor, node_rate)
     classes = []
     for p in ready:
-        rate = floor if p.ingress_rate is None else p.ingress_rate
-        ceil = rate if p.ingress_ceil is None else p.ingress_ceil
-        _check_rate(rate, f"pod {p.key} download")
-        _check_rate(ceil, f"pod {p.key} download ceil")
-        classes.append(_pod_class(minors[p.key], p.key, rate, ceil, node_rate, opts, p.ingress_wire_ratio))
+        rate, ceil = p.rates(d)
+        rate = floor if rate is None else rate
+        ceil = rate if ceil is None else ceil
+        _check_rate(rate, f"pod {p.key}{word}")
+        _check_rate(ceil, f"pod {p.key}{word} ceil")
+        classes.append(_pod_class(minors[p.key], p.key, rate, ceil, node_rate, opts, p.ratio(d)))
     wire_floor = max(MIN_RATE_BPS, to_wire(floor, opts))
-    devices = tuple(sorted(set(inputs.pod_devices) - set(inputs.uplinks)))
+    upload = d is Direction.UPLOAD
     return ShaperSpec(
-        ifb=opts.ingress_ifb,
-        uplinks=devices,
+        ifb=opts.ifb_of(d),
+        uplinks=tuple(inputs.uplinks) if upload else tuple(sorted(set(inputs.pod_devices) - set(inputs.uplinks))),
         mark_bit=opts.mark_bit,
-        node_rate=max(MIN_RATE_BPS, to_wire(node_rate, opts, inputs.ingress_wire_ratio)),
+        node_rate=max(MIN_RATE_BPS, to_wire(node_rate, opts, inputs.node_ratios[d])),
         default=HtbClassSpec(DEFAULT_MINOR, wire_floor, wire_floor, "default"),
         pods=tuple(sorted(classes)),
-        major=opts.ingress_htb_major,
+        major=opts.major_of(d),
         leaf=opts.leaf_qdisc,
         filter_pref=opts.filter_pref,
-        ifb_alias=DOWNLOAD_IFB_ALIAS,
-        optional_devices=True,
+        ifb_alias=UPLOAD_IFB_ALIAS if upload else DOWNLOAD_IFB_ALIAS,
+        optional_devices=not upload,
     )

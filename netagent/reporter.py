@@ -24,7 +24,7 @@ from typing import Callable
 
 import msgspec
 
-from core.direction import Direction
+from core.direction import Direction, PerDirection
 from core.quantity import MAX_BPS
 from core.wire import NodeAnswer, NodeReport, PodReport, answer_decoder, encoder
 
@@ -334,5 +334,5 @@ class Reporter:
         self.last_error = ""
         if allocs is None:
             return True  # no round yet: keep the allocations and the lease we have
-        self.agent.set_allocations(allocs, ingress)
+        self.agent.set_allocations(PerDirection(allocs, ingress))
         return True

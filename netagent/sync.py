@@ -14,25 +14,22 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
-
-from core.direction import Direction
+from core.direction import Direction, PerDirection
 from core.objects import Snapshot
 from core.policy import PolicyCache, ResolvedPod, namespaces_missing, resolve_pods
 from tc.model import MIN_RATE_BPS, NODE_MINOR
 
-from .allocations import Allocation, Allocations, AllocationSet, cap_to_node, least_ceils, pod_rates
+from .allocations import Allocation, Allocations, cap_to_node, least_ceils, pod_rates
 from .config import AgentConfig
 from .datapath import DataPath
 from .demand import PodDemand
 from .frames import FrameRatios
+from .lane import Lane, LocalAllocate
 from .outbound import with_outbound_problems
 from .desired import (NODE_RATIO_KEY, DesiredState, DesiredStateError, NodeInputs, PodShape, assign_minors,
                       desired_state, pod_class_ip)
 
-# Single-node mode's allocator (netagent.local.LocalAllocator): (pods, demand, budget) -> allocations.
-# Injected, so the agent in controller mode never loads the engine (numpy).
-LocalAllocate = Callable[[list[ResolvedPod], dict[str, PodDemand], int], AllocationSet]
+__all__ = ["LocalAllocate", "NodeSync", "SyncState"]
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +39,8 @@ class SyncState:
     """What the last sync decided, published whole after each sync (readers never see half)."""
 
     pods: tuple[ResolvedPod, ...] = ()
-    budget_bps: int = 0
+    # per direction, the budget the local engine shares (single-node mode; uploads: the budget's total)
+    budgets: PerDirection[int] = PerDirection(0, 0)
     desired: DesiredState | None = None
     minors: dict[str, int] = field(default_factory=dict)  # pod key -> HTB minor
     skipped: dict[str, str] = field(default_factory=dict)  # pod key -> why it is not programmed yet
@@ -52,22 +50,25 @@ class SyncState:
     sync_count: int = 0
     source_errors: tuple[str, ...] = ()
     pods_known: bool = False  # a snapshot of the pod source was resolved: `pods` is this node's pods
-    ingress_budget_bps: int = 0  # single-node mode: the node's download rate the local engine shares
-    ingress_effective: dict[str, Allocation] = field(default_factory=dict)  # pod key -> download rate, ceil
+    # per direction: pod key -> the rate and ceil it was given (a direction not shaped: none)
+    effective: PerDirection[dict[str, Allocation]] = field(default_factory=lambda: PerDirection({}, {}))
+
+    # read by sampler.py until it loops over the lanes (its estimation is issue 37's, in flight)
+    @property
+    def budget_bps(self) -> int:
+        return self.budgets.upload
+
+    @property
+    def ingress_budget_bps(self) -> int:
+        return self.budgets.download
 
 
 class NodeSync:
-    def __init__(self, cfg: AgentConfig, datapath: DataPath, allocations: Allocations,
-                 demand: dict[str, PodDemand], local: LocalAllocate | None = None, metrics=None, problems=None,
-                 ingress_allocations: Allocations | None = None, ingress_demand: dict[str, PodDemand] | None = None):
-        """`ingress_allocations`: downloads are shaped too (None: counted only)."""
+    def __init__(self, cfg: AgentConfig, datapath: DataPath, lanes: PerDirection[Lane], metrics=None, problems=None):
+        """`lanes`: one per direction (netagent.lane); a download lane not `shaped` is counted only."""
         self.cfg = cfg
-        self.ingress_allocations = ingress_allocations
-        self.ingress_demand = ingress_demand if ingress_demand is not None else {}
-        self.ingress_local: LocalAllocate | None = None  # single-node mode: the engine on the download budget
+        self.lanes = lanes
         self.datapath = datapath
-        self.allocations = allocations
-        self.demand = demand  # written by the sampler; read here for local allocation
         self.metrics = metrics
         self.problems = problems
         self.state = SyncState()
@@ -76,15 +77,46 @@ class NodeSync:
         self._missing_namespaces: set[str] = set()  # said once per disappearance
         self._namespaces_seen: set[str] = set()  # of this node's pods, present at the last sync
         self.policy = PolicyCache(self._current_policy_objects)
-        self.local = local
         # per direction: the pods (and budget) the local engine last saw
         self._allocated_inputs: dict[Direction, dict[str, object]] = {}
         self._lock = threading.Lock()  # one sync at a time (the runner's thread, or a test)
-        # each class's measured frames per IP byte (netagent.frames), per direction: written by the
-        # sampler from the counters it reads anyway, given to the classes at the next sync
-        opts = cfg.datapath
-        self.frames = FrameRatios(opts.wire_mtu, opts.wire_l2_bytes)
-        self.ingress_frames = FrameRatios(opts.wire_mtu, opts.wire_l2_bytes)
+
+    def shaped_lanes(self) -> list[Lane]:
+        return [lane for _, lane in self.lanes.items() if lane.shaped]
+
+    # the lanes' parts under their old names: sampler.py reads these until it loops over the lanes
+    # (its estimation is issue 37's, in flight)
+    @property
+    def allocations(self) -> Allocations:
+        return self.lanes.upload.allocations
+
+    @property
+    def demand(self) -> dict[str, PodDemand]:
+        return self.lanes.upload.demand
+
+    @property
+    def local(self) -> LocalAllocate | None:
+        return self.lanes.upload.local
+
+    @property
+    def frames(self) -> FrameRatios:
+        return self.lanes.upload.frames
+
+    @property
+    def ingress_allocations(self) -> Allocations | None:
+        return self.lanes.download.allocations if self.lanes.download.shaped else None
+
+    @property
+    def ingress_demand(self) -> dict[str, PodDemand]:
+        return self.lanes.download.demand
+
+    @property
+    def ingress_local(self) -> LocalAllocate | None:
+        return self.lanes.download.local
+
+    @property
+    def ingress_frames(self) -> FrameRatios:
+        return self.lanes.download.frames
 
     # -- inputs ---------------------------------------------------------------
     def on_snapshot(self, snap: Snapshot) -> None:
@@ -125,33 +157,34 @@ class NodeSync:
             policy, _ = self.policy()
             pods = [with_outbound_problems(p) for p in resolve_pods(policy, snap.pods, snap.namespaces)]
             self._note_missing_namespaces(pods, snap)
-            budget = int(policy.totals[Direction.UPLOAD])
             if self.problems is not None:
                 for p in pods:
                     self.problems.report(p.namespace, p.name, p.uid, p.problems)
                 self.problems.forget({p.uid for p in pods})
-            stage = "allocate"
-            self._allocate_locally_if_inputs_changed(pods, budget, Direction.UPLOAD)
-            effective = self.allocations.effective(pods, self.minor_of, time.monotonic())
-            stage = "plan"
-            node_rate = self.allocations.node_rate(effective, self.cfg.datapath.default_rate)
-            effective = cap_to_node(effective, node_rate, self.cfg.datapath.default_rate, least_ceils(self.allocations, pods))
-            ingress_rate, ingress_eff, ingress_budget = None, {}, 0
-            if self.ingress_allocations is not None:
-                ingress_rate, ingress_eff, ingress_budget = self._ingress(pods, policy)
-            self._seed_frames(pods, effective, node_rate, ingress_eff, ingress_rate)
-            ratio, ingress_ratio = self.frames.get, self.ingress_frames.get
-            shapes = tuple(PodShape(p.key, p.ips, *pod_rates(effective[p.key]),
-                                    *(pod_rates(ingress_eff[p.key]) if p.key in ingress_eff else (None, None)),
-                                    wire_ratio=ratio(p.key), ingress_wire_ratio=ingress_ratio(p.key))
-                           for p in pods)
-            on_devices = ingress_rate is not None or self.cfg.datapath.internal_by_device
+            # per direction, the budget the local engine shares: uploads the budget's total; downloads
+            # --ingress-rate, else the budget's ingressTotal when it has one
+            budgets = PerDirection(int(policy.totals[Direction.UPLOAD]),
+                                   self.cfg.ingress_rate_bps or int(policy.totals[Direction.DOWNLOAD]))
+            node_rates: dict[Direction, int] = {}
+            effective: dict[Direction, dict[str, Allocation]] = {}
+            for lane in self.shaped_lanes():
+                d = lane.direction
+                stage = "allocate"
+                self._allocate_locally_if_inputs_changed(pods, budgets[d], lane)
+                eff = lane.allocations.effective(pods, self.minor_of, time.monotonic())
+                stage = "plan"
+                # the node class's rate: the controller's answer, else what the pods' rates add up to
+                floor = self.cfg.datapath.floor(d)
+                node_rates[d] = lane.allocations.node_rate(eff, floor)
+                effective[d] = cap_to_node(eff, node_rates[d], floor, least_ceils(lane.allocations, pods))
+            self._seed_frames(pods, effective, node_rates)
+            shapes = tuple(self._shape(p, effective) for p in pods)
+            on_devices = Direction.DOWNLOAD in node_rates or self.cfg.datapath.internal_by_device
             devices = self.datapath.pod_devices(self.cfg.uplinks) if on_devices else ()
-            desired = desired_state(NodeInputs(self.cfg.uplinks, self.cfg.internal, shapes, node_rate,
-                                               self.cfg.datapath, ingress_node_rate=ingress_rate,
-                                               wire_ratio=ratio(NODE_RATIO_KEY),
-                                               ingress_wire_ratio=ingress_ratio(NODE_RATIO_KEY),
-                                               pod_devices=devices))
+            desired = desired_state(NodeInputs(
+                self.cfg.uplinks, self.cfg.internal, shapes, PerDirection.build(node_rates.get), self.cfg.datapath,
+                pod_devices=devices,
+                wire_ratio=PerDirection.build(lambda d: self.lanes[d].frames.get(NODE_RATIO_KEY))))
             stage = "apply"
             changes = self.datapath.apply(desired, full=full or before.desired is None)
         except (DesiredStateError, ValueError) as exc:
@@ -162,9 +195,9 @@ class NodeSync:
             self._failed(stage, f"{stage}: {exc.__class__.__name__}: {exc}", pods, snap)
             return False
         elapsed = time.perf_counter() - t0
-        self.state = SyncState(tuple(pods), budget, desired, dict(desired.minors), dict(desired.skipped), True,
+        self.state = SyncState(tuple(pods), budgets, desired, dict(desired.minors), dict(desired.skipped), True,
                                "kernel matches the desired state", time.time(), before.sync_count + 1, snap.errors,
-                               pods_known=True, ingress_budget_bps=ingress_budget, ingress_effective=ingress_eff)
+                               pods_known=True, effective=PerDirection.build(lambda d: effective.get(d, {})))
         self._count(changes, before.desired, desired, elapsed)
         return True
 
@@ -186,16 +219,23 @@ class NodeSync:
         self._missing_namespaces = set(missing)
         self._namespaces_seen = {p.namespace for p in pods} - self._missing_namespaces
 
-    def _seed_frames(self, pods: list[ResolvedPod], effective: dict[str, Allocation], node_rate: int,
-                     ingress_eff: dict[str, Allocation], ingress_rate: int | None) -> None:
+    def _shape(self, p: ResolvedPod, effective: dict[Direction, dict[str, Allocation]]) -> PodShape:
+        """Pod `p` as the desired state needs it: per direction its rate and ceil (a direction not
+        shaped, or a pod it has no class for: None, the floor) and its class's measured frame ratio."""
+        rates = PerDirection.build(lambda d: pod_rates(effective[d][p.key]) if p.key in effective.get(d, {})
+                                   else (None, None))
+        return PodShape(p.key, p.ips, rates.map(lambda r: r[0]), rates.map(lambda r: r[1]),
+                        wire_ratio=PerDirection.build(lambda d: self.lanes[d].frames.get(p.key)))
+
+    def _seed_frames(self, pods: list[ResolvedPod], effective: dict[Direction, dict[str, Allocation]],
+                     node_rates: dict[Direction, int]) -> None:
         """Classes this process has no measured frame ratio for keep the one the kernel shows they
         were given (`FrameRatios.seed`): a restarted agent changes nothing, its numbers being the same."""
-        for ratios, stats, eff, node in ((self.frames, self.datapath.class_stats, effective, node_rate),
-                                         (self.ingress_frames, self.datapath.ingress_class_stats, ingress_eff,
-                                          ingress_rate)):
-            if node is None or (NODE_RATIO_KEY in ratios.ratios and all(p.key in ratios.ratios for p in pods)):
+        for d, node in node_rates.items():
+            ratios, eff = self.lanes[d].frames, effective[d]
+            if NODE_RATIO_KEY in ratios.ratios and all(p.key in ratios.ratios for p in pods):
                 continue
-            kernel = stats()
+            kernel = self.datapath.class_stats(d)
             node = max(MIN_RATE_BPS, node)
             st = kernel.get(NODE_MINOR)
             if st is not None:
@@ -206,24 +246,12 @@ class NodeSync:
                 if a is not None and st is not None:
                     ratios.seed(p.key, *pod_class_ip(*pod_rates(a), node), st.rate_bytes * 8, st.ceil_bytes * 8)
 
-    def _ingress(self, pods: list[ResolvedPod], policy) -> tuple[int, dict[str, Allocation], int]:
-        """Downloads: (the node's download rate, each pod's download rate and ceil, the budget the local
-        engine shares) by the same steps as uploads, on the pods' download values (`pod.limits[DOWNLOAD]`).
-        Node rate: the controller's answer; single-node mode: --ingress-rate, else the budget's
-        ingressTotal when it has one, else the sum of the pods' download caps."""
-        floor = self.cfg.datapath.ingress_default_rate
-        budget = self.cfg.ingress_rate_bps or int(policy.totals[Direction.DOWNLOAD])
-        self._allocate_locally_if_inputs_changed(pods, budget, Direction.DOWNLOAD)
-        eff = self.ingress_allocations.effective(pods, self.minor_of, time.monotonic())
-        rate = self.ingress_allocations.node_rate(eff, floor)
-        return rate, cap_to_node(eff, rate, floor, least_ceils(self.ingress_allocations, pods)), budget
-
     def _count(self, changes: dict[str, int], before: DesiredState | None, desired: DesiredState,
                elapsed: float) -> None:
         # a part (tc, or iptables with its ipsets) planned exactly as in the last good sync, yet the
         # kernel needed changes there: someone else changed it
         drift = {kind: n for kind, n in changes.items() if n and before is not None and (
-            (desired.shaper, desired.ingress_shaper) == (before.shaper, before.ingress_shaper) if kind == "tc"
+            desired.shapers == before.shapers if kind == "tc"
             else desired.device_counting == before.device_counting if kind == "ebpf"
             else desired.classifier == before.classifier)}
         if self.metrics:
@@ -242,31 +270,28 @@ class NodeSync:
 
     def _failed(self, stage: str, reason: str, pods: list[ResolvedPod] | None, snap: Snapshot) -> None:
         s = self.state  # the pods as resolved, if it got that far: the view shows what failed to apply
-        self.state = SyncState(tuple(pods) if pods is not None else s.pods, s.budget_bps, s.desired, s.minors, s.skipped,
+        self.state = SyncState(tuple(pods) if pods is not None else s.pods, s.budgets, s.desired, s.minors, s.skipped,
                                False, reason, s.last_success, s.sync_count, snap.errors,
                                pods_known=s.pods_known or pods is not None)
         if self.metrics:
             self.metrics.reconcile_errors.labels(stage).inc()
         log.error("reconcile failed (%s); the previous kernel state stays in force", reason)
 
-    def _allocate_locally_if_inputs_changed(self, pods: list[ResolvedPod], budget: int,
-                                            direction: Direction) -> None:
+    def _allocate_locally_if_inputs_changed(self, pods: list[ResolvedPod], budget: int, lane: Lane) -> None:
         """Single-node mode: a pod that appears, gets its IP or changes class (or a new budget
         total) gets its share in this sync, not at the next allocation round. Right after a
         restart, pods whose class the kernel already holds keep it (adoption) until the next round.
-        `direction`: whose values (weight, guarantee, cap) and allocator."""
-        local, allocations, demand = (self.local, self.allocations, self.demand) if direction is Direction.UPLOAD else (
-            self.ingress_local, self.ingress_allocations, self.ingress_demand)
-        if local is None:
+        The lane's direction says whose values (weight, guarantee, cap) and allocator."""
+        d = lane.direction
+        if lane.local is None:
             return
-        inputs: dict[str, object] = {p.key: (p.team, p.egress_class, p.limits[direction], bool(p.ips)) for p in pods}
+        inputs: dict[str, object] = {p.key: (p.team, p.egress_class, p.limits[d], bool(p.ips)) for p in pods}
         inputs[""] = budget  # a new budget total is a change too
-        if inputs == self._allocated_inputs.get(direction):
+        if inputs == self._allocated_inputs.get(d):
             return
-        first = direction not in self._allocated_inputs
-        self._allocated_inputs[direction] = inputs
-        adopted = allocations.adopted
+        first = d not in self._allocated_inputs
+        self._allocated_inputs[d] = inputs
+        adopted = lane.allocations.adopted
         if first and adopted and all(self.minor_of(p) in adopted for p in pods if p.ips):
             return
-        allocations.replace(local(pods, demand, budget))
-
+        lane.allocations.replace(lane.local(pods, lane.demand, budget))

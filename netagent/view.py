@@ -1,19 +1,24 @@
 """What the agent exposes (metrics, /state, `netagent status`), as plain data.
 
 Built at scrape time from kernel counters plus the agent's last decisions, so the
-collector, the JSON endpoint and the status table all say the same thing.
+collector, the JSON endpoint and the status table all say the same thing. The views'
+field names are the /state JSON keys (an edge: tests/test_agent_names.py holds them), so
+downloads keep their `ingress_` names here; inside, both directions are read by one code path.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
 
+from core.direction import Direction, PerDirection
+from tc.model import HtbClassSpec
+
 from .accounting import Accounting, ClassReading
-from .allocations import Allocations
 from .config import AgentConfig
 from .datapath import DataPath
 from .demand import PodDemand
 from .desired import NODE_RATIO_KEY, from_wire, ip_bytes
+from .lane import Lane
 from .sync import SyncState
 
 SCOPES = ("internal", "internet")
@@ -86,64 +91,39 @@ def reading(st, opts) -> ClassReading | None:
     return None if st is None else ClassReading(ip_bytes(st.bytes, st.packets, opts), st.packets)
 
 
-def node_view(cfg: AgentConfig, state: SyncState, allocations: Allocations, demand: dict[str, PodDemand],
-              datapath: DataPath, controller_reachable: bool, ingress_allocations: Allocations | None = None,
-              ingress_demand: dict[str, PodDemand] | None = None, accounting: Accounting | None = None) -> NodeView:
+def node_view(cfg: AgentConfig, state: SyncState, lanes: PerDirection[Lane], datapath: DataPath,
+              controller_reachable: bool, accounting: Accounting | None = None) -> NodeView:
     """The node as the agent sees it now: its last decisions plus the kernel's counters, as the
     sampler and the reporter last read them (byte counters at most a report period old in controller
     mode, a second otherwise): a scrape costs no kernel read of its own, whatever the scrape rate."""
     pod_counters, node_counters = datapath.counters(max_age=cfg.report_period if cfg.controller else 1.0)
-    stats = datapath.class_stats()
     desired = state.desired
     opts = cfg.datapath  # rates in the view are IP bit/s; the HTB classes hold them as frame rates
-    shapes = {c.minor: c for c in desired.shaper.pods} if desired is not None else {}
-    dl = desired.ingress_shaper if desired is not None else None
-    ingress_shapes = {c.minor: c for c in dl.pods} if dl is not None else {}
-    ingress_stats = datapath.ingress_class_stats() if dl is not None else {}
-    ingress_demand = ingress_demand or {}
+    shapers = desired.shapers if desired is not None else PerDirection(None, None)
+    # per direction, each shaped class by minor and its counters (a direction not shaped: none)
+    shapes: PerDirection[dict[int, HtbClassSpec]] = shapers.map(
+        lambda sh: {c.minor: c for c in sh.pods} if sh is not None else {})
+    stats = PerDirection.build(lambda d: datapath.class_stats(d) if d is Direction.UPLOAD or shapers[d] else {})
     # the classes' rates back in IP bit/s with the frames per IP byte each was given
-    ratios = desired.wire_ratios if desired is not None else {}
-    ingress_ratios = desired.ingress_wire_ratios if desired is not None else {}
+    ratios = desired.wire_ratios if desired is not None else PerDirection({}, {})
     accounting = accounting or Accounting()
     out = []
     for p in state.pods:
         minor = state.minors.get(p.key)
-        shape = shapes.get(minor) if minor is not None else None
-        d = demand.get(p.key) or PodDemand()
         c = pod_counters.get(p.key, {})
-        st = stats.get(minor) if minor is not None else None
-        out.append(PodView(
-            namespace=p.namespace, name=p.name, team=p.team, egress_class=p.egress_class, ips=p.ips,
-            minor=minor, waiting=state.skipped.get(p.key, ""),
-            allocation_bps=from_wire(shape.rate, opts, ratios.get(p.key)) if shape else 0,
-            limit_bps=from_wire(shape.ceil, opts, ratios.get(p.key)) if shape else 0,
-            demand_bps=d.demand_bps, usage_bps=d.usage_bps, throttled=d.throttled,
-            throttled_seconds=d.throttled_seconds,
-            egress_bytes={s: c.get(f"egress_{s}", 0) for s in SCOPES},
-            ingress_bytes={s: c.get(f"ingress_{s}", 0) for s in SCOPES},
-            dropped_packets=st.drops if st else 0, problems=p.problems,
-        ))
-        # uploads counted as they left the pod's class (docs/accounting.md); the rules' count is what it offered
-        sent = accounting.delivered("egress", p.key, reading(st, opts))
-        if sent is not None and not accounting.seeding:  # seeding: the rules' count, as the agent before showed
-            offered = c.get("egress_internet", 0)
-            out[-1].egress_bytes["internet"] = sent[0]
-            out[-1].dropped_bytes = accounting.dropped("egress", p.key, offered)
-        ishape, ist, idem = ingress_shapes.get(minor), ingress_stats.get(minor), ingress_demand.get(p.key)
-        if ishape is not None:
-            v = out[-1]
-            iratio = ingress_ratios.get(p.key)
-            v.ingress_allocation_bps = from_wire(ishape.rate, opts, iratio)
-            v.ingress_limit_bps = from_wire(ishape.ceil, opts, iratio)
-            v.ingress_dropped_packets = ist.drops if ist else 0
-            got = accounting.delivered("ingress", p.key, reading(ist, opts))
-            if got is not None:  # arrived (the rules, ingress_bytes) = reached the pod + dropped + queued
-                v.ingress_delivered_bytes = got[0]
-                v.ingress_dropped_bytes = accounting.dropped("ingress", p.key, c.get("ingress_internet", 0))
-            if idem is not None:
-                v.ingress_demand_bps, v.ingress_usage_bps = idem.demand_bps, idem.usage_bps
-                v.ingress_throttled, v.ingress_throttled_seconds = idem.throttled, idem.throttled_seconds
-    allocs = allocations.current
+        v = PodView(namespace=p.namespace, name=p.name, team=p.team, egress_class=p.egress_class, ips=p.ips,
+                    minor=minor, waiting=state.skipped.get(p.key, ""), problems=p.problems,
+                    egress_bytes={s: c.get(f"egress_{s}", 0) for s in SCOPES},
+                    ingress_bytes={s: c.get(f"ingress_{s}", 0) for s in SCOPES})
+        for d in Direction:
+            shape = shapes[d].get(minor) if minor is not None else None
+            st = stats[d].get(minor) if minor is not None else None
+            if d is Direction.UPLOAD or shape is not None:
+                _pod_direction(v, d, shape, st, ratios[d].get(p.key), lanes[d].demand.get(p.key), c, accounting, opts)
+        out.append(v)
+    allocs, up, down = lanes.upload.allocations.current, lanes.upload.allocations, lanes.download.allocations
+    node_rates = PerDirection.build(
+        lambda d: from_wire(sh.node_rate, opts, ratios[d].get(NODE_RATIO_KEY)) if (sh := shapers[d]) else None)
     return NodeView(
         node=cfg.node, pods=out,
         # internet uploads as they left (after the node's shaper, plus what bypasses it); downloads as they arrived
@@ -151,15 +131,52 @@ def node_view(cfg: AgentConfig, state: SyncState, allocations: Allocations, dema
                                            node_counters.get(f"egress_{s}", 0)) for s in SCOPES},
         ingress_bytes={s: node_counters.get(f"ingress_{s}", 0) for s in SCOPES},
         unknown_source_egress_bytes=node_counters.get("egress_unknown_internet", 0),
-        allocation_bps=from_wire(desired.shaper.node_rate, opts, ratios.get(NODE_RATIO_KEY)) if desired else 0,
+        allocation_bps=node_rates.upload or 0,
         ready=state.ready, ready_reason=state.ready_reason, controller=cfg.controller or "",
-        controller_reachable=controller_reachable, fail_static=allocations.fail_static,
+        controller_reachable=controller_reachable, fail_static=up.fail_static,
         lease_expires_in=None if allocs.lease_expires == float("inf") else allocs.lease_expires - time.monotonic(),
-        safe_floor_bps=allocations.floor_bps,
-        allocation_source="floor" if allocations.fail_static else allocs.source,
+        safe_floor_bps=up.floor_bps,
+        allocation_source="floor" if up.fail_static else allocs.source,
         last_reconcile_success=state.last_success, leaf_qdisc=datapath.leaf_qdisc,
         iptables_backend=datapath.iptables_backend, source_errors=state.source_errors,
-        ingress_allocation_bps=from_wire(dl.node_rate, opts, ingress_ratios.get(NODE_RATIO_KEY)) if dl is not None else None,
-        ingress_safe_floor_bps=ingress_allocations.floor_bps if ingress_allocations is not None else 0.0,
+        ingress_allocation_bps=node_rates.download,
+        ingress_safe_floor_bps=down.floor_bps,
         unknown_destination_ingress_bytes=node_counters.get("ingress_unknown_internet", 0),
     )
+
+
+# The /state keys of a pod's values per direction (uploads kept their unprefixed names)
+_KEYS = {d: {k: (k if d is Direction.UPLOAD else f"ingress_{k}") for k in (
+    "allocation_bps", "limit_bps", "dropped_packets", "dropped_bytes", "demand_bps", "usage_bps", "throttled",
+    "throttled_seconds")} for d in Direction}
+
+
+def _pod_direction(v: PodView, d: Direction, shape, st, ratio: float | None, demand: PodDemand | None,
+                   c: dict[str, int], accounting: Accounting, opts) -> None:
+    """Pod view `v`'s values in direction `d`: its class's rate and ceil, drops, what reached the
+    far side (docs/accounting.md) and its demand."""
+    key, word = f"{v.namespace}/{v.name}", d.metric_word
+    values: dict[str, object] = {"dropped_packets": st.drops if st else 0}
+    if shape is not None:
+        values.update(allocation_bps=from_wire(shape.rate, opts, ratio), limit_bps=from_wire(shape.ceil, opts, ratio))
+    else:  # an upload not programmed yet (waiting for its IP)
+        values.update(allocation_bps=0, limit_bps=0)
+    if demand is not None or d is Direction.UPLOAD:
+        dem = demand or PodDemand()
+        values.update(demand_bps=dem.demand_bps, usage_bps=dem.usage_bps, throttled=dem.throttled,
+                      throttled_seconds=dem.throttled_seconds)
+    for k, value in values.items():
+        setattr(v, _KEYS[d][k], value)
+    # counted as they left the pod's class; the rules' count is what was offered to it (uploads) or
+    # what arrived (downloads: arrived = reached the pod + dropped + queued)
+    got = accounting.delivered(word, key, reading(st, opts))
+    if got is None:
+        return
+    offered = c.get(f"{word}_internet", 0)
+    if d is Direction.UPLOAD:
+        if not accounting.seeding:  # seeding: the rules' count, as the agent before showed
+            v.egress_bytes["internet"] = got[0]
+            v.dropped_bytes = accounting.dropped(word, key, offered)
+    else:
+        v.ingress_delivered_bytes = got[0]
+        v.ingress_dropped_bytes = accounting.dropped(word, key, offered)

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import time
 
+from core.direction import PerDirection
 from core.objects import MAX_SERVICE_CIDRS, PodRecord, Snapshot, service_cidrs_of
 from core.policy import shaped_pods
 from netagent.agent import Agent
@@ -96,8 +97,9 @@ def test_controller_lease_then_floor_and_drift_accounting():
     dp = FakeDataPath()
     agent, metrics = make_agent(dp, controller="http://controller")
     agent.on_snapshot(Snapshot((pod("p", "10.244.0.10"),), CLASSES, BUDGETS))
-    agent.set_allocations(AllocationSet(pods={"ns/p": Allocation(5 * M, 9 * M)}, node_rate_bps=50 * M,
-                                        safe_floor_bps=2 * M, lease_expires=time.monotonic() + 60, source="controller"))
+    agent.set_allocations(PerDirection(AllocationSet(pods={"ns/p": Allocation(5 * M, 9 * M)}, node_rate_bps=50 * M,
+                                                     safe_floor_bps=2 * M, lease_expires=time.monotonic() + 60,
+                                                     source="controller"), None))
     assert agent.sync()
     assert [(c.rate, c.ceil) for c in dp.applied[-1].shaper.pods] == [wire(5 * M, 9 * M)]
     # the same plan again, yet the kernel needed changes: someone else changed it
@@ -125,9 +127,9 @@ def test_an_answer_near_zero_still_leaves_the_least_ceil_within_the_node():
         dp = FakeDataPath()
         agent, _ = make_agent(dp, controller="http://controller")
         agent.on_snapshot(Snapshot((pod("p", "10.244.0.10", **ann),), classes, BUDGETS))
-        agent.set_allocations(AllocationSet(pods={"ns/p": Allocation(27_000, 27_000)}, node_rate_bps=node_rate,
-                                            safe_floor_bps=10_000, lease_expires=time.monotonic() + 60,
-                                            source="controller"))
+        agent.set_allocations(PerDirection(AllocationSet(pods={"ns/p": Allocation(27_000, 27_000)},
+                                                         node_rate_bps=node_rate, safe_floor_bps=10_000,
+                                                         lease_expires=time.monotonic() + 60, source="controller"), None))
         assert agent.sync()
         assert [(c.rate, c.ceil) for c in dp.applied[-1].shaper.pods] == [wire(27_000, want)], (node_rate, ann)
 
@@ -238,7 +240,7 @@ DL_BUDGETS = ({"kind": "EgressBudget", "metadata": {"name": "default"},
 
 
 def download_classes(desired) -> dict:
-    return {c.key: (c.rate, c.ceil) for c in desired.ingress_shaper.pods}
+    return {c.key: (c.rate, c.ceil) for c in desired.shapers.download.pods}
 
 
 def test_local_mode_shares_the_download_total_and_honours_the_ingress_annotation():
@@ -252,8 +254,8 @@ def test_local_mode_shares_the_download_total_and_honours_the_ingress_annotation
                                DL_CLASSES, DL_BUDGETS))
     assert agent.sync()
     desired = dp.applied[-1]
-    assert desired.ingress_shaper.node_rate == wire(400 * M)
-    assert desired.ingress_shaper.uplinks == ("vp0", "vp1")  # the pod devices, never the uplink
+    assert desired.shapers.download.node_rate == wire(400 * M)
+    assert desired.shapers.download.uplinks == ("vp0", "vp1")  # the pod devices, never the uplink
     got = download_classes(desired)
     assert got["ns/a"][1] <= wire(300 * M) and got["ns/b"][1] <= wire(50 * M)
     # uploads are unchanged by it: bronze's 20M
@@ -273,7 +275,7 @@ def test_local_mode_shares_the_download_total_and_honours_the_ingress_annotation
     assert "downloads (internet -> pod): node allocation 400.0 Mbit/s" in text and "dl limit" in text
     # a new pod device gets the download filter: a planned tc change, not drift
     dp.devices, dp.next_changes = ("eth0", "vp0", "vp1", "vp2"), {"tc": 2}
-    assert agent.sync() and dp.applied[-1].ingress_shaper.uplinks == ("vp0", "vp1", "vp2")
+    assert agent.sync() and dp.applied[-1].shapers.download.uplinks == ("vp0", "vp1", "vp2")
     assert sample(metrics, "netagent_drift_repairs_total", kind="tc") == 0
 
 
@@ -287,15 +289,15 @@ def test_a_woken_pod_asks_its_download_cap_downloads_and_its_upload_cap_uploads(
     agent, _ = make_agent(dp)
     agent.on_snapshot(Snapshot((pod("b", "10.244.0.11", **{"kubernetes.io/ingress-bandwidth": "50M"}),),
                                DL_CLASSES, DL_BUDGETS))
-    assert agent.sync() and dp.applied[-1].ingress_shaper
+    assert agent.sync() and dp.applied[-1].shapers.download
     minor = agent.node.state.minors["ns/b"]
     for sent, backlog in ((0, 0), (0, 0), (1_000_000, 60_000)):  # idle, idle, then held both ways
         st = ClassStats(minor, sent, sent // 1000, 0, 0, backlog, backlog // 1500, 1000, 1000)
-        dp.stats, dp.ingress_stats = {minor: st}, {minor: st}
+        dp.stats, dp.download_stats = {minor: st}, {minor: st}
         agent.sampler.sample()
         time.sleep(0.2)
     assert agent.demand["ns/b"].demand_bps == 20 * M
-    assert agent.ingress_demand["ns/b"].demand_bps == 50 * M
+    assert agent.lanes.download.demand["ns/b"].demand_bps == 50 * M
 
 
 def test_a_bad_ingress_annotation_keeps_the_default_download_class_and_is_told():
@@ -323,13 +325,13 @@ def test_controller_download_answers_lease_and_own_cap():
     egress = AllocationSet(pods={}, node_rate_bps=50 * M, safe_floor_bps=2 * M, lease_expires=lease, source="controller")
     ingress = AllocationSet(pods={"ns/a": Allocation(30 * M, 60 * M)}, node_rate_bps=200 * M, safe_floor_bps=3 * M,
                             lease_expires=lease, source="controller", own_cap=True)
-    agent.set_allocations(egress, ingress)
+    agent.set_allocations(PerDirection(egress, ingress))
     assert agent.sync()
     got = download_classes(dp.applied[-1])
     assert got["ns/a"] == wire(30 * M, 60 * M)
     assert got["ns/b"][1] == wire(40 * M)  # its own cap: kubernetes.io/ingress-bandwidth
-    assert dp.applied[-1].ingress_shaper.node_rate == wire(200 * M)
-    agent.ingress_allocations.current.lease_expires = time.monotonic() - 1
+    assert dp.applied[-1].shapers.download.node_rate == wire(200 * M)
+    agent.lanes.download.allocations.current.lease_expires = time.monotonic() - 1
     assert agent.sync()
     assert set(download_classes(dp.applied[-1]).values()) == {wire(3 * M, 3 * M)}
 

@@ -107,7 +107,7 @@ def test_a_new_pod_device_gets_the_filter(lab, node):
     try:
         ops, _ = node.program({p.name: (10 * M, 10 * M) for p in node.pods})
         assert f"add_filter {new.node_veth}" in [str(op) for op in ops]
-        assert new.node_veth in node.state.ingress_shaper.uplinks and UPLINK not in node.state.ingress_shaper.uplinks
+        assert new.node_veth in node.state.shapers.download.uplinks and UPLINK not in node.state.shapers.download.uplinks
         ping(new.netns, INTERNET_V4)
         assert node.stats()[node.minor(new)].packets == PINGS
     finally:

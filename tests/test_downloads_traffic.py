@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+from core.direction import PerDirection
 from lab.netns import require_root
 from lab.topology import INTERNAL_CIDRS, INTERNET_V4, INTERNET_V6, PEER_V4, UPLINK, Lab, run
 from netagent.desired import DataPathOptions, NodeInputs, PodShape, desired_state, ip_bytes
@@ -51,16 +52,17 @@ class DownloadNode(NodeUnderTest):
     def program(self, rates: dict, node_rate: int = 10 * G, known: tuple | None = None):
         """rates: pod name -> (download rate, ceil) bit/s; pods not named are unknown to the agent.
         Returns the number of changes (tc ops of both shapers, iptables changes)."""
-        shapes = tuple(PodShape(pod_key(p), (p.ip4, p.ip6), UNSHAPED_UPLOAD, UNSHAPED_UPLOAD, *rates[p.name])
+        shapes = tuple(PodShape(pod_key(p), (p.ip4, p.ip6), PerDirection(UNSHAPED_UPLOAD, rates[p.name][0]),
+                                PerDirection(UNSHAPED_UPLOAD, rates[p.name][1]))
                        for p in self.pods if p.name in rates)
-        self.state = desired_state(NodeInputs((UPLINK,), INTERNAL_CIDRS, shapes, UNSHAPED_UPLOAD, self.options,
-                                              ingress_node_rate=node_rate, pod_devices=self.devices()))
-        ops = self.shaper.apply(self.state.shaper).ops + self.shaper.apply(self.state.ingress_shaper).ops
+        self.state = desired_state(NodeInputs((UPLINK,), INTERNAL_CIDRS, shapes, PerDirection(UNSHAPED_UPLOAD, node_rate),
+                                              self.options, pod_devices=self.devices()))
+        ops = self.shaper.apply(self.state.shaper).ops + self.shaper.apply(self.state.shapers.download).ops
         changes = self.classifier.apply(self.state.classifier)
         return ops, changes
 
     def stats(self) -> dict:
-        spec = self.state.ingress_shaper
+        spec = self.state.shapers.download
         return self.shaper.stats(spec.ifb, spec.major)
 
     def remove(self) -> None:

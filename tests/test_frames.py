@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from core.direction import PerDirection
 from netagent.desired import (NODE_RATIO_KEY, DataPathOptions, DesiredStateError, NodeInputs, PodShape, frames_bits,
                               desired_state, from_wire, to_wire)
 from netagent.frames import MAX_EXTRA, MIN_PACKETS, STEP, FrameRatios
@@ -60,18 +61,19 @@ def test_a_ratio_needs_enough_packets_and_is_bounded():
 def test_the_desired_state_gives_each_class_its_ratio_and_the_view_reads_the_ip_rate_back():
     opts = DataPathOptions()
     ratio, node_ratio = FULL * 1.0044, FULL * 1.002
-    pods = (PodShape("ns/a", ("10.0.0.2",), 10 * M, 20 * M, 30 * M, 40 * M, wire_ratio=ratio, ingress_wire_ratio=ratio),
-            PodShape("ns/b", ("10.0.0.3",), 10 * M, 20 * M, 30 * M, 40 * M))
-    d = desired_state(NodeInputs(("eth0",), ("10.0.0.0/8",), pods, 100 * M, opts, ingress_node_rate=200 * M,
-                                 wire_ratio=node_ratio))
+    rate, ceil = PerDirection(10 * M, 30 * M), PerDirection(20 * M, 40 * M)
+    pods = (PodShape("ns/a", ("10.0.0.2",), rate, ceil, wire_ratio=PerDirection.same(ratio)),
+            PodShape("ns/b", ("10.0.0.3",), rate, ceil))
+    d = desired_state(NodeInputs(("eth0",), ("10.0.0.0/8",), pods, PerDirection(100 * M, 200 * M), opts,
+                                 wire_ratio=PerDirection(node_ratio, None)))
     a, b = (next(c for c in d.shaper.pods if c.key == k) for k in ("ns/a", "ns/b"))
     assert (a.rate, a.ceil) == (math.ceil(10 * M * ratio / 8) * 8, math.ceil(20 * M * ratio / 8) * 8)
     assert (b.rate, b.ceil) == (to_wire(10 * M, opts), to_wire(20 * M, opts))  # not measured: full-size, exact
     assert d.shaper.node_rate == math.ceil(100 * M * node_ratio / 8) * 8
-    ia = next(c for c in d.ingress_shaper.pods if c.key == "ns/a")
+    ia = next(c for c in d.shapers.download.pods if c.key == "ns/a")
     assert ia.ceil == math.ceil(40 * M * ratio / 8) * 8
-    assert d.ingress_shaper.node_rate == to_wire(200 * M, opts)
-    assert d.wire_ratios == {"ns/a": ratio, NODE_RATIO_KEY: node_ratio} and d.ingress_wire_ratios == {"ns/a": ratio}
+    assert d.shapers.download.node_rate == to_wire(200 * M, opts)
+    assert d.wire_ratios == PerDirection({"ns/a": ratio, NODE_RATIO_KEY: node_ratio}, {"ns/a": ratio})
     assert abs(from_wire(a.ceil, opts, ratio) - 20 * M) <= 8  # what the view shows: the IP limit
     for bad in (0.9, float("nan"), 3.0):
         with pytest.raises(DesiredStateError, match="frames per IP byte"):

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from controller.allocator import Allocator
+from core.direction import PerDirection
 from core.objects import PodRecord, Snapshot
 from core.policy import PolicyCache
 from core.wire import NodeAnswer
@@ -77,7 +78,7 @@ def test_a_team_chosen_by_namespace_label_is_enforced_at_the_controllers_allocat
     answer = answer_for(controller_for(snap), agent)
     (alloc,) = answer.pods
     assert (alloc.team, alloc.egress_class, alloc.limit_bps) == ("research", "bulk", 400 * M)
-    agent.set_allocations(allocations_from(answer, time.monotonic(), NODE))
+    agent.set_allocations(PerDirection(allocations_from(answer, time.monotonic(), NODE), None))
     assert agent.sync()
     (shape,) = dp.applied[-1].shaper.pods
     assert shape.ceil == to_wire(400 * M, DataPathOptions())  # not 10M

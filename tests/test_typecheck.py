@@ -38,8 +38,8 @@ def test_the_product_packages_type_check():
 
 def test_a_protocol_that_lacks_a_method_the_code_calls_fails_the_check(tmp_path):
     """The test of the test: the checker catches a call to a method a Protocol does not declare, on a
-    Protocol of its own and on the agent's DataPath (which declares ingress_class_stats since this
-    checker found it missing; egress_class_stats does not exist)."""
+    Protocol of its own and on the agent's DataPath (which declares class_stats per direction, its
+    download half since this checker found it missing; egress_class_stats does not exist)."""
     own = tmp_path / "gap_own.py"
     own.write_text(textwrap.dedent("""\
         from typing import Protocol
@@ -55,7 +55,7 @@ def test_a_protocol_that_lacks_a_method_the_code_calls_fails_the_check(tmp_path)
         from netagent.datapath import DataPath
 
         def use(dp: DataPath) -> int:
-            return len(dp.class_stats()) + len(dp.ingress_class_stats()) + len(dp.egress_class_stats())
+            return len(dp.class_stats()) + len(dp.sample_stats()[1]) + len(dp.egress_class_stats())
         """))
     result = mypy(str(own), str(agent))
     assert result.returncode == 1, result.stdout + result.stderr
