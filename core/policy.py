@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Mapping
 from .direction import Direction, PerDirection
 from .objects import ANNOTATION_BANDWIDTH, ANNOTATION_CLASS, ANNOTATION_INGRESS_BANDWIDTH, DNS_NAME, PodRecord
 from .quantity import MAX_BPS, parse_bps
+from .quota import TeamQuota, budget_zone, team_quota
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ class TeamSpec:
     default_class: str  # always a class that exists in the policy
     allowed_classes: tuple[str, ...]  # empty = all classes allowed
     namespace_selector: NamespaceSelector | None = None
+    quota: TeamQuota | None = None  # volume quota (docs/quotas.md)
+    quota_refused: bool = False  # a quota block given but refused: the previous valid quota stays in force
 
     def allows(self, egress_class: str) -> bool:
         """Whether the team's pods may use `egress_class` (an empty list allows all)."""
@@ -114,6 +117,7 @@ class Policy:
     teams: tuple[TeamSpec, ...]  # the default team is always among them
     default_team: str
     budget_name: str  # "" for the built-in default policy
+    quota_zone: str | None = "UTC"  # spec.quotaTimeZone (IANA); None: refused, the previous zone stays in force
     _team_by_namespace: Mapping[str, TeamSpec] = field(init=False, repr=False, compare=False)
     _team_by_name: Mapping[str, TeamSpec] = field(init=False, repr=False, compare=False)
 
@@ -162,9 +166,8 @@ def builtin_default_policy(classes: Mapping[str, EgressClassSpec] | None = None)
 
 @dataclass(frozen=True)
 class PodPolicy:
-    """A pod's resolved policy: team, class, per direction its weight, guarantee and cap (the
-    class's cap lowered by the direction's bandwidth annotation), and what was wrong with its
-    annotations."""
+    """A pod's resolved policy: team, class, per direction its weight, guarantee and cap (the class's cap
+    lowered by the direction's bandwidth annotation), and what was wrong with its annotations."""
     team: str
     egress_class: str
     limits: PerDirection[Limits]
@@ -378,7 +381,6 @@ def load_policy(classes: Iterable[dict[str, Any]], budgets: Iterable[dict[str, A
         class_specs[spec.name] = spec
     class_specs.setdefault(DEFAULT_CLASS, BUILTIN_DEFAULT_CLASS)
     frozen_classes = MappingProxyType(dict(sorted(class_specs.items())))
-
     budgets = list(budgets)
     problems.extend(f"EgressBudget: expected an object, got {type(b).__name__}; ignored"
                     for b in budgets if not isinstance(b, dict))
@@ -409,9 +411,7 @@ def _spec_of(obj: Any, kind: str) -> tuple[str, dict[str, Any]]:
     name = _name_of(obj)
     if not DNS_NAME.match(name):
         raise PolicyError(f"{kind} {name!r}: metadata.name must be a lower-case DNS name (a-z, 0-9, '-', '.')")
-    spec = obj.get("spec")
-    if spec is None:
-        spec = {}
+    spec = {} if obj.get("spec") is None else obj["spec"]
     if not isinstance(spec, dict):
         raise PolicyError(f"{kind} {name}: spec must be an object")
     return name, spec
@@ -472,12 +472,10 @@ def parse_class(obj: Any) -> EgressClassSpec:
 def _selector(value: Any, what: str) -> NamespaceSelector:
     if not isinstance(value, dict):
         raise PolicyError(f"{what}: must be a label selector object (matchLabels, matchExpressions)")
-    requirements = []
     labels = value.get("matchLabels") or {}
     if not isinstance(labels, dict):
         raise PolicyError(f"{what}.matchLabels: must be a map of label to value")
-    for k, v in sorted(labels.items()):
-        requirements.append(LabelRequirement(str(k), "In", (str(v),)))
+    requirements = [LabelRequirement(str(k), "In", (str(v),)) for k, v in sorted(labels.items())]
     expressions = value.get("matchExpressions") or []
     if not isinstance(expressions, list):
         raise PolicyError(f"{what}.matchExpressions: must be a list")
@@ -550,14 +548,14 @@ def parse_budget(obj: Any, classes: Mapping[str, EgressClassSpec]) -> tuple[Poli
         problems.append(f"EgressBudget {name}: the teams' guarantees add up to more than spec.total; "
                         f"they are scaled down proportionally when all are in use (Oversubscribed)")
     problems.extend(_download_guarantee_problems(name, teams, classes, download_total))
-    return Policy(PerDirection(total, download_total), classes, tuple(teams), default_team, name), problems
+    zone = budget_zone(spec.get("quotaTimeZone"), f"EgressBudget {name}: spec.quotaTimeZone", problems)
+    return Policy(PerDirection(total, download_total), classes, tuple(teams), default_team, name, zone), problems
 
 
 def _download_guarantee_problems(name: str, teams: list[TeamSpec], classes: Mapping[str, EgressClassSpec],
                                 download_total: int) -> list[str]:
-    """Download guarantees above spec.ingressTotal (a class's per pod, or the teams' together),
-    each naming its field; they are scaled down when all are in use, as upload guarantees are.
-    A single team's is reported where it is parsed (with its index)."""
+    """Download guarantees above spec.ingressTotal (a class's per pod, or the teams' together), each naming its field;
+    scaled down when all are in use, as upload guarantees are. A single team's is reported where it is parsed."""
     if download_total >= MAX_BPS:
         return []
     out = [f"EgressClass {c.name}: spec.ingress.min ({c.limits.download.min_bps} bit/s per pod) is above "
@@ -598,4 +596,5 @@ def _parse_team(raw: Any, what: str, classes: Mapping[str, EgressClassSpec], pro
     elif allowed and default_class not in allowed:
         problems.append(f"{what}.defaultClass: {default_class} is not in allowedClasses; using {fallback!r}")
         default_class = fallback
-    return TeamSpec(team_name, tuple(dict.fromkeys(namespaces)), limits, default_class, allowed, selector)
+    return TeamSpec(team_name, tuple(dict.fromkeys(namespaces)), limits, default_class, allowed, selector,
+                    *team_quota(raw.get("quota"), f"{what}.quota", limits, problems))  # quota, quota_refused

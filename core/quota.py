@@ -150,6 +150,23 @@ def parse_team_quota(spec: Mapping[str, Any] | None, what: str,
     return TeamQuota(period, limits), []
 
 
+def team_quota(raw: Any, what: str, limits: PerDirection[Any], problems: list[str]) -> tuple[TeamQuota | None, bool]:
+    """The policy's hook (core/policy.py): a team's `quota` block, beside its `limits` (core.policy.Limits per
+    direction) -> (quota or None, refused). A refused block adds its problems, each naming the field; the caller
+    keeps the team's previous valid quota in force."""
+    quota, bad = parse_team_quota(raw, what, limits.map(lambda lim: int(lim.max_bps)))
+    problems.extend(f"{p}; the team's previous valid quota stays in force" for p in bad)
+    return quota, bool(bad)
+
+
+def budget_zone(value: Any, what: str, problems: list[str]) -> str | None:
+    """The policy's hook: `spec.quotaTimeZone` -> its IANA name ("UTC" if unset), None if refused (a problem
+    naming the field; the previous valid zone stays in force)."""
+    _, bad = parse_time_zone(value, what)
+    problems.extend(f"{p}; the previous valid time zone stays in force" for p in bad)
+    return None if bad else (value if value is not None else "UTC")
+
+
 @dataclass(slots=True)
 class _PodCounter:
     epoch: str

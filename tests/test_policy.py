@@ -242,11 +242,12 @@ def test_crd_fields_match_what_the_loader_reads():
     budget = crd("egressbudgets")["spec"]["versions"][0]
     assert budget["subresources"] == {"status": {}}
     spec = budget["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    assert spec["required"] == ["total"] and set(spec["properties"]) == {"total", "ingressTotal", "defaultTeam", "teams"}
+    assert spec["required"] == ["total"] and set(spec["properties"]) == {"total", "ingressTotal", "defaultTeam", "teams",
+                                                                 "quotaTimeZone"}
     team = spec["properties"]["teams"]
     assert team["x-kubernetes-list-map-keys"] == ["name"]  # team names unique, by the apiserver
     assert set(team["items"]["properties"]) == {"name", "namespaces", "namespaceSelector", "weight", "min", "max",
-                                                "defaultClass", "allowedClasses", "ingress"}
+                                                "defaultClass", "allowedClasses", "ingress", "quota"}
     for ingress in (cls_spec["properties"]["ingress"], team["items"]["properties"]["ingress"]):
         assert set(ingress["properties"]) == {"weight", "min", "max"}
         # no defaults: an absent ingress weight means "the upload weight", which a schema default would hide

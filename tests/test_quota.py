@@ -152,3 +152,47 @@ def test_exhaustion_caps_at_exhausted_rate_or_safe_floor():
     assert out["a"] == TeamCap(10, 0, 10**6)
     assert out["b"] == TeamCap(10, 0, 8000)
     assert out["c"] == limits["c"] and out["d"] == limits["d"]
+
+
+# -- the policy hook (core/policy.py) ---------------------------------------------------------------
+
+def _budget(quota=None, zone=None) -> dict:
+    team = {"name": "research", "namespaces": ["research"], "max": "1G"}
+    if quota is not None:
+        team["quota"] = quota
+    spec = {"total": "10G", "teams": [team]}
+    if zone is not None:
+        spec["quotaTimeZone"] = zone
+    return {"metadata": {"name": "main"}, "spec": spec}
+
+
+def test_policy_carries_each_teams_quota_and_the_zone():
+    from core.policy import load_policy
+    policy, problems = load_policy([], [_budget(GOOD | {"exhaustedRate": "100M"}, "Europe/Berlin")])
+    assert problems == []
+    team = policy.team("research")
+    assert team.quota == parse_team_quota(GOOD, W)[0] and not team.quota_refused
+    assert policy.quota_zone == "Europe/Berlin"
+    assert policy.team(policy.default_team).quota is None
+    policy, problems = load_policy([], [_budget()])
+    assert problems == [] and policy.quota_zone == "UTC" and policy.team("research").quota is None
+
+
+@pytest.mark.parametrize("quota, zone, field", [
+    ({"period": "Month", "bytes": "-5"}, None, "spec.teams[0] (research).quota.bytes"),
+    ({"period": "Year", "bytes": "1Ti"}, None, "spec.teams[0] (research).quota.period"),
+    ({"period": "Month", "bytes": "1Ti", "exhaustedRate": "2G"}, None, "spec.teams[0] (research).quota.exhaustedRate"),
+    ({"period": "Month", "bytes": str(2**63)}, None, "spec.teams[0] (research).quota.bytes"),
+    (GOOD, "Mars/Olympus", "spec.quotaTimeZone"),
+])
+def test_a_bad_quota_is_a_policy_problem_naming_the_field_and_the_team_keeps_its_rates(quota, zone, field):
+    from core.policy import load_policy
+    policy, problems = load_policy([], [_budget(quota, zone)])
+    assert problems and all(p.startswith("EgressBudget main: ") for p in problems), problems
+    assert any(field in p and "previous valid" in p for p in problems), problems
+    team = policy.team("research")  # the team and its rates stay; only the quota part is refused
+    assert team.limits.upload.max_bps == 10**9 and team.namespaces == ("research",)
+    if zone is None:
+        assert team.quota is None and team.quota_refused
+    else:
+        assert policy.quota_zone is None and team.quota is not None
