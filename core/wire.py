@@ -19,6 +19,7 @@ import msgspec
 
 from .direction import PerDirection
 from .objects import DNS_NAME_PATTERN
+from .quantity import MAX_BYTES
 
 MAX_PODS_PER_REPORT = 1024  # pods allocated per report: kubelet's max-pods tops out far below this
 # pods a report may *carry*: those beyond MAX_PODS_PER_REPORT are refused by name (reason TooManyPods),
@@ -29,6 +30,7 @@ MAX_ANNOTATION_VALUE = 1024  # longer values of the annotations we read: that po
 MAX_REFUSED = 256  # refused pods listed by name in one answer; the count of the rest goes to `problems`
 MAX_RATE = 2.0**64  # bit/s
 Rate = Annotated[float, msgspec.Meta(ge=0, le=MAX_RATE)]
+ByteCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_BYTES)]  # a cumulative counter: a signed 64-bit one's range
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=253, pattern=f"^{DNS_NAME_PATTERN}$")]
 # Pod and namespace names are checked all at once by `invalid_name` (one regex over the joined
 # names instead of 220 regex calls per report: a third of the decode time otherwise)
@@ -56,6 +58,11 @@ class PodReport(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     ingress_demand_bps: Rate = 0.0  # the agent's estimate (probes above censored usage, as for egress)
     ingress_throttled: bool = False
     ingress_bandwidth: AnnotationValue | None = None  # kubernetes.io/ingress-bandwidth as the pod carries it
+    # volume quotas (docs/quotas.md): the pod's cumulative internet IP bytes, the accounting metrics' values
+    # (uploads as they left its shaper, downloads as they arrived), within NodeReport.epoch; None: not counted
+    # (an older agent, or a pod its agent has no counter for yet): the pod spends no quota in that report
+    bytes_total: ByteCount | None = None
+    ingress_bytes_total: ByteCount | None = None
 
 
 class NodeReport(msgspec.Struct, forbid_unknown_fields=True, gc=False):
@@ -67,6 +74,9 @@ class NodeReport(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     node_internet_egress_bps: Rate = 0.0  # everything leaving to the internet, host traffic included
     node_internet_ingress_bps: Rate = 0.0  # everything arriving from the internet, host traffic included
     shapes_ingress: bool = False  # the agent shapes downloads (an older agent does not: no download share)
+    # what the pods' byte counters count from (docs/quotas.md): a new epoch means they may have restarted
+    # from 0; None (an older agent): its pods' counters are not counted
+    epoch: Annotated[str, msgspec.Meta(min_length=1, max_length=128)] | None = None
 
 
 AGENT_ANSWER_TIMEOUT = 3.0  # seconds an agent waits for the controller's answer (the controller answers sooner)
@@ -185,3 +195,4 @@ POD_DEMAND = PerDirection(attrgetter("demand_bps"), attrgetter("ingress_demand_b
 POD_USAGE = PerDirection(attrgetter("usage_bps"), attrgetter("ingress_usage_bps"))
 NODE_MEASURED = PerDirection(attrgetter("node_internet_egress_bps"), attrgetter("node_internet_ingress_bps"))
 POD_ALLOCATION = PerDirection(attrgetter("allocation_bps"), attrgetter("ingress_allocation_bps"))
+POD_BYTES = PerDirection(attrgetter("bytes_total"), attrgetter("ingress_bytes_total"))

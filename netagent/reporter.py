@@ -16,16 +16,17 @@ that has no round with this node yet (just elected): the agent keeps what it has
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import msgspec
 
 from core.direction import Direction, PerDirection
-from core.quantity import MAX_BPS
+from core.quantity import MAX_BPS, MAX_BYTES
 from core.wire import NodeAnswer, NodeReport, PodReport, answer_decoder, encoder
 
 from .agent import Agent, ReportInputs
@@ -40,10 +41,13 @@ MAX_ANSWER_BYTES = 4 << 20  # a 1,024-pod answer is ~200 KiB
 
 
 def build_report(inputs: ReportInputs, seq: int, period: float, node_egress_bps: float,
-                 on_omitted: Callable[[str, int], None] | None = None, node_ingress_bps: float = 0.0) -> NodeReport:
+                 on_omitted: Callable[[str, int], None] | None = None, node_ingress_bps: float = 0.0,
+                 counters: Mapping[str, tuple[int, int]] | None = None, epoch: str | None = None) -> NodeReport:
     """The wire report for one period: per pod its usage, demand, throttling and annotations, bounded
     (`outbound`): over-long annotation values and pods beyond one report's limit are left out and
-    counted through `on_omitted(reason, n)`."""
+    counted through `on_omitted(reason, n)`. `counters`: pod key -> its cumulative internet bytes (uploads,
+    downloads) within `epoch`, for the volume quotas (docs/quotas.md)."""
+    counters = counters or {}
     omitted = on_omitted or (lambda reason, n: None)
     kept, left_out = bounded_pods(list(inputs.pods))
     if left_out:
@@ -62,10 +66,31 @@ def build_report(inputs: ReportInputs, seq: int, period: float, node_egress_bps:
             demand_bps=float(d.demand_bps) if d else float(p.limits[Direction.UPLOAD].min_bps),
             throttled=bool(d.throttled) if d else False,
             egress_class=egress_class, egress_bandwidth=egress_bandwidth,
-            **_ingress_fields(p, inputs),
+            **_ingress_fields(p, inputs), **_byte_fields(counters.get(p.key)),
         ))
     return NodeReport(inputs.node, pods, seq, period, max(0.0, node_egress_bps),
-                      node_internet_ingress_bps=max(0.0, node_ingress_bps), shapes_ingress=inputs.shapes_ingress)
+                      node_internet_ingress_bps=max(0.0, node_ingress_bps), shapes_ingress=inputs.shapes_ingress,
+                      epoch=epoch if counters else None)
+
+
+def _byte_fields(counted: tuple[int, int] | None) -> dict:
+    """A pod's cumulative internet byte counters for the wire (clamped to its bounds: a counter past 2^63-1
+    would take the whole report with it)."""
+    if counted is None:
+        return {}
+    up, down = (min(max(0, int(v)), MAX_BYTES) for v in counted)
+    return {"bytes_total": up, "ingress_bytes_total": down}
+
+
+def counter_epoch() -> str | None:
+    """What the pods' byte counters count from: the kernel's boot and the node's network namespace. The
+    counters live in the kernel (the classes and the kept carries, docs/accounting.md) and survive an agent
+    restart, so a restart is the same epoch; a reboot (or a new network namespace) starts them from 0."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:
+        return None
 
 
 def _ingress_fields(p, inputs: ReportInputs) -> dict:
@@ -205,6 +230,7 @@ class Reporter:
         self.last_error = ""
         self._egress: tuple[float, int] | None = None  # (monotonic, node internet egress bytes) last report
         self._ingress: tuple[float, int] | None = None  # the same for the node's internet ingress
+        self.epoch = counter_epoch()  # the pods' byte counters' epoch (volume quotas)
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self.run, name="reporter", daemon=True)
 
@@ -277,7 +303,21 @@ class Reporter:
         self.seq += 1
         return build_report(inputs, self.seq, self.effective_period(),
                             self._node_egress_bps(inputs.node_internet_egress_bytes, usage), self.on_omitted,
-                            self._node_egress_bps(inputs.node_internet_ingress_bytes, ingress_usage, "_ingress"))
+                            self._node_egress_bps(inputs.node_internet_ingress_bytes, ingress_usage, "_ingress"),
+                            self._counters(), self.epoch)
+
+    def _counters(self) -> dict[str, tuple[int, int]]:
+        """Per pod its internet bytes as the accounting metrics show them (the agent's view: uploads as they left
+        the shaper, downloads as they arrived); none when the view cannot be read (no quota spent this report)."""
+        if self.epoch is None:
+            return {}
+        try:
+            view = self.agent.view()
+        except Exception as exc:
+            log.debug("pod byte counters unreadable: %s", exc)
+            return {}
+        return {f"{p.namespace}/{p.name}": (p.egress_bytes.get("internet", 0), p.ingress_bytes.get("internet", 0))
+                for p in view.pods}
 
     def _token(self) -> str | None:
         if not self.token_path or not self.client.may_send_token():
