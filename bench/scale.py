@@ -470,10 +470,10 @@ class SimAgent:
                     self.down_demand[k] = PodDemand()
             factor = self.host.factor(rp.team)
             total += self._carry(k, self.appetite[k] * factor, self.limits, self.bytes, self.overlimits,
-                                 self.demand, rp.max_bps, t, dt)
+                                 self.demand, rp.limits[Direction.UPLOAD].max_bps, t, dt)
             if downloads:  # as netagent.sampler does for the download classes
                 down += self._carry(k, self.down_appetite[k] * factor, self.down_limits, self.down_bytes,
-                                    self.down_overlimits, self.down_demand, rp.ingress_max_bps, t, dt)
+                                    self.down_overlimits, self.down_demand, rp.limits[Direction.DOWNLOAD].max_bps, t, dt)
         return total, down
 
     def _carry(self, k: str, want: float, limits: dict, counted: dict, overlimits: dict,

@@ -245,32 +245,12 @@ class ResolvedPod:
     ips: tuple[str, ...]
     team: str
     egress_class: str
-    weight: float
-    min_bps: int
-    max_bps: int
+    # per direction its weight, guarantee and cap: the class's, the cap lowered by the direction's
+    # bandwidth annotation (kubernetes.io/egress-bandwidth, kubernetes.io/ingress-bandwidth)
+    limits: PerDirection[Limits]
     problems: tuple[tuple[str, str], ...] = ()
     class_annotation: str | None = None
-    bandwidth_annotation: str | None = None
-    # downloads; ingress_weight None given = the upload weight
-    ingress_weight: float = None  # type: ignore[assignment]
-    ingress_min_bps: int = 0
-    ingress_max_bps: int = MAX_BPS  # the class's ingress max lowered by kubernetes.io/ingress-bandwidth
-    ingress_bandwidth_annotation: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.ingress_weight is None:
-            object.__setattr__(self, "ingress_weight", self.weight)
-
-    @property
-    def limits(self) -> PerDirection[Limits]:
-        """Its weight, guarantee and cap per direction (the new way to read them)."""
-        return PerDirection(Limits(self.weight, self.min_bps, self.max_bps),
-                            Limits(self.ingress_weight, self.ingress_min_bps, self.ingress_max_bps))
-
-    @property
-    def bandwidth(self) -> PerDirection[str | None]:
-        """Its bandwidth annotation per direction, as the pod carries it."""
-        return PerDirection(self.bandwidth_annotation, self.ingress_bandwidth_annotation)
+    bandwidth: PerDirection[str | None] = PerDirection(None, None)  # its bandwidth annotation per direction
 
 
 def shaped_pods(pods: Iterable[PodRecord]) -> list[PodRecord]:
@@ -311,12 +291,9 @@ def resolve_pods(policy: Policy, pods: Iterable[PodRecord],
         cls_ann, bw_ann = p.annotation(ANNOTATION_CLASS), p.annotation(ANNOTATION_BANDWIDTH)
         in_ann = p.annotation(ANNOTATION_INGRESS_BANDWIDTH)
         pp = resolve_pod(policy, p.namespace, cls_ann, bw_ann, labels_of(p.namespace), in_ann)
-        up, down = pp.limits.upload, pp.limits.download
-        out.append(ResolvedPod(
-            p.key, p.namespace, p.name, p.uid, p.ips, pp.team, pp.egress_class,
-            float(up.weight), int(up.min_bps), int(up.max_bps), tuple(pp.problems), cls_ann, bw_ann,
-            float(down.weight), int(down.min_bps), int(down.max_bps), in_ann,
-        ))
+        limits = pp.limits.map(lambda lim: Limits(float(lim.weight), int(lim.min_bps), int(lim.max_bps)))
+        out.append(ResolvedPod(p.key, p.namespace, p.name, p.uid, p.ips, pp.team, pp.egress_class, limits,
+                               tuple(pp.problems), cls_ann, PerDirection(bw_ann, in_ann)))
     return out
 
 

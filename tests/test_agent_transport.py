@@ -15,8 +15,9 @@ import pytest
 
 from lab.procs import wait_for
 from core.certs import issue_serving, new_ca
+from core.direction import PerDirection
 from core.errors import ConfigError
-from core.policy import ResolvedPod
+from core.policy import Limits, ResolvedPod
 from netagent.agent import Agent
 from netagent.allocations import Allocation, AllocationSet
 from netagent.config import AgentConfig, check_controller
@@ -105,7 +106,8 @@ def make_agent(node="node-a", pods=(("web", "w1"), ("web", "w2"))) -> Agent:
     agent = Agent(AgentConfig(node=node, uplinks=("eth0",), internal_cidrs=(), controller="https://localhost"),
                   FakeDataPath())
     agent.node.state = SyncState(pods=tuple(
-        ResolvedPod(f"{ns}/{name}", ns, name, "uid-" + name, ("10.0.0.1",), "web", "default", 1.0, 0, 10**9)
+        ResolvedPod(f"{ns}/{name}", ns, name, "uid-" + name, ("10.0.0.1",), "web", "default",
+                    PerDirection(Limits(1.0, 0, 10**9), Limits(1.0)))
         for ns, name in pods), pods_known=True)
     return agent
 

@@ -21,7 +21,8 @@ import yaml
 
 from lab.kube import Pki
 from lab.procs import stop_process, wait_for
-from core.policy import ResolvedPod
+from core.direction import PerDirection
+from core.policy import Limits, ResolvedPod
 from netagent.agent import Agent
 from netagent.allocations import Allocation, AllocationSet
 from netagent.config import AgentConfig
@@ -200,7 +201,7 @@ def make_agent(node: str, pods: list[tuple[str, str]]) -> Agent:
                   CountingDataPath())
     # the pods as a sync would have published them
     agent.node.state = SyncState(pods=tuple(
-        ResolvedPod(f"{ns}/{name}", ns, name, "uid", ("10.0.0.1",), "web", "default", 1.0, 0, 10**9)
+        ResolvedPod(f"{ns}/{name}", ns, name, "uid", ("10.0.0.1",), "web", "default", PerDirection(Limits(1.0, 0, 10**9), Limits(1.0)))
         for ns, name in pods), pods_known=True)
     return agent
 

@@ -113,9 +113,9 @@ EDGE_FILES = {"core/wire.py"}  # its dataclass fields mirror the JSON names
 PREFIXED = re.compile(r"^(ingress|egress)_[a-z_]+$")
 # not a direction: the EgressClass kind, and the kubernetes.io/egress-bandwidth annotation's wire field
 NOT_A_DIRECTION = {"egress_class", "egress_bandwidth"}
-# still to contract (issue 35): ResolvedPod's fields (tests and bench/scale.py build and read them;
-# netagent reads pod.limits[d] / pod.bandwidth[d] only) and resolve_pod's keyword of the same name
-COMPAT = {"core/policy.py": {"ingress_weight", "ingress_min_bps", "ingress_max_bps", "ingress_bandwidth_annotation"},
+# still to contract (issue 35): resolve_pod's keyword for the download annotation (its callers in
+# controller/, lab/ and tests name it)
+COMPAT = {"core/policy.py": {"ingress_bandwidth_annotation"},
           "cli/main.py": {"ingress_ifb"}}  # DataPathOptions.ingress_ifb, renamed with the agent's config
 
 

@@ -464,15 +464,18 @@ def test_resolve_pods_reads_the_ingress_annotation():
     records = [PodRecord("ra", "p1", "u1", "n", ("10.0.0.1",), False, "Running", ann),
                PodRecord("jobs", "p2", "u2", "n", ("10.0.0.2",), False, "Running", bad)]
     one, two = resolve_pods(policy, records)
-    assert (one.ingress_max_bps, one.ingress_weight, one.ingress_bandwidth_annotation) == (3 * 10**7, 2.0, "30M")
-    assert two.ingress_max_bps == MAX_BPS and two.problems[0][0] == REASON_INVALID_INGRESS_BANDWIDTH
-    assert two.ingress_weight == 3.0 and two.egress_class == "bronze"
+    down = one.limits[Direction.DOWNLOAD]
+    assert (down.max_bps, down.weight, one.bandwidth[Direction.DOWNLOAD]) == (3 * 10**7, 2.0, "30M")
+    assert two.limits.download.max_bps == MAX_BPS and two.problems[0][0] == REASON_INVALID_INGRESS_BANDWIDTH
+    assert two.limits.download.weight == 3.0 and two.egress_class == "bronze"
+    assert two.bandwidth == PerDirection(None, "lots")  # as the pod carries it
 
 
-def test_resolved_pod_without_download_values_takes_the_upload_weight():
-    from core.policy import ResolvedPod
-    p = ResolvedPod("a/b", "a", "b", "u", ("10.0.0.1",), "web", "default", 3.0, 0, 10**9)
-    assert (p.ingress_weight, p.ingress_min_bps, p.ingress_max_bps) == (3.0, 0, MAX_BPS)
+def test_resolved_pod_holds_its_values_per_direction():
+    from core.policy import Limits, ResolvedPod
+    limits = PerDirection(Limits(3.0, 0, 10**9), Limits(3.0))
+    p = ResolvedPod("a/b", "a", "b", "u", ("10.0.0.1",), "web", "default", limits)
+    assert p.limits[Direction.DOWNLOAD] == Limits(3.0, 0, MAX_BPS) and p.bandwidth == PerDirection(None, None)
 
 
 @pytest.mark.parametrize("ingress, fragment", [

@@ -83,7 +83,7 @@ def test_a_team_chosen_by_namespace_label_is_enforced_at_the_controllers_allocat
     (shape,) = dp.applied[-1].shaper.pods
     assert shape.ceil == to_wire(400 * M, DataPathOptions())  # not 10M
     (resolved,) = agent.node.state.pods
-    assert (resolved.team, resolved.egress_class, resolved.max_bps) == ("research", "bulk", 400 * M)
+    assert (resolved.team, resolved.egress_class, resolved.limits.upload.max_bps) == ("research", "bulk", 400 * M)
 
 
 # -- the property: the agent's path and the controller's path agree on every pod ------------------------------
@@ -184,8 +184,8 @@ def agent_resolves(snap: Snapshot) -> dict[tuple[str, str], tuple]:
     agent, _ = make_agent(FakeDataPath())
     agent.on_snapshot(snap)
     assert agent.sync()
-    return agent, {(p.namespace, p.name): (p.team, p.egress_class, p.weight, p.min_bps, p.max_bps, p.ingress_weight,
-                                           p.ingress_min_bps, p.ingress_max_bps) for p in agent.node.state.pods}
+    return agent, {(p.namespace, p.name): (p.team, p.egress_class, *(x for _, lim in p.limits.items() for x in (
+        lim.weight, lim.min_bps, lim.max_bps))) for p in agent.node.state.pods}
 
 
 def controller_resolves(allocator: Allocator, agent: Agent) -> dict[tuple[str, str], tuple]:
