@@ -181,6 +181,20 @@ def class_change(seed: int, estimator: type[PodDemand] = PodDemand, periods: int
     return grew, loop.run(periods)
 
 
+def new_pod(seed: int, estimator: type[PodDemand] = PodDemand, periods: int = 12) -> list[float]:
+    """After 12 settled periods a data pod starts that wants more than any pod of its team gets (the
+    budget is saturated, so its first answer, to a report with no sample of it, is a trickle): the
+    worst error per period after (issue 37: "a pod starts")."""
+    loop = Loop(seed, estimator=estimator)
+    loop.run(12)
+    spec = loop.policy.classes["bulk"]
+    up = spec.limits.upload
+    fair = loop.fair()
+    want = 2 * max(fair[p.key] for p in loop.pods if p.team == "data")
+    loop.pods.append(Pod("data/new", "data", spec.name, up.weight, up.min_bps, up.max_bps, want, estimator=estimator()))
+    return loop.run(periods)
+
+
 def settled(errors: list[float]) -> int:
     """Periods until every pod is within 5 % and stays: 0 when the answer to the first report after
     the event already did it; len(errors) + 1 when never."""

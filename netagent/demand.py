@@ -20,7 +20,8 @@ The estimate must follow a pod's real appetite within a period or two both ways
   report period): repeated samples under the same limit do not escalate, and a cut
   while probing (an answer to older demand) rebases the probe so the next raise counts.
 - Woken: throttled under a limit it had room under when last unthrottled (idle, or
-  well below it), the pod's appetite grew past that room; that is no jitter, and
+  well below it), or in its first measured sample (a new pod: no limit it merely jitters
+  over), the pod's appetite grew past that room; that is no jitter, and
   climbing from an idle pod's trickle by doublings took 11-13 answers (issue 13: one
   node's first report came before its flows). It asks its cap while it stays
   throttled: the engine's max-min answer is its fair share, at once, and an answer
@@ -89,8 +90,10 @@ class PodDemand:
         self.usage_bps = (s.bytes - prev.bytes) * 8 / dt
         before = self.recent_usage[-1] if self.recent_usage else None
         self.recent_usage.append(self.usage_bps)
-        # it sent clearly more than the sample before (jitter does not, nor does a pod held at its limit)
-        jumped = before is not None and self.usage_bps * CLEAR_DROP > max(before, MIN_DEMAND_BPS)
+        # it sent clearly more than the sample before (jitter does not, nor does a pod held at its limit),
+        # or this is its first measured sample: a new pod (or a new agent) has no limit it merely jitters
+        # over, and climbing from the floor by doublings took 11 answers in a saturated cluster (issue 37)
+        jumped = before is None or self.usage_bps * CLEAR_DROP > max(before, MIN_DEMAND_BPS)
         self.throttled = s.drops > prev.drops or s.overlimits > prev.overlimits or s.backlog > 0
         if self.throttled:
             self.throttled_seconds += dt
@@ -120,5 +123,6 @@ class PodDemand:
         """Throttled for the first time since it was unthrottled: is it a new appetite rather than
         jitter over its limit? Yes when it had room under this limit when last unthrottled (an idle
         pod started, a pod woke from a lull), or when it sent clearly more than the sample before
-        (a pod that borrowed over a trickle limit shows no room, but its flows just started)."""
+        (a pod that borrowed over a trickle limit shows no room, but its flows just started), or
+        when there is no sample before (`jumped` says so too: a new pod)."""
         return jumped or (self.roomy_below is not None and self.roomy_below <= limit_bps)

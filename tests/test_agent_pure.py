@@ -29,9 +29,17 @@ def _second(d: PodDemand, t: int, rate_bps: float, limit_bps: float, throttled: 
              answers)
 
 
+def _established(d: PodDemand, rate_bps: float, t: int = 0, answers: int = 0):
+    """Two unthrottled seconds at `rate_bps` under a limit of the same (no room) ending at `t`: a pod the
+    agent has measured before, so its first throttled sample may be jitter over its limit (a pod's very
+    first measured sample is not: it wakes, test_a_new_pod_throttled_in_its_first_measured_sample_wakes)."""
+    _second(d, t - 1, rate_bps, rate_bps, answers=answers)
+    _second(d, t, rate_bps, rate_bps, answers=answers)
+
+
 def test_demand_probes_above_censored_usage_gently_first_then_doubling():
     d = PodDemand()
-    d.update(Sample(0.0, 0, 0, 0, 0), limit_bps=10_000_000, cap_bps=10**9)
+    _established(d, 10e6)
     _second(d, 1, 10e6, 10e6, throttled=True)
     assert d.throttled and d.demand_bps == 10e6 * FIRST_PROBE_GAIN  # maybe it only jittered over its limit
     assert d.throttled_seconds == 1.0
@@ -47,6 +55,7 @@ def test_samples_under_the_same_limit_do_not_escalate_the_probe():
     """The agent samples every second and reports every few: five throttled samples before the
     answer are one piece of evidence, not five doublings."""
     d = PodDemand()
+    _established(d, 10e6)
     for t in range(1, 6):
         _second(d, t, 10e6, 10e6, throttled=True)
     assert d.demand_bps == 10e6 * FIRST_PROBE_GAIN
@@ -75,6 +84,20 @@ def test_a_pod_that_wakes_from_idle_asks_its_cap_while_it_stays_throttled():
     assert not d.throttled and not d.waking and d.demand_bps == 20e6
 
 
+def test_a_new_pod_throttled_in_its_first_measured_sample_wakes():
+    """Issue 37: a pod that starts in a saturated cluster is answered the floor and is throttled
+    in its first measured sample. There is no limit it merely jitters over: it asks its cap (the
+    engine answers its fair share) instead of 1.25x the floor, then 2x per answer (11 answers in
+    lab/loop.new_pod before; tests/test_closed_loop.py holds the loop to 2)."""
+    d = PodDemand()
+    _second(d, 0, 1e6, 1e6, throttled=True)  # the first sample only sets the counters' start
+    assert d.demand_bps == MIN_DEMAND_BPS
+    _second(d, 1, 1e6, 1e6, throttled=True)
+    assert d.waking and d.demand_bps == 10**9
+    _second(d, 2, 8e6, 12e6)  # its share is more than it wants: back to what it sends at once
+    assert not d.waking and d.demand_bps == 8e6
+
+
 def test_a_pod_whose_flows_just_started_over_a_trickle_limit_wakes():
     """Its first second borrowed over an 8 kbit/s limit (within its least ceil) with no throttle
     sign, so it had no room under its limit; the next second it sent forty times more and was held:
@@ -100,6 +123,7 @@ def test_a_cut_while_probing_rebases_the_probe():
     """An answer to older demand cut the limit while the pod probed: the next raise is an answer to
     the probe and doubles, even though the limit is still below where the probe began."""
     d = PodDemand()
+    _established(d, 35e6, t=-1)
     _second(d, 0, 35e6, 35e6, throttled=True)
     _second(d, 1, 35e6, 35e6, throttled=True)
     assert d.demand_bps == 35e6 * FIRST_PROBE_GAIN
@@ -114,6 +138,7 @@ def test_a_pod_held_at_its_share_through_two_answers_asks_its_cap():
     its cap, which max-min answers with the same share; when a class change raises the share, the
     very next answer gives all of it (issue 13: the demo's class change took four answers)."""
     d = PodDemand()
+    _established(d, 10e6, t=-1, answers=5)
     _second(d, 0, 10e6, 10e6, throttled=True, answers=5)
     _second(d, 1, 10e6, 10e6, throttled=True, answers=5)
     assert d.demand_bps == 10e6 * FIRST_PROBE_GAIN
@@ -134,6 +159,7 @@ def test_a_pod_whose_probe_is_granted_is_not_held():
     """Each answer raised its limit (it jittered over, or grows): it follows the probe, 1.25x then 2x,
     and asks no more than that however many answers come."""
     d = PodDemand()
+    _established(d, 10e6, t=-1, answers=1)
     _second(d, 0, 10e6, 10e6, throttled=True, answers=1)
     _second(d, 1, 10e6, 10e6, throttled=True, answers=1)
     _second(d, 2, 12.5e6, 12.5e6, throttled=True, answers=2)

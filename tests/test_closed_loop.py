@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from lab.loop import HOST_BPS, L3_PER_L2, TOLERANCE, ClimbOnly, Loop, class_change, cold_start, jump_ratios, settled
+from lab.loop import (HOST_BPS, L3_PER_L2, TOLERANCE, ClimbOnly, Loop, class_change, cold_start, jump_ratios, new_pod,
+                      settled)
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -83,3 +84,14 @@ def test_a_class_change_reaches_every_pods_new_share_within_3_answers_where_the_
     assert sum(p <= 2 for p in shipped) >= 14, shipped
     assert max(climb) >= 5 and sum(climb) > sum(shipped) + 10, (climb, shipped)
     assert min(grew for grew, _ in runs) > 3  # the scenario is a large rise
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_pod_that_starts_in_a_saturated_cluster_is_at_its_share_within_two_periods(seed):
+    """Issue 37, "a pod starts": its first report has no sample of it, so it is answered a trickle
+    and is throttled in its first measured sample. It asks its cap there (no limit it merely jitters
+    over), and every pod is within 5 % of fair from the second answer on and stays. It climbed 1.25x,
+    then 2x per answer from the trickle before: not settled in 12 periods."""
+    errors = new_pod(seed)
+    assert settled(errors) <= 2 and max(errors[2:]) <= TOLERANCE, errors
+    assert settled(new_pod(seed, ClimbOnly)) > 10  # the climb the wake ask replaced
