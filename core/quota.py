@@ -12,13 +12,16 @@ The period is shared by both directions (written once, at the top level).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from core.direction import DIRECTIONS, Direction, PerDirection
 from core.quantity import parse_bps, parse_bytes
+
+if TYPE_CHECKING:  # core.policy imports this module (its quota hook)
+    from core.policy import Limits
 
 
 class Period(enum.Enum):
@@ -233,6 +236,12 @@ class Ledger:
     def team_used(self, team: str, d: Direction) -> int:
         return self.used.get((team, d), 0)
 
+    def roll_team(self, team: str) -> None:
+        """The team's new period (each team has its own): its use starts at 0; the pods' counters stay, so bytes
+        before the boundary count in the old period, bytes after it in the new one."""
+        for d in DIRECTIONS:
+            self.used.pop((team, d), None)
+
     def forget_pod(self, pod: str) -> None:
         """A deleted pod: its counted bytes stay in the team's use; its counter state goes."""
         for d in DIRECTIONS:
@@ -262,17 +271,8 @@ def exhausted_teams(quotas: Mapping[str, TeamQuota], ledger: Ledger, d: Directio
     return frozenset(out)
 
 
-@dataclass(frozen=True, slots=True)
-class TeamCap:
-    """One direction's limits of a team as the engine reads them (weight, guarantee, cap in bit/s)."""
-
-    weight: int
-    min_bps: int
-    max_bps: int
-
-
-def apply_exhaustion(limits: Mapping[str, TeamCap], quotas: Mapping[str, TeamQuota], exhausted: frozenset[str],
-                     d: Direction, safe_floor_bps: int) -> dict[str, TeamCap]:
+def apply_exhaustion(limits: Mapping[str, Limits], quotas: Mapping[str, TeamQuota], exhausted: frozenset[str],
+                     d: Direction, safe_floor_bps: int) -> dict[str, Limits]:
     """Each exhausted team capped at its exhaustedRate (or the safe floor), guarantee 0; others unchanged.
 
     A guarantee never overrides an exhausted quota; the freed share goes to the others by the engine's rules.
@@ -285,5 +285,5 @@ def apply_exhaustion(limits: Mapping[str, TeamCap], quotas: Mapping[str, TeamQuo
         limit = quotas[team].limits[d]
         cap = safe_floor_bps if limit is None or limit.exhausted_bps is None else limit.exhausted_bps
         cur = limits[team]
-        out[team] = TeamCap(cur.weight, 0, min(cur.max_bps, cap))
+        out[team] = replace(cur, min_bps=0, max_bps=min(cur.max_bps, cap))
     return out

@@ -63,6 +63,8 @@ class PodReport(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     # (an older agent, or a pod its agent has no counter for yet): the pod spends no quota in that report
     bytes_total: ByteCount | None = None
     ingress_bytes_total: ByteCount | None = None
+    # the pod's metadata.uid: whose counters these are (a pod made again under the same name starts from 0)
+    uid: Annotated[str, msgspec.Meta(max_length=128)] | None = None
 
 
 class NodeReport(msgspec.Struct, forbid_unknown_fields=True, gc=False):

@@ -66,20 +66,20 @@ def build_report(inputs: ReportInputs, seq: int, period: float, node_egress_bps:
             demand_bps=float(d.demand_bps) if d else float(p.limits[Direction.UPLOAD].min_bps),
             throttled=bool(d.throttled) if d else False,
             egress_class=egress_class, egress_bandwidth=egress_bandwidth,
-            **_ingress_fields(p, inputs), **_byte_fields(counters.get(p.key)),
+            **_ingress_fields(p, inputs), **_byte_fields(counters.get(p.key), p.uid),
         ))
     return NodeReport(inputs.node, pods, seq, period, max(0.0, node_egress_bps),
                       node_internet_ingress_bps=max(0.0, node_ingress_bps), shapes_ingress=inputs.shapes_ingress,
                       epoch=epoch if counters else None)
 
 
-def _byte_fields(counted: tuple[int, int] | None) -> dict:
+def _byte_fields(counted: tuple[int, int] | None, uid: str) -> dict:
     """A pod's cumulative internet byte counters for the wire (clamped to its bounds: a counter past 2^63-1
     would take the whole report with it)."""
     if counted is None:
         return {}
     up, down = (min(max(0, int(v)), MAX_BYTES) for v in counted)
-    return {"bytes_total": up, "ingress_bytes_total": down}
+    return {"bytes_total": up, "ingress_bytes_total": down, "uid": uid[:128] or None}
 
 
 def counter_epoch() -> str | None:

@@ -48,7 +48,7 @@ CRD_REVISIONS = {
         "egressbudgets.netagent.io": "f42df3aed8a696e46882ce8e887fd4200ea15f3740dae9a02569f8ac161574a4"},
     # issue 38: teams[].quota, spec.quotaTimeZone, status.quota
     3: {"egressclasses.netagent.io": "922804871a1b2d4418fe18d3d568060a6d42e6cc31a020ea63ea39f5611450eb",
-        "egressbudgets.netagent.io": "0ed0fb26c17ad19a6a1f21221e99808b45544637543b5491885cba2bfe9b07c6"},
+        "egressbudgets.netagent.io": "7094205deed9c70e67600cd2c64fe2984f0dbd0d82d8ae9470f069816816a152"},
 }
 
 CLASSES = [{"name": "bronze", "spec": {"weight": 1, "max": "20M"}},

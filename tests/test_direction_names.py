@@ -41,7 +41,7 @@ CRD = {
                       "spec.teams[].ingress": {"weight", "min", "max"},
                       "spec.teams[].quota": {"period", "bytes", "exhaustedRate", "ingress"},
                       "spec.teams[].quota.ingress": {"bytes", "exhaustedRate"},
-                      "status.quota.teams[]": {"name", "used", "ingressUsed", "exhausted", "ingressExhausted"},
+                      "status.quota.teams[]": {"name", "periodStart", "used", "ingressUsed", "exhausted", "ingressExhausted"},
                       "status": {"allocated", "demand", "used", "ingressAllocated", "ingressDemand", "ingressUsed"}},
 }
 

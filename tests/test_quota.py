@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from core.direction import Direction, PerDirection
-from core.quota import (DirectionQuota, Ledger, Period, TeamCap, TeamQuota, apply_exhaustion, exhausted_teams,
+from core.policy import Limits
+from core.quota import (DirectionQuota, Ledger, Period, TeamQuota, apply_exhaustion, exhausted_teams,
                         parse_team_quota, parse_time_zone, period_bounds)
 
 UP, DOWN = Direction.UPLOAD, Direction.DOWNLOAD
@@ -147,10 +148,10 @@ def test_exhaustion_caps_at_exhausted_rate_or_safe_floor():
         led.add(team, f"{team}-pod", UP, "e", 100)
     gone = exhausted_teams(quotas, led, UP)
     assert gone == {"a", "b"} and exhausted_teams(quotas, led, DOWN) == frozenset()
-    limits = {t: TeamCap(10, 5 * 10**6, 10**9) for t in "abcd"}
+    limits = {t: Limits(10, 5 * 10**6, 10**9) for t in "abcd"}
     out = apply_exhaustion(limits, quotas, gone, UP, safe_floor_bps=8000)
-    assert out["a"] == TeamCap(10, 0, 10**6)
-    assert out["b"] == TeamCap(10, 0, 8000)
+    assert out["a"] == Limits(10, 0, 10**6)
+    assert out["b"] == Limits(10, 0, 8000)
     assert out["c"] == limits["c"] and out["d"] == limits["d"]
 
 

@@ -60,6 +60,7 @@ def test_the_agent_reports_what_its_accounting_metrics_show():
     got = {p.name: (p.bytes_total, p.ingress_bytes_total) for p in report.pods}
     view = {p.name: (p.egress_bytes["internet"], p.ingress_bytes["internet"]) for p in agent.view().pods}
     assert got == view and got["a"][1] == 5000 and got["b"] == (0, 0)
+    assert {p.name: p.uid for p in report.pods} == {"a": "uid-a", "b": "uid-b"}
     assert report.epoch == reporter.epoch
     # the metric shows the same figures
     assert metrics.registry.get_sample_value("netagent_pod_ingress_bytes_total",
