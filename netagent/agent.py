@@ -25,10 +25,10 @@ from .config import AgentConfig
 from .datapath import DataPath
 from .demand import PodDemand
 from .frames import FrameRatios
-from .lane import Lane
+from .lane import Lane, LocalAllocate
 from .runner import Runner
 from .sampler import Sampler
-from .sync import LocalAllocate, NodeSync
+from .sync import NodeSync
 from .view import NodeView, node_view
 
 log = logging.getLogger(__name__)
@@ -70,9 +70,8 @@ class Agent:
                 ln.local = local(lambda: self.node.policy()[0], direction=d)
         self.runner = Runner(self.node.sync, cfg.min_sync_interval, cfg.resync_seconds)
         self.accounting = Accounting()  # where a pod's internet byte is counted (netagent.accounting)
-        self.sampler = Sampler(self.node, datapath, self.lanes.upload.allocations, self.lanes.upload.demand,
-                               self.runner.wake,
-                               cfg.sample_seconds, cfg.allocate_seconds, self.accounting)
+        self.sampler = Sampler(self.node, datapath, self.runner.wake, cfg.sample_seconds, cfg.allocate_seconds,
+                               self.accounting)
         self.controller_reachable = False
 
     # -- inputs ---------------------------------------------------------------

@@ -82,9 +82,6 @@ class DataPath(Protocol):
         """The node's pod-facing devices (host-side veths, bridge ports included), less the uplinks:
         where downloads are redirected into the download shaper."""
 
-    def sample_ingress_stats(self) -> tuple[float, dict[int, ClassStats]]:
-        """sample_stats(Direction.DOWNLOAD), under the name sampler.py calls until it loops over the lanes."""
-
     def load_carries(self) -> dict[tuple[str, str], tuple[int, int]] | None:
         """The accounting carries a previous agent kept ((direction, pod key) -> (bytes, packets));
         None: none were kept on this node (netagent.accounting)."""
@@ -368,9 +365,6 @@ class KernelDataPath:
                 self.reads["class_stats"] += 1
             self._stats[direction] = (time.monotonic(), stats)
             return self._stats[direction]
-
-    def sample_ingress_stats(self) -> tuple[float, dict[int, ClassStats]]:
-        return self.sample_stats(Direction.DOWNLOAD)
 
     def class_stats(self, direction: Direction = Direction.UPLOAD) -> dict[int, ClassStats]:
         cached = self._stats.get(direction)

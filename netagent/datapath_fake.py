@@ -55,9 +55,6 @@ class FakeDataPath:
     def pod_devices(self, uplinks: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(d for d in self.devices if d not in uplinks)
 
-    def sample_ingress_stats(self) -> tuple[float, dict[int, ClassStats]]:
-        return self.sample_stats(Direction.DOWNLOAD)
-
     def load_carries(self) -> dict | None:
         return None if self.carries is None else dict(self.carries)
 

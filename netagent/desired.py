@@ -214,11 +214,6 @@ class DesiredState:
         assert up is not None
         return up
 
-    @property
-    def ingress_shaper(self) -> ShaperSpec | None:
-        """shapers.download, under the name sampler.py reads until it loops over the lanes (issue 37's, in flight)."""
-        return self.shapers.download
-
 
 NODE_RATIO_KEY = ""  # the node class's key among the wire ratios (no pod key is empty)
 

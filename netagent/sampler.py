@@ -27,14 +27,13 @@ RATIO_WAKE_S = 5.0  # at most one sync this often for measured frame ratios (net
 
 
 class Sampler:
-    def __init__(self, node: NodeSync, datapath: DataPath, allocations: Allocations, demand: dict[str, PodDemand],
-                 wake_sync: Callable[[], None], sample_seconds: float = 1.0, allocate_seconds: float = 2.0,
-                 accounting: Accounting | None = None):
+    def __init__(self, node: NodeSync, datapath: DataPath, wake_sync: Callable[[], None], sample_seconds: float = 1.0,
+                 allocate_seconds: float = 2.0, accounting: Accounting | None = None):
+        """Samples each of `node`'s shaped lanes (netagent.lane): their demand and frame ratios."""
         self.node = node
         self.accounting = accounting if accounting is not None else Accounting()
         self.datapath = datapath
-        self.allocations = allocations
-        self.demand = demand
+        self.allocations = node.lanes.upload.allocations  # its lease and fail-static decide for the node
         self.wake_sync = wake_sync
         self.sample_seconds = sample_seconds
         self.allocate_seconds = allocate_seconds
@@ -60,40 +59,33 @@ class Sampler:
                 if not self.allocations.fail_static and self.allocations.lease_expired(now):
                     self.wake_sync()  # the lease just ran out: fall to the floor now, not at the next resync
                 self.sample()
-                local = self.node.local
-                if local is not None and time.monotonic() >= next_alloc:
+                if self.node.lanes.upload.local is not None and time.monotonic() >= next_alloc:
                     next_alloc = time.monotonic() + self.allocate_seconds
                     state = self.node.state
-                    if state.pods and self.allocations.replace(local(list(state.pods), self.demand, state.budget_bps)):
-                        self.wake_sync()
-                    ingress_local, ingress = self.node.ingress_local, self.node.ingress_allocations
-                    if state.pods and ingress_local is not None and ingress is not None and ingress.replace(
-                            ingress_local(list(state.pods), self.node.ingress_demand,
-                                          state.ingress_budget_bps)):
-                        self.wake_sync()
+                    for lane in self.node.shaped_lanes():
+                        if state.pods and lane.local is not None and lane.allocations.replace(
+                                lane.local(list(state.pods), lane.demand, state.budgets[lane.direction])):
+                            self.wake_sync()
                 if (self.allocations.adopted and self.node.state.sync_count
                         and self.allocations.current.source in ("local", "controller")):
-                    self.allocations.adopted = {}  # fresh allocations exist: adoption has done its job
-                    if self.node.ingress_allocations is not None:
-                        self.node.ingress_allocations.adopted = {}
+                    for lane in self.node.shaped_lanes():
+                        lane.allocations.adopted = {}  # fresh allocations exist: adoption has done its job
             except Exception:
                 log.exception("sampling failed")
 
     def sample(self) -> None:
         """One sample of every pod class, both directions: usage, throttling and demand per pod."""
-        now, stats = self.datapath.sample_stats()  # the one read a second; the view shares it
-        pods = self.node.state.pods
-        self._sample(now, stats, {p.key: p.limits[Direction.UPLOAD].max_bps for p in pods}, self.allocations, self.demand,
-                     self.node.state.budget_bps)
-        changed = self._observe_frames(self.node.frames, stats)
-        self._account("egress", stats)
-        ingress = self.node.ingress_allocations
-        if ingress is not None and self.node.state.desired is not None and self.node.state.desired.ingress_shaper:
-            now, stats = self.datapath.sample_ingress_stats()
-            self._sample(now, stats, {p.key: p.limits[Direction.DOWNLOAD].max_bps for p in pods}, ingress,
-                         self.node.ingress_demand, self.node.state.ingress_budget_bps)
-            changed |= self._observe_frames(self.node.ingress_frames, stats)
-            self._account("ingress", stats)
+        state = self.node.state
+        changed, now = False, time.monotonic()
+        for lane in self.node.shaped_lanes():
+            d = lane.direction
+            if d is not Direction.UPLOAD and (state.desired is None or state.desired.shapers[d] is None):
+                continue  # not programmed yet: no classes to read
+            now, stats = self.datapath.sample_stats(d)  # the one read a second; the view shares it
+            self._sample(now, stats, {p.key: p.limits[d].max_bps for p in state.pods}, lane.allocations, lane.demand,
+                         state.budgets[d])
+            changed |= self._observe_frames(lane.frames, stats)
+            self._account(d.metric_word, stats)
         # a new ratio reaches the kernel at the next sync; wake one for it, at most every RATIO_WAKE_S
         # (allocations that hold still wake none, and a sync costs more than a sample)
         self._ratio_changed |= changed

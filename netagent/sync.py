@@ -19,17 +19,13 @@ from core.objects import Snapshot
 from core.policy import PolicyCache, ResolvedPod, namespaces_missing, resolve_pods
 from tc.model import MIN_RATE_BPS, NODE_MINOR
 
-from .allocations import Allocation, Allocations, cap_to_node, least_ceils, pod_rates
+from .allocations import Allocation, cap_to_node, least_ceils, pod_rates
 from .config import AgentConfig
 from .datapath import DataPath
-from .demand import PodDemand
-from .frames import FrameRatios
-from .lane import Lane, LocalAllocate
+from .lane import Lane
 from .outbound import with_outbound_problems
 from .desired import (NODE_RATIO_KEY, DesiredState, DesiredStateError, NodeInputs, PodShape, assign_minors,
                       desired_state, pod_class_ip)
-
-__all__ = ["LocalAllocate", "NodeSync", "SyncState"]
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +49,6 @@ class SyncState:
     # per direction: pod key -> the rate and ceil it was given (a direction not shaped: none)
     effective: PerDirection[dict[str, Allocation]] = field(default_factory=lambda: PerDirection({}, {}))
 
-    # read by sampler.py until it loops over the lanes (its estimation is issue 37's, in flight)
-    @property
-    def budget_bps(self) -> int:
-        return self.budgets.upload
-
-    @property
-    def ingress_budget_bps(self) -> int:
-        return self.budgets.download
-
 
 class NodeSync:
     def __init__(self, cfg: AgentConfig, datapath: DataPath, lanes: PerDirection[Lane], metrics=None, problems=None):
@@ -83,40 +70,6 @@ class NodeSync:
 
     def shaped_lanes(self) -> list[Lane]:
         return [lane for _, lane in self.lanes.items() if lane.shaped]
-
-    # the lanes' parts under their old names: sampler.py reads these until it loops over the lanes
-    # (its estimation is issue 37's, in flight)
-    @property
-    def allocations(self) -> Allocations:
-        return self.lanes.upload.allocations
-
-    @property
-    def demand(self) -> dict[str, PodDemand]:
-        return self.lanes.upload.demand
-
-    @property
-    def local(self) -> LocalAllocate | None:
-        return self.lanes.upload.local
-
-    @property
-    def frames(self) -> FrameRatios:
-        return self.lanes.upload.frames
-
-    @property
-    def ingress_allocations(self) -> Allocations | None:
-        return self.lanes.download.allocations if self.lanes.download.shaped else None
-
-    @property
-    def ingress_demand(self) -> dict[str, PodDemand]:
-        return self.lanes.download.demand
-
-    @property
-    def ingress_local(self) -> LocalAllocate | None:
-        return self.lanes.download.local
-
-    @property
-    def ingress_frames(self) -> FrameRatios:
-        return self.lanes.download.frames
 
     # -- inputs ---------------------------------------------------------------
     def on_snapshot(self, snap: Snapshot) -> None:

@@ -199,7 +199,8 @@ def test_a_class_that_carries_acks_beside_its_data_gets_its_measured_wire_ratio(
                                            0, 0, 0, 0, 0, 0)}
         agent.sampler.sample()
     ratio = (2000 * 1514 + 1000 * 66) / (2000 * 1500 + 1000 * 52)
-    assert agent.node.frames.get("ns/p") == pytest.approx(ratio) and agent.node.frames.get("ns/q") is None
+    frames = agent.lanes.upload.frames
+    assert frames.get("ns/p") == pytest.approx(ratio) and frames.get("ns/q") is None
     assert agent.sync()
     after = {c.key: c for c in dp.applied[-1].shaper.pods}
     limit_p = from_wire(before["ns/p"].ceil, opts)  # the IP limit, unchanged
