@@ -64,6 +64,8 @@ from core.policy import Policy, resolve_pod
 from core.quantity import TRICKLE_BPS
 from core.wire import NODE_MEASURED, POD_DEMAND, POD_USAGE, NodeReport, PodAllocation, PodReport
 
+from .quota import QuotaKeeper
+
 log = logging.getLogger(__name__)
 # what a pod's policy depends on: namespace, class, and the two bandwidth annotations
 _ANNOTATIONS = attrgetter("namespace", "egress_class", "egress_bandwidth", "ingress_bandwidth")
@@ -219,8 +221,10 @@ class Allocator:
     def __init__(self, policy: Callable[[], tuple[Policy, list[str]]],
                  namespace_labels: Callable[[str], Mapping[str, str] | None] | None = None,
                  clock: Callable[[], float] = time.monotonic, known_pods: Callable[[], int] | None = None,
-                 known_nodes: Callable[[], int] | None = None, takeover_seconds: float = 0.0):
+                 known_nodes: Callable[[], int] | None = None, takeover_seconds: float = 0.0,
+                 quota: QuotaKeeper | None = None):
         self.policy = policy
+        self.quota = quota  # volume quotas: fed from each report, caps exhausted teams (controller/quota.py)
         self.namespace_labels = namespace_labels or (lambda ns: None)
         self.known_pods = known_pods or (lambda: 0)  # pods the cluster has (pod cache): sizes the floor
         self.known_nodes = known_nodes or (lambda: 0)  # nodes that run an agent: sizes the takeover hold-back
@@ -291,6 +295,9 @@ class Allocator:
         n = len(pods)
         shapes = PerDirection(True, report.shapes_ingress)
 
+        if self.quota is not None and report.epoch is not None:  # the pods' byte counters, by team
+            self.quota.observe(report, [tables.team_names[int(table[r][0])] for r in rows])
+
         def column(field: PerDirection[attrgetter], d: Direction) -> np.ndarray:
             return np.fromiter(map(field[d], pods), dtype=np.float64, count=n) if shapes[d] else np.zeros(n)
         return PreparedReport(report, tables, tuple(map(_KEY, pods)), np.array(rows, dtype=np.intp),
@@ -301,6 +308,9 @@ class Allocator:
         """One round over the latest report of every node: uploads over all of them, downloads
         over those whose agent shapes downloads."""
         policy, problems = self.policy()
+        if self.quota is not None:
+            self.quota.set_policy(policy)
+            self.quota.tick()  # a new period lifts its cap in this round
         tables = self._policy_tables(policy)
         nodes = sorted(reports)  # a stable order: unchanged pods keep their index between rounds
         prepared = []
@@ -354,7 +364,10 @@ class Allocator:
         total = budget * share if budget < MAX_BPS else budget  # unset (no budget): nothing to hold back
         demand = _joined(lane_prepared, lambda item: item.demand[d])
         usage = _joined(lane_prepared, lambda item: item.usage[d])
-        run = self._run(self._lanes[d], tables.teams[d], total, lane_nodes, lane_prepared, team[mask],
+        teams = tables.teams[d]
+        if self.quota is not None:  # an exhausted team capped at its exhaustedRate (docs/quotas.md)
+            teams = self.quota.capped(teams, d, team[mask], MIN_SAFE_FLOOR_BPS)
+        run = self._run(self._lanes[d], teams, total, lane_nodes, lane_prepared, team[mask],
                         table[mask, _COLUMNS[d]], demand, usage,
                         [NODE_MEASURED[d](item.report) for item in lane_prepared], now)
         alloc, limit = np.full(n, np.nan), np.full(n, np.nan)

@@ -1,0 +1,217 @@
+"""The leader's volume quotas (issue 38, docs/quotas.md): the ledger fed from the reports, each team's period,
+and the exhausted teams' caps for the engine.
+
+Only the leader counts: reports reach it alone (controller/state.py), and `active` is set only once this
+replica has resumed from the persisted use (controller/quotastore.py) after it became leader, and cleared when
+it stops leading. Each pod's counter is keyed by its uid (the name for a report without one). A pod first seen
+is a baseline (`Ledger.resume`): its bytes before that report are either in the persisted figure or never
+counted, so the figure is never above the true bytes.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Callable, Mapping, Sequence
+from zoneinfo import ZoneInfo
+
+import numpy as np
+
+from core.direction import DIRECTIONS, Direction, PerDirection
+from core.engine import TeamColumns
+from core.policy import Limits, Policy
+from core.quota import Ledger, TeamQuota, apply_exhaustion, exhausted_teams, period_bounds
+from core.wire import POD_BYTES, NodeReport
+
+FORGET_AFTER = 3600.0  # s: a pod unreported this long leaves the ledger's counters (its counted bytes stay)
+RATE_WINDOW = 60.0  # s: the forecast's rate is the team's use over about this long
+
+
+@dataclass(frozen=True)
+class TeamUse:
+    """One team's quota and its use in the current period (metrics, status, /v1/status)."""
+    name: str
+    quota: TeamQuota
+    period_start: datetime
+    period_end: datetime
+    used: PerDirection[int]
+    exhausted: PerDirection[bool]
+    rate_bps: PerDirection[float]  # bytes per second over the last RATE_WINDOW (the forecast's rate)
+
+    def forecast_seconds(self, d: Direction) -> float | None:
+        """Seconds until the quota of direction d is spent at the current rate: 0 when spent, None without a
+        quota in d or with no use (never, at this rate)."""
+        limit = self.quota.limits[d]
+        if limit is None:
+            return None
+        left = limit.bytes - self.used[d]
+        if left <= 0:
+            return 0.0
+        rate = self.rate_bps[d]
+        return left / rate if rate > 0 else None
+
+
+def _utc(t: float) -> datetime:
+    return datetime.fromtimestamp(t, timezone.utc)
+
+
+def _rfc3339(at: datetime) -> str:
+    return at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class QuotaKeeper:
+    def __init__(self, clock: Callable[[], float] = time.time):
+        self.clock = clock  # wall clock: periods are calendar periods
+        self._lock = threading.Lock()
+        self.ledger = Ledger.resume({})
+        self.quotas: dict[str, TeamQuota] = {}
+        self.zone_name = "UTC"
+        self.budget_name = ""
+        self.starts: dict[str, datetime] = {}  # team -> start of the period its use counts
+        self.seen: dict[str, float] = {}  # pod key -> wall time of its last counted report
+        self.active = False
+        self.version = 0  # bumped whenever what the status would say changes
+        self._policy: Policy | None = None
+        self._window: tuple[float, dict[tuple[str, Direction], int]] = (0.0, {})
+        self._rates: dict[tuple[str, Direction], float] = {}
+
+    # -- policy and periods ------------------------------------------------------------------------------
+    def set_policy(self, policy: Policy) -> None:
+        """The teams' quotas from the current policy; a refused quota or zone keeps the previous valid one."""
+        if policy is self._policy:
+            return
+        with self._lock:
+            quotas = {}
+            for t in policy.teams:
+                if t.quota_refused:
+                    if t.name in self.quotas:
+                        quotas[t.name] = self.quotas[t.name]
+                elif t.quota is not None:
+                    quotas[t.name] = t.quota
+            self.quotas = quotas
+            self.zone_name = policy.quota_zone or self.zone_name
+            self.budget_name = policy.budget_name
+            self._policy = policy
+            self.version += 1
+        self.tick()
+
+    def tick(self, now: float | None = None) -> None:
+        """Period roll-over (each team's own period; its use starts at 0, counters kept) and forgetting pods
+        not reported for FORGET_AFTER. Called every round: a period's cap lifts within one round of its end."""
+        now = self.clock() if now is None else now
+        zone = ZoneInfo(self.zone_name)
+        with self._lock:
+            for team, quota in self.quotas.items():
+                start, _ = period_bounds(quota.period, _utc(now), zone)
+                if self.starts.get(team) != start:
+                    if team in self.starts:
+                        self.ledger.roll_team(team)
+                    self.starts[team] = start
+                    self.version += 1
+            for key in [k for k, t in self.seen.items() if now - t > FORGET_AFTER]:
+                self.ledger.forget_pod(key)
+                del self.seen[key]
+            then, before = self._window
+            if now - then >= RATE_WINDOW:
+                used = dict(self.ledger.used)
+                if then > 0:
+                    self._rates = {k: max(0, v - before.get(k, 0)) / (now - then) for k, v in used.items()}
+                self._window = (now, used)
+
+    # -- counting -----------------------------------------------------------------------------------------
+    def observe(self, report: NodeReport, teams: Sequence[str]) -> None:
+        """One report's pod counters (teams: each pod's team, aligned with report.pods)."""
+        if not self.active or report.epoch is None or not self.quotas:
+            return
+        now = self.clock()
+        with self._lock:
+            quotas, ledger, changed = self.quotas, self.ledger, False
+            for pod, team in zip(report.pods, teams):
+                if team not in quotas or (pod.bytes_total is None and pod.ingress_bytes_total is None):
+                    continue
+                key = pod.uid or f"{pod.namespace}/{pod.name}"
+                for d in DIRECTIONS:
+                    counter = POD_BYTES[d](pod)
+                    if counter is not None and ledger.add(team, key, d, report.epoch, counter):
+                        changed = True
+                self.seen[key] = now
+            if changed:
+                self.version += 1
+
+    def exhausted(self, d: Direction) -> frozenset[str]:
+        with self._lock:
+            return exhausted_teams(self.quotas, self.ledger, d)
+
+    def capped(self, teams: TeamColumns, d: Direction, pod_team: np.ndarray, floor_per_pod: float) -> TeamColumns:
+        """The engine's team columns of direction d with each exhausted team capped at its exhaustedRate (or
+        its pods' safe floor), guarantee 0 (core.quota.apply_exhaustion); the same columns when none is."""
+        gone = self.exhausted(d)
+        index = {n: i for i, n in enumerate(teams.names) if n in gone}
+        if not index:
+            return teams
+        pods = np.bincount(pod_team, minlength=len(teams.names))
+        weight, mins, maxs = teams.weight.copy(), teams.min_bps.copy(), teams.max_bps.copy()
+        for name, i in index.items():
+            cur = {name: Limits(float(weight[i]), int(mins[i]), int(min(maxs[i], 2**62)))}
+            floor = int(floor_per_pod * max(1, int(pods[i])))
+            limits = apply_exhaustion(cur, self.quotas, frozenset((name,)), d, floor)[name]
+            mins[i], maxs[i] = limits.min_bps, limits.max_bps
+        return TeamColumns(teams.names, weight, mins, maxs)
+
+    # -- what is shown and persisted ----------------------------------------------------------------------
+    def teams(self) -> list[TeamUse]:
+        zone = ZoneInfo(self.zone_name)
+        now = _utc(self.clock())
+        with self._lock:
+            out = []
+            for team, quota in sorted(self.quotas.items()):
+                start, end = period_bounds(quota.period, now, zone)
+                used = PerDirection.build(lambda d: self.ledger.team_used(team, d))
+                spent = PerDirection.build(lambda d: (q := quota.limits[d]) is not None and used[d] >= q.bytes)
+                rates = PerDirection.build(lambda d: self._rates.get((team, d), 0.0))
+                out.append(TeamUse(team, quota, start, end, used, spent, rates))
+            return out
+
+    def status(self) -> dict[str, Any]:
+        """status.quota of the EgressBudget: per team its period start, use and exhaustion, per direction."""
+        return {"teams": [{"name": u.name, "periodStart": _rfc3339(u.period_start),
+                           "used": str(u.used.upload), "ingressUsed": str(u.used.download),
+                           "exhausted": u.exhausted.upload, "ingressExhausted": u.exhausted.download}
+                          for u in self.teams()]}
+
+    def resume(self, persisted: Mapping[str, Any] | None) -> int:
+        """Start counting as leader from the persisted status.quota: each team's use where its periodStart is the
+        team's current period start (else 0); every pod's next counter is a baseline. Returns teams resumed."""
+        zone = ZoneInfo(self.zone_name)
+        now = _utc(self.clock())
+        used: dict[tuple[str, Direction], int] = {}
+        resumed = 0
+        with self._lock:
+            starts = {t: period_bounds(q.period, now, zone)[0] for t, q in self.quotas.items()}
+            for entry in (persisted or {}).get("teams") or []:
+                if not isinstance(entry, Mapping) or entry.get("name") not in starts:
+                    continue
+                team = entry["name"]
+                if entry.get("periodStart") != _rfc3339(starts[team]):
+                    continue  # another period's figures
+                try:
+                    figures = PerDirection(int(entry.get("used") or 0), int(entry.get("ingressUsed") or 0))
+                except (TypeError, ValueError):
+                    continue  # a hand-edited figure is not a number: that team counts from 0
+                for d in DIRECTIONS:
+                    if figures[d] > 0:
+                        used[(team, d)] = figures[d]
+                resumed += 1
+            self.ledger = Ledger.resume(used)
+            self.starts = starts
+            self.seen.clear()
+            self._window, self._rates = (0.0, {}), {}
+            self.active = True
+            self.version += 1
+        return resumed
+
+    def stop(self) -> None:
+        """No longer the leader: stop counting (the next leader resumes from the persisted use)."""
+        with self._lock:
+            self.active = False

@@ -1,0 +1,143 @@
+"""The leader's volume quotas (controller/quota.py) through the real allocator: reports feed the ledger, an
+exhausted team is capped at its exhaustedRate in that direction while the others take the freed share, a new
+period lifts the cap within one round, and counted bytes are never counted twice nor lost across a leader
+change beyond what the docs bound (docs/quotas.md). Pure: no API server (tests/test_quota_store.py has it)."""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from core.direction import Direction
+from core.policy import load_policy
+from core.wire import NodeReport, PodReport
+from controller.allocator import Allocator
+from controller.quota import QuotaKeeper
+
+M = 10**6
+UP, DOWN = Direction.UPLOAD, Direction.DOWNLOAD
+DAY1 = datetime(2026, 3, 10, 12, 0, tzinfo=timezone.utc).timestamp()
+
+
+def _policy(quota=None):
+    quota = quota or {"period": "Day", "bytes": "1M", "exhaustedRate": "2M", "ingress": {"bytes": "5M"}}
+    budget = {"metadata": {"name": "main"}, "spec": {"total": "100M", "ingressTotal": "100M", "teams": [
+        {"name": "research", "namespaces": ["research"], "min": "30M", "quota": quota},
+        {"name": "web", "namespaces": ["web"]}]}}
+    policy, problems = load_policy([], [budget])
+    assert problems == []
+    return policy
+
+
+class Clock:
+    def __init__(self, t: float):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _report(up: int, down: int = 0, epoch: str = "boot-1", uid: str = "uid-a") -> NodeReport:
+    pods = [PodReport("research", "a", 50e6, 100e6, ingress_usage_bps=50e6, ingress_demand_bps=100e6,
+                      bytes_total=up, ingress_bytes_total=down, uid=uid),
+            PodReport("web", "w", 50e6, 100e6, ingress_usage_bps=50e6, ingress_demand_bps=100e6,
+                      bytes_total=10**9, ingress_bytes_total=10**9, uid="uid-w")]
+    return NodeReport("n1", pods, epoch=epoch, shapes_ingress=True)
+
+
+def _setup(persisted=None):
+    policy = _policy()
+    clock = Clock(DAY1)
+    keeper = QuotaKeeper(clock)
+    keeper.set_policy(policy)
+    keeper.resume(persisted)
+    alloc = Allocator(lambda: (policy, []), quota=keeper)
+    return alloc, keeper, clock
+
+
+def _round(alloc, report):
+    result = alloc({"n1": alloc.prepare(report)})
+    pods = {p.name: p for p in result.by_node["n1"]}
+    return pods["a"], pods["w"]
+
+
+def test_an_exhausted_team_is_capped_at_its_exhausted_rate_and_the_others_take_the_share():
+    alloc, keeper, clock = _setup()
+    a, w = _round(alloc, _report(100))  # first sight: a baseline, nothing counted
+    assert keeper.teams()[0].used.upload == 0
+    assert a.allocation_bps > 30 * M  # its guarantee holds while it has quota left
+    a, w = _round(alloc, _report(100 + 999_999))
+    assert keeper.exhausted(UP) == frozenset() and keeper.teams()[0].used.upload == 999_999
+    a, w = _round(alloc, _report(100 + 1_000_000))  # the quota's 1M bytes (1M = 10^6) reached
+    assert keeper.exhausted(UP) == {"research"} and keeper.exhausted(DOWN) == frozenset()
+    a, w = _round(alloc, _report(100 + 1_000_000))
+    assert a.allocation_bps <= 2 * M and a.limit_bps <= 2 * M  # its exhaustedRate, its guarantee gone
+    assert w.allocation_bps >= 95 * M  # the other team took the freed share
+    assert a.ingress_allocation_bps > 30 * M  # downloads have quota left: not capped
+    # downloads spent too: no ingress exhaustedRate, so only the safe floor
+    _round(alloc, _report(2_000_000, 0))
+    a, w = _round(alloc, _report(2_000_000, 5_000_000))
+    assert keeper.exhausted(DOWN) == {"research"}
+    a, w = _round(alloc, _report(2_000_000, 5_000_000))
+    assert a.ingress_limit_bps <= 64_000 and w.ingress_allocation_bps >= 95 * M
+    status = keeper.status()["teams"]
+    assert status == [{"name": "research", "periodStart": "2026-03-10T00:00:00Z", "used": str(2_000_000 - 100),
+                       "ingressUsed": "5000000", "exhausted": True, "ingressExhausted": True}]
+
+
+def test_the_cap_lifts_within_one_round_of_the_new_period():
+    alloc, keeper, clock = _setup()
+    _round(alloc, _report(0))
+    _round(alloc, _report(5_000_000))
+    a, _ = _round(alloc, _report(5_000_000))
+    assert a.allocation_bps <= 2 * M
+    clock.t = datetime(2026, 3, 11, 0, 0, 1, tzinfo=timezone.utc).timestamp()  # the next day
+    a, _ = _round(alloc, _report(5_000_000))  # this round: use 0, cap lifted
+    assert keeper.exhausted(UP) == frozenset() and a.allocation_bps > 30 * M
+    assert keeper.teams()[0].period_start == datetime(2026, 3, 11, tzinfo=timezone.utc)
+    _round(alloc, _report(5_000_100))  # the counters carried over: only the bytes after the boundary count
+    assert keeper.teams()[0].used.upload == 100
+
+
+def test_retried_reordered_and_replayed_reports_never_count_twice():
+    alloc, keeper, clock = _setup()
+    for up in (0, 300, 300, 200, 300, 500, 400, 500):  # duplicates, an older one late, a replay
+        alloc.prepare(_report(up))
+    assert keeper.teams()[0].used.upload == 500
+    alloc.prepare(_report(50, epoch="boot-2"))  # the node rebooted: its counter restarted from 0
+    alloc.prepare(_report(600, epoch="boot-1"))  # a late report of the old boot: ignored
+    assert keeper.teams()[0].used.upload == 550
+    alloc.prepare(_report(10, uid="uid-a2"))  # the pod made again under its name: a new counter, a baseline
+    alloc.prepare(_report(30, uid="uid-a2"))
+    assert keeper.teams()[0].used.upload == 570
+
+
+def test_a_leader_change_resumes_from_the_persisted_use_never_above_the_true_bytes():
+    alloc, keeper, clock = _setup()
+    for up in range(0, 10_001, 1000):
+        alloc.prepare(_report(up))
+    true = 10_000
+    persisted = keeper.status()  # the last write before the old leader died
+    for up in range(11_000, 14_001, 1000):  # counted by the old leader after its last write: lost
+        alloc.prepare(_report(up))
+    keeper.stop()
+    alloc.prepare(_report(20_000))  # a follower counts nothing
+    assert keeper.teams()[0].used.upload == 14_000
+    new_alloc, new_keeper, _ = _setup(persisted)
+    assert new_keeper.teams()[0].used.upload == true
+    new_alloc.prepare(_report(14_000))  # its first report after the change: a baseline
+    new_alloc.prepare(_report(14_000))  # and replayed
+    new_alloc.prepare(_report(15_000))
+    used = new_keeper.teams()[0].used.upload
+    assert used == true + 1000 <= 15_000  # lost: the 4,000 bytes between the last write and the first report
+    # figures of another period are not resumed
+    stale = {"teams": [{**persisted["teams"][0], "periodStart": "2026-03-09T00:00:00Z"}]}
+    assert _setup(stale)[1].teams()[0].used.upload == 0
+
+
+def test_a_refused_quota_keeps_the_previous_valid_one_in_force():
+    alloc, keeper, clock = _setup()
+    budget = {"metadata": {"name": "main"}, "spec": {"total": "100M", "teams": [
+        {"name": "research", "namespaces": ["research"], "quota": {"period": "Day", "bytes": "-5"}}]}}
+    bad, problems = load_policy([], [budget])
+    assert any("quota.bytes" in p for p in problems)
+    keeper.set_policy(bad)
+    assert keeper.quotas["research"].limits.upload.bytes == 10**6
