@@ -140,11 +140,14 @@ def choose_internal_counting(mode: str, bpf_dir: str, services_known: bool) -> t
 
 
 def add_device_counts(pods: PodCounters, counted: dict[str, tuple[int, int, int, int]],
-                      classified: tuple[PodClassification, ...]) -> None:
+                      classified: tuple[PodClassification, ...],
+                      segments: dict[str, tuple[int, int]] | None = None) -> None:
     """Add the device counter's bytes (address -> egress bytes, packets, ingress bytes, packets) to the
     pods' internal counts, by the pod that holds each address. The rules count no internal byte while
     the devices do, and the sets keep what they counted before, so a switch to the devices carries the
-    counts on. Pure."""
+    counts on. `segments` (address -> bytes, segments): what the rules' count of a pod's internet
+    arrivals misses, the headers of the segments GRO merged (tc/ebpf, `read_segments`), added to it so
+    that it is the bytes the uplink's wire carried; it only grows, so the sum never steps down. Pure."""
     owner = {ip: p.key for p in classified for ip in p.ips}
     for ip, (egress, _, ingress, _) in counted.items():
         key = owner.get(ip)
@@ -153,6 +156,11 @@ def add_device_counts(pods: PodCounters, counted: dict[str, tuple[int, int, int,
         c = pods.setdefault(key, {})
         c["egress_internal"] = c.get("egress_internal", 0) + egress
         c["ingress_internal"] = c.get("ingress_internal", 0) + ingress
+    for ip, (headers, _) in (segments or {}).items():
+        key = owner.get(ip)
+        if key is not None and headers:
+            c = pods.setdefault(key, {})
+            c["ingress_internet"] = c.get("ingress_internet", 0) + headers
 
 
 # The accounting carries (netagent.accounting) live in the kernel beside the classes they complete, so
@@ -390,7 +398,8 @@ class KernelDataPath:
                     found = self._classifier.counters()
             if self._counter is not None:
                 with self._counter_lock:
-                    add_device_counts(found[0], self._counter.read(), self._counted_pods)
+                    add_device_counts(found[0], self._counter.read(), self._counted_pods,
+                                      self._counter.read_segments())
                     for kind, nbytes in self._counter.read_node().items():
                         found[1][kind] = found[1].get(kind, 0) + nbytes
             self.reads["counters"] += 1

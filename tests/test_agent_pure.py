@@ -253,6 +253,17 @@ def test_device_counts_are_added_to_the_pods_that_hold_the_addresses():
                      "ns/b": {"egress_internal": 3, "ingress_internal": 4}}  # an address of no pod: dropped
 
 
+def test_the_merged_segments_headers_complete_the_pods_internet_arrivals():
+    """The rules count a GRO-merged packet once with one header; the device counter's segments map holds the
+    headers of the segments beyond the first (issue 34): their sum is what the uplink's wire carried."""
+    pods = (PodClassification("ns/a", ("10.244.0.11", "fd00::11"), (1, 0x10)),
+            PodClassification("ns/b", ("10.244.0.12",), (1, 0x11)))
+    found = {"ns/a": {"ingress_internet": 1_000_000}, "ns/b": {"ingress_internet": 500}}
+    add_device_counts(found, {}, pods, {"10.244.0.11": (52 * 300, 300), "fd00::11": (72 * 10, 10),
+                                        "10.244.0.12": (0, 0), "10.244.0.99": (52, 1)})
+    assert found == {"ns/a": {"ingress_internet": 1_000_000 + 52 * 300 + 72 * 10}, "ns/b": {"ingress_internet": 500}}
+
+
 def test_internal_counting_choice_says_why(tmp_path):
     assert choose_internal_counting("rules", str(tmp_path), True) == (False, "by the rules (--internal-counting rules)")
     by_device, why = choose_internal_counting("auto", str(tmp_path / "netagent"), True)  # not a bpf filesystem
