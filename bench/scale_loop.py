@@ -41,7 +41,7 @@ def run(nodes, ppn, nominal_dt, period=5.0, round_s=5.0, steps=880, shift_at=640
     t = 0.0; dt_step = 0.25
     out = []
     def fair():
-        rows = [PodDemandIn(f"{a['i']}|{rp.key}", rp.team, rp.egress_class, rp.weight, rp.min_bps, rp.max_bps, a['app'][rp.key] * fac(rp.team)) for a in agents for rp in a['pods']]
+        rows = [PodDemandIn(f"{a['i']}|{rp.key}", rp.team, rp.egress_class, rp.limits.upload.weight, rp.limits.upload.min_bps, rp.limits.upload.max_bps, a['app'][rp.key] * fac(rp.team)) for a in agents for rp in a['pods']]
         return {k: r.allocation_bps for k, r in allocate(policy, rows).pods.items()}
     def within(f):
         floor = 0.05 * budget / len(f); ok = 0
@@ -67,7 +67,7 @@ def run(nodes, ppn, nominal_dt, period=5.0, round_s=5.0, steps=880, shift_at=640
                 k = rp.key; want = a['app'][k] * fac(rp.team); lim = a['lim'].get(k, FLOOR_BPS)
                 s = min(want, lim); tot += s
                 a['by'][k] += int(s * dt / 8); a['ol'][k] += want > lim * 1.001
-                a['est'][k].update(Sample(t, a['by'][k], 0, a['ol'][k], 0), int(lim), rp.max_bps, a['answers'])
+                a['est'][k].update(Sample(t, a['by'][k], 0, a['ol'][k], 0), int(lim), rp.limits.upload.max_bps, a['answers'])
             a['report'] = (tot, [(rp, a['est'][rp.key]) for rp in a['pods']])
             a['waiting'] = True
             if result is not None and not wait:
@@ -77,7 +77,7 @@ def run(nodes, ppn, nominal_dt, period=5.0, round_s=5.0, steps=880, shift_at=640
             a['next'] = t + period * rng.uniform(0.8, 1.2)
         if t >= next_round and all(a['report'] for a in agents):
             next_round += round_s
-            rows = [PodDemandIn(f"{a['i']}|{rp.key}", rp.team, rp.egress_class, rp.weight, rp.min_bps, rp.max_bps, e.demand_bps) for a in agents for rp, e in a['report'][1]]
+            rows = [PodDemandIn(f"{a['i']}|{rp.key}", rp.team, rp.egress_class, rp.limits.upload.weight, rp.limits.upload.min_bps, rp.limits.upload.max_bps, e.demand_bps) for a in agents for rp, e in a['report'][1]]
             meas = sum(a['report'][0] for a in agents); usage = sum(e.usage_bps for a in agents for _, e in a['report'][1])
             result = allocate(policy, rows, measured_total_bps=meas, shaped_usage_bps=usage, previous=result)
             for a in agents:  # --answer-wait: the held answers go out from this round
