@@ -92,7 +92,7 @@ def main() -> int:
                     shaped.append(aggregate(lab, pods, args.seconds))
                     if sum(s.bytes for s in shaper.stats(state.shaper.ifb).values()) - before < shaped[-1] / 8 * args.seconds:
                         raise SystemExit("the shaped traffic did not go through HTB")
-                    shaper.cleanup(state.shaper.ifb, state.shaper.uplinks, state.shaper.filter_pref)
+                    shaper.cleanup(state.shaper.ifb, state.shaper.devices, state.shaper.filter_pref)
                     classifier.cleanup()
                     time.sleep(0.5)
                 u, s = statistics.median(plain), statistics.median(shaped)

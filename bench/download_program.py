@@ -66,8 +66,8 @@ def main() -> int:
             print(f"reconcile changing the node download rate (reads everything, one change): "
                   f"median {statistics.median(changes) * 1000:.1f} ms of {args.rounds}")
         finally:
-            sh.cleanup(opts.ifb, (UPLINK, *devices), opts.filter_pref)
-            sh.cleanup(opts.ingress_ifb, (), opts.filter_pref)
+            sh.cleanup(opts.ifbs.upload, (UPLINK, *devices), opts.filter_pref)
+            sh.cleanup(opts.ifbs.download, (), opts.filter_pref)
             sh.close()
     return 0
 

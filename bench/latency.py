@@ -94,7 +94,7 @@ def main() -> int:
                         leaf_limit = shaper.observe(state.shaper).leaves[minor].limit
                         goodput = json.loads(out)["end"]["sum_received"]["bits_per_second"]
                         rows[leaf].append((rtts, goodput, after.drops - before.drops, leaf_limit, backlog))
-                        shaper.cleanup(state.shaper.ifb, state.shaper.uplinks, state.shaper.filter_pref)
+                        shaper.cleanup(state.shaper.ifb, state.shaper.devices, state.shaper.filter_pref)
                 for leaf, runs in rows.items():
                     rtts = [r for run_ in runs for r in run_[0]]
                     p90 = statistics.quantiles(rtts, n=10)[-1] if len(rtts) > 1 else rtts[0]

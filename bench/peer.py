@@ -229,7 +229,7 @@ class Netagent:
         if self.state:
             for _, s in self.state.shapers.items():
                 if s:
-                    self.shaper.cleanup(s.ifb, s.uplinks, s.filter_pref)
+                    self.shaper.cleanup(s.ifb, s.devices, s.filter_pref)
             if self.state.device_counting:
                 counting = self.state.device_counting
                 remove_counting((*counting.devices, *counting.uplinks), self.options.count_pref, self.node.netns)

@@ -106,7 +106,7 @@ class Bench:
     def remove(self) -> None:
         if self.state:
             s = self.state.shaper
-            self.shaper.cleanup(s.ifb, s.uplinks, s.filter_pref)
+            self.shaper.cleanup(s.ifb, s.devices, s.filter_pref)
         self.classifier.cleanup()
         self.state = None
 
@@ -217,9 +217,9 @@ class DownloadBench:
 
     def remove(self) -> None:
         # the redirect filters hang on the pod devices (and their clsact qdiscs), not on the uplink
-        devices = self.b.state.shapers.download.uplinks if self.b.state is not None else ()
+        devices = self.b.state.shapers.download.devices if self.b.state is not None else ()
         self.b.remove()
-        self.b.shaper.cleanup(self.b.options.ingress_ifb, tuple(devices), self.b.options.filter_pref)
+        self.b.shaper.cleanup(self.b.options.ifbs.download, tuple(devices), self.b.options.filter_pref)
 
     def class_ip_bytes(self) -> tuple[int, int]:
         s = self.b.state.shapers.download

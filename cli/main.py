@@ -106,7 +106,7 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
                         "Kubernetes on a non-loopback --listen (default auto; docs/agent.md)")
     _logging(p)
     p.add_argument("--mark-bit", type=_int, default=DEFAULT_MARK_BIT, help=f"firewall-mark bit (default {DEFAULT_MARK_BIT:#x})")
-    p.add_argument("--ifb", default=DataPathOptions.ifb, help="name of the IFB device netagent owns")
+    p.add_argument("--ifb", default=DataPathOptions.ifbs.upload, help="name of the IFB device netagent owns")
     p.add_argument("--default-rate", default="1M", help="floor for internet traffic from unknown sources (bit/s quantity)")
     p.add_argument("--ingress-rate", metavar="Q",
                    help="downloads (internet -> pod): the node's download rate when no controller gives one "
@@ -114,7 +114,7 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ingress-default-rate", default="1M",
                    help="downloads: the floor for pods the agent does not know yet, and each pod's download "
                         "rate while nothing better is known (bit/s quantity)")
-    p.add_argument("--ingress-ifb", default=DataPathOptions.ingress_ifb,
+    p.add_argument("--ingress-ifb", default=DataPathOptions.ifbs.download,
                    help="name of the IFB device netagent owns for downloads")
     p.add_argument("--internal-counting", choices=COUNTING_MODES, default="auto",
                    help="where each pod's internal bytes are counted: on its own device by an eBPF program "
@@ -275,8 +275,8 @@ def _status(a: argparse.Namespace) -> int:
 
 
 def _cleanup_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ifb", default=DataPathOptions.ifb, help="the IFB device netagent used (its --ifb)")
-    p.add_argument("--ingress-ifb", default=DataPathOptions.ingress_ifb,
+    p.add_argument("--ifb", default=DataPathOptions.ifbs.upload, help="the IFB device netagent used (its --ifb)")
+    p.add_argument("--ingress-ifb", default=DataPathOptions.ifbs.download,
                    help="the download IFB device netagent used (its --ingress-ifb)")
     p.add_argument("--bpf-dir", default=DataPathOptions.bpf_dir,
                    help="where the device counter pinned its map (its --bpf-dir)")
@@ -286,7 +286,7 @@ def _cleanup_flags(p: argparse.ArgumentParser) -> None:
 def _cleanup(a: argparse.Namespace) -> int:
     from netagent import cleanup
 
-    done, failed = cleanup.cleanup(a.ifb, a.iptables_backend, a.ingress_ifb, a.bpf_dir)
+    done, failed = cleanup.cleanup((a.ifb, a.ingress_ifb), a.iptables_backend, a.bpf_dir)
     for line in failed:
         print(line)
     for item in done:
@@ -360,8 +360,9 @@ def _controller_flags(p: argparse.ArgumentParser) -> None:
     le.add_argument("--lease-name", default="netagent-controller", help="name of the Lease")
     le.add_argument("--identity", help="holder identity (default: <hostname>@<advertise>; the part after @ is "
                                        "where followers send agents)")
-    le.add_argument("--election-lease-seconds", type=float, default=15.0,
-                    help="Lease duration: a dead leader is replaced after this long")
+    le.add_argument("--election-lease-seconds", type=float, default=controller_config.DEFAULT_ELECTION_LEASE_SECONDS,
+                    help="Lease duration: a dead leader is replaced after this long (renewed every 2/15 of it; "
+                         "default %(default)g)")
     auth = p.add_argument_group("agent authentication (cluster mode)")
     auth.add_argument("--no-auth", action="store_true", help="accept reports without a token (demo/tests only)")
     auth.add_argument("--agent-service-account", metavar="NAMESPACE:NAME",

@@ -58,7 +58,7 @@ class Agent:
         # one lane per direction: the same machinery on the pods' values for it (pod.limits[d]);
         # downloads are counted only without --shape-ingress
         def lane(d: Direction) -> Lane:
-            floor = cfg.default_floor_bps if d is Direction.UPLOAD else opts.floor(d)
+            floor = cfg.default_floor_bps if d is Direction.UPLOAD else opts.floors[d]
             start = dataclasses.replace(initial) if initial is not None and d is Direction.DOWNLOAD else initial
             return Lane(d, Allocations(floor, start, direction=d), FrameRatios(opts.wire_mtu, opts.wire_l2_bytes),
                         shaped=d is Direction.UPLOAD or cfg.shape_ingress)

@@ -19,9 +19,9 @@ from .datapath import remove_carries
 from .desired import DataPathOptions
 
 
-def cleanup(ifb: str, iptables_backend: str, ingress_ifb: str = DataPathOptions.ingress_ifb,
+def cleanup(ifbs: tuple[str, ...], iptables_backend: str,
             bpf_dir: str = DataPathOptions.bpf_dir) -> tuple[list[str], list[str]]:
-    """Remove netagent's filters, both IFBs (uploads, downloads) with their HTB trees, the device counter
+    """Remove netagent's filters, its IFBs (`ifbs`: uploads', downloads') with their HTB trees, the device counter
     (its filters and pinned map), chains and ipsets from this node. -> (what was removed, what failed);
     both empty: already clean."""
     failed: list[str] = []
@@ -37,8 +37,10 @@ def cleanup(ifb: str, iptables_backend: str, ingress_ifb: str = DataPathOptions.
         with Shaper() as shaper:
             # the first pass removes our filters on every device: the uplinks' (uploads) and the
             # pod devices' (downloads); then each IFB with its tree
-            done += shaper.cleanup(ifb, tuple(d for d in devices if d not in (ifb, ingress_ifb)), DataPathOptions.filter_pref)
-            done += shaper.cleanup(ingress_ifb, (), DataPathOptions.filter_pref)
+            first, *rest = ifbs
+            done += shaper.cleanup(first, tuple(d for d in devices if d not in ifbs), DataPathOptions.filter_pref)
+            for ifb in rest:
+                done += shaper.cleanup(ifb, (), DataPathOptions.filter_pref)
     except Exception as exc:
         failed.append(f"tc cleanup failed: {exc}")
     try:

@@ -3,6 +3,8 @@
 `AgentConfig` is what every part of the agent reads; `from_flags` builds it from the
 command line's values (the CLI defines the flags, `cli/main.py`), checking everything it
 can before anything touches the kernel and raising ConfigError naming the flag and the fix.
+Its keywords are the flags' names (an edge: --ingress-* say downloads); inside, a value per
+direction is a `PerDirection`.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import socket
 from dataclasses import dataclass, field
 
 from core.address import is_loopback, parse_host_port
+from core.direction import PerDirection
 from core.errors import ConfigError
 from core.files import missing_paths
 from core.quantity import parse_bps
@@ -46,7 +49,9 @@ class AgentConfig:
     uplinks_learnt: bool = False  # no --uplink: the uplinks follow the default routes while running
     iptables_backend: str = "auto"
     shape_ingress: bool = True  # downloads (internet -> pod) shaped on the pods' devices
-    ingress_rate_bps: int | None = None  # --ingress-rate: the node's download rate with no controller answer
+    # per direction, the node's rate with no controller answer (downloads: --ingress-rate); None: the
+    # budget's total for it (single-node mode), else what the pods' rates add up to
+    node_rate_bps: PerDirection[int | None] = PerDirection(None, None)
     lean_metrics: bool = False  # --lean-metrics: fewer per-pod series (netagent/metrics.py)
     internal_counting: str = "auto"  # --internal-counting: auto, device or rules (`choose_internal_counting`)
     services_known: bool = False  # the service CIDRs are internal: a ClusterIP is internal before DNAT too
@@ -70,7 +75,7 @@ def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None
                report_period: float, resync_period: float, iptables_backend: str, controller_ca: str | None = None,
                controller_insecure_http: bool = False, state_listen: str = DEFAULT_STATE_LISTEN,
                ingress_rate: str | None = None, ingress_default_rate: str = "1M",
-               ingress_ifb: str = DataPathOptions.ingress_ifb, lean_metrics: bool = False,
+               ingress_ifb: str = DataPathOptions.ifbs.download, lean_metrics: bool = False,
                internal_counting: str = "auto", bpf_dir: str = DataPathOptions.bpf_dir,
                metrics_auth: str = "auto") -> AgentConfig:
     """The command line's values -> AgentConfig. Discovers the uplinks (default routes) when none
@@ -128,9 +133,9 @@ def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None
         raise ConfigError(str(exc)) from exc
     return AgentConfig(
         node=node, uplinks=uplinks, internal_cidrs=internal,
-        datapath=DataPathOptions(mark_bit=mark_bit, ifb=ifb, default_rate=default_bps, ingress_ifb=ingress_ifb,
-                                 ingress_default_rate=ingress_default_bps, bpf_dir=bpf_dir),
-        ingress_rate_bps=ingress_bps,
+        datapath=DataPathOptions(mark_bit=mark_bit, ifbs=PerDirection(ifb, ingress_ifb),
+                                 floors=PerDirection(default_bps, ingress_default_bps), bpf_dir=bpf_dir),
+        node_rate_bps=PerDirection(None, ingress_bps),
         controller=controller, controller_ca=controller_ca, controller_insecure_http=controller_insecure_http,
         token_path=token_path, report_period=report_period, resync_seconds=resync_period,
         default_floor_bps=default_bps, from_file=tuple(from_file), kubeconfig=kubeconfig,

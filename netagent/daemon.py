@@ -124,13 +124,13 @@ class Daemon:
                  "downloads %s; %s",
                  ",".join(cfg.uplinks), ",".join(cfg.internal), leaf, datapath.iptables_backend, counting,
                  cfg.datapath.mark_bit,
-                 f"shaped on the pod devices through {cfg.datapath.ingress_ifb}" if cfg.shape_ingress else "not shaped",
+                 f"shaped on the pod devices through {cfg.datapath.ifbs.download}" if cfg.shape_ingress else "not shaped",
                  f"controller {cfg.controller}" if cfg.controller else "local allocation (no controller)")
-        drift = DriftWatch(cfg.datapath.ifb, lambda: agent.cfg.uplinks, agent.wake_full, datapath.hooks_fingerprint,
-                           set_uplinks=agent.set_uplinks if cfg.uplinks_learnt else None,
+        ifbs = tuple(lane.direction for lane in agent.node.shaped_lanes())
+        drift = DriftWatch(tuple(cfg.datapath.ifbs[d] for d in ifbs), lambda: agent.cfg.uplinks, agent.wake_full,
+                           datapath.hooks_fingerprint, set_uplinks=agent.set_uplinks if cfg.uplinks_learnt else None,
                            count=lambda source: metrics.drift_checks.labels(source).inc(),
-                           ingress_ifb=cfg.datapath.ingress_ifb if cfg.shape_ingress else None,
-                           wake=agent.runner.wake)
+                           wake=agent.runner.wake if cfg.shape_ingress else None)
         return cls(cfg, agent, source, datapath, http, reporter, problems, drift)
 
     def _run_source(self) -> None:

@@ -332,7 +332,7 @@ class KernelDataPath:
 
     def _remove_shaper(self, direction: Direction) -> list[str]:
         o = self.options
-        ifb = o.ifb_of(direction)
+        ifb = o.ifbs[direction]
         if not self._shaper.has_device(ifb):
             return []
         return self._shaper.cleanup(ifb, self._shaper.devices_of_kind(exclude=(ifb,)), o.filter_pref)
@@ -368,7 +368,7 @@ class KernelDataPath:
     def sample_stats(self, direction: Direction = Direction.UPLOAD) -> tuple[float, dict[int, ClassStats]]:
         o = self.options
         with self._stats_lock:
-            stats = self._stats_shaper.stats(o.ifb_of(direction), o.major_of(direction))
+            stats = self._stats_shaper.stats(o.ifbs[direction], o.htb_majors[direction])
             if direction is Direction.UPLOAD:
                 self.reads["class_stats"] += 1
             self._stats[direction] = (time.monotonic(), stats)

@@ -89,19 +89,19 @@ COUNTING_MODES = ("auto", "device", "rules")
 
 @dataclass(frozen=True)
 class DataPathOptions:
-    """How the data path is laid out on this node (mark bit, IFB, HTB major, leaf qdisc, floor)."""
+    """How the data path is laid out on this node (mark bit, per direction its IFB, HTB major and
+    floor, leaf qdisc). Uploads: an IFB fed from the uplinks; downloads: one fed from the pod-facing
+    devices, its own HTB tree."""
     mark_bit: int = DEFAULT_MARK_BIT
-    ifb: str = "netagent0"
-    htb_major: int = 0x1
+    ifbs: PerDirection[str] = PerDirection("netagent0", "netagent-in")
+    # a major per direction: a download class never reads as an upload one
+    htb_majors: PerDirection[int] = PerDirection(0x1, DOWNLOAD_ROOT_MAJOR)
     leaf_qdisc: str = "pfifo"  # the probe picks fq_codel where the kernel has it
-    default_rate: int = 1_000_000  # the floor for internet traffic from unknown sources, bit/s
+    # the floor, bit/s: internet traffic of addresses no known pod holds (the default class), pods not known yet
+    floors: PerDirection[int] = PerDirection(1_000_000, 1_000_000)
     filter_pref: int = 0xC000
     wire_l2_bytes: int = 14  # what HTB counts per packet beyond the IP packet (Ethernet header)
     wire_mtu: int = 1500  # the uplink's IP MTU: the size of a full segment
-    # downloads (internet ingress): a second IFB fed from the pod-facing devices, its own HTB tree
-    ingress_ifb: str = "netagent-in"
-    ingress_htb_major: int = DOWNLOAD_ROOT_MAJOR  # a major of its own: a download class never reads as an upload one
-    ingress_default_rate: int = 1_000_000  # the download floor for pods not known yet, bit/s
     # the pods' internal bytes: counted on their devices by an eBPF program (tc/ebpf/; chosen at
     # start, `choose_internal_counting`) rather than by the rules in ipsets
     internal_by_device: bool = False
@@ -112,16 +112,6 @@ class DataPathOptions:
     # on tcx links, its egress programs end the hook for a packet without the mark bit, so an internal
     # packet skips the shaper's redirect filter (~100 ns a packet), where that skips nobody else's
     count_gate: bool = True
-
-    def ifb_of(self, d: Direction) -> str:
-        return self.ifb if d is Direction.UPLOAD else self.ingress_ifb
-
-    def major_of(self, d: Direction) -> int:
-        return self.htb_major if d is Direction.UPLOAD else self.ingress_htb_major
-
-    def floor(self, d: Direction) -> int:
-        """Direction `d`'s floor, bit/s: its default class (addresses no known pod holds) and its pods' floor."""
-        return self.default_rate if d is Direction.UPLOAD else self.ingress_default_rate
 
 
 MAX_WIRE_RATIO = 2.0  # frames per IP byte: a 14-byte header on a 14-byte packet; beyond it the input is wrong
@@ -272,7 +262,7 @@ def desired_state(inputs: NodeInputs) -> DesiredState:
     if rates.upload is None:
         raise DesiredStateError("node allocation: the upload shaper needs a rate")
     _check_rate(rates.upload, "node allocation")
-    _check_rate(opts.default_rate, "default-class floor")
+    _check_rate(opts.floors.upload, "default-class floor")
     if not (68 <= opts.wire_mtu <= 65535 and 0 <= opts.wire_l2_bytes <= 256):
         raise DesiredStateError(f"wire MTU {opts.wire_mtu} / L2 header {opts.wire_l2_bytes} bytes out of range "
                                 "(68-65535, 0-256)")
@@ -311,10 +301,10 @@ def desired_state(inputs: NodeInputs) -> DesiredState:
     shapers = PerDirection.build(lambda d: _shaper(d, inputs, ready, minors))
 
     def leaf(d: Direction, minor: int) -> tuple[int, int] | None:
-        return (opts.major_of(d), minor) if shapers[d] is not None else None
+        return (opts.htb_majors[d], minor) if shapers[d] is not None else None
 
     # packets go straight to the pod's leaves: bulk by its address, its small packets to its control leaf
-    classify = [PodClassification(p.key, p.ips, (opts.htb_major, bulk_minor(minors[p.key])),
+    classify = [PodClassification(p.key, p.ips, (opts.htb_majors.upload, bulk_minor(minors[p.key])),
                                   leaf(Direction.DOWNLOAD, bulk_minor(minors[p.key])),
                                   leaf(Direction.UPLOAD, ack_minor(minors[p.key])),
                                   leaf(Direction.DOWNLOAD, ack_minor(minors[p.key])))
@@ -374,7 +364,7 @@ def _shaper(d: Direction, inputs: NodeInputs, ready: list[PodShape], minors: dic
     node_rate = inputs.node_rates[d]
     if node_rate is None:
         return None
-    floor = opts.floor(d)
+    floor = opts.floors[d]
     word = _WORD[d]
     _check_rate(node_rate, f"node{word} allocation")
     _check_rate(floor, "default-class floor" if d is Direction.UPLOAD else "download floor")
@@ -391,13 +381,13 @@ def _shaper(d: Direction, inputs: NodeInputs, ready: list[PodShape], minors: dic
     wire_floor = max(MIN_RATE_BPS, to_wire(floor, opts))
     upload = d is Direction.UPLOAD
     return ShaperSpec(
-        ifb=opts.ifb_of(d),
-        uplinks=tuple(inputs.uplinks) if upload else tuple(sorted(set(inputs.pod_devices) - set(inputs.uplinks))),
+        ifb=opts.ifbs[d],
+        devices=tuple(inputs.uplinks) if upload else tuple(sorted(set(inputs.pod_devices) - set(inputs.uplinks))),
         mark_bit=opts.mark_bit,
         node_rate=max(MIN_RATE_BPS, to_wire(node_rate, opts, inputs.node_ratios[d])),
         default=HtbClassSpec(DEFAULT_MINOR, wire_floor, wire_floor, "default"),
         pods=tuple(sorted(classes)),
-        major=opts.major_of(d),
+        major=opts.htb_majors[d],
         leaf=opts.leaf_qdisc,
         filter_pref=opts.filter_pref,
         ifb_alias=UPLOAD_IFB_ALIAS if upload else DOWNLOAD_IFB_ALIAS,

@@ -43,15 +43,14 @@ def relevant(event: LinkEvent, devices: set[str], indexes: set[int]) -> bool:
 
 
 class DriftWatch:
-    def __init__(self, ifb: str, uplinks: Callable[[], tuple[str, ...]], wake_full: Callable[[], None],
+    def __init__(self, ifbs: tuple[str, ...], uplinks: Callable[[], tuple[str, ...]], wake_full: Callable[[], None],
                  hooks_fingerprint: Callable[[], object | None], set_uplinks: Callable[[tuple[str, ...]], None]
                  | None = None, count: Callable[[str], None] | None = None, netns: str | None = None,
-                 hook_check_s: float = HOOK_CHECK_S, ingress_ifb: str | None = None,
-                 wake: Callable[[], None] | None = None):
-        """`set_uplinks`: given when the uplinks are learnt from the default routes (no --uplink);
-        `wake` (an ordinary sync) and `ingress_ifb`: given when downloads are shaped."""
-        self.ifb, self.uplinks, self.wake_full = ifb, uplinks, wake_full
-        self.ingress_ifb, self.wake = ingress_ifb, wake
+                 hook_check_s: float = HOOK_CHECK_S, wake: Callable[[], None] | None = None):
+        """`ifbs`: the IFB of each shaped direction; `set_uplinks`: given when the uplinks are learnt
+        from the default routes (no --uplink); `wake` (an ordinary sync): given when downloads are shaped."""
+        self.ifbs, self.uplinks, self.wake_full = ifbs, uplinks, wake_full
+        self.wake = wake
         self.hooks_fingerprint = hooks_fingerprint
         self.set_uplinks = set_uplinks
         self.count = count or (lambda source: None)
@@ -72,7 +71,7 @@ class DriftWatch:
         self.watcher.stop()
 
     def _devices(self) -> set[str]:
-        return {self.ifb, *self.uplinks(), *((self.ingress_ifb,) if self.ingress_ifb else ())}
+        return {*self.ifbs, *self.uplinks()}
 
     def _refresh_indexes(self) -> None:
         out = set()

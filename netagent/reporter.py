@@ -363,7 +363,7 @@ class Reporter:
         fresh_leader = answer.generation == 0
         now = time.monotonic()
         allocs = None if fresh_leader else allocations_from(answer, now, self.agent.cfg.node)
-        ingress = None if fresh_leader else ingress_allocations_from(answer, now, self.agent.cfg.ingress_rate_bps)
+        ingress = None if fresh_leader else ingress_allocations_from(answer, now, self.agent.cfg.node_rate_bps[Direction.DOWNLOAD])
         for problem in answer.problems:
             log.log(logging.INFO if fresh_leader else logging.WARNING, "controller: %s", problem)
         for r in answer.refused:  # the rest of the report was answered: these pods keep what they have

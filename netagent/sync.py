@@ -114,10 +114,9 @@ class NodeSync:
                 for p in pods:
                     self.problems.report(p.namespace, p.name, p.uid, p.problems)
                 self.problems.forget({p.uid for p in pods})
-            # per direction, the budget the local engine shares: uploads the budget's total; downloads
-            # --ingress-rate, else the budget's ingressTotal when it has one
-            budgets = PerDirection(int(policy.totals[Direction.UPLOAD]),
-                                   self.cfg.ingress_rate_bps or int(policy.totals[Direction.DOWNLOAD]))
+            # per direction, the budget the local engine shares: the node's configured rate (downloads:
+            # --ingress-rate), else the budget's total for the direction
+            budgets = PerDirection.build(lambda d: self.cfg.node_rate_bps[d] or int(policy.totals[d]))
             node_rates: dict[Direction, int] = {}
             effective: dict[Direction, dict[str, Allocation]] = {}
             for lane in self.shaped_lanes():
@@ -127,7 +126,7 @@ class NodeSync:
                 eff = lane.allocations.effective(pods, self.minor_of, time.monotonic())
                 stage = "plan"
                 # the node class's rate: the controller's answer, else what the pods' rates add up to
-                floor = self.cfg.datapath.floor(d)
+                floor = self.cfg.datapath.floors[d]
                 node_rates[d] = lane.allocations.node_rate(eff, floor)
                 effective[d] = cap_to_node(eff, node_rates[d], floor, least_ceils(lane.allocations, pods))
             self._seed_frames(pods, effective, node_rates)

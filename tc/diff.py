@@ -211,7 +211,7 @@ def plan_ops(spec: ShaperSpec, obs: ObservedShaper, ticks: TickFn) -> list[Op]:
                           leaf_rate=sizing.SEGMENTER_RATE_BYTES if tbf else 0, leaf_burst=burst if tbf else 0))
 
     # 4. uplinks: clsact, then the redirect filter (only now is the IFB ready)
-    for up in spec.uplinks:
+    for up in spec.devices:
         if obs.uplink_index.get(up) is None:
             ops.append(Op("missing_uplink", up))
             continue

@@ -76,24 +76,24 @@ class HtbClassSpec:
 
 @dataclass(frozen=True)
 class ShaperSpec:
-    """One shaper: an IFB with its HTB tree, fed by a redirect filter on the egress of `uplinks`.
+    """One shaper: an IFB with its HTB tree, fed by a redirect filter on the egress hook of `devices`.
 
     Uploads: the uplinks (internet-bound pod traffic). Downloads (`optional_devices`): the
     pod-facing devices, internet-sourced traffic on its way to the pods; a pod's device may go
     at any moment, so a missing one is skipped, and a node without pods has none."""
 
     ifb: str  # the IFB device that carries the shaped traffic
-    uplinks: tuple[str, ...]  # devices whose egress is redirected into the IFB
+    devices: tuple[str, ...]  # devices whose egress hook is redirected into the IFB
     mark_bit: int  # the firewall-mark bit iptables sets on internet traffic
     node_rate: int  # node class rate = ceil, bit/s (the node's internet allocation)
     default: HtbClassSpec  # unknown-source internet traffic: shaped at a floor
     pods: tuple[HtbClassSpec, ...] = ()
     major: int = 0x1  # HTB handle major on the IFB
     leaf: str = "pfifo"  # leaf qdisc kind: fq_codel where the kernel has it, else tbf (tc/sizing.py: segmenting)
-    filter_pref: int = 0xC000  # clsact filter priority on the uplinks (ours alone)
+    filter_pref: int = 0xC000  # clsact filter priority on `devices` (ours alone)
     ifb_txqueuelen: int = 5000
     ifb_alias: str = UPLOAD_IFB_ALIAS
-    optional_devices: bool = False  # downloads: `uplinks` are pod devices that come and go
+    optional_devices: bool = False  # downloads: `devices` are pod devices that come and go
 
     def __post_init__(self) -> None:
         validate_rate(self.node_rate, "node rate")
@@ -101,7 +101,7 @@ class ShaperSpec:
             raise ValueError(f"IFB name {self.ifb!r} must be 1..15 characters")
         if self.ifb_alias not in IFB_ALIASES:
             raise ValueError(f"IFB alias {self.ifb_alias!r} is not one of netagent's")
-        if not self.uplinks and not self.optional_devices:
+        if not self.devices and not self.optional_devices:
             raise ValueError("no uplink given: name the node's internet-facing device(s)")
         if self.mark_bit <= 0 or self.mark_bit & (self.mark_bit - 1) or self.mark_bit >= 1 << 32:
             raise ValueError(f"mark bit {self.mark_bit:#x} must be exactly one bit of a 32-bit mark")

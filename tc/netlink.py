@@ -232,7 +232,7 @@ class Shaper:
             obs.ifb_up = link.up
             obs.ifb_txqueuelen = link.txqlen
             self._observe_ifb_qdiscs(ifb, spec, obs)
-        if len(spec.uplinks) > 2:
+        if len(spec.devices) > 2:
             # many devices (the pod devices of the download shaper): one link dump and one qdisc
             # dump for all of them, then one filter dump each
             try:
@@ -240,14 +240,14 @@ class Shaper:
                 clsact = self.chan.clsact_devices()
             except OSError as exc:
                 raise TcError(f"reading devices in network namespace {self.netns!r} failed: {exc}") from exc
-            for up in spec.uplinks:
+            for up in spec.devices:
                 idx, mtu = links.get(up, (None, 0))
                 obs.uplink_index[up] = idx
                 if idx is not None:
                     obs.feed_mtu = max(obs.feed_mtu, mtu)
                     self._observe_uplink(up, idx, spec, obs, idx in clsact)
             return obs
-        for up in spec.uplinks:
+        for up in spec.devices:
             up_link = self._link(up)
             idx = obs.uplink_index[up] = up_link.index if up_link else None
             if up_link is not None:
@@ -360,7 +360,7 @@ class Shaper:
             for op in ops:
                 if op.action in ("create_ifb", "set_ifb"):
                     self._link_op(op, spec)
-            index = {name: self._index(name) for name in (spec.ifb, *spec.uplinks)}
+            index = {name: self._index(name) for name in (spec.ifb, *spec.devices)}
             tc_ops = [op for op in ops if op.action not in ("create_ifb", "set_ifb")]
             if spec.optional_devices:  # a pod device gone since observe: its ops go with it
                 tc_ops = [op for op in tc_ops if not op.device or index.get(op.device) is not None]

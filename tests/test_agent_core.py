@@ -256,7 +256,7 @@ def test_local_mode_shares_the_download_total_and_honours_the_ingress_annotation
     assert agent.sync()
     desired = dp.applied[-1]
     assert desired.shapers.download.node_rate == wire(400 * M)
-    assert desired.shapers.download.uplinks == ("vp0", "vp1")  # the pod devices, never the uplink
+    assert desired.shapers.download.devices == ("vp0", "vp1")  # the pod devices, never the uplink
     got = download_classes(desired)
     assert got["ns/a"][1] <= wire(300 * M) and got["ns/b"][1] <= wire(50 * M)
     # uploads are unchanged by it: bronze's 20M
@@ -276,7 +276,7 @@ def test_local_mode_shares_the_download_total_and_honours_the_ingress_annotation
     assert "downloads (internet -> pod): node allocation 400.0 Mbit/s" in text and "dl limit" in text
     # a new pod device gets the download filter: a planned tc change, not drift
     dp.devices, dp.next_changes = ("eth0", "vp0", "vp1", "vp2"), {"tc": 2}
-    assert agent.sync() and dp.applied[-1].shapers.download.uplinks == ("vp0", "vp1", "vp2")
+    assert agent.sync() and dp.applied[-1].shapers.download.devices == ("vp0", "vp1", "vp2")
     assert sample(metrics, "netagent_drift_repairs_total", kind="tc") == 0
 
 

@@ -29,6 +29,7 @@ from typing import Callable
 
 import pytest
 
+from core.direction import Direction
 from iptables.apply import Classifier
 from iptables.errors import IptablesError
 from lab.agentproc import server_intervals
@@ -105,7 +106,7 @@ class NodeUnderTest:
     def remove(self) -> None:
         spec = self.state.shaper if self.state else None
         if spec:
-            self.shaper.cleanup(spec.ifb, spec.uplinks, spec.filter_pref)
+            self.shaper.cleanup(spec.ifb, spec.devices, spec.filter_pref)
         self.classifier.cleanup()
         self.state = None
 
@@ -298,7 +299,7 @@ def test_unknown_pod_is_held_at_the_floor(lab, node, dst, peer):
     at the same time keeps its own class and rate. Its internal traffic is not shaped at all."""
     known, unknown = node.pods
     floor, rate = 5 * M, 100 * M
-    node.options = DataPathOptions(leaf_qdisc=node.options.leaf_qdisc, default_rate=floor)
+    node.options = DataPathOptions(leaf_qdisc=node.options.leaf_qdisc, floors=DataPathOptions.floors.replace(Direction.UPLOAD, floor))
     try:
         node.program({known.name: (rate, rate)})
         ifb = node.state.shaper.ifb

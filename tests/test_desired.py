@@ -1,6 +1,7 @@
 """The desired kernel state is pure: same inputs, same desired state; bad input is a clear error."""
 import pytest
 
+from core.direction import PerDirection
 from netagent.desired import (DataPathOptions, DesiredStateError, NodeInputs, PodShape, assign_minors, desired_state,
                               from_wire, ip_bytes, to_wire)
 from tc.model import DEFAULT_MINOR, RESERVED_MINORS
@@ -44,7 +45,7 @@ def test_pod_rates_are_clamped_to_the_node_and_default_class_floor():
 
 
 def test_unknown_sources_are_classified_to_the_default_class():
-    d = desired_state(inputs([pod("ns/a", "10.244.0.11")], options=DataPathOptions(htb_major=0x7)))
+    d = desired_state(inputs([pod("ns/a", "10.244.0.11")], options=DataPathOptions(htb_majors=PerDirection(0x7, 0x2))))
     assert d.classifier.default_class == (0x7, DEFAULT_MINOR) == (d.shaper.major, d.shaper.default.minor)
 
 
@@ -71,7 +72,7 @@ def test_internal_cidrs_are_canonical():
         (dict(uplinks=()), "no uplink"),
         (dict(pods=(pod("ns/a", "10.244.0.300"),)), "ns/a.*not an IP"),
         (dict(pods=(pod("ns/a", "10.244.0.3", rate=0),)), "ns/a.*positive"),
-        (dict(options=DataPathOptions(default_rate=0)), "floor"),
+        (dict(options=DataPathOptions(floors=PerDirection(0, 1_000_000))), "floor"),
         (dict(options=DataPathOptions(wire_mtu=0)), "MTU"),
     ],
 )

@@ -122,7 +122,7 @@ def agent(lab, bpf_dir):
         from tc.netlink import Shaper
         from iptables.apply import Classifier
         with Shaper(node.netns) as shaper:
-            shaper.cleanup(a.options.ifb, (UPLINK,), a.options.filter_pref)
+            shaper.cleanup(a.options.ifbs.upload, (UPLINK,), a.options.filter_pref)
         Classifier(backend="nft", netns=node.netns).cleanup()
         assert residue_snapshot(node.netns) == before
 

@@ -93,7 +93,7 @@ def test_a_restart_adopts_and_drift_is_repaired(lab, node):
         run(["tc", "filter", "del", "dev", dev, "egress"], lab.nodes[0].netns)
         ops, _ = fresh.program(rates)
         assert [str(op) for op in ops] == [f"add_filter {dev}"]
-        run(["ip", "link", "del", node.options.ingress_ifb], lab.nodes[0].netns)
+        run(["ip", "link", "del", node.options.ifbs.download], lab.nodes[0].netns)
         ops, _ = fresh.program(rates)
         assert ops and ops[0].action == "create_ifb"
         ping(a.netns, INTERNET_V4)
@@ -107,7 +107,7 @@ def test_a_new_pod_device_gets_the_filter(lab, node):
     try:
         ops, _ = node.program({p.name: (10 * M, 10 * M) for p in node.pods})
         assert f"add_filter {new.node_veth}" in [str(op) for op in ops]
-        assert new.node_veth in node.state.shapers.download.uplinks and UPLINK not in node.state.shapers.download.uplinks
+        assert new.node_veth in node.state.shapers.download.devices and UPLINK not in node.state.shapers.download.devices
         ping(new.netns, INTERNET_V4)
         assert node.stats()[node.minor(new)].packets == PINGS
     finally:

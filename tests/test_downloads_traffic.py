@@ -67,8 +67,8 @@ class DownloadNode(NodeUnderTest):
 
     def remove(self) -> None:
         o = self.options
-        self.shaper.cleanup(o.ifb, (UPLINK, *self.devices()), o.filter_pref)
-        self.shaper.cleanup(o.ingress_ifb, (), o.filter_pref)
+        self.shaper.cleanup(o.ifbs.upload, (UPLINK, *self.devices()), o.filter_pref)
+        self.shaper.cleanup(o.ifbs.download, (), o.filter_pref)
         self.classifier.cleanup()
         self.state = None
 

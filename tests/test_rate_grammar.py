@@ -64,7 +64,7 @@ def agent_flag(text: str, tmp_path: Path) -> bool:
     except ConfigError as exc:
         assert str(exc).startswith("--default-rate"), f"{text!r}: refused for another reason: {exc}"
         return False
-    assert 1 <= cfg.datapath.default_rate <= MAX_BPS
+    assert 1 <= cfg.datapath.floors.upload <= MAX_BPS
     return True
 
 

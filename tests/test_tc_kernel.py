@@ -19,7 +19,7 @@ pytestmark = pytest.mark.root
 
 def make_spec(pods=None, **kw):
     base = dict(
-        ifb="na-ifb0", uplinks=("eth0",), mark_bit=0x20000, node_rate=1_000_000_000,
+        ifb="na-ifb0", devices=("eth0",), mark_bit=0x20000, node_rate=1_000_000_000,
         default=HtbClassSpec(DEFAULT_MINOR, 1_000_000, 1_000_000, "default"),
         pods=tuple(pods if pods is not None else (
             HtbClassSpec(0x10A, 10_000_000, 20_000_000, "a/p1"),
@@ -172,7 +172,7 @@ def test_a_class_dump_decodes_only_the_classes_that_changed(node, monkeypatch):
 def test_missing_uplink_changes_nothing(node):
     before = snapshot(node)
     with Shaper(node) as s, pytest.raises(TcError, match="bond7.*not found.*nothing was changed"):
-        s.apply(make_spec(uplinks=("eth0", "bond7")))
+        s.apply(make_spec(devices=("eth0", "bond7")))
     assert snapshot(node) == before
 
 

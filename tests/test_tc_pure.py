@@ -28,7 +28,7 @@ def ticks(rate, size):
 
 def spec(**kw):
     base = dict(
-        ifb="na-ifb", uplinks=("eth0",), mark_bit=0x10000, node_rate=100_000_000,
+        ifb="na-ifb", devices=("eth0",), mark_bit=0x10000, node_rate=100_000_000,
         default=HtbClassSpec(DEFAULT_MINOR, 1_000_000, 1_000_000, "default"),
         pods=(HtbClassSpec(0x10, 10_000_000, 20_000_000, "a/p"),),
     )
@@ -51,7 +51,7 @@ def converged(s: ShaperSpec, mtu: int = 1500) -> ObservedShaper:
                                                sizing.segmenter_burst_bytes(mtu))
         else:
             obs.leaves[c.minor] = ObservedLeaf(c.minor, kind, c.minor, limit)
-    for up in s.uplinks:
+    for up in s.devices:
         obs.uplink_index[up] = 3
         obs.uplink_clsact[up] = True
         obs.filters[up] = [ObservedFilter(up, s.filter_pref, 1, "bpf", s.mark_bit, 7)]
@@ -170,7 +170,7 @@ def test_foreign_root_is_replaced_and_wrong_filter_replaced():
 
 
 def test_missing_uplink_is_reported():
-    s = spec(uplinks=("eth0", "bond9"))
+    s = spec(devices=("eth0", "bond9"))
     obs = converged(spec())
     obs.uplink_index["bond9"] = None
     assert any(o.action == "missing_uplink" and o.device == "bond9" for o in plan_ops(s, obs, ticks))
@@ -201,7 +201,7 @@ def test_bad_ifb_name_and_empty_uplinks():
     with pytest.raises(ValueError, match="IFB name"):
         spec(ifb="x" * 16)
     with pytest.raises(ValueError, match="no uplink"):
-        spec(uplinks=())
+        spec(devices=())
 
 
 def test_probe_without_ifb_names_only_the_ifb():
