@@ -47,6 +47,8 @@ from .metricsauth import ScrapeAuthCollector, guarded
 from .pacing import ReportPacer
 from .sources import ClusterCaches, FilePolicy
 from .state import ControllerState
+from .quota import QuotaKeeper
+from .quotastore import QuotaCollector, QuotaStore
 from .status import StatusWriter
 from .tls import FileTLS, SecretTLS, ServingTLS
 
@@ -130,9 +132,10 @@ class Controller:
         if cfg.metrics_auth:  # cluster mode with TLS (ControllerConfig): scrapers show a token allowed /metrics
             self.scrape_auth = ScrapeAuthorizer(token_review(api), access_review(api))
         leading = (lambda: self.elector.leading) if self.elector else (lambda: True)
+        self.quota = QuotaKeeper()  # volume quotas (docs/quotas.md): counted by the leader only
         self.state = ControllerState(
             Allocator(policy, namespace_labels, known_pods=known_pods, known_nodes=known_nodes,
-                      takeover_seconds=cfg.report_ttl),
+                      takeover_seconds=cfg.report_ttl, quota=self.quota),
             locate_pods=locate_pods, lease_seconds=cfg.lease_seconds,
             report_ttl=cfg.report_ttl, leader=leading,
             leader_address=(lambda: self.elector.leader_address()) if self.elector else (lambda: None),
@@ -143,6 +146,17 @@ class Controller:
                                  cfg.max_reports_per_second, cfg.lease_seconds)
         self.state.report_period = self.pacer.period
         self.metrics = ControllerMetrics(self.state, leading)
+        self.quota_store: QuotaStore | None = None
+        if api is not None:  # the use persisted in the EgressBudget's status; a new leader resumes from it
+            events = self.events
+            self.quota_store = QuotaStore(api, self.quota, cfg.status_interval, leading=leading,
+                                          event=lambda *e: events.budget_event(*e) if events else None,
+                                          registry=self.metrics.registry, policy=lambda: policy()[0],
+                                          ready=lambda: readiness()[0])
+        else:  # --from-file: one replica, no API server: the use is kept in memory only
+            self.quota.set_policy(policy()[0])
+            self.quota.resume(None)
+        self.metrics.registry.register(QuotaCollector(self.quota, self.quota_store, leading))
         self.connections = ConnectionBounds(cfg.max_connections, cfg.max_connections_per_address)
         self.metrics.registry.register(self.connections)
         self._stop_scrape_reviews = lambda: None
@@ -172,6 +186,10 @@ class Controller:
 
     def _leadership(self, leading: bool) -> None:
         self.state.on_leadership(leading)
+        if not leading:
+            self.quota.stop()  # the next leader counts, from the persisted use
+        if self.quota_store is not None:
+            self.quota_store.wake()
         if leading:
             log.info("leading: serving agents at %s", self.cfg.advertise)
         else:
@@ -215,6 +233,8 @@ class Controller:
             self.cluster.start()
         if self.status_writer:
             self.status_writer.start()
+        if self.quota_store:
+            self.quota_store.start()
         if self.events:
             self.events.start()
         if self.tls:
@@ -229,6 +249,8 @@ class Controller:
             self.elector.stop(release=True)  # the other replica takes over at once, not after the Lease runs out
         if self.status_writer:
             self.status_writer.stop()
+        if self.quota_store:
+            self.quota_store.stop()
         if self.events:
             self.events.stop()
         if self.tls:

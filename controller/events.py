@@ -71,6 +71,25 @@ class EventWriter:
             return False
         return True
 
+    def budget_event(self, budget: str, kind: str, reason: str, message: str) -> bool:
+        """Queue an Event (kind Normal or Warning) on the cluster-scoped EgressBudget (in namespace default, where
+        `kubectl describe egressbudget` finds it); False when dropped."""
+        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{budget}.", "namespace": "default"},
+            "involvedObject": {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressBudget", "name": budget},
+            "reason": reason, "message": message[:1024], "type": kind,
+            "source": {"component": COMPONENT}, "reportingComponent": COMPONENT,
+            "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
+        }
+        try:
+            self.queue.put_nowait(("default", body))
+        except queue.Full:
+            self.on_result("dropped")
+            return False
+        return True
+
     def run(self) -> None:
         while not self._stop.is_set():
             namespace, body = self.queue.get()
