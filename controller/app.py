@@ -101,7 +101,7 @@ class Controller:
             self.elector = LeaderElector(api, cfg.namespace, cfg.lease_name, cfg.identity,
                                          lease_seconds=cfg.election_lease_seconds,
                                          renew_deadline=cfg.election_lease_seconds * 2 / 3,
-                                         retry_period=max(0.5, cfg.election_lease_seconds / 7.5),
+                                         retry_period=max(0.25, cfg.election_lease_seconds / 7.5),
                                          on_change=self._leadership)
             self.status_writer = StatusWriter(api, cfg.status_interval,
                                               on_write=lambda result: self.metrics.status_writes.labels(result).inc(),

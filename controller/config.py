@@ -19,6 +19,8 @@ DEFAULT_MAX_REPORTS_PER_SECOND = 1000.0
 DEFAULT_MAX_CONNECTIONS = 20_000  # 10,000 agents, each with a spare during a failover
 DEFAULT_MAX_CONNECTIONS_PER_ADDRESS = 8  # one agent (a node IP) needs 1, 2 during a failover
 DEFAULT_KEEPALIVE_TIMEOUT = 75.0  # > the longest period the pacer advises by default (lease / 4 = 30 s)
+DEFAULT_ELECTION_LEASE_SECONDS = 3.0  # docs/scale.md finding 13: failover in seconds
+MIN_ELECTION_LEASE_SECONDS = 2.0  # the Lease stores whole seconds; shorter leaves calls no time to renew
 DEFAULT_MAX_PENDING_REPORTS = 1000  # reports one replica holds at once; beyond: 503 Overloaded (controller/api.py)
 
 
@@ -44,7 +46,9 @@ class ControllerConfig:
     namespace: str = "netagent"
     lease_name: str = "netagent-controller"
     identity: str = ""
-    election_lease_seconds: float = 15.0
+    # short: a killed leader is replaced within it (and a poll), and the new one answers from a round
+    # at once (controller/state.py); never two leaders whatever its length (controller/leader.py)
+    election_lease_seconds: float = DEFAULT_ELECTION_LEASE_SECONDS
     no_auth: bool = False
     agent_service_account: str | None = None  # NAMESPACE:NAME
     token_cache_seconds: float = 60.0
@@ -121,6 +125,10 @@ def from_flags(*, listen: str, metrics_listen: str | None, advertise: str | None
                           f"--max-connections ({max_connections})")
     if not 0 < keepalive_timeout <= 3600:
         raise ConfigError(f"--keepalive-timeout ({keepalive_timeout:g}) must be between 0 and 3600 seconds")
+    if not MIN_ELECTION_LEASE_SECONDS <= election_lease_seconds <= 3600:
+        raise ConfigError(f"--election-lease-seconds ({election_lease_seconds:g}) must be between "
+                          f"{MIN_ELECTION_LEASE_SECONDS:g} and 3600: the leader renews within 2/3 of it, each call "
+                          "bounded by a quarter of that")
     if report_ttl < lease_seconds:
         raise ConfigError(f"--report-ttl ({report_ttl:g}) must be at least --lease-seconds ({lease_seconds:g}): a "
                           "node that cannot reach the controller keeps enforcing its last answer for the lease, so "

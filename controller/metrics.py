@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from core.direction import PerDirection
 
@@ -41,6 +41,9 @@ class BudgetCollector:
         summary: Summary | None = result.summary if result is not None else None
         yield GaugeMetricFamily(P + "agents", "nodes whose agent reported within the report TTL",
                                 value=float(self.state.nodes() if leader else 0))
+        # a node silent for --report-ttl leaves the rounds (its share goes back to the others): docs/scale.md
+        yield CounterMetricFamily(P + "expired_agents", "nodes dropped from the allocation after --report-ttl "
+                                  "without a report", value=float(self.state.expired_nodes))
         yield GaugeMetricFamily(P + "pods", "pods in the latest allocation round",
                                 value=float(summary.pods if summary else 0))
         if result is not None:

@@ -10,6 +10,12 @@ neighbours are allocated as usual.
 
 Reports are answered only when the inputs are ready (policy and pod caches synced) and this
 replica leads; until then the API answers 503 and agents keep what they have.
+
+A new term (a failover, a restart) does not wait for the period's tick: its first report wakes
+the allocation loop, which runs the term's first round FIRST_ROUND_GATHER later over what has
+arrived, and the reports that came before it are held (at most FIRST_ROUND_WAIT) and answered
+from it. The takeover hold-back (allocator.new_term) keeps that round's total to the heard nodes'
+part of the budget, so answering from a few nodes' reports is safe (docs/scale.md, finding 13).
 """
 from __future__ import annotations
 
@@ -31,9 +37,15 @@ from .auth import Identity
 log = logging.getLogger(__name__)
 _KEY = attrgetter("namespace", "name")
 NO_ROUND = "no allocation round with this node yet: keep the current allocations"
+# a new term's first round runs this long after its first report: the reports arriving with it
+# (hundreds a second at 10,000 nodes) join it instead of waiting a period for the next
+FIRST_ROUND_GATHER = 0.25
+# the reports of a new term held for its first round at most this long: under the agent's 3 s
+# answer timeout (netagent/transport.py), and at 1,000 reports/s within --max-pending-reports
+FIRST_ROUND_WAIT = 1.5
 
 
-def _resolve(fut: asyncio.Future, result: "RoundResult") -> None:
+def _resolve(fut: asyncio.Future, result: "RoundResult | None") -> None:
     if not fut.done():
         fut.set_result(result)
 
@@ -48,8 +60,10 @@ class ControllerState:
     def __init__(self, allocate: Allocate, locate_pods: PodLocator | None = None, lease_seconds: float = 30.0,
                  report_ttl: float = 60.0, leader: Callable[[], bool] = lambda: True,
                  leader_address: Callable[[], str | None] = lambda: None,
-                 readiness: Callable[[], tuple[bool, str]] = lambda: (True, ""), answer_wait: float = 0.0):
+                 readiness: Callable[[], tuple[bool, str]] = lambda: (True, ""), answer_wait: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.allocate = allocate
+        self.clock = clock  # when reports arrived: the report TTL is judged on it
         # per report, at submit time: the work a round would otherwise do per pod (allocator.prepare)
         self.prepare: Callable[[NodeReport], object] = getattr(allocate, "prepare", lambda report: report)
         # a new term: the allocator holds back the share of the nodes not heard from yet (allocator.new_term)
@@ -64,6 +78,9 @@ class ControllerState:
         # it answers: one report period less of control-loop delay (see docs/controller.md)
         self.answer_wait = answer_wait
         self._round_waiters: list[asyncio.Future] = []
+        self._wake = threading.Event()  # a new term's first report: run its first round now
+        self._first_round_due = False  # this term has no round yet and its loop was woken for it
+        self.expired_nodes = 0  # nodes dropped after --report-ttl of silence (a metric counts them)
         self.latest: dict[str, tuple[float, object]] = {}  # node -> (monotonic, prepared report)
         self.result: RoundResult | None = None
         self.generation = 0
@@ -108,6 +125,7 @@ class ControllerState:
         with self._lock:
             self.latest.clear()
             self.result = None
+            self._first_round_due = False
         if leading:
             self._new_term()
 
@@ -155,9 +173,15 @@ class ControllerState:
             report = msgspec.structs.replace(report, pods=[p for i, p in enumerate(pods) if i not in bad])
         prepared = self.prepare(report)
         with self._lock:
-            self.latest[report.node] = (time.monotonic(), prepared)
+            self.latest[report.node] = (self.clock(), prepared)
             result = self.result
+            if result is None and not self._first_round_due and self._looping():
+                self._first_round_due = True  # a new term's first report: its round now, not at the tick
+                self._wake.set()
         return self._answer(report.node, result, problems, refused)
+
+    def _looping(self) -> bool:
+        return self.thread is not None and self.thread.is_alive() and not self._stop.is_set()
 
     def _answer(self, node: str, result: RoundResult | None, problems: list[str],
                 refused: list[Refused]) -> NodeAnswer:
@@ -182,9 +206,11 @@ class ControllerState:
         return len(self.latest)
 
     def run_round(self) -> RoundResult | None:
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
+            before = len(self.latest)
             self.latest = {n: v for n, v in self.latest.items() if now - v[0] <= self.report_ttl}
+            self.expired_nodes += before - len(self.latest)
             reports = {n: prepared for n, (_, prepared) in self.latest.items()}
         if not reports:
             return None
@@ -197,6 +223,7 @@ class ControllerState:
         result.wall_time = time.time()
         with self._lock:
             self.result = result
+            self._first_round_due = False
             waiters, self._round_waiters = self._round_waiters, []
         for fut in waiters:
             fut.get_loop().call_soon_threadsafe(_resolve, fut, result)
@@ -205,24 +232,48 @@ class ControllerState:
 
     async def settle(self, answer: NodeAnswer) -> NodeAnswer:
         """With answer_wait: the answer again after the next round, which includes the report
-        just submitted; the given answer if no round completes in time."""
-        if self.answer_wait <= 0:
+        just submitted; the given answer if no round completes in time. Without it, a report of a
+        new term that has no round yet is held for the term's first round (FIRST_ROUND_WAIT)."""
+        wait = self.answer_wait
+        first = answer.generation == 0 and NO_ROUND in answer.problems
+        if wait <= 0 and not first:
             return answer
         fut = asyncio.get_running_loop().create_future()
         with self._lock:
-            self._round_waiters.append(fut)
-        try:
-            result = await asyncio.wait_for(fut, self.answer_wait)
-        except asyncio.TimeoutError:
-            with self._lock:
-                if fut in self._round_waiters:
-                    self._round_waiters.remove(fut)
+            result = self.result
+            if first and result is not None and answer.node in result.node_rate:
+                pass  # the first round came between submit and now: answer from it
+            elif first and result is None and self._first_round_due:
+                wait = max(wait, FIRST_ROUND_WAIT)
+                self._round_waiters.append(fut)
+            elif wait > 0:
+                self._round_waiters.append(fut)
+                result = None
+            else:
+                return answer
+        if result is None:
+            try:
+                result = await asyncio.wait_for(fut, wait)
+            except asyncio.TimeoutError:
+                with self._lock:
+                    if fut in self._round_waiters:
+                        self._round_waiters.remove(fut)
+                return answer
+        if result is None:  # the round failed: the answer it had
             return answer
         return self._answer(answer.node, result, [p for p in answer.problems if p != NO_ROUND], answer.refused)
 
     def start(self, period: float) -> None:
         def loop():
-            while not self._stop.wait(period):
+            next_round = time.monotonic() + period
+            while not self._stop.is_set():
+                if self._wake.wait(max(0.0, next_round - time.monotonic())):
+                    self._wake.clear()  # a new term's first report: gather a moment, then its round
+                    if self._stop.wait(FIRST_ROUND_GATHER):
+                        break
+                if self._stop.is_set():
+                    break
+                next_round = time.monotonic() + period
                 if not self.is_leader():
                     continue
                 try:
@@ -232,11 +283,21 @@ class ControllerState:
                     self.last_error = str(exc)
                     self.on_round_failure()
                     log.exception("allocation round failed; agents keep the previous round's answers")
+                    self._release_waiters()
 
         self.thread = threading.Thread(target=loop, name="allocation", daemon=True)
         self.thread.start()
 
+    def _release_waiters(self) -> None:
+        """After a failed round: held answers go out as they were (the agents keep what they have)."""
+        with self._lock:
+            self._first_round_due = False
+            waiters, self._round_waiters = self._round_waiters, []
+        for fut in waiters:
+            fut.get_loop().call_soon_threadsafe(_resolve, fut, None)
+
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self.thread is not None:
             self.thread.join(timeout=5)

@@ -957,3 +957,66 @@ def test_a_new_leader_shares_only_the_heard_nodes_part_of_the_budget_until_the_r
     state.submit(None, node_report("node-c"))
     up, _ = totals(state.run_round())
     assert up == pytest.approx(75e6, rel=0.01)
+
+
+# -- failover in seconds: a new term answers from its first round, not after the period's tick -----
+
+async def test_a_new_terms_first_reports_are_answered_from_a_round_without_waiting_for_the_period():
+    """The allocation loop runs every 60 s here, so only the new-term wake can explain an answer
+    from a round: the term's first reports are held (FIRST_ROUND_WAIT) and answered from its first
+    round, run FIRST_ROUND_GATHER after the first report; a node that reports after that round is
+    answered at once with generation 0 (keep what you have), never held for the next tick. The
+    takeover hold-back bounds that round: one of four known nodes heard, a quarter of the budget."""
+    alloc = Allocator(policy_source(), known_pods=lambda: 4, known_nodes=lambda: 4, takeover_seconds=150.0)
+    state = ControllerState(alloc, lease_seconds=120.0, report_ttl=150.0)
+    state.on_leadership(True)
+    state.start(60.0)
+    try:
+        async with serve(state) as (session, base):
+            answers = await asyncio.gather(*(post(session, base, node, report(node, [pod("research", f"{node}-p",
+                                                                                            demand=300e6)]))
+                                             for node in ("node-a", "node-b")))
+            for code, answer, _ in answers:
+                assert (code, answer["generation"]) == (200, 1), answer
+                assert answer["problems"] == []
+            assert sum(p["limit_bps"] for _, a, _ in answers for p in a["pods"]) <= 50e6 * 1.01  # 2 of 4 heard
+            code, late, _ = await post(session, base, "node-c", report("node-c", [pod("research", "c-p")]))
+            assert (code, late["generation"], late["pods"]) == (200, 0, [])  # not in the round: at once
+            assert not state._round_waiters
+            # a follower, then leader again: the new term starts from nothing and answers from its own round
+            state.on_leadership(False)
+            state.on_leadership(True)
+            code, again, _ = await post(session, base, "node-c", report("node-c", [pod("research", "c-p")]))
+            assert (code, again["generation"]) == (200, 2)
+            assert [p["name"] for p in again["pods"]] == ["c-p"]
+    finally:
+        state.stop()
+
+
+def test_a_silent_node_ages_out_after_the_report_ttl_and_is_counted():
+    """A node that stops reporting keeps its share for --report-ttl (it may still enforce its last
+    answer for the lease), then leaves the rounds: the others get its share, and the metric counts it."""
+    from prometheus_client import generate_latest
+
+    from controller.metrics import ControllerMetrics
+    from core.wire import NodeReport, PodReport
+
+    now = [1000.0]  # the TTL judged on a clock the test moves (no sleeping)
+    state = ControllerState(Allocator(policy_source()), lease_seconds=30.0, report_ttl=60.0, clock=lambda: now[0])
+    metrics = ControllerMetrics(state, lambda: True)
+
+    def node_report(node: str) -> NodeReport:
+        return NodeReport(node, [PodReport("research", f"{node}-p", usage_bps=0.0, demand_bps=300e6)], 1, 5.0)
+
+    state.submit(None, node_report("node-a"))
+    state.submit(None, node_report("node-b"))
+    first = state.run_round()
+    assert first.node_rate["node-a"] == pytest.approx(50e6, rel=0.01)
+    now[0] += 59.0
+    state.submit(None, node_report("node-a"))  # node b is silent from here on
+    assert state.run_round().node_rate["node-a"] == pytest.approx(50e6, rel=0.01)  # b's share still held
+    now[0] += 2.0
+    result = state.run_round()
+    assert "node-b" not in result.node_rate and result.node_rate["node-a"] == pytest.approx(80e6, rel=0.01)
+    assert state.expired_nodes == 1
+    assert "netagent_controller_expired_agents_total 1.0" in generate_latest(metrics.registry).decode()

@@ -473,6 +473,44 @@ def test_leader_killed_the_other_takes_over_while_the_agent_keeps_its_allocation
         assert lease.spec.holder_identity.startswith("two@") and lease.spec.lease_transitions >= 1
 
 
+
+def test_a_killed_leaders_successor_answers_its_first_report_from_a_round(kube_api, budget, nodes_and_pods,
+                                                                           tmp_path):
+    """Failover in seconds (docs/scale.md, finding 13): the leader is killed (SIGKILL: the Lease is not
+    released); the other replica takes it over after --election-lease-seconds and answers the very
+    first report it gets from a round (generation > 0), though its rounds come only every 30 s
+    here: a term's first report wakes its first round. That round shares only the heard node's part
+    of the budget (one of two agent nodes: half), so answering from one report is safe."""
+    namespace, nodes = nodes_and_pods
+    args = ("--no-auth", "--agent-service-account", f"{namespace}:agent", "--period", "30",
+            "--election-lease-seconds", "3")
+    with contextlib.ExitStack() as stack:
+        one = stack.enter_context(controller(kube_api, tmp_path, namespace, *args, name="one"))
+        wait_for(lambda: leading(one[1]), what="replica one to lead")
+        two = stack.enter_context(controller(kube_api, tmp_path, namespace, *args, name="two"))
+        report = [workload(namespace, "work-a", 300e6)]
+        code, answer = post(one[1], nodes["a"], report, None)  # a fresh leader's first report: the same
+        assert (code, answer["generation"]) == (200, 1), answer
+        assert post(two[1], nodes["a"], report, None)[0] == 307  # the follower sends agents to the leader
+
+        one[0].kill()  # the leader dies without releasing the Lease
+        one[0].wait()
+        refusals: list[int] = []
+
+        def answered():
+            code, answer = post(two[1], nodes["a"], report, None)
+            if code != 200:
+                refusals.append(code)  # 307 to the dead leader, then 503 NoLeader, until the Lease expires
+                return None
+            return answer
+
+        first = wait_for(answered, timeout=60, what="the second replica to answer")
+        assert first["generation"] > 0 and first["problems"] == [], first  # its first answer: from a round
+        assert sum(p["limit_bps"] for p in first["pods"]) <= 50e6 * 1.01
+        assert refusals and set(refusals) <= {307, 503}
+        assert leading(two[1])
+
+
 # -- TLS: the Secret created, served, pinned, renewed under a running controller -----------------
 
 def served_certificate(port: int, ca_pem: bytes, server_name: str) -> bytes:
