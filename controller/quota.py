@@ -26,6 +26,8 @@ from core.wire import POD_BYTES, NodeReport
 
 FORGET_AFTER = 3600.0  # s: a pod unreported this long leaves the ledger's counters (its counted bytes stay)
 RATE_WINDOW = 60.0  # s: the forecast's rate is the team's use over about this long
+# the share of a quota at which an Event on the EgressBudget says so, and its reason
+LEVELS = ((1.0, "QuotaSpent"), (0.8, "QuotaNearlySpent"))
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,8 @@ class QuotaKeeper:
         self._policy: Policy | None = None
         self._window: tuple[float, dict[tuple[str, Direction], int]] = (0.0, {})
         self._rates: dict[tuple[str, Direction], float] = {}
+        self.told: dict[tuple[str, Direction], tuple[datetime, float]] = {}  # -> (period start, level told)
+        self._quiet = False
 
     # -- policy and periods ------------------------------------------------------------------------------
     def set_policy(self, policy: Policy) -> None:
@@ -207,9 +211,30 @@ class QuotaKeeper:
             self.starts = starts
             self.seen.clear()
             self._window, self._rates = (0.0, {}), {}
+            self._quiet = True  # the levels the resumed figures reached were told by the previous leader
             self.active = True
             self.version += 1
         return resumed
+
+    def crossings(self) -> list[tuple[str, Direction, str, int, int]]:
+        """The quotas that reached 80 % or 100 % since last asked, once per level and period: (team, direction,
+        Event reason, used, bytes). After a resume the levels already reached are not told again."""
+        out = []
+        for u in self.teams():
+            for d in DIRECTIONS:
+                limit = u.quota.limits[d]
+                if limit is None:
+                    continue
+                level, reason = next(((lv, r) for lv, r in LEVELS if u.used[d] >= lv * limit.bytes), (0.0, ""))
+                start, told = self.told.get((u.name, d), (u.period_start, 0.0))
+                if start != u.period_start:
+                    told = 0.0
+                if level > told:
+                    if not self._quiet:
+                        out.append((u.name, d, reason, u.used[d], limit.bytes))
+                    self.told[(u.name, d)] = (u.period_start, level)
+        self._quiet = False
+        return out
 
     def stop(self) -> None:
         """No longer the leader: stop counting (the next leader resumes from the persisted use)."""

@@ -23,7 +23,7 @@ from kubernetes.client.rest import ApiException
 from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from core.direction import DIRECTIONS
+from core.direction import DIRECTIONS, Direction
 from core.kubeapi import GROUP, TIMEOUT, VERSION
 from core.policy import Policy
 
@@ -106,6 +106,12 @@ class QuotaStore:
             self.resume()
         elif self.keeper.version != self.written_version:
             self.write()
+        if self.keeper.active:
+            for team, d, reason, used, limit in self.keeper.crossings():
+                self.event(self.keeper.budget_name, "Warning", reason,
+                           f"team {team} has used {used} of its {limit} bytes of internet "
+                           f"{'uploads' if d is Direction.UPLOAD else 'downloads'} this period ({100 * used // limit} %)"
+                           + ("; it is capped at its exhaustedRate until the period ends" if used >= limit else ""))
 
     def _read(self, name: str) -> dict:
         obj: dict = self.custom.get_cluster_custom_object(GROUP, VERSION, PLURAL, name,  # type: ignore[assignment]

@@ -141,3 +141,28 @@ def test_a_refused_quota_keeps_the_previous_valid_one_in_force():
     assert any("quota.bytes" in p for p in problems)
     keeper.set_policy(bad)
     assert keeper.quotas["research"].limits.upload.bytes == 10**6
+
+
+def test_events_at_80_and_100_percent_once_per_period_and_not_again_after_a_resume():
+    alloc, keeper, clock = _setup()
+    clock.t += 11 * 3600 + 59 * 60  # 23:59
+    alloc.prepare(_report(0, 0))
+    assert keeper.crossings() == []
+    alloc.prepare(_report(799_999, 0))
+    assert keeper.crossings() == []
+    alloc.prepare(_report(800_000, 4_000_000))
+    assert keeper.crossings() == [("research", UP, "QuotaNearlySpent", 800_000, 10**6),
+                                  ("research", DOWN, "QuotaNearlySpent", 4_000_000, 5 * 10**6)]
+    alloc.prepare(_report(900_000, 4_000_000))
+    assert keeper.crossings() == []  # told once per level
+    alloc.prepare(_report(1_000_000, 4_000_000))
+    assert keeper.crossings() == [("research", UP, "QuotaSpent", 10**6, 10**6)]
+    new_alloc, new_keeper, _ = _setup(keeper.status())  # a new leader: the previous one told these
+    assert new_keeper.crossings() == []
+    new_alloc.prepare(_report(1_000_000, 4_000_000))
+    new_alloc.prepare(_report(1_000_000, 5_000_000))
+    assert new_keeper.crossings() == [("research", DOWN, "QuotaSpent", 5 * 10**6, 5 * 10**6)]
+    clock.t += 61  # just past midnight: the next day, told again when reached again
+    keeper.tick()
+    alloc.prepare(_report(1_900_000, 4_000_000))
+    assert keeper.crossings() == [("research", UP, "QuotaNearlySpent", 900_000, 10**6)]
