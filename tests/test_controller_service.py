@@ -267,9 +267,16 @@ def test_reporter_follows_the_follower_to_the_leader_and_stays_fail_static(tmp_p
         finally:
             stop_follower()
 
-    # a new leader without a round yet (generation 0) leaves the allocations and the lease alone
+    # a new leader without a round that includes this node (generation 0) leaves the allocations and
+    # the lease alone: another node's report starts the term's first round (controller/state.py), and
+    # the next round is 30 s away
     with controller_process(tmp_path, "--from-file", str(policy), "--no-auth", "--period", "30",
                             "--lease-seconds", "60") as (proc, leader):
+        body = json.dumps({"node": "node-b", "pods": []}).encode()
+        with urllib.request.urlopen(urllib.request.Request(f"{leader}/v1/nodes/node-b/report", data=body,
+                                                           headers={"Content-Type": "application/json"}),
+                                    timeout=10) as r:
+            assert json.loads(r.read())["generation"] == 1  # the term's first round, at once
         reporter = Reporter(agent, leader, token_path=None, insecure_http=True)
         reporter.report_once()
         assert agent.allocations.current is first and agent.controller_reachable
