@@ -22,7 +22,7 @@ from core.direction import DIRECTIONS, Direction, PerDirection
 from core.engine import TeamColumns
 from core.policy import Limits, Policy
 from core.quota import Ledger, TeamQuota, apply_exhaustion, exhausted_teams, period_bounds
-from core.wire import POD_BYTES, NodeReport
+from core.wire import NodeReport
 
 FORGET_AFTER = 3600.0  # s: a pod unreported this long leaves the ledger's counters (its counted bytes stay)
 RATE_WINDOW = 60.0  # s: the forecast's rate is the team's use over about this long
@@ -129,19 +129,15 @@ class QuotaKeeper:
         if not self.active or report.epoch is None or not self.quotas:
             return
         now = self.clock()
+        quotas = self.quotas
+        rows = [(team, pod.uid or f"{pod.namespace}/{pod.name}", pod.bytes_total, pod.ingress_bytes_total)
+                for pod, team in zip(report.pods, teams) if team in quotas]
+        if not rows:
+            return
         with self._lock:
-            quotas, ledger, changed = self.quotas, self.ledger, False
-            for pod, team in zip(report.pods, teams):
-                if team not in quotas or (pod.bytes_total is None and pod.ingress_bytes_total is None):
-                    continue
-                key = pod.uid or f"{pod.namespace}/{pod.name}"
-                for d in DIRECTIONS:
-                    counter = POD_BYTES[d](pod)
-                    if counter is not None and ledger.add(team, key, d, report.epoch, counter):
-                        changed = True
-                self.seen[key] = now
-            if changed:
+            if self.ledger.add_report(report.epoch, rows):
                 self.version += 1
+            self.seen.update(dict.fromkeys([row[1] for row in rows], now))
 
     def exhausted(self, d: Direction) -> frozenset[str]:
         with self._lock:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from core.direction import DIRECTIONS, Direction, PerDirection
@@ -227,6 +227,24 @@ class Ledger:
         if added:
             self.used[(team, d)] = self.used.get((team, d), 0) + added
         return added
+
+    def add_report(self, epoch: str, pods: Iterable[tuple[str, str, int | None, int | None]]) -> bool:
+        """One report's pods, (team, pod, upload counter, download counter) each (None: not counted), as `add`
+        does each; the common case (a known pod, the same epoch) without a call per pod. True if any counted."""
+        known, used, changed = self.pods, self.used, False
+        for team, pod, *counters in pods:
+            for d, counter in zip(DIRECTIONS, counters):
+                if counter is None:
+                    continue
+                old = known.get((pod, d))
+                if old is not None and old.epoch == epoch and counter >= 0:
+                    if counter > old.last:
+                        used[(team, d)] = used.get((team, d), 0) + counter - old.last
+                        old.last = counter
+                        changed = True
+                elif self.add(team, pod, d, epoch, counter):
+                    changed = True
+        return changed
 
     def seed(self, pod: str, d: Direction, epoch: str, counter: int) -> None:
         """Know a pod's counter without counting it (a controller resuming from persisted use: the bytes up
