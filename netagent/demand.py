@@ -26,6 +26,10 @@ The estimate must follow a pod's real appetite within a period or two both ways
   node's first report came before its flows). It asks its cap while it stays
   throttled: the engine's max-min answer is its fair share, at once, and an answer
   computed before the ask (answers lag a report) does not end it.
+- Cut: throttled under a limit clearly below what it sent the sample before (under CLEAR_DROP
+  of it), the pod asks at least that: an answer cut it, not its appetite (a drop shows as an
+  unthrottled sample first). With answers a report late (the controller's default) the 1.25x
+  ask of the cut limit was answered out of phase, and pods swung high and low for good.
 - Held: still throttled after HELD_ANSWERS answers that did not raise its limit, the pod sits
   at its fair share and wants more (jitter over a limit is answered by the first probe, or its
   next sample is unthrottled). It asks its cap as a woken pod does: the answer stays its fair
@@ -76,6 +80,7 @@ class PodDemand:
     waking: bool = False  # woken or held: asks its cap while it stays throttled
     answers_seen: int = 0  # the agent's answer count at the last sample
     refusals: int = 0  # answers since the probe began (or was last raised) that did not raise the limit
+    cut_from: float = 0.0  # while throttled: what it sent the sample before a cut took it clearly below that
 
     held_answers = HELD_ANSWERS  # a class attribute: bench/estimator.py's baseline turns the rule off
 
@@ -111,9 +116,15 @@ class PodDemand:
                 self.refusals += answered
                 self.waking = self.waking or self.refusals >= self.held_answers
             self.roomy_below = None
+            if before is not None and before * CLEAR_DROP > limit_bps:
+                # cut below what it sent a sample ago (an answer to an older report, a neighbour's ask):
+                # it wants that at least, while it stays throttled. Answers a report late, asking 1.25x
+                # the cut limit locked pods into a two-period swing, out of phase with the answers (issue 37)
+                self.cut_from = max(self.cut_from, before)
             want = cap_bps if self.waking else max(self.usage_bps, limit_bps) * self.probe_gain
+            want = max(want, self.cut_from)
         else:
-            self.probe_gain, self.waking, self.refusals = 0.0, False, 0
+            self.probe_gain, self.waking, self.refusals, self.cut_from = 0.0, False, 0, 0.0
             self.roomy_below = self.usage_bps / CLEAR_DROP if self.usage_bps < CLEAR_DROP * limit_bps else None
             recent = max(self.recent_usage)
             want = max(self.usage_bps, FALL_FLOOR * recent) if self.usage_bps < CLEAR_DROP * recent else recent
