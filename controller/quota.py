@@ -22,7 +22,7 @@ from core.direction import DIRECTIONS, Direction, PerDirection
 from core.engine import TeamColumns
 from core.policy import Limits, Policy
 from core.quota import Ledger, TeamQuota, apply_exhaustion, exhausted_teams, period_bounds
-from core.wire import NodeReport
+from core.wire import POD_BYTES, NodeReport
 
 FORGET_AFTER = 3600.0  # s: a pod unreported this long leaves the ledger's counters (its counted bytes stay)
 RATE_WINDOW = 60.0  # s: the forecast's rate is the team's use over about this long
@@ -129,8 +129,8 @@ class QuotaKeeper:
         if not self.active or report.epoch is None or not self.quotas:
             return
         now = self.clock()
-        quotas = self.quotas
-        rows = [(team, pod.uid or f"{pod.namespace}/{pod.name}", pod.bytes_total, pod.ingress_bytes_total)
+        quotas, (up, down) = self.quotas, (POD_BYTES.upload, POD_BYTES.download)
+        rows = [(team, pod.uid or f"{pod.namespace}/{pod.name}", up(pod), down(pod))
                 for pod, team in zip(report.pods, teams) if team in quotas]
         if not rows:
             return
