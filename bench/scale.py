@@ -67,7 +67,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.timing import process_cpu_seconds as cpu_seconds  # noqa: E402
 from core.asynctls import TLS_READ_BUFFER_BYTES, set_tls_read_buffer  # noqa: E402
-from core.direction import Direction  # noqa: E402
+from core.direction import Direction, PerDirection  # noqa: E402
 from core.engine import PodDemandIn, allocate  # noqa: E402
 from core.objects import ANNOTATION_BANDWIDTH, ANNOTATION_CLASS, PodRecord  # noqa: E402
 from core.policy import load_policy, resolve_pods  # noqa: E402
@@ -515,8 +515,8 @@ class SimAgent:
             started = time.monotonic()
             egress, ingress = self.advance(started)
             self.seq += 1
-            inputs = ReportInputs(self.node, tuple((rp, self.demand.get(rp.key)) for rp in self.resolved), None,
-                                  ingress_demand=self.down_demand, shapes_ingress=b.downloads)
+            inputs = ReportInputs(self.node, tuple(self.resolved), PerDirection(self.demand, self.down_demand),
+                                  shaped=PerDirection(True, b.downloads))
             body = encoder.encode(build_report(inputs, self.seq, self.period(), egress, node_ingress_bps=ingress))
             answered, retry_after, stretches = await self.post(body, started)
             if not answered and self.leader_failed:  # as the agent: a dead leader's address, then the Service
@@ -697,9 +697,10 @@ class AgentHost:
                 for rp in a.resolved:
                     want = a.appetite.get(rp.key, 0.0) * self.factor(rp.team)
                     down = a.down_appetite.get(rp.key, 0.0) * self.factor(rp.team)
-                    rows.append(PodRow(a.i, rp.key, rp.team, rp.egress_class, rp.weight, rp.min_bps, rp.max_bps,
+                    up, dn = rp.limits.upload, rp.limits.download
+                    rows.append(PodRow(a.i, rp.key, rp.team, rp.egress_class, up.weight, up.min_bps, up.max_bps,
                                        want, min(want, a.limits.get(rp.key, FLOOR_BPS)),
-                                       rp.ingress_weight, rp.ingress_min_bps, rp.ingress_max_bps,
+                                       dn.weight, dn.min_bps, dn.max_bps,
                                        down, min(down, a.down_limits.get(rp.key, FLOOR_BPS)) if self.downloads else 0.0))
         return {"stats": self.stats, "errors": self.errors, "pods": rows,
                 "synced": sum(1 for k in self._synced_kinds.values() if len(k) == 3),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 from core.direction import Direction, PerDirection
 from core.objects import Snapshot
@@ -36,14 +36,18 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ReportInputs:
-    """What the reporter sends: the node's pods with their demand, and the node's internet egress bytes."""
+    """What the reporter sends: the node's pods, per direction their demand and the node's internet bytes."""
 
     node: str
-    pods: tuple[tuple[ResolvedPod, PodDemand | None], ...]
-    node_internet_egress_bytes: int | None  # None when the data path could not read it
-    ingress_demand: dict[str, PodDemand] = dataclasses.field(default_factory=dict)  # downloads, per pod key
-    node_internet_ingress_bytes: int | None = None
-    shapes_ingress: bool = False  # the download shaper is programmed (the last good sync applied it)
+    pods: tuple[ResolvedPod, ...]
+    demand: PerDirection[Mapping[str, PodDemand]]  # per direction, per pod key
+    node_internet_bytes: PerDirection[int | None] = PerDirection(None, None)  # None: the data path could not read it
+    # the direction's shaper is programmed (the last good sync applied it): only then is its demand measured
+    shaped: PerDirection[bool] = PerDirection(True, False)
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else int(value)
 
 
 class Agent:
@@ -88,7 +92,7 @@ class Agent:
             return
         self.runner.wake()
 
-    def set_allocations(self, allocs: PerDirection[AllocationSet | None]) -> None:
+    def set_allocations(self, allocs: PerDirection[AllocationSet] | PerDirection[AllocationSet | None]) -> None:
         """The controller's answer, per direction (None: that direction's allocations stay as they are)."""
         changed = False
         for d, a in allocs.items():
@@ -158,19 +162,19 @@ class Agent:
         return self.node.state.pods_known
 
     def report_inputs(self) -> ReportInputs:
+        node_bytes: PerDirection[int | None] = PerDirection(None, None)
         try:
             _, node_counters = self.datapath.counters()  # a fresh read, once per report period
-            # IP bytes as they left (docs/datapath.md): the unit of the pods' usage and of the budget
-            egress = node_counters.get("egress_internet_wire", node_counters.get("egress_internet"))
-            ingress = node_counters.get("ingress_internet_wire", node_counters.get("ingress_internet"))
+            # IP bytes on the wire (docs/datapath.md): the unit of the pods' usage and of the budget
+            node_bytes = PerDirection.build(lambda d: _int(node_counters.get(
+                f"{d.metric_word}_internet_wire", node_counters.get(f"{d.metric_word}_internet"))))
         except Exception as exc:
             log.debug("node counters unreadable: %s", exc)
-            egress = ingress = None
         state = self.node.state
-        pods = tuple((p, self.demand.get(p.key)) for p in state.pods)
-        shapes = bool(state.ready and state.desired is not None and state.desired.shapers.download is not None)
-        return ReportInputs(self.cfg.node, pods, None if egress is None else int(egress),
-                            dict(self.lanes.download.demand), None if ingress is None else int(ingress), shapes)
+        desired = state.desired if state.ready else None
+        shaped = PerDirection.build(lambda d: desired is not None and desired.shapers[d] is not None)
+        return ReportInputs(self.cfg.node, state.pods, self.lanes.map(lambda lane: dict(lane.demand)), node_bytes,
+                            shaped.replace(Direction.UPLOAD, True))
 
     def view(self) -> NodeView:
         return node_view(self.cfg, self.node.state, self.lanes, self.datapath, self.controller_reachable,

@@ -90,11 +90,12 @@ def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None
     if not node:
         raise ConfigError("--node is required with Kubernetes (set it from spec.nodeName via the downward API)")
     try:
-        default_bps = parse_bps(default_rate, "--default-rate")
-        ingress_default_bps = parse_bps(ingress_default_rate, "--ingress-default-rate")
-        ingress_bps = parse_bps(ingress_rate, "--ingress-rate") if ingress_rate else None
-        for flag, value in (("--default-rate", default_bps), ("--ingress-default-rate", ingress_default_bps),
-                            ("--ingress-rate", ingress_bps)):
+        # per direction: the floor (--default-rate, --ingress-default-rate) and the node's rate (--ingress-rate)
+        floors = PerDirection(parse_bps(default_rate, "--default-rate"),
+                              parse_bps(ingress_default_rate, "--ingress-default-rate"))
+        node_rates = PerDirection(None, parse_bps(ingress_rate, "--ingress-rate") if ingress_rate else None)
+        for flag, value in (("--default-rate", floors.upload), ("--ingress-default-rate", floors.download),
+                            ("--ingress-rate", node_rates.download)):
             if value is not None and value <= 0:
                 raise ValueError(f"{flag} must be a positive rate such as 1M")
     except ValueError as exc:
@@ -133,12 +134,11 @@ def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None
         raise ConfigError(str(exc)) from exc
     return AgentConfig(
         node=node, uplinks=uplinks, internal_cidrs=internal,
-        datapath=DataPathOptions(mark_bit=mark_bit, ifbs=PerDirection(ifb, ingress_ifb),
-                                 floors=PerDirection(default_bps, ingress_default_bps), bpf_dir=bpf_dir),
-        node_rate_bps=PerDirection(None, ingress_bps),
+        datapath=DataPathOptions(mark_bit=mark_bit, ifbs=PerDirection(ifb, ingress_ifb), floors=floors, bpf_dir=bpf_dir),
+        node_rate_bps=node_rates,
         controller=controller, controller_ca=controller_ca, controller_insecure_http=controller_insecure_http,
         token_path=token_path, report_period=report_period, resync_seconds=resync_period,
-        default_floor_bps=default_bps, from_file=tuple(from_file), kubeconfig=kubeconfig,
+        default_floor_bps=floors.upload, from_file=tuple(from_file), kubeconfig=kubeconfig,
         listen=listen_at, state_listen=state_at, uplinks_learnt=not uplink, iptables_backend=iptables_backend,
         lean_metrics=lean_metrics, internal_counting=internal_counting, services_known=bool(service_cidr),
         services_from_cluster=not service_cidr and not from_file, metrics_auth=auth,

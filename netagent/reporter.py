@@ -26,6 +26,7 @@ from typing import Callable, Mapping
 import msgspec
 
 from core.direction import Direction, PerDirection
+from core.policy import ResolvedPod
 from core.quantity import MAX_BPS, MAX_BYTES
 from core.wire import NodeAnswer, NodeReport, PodReport, answer_decoder, encoder
 
@@ -34,7 +35,7 @@ from .allocations import Allocation, AllocationSet
 from .outbound import bounded_annotations, bounded_ingress_annotation, bounded_pods
 from .transport import ControllerClient, ControllerError
 
-__all__ = ["ControllerError", "Reporter", "advised_period", "allocations_from", "build_report"]
+__all__ = ["ControllerError", "Reporter", "advised_period", "allocations_from", "answer_allocations", "build_report"]
 
 log = logging.getLogger(__name__)
 MAX_ANSWER_BYTES = 4 << 20  # a 1,024-pod answer is ~200 KiB
@@ -49,27 +50,23 @@ def build_report(inputs: ReportInputs, seq: int, period: float, node_egress_bps:
     downloads) within `epoch`, for the volume quotas (docs/quotas.md)."""
     counters = counters or {}
     omitted = on_omitted or (lambda reason, n: None)
-    kept, left_out = bounded_pods(list(inputs.pods))
+    kept, left_out = bounded_pods(list(inputs.pods), key=lambda p: p.key)
     if left_out:
         omitted("too_many_pods", left_out)
         log.warning("this node has %d pods; the report carries the first %d", len(inputs.pods), len(kept))
     pods = []
-    for p, d in kept:
+    for p in kept:
         egress_class, egress_bandwidth = bounded_annotations(p)
         dropped = (egress_class is None) + (egress_bandwidth is None) - (p.class_annotation is None) \
             - (p.bandwidth[Direction.UPLOAD] is None)
         if dropped:
             omitted("annotation_too_long", dropped)
         pods.append(PodReport(
-            namespace=p.namespace, name=p.name,
-            usage_bps=float(d.usage_bps) if d else 0.0,
-            demand_bps=float(d.demand_bps) if d else float(p.limits[Direction.UPLOAD].min_bps),
-            throttled=bool(d.throttled) if d else False,
-            egress_class=egress_class, egress_bandwidth=egress_bandwidth,
-            **_ingress_fields(p, inputs), **_byte_fields(counters.get(p.key), p.uid),
+            namespace=p.namespace, name=p.name, egress_class=egress_class, egress_bandwidth=egress_bandwidth,
+            **_demand_fields(p, inputs), **_byte_fields(counters.get(p.key), p.uid),
         ))
     return NodeReport(inputs.node, pods, seq, period, max(0.0, node_egress_bps),
-                      node_internet_ingress_bps=max(0.0, node_ingress_bps), shapes_ingress=inputs.shapes_ingress,
+                      node_internet_ingress_bps=max(0.0, node_ingress_bps), shapes_ingress=inputs.shaped.download,
                       epoch=epoch if counters else None)
 
 
@@ -93,15 +90,23 @@ def counter_epoch() -> str | None:
         return None
 
 
-def _ingress_fields(p, inputs: ReportInputs) -> dict:
-    """A pod's download fields: usage, demand and throttling from the download classes (when the
-    download shaper is programmed), and its kubernetes.io/ingress-bandwidth value (bounded)."""
+# A pod's usage, demand and throttling per direction by their JSON names (core/wire.py keeps the
+# wire's historical names: uploads unprefixed)
+_DEMAND_FIELDS = PerDirection(("usage_bps", "demand_bps", "throttled"),
+                              ("ingress_usage_bps", "ingress_demand_bps", "ingress_throttled"))
+
+
+def _demand_fields(p: ResolvedPod, inputs: ReportInputs) -> dict:
+    """A pod's usage, demand and throttling from its classes in each direction whose shaper is
+    programmed (no measure yet: its guarantee), and its kubernetes.io/ingress-bandwidth value (bounded)."""
     out: dict = {"ingress_bandwidth": bounded_ingress_annotation(p)}
-    d = inputs.ingress_demand.get(p.key) if inputs.shapes_ingress else None
-    if inputs.shapes_ingress:
-        out.update(ingress_usage_bps=float(d.usage_bps) if d else 0.0,
-                   ingress_demand_bps=float(d.demand_bps) if d else float(p.limits[Direction.DOWNLOAD].min_bps),
-                   ingress_throttled=bool(d.throttled) if d else False)
+    for d in Direction:
+        if inputs.shaped[d]:
+            usage, demand, throttled = _DEMAND_FIELDS[d]
+            got = inputs.demand[d].get(p.key)
+            out[usage] = float(got.usage_bps) if got else 0.0
+            out[demand] = float(got.demand_bps) if got else float(p.limits[d].min_bps)
+            out[throttled] = bool(got.throttled) if got else False
     return out
 
 
@@ -125,7 +130,14 @@ def allocations_from(answer: NodeAnswer, now: float, node: str | None = None) ->
     )
 
 
-def ingress_allocations_from(answer: NodeAnswer, now: float, node_rate_bps: int | None) -> AllocationSet:
+def answer_allocations(answer: NodeAnswer, now: float, node: str | None,
+                       node_rate_bps: PerDirection[int | None]) -> PerDirection[AllocationSet]:
+    """The answer's numbers per direction as the agent enforces them (`node_rate_bps`: the node's rate
+    per direction when the answer has none, --ingress-rate)."""
+    return PerDirection(allocations_from(answer, now, node), _download_allocations(answer, now, node_rate_bps.download))
+
+
+def _download_allocations(answer: NodeAnswer, now: float, node_rate_bps: int | None) -> AllocationSet:
     """The answer's download numbers (checked as the upload ones, by the wire type and
     `allocations_from`). None for a pod: it is enforced at its own cap (`AllocationSet.own_cap`);
     no node download rate in the answer: `node_rate_bps` (--ingress-rate), else unlimited."""
@@ -228,8 +240,8 @@ class Reporter:
         self.rng = rng or random.Random()
         self.seq = 0
         self.last_error = ""
-        self._egress: tuple[float, int] | None = None  # (monotonic, node internet egress bytes) last report
-        self._ingress: tuple[float, int] | None = None  # the same for the node's internet ingress
+        # per direction: (monotonic, the node's internet bytes) at the last report
+        self._node_bytes: dict[Direction, tuple[float, int]] = {}
         self.epoch = counter_epoch()  # the pods' byte counters' epoch (volume quotas)
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self.run, name="reporter", daemon=True)
@@ -284,26 +296,26 @@ class Reporter:
         our own, and (the wire bounds it) never longer than MAX_ADVISED_PERIOD."""
         return max(self.period, self.advised_period)
 
-    def _node_egress_bps(self, total: int | None, pods_usage: float, direction: str = "_egress") -> float:
-        """The node's measured internet egress (or ingress: `direction` "_ingress"; host traffic
-        included) as a rate since the last report; the pods' usage when the counter is missing or
-        went backwards."""
+    def _node_bps(self, direction: Direction, total: int | None, pods_usage: float) -> float:
+        """The node's measured internet traffic in `direction` (host traffic included) as a rate since
+        the last report; the pods' usage when the counter is missing or went backwards."""
         if total is None:
             return pods_usage
-        now, prev = time.monotonic(), getattr(self, direction)
-        setattr(self, direction, (now, total))
+        now, prev = time.monotonic(), self._node_bytes.get(direction)
+        self._node_bytes[direction] = (now, total)
         if prev is None or now <= prev[0] or total < prev[1]:
             return pods_usage
         return (total - prev[1]) * 8 / (now - prev[0])
 
     def build_report(self) -> NodeReport:
         inputs = self.agent.report_inputs()
-        usage = sum(float(d.usage_bps) for _, d in inputs.pods if d)
-        ingress_usage = sum(float(d.usage_bps) for d in inputs.ingress_demand.values())
+        keys = {p.key for p in inputs.pods}
+        # uploads: the pods' own; downloads: every measured class (as reported before)
+        usage = PerDirection.build(lambda d: sum(float(v.usage_bps) for k, v in inputs.demand[d].items()
+                                                 if d is Direction.DOWNLOAD or k in keys))
+        node = PerDirection.build(lambda d: self._node_bps(d, inputs.node_internet_bytes[d], usage[d]))
         self.seq += 1
-        return build_report(inputs, self.seq, self.effective_period(),
-                            self._node_egress_bps(inputs.node_internet_egress_bytes, usage), self.on_omitted,
-                            self._node_egress_bps(inputs.node_internet_ingress_bytes, ingress_usage, "_ingress"),
+        return build_report(inputs, self.seq, self.effective_period(), node.upload, self.on_omitted, node.download,
                             self._counters(), self.epoch)
 
     def _counters(self) -> dict[str, tuple[int, int]]:
@@ -362,8 +374,7 @@ class Reporter:
         self.advised_period = advised_period(answer)
         fresh_leader = answer.generation == 0
         now = time.monotonic()
-        allocs = None if fresh_leader else allocations_from(answer, now, self.agent.cfg.node)
-        ingress = None if fresh_leader else ingress_allocations_from(answer, now, self.agent.cfg.node_rate_bps[Direction.DOWNLOAD])
+        allocs = None if fresh_leader else answer_allocations(answer, now, self.agent.cfg.node, self.agent.cfg.node_rate_bps)
         for problem in answer.problems:
             log.log(logging.INFO if fresh_leader else logging.WARNING, "controller: %s", problem)
         for r in answer.refused:  # the rest of the report was answered: these pods keep what they have
@@ -374,5 +385,5 @@ class Reporter:
         self.last_error = ""
         if allocs is None:
             return True  # no round yet: keep the allocations and the lease we have
-        self.agent.set_allocations(PerDirection(allocs, ingress))
+        self.agent.set_allocations(allocs)
         return True

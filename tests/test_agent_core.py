@@ -338,7 +338,7 @@ def test_controller_download_answers_lease_and_own_cap():
 
 
 def test_the_report_carries_downloads_only_when_the_download_shaper_is_programmed():
-    from netagent.reporter import build_report, ingress_allocations_from
+    from netagent.reporter import answer_allocations, build_report
     from core.wire import NodeAnswer, PodAllocation
     dp = FakeDataPath()
     agent, metrics = make_agent(dp, controller="http://controller")
@@ -351,7 +351,7 @@ def test_the_report_carries_downloads_only_when_the_download_shaper_is_programme
     assert report.pods[0].ingress_bandwidth == "40M"
     answer = NodeAnswer(node="n1", generation=1, lease_seconds=30.0, safe_floor_bps=1e6, node_rate_bps=10e6,
                         pods=[PodAllocation("ns", "a", "a", "bronze", 1e6, 2e6)])
-    allocs = ingress_allocations_from(answer, 0.0, None)
+    allocs = answer_allocations(answer, 0.0, None, PerDirection(None, None)).download
     assert allocs.own_cap and allocs.pods == {} and allocs.node_rate_bps > 10 ** 15  # unlimited: the pods' caps hold
 
 

@@ -107,16 +107,28 @@ def test_the_controller_keeps_its_metric_names():
 
 # -- the guard: a direction is a value, never a name prefix, outside the edges ---------------------
 
-# Packages held to it. netagent/ joins when its lanes land (issue 35): add it here.
-PACKAGES = ("core", "controller", "cli")
-EDGE_FILES = {"core/wire.py"}  # its dataclass fields mirror the JSON names
+# Packages held to it.
+PACKAGES = ("core", "controller", "cli", "netagent")
+EDGE_FILES = {
+    "core/wire.py",  # its dataclass fields mirror the JSON names
+    "netagent/view.py",  # PodView/NodeView fields are the agent's /state JSON keys (tests/test_agent_names.py)
+    "netagent/metrics.py",  # renders those views' fields into the metric families of the same names
+}
 PREFIXED = re.compile(r"^(ingress|egress)_[a-z_]+$")
 # not a direction: the EgressClass kind, and the kubernetes.io/egress-bandwidth annotation's wire field
 NOT_A_DIRECTION = {"egress_class", "egress_bandwidth"}
-# still to contract (issue 35): resolve_pod's keyword for the download annotation (its callers in
-# controller/, lab/ and tests name it)
-COMPAT = {"core/policy.py": {"ingress_bandwidth_annotation"},
-          "cli/main.py": {"ingress_ifb"}}  # DataPathOptions.ingress_ifb, renamed with the agent's config
+# Edge names used outside the edge files, each for its reason
+COMPAT = {
+    # still to contract (issue 35): resolve_pod's keyword for the download annotation (its callers in
+    # controller/, lab/ and tests name it)
+    "core/policy.py": {"ingress_bandwidth_annotation"},
+    # the agent's flags: from_flags' keywords are the flags' argparse names (--ingress-*), users type them
+    "cli/main.py": {"ingress_ifb"},
+    "netagent/config.py": {"ingress_rate", "ingress_default_rate", "ingress_ifb"},
+    # the controller's answer read by its JSON names (core/wire.py has no per-direction reader for
+    # them), and the view's byte counters (/state keys) the quota counters come from
+    "netagent/reporter.py": {"ingress_allocation_bps", "ingress_limit_bps", "egress_bytes", "ingress_bytes"},
+}
 
 
 def prefixed_names(path: Path) -> set[str]:
