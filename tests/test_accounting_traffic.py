@@ -311,6 +311,32 @@ def test_a_restart_in_the_middle_of_a_flood_counts_every_byte_once(lab, agent):
          "upload across a restart vs the far end")
 
 
+def test_a_restart_in_the_middle_of_a_download_counts_its_segments_once(lab, agent):
+    """A TCP download with the agent killed (-9) and started again in its middle: the arrivals go on from
+    what the kernel kept counting meanwhile (the ipsets; with the device counter also its pinned segments
+    map, which the programs kept filling), so the whole download is counted once, against the wire in
+    segments (device counter) or the uplink's merged packets (the rules)."""
+    pod = lab.nodes[0].pods[0]
+    before = snapshot(lab, agent)
+    download = lab.iperf_async(pod.netns, INTERNET_V4, PORT, seconds=2 * RUN_S, extra=["-R"])
+    try:
+        start = before["pod"]["ingress_bytes"]["internet"]
+        wait_for(lambda: agent.pod(pod.name)["ingress_bytes"]["internet"] > start + 1_000_000, what="download counted")
+        shown = agent.pod(pod.name)["ingress_bytes"]["internet"]
+        restart(agent)
+        assert agent.pod(pod.name)["ingress_bytes"]["internet"] >= shown  # never backwards across the restart
+        download.communicate(timeout=60)
+    finally:
+        if download.poll() is None:
+            download.kill()
+    after = snapshot(lab, agent)
+    arrived = after["pod"]["ingress_bytes"]["internet"] - start
+    truth, what = ((after["wire"] - before["wire"], "the wire in segments") if agent.counting == "device" else
+                   (after["uplink"]["rx"] - before["uplink"]["rx"], "the uplink's rx"))
+    print(f"download across a restart vs {what}: {arrived} B against {truth} B ({(arrived - truth) / truth:+.2%})")
+    assert abs(arrived - truth) <= SEGMENT_TOLERANCE * truth, (arrived, truth)
+
+
 def flood_across_a_restart(lab: Lab, agent: AgentProcess, pod, before: dict) -> str:
     """A 6 s flood with the agent killed (-9) and started again in its middle; iperf3's JSON."""
     flood = lab.iperf_async(pod.netns, INTERNET_V4, PORT, seconds=2 * RUN_S, udp_bitrate=FLOOD)
