@@ -195,6 +195,16 @@ def new_pod(seed: int, estimator: type[PodDemand] = PodDemand, periods: int = 12
     return loop.run(periods)
 
 
+def pod_ends(seed: int, estimator: type[PodDemand] = PodDemand, periods: int = 12) -> list[float]:
+    """After 12 settled periods the pod with the largest fair share leaves: the worst error per period
+    after (issue 37: "a pod ends"; its share goes to the pods held below their appetite)."""
+    loop = Loop(seed, estimator=estimator)
+    loop.run(12)
+    fair = loop.fair()
+    loop.pods.remove(max(loop.pods, key=lambda p: fair[p.key]))
+    return loop.run(periods)
+
+
 def settled(errors: list[float]) -> int:
     """Periods until every pod is within 5 % and stays: 0 when the answer to the first report after
     the event already did it; len(errors) + 1 when never."""

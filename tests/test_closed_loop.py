@@ -9,7 +9,7 @@ import math
 import pytest
 
 from lab.loop import (HOST_BPS, L3_PER_L2, TOLERANCE, ClimbOnly, Loop, class_change, cold_start, jump_ratios, new_pod,
-                      settled)
+                      pod_ends, settled)
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -95,3 +95,11 @@ def test_a_pod_that_starts_in_a_saturated_cluster_is_at_its_share_within_two_per
     errors = new_pod(seed)
     assert settled(errors) <= 2 and max(errors[2:]) <= TOLERANCE, errors
     assert settled(new_pod(seed, ClimbOnly)) > 10  # the climb the wake ask replaced
+
+
+def test_when_the_largest_pod_ends_every_pod_is_at_its_new_share_within_two_periods():
+    """Issue 37, "a pod ends": its share goes to the pods held below their appetite, which ask their
+    caps (held) or probe: every pod is within 5 % from the second answer on (from the first in most;
+    seeds 1-20 in docs/allocation.md, 8 here for time)."""
+    runs = [settled(pod_ends(seed)) for seed in range(1, 9)]
+    assert max(runs) <= 1, runs
