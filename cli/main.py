@@ -23,7 +23,7 @@ from core.errors import NetagentError
 from core.logsetup import setup as setup_logging
 from netagent import config as agent_config
 from netagent import version_line
-from netagent.desired import COUNTING_MODES, DEFAULT_MARK_BIT, DataPathOptions
+from netagent.options import COUNTING_MODES, DEFAULT_MARK_BIT, DataPathOptions
 
 # Each subcommand imports the code it runs inside its handler, so a process loads only its own
 # part: the agent never loads the controller's web server, the engine's numpy, or the demo's

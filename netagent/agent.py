@@ -24,6 +24,7 @@ from .allocations import Allocations, AllocationSet
 from .config import AgentConfig
 from .datapath import DataPath
 from .demand import PodDemand
+from .facts import NodeFacts
 from .frames import FrameRatios
 from .lane import Lane, LocalAllocate
 from .runner import Runner
@@ -52,7 +53,8 @@ def _int(value: float | None) -> int | None:
 
 class Agent:
     def __init__(self, cfg: AgentConfig, datapath: DataPath, local: Callable[..., LocalAllocate]
-                 | None = None, metrics=None, problems=None, initial: AllocationSet | None = None):
+                 | None = None, metrics=None, problems=None, initial: AllocationSet | None = None,
+                 facts: NodeFacts | None = None):
         """`local(policy, direction=d)` makes the single-node allocator of direction `d` from the agent's
         policy (netagent.local.LocalAllocator); None in controller mode."""
         self.cfg = cfg
@@ -68,7 +70,7 @@ class Agent:
                         shaped=d is Direction.UPLOAD or cfg.shape_ingress)
 
         self.lanes = PerDirection.build(lane)
-        self.node = NodeSync(cfg, datapath, self.lanes, metrics=metrics, problems=problems)
+        self.node = NodeSync(cfg, datapath, self.lanes, metrics=metrics, problems=problems, facts=facts)
         if local is not None:
             for d, ln in self.lanes.items():
                 ln.local = local(lambda: self.node.policy()[0], direction=d)
@@ -81,13 +83,12 @@ class Agent:
     # -- inputs ---------------------------------------------------------------
     def on_snapshot(self, snap: Snapshot) -> None:
         self.node.on_snapshot(snap)
-        services = snap.service_cidrs
-        if self.cfg.services_from_cluster and services and services != self.cfg.cluster_service_cidrs:
+        services, facts = snap.service_cidrs, self.node.facts
+        if self.cfg.services_from_cluster and services and services != facts.service_cidrs:
             # a ServiceCIDR came or went: the internal networks (rules and device counter) follow
             log.info("service CIDRs from the cluster's ServiceCIDR objects: %s (were %s)", ",".join(services),
-                     ",".join(self.cfg.cluster_service_cidrs) or "none")
-            self.cfg = dataclasses.replace(self.cfg, cluster_service_cidrs=services)
-            self.node.cfg = self.cfg
+                     ",".join(facts.service_cidrs) or "none")
+            self.node.facts = dataclasses.replace(facts, service_cidrs=services)
             self.runner.wake(full=True)
             return
         self.runner.wake()
@@ -106,8 +107,7 @@ class Agent:
 
     def set_uplinks(self, uplinks: tuple[str, ...]) -> None:
         """The default-route devices changed (learnt uplinks): shape there from the next sync on."""
-        self.cfg = dataclasses.replace(self.cfg, uplinks=tuple(uplinks))
-        self.node.cfg = self.cfg
+        self.node.facts = dataclasses.replace(self.node.facts, uplinks=tuple(uplinks))
         self.runner.wake(full=True)
 
     def set_controller_reachable(self, reachable: bool) -> None:
@@ -141,6 +141,11 @@ class Agent:
     @property
     def pods(self) -> tuple[ResolvedPod, ...]:
         return self.node.state.pods
+
+    @property
+    def facts(self) -> NodeFacts:
+        """What the agent knows of its node now (uplinks, service CIDRs)."""
+        return self.node.facts
 
     @property
     def allocations(self) -> Allocations:

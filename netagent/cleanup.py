@@ -16,7 +16,7 @@ from tc.ebpf import remove_counting, unpin_dir
 from tc.netlink import Shaper
 
 from .datapath import remove_carries
-from .desired import DataPathOptions
+from .options import DataPathOptions
 
 
 def cleanup(ifbs: tuple[str, ...], iptables_backend: str,

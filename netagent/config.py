@@ -17,8 +17,9 @@ from core.errors import ConfigError
 from core.files import missing_paths
 from core.quantity import parse_bps
 
-from .desired import COUNTING_MODES, DataPathOptions, DesiredStateError, canonical_cidrs
+from .desired import DesiredStateError, canonical_cidrs
 from .netinfo import NetInfoError, connected_networks, default_route_devices
+from .options import COUNTING_MODES, DataPathOptions
 from .transport import PinnedCA, parse_endpoint
 
 DEFAULT_LISTEN = "127.0.0.1:9560"
@@ -28,8 +29,9 @@ DEFAULT_TOKEN_PATH = "/var/run/secrets/netagent/token"
 
 @dataclass(frozen=True)
 class AgentConfig:
+    """The agent's configuration, as built at start; what it learns while running is `facts.NodeFacts`."""
     node: str
-    uplinks: tuple[str, ...]
+    uplinks: tuple[str, ...]  # at start (named, or the default routes' devices then)
     internal_cidrs: tuple[str, ...]
     datapath: DataPathOptions = field(default_factory=DataPathOptions)
     controller: str | None = None  # base URL; None: single-node mode (local allocation)
@@ -57,16 +59,8 @@ class AgentConfig:
     services_known: bool = False  # the service CIDRs are internal: a ClusterIP is internal before DNAT too
     # no --service-cidr with Kubernetes: the cluster's ServiceCIDR objects say them, followed while running
     services_from_cluster: bool = False
-    cluster_service_cidrs: tuple[str, ...] = ()  # what they say now
     # --metrics-auth: /metrics needs a token allowed to get it (TokenReview + SubjectAccessReview), over TLS
     metrics_auth: bool = False
-
-    @property
-    def internal(self) -> tuple[str, ...]:
-        """Every internal network: the configured and connected ones and the cluster's service CIDRs."""
-        if not self.cluster_service_cidrs:
-            return self.internal_cidrs
-        return canonical_cidrs([*self.internal_cidrs, *self.cluster_service_cidrs])
 
 
 def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None, controller: str | None,

@@ -23,6 +23,7 @@ from .allocations import AllocationSet
 from .config import AgentConfig
 from .datapath import KernelDataPath, choose_internal_counting, probe_leaf_qdisc
 from .drift import DriftWatch
+from .facts import NodeFacts
 from .events import ProblemReporter
 from .http import AgentHTTP
 from .metrics import AgentMetrics
@@ -44,6 +45,7 @@ class Daemon:
     def build(cls, cfg: AgentConfig) -> "Daemon":
         leaf, _ = probe_leaf_qdisc()
         api = None
+        services: tuple[str, ...] = ()  # the cluster's service CIDRs when they are followed (a NodeFacts)
         if not cfg.from_file:
             from .sources import list_service_cidrs, load_api_client
 
@@ -53,7 +55,7 @@ class Daemon:
                 # counting mode; the source follows the ServiceCIDRs from then on
                 services, why_not = list_service_cidrs(api)
                 if services:
-                    cfg = dataclasses.replace(cfg, cluster_service_cidrs=services, services_known=True)
+                    cfg = dataclasses.replace(cfg, services_known=True)
                     log.info("service CIDRs from the cluster's ServiceCIDR objects: %s", ",".join(services))
                 else:
                     log.warning("service CIDRs unknown (%s): give --service-cidr (chart value serviceCIDRs)", why_not)
@@ -91,7 +93,8 @@ class Daemon:
             from .local import LocalAllocator
 
             local = functools.partial(LocalAllocator, floor_bps=cfg.default_floor_bps)
-        agent = Agent(cfg, datapath, local, metrics=metrics, problems=problems, initial=initial)
+        facts = NodeFacts(cfg.uplinks, cfg.internal_cidrs, services)
+        agent = Agent(cfg, datapath, local, metrics=metrics, problems=problems, initial=initial, facts=facts)
         holder["agent"] = agent
         reporter = None
         if cfg.controller:
@@ -122,12 +125,12 @@ class Daemon:
                          exposition=exposition, authorizer=authorizer, tls=tls)
         log.info("uplinks %s; internal %s; leaf qdisc %s; iptables %s; internal bytes counted %s; mark bit %#x; "
                  "downloads %s; %s",
-                 ",".join(cfg.uplinks), ",".join(cfg.internal), leaf, datapath.iptables_backend, counting,
+                 ",".join(facts.uplinks), ",".join(facts.internal), leaf, datapath.iptables_backend, counting,
                  cfg.datapath.mark_bit,
                  f"shaped on the pod devices through {cfg.datapath.ifbs.download}" if cfg.shape_ingress else "not shaped",
                  f"controller {cfg.controller}" if cfg.controller else "local allocation (no controller)")
         ifbs = tuple(lane.direction for lane in agent.node.shaped_lanes())
-        drift = DriftWatch(tuple(cfg.datapath.ifbs[d] for d in ifbs), lambda: agent.cfg.uplinks, agent.wake_full,
+        drift = DriftWatch(tuple(cfg.datapath.ifbs[d] for d in ifbs), lambda: agent.facts.uplinks, agent.wake_full,
                            datapath.hooks_fingerprint, set_uplinks=agent.set_uplinks if cfg.uplinks_learnt else None,
                            count=lambda source: metrics.drift_checks.labels(source).inc(),
                            wake=agent.runner.wake if cfg.shape_ingress else None)

@@ -42,7 +42,8 @@ from tc.netlink import Shaper
 from tc.probe import Capabilities, probe, require
 
 from .accounting import Carry
-from .desired import COUNTING_MODES, DataPathOptions, DesiredState, DeviceCounting, from_wire, ip_bytes
+from .desired import DesiredState, DeviceCounting, from_wire, ip_bytes
+from .options import COUNTING_MODES, DataPathOptions
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import dataclasses
 import ipaddress
 import math
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Iterable, TypeVar
 
 from core.direction import Direction, PerDirection
 from core.errors import NetagentError
@@ -34,7 +34,6 @@ from iptables.model import ClassifierState, PodClassification
 from iptables.render import set_members
 from tc.model import (
     DEFAULT_MINOR,
-    DOWNLOAD_ROOT_MAJOR,
     DOWNLOAD_IFB_ALIAS,
     MAX_RATE_BPS,
     MIN_RATE_BPS,
@@ -47,9 +46,8 @@ from tc.model import (
     bulk_minor,
 )
 
-# Not used by kube-proxy (0x4000, 0x8000), portmap (0x2000), Calico (0xff000000),
-# Tailscale (0xff0000) or Cilium's magic marks (0xf00).
-DEFAULT_MARK_BIT = 0x1000
+from .options import COUNTING_MODES, DEFAULT_MARK_BIT, DataPathOptions  # noqa: F401 (importers of desired take them here)
+
 V = TypeVar("V")
 
 
@@ -81,37 +79,6 @@ class PodShape:
 def per_direction(value: V | PerDirection[V | None]) -> PerDirection[V | None]:
     """A value given per direction, or the upload's alone (the download's None)."""
     return value if isinstance(value, PerDirection) else PerDirection(value, None)
-
-
-# --internal-counting: where the pods' internal bytes are counted (netagent.datapath.choose_internal_counting)
-COUNTING_MODES = ("auto", "device", "rules")
-
-
-@dataclass(frozen=True)
-class DataPathOptions:
-    """How the data path is laid out on this node (mark bit, per direction its IFB, HTB major and
-    floor, leaf qdisc). Uploads: an IFB fed from the uplinks; downloads: one fed from the pod-facing
-    devices, its own HTB tree."""
-    mark_bit: int = DEFAULT_MARK_BIT
-    ifbs: PerDirection[str] = PerDirection("netagent0", "netagent-in")
-    # a major per direction: a download class never reads as an upload one
-    htb_majors: PerDirection[int] = PerDirection(0x1, DOWNLOAD_ROOT_MAJOR)
-    leaf_qdisc: str = "pfifo"  # the probe picks fq_codel where the kernel has it
-    # the floor, bit/s: internet traffic of addresses no known pod holds (the default class), pods not known yet
-    floors: PerDirection[int] = PerDirection(1_000_000, 1_000_000)
-    filter_pref: int = 0xC000
-    wire_l2_bytes: int = 14  # what HTB counts per packet beyond the IP packet (Ethernet header)
-    wire_mtu: int = 1500  # the uplink's IP MTU: the size of a full segment
-    # the pods' internal bytes: counted on their devices by an eBPF program (tc/ebpf/; chosen at
-    # start, `choose_internal_counting`) rather than by the rules in ipsets
-    internal_by_device: bool = False
-    bpf_dir: str = "/sys/fs/bpf/netagent"  # where the device counter's maps, programs and links are pinned (a bpffs)
-    count_pref: int = 0xC001  # its filters' priority on the pod devices (after the download redirect)
-    # how it attaches its programs: tcx links where the kernel has them (auto), else tc filters
-    count_attach: str = "auto"
-    # on tcx links, its egress programs end the hook for a packet without the mark bit, so an internal
-    # packet skips the shaper's redirect filter (~100 ns a packet), where that skips nobody else's
-    count_gate: bool = True
 
 
 MAX_WIRE_RATIO = 2.0  # frames per IP byte: a 14-byte header on a 14-byte packet; beyond it the input is wrong
@@ -219,7 +186,7 @@ def canonical_cidrs(cidrs: tuple[str, ...] | list[str]) -> tuple[str, ...]:
     return tuple(sorted(out, key=lambda s: (":" in s, ipaddress.ip_network(s))))
 
 
-def _check_rate(value: int, what: str) -> None:
+def _check_rate(value: object, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise DesiredStateError(f"{what}: rate must be an integer bit/s, got {value!r}")
     if value <= 0:
@@ -270,33 +237,7 @@ def desired_state(inputs: NodeInputs) -> DesiredState:
     for d, ratio in inputs.node_ratios.items():
         _check_ratio(ratio, f"node{_WORD[d]}")
 
-    ready: list[PodShape] = []
-    skipped: dict[str, str] = {}
-    seen_ips: dict[str, str] = {}
-    for pod in sorted(inputs.pods, key=lambda p: p.key):
-        rate, ceil = pod.rates(Direction.UPLOAD)
-        _check_rate(rate, f"pod {pod.key}")
-        _check_rate(ceil, f"pod {pod.key} ceil")
-        for d in Direction:
-            _check_ratio(pod.ratio(d), f"pod {pod.key}{_WORD[d]}")
-        if not pod.ips:
-            skipped[pod.key] = "no IP yet"
-            continue
-        ips = []
-        for ip in pod.ips:
-            try:
-                ips.append(str(ipaddress.ip_address(ip)))
-            except ValueError:
-                raise DesiredStateError(f"pod {pod.key}: {ip!r} is not an IP address") from None
-        clash = [ip for ip in ips if ip in seen_ips]
-        if clash:
-            # an IP still held by another pod object (a deleted pod not yet gone): the older key wins
-            skipped[pod.key] = f"IP {clash[0]} is still in use by {seen_ips[clash[0]]}"
-            continue
-        for ip in ips:
-            seen_ips[ip] = pod.key
-        ready.append(dataclasses.replace(pod, ips=tuple(ips)))
-
+    ready, skipped = _ready_pods(inputs.pods)
     minors = assign_minors(ready)
     shapers = PerDirection.build(lambda d: _shaper(d, inputs, ready, minors))
 
@@ -328,7 +269,40 @@ def desired_state(inputs: NodeInputs) -> DesiredState:
 _WORD = {Direction.UPLOAD: "", Direction.DOWNLOAD: " download"}  # in error messages: "pod ns/a download"
 
 
-def _ratios(node: float | None, pods) -> dict[str, float]:
+def _ready_pods(pods: tuple[PodShape, ...]) -> tuple[list[PodShape], dict[str, str]]:
+    """The pods that can be programmed (their addresses canonical), and the others with why not
+    (no IP yet, or an IP another pod still holds); a pod's bad rate, ratio or address raises."""
+    ready: list[PodShape] = []
+    skipped: dict[str, str] = {}
+    seen_ips: dict[str, str] = {}
+    for pod in sorted(pods, key=lambda p: p.key):
+        rate, ceil = pod.rates(Direction.UPLOAD)
+        _check_rate(rate, f"pod {pod.key}")
+        _check_rate(ceil, f"pod {pod.key} ceil")
+        for d in Direction:
+            _check_ratio(pod.ratio(d), f"pod {pod.key}{_WORD[d]}")
+        if not pod.ips:
+            skipped[pod.key] = "no IP yet"
+            continue
+        ips = []
+        for ip in pod.ips:
+            try:
+                ips.append(str(ipaddress.ip_address(ip)))
+            except ValueError:
+                raise DesiredStateError(f"pod {pod.key}: {ip!r} is not an IP address") from None
+        clash = [ip for ip in ips if ip in seen_ips]
+        if clash:
+            # an IP still held by another pod object (a deleted pod not yet gone): the older key wins
+            skipped[pod.key] = f"IP {clash[0]} is still in use by {seen_ips[clash[0]]}"
+            continue
+        for ip in ips:
+            seen_ips[ip] = pod.key
+        ready.append(dataclasses.replace(pod, ips=tuple(ips)))
+
+    return ready, skipped
+
+
+def _ratios(node: float | None, pods: Iterable[tuple[str, float | None]]) -> dict[str, float]:
     out = {key: r for key, r in pods if r is not None}
     if node is not None:
         out[NODE_RATIO_KEY] = node

@@ -24,6 +24,7 @@ from .config import AgentConfig
 from .datapath import DataPath
 from .lane import Lane
 from .outbound import with_outbound_problems
+from .facts import NodeFacts
 from .desired import (NODE_RATIO_KEY, DesiredState, DesiredStateError, NodeInputs, PodShape, assign_minors,
                       desired_state, pod_class_ip)
 
@@ -51,9 +52,13 @@ class SyncState:
 
 
 class NodeSync:
-    def __init__(self, cfg: AgentConfig, datapath: DataPath, lanes: PerDirection[Lane], metrics=None, problems=None):
-        """`lanes`: one per direction (netagent.lane); a download lane not `shaped` is counted only."""
+    def __init__(self, cfg: AgentConfig, datapath: DataPath, lanes: PerDirection[Lane], metrics=None, problems=None,
+                 facts: NodeFacts | None = None):
+        """`lanes`: one per direction (netagent.lane); a download lane not `shaped` is counted only.
+        `facts`: what is learnt about the node while running (default: as configured); the agent
+        swaps it whole (`facts.NodeFacts`), the next sync reads it."""
         self.cfg = cfg
+        self.facts = facts or NodeFacts(cfg.uplinks, cfg.internal_cidrs)
         self.lanes = lanes
         self.datapath = datapath
         self.metrics = metrics
@@ -132,9 +137,10 @@ class NodeSync:
             self._seed_frames(pods, effective, node_rates)
             shapes = tuple(self._shape(p, effective) for p in pods)
             on_devices = Direction.DOWNLOAD in node_rates or self.cfg.datapath.internal_by_device
-            devices = self.datapath.pod_devices(self.cfg.uplinks) if on_devices else ()
+            facts = self.facts
+            devices = self.datapath.pod_devices(facts.uplinks) if on_devices else ()
             desired = desired_state(NodeInputs(
-                self.cfg.uplinks, self.cfg.internal, shapes, PerDirection.build(node_rates.get), self.cfg.datapath,
+                facts.uplinks, facts.internal, shapes, PerDirection.build(node_rates.get), self.cfg.datapath,
                 pod_devices=devices,
                 wire_ratio=PerDirection.build(lambda d: self.lanes[d].frames.get(NODE_RATIO_KEY))))
             stage = "apply"

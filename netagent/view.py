@@ -135,14 +135,11 @@ def node_view(cfg: AgentConfig, state: SyncState, lanes: PerDirection[Lane], dat
         ready=state.ready, ready_reason=state.ready_reason, controller=cfg.controller or "",
         controller_reachable=controller_reachable, fail_static=up.fail_static,
         lease_expires_in=None if allocs.lease_expires == float("inf") else allocs.lease_expires - time.monotonic(),
-        safe_floor_bps=up.floor_bps,
-        allocation_source="floor" if up.fail_static else allocs.source,
+        safe_floor_bps=up.floor_bps, allocation_source="floor" if up.fail_static else allocs.source,
         last_reconcile_success=state.last_success, leaf_qdisc=datapath.leaf_qdisc,
         iptables_backend=datapath.iptables_backend, source_errors=state.source_errors,
-        ingress_allocation_bps=node_rates.download,
-        ingress_safe_floor_bps=down.floor_bps,
-        unknown_destination_ingress_bytes=node_counters.get("ingress_unknown_internet", 0),
-    )
+        ingress_allocation_bps=node_rates.download, ingress_safe_floor_bps=down.floor_bps,
+        unknown_destination_ingress_bytes=node_counters.get("ingress_unknown_internet", 0))
 
 
 # The /state keys of a pod's values per direction (uploads kept their unprefixed names)

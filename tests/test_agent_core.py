@@ -374,7 +374,7 @@ def test_the_clusters_service_cidrs_are_internal_and_followed_where_none_were_gi
         assert dp.applied[-1].classifier.internal_cidrs == ("10.0.0.0/8", "10.96.0.0/16", "172.30.0.0/24")
     given, _ = make_agent(FakeDataPath())  # --service-cidr given (services_from_cluster False): never changed
     given.on_snapshot(Snapshot(p, CLASSES, BUDGETS, service_cidrs=("10.96.0.0/16",)))
-    assert given.sync() and given.cfg.internal == ("10.0.0.0/8",)
+    assert given.sync() and given.facts.internal == ("10.0.0.0/8",)
 
 
 def test_service_cidrs_of_serviceCIDR_objects_are_checked_and_bounded():
