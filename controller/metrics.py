@@ -44,6 +44,9 @@ class BudgetCollector:
         # a node silent for --report-ttl leaves the rounds (its share goes back to the others): docs/scale.md
         yield CounterMetricFamily(P + "expired_agents", "nodes dropped from the allocation after --report-ttl "
                                   "without a report", value=float(self.state.expired_nodes))
+        yield GaugeMetricFamily(P + "demand_above_use_pods", "pods of the last round reported unthrottled with a "
+                                "demand over 64x their use (at least 1 Mbit/s): a lying or broken agent, or a pod "
+                                "whose use just collapsed", value=float(self.state.demand_above_use if leader else 0))
         yield GaugeMetricFamily(P + "pods", "pods in the latest allocation round",
                                 value=float(summary.pods if summary else 0))
         if result is not None:

@@ -27,7 +27,9 @@ from operator import attrgetter
 from typing import Callable
 
 import msgspec
+import numpy as np
 
+from core.direction import PerDirection
 from core.wire import (MAX_PODS_PER_REPORT, MAX_REFUSED, NodeAnswer, NodeReport, Refused, invalid_name_indexes,
                        long_annotation_indexes)
 
@@ -37,6 +39,16 @@ from .auth import Identity
 log = logging.getLogger(__name__)
 _KEY = attrgetter("namespace", "name")
 NO_ROUND = "no allocation round with this node yet: keep the current allocations"
+# A pod reported unthrottled with a demand over DEMAND_OVER_USE times its use (judged against at
+# least DEMAND_OVER_USE_FLOOR): a lying or broken agent, or a pod whose use just collapsed (an
+# agent's unthrottled demand at most halves a report: netagent/demand.py). Counted, not corrected:
+# the engine already bounds what such a pod takes to its weighted share under its cap, as if the
+# demand were real (docs/scale.md, "Bad input").
+DEMAND_OVER_USE = 64.0
+DEMAND_OVER_USE_FLOOR = 1e6  # bit/s
+# ... checked at most this often, on the round's thread (tens of ms at 300,000 pods)
+DEMAND_CHECK_SECONDS = 30.0
+_THROTTLED = PerDirection(attrgetter("throttled"), attrgetter("ingress_throttled"))  # core.wire's field names
 # a new term's first round runs this long after its first report: the reports arriving with it
 # (hundreds a second at 10,000 nodes) join it instead of waiting a period for the next
 FIRST_ROUND_GATHER = 0.25
@@ -54,6 +66,28 @@ def _resolve(fut: asyncio.Future, result: "RoundResult | None") -> None:
 Allocate = Callable[[dict[str, object]], RoundResult]
 # [(namespace, pod), ...] -> [node name, or None for a pod unknown, ...]
 PodLocator = Callable[[list[tuple[str, str]]], list[str | None]]
+
+
+def demand_above_use(reports: list) -> int:
+    """The pods of the round's prepared reports (allocator.prepare: demand and usage columns), each
+    direction, unthrottled with a demand above DEMAND_OVER_USE times their use: over all pods at
+    once on the round's thread (every DEMAND_CHECK_SECONDS), not on the reports' path; the
+    throttled flags are read only for the rare pods over the bound."""
+    reports = [r for r in reports if getattr(r, "demand", None) is not None]  # allocators without columns: none
+    if not reports:
+        return 0
+    n = 0
+    for d, _ in reports[0].demand.items():
+        columns = list(map(attrgetter(f"demand.{d.value}"), reports))  # attrgetter: the per-report steps in C
+        wanted = np.concatenate(columns)
+        usage = np.concatenate(list(map(attrgetter(f"usage.{d.value}"), reports)))
+        over = np.flatnonzero(wanted > DEMAND_OVER_USE * np.maximum(usage, DEMAND_OVER_USE_FLOOR))
+        if over.size:
+            starts = np.cumsum([0, *map(len, columns)])
+            which = np.searchsorted(starts, over, side="right") - 1
+            throttled = _THROTTLED[d]
+            n += sum(1 for r, i in zip(which, over) if not throttled(reports[r].report.pods[i - starts[r]]))
+    return n
 
 
 class ControllerState:
@@ -81,6 +115,8 @@ class ControllerState:
         self._wake = threading.Event()  # a new term's first report: run its first round now
         self._first_round_due = False  # this term has no round yet and its loop was woken for it
         self.expired_nodes = 0  # nodes dropped after --report-ttl of silence (a metric counts them)
+        self.demand_above_use = 0  # pods of the last round with demand far above use (DEMAND_OVER_USE; a metric)
+        self._demand_checked = float("-inf")
         self.latest: dict[str, tuple[float, object]] = {}  # node -> (monotonic, prepared report)
         self.result: RoundResult | None = None
         self.generation = 0
@@ -215,6 +251,9 @@ class ControllerState:
         if not reports:
             return None
         t0 = time.perf_counter()
+        if now - self._demand_checked >= DEMAND_CHECK_SECONDS:
+            self._demand_checked = now
+            self.demand_above_use = demand_above_use(list(reports.values()))
         result = self.allocate(reports)
         self.generation += 1
         result.generation = self.generation

@@ -1020,3 +1020,38 @@ def test_a_silent_node_ages_out_after_the_report_ttl_and_is_counted():
     assert "node-b" not in result.node_rate and result.node_rate["node-a"] == pytest.approx(80e6, rel=0.01)
     assert state.expired_nodes == 1
     assert "netagent_controller_expired_agents_total 1.0" in generate_latest(metrics.registry).decode()
+
+
+def test_a_node_reporting_1000x_its_use_takes_at_most_its_weighted_share_and_is_counted():
+    """Bad input: node a's pod uses 10M and reports 1,000x that as its (unthrottled) demand. The
+    engine treats it as real demand, so the pod takes its weighted fair share and no more: the three
+    honest pods (40M wanted each, same class and weight) keep a quarter of the budget each (25M;
+    30M with an honest neighbour): the others lose at most the liar's share minus its use. Under a
+    cap (kubernetes.io/egress-bandwidth 5M) the lie gains nothing above the cap. The gauge counts it."""
+    from prometheus_client import generate_latest
+
+    from controller.metrics import ControllerMetrics
+    from core.wire import NodeReport, PodReport
+
+    def run(liar_bandwidth: str | None) -> tuple[ControllerState, dict[str, float]]:
+        state = ControllerState(Allocator(policy_source()), lease_seconds=30.0, report_ttl=60.0)
+        state.submit(None, NodeReport("node-a", [PodReport("research", "liar", usage_bps=10e6, demand_bps=10e9,
+                                                           egress_bandwidth=liar_bandwidth)], 1, 5.0))
+        for node in ("node-b", "node-c", "node-d"):
+            state.submit(None, NodeReport(node, [PodReport("research", f"{node}-p", usage_bps=40e6,
+                                                           demand_bps=40e6)], 1, 5.0))
+        result = state.run_round()
+        return state, {p.name: p.allocation_bps for pods in result.by_node.values() for p in pods}
+
+    state, shares = run(None)
+    assert shares["liar"] == pytest.approx(25e6, rel=0.01)  # its weighted share, not the 80M class cap
+    for node in ("node-b", "node-c", "node-d"):
+        assert shares[f"{node}-p"] == pytest.approx(25e6, rel=0.01)
+    assert state.demand_above_use == 1
+    assert "netagent_controller_demand_above_use_pods 1.0" in generate_latest(
+        ControllerMetrics(state, lambda: True).registry).decode()
+
+    state, shares = run("5M")
+    assert shares["liar"] <= 5e6 * 1.0001
+    for node in ("node-b", "node-c", "node-d"):
+        assert shares[f"{node}-p"] == pytest.approx(95e6 / 3, rel=0.01)  # the rest, shared
