@@ -152,46 +152,52 @@ class AgentCollector(Collector):
             for reason in sorted({r for r, _ in p.problems}):
                 problem.append(([*ids, reason], 1))
 
-        node_egress = rows(CounterMetricFamily("netagent_node_egress_bytes",
-                                               "IP bytes leaving the node's uplinks, host traffic included; "
-                                               "internet: after the node's shaper.",
-                                               labels=["scope"]))
-        node_ingress = rows(CounterMetricFamily("netagent_node_ingress_bytes",
-                                                "Bytes entering the node's uplinks, host traffic included.",
-                                                labels=["scope"]))
-        for scope in SCOPES:
-            node_egress.append(([scope], v.egress_bytes.get(scope, 0)))
-            node_ingress.append(([scope], v.ingress_bytes.get(scope, 0)))
-        # one sample without labels each (what `value=` would add)
-        rows(CounterMetricFamily("netagent_node_unknown_source_egress_bytes",
-                                 "Internet egress the node forwarded from sources that are no known pod "
-                                 "(not yet learnt by the agent), shaped in the default class at the floor.",
-                                 labels=[])).append(([], v.unknown_source_egress_bytes))
-        rows(GaugeMetricFamily("netagent_node_allocation_bytes_per_second",
-                               "The node class rate: this node's share of the internet budget.",
-                               labels=[])).append(([], v.allocation_bps * BYTES_PER_BIT))
-        if shaped[Direction.DOWNLOAD]:
-            rows(GaugeMetricFamily("netagent_node_ingress_allocation_bytes_per_second",
-                                   "The node's download class rate: this node's share of the download budget.",
-                                   labels=[])).append(([], v.ingress_allocation_bps * BYTES_PER_BIT))
-        rows(CounterMetricFamily("netagent_node_unknown_destination_ingress_bytes",
-                                 "Internet ingress the node forwarded to addresses that are no known pod (not yet "
-                                 "learnt by the agent), shaped in the download default class at the floor.",
-                                 labels=[])).append(([], v.unknown_destination_ingress_bytes))
-        rows(GaugeMetricFamily("netagent_ready", "1 when the kernel data path matches the desired state.",
-                               labels=[])).append(([], 1 if v.ready else 0))
-        rows(GaugeMetricFamily("netagent_controller_reachable", "1 when the last report to the controller succeeded.",
-                               labels=[])).append(([], 1 if v.controller_reachable else 0))
-        rows(GaugeMetricFamily("netagent_fail_static",
-                               "1 while the controller's lease ran out and pods run at the safe floor.",
-                               labels=[])).append(([], 1 if v.fail_static else 0))
-        rows(GaugeMetricFamily("netagent_last_reconcile_success_timestamp_seconds",
-                               "Unix time of the last reconcile that left the kernel as desired.",
-                               labels=[])).append(([], v.last_reconcile_success))
-        rows(GaugeMetricFamily("netagent_build_info", "Version and what the kernel probe chose.",
-                               labels=["version", "leaf_qdisc", "iptables_backend"])).append(
-            ([__version__, v.leaf_qdisc, v.iptables_backend], 1))
+        _node_families(v, rows, shaped)
         return out
+
+
+def _node_families(v: NodeView, rows: Callable[[Metric], list[tuple[list[str], float]]],
+                   shaped: PerDirection[bool]) -> None:
+    """The node's families, after the pods' (`rows(family)` appends one and gives its rows)."""
+    node_egress = rows(CounterMetricFamily("netagent_node_egress_bytes",
+                                           "IP bytes leaving the node's uplinks, host traffic included; "
+                                           "internet: after the node's shaper.",
+                                           labels=["scope"]))
+    node_ingress = rows(CounterMetricFamily("netagent_node_ingress_bytes",
+                                            "Bytes entering the node's uplinks, host traffic included.",
+                                            labels=["scope"]))
+    for scope in SCOPES:
+        node_egress.append(([scope], v.egress_bytes.get(scope, 0)))
+        node_ingress.append(([scope], v.ingress_bytes.get(scope, 0)))
+    # one sample without labels each (what `value=` would add)
+    rows(CounterMetricFamily("netagent_node_unknown_source_egress_bytes",
+                             "Internet egress the node forwarded from sources that are no known pod "
+                             "(not yet learnt by the agent), shaped in the default class at the floor.",
+                             labels=[])).append(([], v.unknown_source_egress_bytes))
+    rows(GaugeMetricFamily("netagent_node_allocation_bytes_per_second",
+                           "The node class rate: this node's share of the internet budget.",
+                           labels=[])).append(([], v.allocation_bps * BYTES_PER_BIT))
+    if shaped[Direction.DOWNLOAD]:
+        rows(GaugeMetricFamily("netagent_node_ingress_allocation_bytes_per_second",
+                               "The node's download class rate: this node's share of the download budget.",
+                               labels=[])).append(([], v.ingress_allocation_bps * BYTES_PER_BIT))
+    rows(CounterMetricFamily("netagent_node_unknown_destination_ingress_bytes",
+                             "Internet ingress the node forwarded to addresses that are no known pod (not yet "
+                             "learnt by the agent), shaped in the download default class at the floor.",
+                             labels=[])).append(([], v.unknown_destination_ingress_bytes))
+    rows(GaugeMetricFamily("netagent_ready", "1 when the kernel data path matches the desired state.",
+                           labels=[])).append(([], 1 if v.ready else 0))
+    rows(GaugeMetricFamily("netagent_controller_reachable", "1 when the last report to the controller succeeded.",
+                           labels=[])).append(([], 1 if v.controller_reachable else 0))
+    rows(GaugeMetricFamily("netagent_fail_static",
+                           "1 while the controller's lease ran out and pods run at the safe floor.",
+                           labels=[])).append(([], 1 if v.fail_static else 0))
+    rows(GaugeMetricFamily("netagent_last_reconcile_success_timestamp_seconds",
+                           "Unix time of the last reconcile that left the kernel as desired.",
+                           labels=[])).append(([], v.last_reconcile_success))
+    rows(GaugeMetricFamily("netagent_build_info", "Version and what the kernel probe chose.",
+                           labels=["version", "leaf_qdisc", "iptables_backend"])).append(
+        ([__version__, v.leaf_qdisc, v.iptables_backend], 1))
 
 
 def go_float(d) -> str:
