@@ -134,15 +134,7 @@ class NodeSync:
                 floor = self.cfg.datapath.floors[d]
                 node_rates[d] = lane.allocations.node_rate(eff, floor)
                 effective[d] = cap_to_node(eff, node_rates[d], floor, least_ceils(lane.allocations, pods))
-            self._seed_frames(pods, effective, node_rates)
-            shapes = tuple(self._shape(p, effective) for p in pods)
-            on_devices = Direction.DOWNLOAD in node_rates or self.cfg.datapath.internal_by_device
-            facts = self.facts
-            devices = self.datapath.pod_devices(facts.uplinks) if on_devices else ()
-            desired = desired_state(NodeInputs(
-                facts.uplinks, facts.internal, shapes, PerDirection.build(node_rates.get), self.cfg.datapath,
-                pod_devices=devices,
-                wire_ratio=PerDirection.build(lambda d: self.lanes[d].frames.get(NODE_RATIO_KEY))))
+            desired = self._desired(pods, effective, node_rates)
             stage = "apply"
             changes = self.datapath.apply(desired, full=full or before.desired is None)
         except (DesiredStateError, ValueError) as exc:
@@ -176,6 +168,19 @@ class NodeSync:
                 self.metrics.namespaces_missing.inc()
         self._missing_namespaces = set(missing)
         self._namespaces_seen = {p.namespace for p in pods} - self._missing_namespaces
+
+    def _desired(self, pods: list[ResolvedPod], effective: dict[Direction, dict[str, Allocation]],
+                 node_rates: dict[Direction, int]) -> DesiredState:
+        """The kernel state for `pods` at the rates each shaped direction gave them, on the node as
+        it is now (its facts, its pod devices where downloads are shaped or internal bytes counted)."""
+        self._seed_frames(pods, effective, node_rates)
+        shapes = tuple(self._shape(p, effective) for p in pods)
+        on_devices = Direction.DOWNLOAD in node_rates or self.cfg.datapath.internal_by_device
+        facts = self.facts
+        devices = self.datapath.pod_devices(facts.uplinks) if on_devices else ()
+        return desired_state(NodeInputs(
+            facts.uplinks, facts.internal, shapes, PerDirection.build(node_rates.get), self.cfg.datapath,
+            pod_devices=devices, wire_ratio=PerDirection.build(lambda d: self.lanes[d].frames.get(NODE_RATIO_KEY))))
 
     def _shape(self, p: ResolvedPod, effective: dict[Direction, dict[str, Allocation]]) -> PodShape:
         """Pod `p` as the desired state needs it: per direction its rate and ceil (a direction not
