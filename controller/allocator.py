@@ -295,12 +295,13 @@ class Allocator:
         n = len(pods)
         shapes = PerDirection(True, report.shapes_ingress)
 
+        row_ids = np.array(rows, dtype=np.intp)
         if self.quota is not None and report.epoch is not None:  # the pods' byte counters, by team
-            self.quota.observe(report, [tables.team_names[int(table[r][0])] for r in rows])
+            self.quota.observe(report, row_ids, lambda r: tables.team_names[int(table[r][0])], tables)
 
         def column(field: PerDirection[attrgetter], d: Direction) -> np.ndarray:
             return np.fromiter(map(field[d], pods), dtype=np.float64, count=n) if shapes[d] else np.zeros(n)
-        return PreparedReport(report, tables, tuple(map(_KEY, pods)), np.array(rows, dtype=np.intp),
+        return PreparedReport(report, tables, tuple(map(_KEY, pods)), row_ids,
                               PerDirection.build(lambda d: column(POD_DEMAND, d)),
                               PerDirection.build(lambda d: column(POD_USAGE, d)))
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import threading
 import time
+from operator import attrgetter
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 from zoneinfo import ZoneInfo
 
 import numpy as np
@@ -26,6 +27,8 @@ from core.wire import POD_BYTES, NodeReport
 
 FORGET_AFTER = 3600.0  # s: a pod unreported this long leaves the ledger's counters (its counted bytes stay)
 RATE_WINDOW = 60.0  # s: the forecast's rate is the team's use over about this long
+PRUNE_EVERY = 60.0  # s: how often the pods not reported for FORGET_AFTER are looked for
+_UID = attrgetter("uid")
 # the share of a quota at which an Event on the EgressBudget says so, and its reason
 LEVELS = ((1.0, "QuotaSpent"), (0.8, "QuotaNearlySpent"))
 
@@ -54,6 +57,21 @@ class TeamUse:
         return left / rate if rate > 0 else None
 
 
+@dataclass
+class _NodeCounters:
+    """One node's pods with a quota, as its last report listed them, and their counters (upload, download)."""
+    epoch: str
+    keys: tuple[str, ...]  # the ledger's keys of the pods with a quota
+    team_names: tuple[str, ...]  # the distinct teams, indexed by team_index
+    team_index: np.ndarray
+    last: np.ndarray  # (pods with a quota, 2) int64
+    seen: float
+    uids: tuple[str | None, ...]  # every pod of the report, as it listed them
+    rows: np.ndarray  # their policy rows: the same rows and token = the same teams
+    token: object
+    mask: np.ndarray  # which of them have a quota
+
+
 def _utc(t: float) -> datetime:
     return datetime.fromtimestamp(t, timezone.utc)
 
@@ -79,6 +97,8 @@ class QuotaKeeper:
         self._rates: dict[tuple[str, Direction], float] = {}
         self.told: dict[tuple[str, Direction], tuple[datetime, float]] = {}  # -> (period start, level told)
         self._quiet = False
+        self._nodes: dict[str, _NodeCounters] = {}  # node -> its pods' counters as arrays (the common case)
+        self._pruned = 0.0
 
     # -- policy and periods ------------------------------------------------------------------------------
     def set_policy(self, policy: Policy) -> None:
@@ -94,6 +114,9 @@ class QuotaKeeper:
                 elif t.quota is not None:
                     quotas[t.name] = t.quota
             self.quotas = quotas
+            for cache in self._nodes.values():  # which pods have a quota may have changed
+                self._flush(cache)
+            self._nodes.clear()
             self.zone_name = policy.quota_zone or self.zone_name
             self.budget_name = policy.budget_name
             self._policy = policy
@@ -113,9 +136,8 @@ class QuotaKeeper:
                         self.ledger.roll_team(team)
                     self.starts[team] = start
                     self.version += 1
-            for key in [k for k, t in self.seen.items() if now - t > FORGET_AFTER]:
-                self.ledger.forget_pod(key)
-                del self.seen[key]
+            if now - self._pruned >= PRUNE_EVERY:
+                self._prune(now)
             then, before = self._window
             if now - then >= RATE_WINDOW:
                 used = dict(self.ledger.used)
@@ -124,20 +146,93 @@ class QuotaKeeper:
                 self._window = (now, used)
 
     # -- counting -----------------------------------------------------------------------------------------
-    def observe(self, report: NodeReport, teams: Sequence[str]) -> None:
-        """One report's pod counters (teams: each pod's team, aligned with report.pods)."""
+    def observe(self, report: NodeReport, rows: np.ndarray, team_of: Callable[[int], str], token: object) -> None:
+        """One report's pod counters. `rows`: each pod's policy row (the allocator's resolution), `team_of(row)`
+        its team, `token` what the rows index into (the allocator's tables: a new policy is a new token)."""
         if not self.active or report.epoch is None or not self.quotas:
             return
-        now = self.clock()
-        quotas, (up, down) = self.quotas, (POD_BYTES.upload, POD_BYTES.download)
-        rows = [(team, pod.uid or f"{pod.namespace}/{pod.name}", up(pod), down(pod))
-                for pod, team in zip(report.pods, teams) if team in quotas]
-        if not rows:
-            return
+        pods, now = report.pods, self.clock()
+        uids = tuple(map(_UID, pods))
         with self._lock:
-            if self.ledger.add_report(report.epoch, rows):
+            cache = self._nodes.get(report.node)
+            if (cache is not None and cache.epoch == report.epoch and cache.token is token and cache.uids == uids
+                    and np.array_equal(cache.rows, rows)):
+                try:  # the common case: the node's same pods as last time, as arrays (no Python step per pod)
+                    new = np.stack([np.fromiter(map(get, pods), dtype=np.int64, count=len(pods))
+                                    for get in (POD_BYTES.upload, POD_BYTES.download)], axis=1)[cache.mask]
+                except (TypeError, OverflowError):  # a pod without a counter this time
+                    new = None
+                if new is not None:
+                    self._add_arrays(cache, new)
+                    cache.seen = now
+                    return
+            if cache is not None:  # the node's pods changed: the ledger takes the pods' counters back
+                self._flush(cache)
+                del self._nodes[report.node]
+            quotas, (up, down) = self.quotas, (POD_BYTES.upload, POD_BYTES.download)
+            teams = [team_of(r) for r in rows.tolist()]
+            mask = np.fromiter((team in quotas for team in teams), dtype=bool, count=len(teams))
+            counted = [(team, pod.uid or f"{pod.namespace}/{pod.name}", up(pod), down(pod))
+                       for pod, team, m in zip(pods, teams, mask.tolist()) if m]
+            if not counted:
+                return
+            if self.ledger.add_report(report.epoch, counted):
                 self.version += 1
-            self.seen.update(dict.fromkeys([row[1] for row in rows], now))
+            keys = tuple(row[1] for row in counted)
+            self.seen.update(dict.fromkeys(keys, now))
+            self._cache(report.node, report.epoch, keys, tuple(row[0] for row in counted), now,
+                        uids, rows.copy(), token, mask)
+
+    def _add_arrays(self, cache: _NodeCounters, new: np.ndarray) -> None:
+        """Ledger.add's rule on a node's arrays: per pod and direction only an increase counts, the largest
+        counter is kept (a retried or reordered report adds nothing)."""
+        delta = new - cache.last
+        np.maximum(delta, 0, out=delta)
+        if not delta.any():
+            return
+        used = self.ledger.used
+        for i, d in enumerate(DIRECTIONS):
+            sums = np.bincount(cache.team_index, delta[:, i], minlength=len(cache.team_names))
+            for j in np.flatnonzero(sums).tolist():
+                key = (cache.team_names[j], d)
+                used[key] = used.get(key, 0) + int(sums[j])
+        np.maximum(cache.last, new, out=cache.last)
+        self.version += 1
+
+    def _cache(self, node: str, epoch: str, keys: tuple[str, ...], names: tuple[str, ...], now: float,
+               uids: tuple[str | None, ...], rows: np.ndarray, token: object, mask: np.ndarray) -> None:
+        """Keep the node's pods' counters as arrays when the ledger holds every one in this epoch."""
+        pods = self.ledger.pods
+        last = np.zeros((len(keys), 2), dtype=np.int64)
+        for i, key in enumerate(keys):
+            for j, d in enumerate(DIRECTIONS):
+                held = pods.get((key, d))
+                if held is None or held.epoch != epoch:
+                    return
+                last[i, j] = held.last
+        team_names = tuple(dict.fromkeys(names))
+        index = {n: i for i, n in enumerate(team_names)}
+        self._nodes[node] = _NodeCounters(epoch, keys, team_names,
+                                          np.fromiter((index[n] for n in names), dtype=np.intp, count=len(names)),
+                                          last, now, uids, rows, token, mask)
+
+    def _flush(self, cache: _NodeCounters) -> None:
+        """The node's array counters back into the ledger (they only grew since it held them)."""
+        for i, key in enumerate(cache.keys):
+            for j, d in enumerate(DIRECTIONS):
+                self.ledger.seed(key, d, cache.epoch, int(cache.last[i, j]))
+
+    def _prune(self, now: float) -> None:
+        """Forget the counters of nodes and pods not reported for FORGET_AFTER (their counted bytes stay)."""
+        self._pruned = now
+        for node, cache in list(self._nodes.items()):
+            if now - cache.seen > FORGET_AFTER:
+                self._flush(cache)
+                del self._nodes[node]
+        live = {key for cache in self._nodes.values() for key in cache.keys}
+        for key in [k for k, t in self.seen.items() if now - t > FORGET_AFTER and k not in live]:
+            self.ledger.forget_pod(key)
+            del self.seen[key]
 
     def exhausted(self, d: Direction) -> frozenset[str]:
         with self._lock:
@@ -206,6 +301,7 @@ class QuotaKeeper:
             self.ledger = Ledger.resume(used)
             self.starts = starts
             self.seen.clear()
+            self._nodes.clear()
             self._window, self._rates = (0.0, {}), {}
             self._quiet = True  # the levels the resumed figures reached were told by the previous leader
             self.active = True

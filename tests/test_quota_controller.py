@@ -166,3 +166,41 @@ def test_events_at_80_and_100_percent_once_per_period_and_not_again_after_a_resu
     keeper.tick()
     alloc.prepare(_report(1_900_000, 4_000_000))
     assert keeper.crossings() == [("research", UP, "QuotaNearlySpent", 900_000, 10**6)]
+
+
+def test_the_array_path_counts_as_the_ledger_does_through_pod_churn_and_missing_counters():
+    """The node's pods as arrays (the common case) against core.quota.Ledger pod by pod, on a random run of
+    reports with retries, reorders, pods coming and going, a pod without a counter and a reboot."""
+    import random
+
+    from core.quota import Ledger
+    rnd = random.Random(38)
+    alloc, keeper, clock = _setup()
+    ref = Ledger.resume({})
+    counters = {f"uid-{i}": [0, 0] for i in range(6)}
+    live = ["uid-0", "uid-1", "uid-2"]
+    epoch, history = "boot-1", []
+    for step in range(300):
+        roll = rnd.random()
+        if roll < 0.05 and len(live) > 1:
+            live.remove(rnd.choice(live))
+        elif roll < 0.1:
+            uid = rnd.choice(sorted(counters))
+            if uid not in live:
+                live.append(uid)
+        elif roll < 0.12:
+            epoch = f"boot-{step}"
+            counters = {u: [0, 0] for u in counters}
+        for uid in live:
+            counters[uid][0] += rnd.randrange(0, 5000)
+            counters[uid][1] += rnd.randrange(0, 5000)
+        pods = [PodReport("research", uid, 1e6, 1e6, bytes_total=None if rnd.random() < 0.02 else counters[uid][0],
+                          ingress_bytes_total=counters[uid][1], uid=uid) for uid in live]
+        report = NodeReport("n1", pods, epoch=epoch, shapes_ingress=True)
+        history.append(report)
+        if rnd.random() < 0.2 and len(history) > 2:
+            report = history[-rnd.randrange(2, min(5, len(history)) + 1)]  # a retry or a late one instead
+        alloc.prepare(report)
+        ref.add_report(report.epoch, [("research", p.uid, p.bytes_total, p.ingress_bytes_total) for p in report.pods])
+    assert keeper.teams()[0].used.upload == ref.team_used("research", UP) > 0
+    assert keeper.teams()[0].used.download == ref.team_used("research", DOWN) > 0

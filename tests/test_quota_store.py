@@ -9,6 +9,7 @@ import contextlib
 import uuid
 from datetime import datetime, timezone
 
+import numpy as np
 import pytest
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
@@ -55,6 +56,11 @@ def _report(up: int, down: int = 0) -> NodeReport:
                                        uid="uid-a")], epoch="boot-1")
 
 
+def _observe(keeper: QuotaKeeper, report: NodeReport) -> None:
+    """As the allocator feeds it: every pod in policy row 0, team research."""
+    keeper.observe(report, np.zeros(len(report.pods), dtype=np.intp), lambda row: "research", _observe)
+
+
 def _status(kube_api, name) -> dict:
     obj = client.CustomObjectsApi(kube_api.admin).get_cluster_custom_object(GROUP, VERSION, "egressbudgets", name)
     return obj.get("status") or {}
@@ -73,7 +79,7 @@ def test_written_with_conflicts_resumed_by_a_new_leader_and_retried_through_an_o
     store.step()  # leading, not counting yet: resume (nothing persisted)
     assert keeper.active and keeper.teams()[0].used.upload == 0
     for up in (1000, 5000, 5000, 3000, 9000):  # the first a baseline; a retry and a reordered one add nothing
-        keeper.observe(_report(up, up * 2), ["research"])
+        _observe(keeper, _report(up, up * 2))
     assert tuple(keeper.teams()[0].used.items()) == ((UP, 8000), (DOWN, 16000))
     store.step()
     start = datetime.now(timezone.utc).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
@@ -86,7 +92,7 @@ def test_written_with_conflicts_resumed_by_a_new_leader_and_retried_through_an_o
     # another writer (the status writer's round figures) in between: our resourceVersion is stale -> 409
     client.CustomObjectsApi(kube_api.admin).patch_cluster_custom_object_status(
         GROUP, VERSION, "egressbudgets", name, {"status": {"used": "5M"}})
-    keeper.observe(_report(10_000, 20_000), ["research"])
+    _observe(keeper, _report(10_000, 20_000))
     store.step()
     assert store.write_failures.labels("conflict")._value.get() == 1 and store.failures == 0
     status = _status(kube_api, name)
@@ -94,15 +100,15 @@ def test_written_with_conflicts_resumed_by_a_new_leader_and_retried_through_an_o
     true_up = 9000 + 1000  # what the pod really sent since its baseline (the new leader's report below included)
 
     # the leader dies after its last write; bytes counted after it are lost, never counted twice
-    keeper.observe(_report(10_500, 20_500), ["research"])
+    _observe(keeper, _report(10_500, 20_500))
     keeper.stop()
     new_keeper = _keeper(budget)
     new_store = _store(kube_api.admin, new_keeper, events)
     new_store.step()
     assert tuple(new_keeper.teams()[0].used.items()) == ((UP, 9000), (DOWN, 18000))
     for _ in range(3):  # the first report a baseline, then replays
-        new_keeper.observe(_report(10_500, 20_500), ["research"])
-    new_keeper.observe(_report(11_000, 21_000), ["research"])
+        _observe(new_keeper, _report(10_500, 20_500))
+    _observe(new_keeper, _report(11_000, 21_000))
     used = new_keeper.teams()[0].used.upload
     assert used == 9500 <= true_up  # lost: the 500 bytes counted after the last write, at most one interval's
 
@@ -111,7 +117,7 @@ def test_written_with_conflicts_resumed_by_a_new_leader_and_retried_through_an_o
     down = config.new_client_from_config(config_file=str(kube_api.kubeconfig_through(port, tmp_path / "down")))
     new_store.custom = client.CustomObjectsApi(down)
     new_store.step()
-    new_keeper.observe(_report(12_000, 22_000), ["research"])
+    _observe(new_keeper, _report(12_000, 22_000))
     new_store.step()
     assert new_store.failures == 2 and new_store.backoff() == 2.0
     assert new_store.write_failures.labels("unreachable")._value.get() == 2
@@ -141,8 +147,8 @@ def test_a_follower_counts_nothing_and_a_missing_budget_resumes_from_nothing(kub
     store = QuotaStore(kube_api.admin, keeper, leading=lambda: False, registry=CollectorRegistry(),
                        event=lambda *a: events.append(a))
     store.step()
-    keeper.observe(_report(1000), ["research"])
-    keeper.observe(_report(2000), ["research"])
+    _observe(keeper, _report(1000))
+    _observe(keeper, _report(2000))
     assert not keeper.active and keeper.teams()[0].used.upload == 0
     gone = {**budget, "metadata": {"name": "no-such-budget"}}
     other = _keeper(gone)
