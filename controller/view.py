@@ -9,6 +9,7 @@ from __future__ import annotations
 import heapq
 import time
 
+from core.direction import Direction
 from core.wire import POD_ALLOCATION, POD_USAGE
 
 TOP_PODS = 10
@@ -28,6 +29,23 @@ def _direction(summary) -> dict | None:
     }
 
 
+def _quota(keeper) -> list[dict]:
+    """Each team's volume quota and its use this period (docs/quotas.md); only where this replica counts."""
+    if keeper is None or not keeper.active:
+        return []
+    out = []
+    for u in keeper.teams():
+        entry: dict = {"team": u.name, "period": u.quota.period.value, "period_start": u.period_start.isoformat(),
+                       "period_end": u.period_end.isoformat()}
+        for direction, word in ((Direction.UPLOAD, "uploads"), (Direction.DOWNLOAD, "downloads")):
+            limit = u.quota.limits[direction]
+            entry[word] = None if limit is None else {
+                "bytes": limit.bytes, "used": u.used[direction], "exhausted": u.exhausted[direction],
+                "exhausted_bps": limit.exhausted_bps, "forecast_seconds": u.forecast_seconds(direction)}
+        out.append(entry)
+    return out
+
+
 def cluster_view(state, top: int = TOP_PODS, now: float | None = None) -> dict:
     """The view from `state` (a ControllerState); reads its last round and latest reports only."""
     now = time.monotonic() if now is None else now
@@ -36,7 +54,7 @@ def cluster_view(state, top: int = TOP_PODS, now: float | None = None) -> dict:
     nodes = {node: round(now - t, 1) for node, (t, _) in sorted(latest.items())}
     out = {"leader": state.is_leader(), "ready": ready, "why": why, "lease_seconds": state.lease_seconds,
            "report_ttl_seconds": state.report_ttl, "nodes": nodes, "generation": 0, "uploads": None,
-           "downloads": None, "top_pods": []}
+           "downloads": None, "top_pods": [], "quota": _quota(getattr(state.allocate, "quota", None))}
     if result is None:
         return out
     summary = result.summary

@@ -204,3 +204,21 @@ def test_the_array_path_counts_as_the_ledger_does_through_pod_churn_and_missing_
         ref.add_report(report.epoch, [("research", p.uid, p.bytes_total, p.ingress_bytes_total) for p in report.pods])
     assert keeper.teams()[0].used.upload == ref.team_used("research", UP) > 0
     assert keeper.teams()[0].used.download == ref.team_used("research", DOWN) > 0
+
+
+def test_v1_status_shows_each_teams_use_quota_and_forecast():
+    from controller.state import ControllerState
+    from controller.view import cluster_view
+    alloc, keeper, clock = _setup()
+    state = ControllerState(alloc)
+    for counter in (0, 600_000, 1_200_000):
+        state.submit(None, _report(counter, counter))
+    state.run_round()
+    quota, = cluster_view(state)["quota"]
+    assert quota["team"] == "research" and quota["period"] == "Day"
+    assert quota["period_start"] == "2026-03-10T00:00:00+00:00" and quota["period_end"] == "2026-03-11T00:00:00+00:00"
+    assert quota["uploads"] == {"bytes": 10**6, "used": 1_200_000, "exhausted": True, "exhausted_bps": 2 * M,
+                                "forecast_seconds": 0.0}
+    assert quota["downloads"]["used"] == 1_200_000 and not quota["downloads"]["exhausted"]
+    keeper.stop()
+    assert cluster_view(state)["quota"] == []  # a follower's figures are not counted
