@@ -19,6 +19,14 @@ both shown. Verdict rules, set before the first run: keep-alive costs at most ha
 report of per-report (PASS/FAIL; first judged with the rounds in, changed to rounds out after
 the first 10,000-node run showed the rounds dominating both modes: both ratios are printed), and whether keep-alive reaches 1,000 reports/s on one core (1 ms a report;
 issue 37's target, reported, not judged: the machine's noise and speed decide it).
+
+`--storm` (bad input: a reconnect storm after a controller restart) measures instead a controller
+with its default bounds (`--max-pending-reports` 1000, `--max-connections` 20,000, the review
+gate is not in play without auth): every node opens a new TLS connection and reports at the same
+instant, as all agents do when a restarted controller comes back, and each behaves as the agent:
+its answer timeout 3 s, a 503's Retry-After honoured, a failure retried after its period (10 s).
+Printed: answers by status in the first wave, the time until every node was answered, the answer
+latency p50/p99 over all answers, and the controller's peak RSS (VmHWM).
 """
 from __future__ import annotations
 
@@ -143,6 +151,104 @@ async def run_mode(base: str, ctx: ssl.SSLContext, args, bodies: list[bytes], ke
             "p99": latencies[int(len(latencies) * 0.99)] if latencies else float("nan")}
 
 
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def storm(base: str, ctx: ssl.SSLContext, args, bodies: list[bytes]) -> dict:
+    """Every node reports at once on a new connection, then as the agent until answered."""
+    from collections import Counter
+
+    sessions = [aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=1, ssl=ctx, local_addr=(local_address(i), 0), keepalive_timeout=3600),
+        timeout=aiohttp.ClientTimeout(total=3.0)) for i in range(args.nodes)]  # the agent's 3 s
+    first: Counter = Counter()
+    latencies: list[float] = []
+    answered_at: list[float] = []
+    attempts = 0
+    go = asyncio.Event()
+    t0 = 0.0
+
+    async def node(i: int) -> None:
+        nonlocal attempts
+        await go.wait()
+        wave = True
+        while True:
+            attempts += 1
+            started = time.monotonic()
+            retry = 10.0  # the agent's period after a failure (stretching not modelled)
+            try:
+                async with sessions[i].post(f"{base}/v1/nodes/node-{i}/report", data=bodies[i],
+                                            headers={"Content-Type": "application/json"}) as r:
+                    await r.read()
+                    status = str(r.status)
+                    if r.status == 503 and r.headers.get("Retry-After"):
+                        retry = float(r.headers["Retry-After"])
+            except asyncio.TimeoutError:
+                status = "timeout"
+            except aiohttp.ClientError as exc:
+                status = type(exc).__name__
+            if wave:
+                first[status] += 1
+                wave = False
+            if status == "200":
+                latencies.append(time.monotonic() - started)
+                answered_at.append(time.monotonic() - t0)
+                return
+            await asyncio.sleep(retry * random.uniform(0.8, 1.2))
+
+    tasks = [asyncio.create_task(node(i)) for i in range(args.nodes)]
+    await asyncio.sleep(0.5)
+    t0 = time.monotonic()
+    go.set()
+    await asyncio.gather(*tasks)
+    for s in sessions:
+        await s.close()
+    latencies.sort()
+    return {"first": dict(first), "all_answered_s": max(answered_at), "attempts": attempts,
+            "p50": latencies[len(latencies) // 2], "p99": latencies[int(len(latencies) * 0.99)]}
+
+
+def run_storm(args, tmpdir: Path, pki: Pki, policy: Path) -> int:
+    port = free_port()
+    log = open(tmpdir / "storm-controller.log", "w")
+    proc = subprocess.Popen(  # the controller's own bounds (defaults), pacing included
+        [sys.executable, "-m", "netagent", "controller", "--from-file", str(policy), "--no-auth",
+         "--tls-cert-file", str(pki.serving_cert), "--tls-key-file", str(pki.serving_key),
+         "--listen", f"127.0.0.1:{port}", "--period", f"{PERIOD:g}", "--report-rate", "1000"],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    base = f"https://localhost:{port}"
+    ctx = ssl.create_default_context(cafile=str(pki.ca_file))
+    try:
+        wait_for(lambda: _listening(port, proc, tmpdir), timeout=60, what="the controller")
+        bodies = [report(i, args.pods, 1) for i in range(args.nodes)]
+        print(f"# storm: {args.nodes} nodes x {args.pods} pods report at once on new TLS connections, "
+              f"load avg {os.getloadavg()[0]:.1f}", flush=True)
+        row = asyncio.run(storm(base, ctx, args, bodies))
+        rss = peak_rss_mib(proc.pid)
+    finally:
+        stop_process(proc, 10)
+        log.close()
+    print(f"first wave by status: {row['first']}")
+    print(f"every node answered after {row['all_answered_s']:.1f} s ({row['attempts']} attempts for {args.nodes} "
+          f"nodes); answer latency p50 {row['p50'] * 1000:.0f} ms, p99 {row['p99'] * 1000:.0f} ms; controller peak "
+          f"RSS {rss:.0f} MiB")
+    return 0
+
+
+def _listening(port: int, proc: subprocess.Popen, tmpdir: Path) -> bool:
+    if proc.poll() is not None:
+        raise SystemExit(f"controller exited: {(tmpdir / 'storm-controller.log').read_text()}")
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=2000)
@@ -150,6 +256,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=15.0)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--storm", action="store_true",
+                    help="instead: every node reports at once on a new connection (a reconnect storm)")
     args = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # a kept connection per node, on both ends
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4 * args.nodes + 1024)), hard))
@@ -158,6 +266,8 @@ def main() -> int:
         pki = Pki(tmpdir / "pki")
         policy = tmpdir / "policy.yaml"
         policy.write_text(yaml.safe_dump_all(policy_docs()))
+        if args.storm:
+            return run_storm(args, tmpdir, pki, policy)
         port = free_port()
         log = open(tmpdir / "controller.log", "w")
         proc = subprocess.Popen(
