@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from core.quantity import format_bps
+from core.quantity import format_bps, human_bytes
 
 SCHEMA = "netagent.io/status/v1"
 EXIT_OK, EXIT_DEGRADED, EXIT_NOT_INSTALLED, EXIT_FORBIDDEN = 0, 1, 2, 3
@@ -101,7 +101,7 @@ def view(snap: dict) -> dict:
     out = {"schema": SCHEMA, "context": snap.get("context"), "server": snap.get("server"),
            "namespace": snap.get("namespace"), "read_at": snap.get("read_at"), "installed": True,
            "budgets": [], "classes": [], "controller": None, "teams": {d: [] for d in DIRECTIONS},
-           "top_pods": [], "agents": None, "events": [], "problems": problems}
+           "top_pods": [], "quotas": [], "agents": None, "events": [], "problems": problems}
     ns = snap.get("namespace")
     if not snap.get("crds_installed", True):
         out["installed"] = False
@@ -122,6 +122,7 @@ def view(snap: dict) -> dict:
         if ctl_view:
             out["teams"] = {d: _teams(ctl_view.get(d)) for d in DIRECTIONS}
             out["top_pods"] = ctl_view.get("top_pods") or []
+            out["quotas"] = ctl_view.get("quota") or []  # volume quotas (docs/quotas.md)
         out["agents"] = agents = _agents(snap.get("agents"), ctl_view)
         events = sorted(snap.get("events") or [], key=lambda e: e.get("last") or "", reverse=True)
         out["events"] = events[:EVENTS_SHOWN]
@@ -223,6 +224,19 @@ def render(v: dict) -> str:
                           _rate(t["guarantee_bps"]) + (" UNMET" if t["guarantee_unmet"] else ""), str(t["pods"])]
                          for t in v["teams"][d]]
                 lines.extend(_table(rows, pad))
+        if v["quotas"]:
+            lines.append(f"{'Quotas:':<16}(volume per period: docs/quotas.md)")
+            rows = [["TEAM", "PERIOD", "DIRECTION", "USED", "QUOTA", "SPENT", "FORECAST"]]
+            for q in v["quotas"]:
+                for word in ("uploads", "downloads"):
+                    x = q.get(word)
+                    if x:
+                        left = x["forecast_seconds"]
+                        rows.append([q["team"], f"{q['period']} from {q['period_start'][:16]}", word,
+                                     human_bytes(x["used"]), human_bytes(x["bytes"]),
+                                     f"{100 * x['used'] / x['bytes']:.0f}%" + (" EXHAUSTED" if x["exhausted"] else ""),
+                                     "-" if left is None else f"{left / 3600:.1f} h"])
+            lines.extend(_table(rows, pad))
         if v["top_pods"]:
             lines.append(f"{'Top pods:':<16}(by measured internet traffic, both directions)")
             rows = [["POD", "NODE", "TEAM", "CLASS", "UP USED", "UP ALLOC", "UP LIMIT", "DOWN USED", "DOWN ALLOC"]]

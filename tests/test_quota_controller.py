@@ -222,3 +222,24 @@ def test_v1_status_shows_each_teams_use_quota_and_forecast():
     assert quota["downloads"]["used"] == 1_200_000 and not quota["downloads"]["exhausted"]
     keeper.stop()
     assert cluster_view(state)["quota"] == []  # a follower's figures are not counted
+
+
+def test_netagent_status_shows_the_quotas_from_v1_status():
+    from cli import clusterview
+    from controller.state import ControllerState
+    from controller.view import cluster_view
+    from tests.test_status_cluster import snapshot
+    alloc, keeper, clock = _setup()
+    state = ControllerState(alloc)
+    for counter in (0, 600_000, 1_200_000):
+        state.submit(None, _report(counter, counter))
+    state.run_round()
+    snap = snapshot()
+    snap["controller"]["view"]["quota"] = cluster_view(state)["quota"]
+    v = clusterview.view(snap)
+    assert v["quotas"][0]["team"] == "research"
+    text = clusterview.render(v)
+    assert "Quotas:" in text
+    up = next(line for line in text.splitlines() if "research" in line and "uploads" in line)
+    assert "120% EXHAUSTED" in up and "Day from 2026-03-10T00:00" in up
+    assert clusterview.view(snapshot())["quotas"] == []
