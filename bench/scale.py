@@ -39,6 +39,7 @@ benchmark's cost, not netagent's.
 from __future__ import annotations
 
 import argparse
+import calendar
 import asyncio
 import base64
 import datetime
@@ -1344,7 +1345,7 @@ async def run(args) -> None:
             else:
                 sent_before, received_before = await bench.sent()
                 victim[0].send_signal(signal.SIGKILL)
-                t_kill = time.monotonic()
+                t_kill, t_kill_wall = time.monotonic(), time.time()
                 await bench.ask("kill", leader_url)  # the agents keep their limits as they are now
                 peak = peak_down = 0.0
                 while time.monotonic() - t_kill < args.failover_timeout and \
@@ -1358,6 +1359,10 @@ async def run(args) -> None:
                       f"{(first - t_kill) if first else float('nan'):.1f} s; "
                       f"{st['answered_after_kill']}/{args.nodes} agents answered after "
                       f"{time.monotonic() - t_kill:.0f} s; answers meanwhile {dict(st['stats'].answers)}")
+                survivor = next((c for c in controllers if c is not victim), None)
+                if survivor is not None:
+                    print("failover: the survivor's log after the kill: " + "; ".join(
+                        f"{what} {at - t_kill_wall:+.1f} s" for at, what in log_marks(survivor[2], t_kill_wall)))
                 print(f"failover: pods whose limit changed between the kill and their agent's first answer from "
                       f"the new leader's round: {st['changed_before_first_answer']} (so none above its limit); "
                       f"sent total at the kill {(sent_before / budget - 1) * 100:+.1f} % of the budget, "
@@ -1382,6 +1387,22 @@ async def run(args) -> None:
             await admin.close()
         cp.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def log_marks(path: Path, since: float) -> list[tuple[float, str]]:
+    """(Unix time, what) of the controller log's failover milestones after `since` (JSON lines)."""
+    marks = {"leader election: now leading": "leading", "first allocation round of this term": "first round"}
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+            at = calendar.timegm(time.strptime(rec["ts"][:19], "%Y-%m-%dT%H:%M:%S")) + float(rec["ts"][19:-1] or 0)
+        except (ValueError, KeyError, TypeError):
+            continue
+        what = next((w for m, w in marks.items() if str(rec.get("msg", "")).startswith(m)), None)
+        if what and at >= since:
+            out.append((at, what))
+    return out
 
 
 def main() -> None:
