@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from itertools import repeat
 from operator import attrgetter
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -176,12 +177,24 @@ class QuotaKeeper:
                        for pod, team, m in zip(pods, teams, mask.tolist()) if m]
             if not counted:
                 return
-            if self.ledger.add_report(report.epoch, counted):
-                self.version += 1
             keys = tuple(row[1] for row in counted)
             self.seen.update(dict.fromkeys(keys, now))
-            self._cache(report.node, report.epoch, keys, tuple(row[0] for row in counted), now,
-                        uids, rows.copy(), token, mask)
+            names = tuple(row[0] for row in counted)
+            if self._all_new(keys) and not any(row[2] is None or row[3] is None for row in counted):
+                # every pod new to this ledger (a new leader's first reports): each counter is a baseline
+                # (Ledger.add's rule after a resume), kept as the node's arrays without a step per pod in the ledger
+                last = np.array([row[2:] for row in counted], dtype=np.int64)
+                self._cache(report.node, report.epoch, keys, names, now, uids, rows.copy(), token, mask, last)
+                return
+            if self.ledger.add_report(report.epoch, counted):
+                self.version += 1
+            self._cache(report.node, report.epoch, keys, names, now, uids, rows.copy(), token, mask)
+
+    def _all_new(self, keys: tuple[str, ...]) -> bool:
+        """No pod of `keys` known to the ledger in either direction, nor owed a count in full (a new epoch seen)."""
+        ledger = self.ledger
+        return ledger.resumed and all(ledger.pods.keys().isdisjoint(zip(keys, repeat(d))) and
+                                      ledger.fresh.isdisjoint(zip(keys, repeat(d))) for d in DIRECTIONS)
 
     def _add_arrays(self, cache: _NodeCounters, new: np.ndarray) -> None:
         """Ledger.add's rule on a node's arrays: per pod and direction only an increase counts, the largest
@@ -200,16 +213,19 @@ class QuotaKeeper:
         self.version += 1
 
     def _cache(self, node: str, epoch: str, keys: tuple[str, ...], names: tuple[str, ...], now: float,
-               uids: tuple[str | None, ...], rows: np.ndarray, token: object, mask: np.ndarray) -> None:
-        """Keep the node's pods' counters as arrays when the ledger holds every one in this epoch."""
-        pods = self.ledger.pods
-        last = np.zeros((len(keys), 2), dtype=np.int64)
-        for i, key in enumerate(keys):
-            for j, d in enumerate(DIRECTIONS):
-                held = pods.get((key, d))
-                if held is None or held.epoch != epoch:
-                    return
-                last[i, j] = held.last
+               uids: tuple[str | None, ...], rows: np.ndarray, token: object, mask: np.ndarray,
+               last: np.ndarray | None = None) -> None:
+        """Keep the node's pods' counters as arrays (`last`, or what the ledger holds when it holds every one in
+        this epoch)."""
+        if last is None:
+            pods = self.ledger.pods
+            last = np.zeros((len(keys), 2), dtype=np.int64)
+            for i, key in enumerate(keys):
+                for j, d in enumerate(DIRECTIONS):
+                    held = pods.get((key, d))
+                    if held is None or held.epoch != epoch:
+                        return
+                    last[i, j] = held.last
         team_names = tuple(dict.fromkeys(names))
         index = {n: i for i, n in enumerate(team_names)}
         self._nodes[node] = _NodeCounters(epoch, keys, team_names,
