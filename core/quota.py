@@ -2,8 +2,8 @@
 
 Pure: parsing a team's `quota` block, the calendar period in a time zone, the ledger that turns the
 agents' cumulative per-pod counters into a team's used bytes, and which teams are exhausted.
-No I/O; the controller persists the ledger (controller/quotastore.py, not built yet) and the engine
-caps exhausted teams (core/engine.py; the hook is docs/quotas.md's step 4).
+No I/O; the leader feeds and persists the ledger (controller/quota.py, controller/quotastore.py) and caps
+exhausted teams in the engine's team columns (docs/quotas.md).
 
 The CRD's shape (top level = uploads, an `ingress` block for downloads):
     quota: {period: Month, bytes: 50Ti, exhaustedRate: 100M, ingress: {bytes: 200Ti, exhaustedRate: 500M}}
