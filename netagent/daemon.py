@@ -47,52 +47,17 @@ class Daemon:
         api = None
         services: tuple[str, ...] = ()  # the cluster's service CIDRs when they are followed (a NodeFacts)
         if not cfg.from_file:
-            from .sources import list_service_cidrs, load_api_client
+            from .sources import load_api_client
 
             api = load_api_client(cfg.kubeconfig)
-            if cfg.services_from_cluster:
-                # where a pod's packet to a ClusterIP is internal before DNAT: read once here, for the
-                # counting mode; the source follows the ServiceCIDRs from then on
-                services, why_not = list_service_cidrs(api)
-                if services:
-                    cfg = dataclasses.replace(cfg, services_known=True)
-                    log.info("service CIDRs from the cluster's ServiceCIDR objects: %s", ",".join(services))
-                else:
-                    log.warning("service CIDRs unknown (%s): give --service-cidr (chart value serviceCIDRs)", why_not)
-        by_device, counting = choose_internal_counting(cfg.internal_counting, cfg.datapath.bpf_dir, cfg.services_known)
-        cfg = dataclasses.replace(cfg, datapath=dataclasses.replace(cfg.datapath, leaf_qdisc=leaf,
-                                                                    internal_by_device=by_device))
-        datapath = KernelDataPath(cfg.datapath, iptables_backend=cfg.iptables_backend)
-        try:
-            datapath.check_conflicts()
-        except Exception:
-            datapath.close()
-            raise
+            cfg, services = _cluster_services(cfg, api)
+        cfg, datapath, counting = _datapath(cfg, leaf)
         holder: dict[str, Agent] = {}
         metrics = AgentMetrics(lambda: holder["agent"].view(), lean=cfg.lean_metrics)
-        emit_event = None
         # A part is loaded only in the mode that uses it (tests/test_layers.py holds this): the
         # kubernetes client only with Kubernetes, the engine (numpy) only in single-node mode.
-        if cfg.from_file:
-            source = FileSource(list(cfg.from_file), node=cfg.node)
-        else:
-            from .sources import KubeSource, kube_event_emitter
-
-            source = KubeSource(api, cfg.node, on_metric=lambda res, kind: metrics.watch_events.labels(res, kind).inc())
-            emit_event = kube_event_emitter(api, cfg.node)
-        problems = ProblemReporter(emit_event, lambda reason: metrics.policy_problems.labels(reason).inc(),
-                                   on_dropped=metrics.events_dropped.inc)
-        initial = None
-        if cfg.controller:
-            # after a restart nothing is known yet: what the kernel holds stands for one lease-like
-            # while, then the floor, unless the controller answers first
-            initial = AllocationSet(lease_expires=time.monotonic() + max(30.0, 6 * cfg.report_period),
-                                    source="adopted")
-        local = None
-        if not cfg.controller:
-            from .local import LocalAllocator
-
-            local = functools.partial(LocalAllocator, floor_bps=cfg.default_floor_bps)
+        source, problems = _source(cfg, api, metrics)
+        initial, local = _allocation_mode(cfg)
         facts = NodeFacts(cfg.uplinks, cfg.internal_cidrs, services)
         agent = Agent(cfg, datapath, local, metrics=metrics, problems=problems, initial=initial, facts=facts)
         holder["agent"] = agent
@@ -103,23 +68,7 @@ class Daemon:
                                 insecure_http=cfg.controller_insecure_http,
                                 on_omitted=lambda reason, n: metrics.report_omitted.labels(reason).inc(n),
                                 on_refused=lambda reason: metrics.refused_pods.labels(reason).inc())
-        authorizer = tls = None
-        exposition = metrics.exposition
-        if cfg.metrics_auth:
-            from core.kubereview import access_review, token_review
-            from core.scrapeauth import ScrapeAuthorizer
-
-            from .http import ScrapeAuthCollector
-            from .selfsigned import self_signed_context
-
-            authorizer = ScrapeAuthorizer(token_review(api), access_review(api))
-            tls = self_signed_context(cfg.node)
-            auth_registry = CollectorRegistry()
-            auth_registry.register(ScrapeAuthCollector(authorizer))
-            exposition = lambda: metrics.exposition() + generate_latest(auth_registry)  # noqa: E731
-        elif not cfg.from_file and not is_loopback(cfg.listen[0]):
-            log.warning("--metrics-auth=false: /metrics at %s lists every pod of this node to whoever reaches it",
-                        join_host_port(*cfg.listen))
+        authorizer, tls, exposition = _scrape_auth(cfg, api, metrics)
         http = AgentHTTP(cfg.listen, metrics.registry, agent.health, agent.readiness, lambda: agent.view().as_dict(),
                          state_listen=cfg.state_listen, on_rejected=lambda r: metrics.http_rejected.labels(r).inc(),
                          exposition=exposition, authorizer=authorizer, tls=tls)
@@ -165,3 +114,84 @@ class Daemon:
         if self.problems:
             self.problems.stop()
         self.datapath.close()
+
+
+def _datapath(cfg: AgentConfig, leaf: str) -> tuple[AgentConfig, KernelDataPath, str]:
+    """The kernel data path with the probe's leaf qdisc and the counting mode the node allows:
+    (the configuration with them, the data path, how internal bytes are counted); refuses to start
+    where someone else uses the mark bit."""
+    by_device, counting = choose_internal_counting(cfg.internal_counting, cfg.datapath.bpf_dir, cfg.services_known)
+    cfg = dataclasses.replace(cfg, datapath=dataclasses.replace(cfg.datapath, leaf_qdisc=leaf,
+                                                                internal_by_device=by_device))
+    datapath = KernelDataPath(cfg.datapath, iptables_backend=cfg.iptables_backend)
+    try:
+        datapath.check_conflicts()
+    except Exception:
+        datapath.close()
+        raise
+    return cfg, datapath, counting
+
+
+def _source(cfg: AgentConfig, api, metrics: AgentMetrics) -> tuple[object, ProblemReporter]:
+    """The pod source (files, or this node's watches) and the policy problems' reporter (Events with
+    Kubernetes)."""
+    emit_event = None
+    if cfg.from_file:
+        source: object = FileSource(list(cfg.from_file), node=cfg.node)
+    else:
+        from .sources import KubeSource, kube_event_emitter
+
+        source = KubeSource(api, cfg.node, on_metric=lambda res, kind: metrics.watch_events.labels(res, kind).inc())
+        emit_event = kube_event_emitter(api, cfg.node)
+    problems = ProblemReporter(emit_event, lambda reason: metrics.policy_problems.labels(reason).inc(),
+                               on_dropped=metrics.events_dropped.inc)
+    return source, problems
+
+
+def _allocation_mode(cfg: AgentConfig):
+    """(the allocations the agent starts from, the single-node allocator's factory): with a controller
+    what the kernel holds stands for one lease-like while after a restart (nothing is known yet), then
+    the floor, unless the controller answers first; without one the engine allocates locally."""
+    if cfg.controller:
+        return AllocationSet(lease_expires=time.monotonic() + max(30.0, 6 * cfg.report_period), source="adopted"), None
+    from .local import LocalAllocator
+
+    return None, functools.partial(LocalAllocator, floor_bps=cfg.default_floor_bps)
+
+
+def _cluster_services(cfg: AgentConfig, api) -> tuple[AgentConfig, tuple[str, ...]]:
+    """With no --service-cidr: the cluster's ServiceCIDRs, read once here for the counting mode (where a
+    pod's packet to a ClusterIP is internal before DNAT); the source follows them from then on."""
+    if not cfg.services_from_cluster:
+        return cfg, ()
+    from .sources import list_service_cidrs
+
+    services, why_not = list_service_cidrs(api)
+    if not services:
+        log.warning("service CIDRs unknown (%s): give --service-cidr (chart value serviceCIDRs)", why_not)
+        return cfg, ()
+    log.info("service CIDRs from the cluster's ServiceCIDR objects: %s", ",".join(services))
+    return dataclasses.replace(cfg, services_known=True), services
+
+
+def _scrape_auth(cfg: AgentConfig, api, metrics: AgentMetrics):
+    """--metrics-auth: (the scrape authorizer, the TLS context, the /metrics exposition with its own
+    metrics); off: (None, None, the plain exposition), with a warning where every pod reaches it."""
+    authorizer = tls = None
+    exposition = metrics.exposition
+    if cfg.metrics_auth:
+        from core.kubereview import access_review, token_review
+        from core.scrapeauth import ScrapeAuthorizer
+
+        from .http import ScrapeAuthCollector
+        from .selfsigned import self_signed_context
+
+        authorizer = ScrapeAuthorizer(token_review(api), access_review(api))
+        tls = self_signed_context(cfg.node)
+        auth_registry = CollectorRegistry()
+        auth_registry.register(ScrapeAuthCollector(authorizer))
+        exposition = lambda: metrics.exposition() + generate_latest(auth_registry)  # noqa: E731
+    elif not cfg.from_file and not is_loopback(cfg.listen[0]):
+        log.warning("--metrics-auth=false: /metrics at %s lists every pod of this node to whoever reaches it",
+                    join_host_port(*cfg.listen))
+    return authorizer, tls, exposition
