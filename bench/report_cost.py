@@ -223,7 +223,7 @@ def run_storm(args, tmpdir: Path, pki: Pki, policy: Path) -> int:
     base = f"https://localhost:{port}"
     ctx = ssl.create_default_context(cafile=str(pki.ca_file))
     try:
-        wait_for(lambda: _listening(port, proc, tmpdir), timeout=60, what="the controller")
+        wait_for(lambda: _listening(port, proc, tmpdir / "storm-controller.log"), timeout=60, what="the controller")
         bodies = [report(i, args.pods, 1) for i in range(args.nodes)]
         print(f"# storm: {args.nodes} nodes x {args.pods} pods report at once on new TLS connections, "
               f"load avg {os.getloadavg()[0]:.1f}", flush=True)
@@ -239,9 +239,10 @@ def run_storm(args, tmpdir: Path, pki: Pki, policy: Path) -> int:
     return 0
 
 
-def _listening(port: int, proc: subprocess.Popen, tmpdir: Path) -> bool:
+def _listening(port: int, proc: subprocess.Popen, log: Path) -> bool:
+    """The controller accepts connections on `port` (its exit, with its log, ends the bench)."""
     if proc.poll() is not None:
-        raise SystemExit(f"controller exited: {(tmpdir / 'storm-controller.log').read_text()}")
+        raise SystemExit(f"controller exited: {log.read_text()}")
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=1):
             return True
@@ -280,15 +281,8 @@ def main() -> int:
         base = f"https://localhost:{port}"
         ctx = ssl.create_default_context(cafile=str(pki.ca_file))
         try:
-            def up() -> bool:
-                if proc.poll() is not None:
-                    raise SystemExit(f"controller exited: {(tmpdir / 'controller.log').read_text()}")
-                try:
-                    with socket.create_connection(("127.0.0.1", port), timeout=1):
-                        return True
-                except OSError:
-                    return False
-            wait_for(up, timeout=60, what="the controller")
+            log_file = tmpdir / "controller.log"
+            wait_for(lambda: _listening(port, proc, log_file), timeout=60, what="the controller")
             bodies = [report(i, args.pods, 1) for i in range(args.nodes)]
             rows = []
             print(f"# {args.nodes} nodes x {args.pods} pods, {args.concurrency} workers, {args.seconds:g} s a round, "
