@@ -206,14 +206,21 @@ def test_the_array_path_counts_as_the_ledger_does_through_pod_churn_and_missing_
     assert keeper.teams()[0].used.download == ref.team_used("research", DOWN) > 0
 
 
-def test_v1_status_shows_each_teams_use_quota_and_forecast():
+def _counted_round():
+    """A controller state that counted three reports of research's pod (1.2 MB each way) and ran a round;
+    and its quota keeper."""
     from controller.state import ControllerState
-    from controller.view import cluster_view
-    alloc, keeper, clock = _setup()
+    alloc, keeper, _ = _setup()
     state = ControllerState(alloc)
     for counter in (0, 600_000, 1_200_000):
         state.submit(None, _report(counter, counter))
     state.run_round()
+    return state, keeper
+
+
+def test_v1_status_shows_each_teams_use_quota_and_forecast():
+    from controller.view import cluster_view
+    state, keeper = _counted_round()
     quota, = cluster_view(state)["quota"]
     assert quota["team"] == "research" and quota["period"] == "Day"
     assert quota["period_start"] == "2026-03-10T00:00:00+00:00" and quota["period_end"] == "2026-03-11T00:00:00+00:00"
@@ -226,14 +233,9 @@ def test_v1_status_shows_each_teams_use_quota_and_forecast():
 
 def test_netagent_status_shows_the_quotas_from_v1_status():
     from cli import clusterview
-    from controller.state import ControllerState
     from controller.view import cluster_view
     from tests.test_status_cluster import snapshot
-    alloc, keeper, clock = _setup()
-    state = ControllerState(alloc)
-    for counter in (0, 600_000, 1_200_000):
-        state.submit(None, _report(counter, counter))
-    state.run_round()
+    state, _ = _counted_round()
     snap = snapshot()
     snap["controller"]["view"]["quota"] = cluster_view(state)["quota"]
     v = clusterview.view(snap)
