@@ -17,7 +17,7 @@ from typing import Callable, Mapping
 
 from core.direction import Direction, PerDirection
 from core.objects import Snapshot
-from core.policy import Policy, ResolvedPod
+from core.policy import ResolvedPod
 
 from .accounting import Accounting
 from .allocations import Allocations, AllocationSet
