@@ -4,23 +4,19 @@ lives beside the DataPath protocol (the real one is exercised in tests/test_agen
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 from core.direction import PerDirection
 from core.objects import MAX_SERVICE_CIDRS, PodRecord, Snapshot, service_cidrs_of
 from core.policy import shaped_pods
-from netagent.agent import Agent
 from netagent.allocations import Allocation, AllocationSet
-from netagent.config import AgentConfig
 from netagent.datapath_fake import FakeDataPath
 import pytest
 
 from netagent.desired import DataPathOptions, PodShape, assign_minors, from_wire, to_wire
-from netagent.local import LocalAllocator
-from netagent.metrics import AgentMetrics
 from tc.model import ack_minor, bulk_minor
 from tc.sizing import LEAST_CEIL_BPS
+from tests.agents import make_agent
 
 M = 1_000_000
 CLASSES = ({"kind": "EgressClass", "metadata": {"name": "bronze"}, "spec": {"max": "20M"}},)
@@ -37,16 +33,6 @@ def wire(*ip_bps: int):
 def pod(name: str, ip: str | None, host_network=False, phase="Running", deleting=False, **ann) -> PodRecord:
     return PodRecord("ns", name, f"uid-{name}", "n1", (ip,) if ip else (), host_network, phase,
                      tuple(sorted(ann.items())), deleting=deleting)
-
-
-def make_agent(dp, controller=None):
-    holder = {}
-    metrics = AgentMetrics(lambda: holder["a"].view())
-    local = None if controller else functools.partial(LocalAllocator, floor_bps=1 * M)
-    agent = Agent(AgentConfig("n1", ("eth0",), ("10.0.0.0/8",), controller=controller, default_floor_bps=1 * M),
-                  dp, local, metrics=metrics)
-    holder["a"] = agent
-    return agent, metrics
 
 
 def sample(metrics, name, **labels):

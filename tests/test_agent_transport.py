@@ -15,16 +15,14 @@ import pytest
 
 from lab.procs import wait_for
 from core.certs import issue_serving, new_ca
-from core.direction import PerDirection
 from core.errors import ConfigError
-from core.policy import Limits, ResolvedPod
 from netagent.agent import Agent
 from netagent.allocations import Allocation, AllocationSet
 from netagent.config import AgentConfig, check_controller
 from netagent.datapath_fake import FakeDataPath
 from netagent.desired import to_wire
 from netagent.reporter import ControllerError, Reporter
-from netagent.sync import SyncState
+from tests.agents import make_agent
 
 TOKEN = "secret-token-of-the-agent"
 M = 1_000_000
@@ -102,14 +100,12 @@ def serve(servers, answer, cert, tmp, name) -> Endpoint:
     return s
 
 
-def make_agent(node="node-a", pods=(("web", "w1"), ("web", "w2"))) -> Agent:
-    agent = Agent(AgentConfig(node=node, uplinks=("eth0",), internal_cidrs=(), controller="https://localhost"),
-                  FakeDataPath())
-    agent.node.state = SyncState(pods=tuple(
-        ResolvedPod(f"{ns}/{name}", ns, name, "uid-" + name, ("10.0.0.1",), "web", "default",
-                    PerDirection(Limits(1.0, 0, 10**9), Limits(1.0)))
-        for ns, name in pods), pods_known=True)
-    return agent
+PODS = (("web", "w1"), ("web", "w2"))
+
+
+def reporting_agent() -> Agent:
+    """tests.agents.make_agent reporting to a controller on this host, two pods published."""
+    return make_agent(node="node-a", controller="https://localhost", internal_cidrs=(), pods=PODS)[0]
 
 
 def answer_body(node="node-a", lease=30.0, floor=2 * M, node_rate=100 * M, rate=10 * M, limit=20 * M) -> bytes:
@@ -135,7 +131,7 @@ def token_file(tmp_path) -> str:
 
 def unjittered_reporter(url: str, pki, tmp_path) -> Reporter:
     """A reporter with a 1 s period and no jitter, so its waits are exact."""
-    reporter = Reporter(make_agent(), url, token_file(tmp_path), period=1.0, ca_file=str(pki["ca_file"]))
+    reporter = Reporter(reporting_agent(), url, token_file(tmp_path), period=1.0, ca_file=str(pki["ca_file"]))
     reporter.rng.uniform = lambda a, b: 1.0
     return reporter
 
@@ -144,7 +140,7 @@ def test_https_with_the_pinned_ca_and_a_307_to_the_leaders_address(pki, servers,
     leader = serve(servers, ok, pki["cert"], tmp_path, "leader")
     # the follower points at the leader's pod IP: its certificate names only the Service ("localhost")
     follower = serve(servers, redirect(307, leader.url("127.0.0.1")), pki["cert"], tmp_path, "follower")
-    agent = make_agent()
+    agent = reporting_agent()
     reporter = Reporter(agent, follower.url("localhost"), token_file(tmp_path), ca_file=str(pki["ca_file"]))
     assert reporter.report_once()
     assert leader.requests == [("/v1/nodes/node-a/report", "Bearer " + TOKEN)]
@@ -166,7 +162,7 @@ def test_a_gone_leader_is_left_at_once_and_a_slow_one_at_the_next_report(pki, se
 
     leader = serve(servers, leader_answer, pki["cert"], tmp_path, "leader")
     follower = serve(servers, redirect(307, leader.url("127.0.0.1")), pki["cert"], tmp_path, "follower")
-    reporter = Reporter(make_agent(), follower.url("localhost"), token_file(tmp_path), timeout=0.5,
+    reporter = Reporter(reporting_agent(), follower.url("localhost"), token_file(tmp_path), timeout=0.5,
                         ca_file=str(pki["ca_file"]))
     assert reporter.report_once() and reporter.leader_url == leader.url("127.0.0.1")
 
@@ -199,7 +195,7 @@ def test_the_report_period_runs_from_each_reports_start(pki, servers, tmp_path):
         return ok(handler)
 
     leader = serve(servers, held, pki["cert"], tmp_path, "leader")
-    reporter = Reporter(make_agent(), leader.url("localhost"), token_file(tmp_path), period=1.0,
+    reporter = Reporter(reporting_agent(), leader.url("localhost"), token_file(tmp_path), period=1.0,
                         ca_file=str(pki["ca_file"]))
     wait = reporter.tick()
     assert not reporter.last_error and len(leader.requests) == 1
@@ -288,7 +284,7 @@ def test_a_redirect_elsewhere_gets_no_token_and_the_allocations_stay(fault, pki,
     target, code = {"foreign-ca": (foreign.url(), 307), "302": (leader.url(), 302), "301": (leader.url(), 301),
                     "303": (leader.url(), 303), "to-http": (plain.url(), 307)}[fault]
     follower = serve(servers, redirect(code, target), pki["cert"], tmp_path, "follower")
-    agent = make_agent()
+    agent = reporting_agent()
     held = AllocationSet(pods={"web/w1": Allocation(5 * M, 6 * M)}, lease_expires=time.monotonic() + 30,
                          source="controller")
     agent.allocations.current = held
@@ -303,7 +299,7 @@ def test_a_redirect_elsewhere_gets_no_token_and_the_allocations_stay(fault, pki,
 
 def test_plain_http_needs_the_flag_and_never_carries_the_token(servers, tmp_path):
     plain = serve(servers, ok, None, tmp_path, "plain")
-    agent = make_agent()
+    agent = reporting_agent()
     with pytest.raises(ValueError, match="insecure"):
         Reporter(agent, plain.url(), token_file(tmp_path))
     Reporter(agent, plain.url(), token_file(tmp_path), insecure_http=True).report_once()
@@ -331,7 +327,7 @@ def test_the_flags_https_needs_a_ca_that_loads_http_needs_the_test_flag(pki, tmp
 def test_the_pinned_ca_is_re_read_when_its_file_changes(pki, servers, tmp_path):
     """A rotated CA is picked up without a restart; until then a server of the new CA is refused."""
     rotated = serve(servers, ok, pki["foreign_cert"], tmp_path, "rotated")
-    agent = make_agent()
+    agent = reporting_agent()
     reporter = Reporter(agent, rotated.url("localhost"), token_file(tmp_path), ca_file=str(pki["ca_file"]))
     with pytest.raises(ControllerError, match="not a controller"):
         reporter.report_once()
@@ -353,7 +349,7 @@ def test_the_pinned_ca_is_re_read_when_its_file_changes(pki, servers, tmp_path):
         "rate-nan", "limit-negative", "floor-1e400", "other-node", "truncated", "5-MiB"])
 def test_a_bad_answer_is_refused_and_fail_static_holds_then_the_floor(body, pki, servers, tmp_path):
     bad = serve(servers, lambda h: (200, {"Content-Type": "application/json"}, body), pki["cert"], tmp_path, "bad")
-    agent = make_agent()
+    agent = reporting_agent()
     held = AllocationSet(pods={"web/w1": Allocation(5 * M, 6 * M)}, node_rate_bps=50 * M, safe_floor_bps=M,
                          lease_expires=time.monotonic() + 0.5, source="controller")
     agent.allocations.current = held
@@ -372,7 +368,7 @@ def test_huge_but_in_range_numbers_are_capped_by_the_node_rate(pki, servers, tmp
     no more than it (HTB rates add up beyond the parent's otherwise)."""
     body = answer_body(node_rate=50 * M, rate=2.0**64, limit=2.0**64, floor=2.0**64)
     ctl = serve(servers, lambda h: (200, {}, body), pki["cert"], tmp_path, "ctl")
-    agent = make_agent()
+    agent = reporting_agent()
     Reporter(agent, ctl.url("localhost"), token_file(tmp_path), ca_file=str(pki["ca_file"])).report_once()
     agent.on_snapshot(_snapshot())
     assert agent.sync()

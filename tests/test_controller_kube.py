@@ -21,7 +21,7 @@ from kubernetes.client.rest import ApiException
 
 from lab.procs import stop_process
 from tests.kube import deployed_rbac
-from tests.test_controller_service import free_port, make_agent, wait_for
+from tests.test_controller_service import free_port, reporting_agent, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 AUDIENCE = "netagent-controller"
@@ -429,7 +429,7 @@ def test_leader_killed_the_other_takes_over_while_the_agent_keeps_its_allocation
     namespace, nodes = nodes_and_pods
     token_file = tmp_path / "token"
     token_file.write_text(kube_api.token_for_pod(namespace, "agent", "agent-a", audiences=[AUDIENCE]))
-    agent = make_agent(nodes["a"], [(namespace, "work-a")])
+    agent = reporting_agent(nodes["a"], [(namespace, "work-a")])
     with contextlib.ExitStack() as stack:
         # TLS as installed: the replicas share the Secret the first one creates; the agent pins its
         # CA and verifies the configured name ("localhost" here, the Service's name in a cluster)

@@ -21,13 +21,10 @@ import yaml
 
 from lab.kube import Pki
 from lab.procs import stop_process, wait_for
-from core.direction import PerDirection
-from core.policy import Limits, ResolvedPod
 from netagent.agent import Agent
 from netagent.allocations import Allocation, AllocationSet
-from netagent.config import AgentConfig
 from netagent.datapath_fake import FakeDataPath
-from netagent.sync import SyncState
+from tests.agents import make_agent
 
 REPO = Path(__file__).resolve().parent.parent
 CLASSES = [
@@ -196,14 +193,9 @@ class CountingDataPath(FakeDataPath):
         return super().counters(max_age)
 
 
-def make_agent(node: str, pods: list[tuple[str, str]]) -> Agent:
-    agent = Agent(AgentConfig(node=node, uplinks=("eth0",), internal_cidrs=(), controller="http://controller"),
-                  CountingDataPath())
-    # the pods as a sync would have published them
-    agent.node.state = SyncState(pods=tuple(
-        ResolvedPod(f"{ns}/{name}", ns, name, "uid", ("10.0.0.1",), "web", "default", PerDirection(Limits(1.0, 0, 10**9), Limits(1.0)))
-        for ns, name in pods), pods_known=True)
-    return agent
+def reporting_agent(node: str, pods: list[tuple[str, str]]) -> Agent:
+    """tests.agents.make_agent over the counting data path, reporting to a controller, `pods` published."""
+    return make_agent(CountingDataPath(), node=node, controller="http://controller", internal_cidrs=(), pods=pods)[0]
 
 
 def serve_follower(leader: str | None) -> tuple[str, callable]:
@@ -241,7 +233,7 @@ def test_reporter_follows_the_follower_to_the_leader_and_stays_fail_static(tmp_p
     with controller_process(tmp_path, "--from-file", str(policy), "--no-auth") as (proc, leader):
         follower, stop_follower = serve_follower(leader.removeprefix("http://"))
         try:
-            agent = make_agent("node-a", [("web", "w1"), ("research", "r1")])
+            agent = reporting_agent("node-a", [("web", "w1"), ("research", "r1")])
             reporter = Reporter(agent, follower, token_path=None, period=0.2, insecure_http=True)
             reporter.report_once()
             assert reporter.leader_url == leader  # sticky: the next report goes straight to the leader
@@ -287,7 +279,7 @@ def test_reporter_keeps_allocations_when_no_replica_leads():
 
     follower, stop = serve_follower(None)
     try:
-        agent = make_agent("node-a", [("web", "w1")])
+        agent = reporting_agent("node-a", [("web", "w1")])
         held = AllocationSet(pods={"web/w1": Allocation(5, 6)}, lease_expires=time.monotonic() + 30,
                              source="controller")
         agent.allocations.current = held
@@ -311,7 +303,7 @@ def test_reporter_counts_refused_pods_and_reads_answers_without_the_field(tmp_pa
             for name, node in (("w1", "node-a"), ("w2", "node-b"))]
     policy.write_text(yaml.safe_dump_all([*CLASSES, budget("100M"), *pods]))
     refused: list[str] = []
-    agent = make_agent("node-a", [("web", "w1"), ("web", "w2")])
+    agent = reporting_agent("node-a", [("web", "w1"), ("web", "w2")])
     with controller_process(tmp_path, "--from-file", str(policy), "--no-auth") as (_, base):
         reporter = Reporter(agent, base, token_path=None, insecure_http=True, on_refused=refused.append)
 
@@ -335,7 +327,7 @@ def test_a_large_cluster_asks_reporters_for_a_longer_period(tmp_path):
     pods = [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"w{n}", "namespace": "web"},
              "spec": {"nodeName": f"node-{n}", "containers": [{"name": "c", "image": "x"}]}} for n in range(10)]
     policy.write_text(yaml.safe_dump_all([*CLASSES, budget("100M"), *pods]))
-    agent = make_agent("node-0", [("web", "w0")])
+    agent = reporting_agent("node-0", [("web", "w0")])
     with controller_process(tmp_path, "--from-file", str(policy), "--no-auth", "--max-reports-per-second", "2") as (_, base):
         reporter = Reporter(agent, base, token_path=None, period=0.2, insecure_http=True)
         assert reporter.effective_period() == 0.2
@@ -364,7 +356,7 @@ def test_an_overloaded_leader_sheds_reports_and_agents_come_back_after_retry_aft
     with controller_process(tmp_path, "--from-file", str(policy), "--no-auth", "--period", "2",
                             "--lease-seconds", "10", "--answer-wait", "1.5", "--max-pending-reports", "1",
                             "--max-reports-per-second", "2") as (_, base):
-        reporters = [Reporter(make_agent(f"node-{n}", [("web", f"w{n}")]), base, token_path=None, period=0.2,
+        reporters = [Reporter(reporting_agent(f"node-{n}", [("web", f"w{n}")]), base, token_path=None, period=0.2,
                               insecure_http=True) for n in range(8)]
         start = threading.Barrier(len(reporters))
         waits: dict[int, float] = {}

@@ -8,7 +8,6 @@ the agent's real report; tests/test_agent_kube.py runs the label change against 
 """
 from __future__ import annotations
 
-import functools
 import time
 
 import pytest
@@ -21,15 +20,14 @@ from core.objects import PodRecord, Snapshot
 from core.policy import PolicyCache
 from core.wire import NodeAnswer
 from netagent.agent import Agent
-from netagent.config import AgentConfig
 from netagent.datapath_fake import FakeDataPath
 from netagent.desired import DataPathOptions, to_wire
-from netagent.local import LocalAllocator
-from netagent.metrics import AgentMetrics
 from netagent.reporter import allocations_from, build_report
+from tests.agents import make_agent
 
 M = 1_000_000
-NODE = "n1"
+NODE = "n1"  # tests.agents.make_agent's node
+CONTROLLER = "https://controller"
 CLASSES = ({"kind": "EgressClass", "metadata": {"name": "bulk"}, "spec": {"weight": 4, "max": "400M"}},
            {"kind": "EgressClass", "metadata": {"name": "default"}, "spec": {"max": "10M"}})
 BUDGETS = ({"kind": "EgressBudget", "metadata": {"name": "cluster"}, "spec": {"total": "1G", "teams": [
@@ -40,16 +38,6 @@ BUDGETS = ({"kind": "EgressBudget", "metadata": {"name": "cluster"}, "spec": {"t
 def pod(namespace: str, name: str, ip: str, **annotations: str) -> PodRecord:
     return PodRecord(namespace, name, f"uid-{namespace}-{name}", NODE, (ip,), False, "Running",
                      tuple(sorted(annotations.items())))
-
-
-def make_agent(dp: FakeDataPath, controller: str | None = "https://controller"):
-    holder = {}
-    metrics = AgentMetrics(lambda: holder["a"].view())
-    local = None if controller else functools.partial(LocalAllocator, floor_bps=1 * M)
-    agent = Agent(AgentConfig(NODE, ("eth0",), ("10.0.0.0/8",), controller=controller, default_floor_bps=1 * M),
-                  dp, local, metrics=metrics)
-    holder["a"] = agent
-    return agent, metrics
 
 
 def controller_for(snap: Snapshot) -> Allocator:
@@ -72,7 +60,7 @@ def test_a_team_chosen_by_namespace_label_is_enforced_at_the_controllers_allocat
     snap = Snapshot((pod("lab", "trainer", "10.244.0.10"),), CLASSES, BUDGETS,
                     namespaces={"lab": {"netagent.io/team": "research"}})
     dp = FakeDataPath()
-    agent, metrics = make_agent(dp)
+    agent, metrics = make_agent(dp, controller=CONTROLLER)
     agent.on_snapshot(snap)
     assert agent.sync()
     answer = answer_for(controller_for(snap), agent)
@@ -181,7 +169,7 @@ def pod_objects(draw) -> list[dict]:
 
 def agent_resolves(snap: Snapshot) -> dict[tuple[str, str], tuple]:
     """The agent's answer: its sync over the snapshot, then what it resolved for each pod."""
-    agent, _ = make_agent(FakeDataPath())
+    agent, _ = make_agent(controller=CONTROLLER)
     agent.on_snapshot(snap)
     assert agent.sync()
     return agent, {(p.namespace, p.name): (p.team, p.egress_class, *(x for _, lim in p.limits.items() for x in (
@@ -288,7 +276,7 @@ def test_a_namespace_gone_under_running_pods_is_counted_once_and_a_late_one_is_n
     """Its pods resolve by the namespace's name alone (as on the controller), it is said and counted once per
     disappearance; a pod whose namespace the agent has not seen yet (the two watches race) is not counted."""
     dp = FakeDataPath()
-    agent, metrics = make_agent(dp, controller=None)
+    agent, metrics = make_agent(dp)
     trainer, neighbour = pod("lab", "trainer", "10.244.0.10"), pod("web", "neighbour", "10.244.0.11")
     labels = {"lab": {"netagent.io/team": "research"}, "web": {}}
 
