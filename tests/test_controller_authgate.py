@@ -1,6 +1,6 @@
 """The TokenReview gate's agent-pod check and lanes, and the verdict cache's clocks (controller/auth.py,
 controller/api.py ReviewGate), as pure logic and through the real aiohttp app. The TokenReview
-here is a stand-in that answers as the API server's does (tests/test_controller_api.py
+here is a stand-in that answers as the API server's does (tests/test_controller_auth.py
 `review_for`); the real one is in tests/test_controller_authflood.py."""
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import pytest
 
 from controller.api import MAX_REVIEWS_PENDING, APIStats, ReviewGate
 from controller.auth import AUDIENCE, NODE_CLAIM, POD_CLAIM, AgentPod, AuthError, TokenAuthenticator, check_agent_pod
-from tests.test_controller_api import AGENT_SA, new_state, post, report, serve
+from tests.test_controller_api import new_state, post, report, serve
+from tests.test_controller_auth import AGENT_SA
 
 NS = "netagent"
 

@@ -230,7 +230,7 @@ def test_junk_tokens_never_delay_real_agents(kube_api, budget, nodes_and_pods, t
 
     import aiohttp
 
-    from tests.test_controller_api import jwt
+    from tests.test_controller_auth import jwt
 
     namespace, nodes = nodes_and_pods
     sa = f"system:serviceaccount:{namespace}:agent"
