@@ -187,7 +187,7 @@ def _run(a: argparse.Namespace) -> int:
 
 def wait_until_set(stop: threading.Event) -> None:
     """Wait, in slices, for a signal handler to set `stop`. The kernel may hand SIGTERM to a
-    thread other than the main one (one spawning ipset, say: in a tests/test_shutdown.py loop
+    thread other than the main one (one spawning ipset, say: in a tests/test_agent_shutdown.py loop
     about one signal in four); that thread's C handler only flags it, Python runs the handler
     in the main thread at its next bytecode, and an untimed wait never gets there. CI saw an
     agent ignore SIGTERM for 20 s that way."""

@@ -116,7 +116,7 @@ def controller(kube_api, tmp_path: Path, lease_namespace: str, *extra: str, name
          "--listen", f"127.0.0.1:{port}", "--advertise", f"127.0.0.1:{port}", "--identity", f"{name}@127.0.0.1:{port}",
          "--namespace", lease_namespace, "--lease-name", "netagent-controller-test", "--period", "0.5",
          "--report-rate", "100", "--election-lease-seconds", "3", *([] if tls else ["--insecure-http"]),
-         "--metrics-auth", "false", *extra],  # `leading` scrapes; tests/test_metrics_auth.py tries the guard
+         "--metrics-auth", "false", *extra],  # `leading` scrapes; tests/test_agent_metrics_auth_kube.py tries the guard
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     base = f"{scheme}://127.0.0.1:{port}"
     try:

@@ -1,5 +1,5 @@
 """core/scrapeauth.py's cache, clocks and bounds (pure logic: the two API calls are plain functions
-here; tests/test_metrics_auth.py runs the same authorizer against a real kube-apiserver), and the
+here; tests/test_agent_metrics_auth_kube.py runs the same authorizer against a real kube-apiserver), and the
 agent's HTTP server keeping Prometheus served while junk tokens wait for a review that is slow on
 purpose (a slow API server, which the real one cannot be made on demand)."""
 from __future__ import annotations
