@@ -1119,22 +1119,59 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def run(args) -> None:
-    # the API servers inherit this limit: each holds its share of the agents' 3 watches (the
-    # agents' processes raise their own, agent_worker)
-    raise_open_files(3 * -(-args.nodes // args.apiservers) + 1000)
+@dataclass
+class Run:
+    """What one run holds: the steps below share it, and run() cleans it up whatever step failed."""
+    args: argparse.Namespace
+    cp: ControlPlane
+    workdir: Path
+    guard: MemoryGuard
+    bench: Bench
+    admin: Api | None = None
+    controllers: list = field(default_factory=list)  # (Popen, URL, log path) per replica
+    pids: dict[str, int] = field(default_factory=dict)  # the control plane's processes
+    api_urls: list[str] = field(default_factory=list)
+    audit_logs: list = field(default_factory=list)
+
+
+@dataclass
+class Baseline:
+    """The loaded cluster without netagent: apiserver metrics around the window, its processes' use."""
+    m0: dict
+    m1: dict
+    idle_use: dict
+
+
+@dataclass
+class Window:
+    """The steady-state window with netagent."""
+    m2: dict
+    m3: dict
+    busy_use: dict
+    bench_cpu: float
+    st: dict
+    allocated: float
+    budget: float
+    down_budget: float
+    sent_samples: list
+    sent: float
+    received: float
+    t_window: float
+
+
+def control_plane(args, workdir: Path) -> ControlPlane:
+    """etcd and kube-apiserver with an audit log (who asked what: the report counts netagent's requests)."""
     assets = find_assets(CONTROL_PLANE_BINARIES)
-    workdir = Path(tempfile.mkdtemp(prefix="netagent-scale-"))
     audit_policy = workdir / "audit-policy.yaml"
     audit_policy.write_text(AUDIT_POLICY)
     audit_log = workdir / "audit.log"
-    cp = ControlPlane(assets, ready_timeout=180, extra_etcd_args=ETCD_ARGS, extra_apiserver_args=APISERVER_ARGS + [
+    return ControlPlane(assets, ready_timeout=180, extra_etcd_args=ETCD_ARGS, extra_apiserver_args=APISERVER_ARGS + [
         f"--audit-policy-file={audit_policy}", f"--audit-log-path={audit_log}", "--audit-log-format=json",
         "--audit-log-mode=batch", "--audit-log-maxsize=0"],
         apiserver_env={"GOMEMLIMIT": f"{args.apiserver_memory_limit_mib}MiB"} if args.apiserver_memory_limit_mib else None)
-    controllers = []
-    admin = None
-    bench = Bench(args)
+
+
+def print_header(args) -> None:
     print(f"# bench/scale.py --nodes {args.nodes} --pods-per-node {args.pods_per_node} --period {args.period} "
           f"--measure {args.measure} --replicas {args.replicas} --settle {args.settle:g} "
           f"--agent-processes {args.agent_processes} --apiservers {args.apiservers}"
@@ -1143,249 +1180,304 @@ async def run(args) -> None:
           + "".join(f" {flag} {value:g}" for flag, _, value in controller_flags(args)))
     print(f"# machine: {platform.node()} {os.cpu_count()} CPUs, "
           f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, Python {platform.python_version()}")
-    guard = MemoryGuard(args.min_available_mib)
-    guard_task = asyncio.create_task(guard.run(asyncio.current_task()))
+
+
+async def load(r: Run) -> tuple[dict, str]:
+    """The control plane started, the CRDs and RBAC applied, the nodes and pods loaded, the further
+    apiservers started; the agents' tokens and the controller's."""
+    args, cp = r.args, r.cp
+    cp.start()
+    r.pids = {p.name: p.popen.pid for p in cp.processes}
+    r.guard.pids.update(r.pids)
+    kubectl(cp, "apply", "-f", str(REPO / "deploy/crds/egressclasses.yaml"), "-f", str(REPO / "deploy/crds/egressbudgets.yaml"))
+    kubectl(cp, "wait", "--for=condition=Established", "crd/egressclasses.netagent.io", "crd/egressbudgets.netagent.io")
+    kubectl(cp, "apply", "-n", SYSTEM_NS, "-f", str(REPO / "deploy/base/namespace.yaml"), "-f", str(REPO / "deploy/base/rbac-agent.yaml"),
+            "-f", str(REPO / "deploy/base/rbac-controller.yaml"))
+    admin_cert, admin_key = cp.pki.client("scale-loader", "scale-loader", ["system:masters"])
+    r.admin = admin = Api(cp.url, cp.ca_file, cert=(admin_cert, admin_key), limit=args.concurrency)
+    print(f"loading {args.nodes} nodes and {args.nodes * args.pods_per_node} pods ...", flush=True)
+    timings = await load_cluster(cp, args, admin)
+    print(f"loaded: nodes {timings['nodes_s']:.0f} s, pods {timings['pods_s']:.0f} s "
+          f"({timings['pods_per_s']:.0f}/s), pod status {timings['status_s']:.0f} s", flush=True)
+    # further apiservers once the cluster is loaded (their watch caches start with one list)
+    r.api_urls, r.audit_logs = start_more_apiservers(cp, args.apiservers, r.workdir)
+    await wait_apiservers(admin, r.api_urls, 300)
+    r.pids = {p.name: p.popen.pid for p in cp.processes}
+    r.guard.pids.update(r.pids)
+    loaded = await apiserver_metrics(admin, r.api_urls)
+    print("loaded cluster, before any netagent: " + ", ".join(
+        f"{p.name} RSS {rss_mib(p.popen.pid):.0f} MiB" for p in cp.processes)
+        + "; apiservers' Go heap in use " + " + ".join(f"{h:.0f}" for h in loaded["heaps"]) + " MiB", flush=True)
+    tokens = await agent_tokens(cp, args, admin)
+    ctl_token = (await admin.call("POST", f"/api/v1/namespaces/{SYSTEM_NS}/serviceaccounts/{CONTROLLER_SA}/token", {
+        "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 7200}}))["status"]["token"]
+    return tokens, ctl_token
+
+
+async def baseline(r: Run) -> Baseline:
+    """The loaded cluster without netagent for --baseline seconds."""
+    await asyncio.sleep(5)
+    m0 = await apiserver_metrics(r.admin, r.api_urls)
+    idle = Usage(r.pids)
+    await asyncio.sleep(r.args.baseline)
+    idle_use = idle.read()
+    m1 = await apiserver_metrics(r.admin, r.api_urls)
+    return Baseline(m0, m1, idle_use)
+
+
+async def start_netagent(r: Run, tokens: dict, ctl_token: str) -> tuple[ssl.SSLContext, float]:
+    """The controllers, then the agents in --agent-processes workers, synced, answered and settled; the
+    controllers' TLS context and when the agents started (Unix time: the audit log's clock)."""
+    args, bench = r.args, r.bench
+    r.controllers = controllers = start_controllers(r.cp, args, ctl_token, r.workdir)
+    r.guard.pids.update({f"controller-{k}": p.pid for k, (p, _, _) in enumerate(controllers)})
+    controller_ca_pem = await controller_ca(r.admin, 120)
+    ctx = ssl.create_default_context(cadata=controller_ca_pem)
+    ready_s = await wait_ready([u for _, u, _ in controllers], ctx, 600)
+    print(f"controller ready after {ready_s:.1f} s", flush=True)
+
+    bench.start_agents(tokens, {
+        "period": args.period, "downloads": args.downloads,
+        "connection_per_report": args.connection_per_report, "controller_urls": [u for _, u, _ in controllers],
+        "controller_ca": controller_ca_pem, "api_urls": r.api_urls, "api_ca_file": str(r.cp.ca_file),
+        "tls_read_bytes": args.sim_tls_read_bytes})
+    r.guard.pids.update(bench.worker_pids)
+    t_agents = time.time()
+    t_sync0 = time.monotonic()
+    sync_deadline = t_sync0 + max(300, args.nodes * 0.2)
+    while (await bench.state())["synced"] < args.nodes:
+        if time.monotonic() > sync_deadline:
+            raise RuntimeError(f"agents not synced within {sync_deadline - t_sync0:.0f} s")
+        await asyncio.sleep(1.0)
+    print(f"{args.nodes} agents synced (3 lists each) after {time.monotonic() - t_sync0:.1f} s "
+          f"({len(bench.workers)} agent processes)", flush=True)
+    await asyncio.sleep(3 * args.period)  # the first reports, TokenReviews, first rounds
+    # the cold start: every pod begins at the floor and climbs by probing (~2 periods a doubling),
+    # at the period the leader advises: known once (nearly) every agent has had an answer
+    t_first = time.monotonic()
+    while (st := await bench.state())["answered"] < 0.95 * args.nodes and time.monotonic() - t_first < 300:
+        await asyncio.sleep(2.0)
+    advised_now = max((adv for _, adv, _ in st["agents"]), default=0.0)
+    print(f"{st['answered']} of {args.nodes} agents answered after {time.monotonic() - t_sync0:.0f} s; "
+          f"settling for {args.settle} report periods of {max(args.period, advised_now):g} s", flush=True)
+    await asyncio.sleep(args.settle * max(args.period, advised_now))
+    return ctx, t_agents
+
+
+async def steady_window(r: Run) -> Window:
+    """--measure seconds with netagent: the processes' use, the apiservers' metrics, the cluster's rate."""
+    args, bench = r.args, r.bench
+    m2 = await apiserver_metrics(r.admin, r.api_urls)
+    ctl_pids = {f"controller-{k}": p.pid for k, (p, _, _) in enumerate(r.controllers)}
+    busy = Usage({**r.pids, **ctl_pids, **bench.worker_pids})
+    t_window = time.time()
+    await bench.ask("window", True)
+    # the cluster's sending rate sampled through the window (one instant is one draw of the
+    # agents' jittered report phases)
+    sent_samples = []
+    t_end = time.monotonic() + args.measure
+    while (left := t_end - time.monotonic()) > 0:
+        await asyncio.sleep(min(left, args.period))
+        sent_samples.append(await bench.sent())
+    await bench.ask("window", False)
+    busy_use = busy.read()
+    bench_cpu = sum(busy_use[k][0] for k in bench.worker_pids)
+    m3 = await apiserver_metrics(r.admin, r.api_urls)
+    st = await bench.state()
+    allocated = sum(rate for _, _, rate in st["agents"])
+    budget, down_budget = bench.budgets()
+    sent = sum(v for v, _ in sent_samples) / max(1, len(sent_samples))
+    received = sum(v for _, v in sent_samples) / max(1, len(sent_samples))
+    return Window(m2, m3, busy_use, bench_cpu, st, allocated, budget, down_budget, sent_samples, sent, received,
+                  t_window)
+
+
+def report_requests(r: Run, base: Baseline, w: Window, t_agents: float) -> None:
+    """The table without/with netagent, and netagent's API requests by kind (the audit log)."""
+    args, pids, stats = r.args, r.pids, w.st["stats"]
+    busy_use, idle_use = w.busy_use, base.idle_use
+    counts_start = audit_counts(r.audit_logs, t_agents)
+    reviews_by_second: Counter = Counter()
+    counts_window = audit_counts(r.audit_logs, w.t_window, reviews_by_second)
+    ours = {k: v for k, v in counts_window.items() if k[0] in ("agent", "controller")}
+    all_reqs = (w.m3["requests"] - w.m2["requests"]) / args.measure
+    our_rate = sum(ours.values()) / args.measure
+    print()
+    print(f"| {args.nodes} nodes, {args.nodes * args.pods_per_node} pods | without netagent | with netagent |")
+    print("|---|---|---|")
+    for name in pids:
+        print(f"| {name} CPU (cores) / RSS (MiB) | {idle_use[name][0]:.2f} / {idle_use[name][1]:.0f} | "
+              f"{busy_use[name][0]:.2f} / {busy_use[name][1]:.0f} |")
+    print(f"| API requests/s (all clients) | {(base.m1['requests'] - base.m0['requests']) / args.baseline:.1f} | {all_reqs:.1f} |")
+    print(f"| watches open | {base.m1['watches']:.0f} | {w.m3['watches']:.0f} |")
+    print(f"| apiservers' Go heap in use (MiB) | {' + '.join(f'{h:.0f}' for h in base.m1['heaps'])} | "
+          f"{' + '.join(f'{h:.0f}' for h in w.m3['heaps'])} |")
+    print()
+    print(f"netagent's API requests in the window: {our_rate:.1f}/s ({our_rate / max(all_reqs, 1e-9):.0%} of all)")
+    for (kind, verb, res), n in sorted(ours.items()):
+        print(f"  {kind:10s} {verb:8s} {res:28s} {n / args.measure:8.2f}/s")
+    agent_lists_after = sum(n for (k, v, _), n in counts_window.items() if k == "agent" and v == "list")
+    print(f"agent LISTs at start: {sum(n for (k, v, _), n in counts_start.items() if k == 'agent' and v == 'list')}"
+          f" (expected {3 * args.nodes}); after start (window): {agent_lists_after}; relists after 410: {stats.relists_410}")
+    tr = sum(n for (k, v, r_), n in counts_start.items() if k == "controller" and r_ == "tokenreviews")
+    status_w = sum(n for (k, v, r_), n in counts_window.items() if k == "controller" and r_.endswith("/status"))
+    tr_w = sum(n for (k, v, r_), n in counts_window.items() if k == "controller" and r_ == "tokenreviews")
+    print(f"TokenReviews by the controller since agents started: {tr} ({args.nodes} distinct agents); "
+          f"in the window {tr_w * 60 / args.measure:.0f}/min (--token-cache-seconds 60; N/60 = {args.nodes / 60:.1f}/s); "
+          f"the busiest second of the window {max(reviews_by_second.values(), default=0)}")
+    print(f"status writes: {status_w * 60 / args.measure:.1f}/min")
+
+
+async def report_netagent(r: Run, w: Window, ctx: ssl.SSLContext) -> float:
+    """The controllers' use, the answers and their latency, the cluster's rate against the budget, the
+    metric series; returns the report period the leader advised (the shift's sampling period)."""
+    args, bench, busy_use, st = r.args, r.bench, w.busy_use, w.st
+    stats = st["stats"]
+    budget, down_budget, sent_samples = w.budget, w.down_budget, w.sent_samples
+    for k, (cpu, rss) in busy_use.items():
+        if k.startswith("controller"):
+            print(f"{k}: CPU {cpu:.2f} cores, RSS {rss:.0f} MiB")
+    ok = stats.answers.get(200, 0)
+    print(f"reports answered 200: {ok / args.measure:.1f}/s (expected {args.nodes / args.period:.1f}/s); "
+          f"others: {dict((k, v) for k, v in stats.answers.items() if k != 200)}; redirects {stats.redirects}")
+    print(f"answer latency p50 {pct(stats.latencies, 0.5) * 1e3:.1f} ms, "
+          f"p99 {pct(stats.latencies, 0.99) * 1e3:.1f} ms")
+    ups = [v for v, _ in sent_samples]
+    print(f"allocated (sum of node rates) {w.allocated / 1e9:.2f} Gbit/s, sent {w.sent / 1e9:.2f} Gbit/s "
+          f"(mean of {len(sent_samples)} samples, {min(ups) / 1e9:.2f}..{max(ups) / 1e9:.2f}), "
+          f"budget {budget / 1e9:.0f} Gbit/s: {(w.sent / budget - 1) * 100:+.1f} %")
+    print("sent in the window, one sample per period: "
+          + " ".join(f"{(v / budget - 1) * 100:+.1f}%" for v in ups))
+    if args.downloads:
+        downs = [v for _, v in sent_samples]
+        print(f"downloads: received {w.received / 1e9:.2f} Gbit/s (mean of {len(downs)} samples, "
+              f"{min(downs) / 1e9:.2f}..{max(downs) / 1e9:.2f}), download budget {down_budget / 1e9:.0f} Gbit/s: "
+              f"{(w.received / down_budget - 1) * 100:+.1f} %; one sample per period: "
+              + " ".join(f"{(v / down_budget - 1) * 100:+.1f}%" for v in downs))
+    print(f"simulated agents' own CPU ({len(bench.workers)} processes, not netagent): {w.bench_cpu:.2f} cores, "
+          f"RSS {sum(busy_use[k][1] for k in bench.worker_pids):.0f} MiB")
+    per_node = agent_series(args.pods_per_node, downloads=args.downloads)
+    ctl_series = await controller_series([u for _, u, _ in r.controllers], ctx)
+    cluster_series = per_node * args.nodes + sum(max(0, n) for n in ctl_series)
+    print(f"metric series: one agent with {args.pods_per_node} pods {per_node} "
+          f"({(per_node - agent_series(0, downloads=args.downloads)) / max(1, args.pods_per_node):.0f} per pod); controllers {ctl_series}; "
+          f"cluster {cluster_series:,} series, {cluster_series / 30:,.0f} samples/s at a 30 s scrape")
+    lean_node = agent_series(args.pods_per_node, lean=True, downloads=args.downloads)
+    lean_cluster = lean_node * args.nodes + sum(max(0, n) for n in ctl_series)
+    print(f"with the agents' --lean-metrics: one agent {lean_node} "
+          f"({(lean_node - agent_series(0, lean=True, downloads=args.downloads)) / max(1, args.pods_per_node):.0f} per pod); "
+          f"cluster {lean_cluster:,} series, {lean_cluster / 30:,.0f} samples/s at a 30 s scrape")
+    advised = Counter(round(adv, 1) for _, adv, _ in st["agents"])
+    period = max(args.period, max(advised, default=0.0))
+    print(f"report period advised by the leader: {dict(advised)} (agents' own {args.period:g} s)")
+    print(f"leader CPU per report: {max(c for k, (c, _) in busy_use.items() if k.startswith('controller')) / max(ok / args.measure, 1e-9) * 1e3:.2f} ms "
+          f"(the busier replica's CPU over the reports it answered)", flush=True)
+    return period
+
+
+async def demand_shift(r: Run, period: float) -> None:
+    """A demand shift: even teams want 3x, odd teams 0.3x; pods within 5 % of fair per period."""
+    args, bench = r.args, r.bench
+    directions = (False, True) if args.downloads else (False,)
+    rows = (await bench.state(pods=True))["pods"]
+    for d in directions:
+        print(f"before the shift{' (downloads)' if d else ''}: "
+              f"{bench.share_within(rows, bench.fair_shares(rows, d), download=d):.1%} of pods within 5 % of fair")
+    await bench.ask("shift")
+    rows = (await bench.state(pods=True))["pods"]
+    fair = {d: bench.fair_shares(rows, d) for d in directions}
+    t_shift = time.monotonic()
+    shares: dict[bool, list[float]] = {d: [] for d in directions}
+    for k in range(args.shift_periods):
+        await asyncio.sleep(period)
+        rows = (await bench.state(pods=True))["pods"]
+        for d in directions:
+            shares[d].append(bench.share_within(rows, fair[d], download=d))
+    for d in directions:
+        got = shares[d]
+        first95 = next((k + 1 for k, v in enumerate(got) if v >= 0.95), None)
+        what = "downloads: pods" if d else "pods"
+        print(f"after the shift{' (downloads)' if d else ''} (one sample per {period:g} s period): "
+              + " ".join(f"{v:.1%}" for v in got))
+        print(f"{what} within 5 % of fair: 95 % after {first95 if first95 else '>' + str(len(got))} periods "
+              f"({(first95 or len(got)) * period:.0f} s); {got[-1]:.1%} after {len(got)} periods "
+              f"({time.monotonic() - t_shift:.0f} s)", flush=True)
+
+
+async def failover(r: Run, budget: float, down_budget: float) -> None:
+    """The leader killed (SIGKILL); time until the other replica answers from a round."""
+    args, bench, controllers = r.args, r.bench, r.controllers
+    leaders = Counter(leader for leader, _, _ in (await bench.state())["agents"] if leader)
+    leader_url = leaders.most_common(1)[0][0] if leaders else None
+    victim = next((c for c in controllers if c[1] == leader_url), None)
+    if victim is None:
+        print("failover: no leader known to the agents; skipped")
+        return
+    sent_before, received_before = await bench.sent()
+    victim[0].send_signal(signal.SIGKILL)
+    t_kill, t_kill_wall = time.monotonic(), time.time()
+    await bench.ask("kill", leader_url)  # the agents keep their limits as they are now
+    peak = peak_down = 0.0
+    while time.monotonic() - t_kill < args.failover_timeout and \
+            (st := await bench.state())["answered_after_kill"] < args.nodes:
+        await asyncio.sleep(1.0)
+        up, down = await bench.sent()
+        peak, peak_down = max(peak, up), max(peak_down, down)
+    st = await bench.state()
+    first = st["first_new_answer"]
+    print(f"failover: leader killed; first answer from a round of the new leader after "
+          f"{(first - t_kill) if first else float('nan'):.1f} s; "
+          f"{st['answered_after_kill']}/{args.nodes} agents answered after "
+          f"{time.monotonic() - t_kill:.0f} s; answers meanwhile {dict(st['stats'].answers)}")
+    survivor = next((c for c in controllers if c is not victim), None)
+    if survivor is not None:
+        print("failover: the survivor's log after the kill: " + "; ".join(
+            f"{what} {at - t_kill_wall:+.1f} s" for at, what in log_marks(survivor[2], t_kill_wall)))
+    print(f"failover: pods whose limit changed between the kill and their agent's first answer from "
+          f"the new leader's round: {st['changed_before_first_answer']} (so none above its limit); "
+          f"sent total at the kill {(sent_before / budget - 1) * 100:+.1f} % of the budget, "
+          f"peak after {(peak / budget - 1) * 100:+.1f} %"
+          + (f"; downloads at the kill {(received_before / down_budget - 1) * 100:+.1f} %, peak after "
+             f"{(peak_down / down_budget - 1) * 100:+.1f} %" if args.downloads else ""), flush=True)
+
+
+async def run(args) -> None:
+    """One run, step by step: the loaded cluster without netagent, then with it (the steady window, a
+    demand shift, a failover), each step's rows printed as it ends; everything stopped whatever failed."""
+    # the API servers inherit this limit: each holds its share of the agents' 3 watches (the
+    # agents' processes raise their own, agent_worker)
+    raise_open_files(3 * -(-args.nodes // args.apiservers) + 1000)
+    workdir = Path(tempfile.mkdtemp(prefix="netagent-scale-"))
+    r = Run(args, control_plane(args, workdir), workdir, MemoryGuard(args.min_available_mib), Bench(args))
+    print_header(args)
+    guard_task = asyncio.create_task(r.guard.run(asyncio.current_task()))
     try:
-        cp.start()
-        pids = {p.name: p.popen.pid for p in cp.processes}
-        guard.pids.update(pids)
-        kubectl(cp, "apply", "-f", str(REPO / "deploy/crds/egressclasses.yaml"), "-f", str(REPO / "deploy/crds/egressbudgets.yaml"))
-        kubectl(cp, "wait", "--for=condition=Established", "crd/egressclasses.netagent.io", "crd/egressbudgets.netagent.io")
-        kubectl(cp, "apply", "-n", SYSTEM_NS, "-f", str(REPO / "deploy/base/namespace.yaml"), "-f", str(REPO / "deploy/base/rbac-agent.yaml"),
-                "-f", str(REPO / "deploy/base/rbac-controller.yaml"))
-        admin_cert, admin_key = cp.pki.client("scale-loader", "scale-loader", ["system:masters"])
-        admin = Api(cp.url, cp.ca_file, cert=(admin_cert, admin_key), limit=args.concurrency)
-        print(f"loading {args.nodes} nodes and {args.nodes * args.pods_per_node} pods ...", flush=True)
-        timings = await load_cluster(cp, args, admin)
-        print(f"loaded: nodes {timings['nodes_s']:.0f} s, pods {timings['pods_s']:.0f} s "
-              f"({timings['pods_per_s']:.0f}/s), pod status {timings['status_s']:.0f} s", flush=True)
-        # further apiservers once the cluster is loaded (their watch caches start with one list)
-        api_urls, audit_logs = start_more_apiservers(cp, args.apiservers, workdir)
-        await wait_apiservers(admin, api_urls, 300)
-        pids = {p.name: p.popen.pid for p in cp.processes}
-        guard.pids.update(pids)
-        loaded = await apiserver_metrics(admin, api_urls)
-        print("loaded cluster, before any netagent: " + ", ".join(
-            f"{p.name} RSS {rss_mib(p.popen.pid):.0f} MiB" for p in cp.processes)
-            + "; apiservers' Go heap in use " + " + ".join(f"{h:.0f}" for h in loaded["heaps"]) + " MiB", flush=True)
-        tokens = await agent_tokens(cp, args, admin)
-        ctl_token = (await admin.call("POST", f"/api/v1/namespaces/{SYSTEM_NS}/serviceaccounts/{CONTROLLER_SA}/token", {
-            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 7200}}))["status"]["token"]
-        # -- without netagent
-        await asyncio.sleep(5)
-        m0 = await apiserver_metrics(admin, api_urls)
-        idle = Usage(pids)
-        await asyncio.sleep(args.baseline)
-        idle_use = idle.read()
-        m1 = await apiserver_metrics(admin, api_urls)
-
-        # -- the controller
-        controllers = start_controllers(cp, args, ctl_token, workdir)
-        guard.pids.update({f"controller-{k}": p.pid for k, (p, _, _) in enumerate(controllers)})
-        controller_ca_pem = await controller_ca(admin, 120)
-        ctx = ssl.create_default_context(cadata=controller_ca_pem)
-        ready_s = await wait_ready([u for _, u, _ in controllers], ctx, 600)
-        print(f"controller ready after {ready_s:.1f} s", flush=True)
-
-        # -- the agents, in --agent-processes workers
-        bench.start_agents(tokens, {
-            "period": args.period, "downloads": args.downloads,
-            "connection_per_report": args.connection_per_report, "controller_urls": [u for _, u, _ in controllers],
-            "controller_ca": controller_ca_pem, "api_urls": api_urls, "api_ca_file": str(cp.ca_file),
-            "tls_read_bytes": args.sim_tls_read_bytes})
-        guard.pids.update(bench.worker_pids)
-        t_agents = time.time()
-        t_sync0 = time.monotonic()
-        sync_deadline = t_sync0 + max(300, args.nodes * 0.2)
-        while (await bench.state())["synced"] < args.nodes:
-            if time.monotonic() > sync_deadline:
-                raise RuntimeError(f"agents not synced within {sync_deadline - t_sync0:.0f} s")
-            await asyncio.sleep(1.0)
-        print(f"{args.nodes} agents synced (3 lists each) after {time.monotonic() - t_sync0:.1f} s "
-              f"({len(bench.workers)} agent processes)", flush=True)
-        await asyncio.sleep(3 * args.period)  # the first reports, TokenReviews, first rounds
-        # the cold start: every pod begins at the floor and climbs by probing (~2 periods a doubling),
-        # at the period the leader advises: known once (nearly) every agent has had an answer
-        t_first = time.monotonic()
-        while (st := await bench.state())["answered"] < 0.95 * args.nodes and time.monotonic() - t_first < 300:
-            await asyncio.sleep(2.0)
-        advised_now = max((adv for _, adv, _ in st["agents"]), default=0.0)
-        print(f"{st['answered']} of {args.nodes} agents answered after {time.monotonic() - t_sync0:.0f} s; "
-              f"settling for {args.settle} report periods of {max(args.period, advised_now):g} s", flush=True)
-        await asyncio.sleep(args.settle * max(args.period, advised_now))
-
-        # -- steady state window
-        m2 = await apiserver_metrics(admin, api_urls)
-        ctl_pids = {f"controller-{k}": p.pid for k, (p, _, _) in enumerate(controllers)}
-        busy = Usage({**pids, **ctl_pids, **bench.worker_pids})
-        t_window = time.time()
-        await bench.ask("window", True)
-        # the cluster's sending rate sampled through the window (one instant is one draw of the
-        # agents' jittered report phases)
-        sent_samples = []
-        t_end = time.monotonic() + args.measure
-        while (left := t_end - time.monotonic()) > 0:
-            await asyncio.sleep(min(left, args.period))
-            sent_samples.append(await bench.sent())
-        await bench.ask("window", False)
-        busy_use = busy.read()
-        bench_cpu = sum(busy_use[k][0] for k in bench.worker_pids)
-        m3 = await apiserver_metrics(admin, api_urls)
-        st = await bench.state()
-        stats = st["stats"]
-        allocated = sum(rate for _, _, rate in st["agents"])
-        budget, down_budget = bench.budgets()
-        sent = sum(v for v, _ in sent_samples) / max(1, len(sent_samples))
-        received = sum(v for _, v in sent_samples) / max(1, len(sent_samples))
-
-        # -- report
-        counts_start = audit_counts(audit_logs, t_agents)
-        reviews_by_second: Counter = Counter()
-        counts_window = audit_counts(audit_logs, t_window, reviews_by_second)
-        ours = {k: v for k, v in counts_window.items() if k[0] in ("agent", "controller")}
-        all_reqs = (m3["requests"] - m2["requests"]) / args.measure
-        our_rate = sum(ours.values()) / args.measure
-        print()
-        print(f"| {args.nodes} nodes, {args.nodes * args.pods_per_node} pods | without netagent | with netagent |")
-        print("|---|---|---|")
-        for name in pids:
-            print(f"| {name} CPU (cores) / RSS (MiB) | {idle_use[name][0]:.2f} / {idle_use[name][1]:.0f} | "
-                  f"{busy_use[name][0]:.2f} / {busy_use[name][1]:.0f} |")
-        print(f"| API requests/s (all clients) | {(m1['requests'] - m0['requests']) / args.baseline:.1f} | {all_reqs:.1f} |")
-        print(f"| watches open | {m1['watches']:.0f} | {m3['watches']:.0f} |")
-        print(f"| apiservers' Go heap in use (MiB) | {' + '.join(f'{h:.0f}' for h in m1['heaps'])} | "
-              f"{' + '.join(f'{h:.0f}' for h in m3['heaps'])} |")
-        print()
-        print(f"netagent's API requests in the window: {our_rate:.1f}/s ({our_rate / max(all_reqs, 1e-9):.0%} of all)")
-        for (kind, verb, res), n in sorted(ours.items()):
-            print(f"  {kind:10s} {verb:8s} {res:28s} {n / args.measure:8.2f}/s")
-        agent_lists_after = sum(n for (k, v, _), n in counts_window.items() if k == "agent" and v == "list")
-        print(f"agent LISTs at start: {sum(n for (k, v, _), n in counts_start.items() if k == 'agent' and v == 'list')}"
-              f" (expected {3 * args.nodes}); after start (window): {agent_lists_after}; relists after 410: {stats.relists_410}")
-        tr = sum(n for (k, v, r), n in counts_start.items() if k == "controller" and r == "tokenreviews")
-        status_w = sum(n for (k, v, r), n in counts_window.items() if k == "controller" and r.endswith("/status"))
-        tr_w = sum(n for (k, v, r), n in counts_window.items() if k == "controller" and r == "tokenreviews")
-        print(f"TokenReviews by the controller since agents started: {tr} ({args.nodes} distinct agents); "
-              f"in the window {tr_w * 60 / args.measure:.0f}/min (--token-cache-seconds 60; N/60 = {args.nodes / 60:.1f}/s); "
-              f"the busiest second of the window {max(reviews_by_second.values(), default=0)}")
-        print(f"status writes: {status_w * 60 / args.measure:.1f}/min")
-        for k, (cpu, rss) in busy_use.items():
-            if k.startswith("controller"):
-                print(f"{k}: CPU {cpu:.2f} cores, RSS {rss:.0f} MiB")
-        ok = stats.answers.get(200, 0)
-        print(f"reports answered 200: {ok / args.measure:.1f}/s (expected {args.nodes / args.period:.1f}/s); "
-              f"others: {dict((k, v) for k, v in stats.answers.items() if k != 200)}; redirects {stats.redirects}")
-        print(f"answer latency p50 {pct(stats.latencies, 0.5) * 1e3:.1f} ms, "
-              f"p99 {pct(stats.latencies, 0.99) * 1e3:.1f} ms")
-        ups = [v for v, _ in sent_samples]
-        print(f"allocated (sum of node rates) {allocated / 1e9:.2f} Gbit/s, sent {sent / 1e9:.2f} Gbit/s "
-              f"(mean of {len(sent_samples)} samples, {min(ups) / 1e9:.2f}..{max(ups) / 1e9:.2f}), "
-              f"budget {budget / 1e9:.0f} Gbit/s: {(sent / budget - 1) * 100:+.1f} %")
-        print("sent in the window, one sample per period: "
-              + " ".join(f"{(v / budget - 1) * 100:+.1f}%" for v in ups))
-        if args.downloads:
-            downs = [v for _, v in sent_samples]
-            print(f"downloads: received {received / 1e9:.2f} Gbit/s (mean of {len(downs)} samples, "
-                  f"{min(downs) / 1e9:.2f}..{max(downs) / 1e9:.2f}), download budget {down_budget / 1e9:.0f} Gbit/s: "
-                  f"{(received / down_budget - 1) * 100:+.1f} %; one sample per period: "
-                  + " ".join(f"{(v / down_budget - 1) * 100:+.1f}%" for v in downs))
-        print(f"simulated agents' own CPU ({len(bench.workers)} processes, not netagent): {bench_cpu:.2f} cores, "
-              f"RSS {sum(busy_use[k][1] for k in bench.worker_pids):.0f} MiB")
-        per_node = agent_series(args.pods_per_node, downloads=args.downloads)
-        ctl_series = await controller_series([u for _, u, _ in controllers], ctx)
-        cluster_series = per_node * args.nodes + sum(max(0, n) for n in ctl_series)
-        print(f"metric series: one agent with {args.pods_per_node} pods {per_node} "
-              f"({(per_node - agent_series(0, downloads=args.downloads)) / max(1, args.pods_per_node):.0f} per pod); controllers {ctl_series}; "
-              f"cluster {cluster_series:,} series, {cluster_series / 30:,.0f} samples/s at a 30 s scrape")
-        lean_node = agent_series(args.pods_per_node, lean=True, downloads=args.downloads)
-        lean_cluster = lean_node * args.nodes + sum(max(0, n) for n in ctl_series)
-        print(f"with the agents' --lean-metrics: one agent {lean_node} "
-              f"({(lean_node - agent_series(0, lean=True, downloads=args.downloads)) / max(1, args.pods_per_node):.0f} per pod); "
-              f"cluster {lean_cluster:,} series, {lean_cluster / 30:,.0f} samples/s at a 30 s scrape")
-        advised = Counter(round(adv, 1) for _, adv, _ in st["agents"])
-        period = max(args.period, max(advised, default=0.0))
-        print(f"report period advised by the leader: {dict(advised)} (agents' own {args.period:g} s)")
-        print(f"leader CPU per report: {max(c for k, (c, _) in busy_use.items() if k.startswith('controller')) / max(ok / args.measure, 1e-9) * 1e3:.2f} ms "
-              f"(the busier replica's CPU over the reports it answered)", flush=True)
-
-        # -- a demand shift: even teams want 3x, odd teams 0.3x; pods within 5 % of fair per period
+        tokens, ctl_token = await load(r)
+        base = await baseline(r)
+        ctx, t_agents = await start_netagent(r, tokens, ctl_token)
+        w = await steady_window(r)
+        report_requests(r, base, w, t_agents)
+        period = await report_netagent(r, w, ctx)
         if args.shift_periods:
-            directions = (False, True) if args.downloads else (False,)
-            rows = (await bench.state(pods=True))["pods"]
-            for d in directions:
-                print(f"before the shift{' (downloads)' if d else ''}: "
-                      f"{bench.share_within(rows, bench.fair_shares(rows, d), download=d):.1%} of pods within 5 % of fair")
-            await bench.ask("shift")
-            rows = (await bench.state(pods=True))["pods"]
-            fair = {d: bench.fair_shares(rows, d) for d in directions}
-            t_shift = time.monotonic()
-            shares: dict[bool, list[float]] = {d: [] for d in directions}
-            for k in range(args.shift_periods):
-                await asyncio.sleep(period)
-                rows = (await bench.state(pods=True))["pods"]
-                for d in directions:
-                    shares[d].append(bench.share_within(rows, fair[d], download=d))
-            for d in directions:
-                got = shares[d]
-                first95 = next((k + 1 for k, v in enumerate(got) if v >= 0.95), None)
-                what = "downloads: pods" if d else "pods"
-                print(f"after the shift{' (downloads)' if d else ''} (one sample per {period:g} s period): "
-                      + " ".join(f"{v:.1%}" for v in got))
-                print(f"{what} within 5 % of fair: 95 % after {first95 if first95 else '>' + str(len(got))} periods "
-                      f"({(first95 or len(got)) * period:.0f} s); {got[-1]:.1%} after {len(got)} periods "
-                      f"({time.monotonic() - t_shift:.0f} s)", flush=True)
-
-        # -- failover: the leader killed (SIGKILL); time until the other replica answers from a round
-        if args.failover and len(controllers) > 1:
-            leaders = Counter(leader for leader, _, _ in (await bench.state())["agents"] if leader)
-            leader_url = leaders.most_common(1)[0][0] if leaders else None
-            victim = next((c for c in controllers if c[1] == leader_url), None)
-            if victim is None:
-                print("failover: no leader known to the agents; skipped")
-            else:
-                sent_before, received_before = await bench.sent()
-                victim[0].send_signal(signal.SIGKILL)
-                t_kill, t_kill_wall = time.monotonic(), time.time()
-                await bench.ask("kill", leader_url)  # the agents keep their limits as they are now
-                peak = peak_down = 0.0
-                while time.monotonic() - t_kill < args.failover_timeout and \
-                        (st := await bench.state())["answered_after_kill"] < args.nodes:
-                    await asyncio.sleep(1.0)
-                    up, down = await bench.sent()
-                    peak, peak_down = max(peak, up), max(peak_down, down)
-                st = await bench.state()
-                first = st["first_new_answer"]
-                print(f"failover: leader killed; first answer from a round of the new leader after "
-                      f"{(first - t_kill) if first else float('nan'):.1f} s; "
-                      f"{st['answered_after_kill']}/{args.nodes} agents answered after "
-                      f"{time.monotonic() - t_kill:.0f} s; answers meanwhile {dict(st['stats'].answers)}")
-                survivor = next((c for c in controllers if c is not victim), None)
-                if survivor is not None:
-                    print("failover: the survivor's log after the kill: " + "; ".join(
-                        f"{what} {at - t_kill_wall:+.1f} s" for at, what in log_marks(survivor[2], t_kill_wall)))
-                print(f"failover: pods whose limit changed between the kill and their agent's first answer from "
-                      f"the new leader's round: {st['changed_before_first_answer']} (so none above its limit); "
-                      f"sent total at the kill {(sent_before / budget - 1) * 100:+.1f} % of the budget, "
-                      f"peak after {(peak / budget - 1) * 100:+.1f} %"
-                      + (f"; downloads at the kill {(received_before / down_budget - 1) * 100:+.1f} %, peak after "
-                         f"{(peak_down / down_budget - 1) * 100:+.1f} %" if args.downloads else ""), flush=True)
-
-        errors = (await bench.state())["errors"]
+            await demand_shift(r, period)
+        if args.failover and len(r.controllers) > 1:
+            await failover(r, w.budget, w.down_budget)
+        errors = (await r.bench.state())["errors"]
         if errors:
             print("errors:", dict(errors.most_common(8)))
     except asyncio.CancelledError:
-        if not guard.tripped:
+        if not r.guard.tripped:
             raise
-        print(f"STOPPED after the last step above: {guard.tripped}", flush=True)
+        print(f"STOPPED after the last step above: {r.guard.tripped}", flush=True)
     finally:
         guard_task.cancel()
-        print(f"peak RSS: {guard.summary()}", flush=True)
-        await bench.stop_agents()
-        for proc, _, _ in controllers:
+        print(f"peak RSS: {r.guard.summary()}", flush=True)
+        await r.bench.stop_agents()
+        for proc, _, _ in r.controllers:
             stop_process(proc, 10)
-        if admin:
-            await admin.close()
-        cp.stop()
+        if r.admin:
+            await r.admin.close()
+        r.cp.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
