@@ -16,8 +16,9 @@ rule in the receiver's INPUT, checked against iperf3's receiver):
   the MTU's headers); iperf3's receiver read at least 90 % of that payload less a second of the cap
   (the rest: retransmitted copies and the queue's tail after its end, both of which crossed the uplink).
   In the same run the pod's and the node's internet counters, both ways (data and ACKs), agree with
-  the uplink's interface counters. The device counter's at-cap runs are skipped (CI time): the four-
-  flow runs read the same counters.
+  the uplink's interface counters. The device counter's at-cap uploads are skipped (CI time): the four-
+  flow runs read the same counters. The at-cap download is also the segments test's run: one TCP run
+  per (direction, family, flows) and agent, shared by the tests that read it (`tcp_run`).
 - A kill -9 of the agent in the middle of a flood: the counter after the restart goes on from
   the kernel's class counter; the whole flood counted once (within 2 %).
 Transfers are a few seconds each; run under `flock /tmp/netagent-traffic.lock`.
@@ -88,6 +89,7 @@ def agent(request, lab, bpffs, tmp_path_factory):
     a = AgentProcess(lab, node, [d], port=9581, log_dir=d,
                      extra=["--default-rate", "1M", "--ingress-default-rate", "1M", *counting]).start()
     a.counting = request.param
+    a.tcp_runs = {}  # (direction, family, flows) -> one measured TCP run, shared by the tests that read it
     try:
         a.wait_ready()
         wait_for(lambda: (a.pod(node.pods[0].name) or {}).get("ingress_limit_bps") == CAP, what="pod capped")
@@ -230,23 +232,37 @@ def test_a_udp_flood_above_the_cap_is_counted_as_delivered_and_dropped(lab, agen
         near(d["ingress_delivered_bytes"] + d["ingress_dropped_bytes"], arrived, "arrived = delivered + dropped")
 
 
+def tcp_run(lab: Lab, agent: AgentProcess, direction: str, family: int, flows: int) -> dict:
+    """One TCP run (iperf3 with `flows` flows) between the pod and the internet host, with the snapshots
+    around it and the far end's counting rule: measured once per agent and shared by every test that
+    reads it (the at-cap download is the segments test's run too), so no test moves the same traffic
+    twice. A run that failed is not kept: the next test measures again."""
+    key = (direction, family, flows)
+    if key not in agent.tcp_runs:
+        pod = lab.nodes[0].pods[0]
+        dst = INTERNET_V4 if family == 4 else INTERNET_V6
+        receiver, match = (lab.internet, f"--dport {PORT}") if direction == "upload" else (pod.netns, f"--sport {PORT}")
+        with far_end(receiver, family, match, "tcp") as far:
+            before = snapshot(lab, agent)
+            result = lab.iperf(pod.netns, dst, PORT, seconds=RUN_S, reverse=direction == "download",
+                               extra=["-P", str(flows)])
+            after = snapshot(lab, agent)
+            got, packets = far(), far(packets=True)
+        agent.tcp_runs[key] = {"before": before, "after": after, "result": result, "got": got, "packets": packets}
+    return agent.tcp_runs[key]
+
+
 @pytest.mark.parametrize("flows", [1, 4], ids=["at-cap", "above-cap"])
 @pytest.mark.parametrize("family", [4, 6])
 @pytest.mark.parametrize("direction", ["upload", "download"])
 def test_tcp_at_and_above_the_cap_is_counted_in_segments(lab, agent, direction, family, flows):
-    if agent.counting == "device" and flows == 1:
+    if agent.counting == "device" and flows == 1 and direction == "upload":
         # the device counter changes where internal bytes and the node's arrived total are read, not the
         # classes or rules the TCP comparisons read: the four-flow run covers it, this one would repeat it
-        pytest.skip("CI time: the device counter's TCP runs are the four-flow ones (the same counters as at the cap)")
-    pod = lab.nodes[0].pods[0]
-    dst = INTERNET_V4 if family == 4 else INTERNET_V6
-    receiver, match = (lab.internet, f"--dport {PORT}") if direction == "upload" else (pod.netns, f"--sport {PORT}")
-    with far_end(receiver, family, match, "tcp") as far:
-        before = snapshot(lab, agent)
-        result = lab.iperf(pod.netns, dst, PORT, seconds=RUN_S, reverse=direction == "download",
-                           extra=["-P", str(flows)])
-        after = snapshot(lab, agent)
-        got, packets = far(), far(packets=True)
+        # (the at-cap download stays: it is the segments test's run, measured once for both)
+        pytest.skip("CI time: the device counter's TCP uploads are the four-flow ones (the same counters as at the cap)")
+    run_ = tcp_run(lab, agent, direction, family, flows)
+    before, after, result, got, packets = (run_[k] for k in ("before", "after", "result", "got", "packets"))
     mss = result["start"]["tcp_mss_default"]
     # the far end's rule counts a GRO/GSO packet once with one header (IP + TCP with timestamps): its
     # payload is exact; on the wire each MSS of it was a segment with the MTU's headers
@@ -279,11 +295,8 @@ def test_tcp_download_arrived_equals_the_uplink_in_segments(request, lab, agent,
     if agent.counting == "rules":
         request.applymarker(pytest.mark.xfail(strict=True, reason="the rules (ipset counters) count a GRO-merged "
                                               "download once with one header, 1.5-2.7 % short of its segments"))
-    pod = lab.nodes[0].pods[0]
-    dst = INTERNET_V4 if family == 4 else INTERNET_V6
-    before = snapshot(lab, agent)
-    lab.iperf(pod.netns, dst, PORT, seconds=RUN_S, reverse=True)
-    after = snapshot(lab, agent)
+    run_ = tcp_run(lab, agent, "download", family, 1)  # the at-cap download's run, shared
+    before, after = run_["before"], run_["after"]
     segments = after["wire"] - before["wire"]
     packets = after["uplink"]["rx"] - before["uplink"]["rx"]
     arrived = after["pod"]["ingress_bytes"]["internet"] - before["pod"]["ingress_bytes"]["internet"]
