@@ -95,7 +95,7 @@ INET_PORT, PEER_PORT = 5201, 5202
 CNI_NETWORK = "netagent-peer-bench"
 CNI_LATENCY_S = 0.025  # the plugin's TBF latency (ifb_creator.go latencyInMillis); its burst here too
 INTERNAL_AIM = 0.97
-# every limit's own median: the traffic tests' line-rate floor (tests/test_datapath_traffic.py LINE_SHARE)
+# every limit's own median: the traffic tests' line-rate floor (tests/test_agent_datapath_traffic.py LINE_SHARE)
 INTERNAL_ROW_FLOOR = 0.85
 # the full-size ping may wait up to 1.25x the plugin's or 0.5 ms more (at 100M and 1G both are about a
 # millisecond or three, where a ratio alone judges scheduling noise)
@@ -500,7 +500,7 @@ def verdict(rates: list[int], results: dict, title: str = "") -> int:
                                if not ok]
             print(line)
     # The pooled internal aim: the internal path is the same at every limit (no internal byte enters a
-    # shaper: tests/test_datapath_traffic.py, test_downloads_traffic.py), so each round, whatever the limit,
+    # shaper: tests/test_agent_datapath_traffic.py, test_agent_downloads_traffic.py), so each round, whatever the limit,
     # is one sample of it; the row floor above catches a collapse at one limit that the pool would hide.
     for label in (CniPlugin.label, Netagent.label):
         pooled = sorted(x for rate in rates for x in results[rate, label]["internal"])

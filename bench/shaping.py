@@ -15,7 +15,7 @@ floods (always backlogged: HTB's own split, without TCP's). Then the same for do
 (internet -> pod, issue 13): the pod's download class, TCP and a UDP flood from the internet
 host, and the pod's internal download against the unshaped path.
 Exits 1 when a rate error exceeds 5% of the rate, or a sharing row's error 5% of the node rate
-(the bound tests/test_datapath_traffic.py checks); both kinds of row count.
+(the bound tests/test_agent_datapath_traffic.py checks); both kinds of row count.
 
     sudo python3 bench/shaping.py [--rates 10M,100M,1G] [--runs 1] [--window 2.4]
 """
@@ -41,7 +41,7 @@ from tc.probe import probe  # noqa: E402
 TOLERANCE = 0.05
 M = 1_000_000
 UNITS = {"k": 1_000, "M": 1_000_000, "G": 1_000_000_000}
-# (node rate, pod a (rate, ceil), pod b (rate, ceil)); the second is the one tests/test_datapath_traffic.py checks
+# (node rate, pod a (rate, ceil), pod b (rate, ceil)); the second is the one tests/test_agent_datapath_traffic.py checks
 SHARING = ((100 * M, (20 * M, 100 * M), (60 * M, 100 * M)), (400 * M, (40 * M, 400 * M), (120 * M, 400 * M)))
 IPERF_UDP_LIMIT = 500_000_000  # above this, iperf3 3.12 cannot offer 2x the rate here: the GSO flood does
 

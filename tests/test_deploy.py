@@ -322,7 +322,7 @@ def test_agent_and_cleanup_work_with_exactly_their_pod_privileges(base, tmp_path
     from lab.topology import Lab, run
     from lab.agentproc import IFB, AgentProcess, pod_object, write_objects
     from lab.netns import bpf_filesystem, require_root
-    from tests.test_ebpf_kernel import attached, ours, ours_soon
+    from tests.test_tc_ebpf_kernel import attached, ours, ours_soon
 
     require_root()
     agent_container, = pod_spec(base, "DaemonSet", "netagent-agent")["containers"]

@@ -4,9 +4,9 @@ The node is programmed as the agent programs it: `desired_state` with a download
 node and each pod -> `Shaper.apply` of both shapers -> `Classifier.apply`. A download is the pod's
 iperf3 client in reverse mode (`-R`: the server on the "internet" host sends, through the node's
 NAT) or a UDP flood from the internet host to the pod (`Lab.download_flood`). Rates are measured
-as for uploads (tests/test_datapath_traffic.py): the pod's download HTB class counter in IP bytes
+as for uploads (tests/test_agent_datapath_traffic.py): the pod's download HTB class counter in IP bytes
 over a window after a warm-up, within ±2 % of the configured rate, and what the pod received
-within the same bound (TCP: iperf3's receiving end; UDP: the pod's kernel, tests/test_datapath_traffic.py
+within the same bound (TCP: iperf3's receiving end; UDP: the pod's kernel, tests/test_agent_datapath_traffic.py
 `receiver_ip_rate`, `udp_datagrams_in`).
 
 Two labs: native routing (one veth per pod, /32 routes) and pods behind a bridge.
@@ -25,7 +25,7 @@ from lab.netns import require_root
 from lab.topology import INTERNAL_CIDRS, INTERNET_V4, INTERNET_V6, PEER_V4, UPLINK, Lab, run
 from netagent.desired import DataPathOptions, NodeInputs, PodShape, desired_state, ip_bytes
 from tc.probe import probe
-from tests.test_datapath_traffic import (DATAGRAM, UDP_HEADERS, NodeUnderTest, ip_rate, line_rate_share, pod_key,
+from tests.test_agent_datapath_traffic import (DATAGRAM, UDP_HEADERS, NodeUnderTest, ip_rate, line_rate_share, pod_key,
                                          rate_error, receiver_ip_rate, residue_snapshot, udp_datagrams_in)
 
 pytestmark = [pytest.mark.root, pytest.mark.traffic]

@@ -14,8 +14,8 @@ import pytest
 from lab.netns import require_root
 from lab.topology import INTERNET_V4, INTERNET_V6, PEER_V4, PEER_V6, UPLINK, run
 from tc.model import DEFAULT_MINOR, NODE_MINOR
-from tests.test_datapath_traffic import residue_snapshot
-from tests.test_downloads_traffic import DownloadNode, make_lab
+from tests.test_agent_datapath_traffic import residue_snapshot
+from tests.test_agent_downloads_traffic import DownloadNode, make_lab
 
 pytestmark = [pytest.mark.root]
 

@@ -20,8 +20,8 @@ from netagent.datapath import KernelDataPath
 from iptables.render import KINDS
 from netagent.desired import DataPathOptions, NodeInputs, PodShape, desired_state
 from tc.probe import probe
-from tests.test_datapath_traffic import datagram_sender, edge_cases, egress_moved, udp_l3_bytes
-from tests.test_ebpf_kernel import attached, ours, ours_soon
+from tests.test_agent_datapath_traffic import datagram_sender, edge_cases, egress_moved, udp_l3_bytes
+from tests.test_tc_ebpf_kernel import attached, ours, ours_soon
 
 pytestmark = [pytest.mark.root, pytest.mark.traffic]
 
