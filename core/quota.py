@@ -8,10 +8,16 @@ exhausted teams in the engine's team columns (docs/quotas.md).
 The CRD's shape (top level = uploads, an `ingress` block for downloads):
     quota: {period: Month, bytes: 50Ti, exhaustedRate: 100M, ingress: {bytes: 200Ti, exhaustedRate: 500M}}
 The period is shared by both directions (written once, at the top level).
+A cost quota (issue 39, docs/scopes.md) is money per period over every priced scope of both directions:
+    quota: {period: Month, cost: "5000", exhaustedRate: 100M}   # in the NetworkScopes currency
+a quota may carry bytes, cost or both; once the cost is spent both directions' internet traffic is held
+at their exhaustedRate (the safe floor if unset), as for bytes.
 """
 from __future__ import annotations
 
 import enum
+import re
+from decimal import Decimal
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
@@ -46,6 +52,33 @@ class TeamQuota:
     period: Period
     # None: no quota in that direction (a quota on uploads only, or on downloads only)
     limits: PerDirection[DirectionQuota | None]
+    # money per period over every priced scope (issue 39); None: no cost quota
+    cost: Decimal | None = None
+    # a direction's exhaustedRate written without its bytes (only with a cost quota)
+    cost_exhausted_bps: PerDirection[int | None] = field(default_factory=lambda: PerDirection(None, None))
+
+    def exhausted_bps(self, d: Direction) -> int | None:
+        """The rate direction `d` is held at once a quota (bytes or cost) is spent; None: the safe floor."""
+        limit = self.limits[d]
+        return limit.exhausted_bps if limit is not None else self.cost_exhausted_bps[d]
+
+
+_DECIMAL = re.compile(r"[0-9]+([.][0-9]+)?")
+MAX_COST = Decimal(10) ** 15  # far above any bill; bounds the decimal arithmetic
+
+
+def parse_cost(value: Any, where: str) -> Decimal:
+    """`quota.cost` (a decimal string like the NetworkScopes prices, "5000") -> Decimal; ValueError naming `where`."""
+    text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
+    # the CRD's pattern: plain digits (no exponent, sign, NaN), at most 32 characters
+    amount = Decimal(text) if len(text) <= 32 and _DECIMAL.fullmatch(text) else None
+    if amount is None:
+        raise ValueError(f"{where}: {value!r} is not a decimal amount such as \"5000\" or \"12.50\"")
+    if amount <= 0:
+        raise ValueError(f"{where}: {value!r} must be above zero (leave it out for no cost quota)")
+    if amount >= MAX_COST:
+        raise ValueError(f"{where}: {value!r} must be below 10^15")
+    return amount
 
 
 def parse_time_zone(value: Any, what: str) -> tuple[ZoneInfo, list[str]]:
@@ -96,11 +129,19 @@ def parse_team_quota(spec: Mapping[str, Any] | None, what: str,
     if spec is None:
         return None, []
     if not isinstance(spec, Mapping):
-        return None, [f"{what}: expected a mapping with period, bytes, exhaustedRate, ingress"]
+        return None, [f"{what}: expected a mapping with period, bytes, cost, exhaustedRate, ingress"]
     problems: list[str] = []
-    unknown = sorted(set(spec) - {"period", "bytes", "exhaustedRate", "ingress"})
+    unknown = sorted(set(spec) - {"period", "bytes", "cost", "exhaustedRate", "ingress"})
     if unknown:
-        problems.append(f"{what}: unknown field(s) {', '.join(unknown)}; expected period, bytes, exhaustedRate, ingress")
+        problems.append(f"{what}: unknown field(s) {', '.join(unknown)}; "
+                        f"expected period, bytes, cost, exhaustedRate, ingress")
+    cost: Decimal | None = None
+    if spec.get("cost") is not None:
+        try:
+            cost = parse_cost(spec["cost"], f"{what}.cost")
+        except ValueError as exc:
+            problems.append(str(exc))
+    cost_rates: dict[Direction, int] = {}
     raw_period = spec.get("period")
     period: Period | None = None
     if raw_period is None:
@@ -109,6 +150,19 @@ def parse_team_quota(spec: Mapping[str, Any] | None, what: str,
         problems.append(f"{what}.period: {raw_period!r} is not one of {', '.join(PERIODS)}")
     else:
         period = Period(raw_period)
+
+    def rate_of(block: Mapping[str, Any], d: Direction, where: str) -> int | None:
+        try:
+            rate = parse_bps(block["exhaustedRate"], f"{where}.exhaustedRate")
+        except ValueError as exc:
+            problems.append(str(exc))
+            return None
+        cap = team_max_bps[d] if team_max_bps is not None else None
+        if cap is not None and rate > cap:
+            problems.append(f"{where}.exhaustedRate: {block['exhaustedRate']!r} ({rate} bit/s) is above the "
+                            f"team's cap ({cap} bit/s); an exhausted team cannot get more than its cap")
+            return None
+        return rate
 
     def one(block: Any, d: Direction) -> DirectionQuota | None:
         where = what if d.crd_block is None else f"{what}.{d.crd_block}"
@@ -123,8 +177,12 @@ def parse_team_quota(spec: Mapping[str, Any] | None, what: str,
                 problems.append(f"{where}: unknown field(s) {', '.join(extra)}; expected bytes, exhaustedRate")
         has_rate = block.get("exhaustedRate") is not None
         if block.get("bytes") is None:
-            if has_rate:
-                problems.append(f"{where}.bytes: required with exhaustedRate")
+            if has_rate and spec.get("cost") is None:
+                problems.append(f"{where}.bytes: required with exhaustedRate (or a cost quota)")
+            elif has_rate:  # the rate a spent cost quota holds this direction at
+                held = rate_of(block, d, where)
+                if held is not None:
+                    cost_rates[d] = held
             return None
         try:
             count = parse_bytes(block["bytes"], f"{where}.bytes")
@@ -133,24 +191,18 @@ def parse_team_quota(spec: Mapping[str, Any] | None, what: str,
             return None
         rate: int | None = None
         if has_rate:
-            try:
-                rate = parse_bps(block["exhaustedRate"], f"{where}.exhaustedRate")
-            except ValueError as exc:
-                problems.append(str(exc))
-                return None
-            cap = team_max_bps[d] if team_max_bps is not None else None
-            if cap is not None and rate > cap:
-                problems.append(f"{where}.exhaustedRate: {block['exhaustedRate']!r} ({rate} bit/s) is above the "
-                                f"team's cap ({cap} bit/s); an exhausted team cannot get more than its cap")
+            rate = rate_of(block, d, where)
+            if rate is None:
                 return None
         return DirectionQuota(count, rate)
 
     limits = PerDirection(one(spec, Direction.UPLOAD), one(spec.get("ingress"), Direction.DOWNLOAD))
-    if period is not None and limits.upload is None and limits.download is None and not problems:
-        problems.append(f"{what}: a quota needs bytes (uploads) or ingress.bytes (downloads)")
+    if period is not None and limits.upload is None and limits.download is None and cost is None and not problems:
+        problems.append(f"{what}: a quota needs bytes (uploads), ingress.bytes (downloads) or cost")
     if problems or period is None:
         return None, problems
-    return TeamQuota(period, limits), []
+    return TeamQuota(period, limits, cost, PerDirection(cost_rates.get(Direction.UPLOAD),
+                                                        cost_rates.get(Direction.DOWNLOAD))), []
 
 
 def team_quota(raw: Any, what: str, limits: PerDirection[Any], problems: list[str]) -> tuple[TeamQuota | None, bool]:

@@ -38,6 +38,7 @@ targets=(
   "base/namespace.yaml templates/namespace.yaml"
   "crds/egressclasses.yaml crds/egressclasses.netagent.io.yaml"
   "crds/egressbudgets.yaml crds/egressbudgets.netagent.io.yaml"
+  "crds/networkscopes.yaml crds/networkscopes.netagent.io.yaml"
   "base/rbac-agent.yaml templates/rbac-agent.yaml"
   "base/rbac-controller.yaml templates/rbac-controller.yaml"
   "base/rbac-metrics.yaml templates/rbac-metrics.yaml"

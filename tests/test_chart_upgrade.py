@@ -39,7 +39,7 @@ RELEASE = "egress"
 # becomes on a bare API server (no controller manager, no node): it restores the objects, then waits
 # this long and says so (tests/test_install.py runs the same refusal where the wait passes)
 ROLLBACK_ON_FAILURE = ("--rollback-on-failure", "--timeout=5s")
-CRDS = ("egressclasses.netagent.io", "egressbudgets.netagent.io")
+CRDS = ("egressclasses.netagent.io", "egressbudgets.netagent.io", "networkscopes.netagent.io")
 PREVIOUS_CHART_COMMIT = "f6f7e5b"  # CRDs as templates, policy as a post-install hook
 # The spec of each revision of crds/, hashed: a change of crds/ must raise netagent.io/crd-revision
 # (templates/validate-crds.yaml refuses an upgrade over an older revision) and add its hash here.
@@ -49,6 +49,10 @@ CRD_REVISIONS = {
     # issue 38: teams[].quota, spec.quotaTimeZone, status.quota
     3: {"egressclasses.netagent.io": "922804871a1b2d4418fe18d3d568060a6d42e6cc31a020ea63ea39f5611450eb",
         "egressbudgets.netagent.io": "7094205deed9c70e67600cd2c64fe2984f0dbd0d82d8ae9470f069816816a152"},
+    # issue 39: NetworkScopes (new), teams[].quota.cost
+    4: {"egressclasses.netagent.io": "922804871a1b2d4418fe18d3d568060a6d42e6cc31a020ea63ea39f5611450eb",
+        "egressbudgets.netagent.io": "e139eb150825a5bc5271035e9b25d08cf62abe1b5aa830707e388db4c3f6c686",
+        "networkscopes.netagent.io": "f32524b50d1c79f12e3e73411bd71c18189ec3b64b150f007eb1698c73face56"},
 }
 
 CLASSES = [{"name": "bronze", "spec": {"weight": 1, "max": "20M"}},

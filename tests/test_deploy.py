@@ -94,6 +94,7 @@ def test_base_renders_every_part(base):
                    ("ValidatingAdmissionPolicyBinding", f"netagent-{NAMESPACE}-pods"),
                    ("CustomResourceDefinition", "egressclasses.netagent.io"),
                    ("CustomResourceDefinition", "egressbudgets.netagent.io"),
+                   ("CustomResourceDefinition", "networkscopes.netagent.io"),
                    ("ServiceAccount", "netagent-agent"), ("ServiceAccount", "netagent-controller"),
                    ("ClusterRole", "netagent-agent"), ("ClusterRole", "netagent-controller"),
                    ("ClusterRoleBinding", "netagent-agent"), ("ClusterRoleBinding", "netagent-controller"),
@@ -392,12 +393,12 @@ def grants(docs, subject: str) -> set[tuple[str, str, str, str]]:
 
 AGENT_GRANTS = {("*", "", r, v) for r in ("pods", "namespaces") for v in ("get", "list", "watch")} | {
     ("*", "networking.k8s.io", "servicecidrs", v) for v in ("get", "list", "watch")} | {
-    ("*", "netagent.io", r, v) for r in ("egressclasses", "egressbudgets") for v in ("get", "list", "watch")} | {
+    ("*", "netagent.io", r, v) for r in ("egressclasses", "egressbudgets", "networkscopes") for v in ("get", "list", "watch")} | {
     ("*", "", "events", v) for v in ("create", "patch")} | {
     # /metrics behind a TokenReview and a SubjectAccessReview (templates/rbac-metrics.yaml)
     ("*", "authentication.k8s.io", "tokenreviews", "create"), ("*", "authorization.k8s.io", "subjectaccessreviews", "create")}
 CONTROLLER_GRANTS = {("*", "", r, v) for r in ("pods", "namespaces") for v in ("get", "list", "watch")} | {
-    ("*", "netagent.io", r, v) for r in ("egressclasses", "egressbudgets") for v in ("get", "list", "watch")} | {
+    ("*", "netagent.io", r, v) for r in ("egressclasses", "egressbudgets", "networkscopes") for v in ("get", "list", "watch")} | {
     ("*", "netagent.io", "egressbudgets/status", v) for v in ("update", "patch")} | {
     ("*", "authentication.k8s.io", "tokenreviews", "create")} | {
     ("*", "authorization.k8s.io", "subjectaccessreviews", "create")} | {
@@ -474,7 +475,8 @@ def test_chart_crds_are_in_crds_dir_so_helm_creates_them_before_the_policy():
     # first); Helm never deletes crds/ (tests/test_chart_upgrade.py: the upgrade story)
     assert not [d for d in helm_template() if d["kind"] == "CustomResourceDefinition"]
     crds = [d for d in helm_template("--include-crds") if d["kind"] == "CustomResourceDefinition"]
-    assert {d["metadata"]["name"] for d in crds} == {"egressclasses.netagent.io", "egressbudgets.netagent.io"}
+    assert {d["metadata"]["name"] for d in crds} == {"egressclasses.netagent.io", "egressbudgets.netagent.io",
+                                                       "networkscopes.netagent.io"}
 
 
 def test_chart_values_reach_the_manifests():

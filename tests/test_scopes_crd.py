@@ -1,6 +1,5 @@
-"""The NetworkScopes CRD schema (issue 39), held here until it joins charts/netagent/crds/ with its RBAC
-(docs/scopes.md, "Not built yet"). The real kube-apiserver accepts the issue's example and refuses what a
-schema can refuse: a negative or non-numeric price, a bad CIDR, an unknown scope under prices, a currency
+"""The NetworkScopes CRD (issue 39, charts/netagent/crds/networkscopes.netagent.io.yaml). The real
+kube-apiserver accepts the issue's example and refuses what a schema can refuse: a negative or non-numeric price, a bad CIDR, an unknown scope under prices, a currency
 that is not 3 upper-case letters. core/scopes.parse refuses each too."""
 from __future__ import annotations
 
@@ -12,54 +11,14 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from core.scopes import parse
+from tests.kube import REPO
 from tests.test_scopes import EXAMPLE
 
-_PRICE = """{type: string, maxLength: 32, pattern: '^[0-9]+([.][0-9]+)?$'}"""
-_PAIR = f"""{{type: object, properties: {{egress: {_PRICE}, ingress: {_PRICE}}}}}"""
-_AREAS = """
-type: array
-maxItems: 64
-items:
-  type: object
-  required: [name, cidrs]
-  properties:
-    name: {type: string, minLength: 1, maxLength: 63}
-    cidrs:
-      type: array
-      minItems: 1
-      maxItems: 4096
-      items:
-        type: string
-        maxLength: 43
-        x-kubernetes-validations:
-        - {rule: "isCIDR(self)", message: "must be a CIDR such as 10.0.0.0/18 or 2001:db8::/48"}
-"""
-SPEC_SCHEMA = f"""
-type: object
-properties:
-  zones:
-{_AREAS.replace(chr(10), chr(10) + '    ')}
-  regions:
-{_AREAS.replace(chr(10), chr(10) + '    ')}
-  prices:
-    type: object
-    properties:
-      currency: {{type: string, pattern: '^[A-Z]{{3}}$'}}
-      internet: {_PAIR}
-      cross-zone: {_PAIR}
-      cross-region: {_PAIR}
-"""
+CRD = REPO / "charts" / "netagent" / "crds" / "networkscopes.netagent.io.yaml"
 
 
 def _crd() -> dict:
-    return {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-            "metadata": {"name": "networkscopes.netagent.io"},
-            "spec": {"group": "netagent.io", "scope": "Cluster",
-                     "names": {"plural": "networkscopes", "singular": "networkscopes", "kind": "NetworkScopes",
-                               "listKind": "NetworkScopesList"},
-                     "versions": [{"name": "v1alpha1", "served": True, "storage": True,
-                                   "schema": {"openAPIV3Schema": {"type": "object", "properties": {
-                                       "spec": yaml.safe_load(SPEC_SCHEMA)}}}}]}}
+    return yaml.safe_load(CRD.read_text())
 
 
 @pytest.fixture
