@@ -13,7 +13,8 @@ from __future__ import annotations
 import re
 from itertools import chain
 from operator import attrgetter
-from typing import Annotated
+from types import MappingProxyType
+from typing import Annotated, Literal, Mapping
 
 import msgspec
 
@@ -31,6 +32,9 @@ MAX_REFUSED = 256  # refused pods listed by name in one answer; the count of the
 MAX_RATE = 2.0**64  # bit/s
 Rate = Annotated[float, msgspec.Meta(ge=0, le=MAX_RATE)]
 ByteCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_BYTES)]  # a cumulative counter: a signed 64-bit one's range
+# Bytes per priced non-internet scope (issue 39, docs/scopes.md): the keys are core.scopes.Scope values
+# (tests/test_repo_direction_names.py checks they agree)
+ScopeBytes = Annotated[dict[Literal["cross-zone", "cross-region"], ByteCount], msgspec.Meta(max_length=2)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=253, pattern=f"^{DNS_NAME_PATTERN}$")]
 # Pod and namespace names are checked all at once by `invalid_name` (one regex over the joined
 # names instead of 220 regex calls per report: a third of the decode time otherwise)
@@ -63,6 +67,10 @@ class PodReport(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     # (an older agent, or a pod its agent has no counter for yet): the pod spends no quota in that report
     bytes_total: ByteCount | None = None
     ingress_bytes_total: ByteCount | None = None
+    # where the bytes go (issue 39): the pod's cumulative bytes per non-internet, non-internal scope, as
+    # bytes_total (same epoch, never stepping down); None/absent (an older agent, no NetworkScopes): {}
+    scope_bytes_total: ScopeBytes | None = None
+    ingress_scope_bytes_total: ScopeBytes | None = None
     # the pod's metadata.uid: whose counters these are (a pod made again under the same name starts from 0)
     uid: Annotated[str, msgspec.Meta(max_length=128)] | None = None
 
@@ -198,3 +206,7 @@ POD_USAGE = PerDirection(attrgetter("usage_bps"), attrgetter("ingress_usage_bps"
 NODE_MEASURED = PerDirection(attrgetter("node_internet_egress_bps"), attrgetter("node_internet_ingress_bps"))
 POD_ALLOCATION = PerDirection(attrgetter("allocation_bps"), attrgetter("ingress_allocation_bps"))
 POD_BYTES = PerDirection(attrgetter("bytes_total"), attrgetter("ingress_bytes_total"))
+_NO_SCOPE_BYTES: Mapping[str, int] = MappingProxyType({})
+# POD_SCOPE_BYTES[d](pod_report) -> {"cross-zone": n, "cross-region": m}, {} when absent
+POD_SCOPE_BYTES = PerDirection(attrgetter("scope_bytes_total"), attrgetter("ingress_scope_bytes_total")).map(
+    lambda get: lambda pod: get(pod) or _NO_SCOPE_BYTES)

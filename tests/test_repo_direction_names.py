@@ -25,7 +25,8 @@ WIRE = {
     "NodeReport": ("node", "pods", "seq", "period_seconds", "node_internet_egress_bps", "node_internet_ingress_bps",
                    "shapes_ingress"),
     "PodReport": ("namespace", "name", "usage_bps", "demand_bps", "throttled", "egress_class", "egress_bandwidth",
-                  "ingress_usage_bps", "ingress_demand_bps", "ingress_throttled", "ingress_bandwidth"),
+                  "ingress_usage_bps", "ingress_demand_bps", "ingress_throttled", "ingress_bandwidth",
+                  "bytes_total", "ingress_bytes_total", "scope_bytes_total", "ingress_scope_bytes_total"),
     "NodeAnswer": ("node", "generation", "lease_seconds", "safe_floor_bps", "node_rate_bps", "pods", "problems",
                    "refused", "node_ingress_rate_bps", "safe_ingress_floor_bps", "report_period_seconds"),
     "PodAllocation": ("namespace", "name", "team", "egress_class", "allocation_bps", "limit_bps",
@@ -35,11 +36,13 @@ WIRE = {
 }
 
 CRD = {
+    "networkscopes": {"spec": {"zones", "regions", "prices"},
+                      "spec.prices": {"currency", "internet", "cross-zone", "cross-region"}},
     "egressclasses": {"spec": {"weight", "min", "max", "ingress"}, "spec.ingress": {"weight", "min", "max"}},
     "egressbudgets": {"spec": {"total", "ingressTotal", "defaultTeam", "teams"},
                       "spec.teams[]": {"name", "weight", "min", "max", "ingress"},
                       "spec.teams[].ingress": {"weight", "min", "max"},
-                      "spec.teams[].quota": {"period", "bytes", "exhaustedRate", "ingress"},
+                      "spec.teams[].quota": {"period", "bytes", "cost", "exhaustedRate", "ingress"},
                       "spec.teams[].quota.ingress": {"bytes", "exhaustedRate"},
                       "status.quota.teams[]": {"name", "periodStart", "used", "ingressUsed", "exhausted", "ingressExhausted"},
                       "status": {"allocated", "demand", "used", "ingressAllocated", "ingressDemand", "ingressUsed"}},
@@ -69,6 +72,17 @@ def test_the_wire_json_keeps_its_field_names(struct):
     names = cls.__struct_encode_fields__
     missing = [n for n in WIRE[struct] if n not in names]
     assert not missing, f"{struct}: wire field(s) {missing} renamed or removed; older agents/controllers read them"
+
+
+def test_the_wire_scope_bytes_are_the_priced_scopes_and_old_agents_decode():
+    from core.scopes import PRICED, Scope
+    keys = set(wire.ScopeBytes.__origin__.__args__[0].__args__)  # type: ignore[attr-defined]
+    assert keys == {s.value for s in PRICED if s is not Scope.INTERNET}
+    old = wire.PodReport("ns", "p", usage_bps=0.0, demand_bps=0.0)
+    assert dict(wire.POD_SCOPE_BYTES[Direction.UPLOAD](old)) == dict(wire.POD_SCOPE_BYTES[Direction.DOWNLOAD](old)) == {}
+    pod = wire.PodReport("ns", "p", usage_bps=0.0, demand_bps=0.0, scope_bytes_total={"cross-zone": 5},
+                         ingress_scope_bytes_total={"cross-region": 7})
+    assert wire.POD_SCOPE_BYTES.map(lambda get: dict(get(pod))) == PerDirection({"cross-zone": 5}, {"cross-region": 7})
 
 
 def test_the_wire_edge_reads_each_direction_from_its_json_name():
