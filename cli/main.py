@@ -100,6 +100,9 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-listen", default=agent_config.DEFAULT_STATE_LISTEN,
                    help="loopback HOST:PORT for /state (the pod inventory) when --listen is not loopback "
                         f"(default {agent_config.DEFAULT_STATE_LISTEN})")
+    p.add_argument("--state-dir", default="/var/lib/netagent",
+                   help="single-machine mode (no --controller) keeps its teams' quota use here, in quota.json "
+                        "(default /var/lib/netagent; docs/quotas.md)")
     p.add_argument("--metrics-auth", choices=agent_config.METRICS_AUTH, default="auto",
                    help="/metrics only for a bearer token allowed to get the nonResourceURL /metrics (TokenReview + "
                         "SubjectAccessReview), and --listen serves HTTPS with a self-signed certificate; auto: with "

@@ -61,6 +61,8 @@ class AgentConfig:
     services_from_cluster: bool = False
     # --metrics-auth: /metrics needs a token allowed to get it (TokenReview + SubjectAccessReview), over TLS
     metrics_auth: bool = False
+    # --state-dir: single-machine mode keeps its teams' quota use there (netagent.localquota)
+    state_dir: str = "/var/lib/netagent"
 
 
 def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None, controller: str | None,
@@ -71,7 +73,7 @@ def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None
                ingress_rate: str | None = None, ingress_default_rate: str = "1M",
                ingress_ifb: str = DataPathOptions.ifbs.download, lean_metrics: bool = False,
                internal_counting: str = "auto", bpf_dir: str = DataPathOptions.bpf_dir,
-               metrics_auth: str = "auto") -> AgentConfig:
+               metrics_auth: str = "auto", state_dir: str = "/var/lib/netagent") -> AgentConfig:
     """The command line's values -> AgentConfig. Discovers the uplinks (default routes) when none
     is named and adds their connected subnets to the internal CIDRs. The leaf qdisc is the
     data path's choice after probing the kernel (`Daemon.build`)."""
@@ -108,6 +110,8 @@ def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None
         raise ConfigError(f"--internal-counting {internal_counting!r}: choose {', '.join(COUNTING_MODES)}")
     if not bpf_dir.startswith("/") or len(bpf_dir) > 200 or "\0" in bpf_dir:
         raise ConfigError(f"--bpf-dir {bpf_dir!r} must be an absolute path of at most 200 characters")
+    if not state_dir.startswith("/") or "\0" in state_dir:
+        raise ConfigError(f"--state-dir {state_dir!r} must be an absolute path")
     if report_period <= 0 or resync_period <= 0:
         raise ConfigError("--report-period and --resync-period must be positive seconds")
     try:
@@ -135,7 +139,7 @@ def from_flags(*, node: str | None, from_file: list[str], kubeconfig: str | None
         default_floor_bps=floors.upload, from_file=tuple(from_file), kubeconfig=kubeconfig,
         listen=listen_at, state_listen=state_at, uplinks_learnt=not uplink, iptables_backend=iptables_backend,
         lean_metrics=lean_metrics, internal_counting=internal_counting, services_known=bool(service_cidr),
-        services_from_cluster=not service_cidr and not from_file, metrics_auth=auth,
+        services_from_cluster=not service_cidr and not from_file, metrics_auth=auth, state_dir=state_dir,
     )
 
 

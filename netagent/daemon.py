@@ -35,10 +35,10 @@ log = logging.getLogger(__name__)
 class Daemon:
     def __init__(self, cfg: AgentConfig, agent: Agent, source, datapath: KernelDataPath, http: AgentHTTP,
                  reporter: Reporter | None = None, problems: ProblemReporter | None = None,
-                 drift: DriftWatch | None = None):
+                 drift: DriftWatch | None = None, quota=None):
         self.cfg, self.agent, self.source, self.datapath, self.http, self.reporter = (
             cfg, agent, source, datapath, http, reporter)
-        self.problems, self.drift = problems, drift
+        self.problems, self.drift, self.quota = problems, drift, quota
         self._source_thread = threading.Thread(target=self._run_source, name="source", daemon=True)
 
     @classmethod
@@ -57,10 +57,16 @@ class Daemon:
         # A part is loaded only in the mode that uses it (tests/test_layers.py holds this): the
         # kubernetes client only with Kubernetes, the engine (numpy) only in single-node mode.
         source, problems = _source(cfg, api, metrics)
-        initial, local = _allocation_mode(cfg)
+        initial, local, quota = _allocation_mode(cfg, lambda: holder["agent"].node.policy()[0])
         facts = NodeFacts(cfg.uplinks, cfg.internal_cidrs, services)
         agent = Agent(cfg, datapath, local, metrics=metrics, problems=problems, initial=initial, facts=facts)
         holder["agent"] = agent
+        state = lambda: agent.view().as_dict()  # noqa: E731
+        if quota is not None:
+            from .localquota import counters_of
+
+            quota.counters = counters_of(agent.view, lambda: agent.pods)
+            state = lambda: {**agent.view().as_dict(), "quota": quota.teams()}  # noqa: E731
         reporter = None
         if cfg.controller:
             reporter = Reporter(agent, cfg.controller, token_path=cfg.token_path, period=cfg.report_period,
@@ -69,7 +75,7 @@ class Daemon:
                                 on_omitted=lambda reason, n: metrics.report_omitted.labels(reason).inc(n),
                                 on_refused=lambda reason: metrics.refused_pods.labels(reason).inc())
         authorizer, tls, exposition = _scrape_auth(cfg, api, metrics)
-        http = AgentHTTP(cfg.listen, metrics.registry, agent.health, agent.readiness, lambda: agent.view().as_dict(),
+        http = AgentHTTP(cfg.listen, metrics.registry, agent.health, agent.readiness, state,
                          state_listen=cfg.state_listen, on_rejected=lambda r: metrics.http_rejected.labels(r).inc(),
                          exposition=exposition, authorizer=authorizer, tls=tls)
         log.info("uplinks %s; internal %s; leaf qdisc %s; iptables %s; internal bytes counted %s; mark bit %#x; "
@@ -83,7 +89,7 @@ class Daemon:
                            datapath.hooks_fingerprint, set_uplinks=agent.set_uplinks if cfg.uplinks_learnt else None,
                            count=lambda source: metrics.drift_checks.labels(source).inc(),
                            wake=agent.runner.wake if cfg.shape_ingress else None)
-        return cls(cfg, agent, source, datapath, http, reporter, problems, drift)
+        return cls(cfg, agent, source, datapath, http, reporter, problems, drift, quota)
 
     def _run_source(self) -> None:
         try:
@@ -96,6 +102,8 @@ class Daemon:
             self.problems.start()
         self.http.start()
         self.agent.start()
+        if self.quota:
+            self.quota.start()
         self._source_thread.start()
         if self.drift:
             self.drift.start()
@@ -110,6 +118,8 @@ class Daemon:
         if self.reporter:
             self.reporter.stop()
         self.agent.stop()
+        if self.quota:
+            self.quota.stop()  # the last count written
         self.http.stop()
         if self.problems:
             self.problems.stop()
@@ -148,15 +158,20 @@ def _source(cfg: AgentConfig, api, metrics: AgentMetrics) -> tuple[object, Probl
     return source, problems
 
 
-def _allocation_mode(cfg: AgentConfig):
-    """(the allocations the agent starts from, the single-node allocator's factory): with a controller
-    what the kernel holds stands for one lease-like while after a restart (nothing is known yet), then
-    the floor, unless the controller answers first; without one the engine allocates locally."""
+def _allocation_mode(cfg: AgentConfig, policy):
+    """(the allocations the agent starts from, the single-node allocator's factory, its quota keeper): with a
+    controller what the kernel holds stands for one lease-like while after a restart (nothing is known yet),
+    then the floor, unless the controller answers first; without one the engine allocates locally and the
+    agent keeps its teams' quota use in --state-dir (netagent.localquota)."""
     if cfg.controller:
-        return AllocationSet(lease_expires=time.monotonic() + max(30.0, 6 * cfg.report_period), source="adopted"), None
+        return (AllocationSet(lease_expires=time.monotonic() + max(30.0, 6 * cfg.report_period), source="adopted"),
+                None, None)
     from .local import LocalAllocator
+    from .localquota import LocalQuota
+    from .reporter import counter_epoch
 
-    return None, functools.partial(LocalAllocator, floor_bps=cfg.default_floor_bps)
+    quota = LocalQuota(cfg.state_dir, policy, counter_epoch())
+    return None, functools.partial(LocalAllocator, floor_bps=cfg.default_floor_bps, quota=quota), quota
 
 
 def _cluster_services(cfg: AgentConfig, api) -> tuple[AgentConfig, tuple[str, ...]]:
