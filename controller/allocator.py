@@ -64,6 +64,7 @@ from core.policy import Policy, resolve_pod
 from core.quantity import TRICKLE_BPS
 from core.wire import NODE_MEASURED, POD_DEMAND, POD_USAGE, NodeReport, PodAllocation, PodReport
 
+from .cost import CostKeeper
 from .quota import QuotaKeeper
 
 log = logging.getLogger(__name__)
@@ -222,9 +223,10 @@ class Allocator:
                  namespace_labels: Callable[[str], Mapping[str, str] | None] | None = None,
                  clock: Callable[[], float] = time.monotonic, known_pods: Callable[[], int] | None = None,
                  known_nodes: Callable[[], int] | None = None, takeover_seconds: float = 0.0,
-                 quota: QuotaKeeper | None = None):
+                 quota: QuotaKeeper | None = None, cost: CostKeeper | None = None):
         self.policy = policy
         self.quota = quota  # volume quotas: fed from each report, caps exhausted teams (controller/quota.py)
+        self.cost = cost  # bytes and cost per team and scope (controller/cost.py): fed from each report
         self.namespace_labels = namespace_labels or (lambda ns: None)
         self.known_pods = known_pods or (lambda: 0)  # pods the cluster has (pod cache): sizes the floor
         self.known_nodes = known_nodes or (lambda: 0)  # nodes that run an agent: sizes the takeover hold-back
@@ -298,6 +300,8 @@ class Allocator:
         row_ids = np.array(rows, dtype=np.intp)
         if self.quota is not None and report.epoch is not None:  # the pods' byte counters, by team
             self.quota.observe(report, row_ids, lambda r: tables.team_names[int(table[r][0])], tables)
+        if self.cost is not None and report.epoch is not None:
+            self.cost.observe(report, row_ids, lambda r: tables.team_names[int(table[r][0])])
 
         def column(field: PerDirection[attrgetter], d: Direction) -> np.ndarray:
             return np.fromiter(map(field[d], pods), dtype=np.float64, count=n) if shapes[d] else np.zeros(n)
@@ -312,6 +316,8 @@ class Allocator:
         if self.quota is not None:
             self.quota.set_policy(policy)
             self.quota.tick()  # a new period lifts its cap in this round
+            if self.cost is not None:  # the cost's periods are the quotas' periods
+                self.cost.set_quotas(self.quota.quotas, self.quota.zone_name)
         tables = self._policy_tables(policy)
         nodes = sorted(reports)  # a stable order: unchanged pods keep their index between rounds
         prepared = []

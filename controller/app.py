@@ -47,6 +47,7 @@ from .metricsauth import ScrapeAuthCollector, guarded
 from .pacing import ReportPacer
 from .sources import ClusterCaches, FilePolicy
 from .state import ControllerState
+from .cost import CostCollector, CostKeeper
 from .quota import QuotaKeeper
 from .quotastore import QuotaCollector, QuotaStore
 from .status import StatusWriter
@@ -77,6 +78,7 @@ class Controller:
         namespace_labels = None
         known_pods = known_nodes = None
         api = None
+        self.cost = CostKeeper()  # bytes and cost per team and scope (docs/scopes.md): counted by the leader
         if cfg.from_file:
             self.files = FilePolicy(list(cfg.from_file))
             policy = PolicyCache(self.files.policy_objects)
@@ -90,7 +92,7 @@ class Controller:
             api = load_api_client(cfg.kubeconfig)
             policy = PolicyCache(lambda: self.cluster.policy_objects())
             agent_sa = tuple(cfg.agent_service_account.split(":", 1)) if cfg.agent_service_account else None
-            self.cluster = ClusterCaches(api, on_policy_change=policy.invalidate,
+            self.cluster = ClusterCaches(api, on_policy_change=policy.invalidate, on_scopes=self.cost.set_scopes,
                                          on_event=lambda resource, kind: self.metrics.watch_events.labels(
                                              resource, kind).inc(),
                                          agent_service_account=agent_sa,
@@ -135,7 +137,7 @@ class Controller:
         self.quota = QuotaKeeper()  # volume quotas (docs/quotas.md): counted by the leader only
         self.state = ControllerState(
             Allocator(policy, namespace_labels, known_pods=known_pods, known_nodes=known_nodes,
-                      takeover_seconds=cfg.report_ttl, quota=self.quota),
+                      takeover_seconds=cfg.report_ttl, quota=self.quota, cost=self.cost),
             locate_pods=locate_pods, lease_seconds=cfg.lease_seconds,
             report_ttl=cfg.report_ttl, leader=leading,
             leader_address=(lambda: self.elector.leader_address()) if self.elector else (lambda: None),
@@ -157,6 +159,7 @@ class Controller:
             self.quota.set_policy(policy()[0])
             self.quota.resume(None)
         self.metrics.registry.register(QuotaCollector(self.quota, self.quota_store, leading))
+        self.metrics.registry.register(CostCollector(self.cost, leading))
         self.connections = ConnectionBounds(cfg.max_connections, cfg.max_connections_per_address)
         self.metrics.registry.register(self.connections)
         self._stop_scrape_reviews = lambda: None

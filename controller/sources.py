@@ -74,7 +74,8 @@ class ClusterCaches:
     def __init__(self, api: client.ApiClient, on_policy_change: Callable[[], None] = lambda: None,
                  on_event: Callable[[str, str], None] = lambda resource, kind: None,
                  agent_service_account: tuple[str, str] | None = None,
-                 on_namespace_gone: Callable[[str, int], None] = lambda namespace, pods: None):
+                 on_namespace_gone: Callable[[str, int], None] = lambda namespace, pods: None,
+                 on_scopes: Callable[[dict | None], None] = lambda obj: None):
         self.stop_event = threading.Event()
         self.on_namespace_gone = on_namespace_gone  # (namespace, pods still in it): deleted under them
         self._namespace_names: set[str] = set()
@@ -95,6 +96,11 @@ class ClusterCaches:
         self.budgets = cache("egressbudgets", custom.list_cluster_custom_object, _meta_key, _policy_part,
                              on_policy_change, plural="egressbudgets", **crd)
         self.caches = (self.pods, self.namespaces, self.classes, self.budgets)
+        # NetworkScopes (issue 39): the object `cluster`, for prices. Started with the others but not waited
+        # for (synced): a cluster whose CRDs predate it still allocates; its list is retried with backoff.
+        self.scopes: Reflector = cache("networkscopes", custom.list_cluster_custom_object, _meta_key, _policy_part,
+                                       lambda: on_scopes(self.scopes.get(("", "cluster"))),
+                                       plural="networkscopes", **crd)
         self.agent_pods: Reflector | None = None
         if agent_service_account is not None:
             namespace, name = agent_service_account
@@ -105,6 +111,7 @@ class ClusterCaches:
     def start(self) -> None:
         for c in self.caches:
             c.start()
+        self.scopes.start()
 
     def _namespaces_changed(self) -> None:
         """A Namespace gone while pods are still in it (its finalizer forced; the namespace controller

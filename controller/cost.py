@@ -1,0 +1,158 @@
+"""Where the bytes go and what they cost (issue 39, docs/scopes.md "Cost in the controller"): the leader's
+bytes per team, priced scope and direction from the counters the reports already carry (internet:
+`bytes_total`/`ingress_bytes_total`; cross-zone, cross-region: the per-scope fields), and their cost from
+the NetworkScopes prices (the last valid description; core/scopes.py).
+
+Counted as the volume quotas count (core.quota.Ledger: per pod only an increase counts, a retried or
+reordered report adds nothing, a new epoch counts afresh), one ledger per scope. Nothing is counted while
+no NetworkScopes object with prices is known: without one the reports cost the controller nothing here.
+Figures are held in memory since this replica started leading (`total`) and for each team's current
+calendar period (its quota's period, a Month without a quota), not persisted (docs/scopes.md says so).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import datetime, timezone
+from decimal import Decimal
+from typing import Any, Callable, Iterable, Mapping
+from zoneinfo import ZoneInfo
+
+import numpy as np
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from core.direction import DIRECTIONS, Direction
+from core.quota import Ledger, Period, TeamQuota, period_bounds
+from core.scopes import PRICED, Prices, Scope, ScopesDescription, cost, keep_last_valid, parse
+from core.wire import POD_BYTES, POD_SCOPE_BYTES, NodeReport
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, Scope, Direction]  # (team, scope, direction)
+
+
+def _counter(scope: Scope, d: Direction) -> Callable[[Any], int | None]:
+    """The report field of one priced scope and direction (internet: the quota counter)."""
+    if scope is Scope.INTERNET:
+        return POD_BYTES[d]
+    get, name = POD_SCOPE_BYTES[d], scope.value
+    return lambda pod: get(pod).get(name)
+
+
+_COUNTERS = {(s, d): _counter(s, d) for s in PRICED for d in DIRECTIONS}
+
+
+class CostKeeper:
+    """Bytes and cost per (team, scope, direction), this period and since counting started."""
+
+    def __init__(self, clock: Callable[[], float] = time.time):
+        self.clock = clock
+        self._lock = threading.Lock()
+        self.description: ScopesDescription | None = None
+        self.problems: list[str] = []
+        # a pod first seen is a baseline (its bytes before are not this controller's to count), as for quotas
+        self.ledgers = {s: Ledger.resume({}) for s in PRICED}  # used = this period's bytes, per (team, direction)
+        self.total: dict[Key, int] = {}  # bytes since counting started
+        self.starts: dict[str, datetime] = {}  # team -> start of its current period
+        self.quotas: Mapping[str, TeamQuota] = {}
+        self.zone_name = "UTC"
+
+    @property
+    def prices(self) -> Prices | None:
+        return self.description.prices if self.description is not None else None
+
+    def set_scopes(self, obj: Mapping[str, Any] | None) -> list[str]:
+        """The NetworkScopes object (None: none in the cluster). A refused one keeps the last valid description
+        (its problems returned and logged, each naming the field); a deleted one stops the counting."""
+        with self._lock:
+            if obj is None:
+                self.description, self.problems = None, []
+                return []
+            parsed = parse(obj)
+            self.description = keep_last_valid(self.description, parsed)
+            self.problems = parsed.problems
+        for p in parsed.problems:
+            log.warning("NetworkScopes %s: %s; the last valid description stays in force",
+                        (obj.get("metadata") or {}).get("name", "?"), p)
+        return parsed.problems
+
+    def set_quotas(self, quotas: Mapping[str, TeamQuota], zone_name: str) -> None:
+        """The teams' quotas (their periods) and the quota time zone, from the current policy."""
+        with self._lock:
+            self.quotas, self.zone_name = dict(quotas), zone_name
+
+    def _roll(self, team: str, now: datetime) -> None:
+        quota = self.quotas.get(team)
+        start, _ = period_bounds(quota.period if quota is not None else Period.MONTH, now, ZoneInfo(self.zone_name))
+        if self.starts.get(team) != start:
+            if team in self.starts:
+                for ledger in self.ledgers.values():
+                    ledger.roll_team(team)
+            self.starts[team] = start
+
+    def observe(self, report: NodeReport, rows: np.ndarray, team_of: Callable[[int], str]) -> None:
+        """One report's counters: each pod's team is `team_of(row)` of its policy row (the allocator's)."""
+        if self.prices is None or report.epoch is None:
+            return
+        pods = report.pods
+        teams = [team_of(r) for r in rows.tolist()]
+        keys = [pod.uid or f"{pod.namespace}/{pod.name}" for pod in pods]
+        now = datetime.fromtimestamp(self.clock(), timezone.utc)
+        with self._lock:
+            for team in set(teams):
+                self._roll(team, now)
+            for scope, ledger in self.ledgers.items():
+                up, down = _COUNTERS[(scope, Direction.UPLOAD)], _COUNTERS[(scope, Direction.DOWNLOAD)]
+                before = dict(ledger.used)
+                ledger.add_report(report.epoch, ((team, key, up(pod), down(pod))
+                                                 for team, key, pod in zip(teams, keys, pods)))
+                for (team, d), used in ledger.used.items():
+                    added = used - before.get((team, d), 0)
+                    if added > 0:
+                        k = (team, scope, d)
+                        self.total[k] = self.total.get(k, 0) + added
+
+    def figures(self) -> list[tuple[str, Scope, Direction, int, int]]:
+        """(team, scope, direction, bytes this period, bytes in total), sorted."""
+        with self._lock:
+            out = []
+            for (team, scope, d), total in sorted(self.total.items(), key=lambda kv: (kv[0][0], kv[0][1].value,
+                                                                                      kv[0][2].value)):
+                out.append((team, scope, d, self.ledgers[scope].team_used(team, d), total))
+            return out
+
+    def team_cost(self, team: str) -> Decimal:
+        """The team's cost this period over every priced scope and direction (0 without prices)."""
+        prices = self.prices
+        if prices is None:
+            return Decimal(0)
+        return sum((cost(prices, period, s, d) for t, s, d, period, _ in self.figures() if t == team), Decimal(0))
+
+
+class CostCollector:
+    """netagent_team_scope_bytes_total, netagent_team_cost_total and netagent_team_cost (this period), per team,
+    scope and direction, on the leader only; the cost series carry the currency."""
+
+    def __init__(self, keeper: CostKeeper, is_leader: Callable[[], bool]):
+        self.keeper, self.is_leader = keeper, is_leader
+
+    def collect(self) -> Iterable[Metric]:
+        labels = ["team", "scope", "direction"]
+        nbytes = CounterMetricFamily("netagent_team_scope_bytes", "bytes the team's pods moved, by priced scope "
+                                     "(since this controller started leading)", labels=labels)
+        total = CounterMetricFamily("netagent_team_cost", "cost of the team's bytes at the NetworkScopes prices "
+                                    "(since this controller started leading)", labels=labels + ["currency"])
+        period = GaugeMetricFamily("netagent_team_cost_period", "cost of the team's bytes in its current quota "
+                                   "period (a calendar Month without a quota)", labels=labels + ["currency"])
+        problems = GaugeMetricFamily("netagent_controller_scopes_problems",
+                                     "problems of the NetworkScopes object (the last valid one stays in force)",
+                                     value=len(self.keeper.problems))
+        prices = self.keeper.prices
+        if prices is not None and self.is_leader():
+            for team, scope, d, in_period, in_total in self.keeper.figures():
+                lv = [team, scope.value, d.metric_word]
+                nbytes.add_metric(lv, in_total)
+                total.add_metric(lv + [prices.currency], float(cost(prices, in_total, scope, d)))
+                period.add_metric(lv + [prices.currency], float(cost(prices, in_period, scope, d)))
+        yield from (nbytes, total, period, problems)

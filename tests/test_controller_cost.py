@@ -1,0 +1,113 @@
+"""Cost per team, scope and direction in the controller (controller/cost.py, issue 39) through the real
+allocator: reports' internet counters and per-scope counters feed the keeper; the exported cost agrees with
+bytes x price (core.scopes.cost) from the same counters; a refused NetworkScopes keeps the last valid prices;
+nothing is counted without prices. Pure: no API server."""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from decimal import Decimal
+
+from prometheus_client import CollectorRegistry
+
+from controller.allocator import Allocator
+from controller.cost import CostCollector, CostKeeper
+from core.direction import Direction
+from core.policy import load_policy
+from core.scopes import GIB, Scope, cost
+from core.wire import NodeReport, PodReport
+from tests.test_scopes import EXAMPLE
+
+UP, DOWN = Direction.UPLOAD, Direction.DOWNLOAD
+DAY1 = datetime(2026, 3, 10, 12, 0, tzinfo=timezone.utc).timestamp()
+
+
+def _policy():
+    budget = {"metadata": {"name": "main"}, "spec": {"total": "100M", "ingressTotal": "100M", "teams": [
+        {"name": "research", "namespaces": ["research"]}, {"name": "web", "namespaces": ["web"]}]}}
+    policy, problems = load_policy([], [budget])
+    assert problems == []
+    return policy
+
+
+def _report(n: int, epoch: str = "boot-1") -> NodeReport:
+    """Pod a (research) and w (web) with counters that grow with n (GiB-scale, so prices show)."""
+    def pod(ns, name, k):
+        return PodReport(ns, name, 1e6, 1e6, ingress_usage_bps=1e6, ingress_demand_bps=1e6, uid=f"uid-{name}",
+                         bytes_total=k * n * GIB, ingress_bytes_total=2 * k * n * GIB,
+                         scope_bytes_total={"cross-zone": 3 * k * n * GIB, "cross-region": k * n * GIB // 2},
+                         ingress_scope_bytes_total={"cross-zone": 5 * k * n * GIB})
+    return NodeReport("n1", [pod("research", "a", 1), pod("web", "w", 2)], epoch=epoch, shapes_ingress=True)
+
+
+def _setup():
+    policy = _policy()
+    keeper = CostKeeper(lambda: DAY1)
+    alloc = Allocator(lambda: (policy, []), cost=keeper)
+    return alloc, keeper
+
+
+def _feed(alloc, *reports):
+    for r in reports:
+        alloc({"n1": alloc.prepare(r)})
+
+
+def _samples(keeper) -> dict[tuple, float]:
+    registry = CollectorRegistry()
+    registry.register(CostCollector(keeper, lambda: True))
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for m in registry.collect() for s in m.samples}
+
+
+def test_nothing_is_counted_without_prices():
+    alloc, keeper = _setup()
+    _feed(alloc, _report(1), _report(2))
+    assert keeper.figures() == []
+    assert [k for k in _samples(keeper) if k[0].startswith("netagent_team_")] == []
+
+
+def test_cost_agrees_with_bytes_times_price_from_the_same_counters():
+    alloc, keeper = _setup()
+    assert keeper.set_scopes(EXAMPLE) == []
+    _feed(alloc, _report(1), _report(3))  # the first report is each pod's baseline: 2 steps of n counted
+    prices = keeper.prices
+    assert prices is not None
+    want_bytes = {("research", Scope.INTERNET, UP): 2 * GIB, ("research", Scope.INTERNET, DOWN): 4 * GIB,
+                  ("research", Scope.CROSS_ZONE, UP): 6 * GIB, ("research", Scope.CROSS_ZONE, DOWN): 10 * GIB,
+                  ("research", Scope.CROSS_REGION, UP): GIB}
+    want_bytes.update({("web", s, d): 2 * b for (_, s, d), b in list(want_bytes.items())})
+    got = {(t, s, d): total for t, s, d, _, total in keeper.figures()}
+    assert got == want_bytes
+    samples = _samples(keeper)
+    for (team, scope, d), nbytes in want_bytes.items():
+        labels = (("direction", d.metric_word), ("scope", scope.value), ("team", team))
+        priced = (("currency", "USD"),) + labels
+        assert samples[("netagent_team_scope_bytes_total", labels)] == nbytes
+        assert samples[("netagent_team_cost_total", priced)] == float(cost(prices, nbytes, scope, d))
+        assert samples[("netagent_team_cost_period", priced)] == float(cost(prices, nbytes, scope, d))
+    # research: internet 2 GiB up x 0.09 + 4 GiB down x 0; cross-zone 6 x 0.01 + 10 x 0.01; cross-region 1 x 0.02
+    assert keeper.team_cost("research") == Decimal("0.18") + Decimal("0.16") + Decimal("0.02")
+    assert keeper.team_cost("web") == 2 * keeper.team_cost("research")
+
+
+def test_a_retried_report_adds_nothing_and_a_new_epoch_counts_afresh():
+    alloc, keeper = _setup()
+    keeper.set_scopes(EXAMPLE)
+    _feed(alloc, _report(1), _report(2), _report(2), _report(1))  # retried, then an older (reordered) one
+    before = keeper.figures()
+    assert {(t, s, d): total for t, s, d, _, total in before}[("research", Scope.CROSS_ZONE, UP)] == 3 * GIB
+    _feed(alloc, _report(1, epoch="boot-2"))  # the agent restarted: its counters count from 0
+    after = {(t, s, d): total for t, s, d, _, total in keeper.figures()}
+    assert after[("research", Scope.CROSS_ZONE, UP)] == 6 * GIB
+
+
+def test_a_refused_description_keeps_the_last_valid_prices():
+    alloc, keeper = _setup()
+    keeper.set_scopes(EXAMPLE)
+    bad = {**EXAMPLE, "spec": {**EXAMPLE["spec"], "prices": {"currency": "XXY", "internet": {"egress": "-1"}}}}
+    problems = keeper.set_scopes(bad)
+    assert any("spec.prices.currency" in p for p in problems) and any("spec.prices.internet.egress" in p
+                                                                      for p in problems)
+    assert keeper.prices is not None and keeper.prices.currency == "USD"
+    assert _samples(keeper)[("netagent_controller_scopes_problems", ())] == len(problems)
+    keeper.set_scopes(None)  # the object deleted: no prices, nothing counted
+    assert keeper.prices is None
