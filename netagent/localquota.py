@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "quota.json"
 WRITE_EVERY = 10.0  # s: the state file's write interval (the most counting a kill -9 with a reboot can lose)
+RATE_WINDOW = 60.0  # s: the forecast's rate is the team's use over about this long (as the leader's)
 LOOK_EVERY = 1.0  # s: how often the pods' counters are read (the overshoot past a quota: this plus a round)
 FORMAT = 1
 
@@ -83,6 +84,8 @@ class LocalQuota:
         self._written = 0.0
         self._dirty = False
         self._loaded: dict[str, Any] = {}
+        self._window: tuple[float, dict[tuple[str, Direction], int]] = (0.0, {})
+        self._rates: dict[tuple[str, Direction], float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="quota", daemon=True)
 
@@ -182,6 +185,12 @@ class LocalQuota:
             counted = [(team, key, up, down) for key, team, up, down in rows if team in self.quotas]
             if counted and self.ledger.add_report(self.epoch, counted):
                 self._dirty = True
+            then, before = self._window
+            if now - then >= RATE_WINDOW:
+                used = dict(self.ledger.used)
+                if then > 0:
+                    self._rates = {k: max(0, v - before.get(k, 0)) / (now - then) for k, v in used.items()}
+                self._window = (now, used)
         if self._dirty and now - self._written >= self.write_every:
             self._written = now
             self.write()
@@ -208,19 +217,25 @@ class LocalQuota:
         return replace(policy, teams=tuple(teams))
 
     def teams(self) -> list[dict[str, Any]]:
-        """Each team's quota, use and exhaustion per direction (the agent's /state `quota`)."""
+        """Each team's quota, use, exhaustion and forecast per direction (the agent's /state `quota`, in the shape
+        of the leader's /v1/status `quota`: controller/view.py)."""
         now = datetime.fromtimestamp(self.clock(), timezone.utc)
         out = []
         with self._lock:
             for team, quota in sorted(self.quotas.items()):
                 start, end = period_bounds(quota.period, now, ZoneInfo(self.zone))
                 entry: dict[str, Any] = {"team": team, "period": quota.period.value,
-                                         "period_start": _rfc3339(start), "period_end": _rfc3339(end)}
-                for d in DIRECTIONS:
+                                         "period_start": start.isoformat(), "period_end": end.isoformat()}
+                for d, word in ((Direction.UPLOAD, "uploads"), (Direction.DOWNLOAD, "downloads")):
                     lim, used = quota.limits[d], self.ledger.team_used(team, d)
-                    entry[d.metric_word] = None if lim is None else {
+                    rate = self._rates.get((team, d), 0.0)
+                    left = None if lim is None else lim.bytes - used
+                    entry[word] = None if lim is None else {
                         "bytes": lim.bytes, "used": used, "exhausted": used >= lim.bytes,
-                        "exhausted_rate_bps": lim.exhausted_bps}
+                        "exhausted_bps": lim.exhausted_bps,
+                        # seconds until spent at the rate of the last minute: 0 when spent, None with no use
+                        "forecast_seconds": 0.0 if left is not None and left <= 0 else (
+                            left / rate if left is not None and rate > 0 else None)}
                 out.append(entry)
         return out
 

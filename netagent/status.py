@@ -59,5 +59,27 @@ def render(state: dict) -> str:
                      human_bps(p.get("ingress_usage_bps", 0)), human_bps(p.get("ingress_demand_bps", 0)),
                      str(p.get("ingress_dropped_packets", 0)), notes))
     out.append(table(rows, COLUMNS, NUMERIC))
+    if state.get("quota"):
+        out += ["", "quotas (volume per period, docs/quotas.md):", quota_table(state["quota"])]
     out += [f"source: {err}" for err in state.get("source_errors") or []]
     return "\n".join(out)
+
+
+QUOTA_COLUMNS = ("team", "period", "direction", "used", "quota", "spent", "forecast")
+
+
+def quota_table(quotas: list[dict]) -> str:
+    """The single-machine agent's teams' quotas (/state `quota`, the leader's /v1/status shape): per team and
+    direction its use, quota, share spent and the forecast time to exhaustion at the last minute's rate."""
+    rows = []
+    for q in quotas:
+        for word in ("uploads", "downloads"):
+            x = q.get(word)
+            if not x:
+                continue
+            left = x.get("forecast_seconds")
+            rows.append((q["team"], f"{q['period']} from {q['period_start'][:16]}", word, human_bytes(x["used"]),
+                         human_bytes(x["bytes"]),
+                         f"{100 * x['used'] / x['bytes']:.0f}%" + (" EXHAUSTED" if x["exhausted"] else ""),
+                         "-" if left is None else f"{left / 3600:.1f} h"))
+    return table(rows, QUOTA_COLUMNS, {"used", "quota", "spent", "forecast"})

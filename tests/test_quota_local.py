@@ -64,8 +64,8 @@ def test_counts_increases_writes_atomically_and_a_restart_in_the_same_epoch_lose
     assert next(t for t in capped.teams if t.name == "web") == next(t for t in policy().teams if t.name == "web")
     assert q2.limit(policy(), [], Direction.DOWNLOAD, M) == policy()
     shown = q2.teams()[0]
-    assert shown["team"] == "research" and shown["egress"]["used"] == 1_100_000 and shown["egress"]["exhausted"]
-    assert shown["ingress"] is None
+    assert shown["team"] == "research" and shown["uploads"]["used"] == 1_100_000 and shown["uploads"]["exhausted"]
+    assert shown["uploads"]["forecast_seconds"] == 0.0 and shown["downloads"] is None
 
 
 def test_a_new_epoch_takes_the_counters_as_baselines_and_keeps_the_figure(tmp_path):
@@ -104,3 +104,22 @@ def test_a_new_period_starts_at_zero_and_an_unreadable_file_is_a_fresh_start(tmp
     q3 = keeper(tmp_path, pods)
     q3.look()
     assert q3.ledger.team_used("research", Direction.UPLOAD) == 0
+
+
+def test_the_forecast_and_netagent_status_show_each_teams_use_quota_and_forecast(tmp_path):
+    from netagent.status import quota_table
+
+    pods = Pods()
+    pods.rows["research/a"] = ("research", 0, 0)
+    now = [NOW]
+    q = keeper(tmp_path, pods, clock=lambda: now[0])
+    q.look()
+    assert q.teams()[0]["uploads"]["forecast_seconds"] is None  # no use yet: never, at this rate
+    now[0] += 60
+    pods.rows["research/a"] = ("research", 300_000, 0)  # 5,000 bytes a second over the last minute
+    q.look()
+    shown = q.teams()
+    assert shown[0]["uploads"]["forecast_seconds"] == (M - 300_000) / 5_000  # 140 s
+    text = quota_table(shown)
+    assert "research" in text and "uploads" in text and "30%" in text and "0.0 h" in text, text
+    assert "downloads" not in text  # no quota on downloads

@@ -7,11 +7,12 @@ exhausted: its pod's measured upload rate stays at the exhaustedRate. Root; unde
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
 from lab.agentproc import AgentProcess, pod_object, received_bps, tc_classes, wait_for, write_objects
-from lab.netns import require_root
+from lab.netns import require_root, run
 from lab.topology import INTERNET_V4, Lab
 from netagent.desired import DataPathOptions, PodShape, assign_minors, from_wire
 from netagent.localquota import STATE_FILE, persisted_use
@@ -61,14 +62,14 @@ def test_quota_exhausted_agent_restarted_still_exhausted(tmp_path):
             agent.wait_ready()
             wait_for(lambda: ceil_of(node.netns, research) == 20 * M, what="the research pod's bronze class")
             before = wait_for(lambda: research_quota(agent), what="the team's quota in /state")
-            assert before["egress"] == {"bytes": QUOTA, "used": 0, "exhausted": False,
-                                        "exhausted_rate_bps": EXHAUSTED}, before
+            assert before["uploads"] == {"bytes": QUOTA, "used": 0, "exhausted": False, "exhausted_bps": EXHAUSTED,
+                                         "forecast_seconds": None}, before
             # past the quota: the team is capped at its exhaustedRate
             lab.iperf(research.netns, INTERNET_V4, PORT, seconds=3)
-            wait_for(lambda: (research_quota(agent) or {})["egress"]["exhausted"], what="the quota spent")
+            wait_for(lambda: (research_quota(agent) or {})["uploads"]["exhausted"], what="the quota spent")
             wait_for(lambda: (ceil_of(node.netns, research) or 0) <= EXHAUSTED, what="research capped")
             assert ceil_of(node.netns, web) == 20 * M  # the other team keeps its class
-            used = research_quota(agent)["egress"]["used"]
+            used = research_quota(agent)["uploads"]["used"]
             wait_for(lambda: (state_dir / STATE_FILE).exists() and persisted_use(
                 json.loads((state_dir / STATE_FILE).read_text()))["research"][0] >= QUOTA, timeout=30,
                 what="the use in the state file")
@@ -76,13 +77,17 @@ def test_quota_exhausted_agent_restarted_still_exhausted(tmp_path):
             agent.kill9()
             agent.start()
             agent.wait_ready()
-            wait_for(lambda: research_quota(agent) is not None and research_quota(agent)["egress"]["exhausted"],
+            wait_for(lambda: research_quota(agent) is not None and research_quota(agent)["uploads"]["exhausted"],
                      what="still exhausted after the restart")
-            assert research_quota(agent)["egress"]["used"] >= used  # kept, nothing lost
+            assert research_quota(agent)["uploads"]["used"] >= used  # kept, nothing lost
             wait_for(lambda: (agent.state() or {}).get("allocation_source") == "local", timeout=15,
                      what="the local allocator's first round")  # not just the class the kernel kept
             rate = received_bps(lab.iperf(research.netns, INTERNET_V4, PORT, seconds=3))
             assert 0.8 * EXHAUSTED < rate < 1.1 * EXHAUSTED, rate  # held at the exhaustedRate, not the floor
+            # `netagent status` on the node prints the team's use, quota and forecast
+            text = run([sys.executable, "-m", "netagent", "status", "--agent", "127.0.0.1:9571"], node.netns)
+            row = next(line for line in text.splitlines() if line.startswith("research") and "uploads" in line)
+            assert "2.9 MiB" in row and "EXHAUSTED" in row and row.rstrip().endswith("0.0 h"), text
             assert ceil_of(node.netns, web) == 20 * M
         finally:
             print(agent.log())
