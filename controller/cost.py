@@ -145,14 +145,20 @@ class CostCollector:
                                     "(since this controller started leading)", labels=labels + ["currency"])
         period = GaugeMetricFamily("netagent_team_cost_period", "cost of the team's bytes in its current quota "
                                    "period (a calendar Month without a quota)", labels=labels + ["currency"])
+        # every replica: the per-pod cost recording rules join the agents' bytes with it (no more agent series)
+        price = GaugeMetricFamily("netagent_controller_scope_price_per_gib", "the NetworkScopes price per GiB by "
+                                  "scope and direction", labels=["scope", "direction", "currency"])
         problems = GaugeMetricFamily("netagent_controller_scopes_problems",
                                      "problems of the NetworkScopes object (the last valid one stays in force)",
                                      value=len(self.keeper.problems))
         prices = self.keeper.prices
+        for (scope, d), per_gib in sorted((prices.per_gib if prices is not None else {}).items(),
+                                          key=lambda kv: (kv[0][0].value, kv[0][1].value)):
+            price.add_metric([scope.value, d.metric_word, prices.currency if prices else ""], float(per_gib))
         if prices is not None and self.is_leader():
             for team, scope, d, in_period, in_total in self.keeper.figures():
                 lv = [team, scope.value, d.metric_word]
                 nbytes.add_metric(lv, in_total)
                 total.add_metric(lv + [prices.currency], float(cost(prices, in_total, scope, d)))
                 period.add_metric(lv + [prices.currency], float(cost(prices, in_period, scope, d)))
-        yield from (nbytes, total, period, problems)
+        yield from (nbytes, total, period, price, problems)

@@ -78,6 +78,12 @@ def raw(name: str, sel: str) -> str:
                 f"sum by (cluster) (rate(netagent_pod_{direction}_bytes_total{{{sel}{internet}}}[{RATE}]))",
             f"controller_{infix}budget_bytes_per_second:leader": _leader(
                 f"netagent_controller_{infix}budget_bytes_per_second", "cluster", sel),
+            # a pod's cost per second by priced scope (docs/scopes.md): its bytes x the price per GiB
+            f"pod_{direction}_cost:rate5m":
+                f'sum by (cluster, namespace, pod, scope) (rate(netagent_pod_{direction}_bytes_total'
+                f'{{{sel}, scope!="internal"}}[{RATE}])) * on (cluster, scope) group_left (currency) '
+                f'(max by (cluster, scope, currency) (netagent_controller_scope_price_per_gib'
+                f'{{direction="{direction}"}}) / 1073741824)',
         }
         for kind in ("allocated", "demand", "used"):
             pods[f"controller_{infix}{kind}_bytes_per_second:leader"] = _leader(

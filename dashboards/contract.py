@@ -21,7 +21,8 @@ import yaml
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 EXPORTERS = (REPO / "netagent" / "metrics.py", REPO / "controller" / "metrics.py",
-             REPO / "controller" / "quotastore.py")  # the volume quotas' families (docs/quotas.md)
+             REPO / "controller" / "quotastore.py",  # the volume quotas' families (docs/quotas.md)
+             REPO / "controller" / "cost.py")  # bytes and cost by scope (docs/scopes.md)
 RULES = HERE / "rules.yaml"
 # series Prometheus itself makes for every target
 BUILTIN = frozenset({"up"})
