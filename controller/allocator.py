@@ -316,8 +316,9 @@ class Allocator:
         if self.quota is not None:
             self.quota.set_policy(policy)
             self.quota.tick()  # a new period lifts its cap in this round
-            if self.cost is not None:  # the cost's periods are the quotas' periods
+            if self.cost is not None:  # the cost's periods are the quotas' periods; a spent cost quota holds
                 self.cost.set_quotas(self.quota.quotas, self.quota.zone_name)
+                self.quota.set_cost_spent(self.cost.spent(self.quota.quotas))
         tables = self._policy_tables(policy)
         nodes = sorted(reports)  # a stable order: unchanged pods keep their index between rounds
         prepared = []

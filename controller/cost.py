@@ -122,6 +122,20 @@ class CostKeeper:
                 out.append((team, scope, d, self.ledgers[scope].team_used(team, d), total))
             return out
 
+    def spent(self, quotas: Mapping[str, TeamQuota]) -> frozenset[str]:
+        """The teams whose cost this period has reached their quota's cost (none without prices: a cost quota
+        holds nothing while the prices are unknown, as a byte quota with no counters)."""
+        if self.prices is None:
+            return frozenset()
+        with_cost = {t: q.cost for t, q in quotas.items() if q.cost is not None}
+        if not with_cost:
+            return frozenset()
+        spent: dict[str, Decimal] = {}
+        for team, scope, d, in_period, _ in self.figures():
+            if team in with_cost:
+                spent[team] = spent.get(team, Decimal(0)) + cost(self.prices, in_period, scope, d)
+        return frozenset(t for t, limit in with_cost.items() if spent.get(t, Decimal(0)) >= limit)
+
     def team_cost(self, team: str) -> Decimal:
         """The team's cost this period over every priced scope and direction (0 without prices)."""
         prices = self.prices

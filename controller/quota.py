@@ -100,6 +100,7 @@ class QuotaKeeper:
         self._quiet = False
         self._nodes: dict[str, _NodeCounters] = {}  # node -> its pods' counters as arrays (the common case)
         self._pruned = 0.0
+        self.cost_spent: frozenset[str] = frozenset()  # teams whose cost quota is spent (controller/cost.py)
 
     # -- policy and periods ------------------------------------------------------------------------------
     def set_policy(self, policy: Policy) -> None:
@@ -252,7 +253,13 @@ class QuotaKeeper:
 
     def exhausted(self, d: Direction) -> frozenset[str]:
         with self._lock:
-            return exhausted_teams(self.quotas, self.ledger, d)
+            return exhausted_teams(self.quotas, self.ledger, d, self.cost_spent)
+
+    def set_cost_spent(self, teams: frozenset[str]) -> None:
+        """The hook of the cost quotas (issue 39): these teams are held as exhausted in both directions."""
+        if teams != self.cost_spent:
+            self.cost_spent = teams
+            self.version += 1
 
     def capped(self, teams: TeamColumns, d: Direction, pod_team: np.ndarray, floor_per_pod: float) -> TeamColumns:
         """The engine's team columns of direction d with each exhausted team capped at its exhaustedRate (or

@@ -331,9 +331,11 @@ class Ledger:
         return cls(used=dict(used), resumed=True)
 
 
-def exhausted_teams(quotas: Mapping[str, TeamQuota], ledger: Ledger, d: Direction) -> frozenset[str]:
-    """The teams whose period use in direction d has reached their bytes."""
-    out = set()
+def exhausted_teams(quotas: Mapping[str, TeamQuota], ledger: Ledger, d: Direction,
+                    cost_spent: frozenset[str] = frozenset()) -> frozenset[str]:
+    """The teams whose period use in direction d has reached their bytes, and those whose cost quota is spent
+    (`cost_spent`, from controller/cost.py: a spent cost quota holds both directions)."""
+    out = {team for team in cost_spent if team in quotas}
     for team, quota in quotas.items():
         limit = quota.limits[d]
         if limit is not None and ledger.team_used(team, d) >= limit.bytes:
@@ -352,8 +354,8 @@ def apply_exhaustion(limits: Mapping[str, Limits], quotas: Mapping[str, TeamQuot
     for team in exhausted:
         if team not in limits or team not in quotas:
             continue
-        limit = quotas[team].limits[d]
-        cap = safe_floor_bps if limit is None or limit.exhausted_bps is None else limit.exhausted_bps
+        rate = quotas[team].exhausted_bps(d)  # bytes' or (a cost quota alone) the cost's exhaustedRate
+        cap = safe_floor_bps if rate is None else rate
         cur = limits[team]
         out[team] = replace(cur, min_bps=0, max_bps=min(cur.max_bps, cap))
     return out

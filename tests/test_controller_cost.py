@@ -111,3 +111,34 @@ def test_a_refused_description_keeps_the_last_valid_prices():
     assert _samples(keeper)[("netagent_controller_scopes_problems", ())] == len(problems)
     keeper.set_scopes(None)  # the object deleted: no prices, nothing counted
     assert keeper.prices is None
+
+
+def test_a_spent_cost_quota_holds_the_teams_internet_traffic_at_its_exhausted_rates():
+    """research may spend 0.5 USD a Month; its cost is mostly cross-zone (never shaped), yet once the sum over
+    every priced scope reaches 0.5 its internet traffic is held at its exhaustedRates, both directions."""
+    from controller.quota import QuotaKeeper
+    budget = {"metadata": {"name": "main"}, "spec": {"total": "100M", "ingressTotal": "100M", "teams": [
+        {"name": "research", "namespaces": ["research"], "min": "30M",
+         "quota": {"period": "Month", "cost": "0.5", "exhaustedRate": "2M", "ingress": {"exhaustedRate": "3M"}}},
+        {"name": "web", "namespaces": ["web"]}]}}
+    policy, problems = load_policy([], [budget])
+    assert problems == []
+    quota, keeper = QuotaKeeper(lambda: DAY1), CostKeeper(lambda: DAY1)
+    quota.set_policy(policy)
+    quota.resume(None)
+    keeper.set_scopes(EXAMPLE)
+    alloc = Allocator(lambda: (policy, []), quota=quota, cost=keeper)
+
+    def round_(n):
+        result = alloc({"n1": alloc.prepare(_report(n))})
+        return {p.name: p for p in result.by_node["n1"]}
+
+    round_(0)  # baselines
+    pods = round_(2)  # research: 0.18 USD per step of n (see above): 0.36, below 0.5
+    assert pods["a"].limit_bps > 30e6 and quota.exhausted(UP) == frozenset()
+    round_(3)  # 0.54 USD: spent; the next round holds it
+    pods = round_(3)
+    assert keeper.spent(quota.quotas) == {"research"}
+    assert quota.exhausted(UP) == quota.exhausted(DOWN) == {"research"}
+    assert pods["a"].limit_bps <= 2e6 and pods["a"].ingress_limit_bps <= 3e6
+    assert pods["w"].limit_bps > 30e6  # web has no quota: not held
