@@ -307,12 +307,16 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
                         "(ingress = downloads, planned when ingress_demand is given); '-' reads standard input")
     p.add_argument("--output", "-o", choices=("table", "wide", "json"), default="table",
                    help="output format (default: table; wide adds each pod's weight, guarantee and cap)")
+    p.add_argument("--used", action="append", default=[], metavar="TEAM=BYTES[,uploads|downloads]",
+                   help="a team's volume quota use this period (uploads unless named; repeatable): a spent quota is "
+                        "planned at its exhaustedRate and a QUOTAS table says which teams exhaust first at this "
+                        "demand (docs/quotas.md)")
 
 
 def _plan(a: argparse.Namespace) -> int:
     from controller import whatif
 
-    return whatif.run(a.from_file, a.demand, a.output)
+    return whatif.run(a.from_file, a.demand, a.output, a.used)
 
 
 def _controller_flags(p: argparse.ArgumentParser) -> None:

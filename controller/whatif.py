@@ -12,13 +12,19 @@ quantities allowed; an empty class means the team's default, an empty ingress_de
 With an `ingress_demand` column the downloads are planned too, against spec.ingressTotal
 with the download values: one plan per `Direction`, the same code. The engine is the
 controller's own; the CSV's and the output's words per direction are the edge (`COLUMN`, `HEAD`).
+
+With `--used TEAM=BYTES[,uploads|downloads]` (repeatable; docs/quotas.md "netagent plan --used") the
+period's use of a team with a volume quota: a team whose use has reached its quota is planned capped at
+its exhaustedRate (core.quota.apply_exhaustion, as the controller caps it), and a QUOTAS table says which
+teams exhaust first at the given demand: each team uses min(its demand, its allocation), the first to
+run out is capped, the others are planned again, and so on.
 """
 from __future__ import annotations
 
 import csv
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping, TextIO
 
@@ -27,7 +33,8 @@ from core.engine import AllocationResult, EngineError, PodDemandIn, allocate
 from core.files import load_objects
 from core.objects import namespace_labels
 from core.policy import Policy, load_policy, resolve_pod
-from core.quantity import format_bps, parse_bps
+from core.quantity import TRICKLE_BPS, format_bps, human_bytes, parse_bps, parse_bytes
+from core.quota import apply_exhaustion
 
 REQUIRED_COLUMNS = ("namespace", "pod", "class", "demand")
 OPTIONAL_COLUMNS = ("bandwidth", "ingress_demand", "ingress_bandwidth")
@@ -57,19 +64,27 @@ class Plan:
     pods: PerDirection[list[PodDemandIn]]
 
 
-def run(from_file: list[str], demand: str, output: str) -> int:
-    """`netagent plan`: print the allocation the policy in `from_file` gives for the demand CSV."""
+def run(from_file: list[str], demand: str, output: str, used: list[str] | None = None) -> int:
+    """`netagent plan`: print the allocation the policy in `from_file` gives for the demand CSV (and, with
+    `used`, which teams exhaust their quota first)."""
     try:
         policy, problems, namespaces = read_policy([Path(f) for f in from_file])
+        spent, quota_warnings = parse_used(policy, used or [])
         rows = read_demand(demand)
-        result, warnings = what_if(policy, rows, demand, namespaces)
+        result, warnings = what_if(policy, rows, demand, namespaces, spent)
+        exhaustions = forecast(policy, result, spent) if spent else []
     except (PlanInputError, EngineError) as exc:
         print(f"netagent plan: error: {exc}", file=sys.stderr)
         return 2
-    for message in problems + warnings:
+    for message in problems + quota_warnings + warnings:
         print(f"netagent plan: warning: {message}", file=sys.stderr)
-    text = json.dumps(as_json(rows, result), indent=1) + "\n" if output == "json" else \
-        as_table(policy, rows, result, wide=output == "wide")
+    if output == "json":
+        out: object = as_json(rows, result)
+        if spent:
+            out = {"pods": out, "quotas": [e.as_dict() for e in exhaustions]}
+        text = json.dumps(out, indent=1) + "\n"
+    else:
+        text = as_table(policy, rows, result, wide=output == "wide") + quota_table(exhaustions)
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
@@ -149,9 +164,11 @@ def _demand(row: dict[str, str], column: str, where: str) -> int | None:
 
 
 def what_if(policy: Policy, rows: list[DemandRow], name: str,
-            namespaces: Mapping[str, Mapping[str, str]] | None = None) -> tuple[Plan, list[str]]:
+            namespaces: Mapping[str, Mapping[str, str]] | None = None,
+            used: Mapping[tuple[str, Direction], int] | None = None) -> tuple[Plan, list[str]]:
     """Both directions planned by the controller's engine: uploads always, downloads when the
-    rows carry download demand. `namespaces`: namespace -> labels (a team chosen by label)."""
+    rows carry download demand. `namespaces`: namespace -> labels (a team chosen by label). `used`: a
+    team's use this period per direction; a team whose use reached its quota is capped at its exhaustedRate."""
     labels_of = (namespaces or {}).get
     warnings: list[str] = []
     pods: PerDirection[list[PodDemandIn]] = PerDirection([], [])
@@ -166,8 +183,139 @@ def what_if(policy: Policy, rows: list[DemandRow], name: str,
 
     def plan(d: Direction) -> AllocationResult | None:
         planned = d is Direction.UPLOAD or any(row.demand_bps[d] is not None for row in rows)
-        return allocate(policy, pods[d], direction=d) if planned else None
+        spent = exhausted(policy, used or {}, d)
+        return allocate(capped(policy, spent, d, pods[d]), pods[d], direction=d) if planned else None
     return Plan(PerDirection.build(plan), pods), warnings
+
+
+WORDS = PerDirection("uploads", "downloads")
+
+
+def parse_used(policy: Policy, values: list[str]) -> tuple[dict[tuple[str, Direction], int], list[str]]:
+    """`--used TEAM=BYTES[,uploads|downloads]` values (uploads when no direction is named) -> use per (team,
+    direction), and warnings (a team without a quota in that direction). PlanInputError names the bad value."""
+    used: dict[tuple[str, Direction], int] = {}
+    warnings: list[str] = []
+    teams = {t.name: t for t in policy.teams}
+    for value in values:
+        team, sep, rest = value.partition("=")
+        amount, _, word = rest.partition(",")
+        team, amount, word = team.strip(), amount.strip(), word.strip() or WORDS.upload
+        where = f"--used {value!r}"
+        if not sep or not team or not amount:
+            raise PlanInputError(f"{where}: expected TEAM=BYTES[,uploads|downloads], e.g. research=40Ti,downloads")
+        d = next((x for x in DIRECTIONS if WORDS[x] == word), None)
+        if d is None:
+            raise PlanInputError(f"{where}: direction {word!r} is not uploads or downloads")
+        if team not in teams:
+            raise PlanInputError(f"{where}: {team!r} is not a team of the policy ({', '.join(sorted(teams))})")
+        try:
+            n = 0 if amount == "0" else parse_bytes(amount, where)
+        except ValueError as exc:
+            raise PlanInputError(str(exc)) from None
+        if (team, d) in used:
+            raise PlanInputError(f"{where}: {team}'s {word} already given")
+        quota = teams[team].quota
+        if quota is None or quota.limits[d] is None:
+            warnings.append(f"{where}: team {team} has no quota on {word}; its use changes nothing")
+        used[(team, d)] = n
+    return used, warnings
+
+
+def exhausted(policy: Policy, used: Mapping[tuple[str, Direction], int], d: Direction) -> frozenset[str]:
+    """The teams whose use in direction d reached their quota's bytes."""
+    return frozenset(t.name for t in policy.teams if t.quota is not None and (q := t.quota.limits[d]) is not None
+                     and used.get((t.name, d), 0) >= q.bytes)
+
+
+def capped(policy: Policy, gone: frozenset[str], d: Direction, pods: list[PodDemandIn]) -> Policy:
+    """`policy` with each team of `gone` held at its exhaustedRate in direction d (without one: the safe floor,
+    TRICKLE_BPS per pod, as the controller does), guarantee 0."""
+    if not gone:
+        return policy
+    quotas = {t.name: t.quota for t in policy.teams if t.quota is not None}
+    teams = []
+    for t in policy.teams:
+        if t.name in gone:
+            floor = TRICKLE_BPS * max(1, sum(1 for p in pods if p.team == t.name))
+            limit = apply_exhaustion({t.name: t.limits[d]}, quotas, frozenset((t.name,)), d, floor)[t.name]
+            t = replace(t, limits=t.limits.replace(d, limit))
+        teams.append(t)
+    return replace(policy, teams=tuple(teams))
+
+
+@dataclass(frozen=True)
+class Exhaustion:
+    """When a team's quota in a direction runs out at the given demand (seconds from now; 0: spent already,
+    None: never at this demand)."""
+    team: str
+    direction: Direction
+    used: int
+    quota: int
+    rate_bps: float  # what the team uses now: min(its demand, its allocation)
+    seconds: float | None
+
+    def as_dict(self) -> dict:
+        return {"team": self.team, "direction": WORDS[self.direction], "used": self.used, "bytes": self.quota,
+                "rate_bps": _number(self.rate_bps), "exhausted_in_seconds": self.seconds}
+
+
+def forecast(policy: Policy, plan: Plan, used: Mapping[tuple[str, Direction], int]) -> list[Exhaustion]:
+    """Which teams exhaust first: at each step every team uses min(demand, allocation) until the next one runs
+    out; that one is capped, the others planned again (they may take its share and run out sooner)."""
+    limits = {(t.name, d): q.bytes for t in policy.teams if t.quota is not None for d in DIRECTIONS
+              if (q := t.quota.limits[d]) is not None}
+    planned = [d for d, result in plan.results.items() if result is not None]
+    keys = [k for k in limits if k[1] in planned]
+    spent = {k: float(used.get(k, 0)) for k in keys}
+    when: dict[tuple[str, Direction], float] = {k: 0.0 for k in keys if spent[k] >= limits[k]}
+    first_rate: dict[tuple[str, Direction], float] = {}
+    now = 0.0
+    for _ in range(len(keys) + 1):  # one team runs out per step
+        rates = {}
+        for d in planned:
+            gone = frozenset(team for team, dd in when if dd is d)
+            result = allocate(capped(policy, gone, d, plan.pods[d]), plan.pods[d], direction=d)
+            for team, dd in keys:
+                t = result.teams.get(team) if dd is d else None
+                if t is not None:
+                    rates[(team, d)] = min(t.allocated_bps, t.demand_bps)
+        for k in keys:
+            first_rate.setdefault(k, rates.get(k, 0.0))
+        pending = [(k, (limits[k] - spent[k]) * 8 / rates[k]) for k in keys if k not in when and rates.get(k, 0) > 0]
+        if not pending:
+            break
+        step = min(dt for _, dt in pending)
+        for k, _ in pending:
+            spent[k] += rates[k] * step / 8
+        now += step
+        for k, dt in pending:
+            if dt <= step:
+                when[k] = now
+    order = sorted(keys, key=lambda k: (when.get(k, float("inf")), k[0], k[1].value))
+    return [Exhaustion(team, d, used.get((team, d), 0), limits[(team, d)], first_rate.get((team, d), 0.0),
+                       when.get((team, d))) for team, d in order]
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "never at this demand"
+    if seconds == 0:
+        return "EXHAUSTED now"
+    for unit, div in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= div:
+            return f"in {seconds / div:.1f} {unit}"
+    return f"in {seconds:.0f} s"
+
+
+def quota_table(exhaustions: list[Exhaustion]) -> str:
+    """The QUOTAS table, the first to run out first."""
+    if not exhaustions:
+        return ""
+    rows = [("QUOTAS: TEAM", "DIRECTION", "USED", "QUOTA", "RATE NOW", "EXHAUSTS")]
+    rows += [(e.team, WORDS[e.direction], human_bytes(e.used), human_bytes(e.quota), format_bps(e.rate_bps),
+              _duration(e.seconds)) for e in exhaustions]
+    return "\n" + _columns(rows) + "\n"
 
 
 def as_json(rows: list[DemandRow], plan: Plan) -> list[dict]:

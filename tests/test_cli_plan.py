@@ -223,3 +223,64 @@ metadata: {name: lab, labels: {netagent.io/team: research}}
     done = plan("--from-file", path, "--demand", demand, "-o", "json")
     assert done.returncode == 0, done.stderr
     assert {r["pod"]: r["team"] for r in json.loads(done.stdout)} == {"trainer": "research", "front": "default"}
+
+
+QUOTA_POLICY = """
+apiVersion: netagent.io/v1alpha1
+kind: EgressBudget
+metadata: {name: default}
+spec:
+  total: 100M
+  teams:
+  - {name: a, namespaces: [a], weight: 3, quota: {period: Day, bytes: 750M, exhaustedRate: 10M}}
+  - {name: b, namespaces: [b], weight: 1, quota: {period: Day, bytes: 1G}}
+  - {name: c, namespaces: [c], weight: 1}
+"""
+QUOTA_DEMAND = "namespace,pod,class,demand\na,p,,1G\nb,q,,1G\n"
+
+
+def test_used_bytes_say_which_teams_exhaust_first_and_a_spent_quota_is_planned_at_its_exhausted_rate(tmp_path):
+    """a (weight 3) gets 75M of 100M and spends its 750 MB in 80 s; then it is held at its 10M exhaustedRate
+    and b takes 90M: b's 1 GB, 250 MB spent by then at 25M, lasts 66.7 s more (146.7 s, not the 320 s of
+    its first rate)."""
+    policy = write(tmp_path, QUOTA_POLICY, "policy.yaml")
+    demand = write(tmp_path, QUOTA_DEMAND)
+    done = plan("--from-file", policy, "--demand", demand, "--used", "a=0", "--used", "b=0,uploads", "-o", "json")
+    assert done.returncode == 0, done.stderr
+    quotas = json.loads(done.stdout)["quotas"]
+    assert [(q["team"], q["direction"], q["rate_bps"]) for q in quotas] == [("a", "uploads", 75_000_000),
+                                                                            ("b", "uploads", 25_000_000)]
+    assert quotas[0]["exhausted_in_seconds"] == pytest.approx(80.0)
+    assert quotas[1]["exhausted_in_seconds"] == pytest.approx(80 + 750e6 / 11.25e6)
+    # a's quota spent already: planned at its exhaustedRate, b takes the share
+    done = plan("--from-file", policy, "--demand", demand, "--used", "a=750M")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert any(line.split()[:2] == ["a", "p"] and "10M" in line for line in lines), done.stdout
+    assert any(line.split()[:2] == ["b", "q"] and "90M" in line for line in lines), done.stdout
+    table = lines[lines.index(next(line for line in lines if line.startswith("QUOTAS"))):]
+    assert table[1].split()[0] == "a" and "EXHAUSTED now" in table[1], done.stdout
+    assert table[2].split()[0] == "b" and "in 1.5 min" in table[2], done.stdout  # 1 GB at 90M: 88.9 s
+    assert "never" not in done.stdout and "c " not in "\n".join(table)  # c has no quota
+
+
+@pytest.mark.parametrize("used, message", [
+    ("a", "expected TEAM=BYTES"),
+    ("a=lots", "--used 'a=lots'"),
+    ("a=-5", "--used 'a=-5'"),
+    ("a=9Ei", "--used 'a=9Ei'"),
+    ("a=1G,sideways", "direction 'sideways' is not uploads or downloads"),
+    ("x=1G", "'x' is not a team of the policy (a, b, c, default)"),
+])
+def test_bad_used_bytes_are_refused_naming_the_value(tmp_path, used, message):
+    policy = write(tmp_path, QUOTA_POLICY, "policy.yaml")
+    done = plan("--from-file", policy, "--demand", write(tmp_path, QUOTA_DEMAND), "--used", used)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_used_bytes_of_a_team_without_that_quota_is_a_warning(tmp_path):
+    policy = write(tmp_path, QUOTA_POLICY, "policy.yaml")
+    done = plan("--from-file", policy, "--demand", write(tmp_path, QUOTA_DEMAND), "--used", "c=1G",
+                "--used", "a=1G,downloads")
+    assert done.returncode == 0, done.stderr
+    assert "team c has no quota on uploads" in done.stderr and "team a has no quota on downloads" in done.stderr
