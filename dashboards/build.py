@@ -267,6 +267,7 @@ def cluster_dashboard() -> gd.Dashboard:
         width=8))
 
     d = downloads_rows(d)
+    d = quota_rows(d)
 
     d = d.with_row(gd.Row("Agents and controller"))
     d = d.with_panel(stat(
@@ -317,6 +318,39 @@ def cluster_dashboard() -> gd.Dashboard:
         query(f"count(netagent_controller_reachable{{{CLUSTER}}} == 1) or vector(0)", "reachable"),
         query(f"count(netagent_controller_reachable{{{CLUSTER}}} == 0) or vector(0)", "unreachable", ref="B"),
         width=8))
+    return d
+
+
+def quota_rows(d: gd.Dashboard) -> gd.Dashboard:
+    """The teams' volume quotas per direction (docs/quotas.md): the period's use against the quota, whether
+    spent, and the forecast time to exhaustion; the leader's figures (it alone counts)."""
+    by = "cluster, team, direction"
+    d = d.with_row(gd.Row("Volume quotas"))
+    d = d.with_panel(stat(
+        "Quotas spent", "Teams and directions whose volume quota is spent this period: held at their "
+        "exhaustedRate (NetagentQuotaSpent).", "short",
+        f"count({_leader('netagent_team_quota_exhausted', by, CLUSTER, ', ' + TEAM)} == 1) or vector(0)",
+        thresholds=[(None, "green"), (1, "orange")], width=4))
+    d = d.with_panel(timeseries(
+        "Quota use by team", "Each team's internet bytes this period per direction (uploads: egress, downloads: "
+        "ingress), and its quota (the flat line).", "bytes",
+        query(_leader("netagent_team_quota_used_bytes", by, CLUSTER, ", " + TEAM), "used {{team}} {{direction}}"),
+        query(_leader("netagent_team_quota_bytes", by, CLUSTER, ", " + TEAM), "quota {{team}} {{direction}}",
+              ref="B"),
+        width=10))
+    d = d.with_panel(timeseries(
+        "Quota spent by team", "Share of the quota used this period; 1 = spent (the team is capped at its "
+        "exhaustedRate until the next period).", "percentunit",
+        query(f"{_leader('netagent_team_quota_used_bytes', by, CLUSTER, ', ' + TEAM)} / on ({by}) "
+              f"({_leader('netagent_team_quota_bytes', by, CLUSTER, ', ' + TEAM)} > 0)", "{{team}} {{direction}}"),
+        query(_leader("netagent_team_quota_exhausted", by, CLUSTER, ", " + TEAM), "exhausted {{team}} {{direction}}",
+              ref="B"),
+        width=10))
+    d = d.with_panel(table(
+        "Quota forecast", "Seconds until each team's quota is spent at its rate over the last minute "
+        "(0: spent; no row: no use this period).", "s",
+        query(_leader("netagent_team_quota_exhaustion_forecast_seconds", by, CLUSTER, ", " + TEAM), "", True),
+        width=24))
     return d
 
 

@@ -44,6 +44,9 @@ SUFFIXES = {
 # these may be empty in a healthy cluster, as long as another query of its panel has data
 RARE_EVENTS = ("netagent_controller_rejected_reports_total", "netagent_reconcile_errors_total",
                "netagent_drift_repairs_total")
+# gauges with no series until a minute of use was counted (the quota forecast: docs/quotas.md): a live query of
+# them may be empty; their exporter is tested on its own (tests/test_quota_controller.py)
+SLOW_SERIES = ("netagent_team_quota_exhaustion_forecast_seconds",)
 # names a query mentions: exporter metrics (netagent_...) and recording rules (netagent:...)
 NAME = re.compile(r"(?<![\w:])netagent[_:][a-zA-Z0-9_:]*")
 
@@ -162,6 +165,8 @@ def queries_without_data(prometheus_url: str, values: dict[str, str] | None = No
         for title, queries in panels.items():
             panel_has_data = any(ok for _, ok in queries)
             for expr, ok in queries:
+                if any(m in expr for m in SLOW_SERIES):
+                    continue
                 if not ok and not (panel_has_data and any(m in expr for m in RARE_EVENTS)):
                     empty.append(f"{path.name}: {title!r}: {expr}")
     return empty

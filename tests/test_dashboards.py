@@ -124,6 +124,18 @@ def test_cluster_dashboard_covers_the_budget_view():
         assert wanted in titles
 
 
+def test_cluster_dashboard_has_the_volume_quota_row():
+    """Per team and direction: quota bytes and use, share spent and exhausted, the forecast (docs/quotas.md)."""
+    panels = dashboards()["cluster.json"]["panels"]
+    titles = {p["title"] for p in panels}
+    for wanted in ("Volume quotas", "Quotas spent", "Quota use by team", "Quota spent by team", "Quota forecast"):
+        assert wanted in titles, wanted
+    exprs = " ".join(t["expr"] for p in panels for t in p.get("targets", []))
+    for metric in ("netagent_team_quota_bytes", "netagent_team_quota_used_bytes", "netagent_team_quota_exhausted",
+                   "netagent_team_quota_exhaustion_forecast_seconds"):
+        assert metric in exprs, metric
+
+
 def test_cluster_dashboard_covers_the_download_view():
     """Downloads (ingress) have the budget view uploads have: budget vs used vs allocated, teams, top pods."""
     titles = {p["title"] for p in dashboards()["cluster.json"]["panels"]}
@@ -444,8 +456,16 @@ def live_prometheus(tmp_path_factory):
 
         controller_port = _free_port()
         controller_log = (workdir / "controller.log").open("w")
+        # the example policy with a volume quota on research (the dashboard's quota row; docs/quotas.md)
+        objects = list(yaml.safe_load_all((REPO / "docs/examples/policy.yaml").read_text()))
+        for o in objects:
+            for team in (o or {}).get("spec", {}).get("teams", []) if (o or {}).get("kind") == "EgressBudget" else []:
+                if team["name"] == "research":
+                    team["quota"] = {"period": "Month", "bytes": "50Ti", "exhaustedRate": "100M",
+                                     "ingress": {"bytes": "200Ti"}}
+        (workdir / "policy.yaml").write_text(yaml.safe_dump_all(objects))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "netagent", "controller", "--from-file", str(REPO / "docs/examples/policy.yaml"),
+            [sys.executable, "-m", "netagent", "controller", "--from-file", str(workdir / "policy.yaml"),
              "--no-auth", "--insecure-http", "--listen", f"127.0.0.1:{controller_port}", "--period", "1"],
             stdout=controller_log, stderr=subprocess.STDOUT, cwd=REPO))
 

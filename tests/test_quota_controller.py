@@ -231,6 +231,20 @@ def test_v1_status_shows_each_teams_use_quota_and_forecast():
     assert cluster_view(state)["quota"] == []  # a follower's figures are not counted
 
 
+def test_the_forecast_metric_the_dashboard_shows():
+    """netagent_team_quota_exhaustion_forecast_seconds (the cluster dashboard's "Quota forecast"): 0 when spent,
+    absent with no use over the last minute; the live dashboard test cannot wait the minute it needs."""
+    from prometheus_client import CollectorRegistry
+
+    from controller.quotastore import QuotaCollector
+    state, keeper = _counted_round()
+    registry = CollectorRegistry()
+    registry.register(QuotaCollector(keeper, None, lambda: True))
+    metric = "netagent_team_quota_exhaustion_forecast_seconds"
+    assert registry.get_sample_value(metric, {"team": "research", "direction": "egress"}) == 0.0  # spent
+    assert registry.get_sample_value(metric, {"team": "research", "direction": "ingress"}) is None  # no rate yet
+
+
 def test_netagent_status_shows_the_quotas_from_v1_status():
     from cli import clusterview
     from controller.view import cluster_view
