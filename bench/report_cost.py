@@ -35,6 +35,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import resource
 import socket
 import ssl
@@ -229,6 +230,9 @@ def run_storm(args, tmpdir: Path, pki: Pki, policy: Path) -> int:
               f"load avg {os.getloadavg()[0]:.1f}", flush=True)
         row = asyncio.run(storm(base, ctx, args, bodies))
         rss = peak_rss_mib(proc.pid)
+        with urllib.request.urlopen(base + "/metrics", timeout=10, context=ctx) as r:
+            refused = {m.group(1): int(float(m.group(2))) for m in re.finditer(
+                r'^netagent_controller_connections_refused_total\{reason="(\w+)"\} (\S+)$', r.read().decode(), re.M)}
     finally:
         stop_process(proc, 10)
         log.close()
@@ -236,6 +240,7 @@ def run_storm(args, tmpdir: Path, pki: Pki, policy: Path) -> int:
     print(f"every node answered after {row['all_answered_s']:.1f} s ({row['attempts']} attempts for {args.nodes} "
           f"nodes); answer latency p50 {row['p50'] * 1000:.0f} ms, p99 {row['p99'] * 1000:.0f} ms; controller peak "
           f"RSS {rss:.0f} MiB")
+    print(f"connections closed on accept by reason (controller/connections.py): {refused}")
     return 0
 
 

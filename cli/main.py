@@ -353,6 +353,11 @@ def _controller_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-connections-per-address", type=int,
                    default=controller_config.DEFAULT_MAX_CONNECTIONS_PER_ADDRESS, metavar="N",
                    help="connections one client address may keep open (an agent needs 1, 2 during a failover)")
+    p.add_argument("--max-handshakes", type=int, default=controller_config.DEFAULT_MAX_HANDSHAKES, metavar="N",
+                   help="TLS handshakes one replica works on at once (a reconnect storm after a restart); more "
+                        "connections are closed on accept, before their handshake, and counted "
+                        "(netagent_controller_connections_refused_total{reason=\"TooManyHandshakes\"}); "
+                        "their agents keep their limits and come back after their jittered period")
     p.add_argument("--keepalive-timeout", type=float, default=controller_config.DEFAULT_KEEPALIVE_TIMEOUT,
                    metavar="SECONDS",
                    help="an agent connection idle this long is closed (longer than the report period, so "

@@ -28,7 +28,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from core.address import join_host_port
-from core.asynctls import set_tls_read_buffer
+from core.asynctls import HandshakeGate, set_tls_read_buffer
 from core.kubeapi import load_api_client
 from core.kubereview import access_review, token_review
 from core.policy import PolicyCache
@@ -271,8 +271,14 @@ class Controller:
         await app_runner.setup()
         assert app_runner.server is not None
         self.connections.hook(app_runner.server)
-        await web.TCPSite(app_runner, *self.cfg.listen, backlog=1024,
-                          ssl_context=self.tls.context if self.tls else None).start()
+        loop = asyncio.get_running_loop()
+        agent_server = None
+        if self.tls:  # the handshakes in progress bounded (a reconnect storm): core/asynctls.HandshakeGate
+            gate = HandshakeGate(self.tls.context, app_runner.server, self.cfg.max_handshakes,
+                                 self.cfg.max_connections_per_address, self.connections.refuse_handshake)
+            agent_server = await loop.create_server(gate, *self.cfg.listen, backlog=1024)
+        else:
+            await web.TCPSite(app_runner, *self.cfg.listen, backlog=1024).start()
         runners.append(app_runner)
         if self.cfg.metrics_listen is not None:
             metrics_app = web.Application()
@@ -287,7 +293,6 @@ class Controller:
         mode = "files " + ", ".join(self.cfg.from_file) if self.files else "the API server"
         log.info("controller serving agents on %s://%s (policy from %s; advertised as %s; round every %gs)",
                  "https" if self.tls else "http", join_host_port(*self.cfg.listen), mode, self.cfg.advertise, self.cfg.period)
-        loop = asyncio.get_running_loop()
         stopped = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stopped.set)
@@ -296,6 +301,8 @@ class Controller:
         finally:
             log.info("stopping: releasing the Lease; agents keep their allocations for their lease")
             await loop.run_in_executor(None, self.stop_background)
+            if agent_server is not None:
+                agent_server.close()  # no new connections; the runner's cleanup closes the open ones
             for runner in runners:
                 await runner.cleanup()
             self._stop_scrape_reviews()

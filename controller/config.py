@@ -18,6 +18,9 @@ DEFAULT_MAX_REPORTS_PER_SECOND = 1000.0
 # agents' kept-alive connections (controller/connections.py)
 DEFAULT_MAX_CONNECTIONS = 20_000  # 10,000 agents, each with a spare during a failover
 DEFAULT_MAX_CONNECTIONS_PER_ADDRESS = 8  # one agent (a node IP) needs 1, 2 during a failover
+# TLS handshakes in progress at once (core/asynctls.HandshakeGate): few enough that those accepted
+# finish well inside the agents' 3 s timeout on a loaded core (docs/scale.md "Bad input at scale")
+DEFAULT_MAX_HANDSHAKES = 64
 DEFAULT_KEEPALIVE_TIMEOUT = 75.0  # > the longest period the pacer advises by default (lease / 4 = 30 s)
 DEFAULT_ELECTION_LEASE_SECONDS = 3.0  # docs/scale.md finding 13: failover in seconds
 MIN_ELECTION_LEASE_SECONDS = 2.0  # the Lease stores whole seconds; shorter leaves calls no time to renew
@@ -40,6 +43,7 @@ class ControllerConfig:
     # agents' kept-alive connections (controller/connections.py)
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     max_connections_per_address: int = DEFAULT_MAX_CONNECTIONS_PER_ADDRESS
+    max_handshakes: int = DEFAULT_MAX_HANDSHAKES
     keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT
     report_ttl: float = 150.0  # >= lease_seconds: a silent node's share is held while it may still use it
     status_interval: float = 30.0
@@ -98,6 +102,7 @@ def from_flags(*, listen: str, metrics_listen: str | None, advertise: str | None
                max_pending_reports: int = DEFAULT_MAX_PENDING_REPORTS,
                max_connections: int = DEFAULT_MAX_CONNECTIONS,
                max_connections_per_address: int = DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
+               max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
                keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT, namespace: str, lease_name: str,
                identity: str | None, election_lease_seconds: float, no_auth: bool,
                agent_service_account: str | None, token_cache_seconds: float, insecure_http: bool = False,
@@ -123,6 +128,8 @@ def from_flags(*, listen: str, metrics_listen: str | None, advertise: str | None
     if not 1 <= max_connections_per_address <= max_connections:
         raise ConfigError(f"--max-connections-per-address ({max_connections_per_address}) must be between 1 and "
                           f"--max-connections ({max_connections})")
+    if not 1 <= max_handshakes <= 1_000_000:
+        raise ConfigError(f"--max-handshakes ({max_handshakes}) must be between 1 and 1000000")
     if not 0 < keepalive_timeout <= 3600:
         raise ConfigError(f"--keepalive-timeout ({keepalive_timeout:g}) must be between 0 and 3600 seconds")
     if not MIN_ELECTION_LEASE_SECONDS <= election_lease_seconds <= 3600:
@@ -171,7 +178,8 @@ def from_flags(*, listen: str, metrics_listen: str | None, advertise: str | None
         answer_wait=answer_wait, lease_seconds=lease_seconds, report_rate=report_rate, report_ttl=report_ttl,
         max_reports_per_second=max_reports_per_second,
         max_pending_reports=max_pending_reports, max_connections=max_connections,
-        max_connections_per_address=max_connections_per_address, keepalive_timeout=keepalive_timeout,
+        max_connections_per_address=max_connections_per_address, max_handshakes=max_handshakes,
+        keepalive_timeout=keepalive_timeout,
         status_interval=status_interval, namespace=namespace, lease_name=lease_name,
         identity=identity or f"{socket.gethostname()}@{advertise}", election_lease_seconds=election_lease_seconds,
         no_auth=no_auth, agent_service_account=agent_service_account, token_cache_seconds=token_cache_seconds,

@@ -6,8 +6,9 @@ TLS handshake. Kept connections are a shared resource: a client may hold at most
 `total` (the file descriptors and the ~40 KiB each costs: core/asynctls.py), and a connection idle
 for `keepalive_timeout` seconds is closed (aiohttp's RequestHandler, set by the caller). A
 connection over a bound is closed as soon as it is accepted, before it can send a request, and
-counted by reason; it costs the others nothing but its accept (and, with TLS, its handshake, which
-the listen backlog and the agents' retry pacing bound).
+counted by reason; it costs the others nothing but its accept and, with TLS, its handshake. The
+handshakes in progress are bounded before that (core/asynctls.HandshakeGate, `--max-handshakes`):
+a connection over that bound is closed on accept before any TLS work (TooManyHandshakes).
 
 Hooked into aiohttp's `web.Server` (the protocol factory an AppRunner serves): its public
 `connection_made`/`connection_lost` are called for every connection the server accepts.
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 TOO_MANY = "TooManyConnections"
 TOO_MANY_FROM_ADDRESS = "TooManyConnectionsFromAddress"
+TOO_MANY_HANDSHAKES = "TooManyHandshakes"
 
 
 @dataclass(eq=False)  # a collector in a registry: hashed by identity
@@ -59,6 +61,16 @@ class ConnectionBounds:
         self.refused[reason] += 1
         return reason
 
+    def refuse_handshake(self, address: str) -> None:
+        """A connection closed before its handshake (core/asynctls.HandshakeGate's on_refused)."""
+        self.refused[TOO_MANY_HANDSHAKES] += 1
+        self._log_refusal(TOO_MANY_HANDSHAKES, address)
+
+    def _log_refusal(self, reason: str, address: str) -> None:
+        if self.refused[reason] in (1, 10, 100) or self.refused[reason] % 1000 == 0:
+            log.warning("connection from %s closed: %s (%d open, at most %d, %d per address); %d so far",
+                        address, reason, self.open, self.total, self.per_address, self.refused[reason])
+
     def release(self, handler: Any) -> None:
         address = self.admitted.pop(handler, None)
         if address is not None:
@@ -80,10 +92,7 @@ class ConnectionBounds:
             peer = transport.get_extra_info("peername")
             reason = self.admit(handler, str(peer[0]) if peer else "?")
             if reason is not None:
-                if self.refused[reason] in (1, 10, 100) or self.refused[reason] % 1000 == 0:
-                    log.warning("connection from %s closed: %s (%d open, at most %d, %d per address); %d so far",
-                                peer[0] if peer else "?", reason, self.open, self.total, self.per_address,
-                                self.refused[reason])
+                self._log_refusal(reason, str(peer[0]) if peer else "?")
                 transport.abort()
 
         def connection_lost(handler: Any, exc: BaseException | None = None) -> None:
@@ -103,9 +112,11 @@ class ConnectionBounds:
         opened.add_metric([], self.opened)
         refused = CounterMetricFamily("netagent_controller_connections_refused",
                                       "Agent API connections closed on accept: over --max-connections in total "
-                                      "(TooManyConnections) or per client address (TooManyConnectionsFromAddress).",
+                                      "(TooManyConnections) or per client address (TooManyConnectionsFromAddress), "
+                                      "or before their TLS handshake over --max-handshakes in progress "
+                                      "(TooManyHandshakes).",
                                       labels=["reason"])
-        for reason in (TOO_MANY, TOO_MANY_FROM_ADDRESS):
+        for reason in (TOO_MANY, TOO_MANY_FROM_ADDRESS, TOO_MANY_HANDSHAKES):
             refused.add_metric([reason], self.refused[reason])
         return [now, opened, refused]
 

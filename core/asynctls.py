@@ -1,4 +1,4 @@
-"""asyncio's TLS read buffer, per process.
+"""asyncio's TLS read buffer, per process, and a bound on the TLS handshakes a server works on.
 
 asyncio's TLS transport (Python 3.11+) gives every connection a 256 KiB read buffer the moment it
 is accepted or opened (`sslproto.SSLProtocol.max_size`, a class attribute read for each new
@@ -10,7 +10,11 @@ anyway. Measured: 280 KiB of RSS a connection before, 40 KiB after
 """
 from __future__ import annotations
 
+import asyncio
 import asyncio.sslproto
+import ssl
+from collections import Counter
+from typing import Any, Callable
 
 TLS_READ_BUFFER_BYTES = 16 * 1024
 
@@ -20,3 +24,71 @@ def set_tls_read_buffer(size: int = TLS_READ_BUFFER_BYTES) -> None:
     where a Python has no such attribute)."""
     if isinstance(getattr(asyncio.sslproto.SSLProtocol, "max_size", None), int):
         asyncio.sslproto.SSLProtocol.max_size = size
+
+
+HANDSHAKE_TIMEOUT_SECONDS = 10  # a client silent this long mid-handshake gives its place up
+
+
+class HandshakeGate:
+    """A TLS server's protocol factory (for `loop.create_server` without `ssl=`) that works on at
+    most `limit` handshakes at once, at most `per_address` of them from one client address. A
+    connection over either bound is closed as soon as it is accepted, before any TLS work, and
+    `on_refused(peer)` is called.
+
+    Why: with `ssl=`, asyncio starts every accepted connection's handshake at once, and they share
+    the one event loop; in a reconnect storm of 2,000 agents every handshake finished late and 1,997
+    of 2,000 first reports timed out at the agents' 3 s (docs/scale.md "Bad input at scale"). With
+    the gate the accepted handshakes finish in time and the refused agents come back later.
+    The TLS layer is asyncio's own (SSLProtocol, as `ssl=` builds it), started per connection."""
+
+    def __init__(self, context: ssl.SSLContext, protocol_factory: Callable[[], asyncio.BaseProtocol], limit: int,
+                 per_address: int, on_refused: Callable[[str], None],
+                 handshake_timeout: int = HANDSHAKE_TIMEOUT_SECONDS):
+        self.context = context
+        self.protocol_factory = protocol_factory
+        self.limit = limit
+        self.per_address = per_address
+        self.on_refused = on_refused
+        self.handshake_timeout = handshake_timeout
+        self.by_address: Counter[str] = Counter()  # handshakes in progress per client address
+
+    @property
+    def in_flight(self) -> int:
+        return self.by_address.total()
+
+    def __call__(self) -> asyncio.Protocol:
+        return _Gated(self)
+
+    def start(self, transport: asyncio.Transport) -> None:
+        peer = transport.get_extra_info("peername")
+        address = str(peer[0]) if peer else "?"
+        if self.in_flight >= self.limit or self.by_address[address] >= self.per_address:
+            transport.abort()
+            self.on_refused(address)
+            return
+        self.by_address[address] += 1
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()  # resolved when the handshake ends, either way
+        done.add_done_callback(lambda f: self._ended(address, f))
+        tls = asyncio.sslproto.SSLProtocol(loop, self.protocol_factory(), self.context, done, server_side=True,
+                                           ssl_handshake_timeout=self.handshake_timeout)
+        transport.set_protocol(tls)
+        tls.connection_made(transport)
+
+    def _ended(self, address: str, done: asyncio.Future[Any]) -> None:
+        self.by_address[address] -= 1
+        if self.by_address[address] <= 0:
+            del self.by_address[address]
+        if not done.cancelled():
+            done.exception()  # retrieved: a failed handshake is the client's problem, asyncio logs it in debug
+
+
+class _Gated(asyncio.Protocol):
+    """An accepted connection before its handshake: admitted into TLS or closed (HandshakeGate)."""
+
+    def __init__(self, gate: HandshakeGate):
+        self.gate = gate
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.gate.start(transport)

@@ -1,7 +1,8 @@
 """Agents' kept-alive connections to a real controller process (TLS, from files): several reports
-over one connection, a TLS session resumed after the controller closed an idle one, and the
-bounds on kept connections (per client address, in total, idle time), each counted in a metric
-(controller/connections.py, netagent/transport.py; issue 37)."""
+over one connection, a TLS session resumed after the controller closed an idle one, the
+bounds on kept connections (per client address, in total, idle time) and on TLS handshakes in
+progress (a reconnect storm), each counted in a metric (controller/connections.py,
+core/asynctls.py, netagent/transport.py; issue 37)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ import pytest
 
 from lab.kube import Pki
 from lab.procs import wait_for
-from netagent.transport import ControllerClient
+from netagent.transport import ControllerClient, ControllerError
 from tests.test_controller_service import controller_process, node_report, write_policy
 
 
@@ -121,3 +122,55 @@ def test_a_client_that_sends_nothing_is_closed_after_the_idle_timeout(tls_contro
         finally:
             silent.close()
             partial.close()
+
+
+def silent_tcp(port: int, source: str) -> socket.socket:
+    """A connection from `source` that never starts its TLS handshake: the controller's handshake
+    with it stays in progress (until the handshake timeout, 10 s)."""
+    return socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+
+
+def test_handshakes_over_the_bound_are_closed_before_tls_and_counted_and_the_accepted_are_answered(tls_controller):
+    """A reconnect storm's bound: at most --max-handshakes TLS handshakes in progress, at most
+    --max-connections-per-address of them from one address; a connection over either is closed on
+    accept (its client sees the connection end, no TLS), counted as TooManyHandshakes, and a
+    client within the bound is answered meanwhile. Silent TCP clients stand for the handshakes a
+    storm has in progress (a real storm's cannot be held open on demand)."""
+    start, pki, ctx = tls_controller
+    with start("--max-handshakes", "3", "--max-connections-per-address", "2") as (_proc, base):
+        port = int(base.rsplit(":", 1)[1])
+        body = json.dumps(node_report("n1", [("web", "w1", 1e6)])).encode()
+        held = [silent_tcp(port, "127.0.0.2"), silent_tcp(port, "127.0.0.2")]
+        try:
+            third = silent_tcp(port, "127.0.0.2")  # a third handshake from that address
+            assert closed_by_server(third)
+            third.close()
+            client = ControllerClient(f"https://localhost:{port}", str(pki.ca_file))
+            raw, _ = client.post("/v1/nodes/n1/report", body, None)  # 2 of 3 in progress: answered
+            assert "generation" in json.loads(raw)
+            client.close()
+            held.append(silent_tcp(port, "127.0.0.3"))  # 3 in progress: the bound
+            over = silent_tcp(port, "127.0.0.4")
+            assert closed_by_server(over)
+            over.close()
+            refused = ControllerClient(f"https://localhost:{port}", str(pki.ca_file))
+            with pytest.raises(ControllerError, match="unreachable"):
+                refused.post("/v1/nodes/n1/report", body, None)
+            refused.close()
+            assert not any(closed_by_server(s, 0.3) for s in held)  # those in progress are kept
+        finally:
+            for s in held:
+                s.close()
+
+        def refusals() -> float | None:  # the fetch is refused too until the held ones are gone
+            try:
+                return metric(base, ctx, "netagent_controller_connections_refused_total",
+                              '{reason="TooManyHandshakes"}')
+            except OSError:
+                return None
+        assert wait_for(lambda: refusals() is not None, timeout=10, what="the held handshakes released")
+        assert refusals() == 3  # the third from 127.0.0.2, the fourth in progress, the refused client
+        client = ControllerClient(f"https://localhost:{port}", str(pki.ca_file))
+        raw, _ = client.post("/v1/nodes/n1/report", body, None)  # served again
+        assert "generation" in json.loads(raw)
+        client.close()
