@@ -599,7 +599,8 @@ def test_cleanup_without_a_counter_removes_what_a_gone_agent_left(bpffs, lab, tm
         name for (_, _, gated), name in progs.PROGRAMS.items() if way == "tcx" or not gated)]
     assert ebpf.unpin_dir(pin_dir) == [*links, *programs, f"pinned map {pin_dir}/internal",
                                        f"pinned map {pin_dir}/node", f"pinned map {pin_dir}/segments",
-                                       f"directory {pin_dir}"]
+                                       f"pinned map {pin_dir}/scopebytes", f"pinned map {pin_dir}/scopes4",
+                                       f"pinned map {pin_dir}/scopes6", f"directory {pin_dir}"]
     assert len(links) == (4 if way == "tcx" else 0)
     assert ours_soon(lab.node, "veth-a", []) == ours_soon(lab.node, "veth-b", []) == []
     assert ebpf.unpin_dir(pin_dir) == []
@@ -637,7 +638,7 @@ def test_the_programs_for_no_networks_and_for_forty_a_family_load(bpffs):
 
 @root
 def test_a_program_the_verifier_refuses_is_named_with_the_verifiers_words(bpffs, monkeypatch):
-    monkeypatch.setattr(progs, "program", lambda networks, egress, map_fd, node=False, gate=0, segments_fd=-1: asm.insn(0x95))  # exit, r0 unset
+    monkeypatch.setattr(progs, "program", lambda networks, egress, map_fd, **kw: asm.insn(0x95))  # exit, r0 unset
     with InternalCounter(os.path.join(bpffs, "netagent")) as counter:
         with pytest.raises(EbpfError, match=r"(?s)na_count_in failed: .*EACCES.*the verifier said: .*R0 !read_ok"):
             counter.set_networks(NETS)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-R0, R1, R2, R3, R4, R6, R10 = 0, 1, 2, 3, 4, 6, 10
+R0, R1, R2, R3, R4, R6, R7, R8, R10 = 0, 1, 2, 3, 4, 6, 7, 8, 10
 # what resolve() takes: an instruction, ("label", name) or ("jmp", code, dst, imm, target)
 Item = bytes | tuple[Any, ...]
 

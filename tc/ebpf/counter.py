@@ -15,9 +15,10 @@ from collections.abc import Iterable, Iterator
 from . import clsact, programs, tcx
 from .clsact import Filters
 from .maps import (KEY_SIZE, MAP_NAME, NODE_INTERNAL, NODE_INTERNET, NODE_MAP_NAME, NODE_MAP_SHAPE, NODE_PIN_NAME,
-                   PIN_NAME, PROG_PIN, SEGMENTS_MAP_NAME, SEGMENTS_PIN_NAME, address_of, adopt,
-                   bpffs_problem, create_map, get_pinned, key_of, map_shape, pin_object, possible_cpus,
-                   segments_shape, unpin_dir)
+                   PIN_NAME, PROG_PIN, SCOPE_BYTES_MAP_NAME, SCOPE_BYTES_PIN_NAME, SCOPE_ENTRIES, SCOPE_MAP_NAMES,
+                   SCOPE_PIN_NAMES, SEGMENTS_MAP_NAME, SEGMENTS_PIN_NAME, address_of, adopt, bpffs_problem, create_map,
+                   get_pinned, key_of, map_shape, pin_object, possible_cpus, scope_apply, scope_bytes_shape,
+                   scope_entries, scope_map_shape, segments_shape, unpin_dir)
 from .programs import Networks, parse_networks
 from .syscall import (BPF_MAP_DELETE_ELEM, BPF_MAP_LOOKUP_BATCH, BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM, BPF_NOEXIST,
                       SYS_BPF, EbpfError, addr, bpf, bpf_attr, map_info, prog_info, refusal)
@@ -74,6 +75,7 @@ class InternalCounter:
         self.pin = os.path.join(pin_dir, PIN_NAME)
         self.node_pin = os.path.join(pin_dir, NODE_PIN_NAME)
         self.segments_pin = os.path.join(pin_dir, SEGMENTS_PIN_NAME)
+        self.scope_bytes_pin = os.path.join(pin_dir, SCOPE_BYTES_PIN_NAME)
         self.netns = netns
         self.pref = pref
         self.max_entries = max_entries
@@ -82,7 +84,9 @@ class InternalCounter:
         self.progs: dict[tuple[bool, bool, bool], tuple[int, int, bytes]] = {}  # PROGRAMS' keys -> (fd, id, tag)
         self._tc = Filters(netns, pref)
         self._batch: dict[int, tuple[ctypes.Array, ctypes.Array]] = {}  # u64s a value -> read buffers
-        self.map_fd = self.node_map_fd = self.segments_fd = -1
+        self.map_fd = self.node_map_fd = self.segments_fd = self.scope_bytes_fd = -1
+        self.scope_fds: dict[int, int] = {}  # family -> the scopes' LPM trie
+        self._scope_entries: dict | None = None  # what the tries hold, once read
         problem = bpffs_problem(pin_dir)
         if problem:
             raise EbpfError(problem)
@@ -91,10 +95,15 @@ class InternalCounter:
             self.map_fd = adopt(self.pin, map_shape(max_entries), MAP_NAME)
             self.node_map_fd = adopt(self.node_pin, NODE_MAP_SHAPE, NODE_MAP_NAME)
             self.segments_fd = adopt(self.segments_pin, segments_shape(max_entries), SEGMENTS_MAP_NAME)
+            self.scope_bytes_fd = adopt(self.scope_bytes_pin, scope_bytes_shape(max_entries), SCOPE_BYTES_MAP_NAME)
+            for family, name in SCOPE_PIN_NAMES.items():
+                self.scope_fds[family] = adopt(os.path.join(pin_dir, name), scope_map_shape(family, SCOPE_ENTRIES),
+                                               SCOPE_MAP_NAMES[family])
         except BaseException:
             self.close()
             raise
-        self.map_ids = {fd: map_info(fd)[1] for fd in (self.map_fd, self.node_map_fd, self.segments_fd)}
+        self.map_ids = {fd: map_info(fd)[1] for fd in (self.map_fd, self.node_map_fd, self.segments_fd,
+                                                       self.scope_bytes_fd, *self.scope_fds.values())}
         self.attach_by = attach_by if attach_by != "auto" else "tcx" if tcx.tcx_available(netns) else "tc"
         # the egress links end the hook for an unmarked packet, sparing it the clsact filters after them (the
         # shaper's redirect at gate_pref), where nothing else would be skipped (attach() checks each device)
@@ -108,10 +117,11 @@ class InternalCounter:
         for fd, _, _ in self.progs.values():
             os.close(fd)
         self.progs = {}
-        for fd in (self.map_fd, self.node_map_fd, self.segments_fd):
+        for fd in (self.map_fd, self.node_map_fd, self.segments_fd, self.scope_bytes_fd, *self.scope_fds.values()):
             if fd >= 0:
                 os.close(fd)
-        self.map_fd = self.node_map_fd = self.segments_fd = -1
+        self.map_fd = self.node_map_fd = self.segments_fd = self.scope_bytes_fd = -1
+        self.scope_fds = {}
         self._tc.close()
 
     def __enter__(self) -> "InternalCounter":
@@ -141,11 +151,16 @@ class InternalCounter:
                     continue
                 # a pod device's egress (what the pod receives) also counts the internet's merged segments
                 segments = self.segments_fd if egress and not uplink else programs.NO_MAP
+                # a pod device's programs also count its bytes by the far end's scope (the tries)
+                scopes = {} if uplink else {f: self.scope_fds[f] for f in nets}
                 code = programs.program(texts, egress, self.node_map_fd if uplink else self.map_fd, node=uplink,
-                                        gate=self.gate_mark if gated else 0, segments_fd=segments)
+                                        gate=self.gate_mark if gated else 0, segments_fd=segments,
+                                        scopes_fds=scopes or None,
+                                        scope_bytes_fd=self.scope_bytes_fd if scopes else programs.NO_MAP)
                 fd = programs.load(code, name)
                 prog_id, tag, _ = prog_info(fd)
-                uses = (self.node_map_fd if uplink else self.map_fd, *((segments,) if segments >= 0 else ()))
+                uses = (self.node_map_fd if uplink else self.map_fd, *((segments,) if segments >= 0 else ()),
+                        *((self.scope_bytes_fd, *scopes.values()) if scopes else ()))
                 pinned = self._pinned_program(name, tag, {self.map_ids[m] for m in uses})
                 if pinned is not None:  # the same program, already running: keep it (its id is the filters')
                     os.close(fd)
@@ -217,6 +232,32 @@ class InternalCounter:
         first, and how many such segments; summed over the CPUs."""
         return {address_of(key): (sum(v[0::2]), sum(v[1::2])) for key, v in self._entries(self.segments_fd, 2)}
 
+    def read_scopes(self) -> dict[str, tuple[int, int, int, int]]:
+        """Pod address -> (bytes sent cross-zone, sent cross-region, received cross-zone, received
+        cross-region), summed over the CPUs: the part of read()'s internal bytes whose far end the tries
+        place in another zone or region."""
+        return {address_of(key): (sum(v[0::4]), sum(v[1::4]), sum(v[2::4]), sum(v[3::4]))
+                for key, v in self._entries(self.scope_bytes_fd, 4)}
+
+    def set_scopes(self, entries: dict) -> int:
+        """Make the tries hold exactly these entries (network -> scope id, core.scopes.lpm_entries): only
+        the difference is written, in place; the attached programs see it at their next packet. ->
+        entries upserted or deleted."""
+        if any(net.version not in self.scope_fds for net in entries):
+            raise EbpfError("a scope entry of neither IPv4 nor IPv6")
+        if self._scope_entries is None:  # what an earlier agent left in the pinned tries
+            self._scope_entries = scope_entries(self.scope_fds)
+        old = self._scope_entries
+        upserts = {k: v for k, v in entries.items() if old.get(k) != v}
+        deletes = [k for k in old if k not in entries]
+        try:
+            scope_apply(self.scope_fds, upserts, deletes)
+        except OSError as exc:
+            self._scope_entries = None  # read again next time: some of it may have been written
+            raise EbpfError(f"updating the scopes tries failed: {exc.strerror}") from None
+        self._scope_entries = dict(entries)
+        return len(upserts) + len(deletes)
+
     def read_node(self) -> dict[str, int]:
         """The node's totals through its uplinks, summed over the CPUs, in bytes, by the rules' node
         kinds: egress_internal, ingress_internal, ingress_internet (its internet egress is the rules')."""
@@ -241,7 +282,7 @@ class InternalCounter:
             raise EbpfError(f"{len(want)} pod addresses do not fit the internal counter's {self.max_entries} entries "
                             "(its max_entries); nothing was changed")
         changed: set[bytes] = set()
-        for fd, words in ((self.map_fd, 4), (self.segments_fd, 2)):
+        for fd, words in ((self.map_fd, 4), (self.segments_fd, 2), (self.scope_bytes_fd, 4)):
             have = {key for key, _ in self._entries(fd, words)}
             self._set_keys(fd, have, want, words)
             changed |= have ^ want
@@ -313,6 +354,8 @@ class InternalCounter:
         agent finds them, and the links have a directory to be pinned in."""
         os.makedirs(self.pin_dir, exist_ok=True)
         for fd, pin in ((self.map_fd, self.pin), (self.node_map_fd, self.node_pin), (self.segments_fd, self.segments_pin),
+                        (self.scope_bytes_fd, self.scope_bytes_pin),
+                        *((fd, os.path.join(self.pin_dir, SCOPE_PIN_NAMES[f])) for f, fd in self.scope_fds.items()),
                         *((fd, os.path.join(self.pin_dir, PROG_PIN + programs.PROGRAMS[which])) for which, (fd, _, _)
                           in self.progs.items())):
             if not os.path.lexists(pin):

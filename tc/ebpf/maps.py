@@ -11,7 +11,7 @@ import logging
 import os
 import struct
 
-from .syscall import (BPF_F_NO_PREALLOC, BPF_MAP_CREATE, BPF_MAP_DELETE_ELEM, BPF_MAP_LOOKUP_ELEM,
+from .syscall import (BPF_F_NO_PREALLOC, BPF_MAP_CREATE, BPF_MAP_DELETE_ELEM, BPF_MAP_GET_NEXT_KEY, BPF_MAP_LOOKUP_ELEM,
                       BPF_MAP_TYPE_PERCPU_ARRAY, BPF_MAP_TYPE_PERCPU_HASH, BPF_MAP_UPDATE_ELEM, BPF_OBJ_GET,
                       BPF_OBJ_PIN, EbpfError, addr, bpf, bpf_attr, map_info, refusal, statfs_magic)
 
@@ -31,6 +31,13 @@ NODE_INTERNAL, NODE_INTERNET = 0, 1
 SEGMENTS = struct.Struct("=2Q")
 SEGMENTS_MAP_NAME = b"na_segments"
 SEGMENTS_PIN_NAME = "segments"
+# a pod's bytes by its far end's scope (issue 39), keyed as the pods' map: sent cross-zone, sent cross-region,
+# received cross-zone, received cross-region (programs.SCOPE_SLOTS); its own map, so the pods' map keeps its shape
+SCOPE_BYTES = struct.Struct("=4Q")
+SCOPE_BYTES_MAP_NAME = b"na_scopebytes"
+SCOPE_BYTES_PIN_NAME = "scopebytes"
+SCOPE_PIN_NAMES = {4: "scopes4", 6: "scopes6"}  # the LPM tries (below), pinned beside the pods' map
+SCOPE_ENTRIES = 8192  # a trie's bound: core.scopes.MAX_CIDRS described CIDRs and the cluster's own
 PROG_PIN = "prog-"  # + the program's name
 LINK_PIN = "link-"  # + "<ifindex>-in" / "-out": a tcx link, the attachment itself
 
@@ -58,6 +65,11 @@ def map_shape(max_entries: int) -> tuple[int, int, int, int, int]:
 def segments_shape(max_entries: int) -> tuple[int, int, int, int, int]:
     """The segments map's shape: the pods' map's keys, SEGMENTS values."""
     return BPF_MAP_TYPE_PERCPU_HASH, KEY_SIZE, SEGMENTS.size, max_entries, BPF_F_NO_PREALLOC
+
+
+def scope_bytes_shape(max_entries: int) -> tuple[int, int, int, int, int]:
+    """The scope bytes map's shape: the pods' map's keys, SCOPE_BYTES values."""
+    return BPF_MAP_TYPE_PERCPU_HASH, KEY_SIZE, SCOPE_BYTES.size, max_entries, BPF_F_NO_PREALLOC
 
 
 NODE_MAP_SHAPE = (BPF_MAP_TYPE_PERCPU_ARRAY, 4, VALUE.size, 2, 0)  # the node's map: NODE_INTERNAL, NODE_INTERNET
@@ -165,7 +177,7 @@ def unpin_dir(pin_dir: str) -> list[str]:
         elif name.startswith(PROG_PIN):
             os.unlink(pin)
             removed.append(f"pinned program {pin}")
-    for name in (PIN_NAME, NODE_PIN_NAME, SEGMENTS_PIN_NAME):
+    for name in (PIN_NAME, NODE_PIN_NAME, SEGMENTS_PIN_NAME, SCOPE_BYTES_PIN_NAME, *SCOPE_PIN_NAMES.values()):
         pin = os.path.join(pin_dir, name)
         if os.path.lexists(pin):
             os.unlink(pin)
@@ -176,7 +188,7 @@ def unpin_dir(pin_dir: str) -> list[str]:
     return removed
 
 
-# Destination scopes (issue 39, foundations; not attached to any program yet): two LPM tries, one
+# Destination scopes (issue 39; programs.program looks the far address up in them): two LPM tries, one
 # per family, key = u32 prefix length + the address bytes (network order), value = a u32 scope id
 # (core.scopes.SCOPE_IDS). A changed description is an upsert/delete of entries, never a re-attach.
 BPF_MAP_TYPE_LPM_TRIE = 11
@@ -216,3 +228,31 @@ def scope_lookup(fds: dict[int, int], address: str) -> int | None:
             return None
         raise
     return int(SCOPE_VALUE.unpack(val.raw[:SCOPE_VALUE.size])[0])
+
+
+def scope_entries(fds: dict[int, int]) -> dict[ipaddress.IPv4Network | ipaddress.IPv6Network, int]:
+    """Every entry of the tries (prefix -> scope id): what an earlier agent left, to diff against."""
+    out: dict[ipaddress.IPv4Network | ipaddress.IPv6Network, int] = {}
+    for version, fd in fds.items():
+        size = 4 + (4 if version == 4 else 16)
+        key, nxt = ctypes.create_string_buffer(size), ctypes.create_string_buffer(size)
+        val = ctypes.create_string_buffer(SCOPE_VALUE.size)
+        first = True
+        while True:
+            try:
+                bpf(BPF_MAP_GET_NEXT_KEY, bpf_attr("=IIQQ", fd, 0, 0 if first else addr(key), addr(nxt)))
+            except OSError as exc:
+                if exc.errno == 2:  # ENOENT: the last key
+                    break
+                raise EbpfError(f"reading the scopes trie failed: {exc.strerror}") from None
+            first = False
+            key.raw = nxt.raw
+            try:
+                bpf(BPF_MAP_LOOKUP_ELEM, bpf_attr("=IIQQ", fd, 0, addr(key), addr(val)))
+            except OSError:
+                continue  # deleted meanwhile
+            (plen,) = struct.unpack_from("=I", key.raw)
+            address = ipaddress.ip_address(key.raw[4:size])
+            net = ipaddress.ip_network(f"{address}/{plen}")
+            out[net] = int(SCOPE_VALUE.unpack(val.raw[:SCOPE_VALUE.size])[0])
+    return out

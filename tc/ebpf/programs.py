@@ -10,7 +10,7 @@ import errno
 import ipaddress
 import struct
 
-from .asm import R0, R1, R2, R3, R4, R6, R10, Item, insn, le, resolve
+from .asm import R0, R1, R2, R3, R4, R6, R7, R8, R10, Item, insn, le, resolve
 from .maps import NODE_INTERNAL, NODE_INTERNET
 from .syscall import BPF_PROG_LOAD, BPF_PROG_TYPE_SCHED_CLS, EbpfError, addr, bpf, bpf_attr, refusal
 
@@ -27,6 +27,9 @@ SKB_GSO_SEGS, SKB_GSO_SIZE = 164, 176  # readable by sched_cls programs since Li
 IPPROTO_TCP, IPPROTO_UDP, UDP_HLEN = 6, 17, 8
 # the stack beyond the addresses (fp-32..-1), the IPv4 key (fp-24..-9) and the node map's index (fp-40):
 MERGED, MERGED_SEGS, HEADER = -48, -56, -72  # merged segments' headers (u64), their count (u64), header bytes read
+# the scopes' trie key (u32 prefix length + the address, up to 20 bytes) and the packet's length kept over a call
+SCOPE_KEY, SCOPE_LEN = -96, -104
+SCOPE_SLOTS = {1: 0, 2: 8}  # scope id (core.scopes.SCOPE_IDS: cross-zone, cross-region) -> its u64 in a direction's half
 PACKET_OTHERHOST = 3
 # where the addresses are, from the start of the frame (the MAC header): source and destination together
 ADDRESSES = {4: (26, 8), 6: (22, 32)}  # family: (offset, length)
@@ -68,7 +71,7 @@ def parse_networks(networks: dict[int, tuple[str, ...]]) -> Networks:
 
 
 def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, node: bool = False, gate: int = 0,
-            segments_fd: int = NO_MAP) -> bytes:
+            segments_fd: int = NO_MAP, scopes_fds: dict[int, int] | None = None, scope_bytes_fd: int = NO_MAP) -> bytes:
     """The counting program of one hook of a pod's device (node=False) or of an uplink (node=True),
     as instructions.
 
@@ -79,7 +82,12 @@ def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, nod
     (the egress hook only), a packet from the internet that carries several segments (GRO merged it on
     the uplink, or TSO built it) adds the headers of its segments beyond the first, and their count, to
     its destination's entry in that map: the rules count such a packet once with one header, the
-    uplink's wire carried each segment with its own (`_merged`).
+    uplink's wire carried each segment with its own (`_merged`). With `scopes_fds` (family -> the
+    scopes' LPM trie) and `scope_bytes_fd` (pod devices only), an internal packet's far address (the
+    destination of what the pod sends, the source of what it receives) is looked up once in its family's
+    trie, and a cross-zone or cross-region one is added to the pod's entry in that map too (its bytes in
+    the direction's half, SCOPE_SLOTS): the pods' map keeps its shape, and a changed trie changes the
+    counting without reloading or re-attaching anything.
 
     Uplink (the node's totals, in the node map): on its egress hook a packet with an internal
     destination is added to NODE_INTERNAL's sent slots (the rules count what the node sends to the
@@ -103,6 +111,14 @@ def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, nod
     if segments_fd != NO_MAP and (node or not egress):
         raise EbpfError("the segments map only on a pod device's egress hook: what the pod receives")
     segments = segments_fd != NO_MAP
+    scoped = scopes_fds is not None and scope_bytes_fd != NO_MAP
+    if scoped and node:
+        raise EbpfError("the scopes are counted per pod: on a pod device's hooks only")
+    if scoped:
+        assert scopes_fds is not None
+        missing = set(nets) - set(scopes_fds)
+        if missing:
+            raise EbpfError(f"no scopes trie for IPv{min(missing)}")
     if not nets and not other and not segments:  # nothing to count
         return resolve([insn(0xBF, R6, R1), *_verdict(gate)]) if gate else resolve(_verdict(0))
     # instructions, ("label", name), and ("jmp", code, dst, imm, target): a jump resolved once labels are placed
@@ -153,6 +169,9 @@ def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, nod
             continue
         if family_nets:
             body.append(("label", f"KEY{family}"))
+            if scoped:
+                assert scopes_fds is not None
+                body += _scope_lookup(family, base + scope * width, scopes_fds[family])
             body += _key(family, base + key * width)
             jump(0x05, 0, 0, "LOOKUP")
         if segments:  # from the internet: the headers of the segments merged into it, to its destination's entry
@@ -179,6 +198,8 @@ def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, nod
             body += [insn(0xBF, R2, R10), insn(0x07, R2, 0, 0, -40)]
     if nets or other:
         body.append(("label", "LOOKUP"))
+        if scoped:
+            body.append(insn(0xBF, R7, R2))  # the pod's key, for the scopes' map after this lookup
         body += [insn(0x18, R1, BPF_PSEUDO_MAP_FD, 0, map_fd), insn(0, 0, 0, 0, 0),  # r1 = the map (ld_imm64)
                  insn(0x85, 0, 0, 0, BPF_FUNC_MAP_LOOKUP_ELEM)]
         jump(0x15, R0, 0, "OUT")  # no such pod
@@ -187,6 +208,18 @@ def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, nod
             body += [insn(0x79, R2, R10, MERGED), insn(0x0F, R1, R2)]  # + the merged segments' headers
         body += [insn(0x79, R2, R0, slot), insn(0x0F, R2, R1), insn(0x7B, R0, R2, slot),  # bytes += r1 (this CPU's)
                  insn(0x79, R2, R0, slot + 8), insn(0x07, R2, 0, 0, 1), insn(0x7B, R0, R2, slot + 8)]  # packets += 1
+        if scoped:  # r8 = the far address's scope id; only cross-zone and cross-region have slots
+            jump(0x15, R8, 0, "OUT")
+            jump(0x25, R8, max(SCOPE_SLOTS), "OUT")
+            body += [insn(0x7B, R10, R1, SCOPE_LEN), insn(0x18, R1, BPF_PSEUDO_MAP_FD, 0, scope_bytes_fd),
+                     insn(0, 0, 0, 0, 0), insn(0xBF, R2, R7), insn(0x85, 0, 0, 0, BPF_FUNC_MAP_LOOKUP_ELEM)]
+            jump(0x15, R0, 0, "OUT")  # no such pod
+            body.append(insn(0x79, R1, R10, SCOPE_LEN))
+            for sid, at in SCOPE_SLOTS.items():
+                jump(0x55, R8, sid, f"NOTSCOPE{sid}")
+                body += [insn(0x79, R2, R0, slot + at), insn(0x0F, R2, R1), insn(0x7B, R0, R2, slot + at)]
+                jump(0x05, 0, 0, "OUT")
+                body.append(("label", f"NOTSCOPE{sid}"))  # the last one: on to what follows, as without scopes
         if segments:
             jump(0x05, 0, 0, "OUT")
     if segments:
@@ -209,6 +242,20 @@ def _key(family: int, at: int) -> list[Item]:
     return [insn(0x7A, R10, 0, -24, 0), insn(0x62, R10, 0, -16, le(b"\0\0\xff\xff")),
             insn(0x61, R4, R10, at), insn(0x63, R10, R4, -12),
             insn(0xBF, R2, R10), insn(0x07, R2, 0, 0, -24)]
+
+
+def _scope_lookup(family: int, at: int, trie_fd: int) -> list[Item]:
+    """r8 = the scope id of the address copied to fp+at, from the family's LPM trie (a full-length key built
+    at fp+SCOPE_KEY), 0 (internal) when no prefix holds it. Uses r0-r4."""
+    size = 4 if family == 4 else 16
+    body: list[Item] = [insn(0x62, R10, 0, SCOPE_KEY, size * 8)]  # the key's prefix length: every bit
+    for i in range(0, size, 4):
+        body += [insn(0x61, R4, R10, at + i), insn(0x63, R10, R4, SCOPE_KEY + 4 + i)]
+    body += [insn(0x18, R1, BPF_PSEUDO_MAP_FD, 0, trie_fd), insn(0, 0, 0, 0, 0),
+             insn(0xBF, R2, R10), insn(0x07, R2, 0, 0, SCOPE_KEY), insn(0x85, 0, 0, 0, BPF_FUNC_MAP_LOOKUP_ELEM),
+             insn(0xB7, R8, 0, 0, 0), ("jmp", 0x15, R0, 0, f"SCOPED{family}"),
+             insn(0x61, R8, R0, 0), ("label", f"SCOPED{family}")]
+    return body
 
 
 def _merged(family: int, done: str) -> list[Item]:
