@@ -162,6 +162,8 @@ class CostCollector:
         # every replica: the per-pod cost recording rules join the agents' bytes with it (no more agent series)
         price = GaugeMetricFamily("netagent_controller_scope_price_per_gib", "the NetworkScopes price per GiB by "
                                   "scope and direction", labels=["scope", "direction", "currency"])
+        quota = GaugeMetricFamily("netagent_team_cost_quota", "the team's cost quota per period (quota.cost)",
+                                  labels=["team", "currency"])
         problems = GaugeMetricFamily("netagent_controller_scopes_problems",
                                      "problems of the NetworkScopes object (the last valid one stays in force)",
                                      value=len(self.keeper.problems))
@@ -175,4 +177,7 @@ class CostCollector:
                 nbytes.add_metric(lv, in_total)
                 total.add_metric(lv + [prices.currency], float(cost(prices, in_total, scope, d)))
                 period.add_metric(lv + [prices.currency], float(cost(prices, in_period, scope, d)))
-        yield from (nbytes, total, period, price, problems)
+            for team, q in sorted(self.keeper.quotas.items()):
+                if q.cost is not None:
+                    quota.add_metric([team, prices.currency], float(q.cost))
+        yield from (nbytes, total, period, price, quota, problems)
