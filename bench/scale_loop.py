@@ -1,7 +1,7 @@
 """bench/scale.py's control loop in one process, without HTTP, the API server or CPU contention:
 to tell the product's behaviour from the bench's (docs/scale.md, "Fairness and the budget error").
 
-    python3 bench/scale_loop.py [--nodes 30] [--round 5] [--answer-wait] [--nominal-dt]
+    python3 bench/scale_loop.py [--nodes 30] [--round 5] [--answer-wait] [--nominal-dt] [--why]
 
 The same pods, policy, appetites and demand shift as bench/scale.py, the agent's own demand
 estimator (netagent.demand.PodDemand) and the engine (core.engine.allocate): agents report every
@@ -9,9 +9,11 @@ estimator (netagent.demand.PodDemand) and the engine (core.engine.allocate): age
 latest round (the controller's default) or, with --answer-wait, from the first round after the
 report. --nominal-dt reproduces the bench's old bug (bytes of the nominal period over the time
 that really passed). Printed every period: time, share of pods within 5 % of fair, sent vs
-budget, the feedback gain.
+budget, the feedback gain. --why: each period after the shift, the pods off their fair share by
+cause (see `causes`): the measurement behind docs/allocation.md, "Where a shift's periods go".
 """
 import argparse
+import collections
 import random
 import sys
 from pathlib import Path
@@ -23,7 +25,21 @@ from core.policy import load_policy, resolve_pods
 from core.engine import PodDemandIn, allocate
 from netagent.demand import PodDemand, Sample
 
-def run(nodes, ppn, nominal_dt, period=5.0, round_s=5.0, steps=880, shift_at=640, seed=1, wait=False):
+def causes(pod_team: str, rate: float, fair: float, asked: float) -> str:
+    """Why a pod off its fair share is off: its demand rose (the shift's even teams, 3x) or fell
+    (odd teams, 0.3x); it gets less or more than fair; its estimator asks less than fair (still
+    probing up: the kernel says throttled, not by how much) or at least fair (the ask is made, the
+    answer to it not yet given: the answer lag, or others' stale asks set the water level)."""
+    rose = int(pod_team[4:]) % 2 == 0
+    return (f"{'rose' if rose else 'fell'}/{'low' if rate < fair else 'high'}/"
+            f"{'asks<fair' if asked < 0.95 * fair else 'asks>=fair'}")
+
+
+def run(nodes, ppn, nominal_dt, period=5.0, round_s=5.0, steps=880, shift_at=640, seed=1, wait=False,
+        why=None):
+    """Rows (t, share within 5 %, sent/budget - 1, gain) every period from t=15 s; with `why` (a
+    list) also one Counter a period after the shift, from the shift on: pods off fair by `causes`
+    ("ok": within 5 %)."""
     policy = load_policy(CLASSES, [budget_object(nodes, ppn)])[0]
     budget = nodes * ppn * BUDGET_PER_POD_BPS
     rng = random.Random(seed)
@@ -86,6 +102,13 @@ def run(nodes, ppn, nominal_dt, period=5.0, round_s=5.0, steps=880, shift_at=640
                     for rp in a['pods']:
                         a['lim'][rp.key] = result.pods[f"{a['i']}|{rp.key}"].limit_bps
                 a['waiting'] = False
+        if why is not None and step >= shift_at and (step - shift_at) % int(period / dt_step) == 0:
+            floor = 0.05 * budget / len(f); c = collections.Counter()
+            for a in agents:
+                for rp in a['pods']:
+                    fv = f[f"{a['i']}|{rp.key}"]; rate = min(a['app'][rp.key] * fac(rp.team), a['lim'].get(rp.key, FLOOR_BPS))
+                    c['ok' if abs(rate - fv) <= 0.05 * max(fv, floor) else causes(rp.team, rate, fv, a['est'][rp.key].demand_bps)] += 1
+            why.append(c)
         if step % int(period / dt_step) == 0 and step >= 60:
             ff = f if f is not None else None
             if ff is None and step % 40 == 0:
@@ -101,9 +124,16 @@ if __name__ == "__main__":
     ap.add_argument("--round", type=float, default=5.0, help="seconds between rounds (the controller's --period)")
     ap.add_argument("--answer-wait", action="store_true", help="answers from the first round after the report")
     ap.add_argument("--nominal-dt", action="store_true", help="the bench's old bug")
+    ap.add_argument("--why", action="store_true", help="after the shift: the pods off fair by cause, a period a row")
     args = ap.parse_args()
     print(f"# bench/scale_loop.py --nodes {args.nodes} --round {args.round:g}"
           + (" --answer-wait" if args.answer_wait else "") + (" --nominal-dt" if args.nominal_dt else ""))
     print("# t (s), pods within 5 % of fair, sent/budget - 1, gain; demand shift at t=160")
-    for row in run(args.nodes, args.pods_per_node, args.nominal_dt, round_s=args.round, wait=args.answer_wait):
+    why: list[collections.Counter] | None = [] if args.why else None
+    for row in run(args.nodes, args.pods_per_node, args.nominal_dt, round_s=args.round, wait=args.answer_wait, why=why):
         print(*row)
+    if why:
+        print("# periods after the shift: % of pods within 5 % of fair, then off fair by cause (bench/scale_loop.causes)")
+        for k, c in enumerate(why):
+            n = sum(c.values())
+            print(k, f"{c['ok'] / n:.1%}", " ".join(f"{w} {v / n:.1%}" for w, v in sorted(c.items()) if w != "ok"))
