@@ -135,6 +135,7 @@ class Controller:
             self.scrape_auth = ScrapeAuthorizer(token_review(api), access_review(api))
         leading = (lambda: self.elector.leading) if self.elector else (lambda: True)
         self.quota = QuotaKeeper()  # volume quotas (docs/quotas.md): counted by the leader only
+        self.quota.cost = self.cost  # cost quotas' figures persisted and resumed with the bytes (docs/scopes.md)
         self.state = ControllerState(
             Allocator(policy, namespace_labels, known_pods=known_pods, known_nodes=known_nodes,
                       takeover_seconds=cfg.report_ttl, quota=self.quota, cost=self.cost),

@@ -116,11 +116,42 @@ class CostKeeper:
     def figures(self) -> list[tuple[str, Scope, Direction, int, int]]:
         """(team, scope, direction, bytes this period, bytes in total), sorted."""
         with self._lock:
-            out = []
-            for (team, scope, d), total in sorted(self.total.items(), key=lambda kv: (kv[0][0], kv[0][1].value,
-                                                                                      kv[0][2].value)):
-                out.append((team, scope, d, self.ledgers[scope].team_used(team, d), total))
-            return out
+            keys = set(self.total) | {(t, s, d) for s, ledger in self.ledgers.items() for t, d in ledger.used}
+            return [(team, scope, d, self.ledgers[scope].team_used(team, d), self.total.get((team, scope, d), 0))
+                    for team, scope, d in sorted(keys, key=lambda k: (k[0], k[1].value, k[2].value))]
+
+    # -- persisted with the volume quotas' use (controller/quota.py status/resume, status.quota.teams[]) --------
+    def status_of(self, team: str) -> dict[str, Any]:
+        """The team's period bytes per priced scope and direction and its cost, for status.quota; {} without
+        prices."""
+        prices = self.prices
+        if prices is None:
+            return {}
+        out: dict[str, Any] = {}
+        for d, name in ((Direction.UPLOAD, "scopeUsed"), (Direction.DOWNLOAD, "ingressScopeUsed")):
+            out[name] = {s.value: str(self.ledgers[s].team_used(team, d)) for s in PRICED}
+        out["costUsed"] = format(self.team_cost(team).quantize(Decimal("0.000001")), "f")
+        return out
+
+    def resume(self, entries: Iterable[Mapping[str, Any]]) -> None:
+        """A new leader's period bytes per scope from status.quota's entries of the teams' current periods (a
+        hand-edited figure that is not a number: that figure counts from 0); each pod's next counter is a
+        baseline, as for the volume quotas."""
+        used: dict[Scope, dict[tuple[str, Direction], int]] = {s: {} for s in PRICED}
+        for entry in entries:
+            for d, name in ((Direction.UPLOAD, "scopeUsed"), (Direction.DOWNLOAD, "ingressScopeUsed")):
+                figures = entry.get(name)
+                if not isinstance(figures, Mapping):
+                    continue
+                for s in PRICED:
+                    try:
+                        n = int(figures.get(s.value) or 0)
+                    except (TypeError, ValueError):
+                        continue
+                    if n > 0:
+                        used[s][(str(entry["name"]), d)] = n
+        with self._lock:
+            self.ledgers = {s: Ledger.resume(used[s]) for s in PRICED}
 
     def spent(self, quotas: Mapping[str, TeamQuota]) -> frozenset[str]:
         """The teams whose cost this period has reached their quota's cost (none without prices: a cost quota

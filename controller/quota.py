@@ -101,6 +101,8 @@ class QuotaKeeper:
         self._nodes: dict[str, _NodeCounters] = {}  # node -> its pods' counters as arrays (the common case)
         self._pruned = 0.0
         self.cost_spent: frozenset[str] = frozenset()  # teams whose cost quota is spent (controller/cost.py)
+        # the cost quotas' figures persisted beside the bytes (controller/cost.py CostKeeper: status_of, resume)
+        self.cost: Any = None
 
     # -- policy and periods ------------------------------------------------------------------------------
     def set_policy(self, policy: Policy) -> None:
@@ -293,10 +295,14 @@ class QuotaKeeper:
 
     def status(self) -> dict[str, Any]:
         """status.quota of the EgressBudget: per team its period start, use and exhaustion, per direction."""
-        return {"teams": [{"name": u.name, "periodStart": _rfc3339(u.period_start),
-                           "used": str(u.used.upload), "ingressUsed": str(u.used.download),
-                           "exhausted": u.exhausted.upload, "ingressExhausted": u.exhausted.download}
-                          for u in self.teams()]}
+        teams = [{"name": u.name, "periodStart": _rfc3339(u.period_start),
+                  "used": str(u.used.upload), "ingressUsed": str(u.used.download),
+                  "exhausted": u.exhausted.upload, "ingressExhausted": u.exhausted.download}
+                 for u in self.teams()]
+        if self.cost is not None:  # a cost quota's bytes per scope and its cost (issue 39)
+            for entry in teams:
+                entry.update(self.cost.status_of(entry["name"]))
+        return {"teams": teams}
 
     def resume(self, persisted: Mapping[str, Any] | None) -> int:
         """Start counting as leader from the persisted status.quota: each team's use where its periodStart is the
@@ -305,6 +311,7 @@ class QuotaKeeper:
         now = _utc(self.clock())
         used: dict[tuple[str, Direction], int] = {}
         resumed = 0
+        scoped: list[Mapping[str, Any]] = []  # this period's entries, for the cost quotas' figures
         with self._lock:
             starts = {t: period_bounds(q.period, now, zone)[0] for t, q in self.quotas.items()}
             for entry in (persisted or {}).get("teams") or []:
@@ -320,6 +327,8 @@ class QuotaKeeper:
                 for d in DIRECTIONS:
                     if figures[d] > 0:
                         used[(team, d)] = figures[d]
+                if self.cost is not None:
+                    scoped.append(entry)
                 resumed += 1
             self.ledger = Ledger.resume(used)
             self.starts = starts
@@ -329,6 +338,8 @@ class QuotaKeeper:
             self._quiet = True  # the levels the resumed figures reached were told by the previous leader
             self.active = True
             self.version += 1
+        if self.cost is not None:
+            self.cost.resume(scoped)
         return resumed
 
     def crossings(self) -> list[tuple[str, Direction, str, int, int]]:

@@ -51,7 +51,7 @@ CRD_REVISIONS = {
         "egressbudgets.netagent.io": "7094205deed9c70e67600cd2c64fe2984f0dbd0d82d8ae9470f069816816a152"},
     # issue 39: NetworkScopes (new), teams[].quota.cost
     4: {"egressclasses.netagent.io": "922804871a1b2d4418fe18d3d568060a6d42e6cc31a020ea63ea39f5611450eb",
-        "egressbudgets.netagent.io": "e139eb150825a5bc5271035e9b25d08cf62abe1b5aa830707e388db4c3f6c686",
+        "egressbudgets.netagent.io": "bee5ed9148ca7d8f9a87533c8bd35f9f3f9c0fa2f5ac20557117a2ca63231cea",
         "networkscopes.netagent.io": "f32524b50d1c79f12e3e73411bd71c18189ec3b64b150f007eb1698c73face56"},
 }
 

@@ -142,3 +142,41 @@ def test_a_spent_cost_quota_holds_the_teams_internet_traffic_at_its_exhausted_ra
     assert quota.exhausted(UP) == quota.exhausted(DOWN) == {"research"}
     assert pods["a"].limit_bps <= 2e6 and pods["a"].ingress_limit_bps <= 3e6
     assert pods["w"].limit_bps > 30e6  # web has no quota: not held
+
+
+def test_the_period_cost_is_persisted_with_the_bytes_and_a_new_leader_resumes_it():
+    """status.quota carries each quota team's bytes per priced scope and its cost (the CRD keeps the fields:
+    its schema names them, so the API server does not prune them); a new leader resumes them, so a spent
+    cost quota stays spent across a failover."""
+    import yaml
+    from controller.quota import QuotaKeeper
+    from tests.kube import REPO
+    budget = {"metadata": {"name": "main"}, "spec": {"total": "100M", "ingressTotal": "100M", "teams": [
+        {"name": "research", "namespaces": ["research"], "quota": {"period": "Month", "cost": "0.5"}},
+        {"name": "web", "namespaces": ["web"]}]}}
+    policy, _ = load_policy([], [budget])
+
+    def leader(persisted):
+        quota, keeper = QuotaKeeper(lambda: DAY1), CostKeeper(lambda: DAY1)
+        quota.cost = keeper
+        keeper.set_scopes(EXAMPLE)
+        quota.set_policy(policy)
+        quota.resume(persisted)
+        return quota, keeper, Allocator(lambda: (policy, []), quota=quota, cost=keeper)
+
+    quota, keeper, alloc = leader(None)
+    for n in (0, 3, 3):
+        alloc({"n1": alloc.prepare(_report(n))})
+    status = quota.status()
+    entry, = status["teams"]
+    assert entry["costUsed"] == "0.540000" and entry["scopeUsed"]["cross-zone"] == str(9 * GIB)
+    crd = yaml.safe_load((REPO / "charts/netagent/crds/egressbudgets.netagent.io.yaml").read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    declared = schema["quota"]["properties"]["teams"]["items"]["properties"]
+    assert set(entry) <= set(declared)
+    assert set(entry["scopeUsed"]) == set(declared["scopeUsed"]["properties"])
+
+    quota2, keeper2, alloc2 = leader(status)  # failover: the new leader resumes from status.quota
+    assert keeper2.team_cost("research") == Decimal("0.54")
+    alloc2({"n1": alloc2.prepare(_report(3, epoch="boot-1"))})  # its first report: baselines, nothing twice
+    assert keeper2.team_cost("research") == Decimal("0.54") and quota2.exhausted(UP) == {"research"}
