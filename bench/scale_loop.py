@@ -1,7 +1,7 @@
 """bench/scale.py's control loop in one process, without HTTP, the API server or CPU contention:
 to tell the product's behaviour from the bench's (docs/scale.md, "Fairness and the budget error").
 
-    python3 bench/scale_loop.py [--nodes 30] [--round 5] [--answer-wait] [--nominal-dt] [--why]
+    python3 bench/scale_loop.py [--nodes 30] [--round 5] [--answer-wait] [--nominal-dt] [--why] [--true-demand]
 
 The same pods, policy, appetites and demand shift as bench/scale.py, the agent's own demand
 estimator (netagent.demand.PodDemand) and the engine (core.engine.allocate): agents report every
@@ -11,6 +11,8 @@ report. --nominal-dt reproduces the bench's old bug (bytes of the nominal period
 that really passed). Printed every period: time, share of pods within 5 % of fair, sent vs
 budget, the feedback gain. --why: each period after the shift, the pods off their fair share by
 cause (see `causes`): the measurement behind docs/allocation.md, "Where a shift's periods go".
+--true-demand: the reports carry each pod's true appetite instead of its estimator's demand (no
+agent can know it: the bound of any estimator under the same timing).
 """
 import argparse
 import collections
@@ -36,7 +38,7 @@ def causes(pod_team: str, rate: float, fair: float, asked: float) -> str:
 
 
 def run(nodes, ppn, nominal_dt, period=5.0, round_s=5.0, steps=880, shift_at=640, seed=1, wait=False,
-        why=None):
+        why=None, true_demand=False):
     """Rows (t, share within 5 %, sent/budget - 1, gain) every period from t=15 s; with `why` (a
     list) also one Counter a period after the shift, from the shift on: pods off fair by `causes`
     ("ok": within 5 %)."""
@@ -84,7 +86,9 @@ def run(nodes, ppn, nominal_dt, period=5.0, round_s=5.0, steps=880, shift_at=640
                 s = min(want, lim); tot += s
                 a['by'][k] += int(s * dt / 8); a['ol'][k] += want > lim * 1.001
                 a['est'][k].update(Sample(t, a['by'][k], 0, a['ol'][k], 0), int(lim), rp.limits.upload.max_bps, a['answers'])
-            a['report'] = (tot, [(rp, a['est'][rp.key]) for rp in a['pods']])
+            # the true appetites as of this report (--true-demand), not as of the round
+            a['report'] = (tot, [(rp, a['est'][rp.key]) for rp in a['pods']],
+                           {rp.key: min(a['app'][rp.key] * fac(rp.team), rp.limits.upload.max_bps) for rp in a['pods']})
             a['waiting'] = True
             if result is not None and not wait:
                 a['answers'] += 1
@@ -93,7 +97,9 @@ def run(nodes, ppn, nominal_dt, period=5.0, round_s=5.0, steps=880, shift_at=640
             a['next'] = t + period * rng.uniform(0.8, 1.2)
         if t >= next_round and all(a['report'] for a in agents):
             next_round += round_s
-            rows = [PodDemandIn(f"{a['i']}|{rp.key}", rp.team, rp.egress_class, rp.limits.upload.weight, rp.limits.upload.min_bps, rp.limits.upload.max_bps, e.demand_bps) for a in agents for rp, e in a['report'][1]]
+            rows = [PodDemandIn(f"{a['i']}|{rp.key}", rp.team, rp.egress_class, rp.limits.upload.weight, rp.limits.upload.min_bps, rp.limits.upload.max_bps,
+                                 a['report'][2][rp.key] if true_demand else e.demand_bps)
+                    for a in agents for rp, e in a['report'][1]]
             meas = sum(a['report'][0] for a in agents); usage = sum(e.usage_bps for a in agents for _, e in a['report'][1])
             result = allocate(policy, rows, measured_total_bps=meas, shaped_usage_bps=usage, previous=result)
             for a in agents:  # --answer-wait: the held answers go out from this round
@@ -125,12 +131,15 @@ if __name__ == "__main__":
     ap.add_argument("--answer-wait", action="store_true", help="answers from the first round after the report")
     ap.add_argument("--nominal-dt", action="store_true", help="the bench's old bug")
     ap.add_argument("--why", action="store_true", help="after the shift: the pods off fair by cause, a period a row")
+    ap.add_argument("--true-demand", action="store_true", help="reports carry the pods' true appetite (an oracle)")
     args = ap.parse_args()
     print(f"# bench/scale_loop.py --nodes {args.nodes} --round {args.round:g}"
-          + (" --answer-wait" if args.answer_wait else "") + (" --nominal-dt" if args.nominal_dt else ""))
+          + (" --answer-wait" if args.answer_wait else "") + (" --nominal-dt" if args.nominal_dt else "")
+          + (" --true-demand" if args.true_demand else ""))
     print("# t (s), pods within 5 % of fair, sent/budget - 1, gain; demand shift at t=160")
     why: list[collections.Counter] | None = [] if args.why else None
-    for row in run(args.nodes, args.pods_per_node, args.nominal_dt, round_s=args.round, wait=args.answer_wait, why=why):
+    for row in run(args.nodes, args.pods_per_node, args.nominal_dt, round_s=args.round, wait=args.answer_wait, why=why,
+                   true_demand=args.true_demand):
         print(*row)
     if why:
         print("# periods after the shift: % of pods within 5 % of fair, then off fair by cause (bench/scale_loop.causes)")
