@@ -68,3 +68,32 @@ def test_schema_accepts_the_example_and_refuses_the_bad_input(scopes_crd):
         # "usd" and "USDX" fail the table too; every case is a problem for the parser as well
         assert parse({"spec": spec}).description is None, spec
     assert not wrong, "\n".join(wrong)
+
+
+EXAMPLES = {name: yaml.safe_load((REPO / "docs" / "examples" / f"networkscopes-{name}.yaml").read_text())
+            for name in ("aws", "azure")}
+# docs/scopes.md "Worked examples": one team's month, GiB per (scope, direction)
+MONTH_GIB = {("internet", "egress"): 500, ("internet", "ingress"): 2000, ("cross-zone", "egress"): 3000,
+             ("cross-zone", "ingress"): 3000, ("cross-region", "egress"): 100}
+
+
+def test_the_docs_examples_parse_and_cost_what_the_docs_say():
+    from decimal import Decimal
+
+    from core.direction import Direction
+    from core.scopes import GIB, Scope, cost
+    want = {"aws": (Decimal("107"), Decimal("60")), "azure": (Decimal("42"), Decimal("0"))}
+    for name, obj in EXAMPLES.items():
+        parsed = parse(obj)
+        assert parsed.problems == [] and parsed.description is not None and parsed.description.prices
+        prices = parsed.description.prices
+        by = {(s, d): cost(prices, gib * GIB, Scope(s), Direction.UPLOAD if d == "egress" else Direction.DOWNLOAD)
+              for (s, d), gib in MONTH_GIB.items()}
+        total, cross_zone = want[name]
+        assert sum(by.values()) == total, name
+        assert by[("cross-zone", "egress")] + by[("cross-zone", "ingress")] == cross_zone, name
+
+
+def test_the_api_server_accepts_the_docs_examples(scopes_crd):
+    for name, obj in EXAMPLES.items():
+        assert _create(scopes_crd, obj["spec"]) is None, name
