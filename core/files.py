@@ -23,7 +23,7 @@ from typing import Callable
 
 import yaml
 
-from .objects import PodRecord, Snapshot, namespace_labels
+from .objects import SCOPES_NAME, PodRecord, Snapshot, namespace_labels, node_zone_of
 
 log = logging.getLogger(__name__)
 KINDS = {"Pod", "Namespace", "EgressClass", "EgressBudget"}
@@ -252,6 +252,7 @@ class FileSource:
         its name alone, on the agent as on the controller)."""
         pods, classes, budgets, errors = [], [], [], list(self._errors.values())
         namespaces: dict[str, dict[str, str]] | None = None
+        network_scopes, node_zone = None, None
         for f in sorted(self._docs):
             for doc in self._docs[f]:
                 kind = doc.get("kind")
@@ -275,8 +276,12 @@ class FileSource:
                         continue
                     namespaces = namespaces if namespaces is not None else {}
                     namespaces[name] = namespace_labels(doc)
+                elif kind == "NetworkScopes" and (doc.get("metadata") or {}).get("name") == SCOPES_NAME:
+                    network_scopes = doc
+                elif kind == "Node" and self.node and (doc.get("metadata") or {}).get("name") == self.node:
+                    node_zone = node_zone_of(doc)
         return Snapshot(tuple(pods), tuple(classes), tuple(budgets), self._generation, tuple(errors),
-                        namespaces=namespaces)
+                        namespaces=namespaces, network_scopes=network_scopes, node_zone=node_zone)
 
     def run(self, on_change: Callable[[Snapshot], None]) -> None:
         """Call `on_change` with the first snapshot, then with each changed one, until `stop`."""

@@ -85,6 +85,21 @@ class Snapshot:
     service_cidrs: tuple[str, ...] | None = None
     # namespace name -> its labels (teams chosen by namespaceSelector); None: not known from this source
     namespaces: Mapping[str, Mapping[str, str]] | None = None
+    # the NetworkScopes object named `cluster` (issue 39, Kubernetes dict form); None: there is none
+    network_scopes: Mapping[str, Any] | None = None
+    # this node's topology.kubernetes.io/zone label; None: no label, or the Node is not known
+    node_zone: str | None = None
+
+
+SCOPES_NAME = "cluster"  # the one NetworkScopes object a cluster has (issue 39)
+ZONE_LABEL = "topology.kubernetes.io/zone"
+
+
+def node_zone_of(obj: Mapping[str, Any]) -> str | None:
+    """A Node's zone: its topology.kubernetes.io/zone label, None without one (or an empty one)."""
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    zone = labels.get(ZONE_LABEL) if isinstance(labels, dict) else None
+    return zone if isinstance(zone, str) and zone else None
 
 
 def namespace_labels(obj: dict[str, Any]) -> dict[str, str]:

@@ -17,6 +17,7 @@ from typing import Callable, Mapping
 
 from core.direction import Direction, PerDirection
 from core.objects import Snapshot
+from core.scopes import ScopesDescription, keep_last_valid, lpm_entries, parse
 from core.policy import ResolvedPod
 
 from .accounting import Accounting
@@ -79,19 +80,56 @@ class Agent:
         self.sampler = Sampler(self.node, datapath, self.runner.wake, cfg.sample_seconds, cfg.allocate_seconds,
                                self.accounting)
         self.controller_reachable = False
+        self.scopes: ScopesDescription | None = None  # the NetworkScopes description in force (last valid)
+        self._scopes_seen: tuple = (None, None, ())  # (object, zone, service CIDRs) last followed
 
     # -- inputs ---------------------------------------------------------------
     def on_snapshot(self, snap: Snapshot) -> None:
         self.node.on_snapshot(snap)
         services, facts = snap.service_cidrs, self.node.facts
+        full = False
         if self.cfg.services_from_cluster and services and services != facts.service_cidrs:
             # a ServiceCIDR came or went: the internal networks (rules and device counter) follow
             log.info("service CIDRs from the cluster's ServiceCIDR objects: %s (were %s)", ",".join(services),
                      ",".join(facts.service_cidrs) or "none")
             self.node.facts = dataclasses.replace(facts, service_cidrs=services)
-            self.runner.wake(full=True)
-            return
-        self.runner.wake()
+            full = True
+        # the described CIDRs: internal networks too, and the device counter's tries
+        full = self._follow_scopes(snap) or full
+        self.runner.wake(full=full)
+
+    def _follow_scopes(self, snap: Snapshot) -> bool:
+        """The NetworkScopes object and this node's zone into the facts' scope entries (issue 39). An
+        invalid object is logged and counted (netagent_policy_problems{reason="network_scopes_invalid"})
+        and the last valid description stays in force; no object: no description (internal and internet
+        only). -> whether the entries changed (the device counter's tries and the internal networks follow)."""
+        services = snap.service_cidrs or self.node.facts.service_cidrs
+        seen = (snap.network_scopes, snap.node_zone, services)
+        if seen == self._scopes_seen:
+            return False
+        self._scopes_seen = seen
+        if snap.network_scopes is None:
+            self.scopes = None
+        else:
+            # the service CIDRs are the cluster's own ranges a zone must not overlap; the pods' ranges are a
+            # zone's (the issue's "subnets, pod ranges"), so they are not passed as the cluster's
+            parsed = parse(snap.network_scopes, service_cidrs=services)
+            if parsed.problems:
+                log.error("NetworkScopes %s is invalid, %s: %s", "cluster", "the last valid description stays in force"
+                          if self.scopes is not None else "no description is in force", "; ".join(parsed.problems))
+                if self.node.problems is not None:
+                    self.node.problems.count("network_scopes_invalid")
+            self.scopes = keep_last_valid(self.scopes, parsed)
+            if self.scopes is not None and snap.node_zone is None and self.scopes.zones:
+                log.warning("this node has no topology.kubernetes.io/zone label: every described zone counts as "
+                            "cross-zone from here (docs/scopes.md)")
+        entries = lpm_entries(self.scopes, snap.node_zone) if self.scopes is not None else {}
+        scopes = tuple(sorted(((str(n), sid) for n, sid in entries.items()), key=lambda e: e[0]))
+        if scopes == self.node.facts.scopes:
+            return False
+        log.info("destination scopes: %d CIDR(s) described, this node's zone %s", len(scopes), snap.node_zone)
+        self.node.facts = dataclasses.replace(self.node.facts, scopes=scopes)
+        return True
 
     def set_allocations(self, allocs: PerDirection[AllocationSet] | PerDirection[AllocationSet | None]) -> None:
         """The controller's answer, per direction (None: that direction's allocations stay as they are)."""

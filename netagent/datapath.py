@@ -140,15 +140,25 @@ def choose_internal_counting(mode: str, bpf_dir: str, services_known: bool) -> t
     return True, f"on the pods' devices (eBPF, map pinned in {bpf_dir})"
 
 
+# the device counter's scope bytes (tc/ebpf read_scopes), in its order: (the counts' direction, the scope)
+SCOPE_KEYS = (("egress", "cross-zone"), ("egress", "cross-region"), ("ingress", "cross-zone"),
+              ("ingress", "cross-region"))
+
+
 def add_device_counts(pods: PodCounters, counted: dict[str, tuple[int, int, int, int]],
                       classified: tuple[PodClassification, ...],
-                      segments: dict[str, tuple[int, int]] | None = None) -> None:
+                      segments: dict[str, tuple[int, int]] | None = None,
+                      scopes: dict[str, tuple[int, int, int, int]] | None = None, described: bool = False) -> None:
     """Add the device counter's bytes (address -> egress bytes, packets, ingress bytes, packets) to the
     pods' internal counts, by the pod that holds each address. The rules count no internal byte while
     the devices do, and the sets keep what they counted before, so a switch to the devices carries the
     counts on. `segments` (address -> bytes, segments): what the rules' count of a pod's internet
     arrivals misses, the headers of the segments GRO merged (tc/ebpf, `read_segments`), added to it so
-    that it is the bytes the uplink's wire carried; it only grows, so the sum never steps down. Pure."""
+    that it is the bytes the uplink's wire carried; it only grows, so the sum never steps down. `scopes`
+    (address -> sent cross-zone, sent cross-region, received cross-zone, received cross-region;
+    `read_scopes`): the part of the internal bytes whose far end is in another zone or region, moved
+    from `internal` to their own scopes (issue 39); shown while a description is in force (`described`)
+    or once they are not zero, so that no scope's count ever steps down. Pure."""
     owner = {ip: p.key for p in classified for ip in p.ips}
     for ip, (egress, _, ingress, _) in counted.items():
         key = owner.get(ip)
@@ -157,6 +167,14 @@ def add_device_counts(pods: PodCounters, counted: dict[str, tuple[int, int, int,
         c = pods.setdefault(key, {})
         c["egress_internal"] = c.get("egress_internal", 0) + egress
         c["ingress_internal"] = c.get("ingress_internal", 0) + ingress
+    for ip, counts in (scopes or {}).items():
+        key = owner.get(ip)
+        if key is None or (not described and not any(counts)):
+            continue
+        c = pods.setdefault(key, {})
+        for (direction, scope), nbytes in zip(SCOPE_KEYS, counts):
+            c[f"{direction}_internal"] = c.get(f"{direction}_internal", 0) - nbytes
+            c[f"{direction}_{scope}"] = c.get(f"{direction}_{scope}", 0) + nbytes
     for ip, (headers, _) in (segments or {}).items():
         key = owner.get(ip)
         if key is not None and headers:
@@ -234,6 +252,7 @@ class KernelDataPath:
                 raise DataPathError(f"the device counter of internal bytes: {exc}") from exc
         self._counting_cleared = False  # rules mode: a device counter left by an earlier run removed
         self._counted_pods: tuple[PodClassification, ...] = ()  # whose addresses the device counter holds
+        self._scoped = False  # a NetworkScopes description is in the counter's tries
         self._applied_counting: DeviceCounting | None = None  # what the counter was last made to match
         # the counter's map is read (scrapes, reports) beside an apply that changes its entries: one at a
         # time (its reads share one batch buffer), never waiting for the tc lock
@@ -319,6 +338,9 @@ class KernelDataPath:
             # filters that run them are, and attach() replaces those that run other programs
             self._counter.set_networks(dict(counting.networks))
             changes = self._counter.set_pods(counting.addresses)
+            # the tries change in place: the programs attached see the new scopes at their next packet
+            changes += self._counter.set_scopes({ipaddress.ip_network(c): sid for c, sid in counting.scopes})
+            self._scoped = bool(counting.scopes)
         except EbpfError as exc:
             raise DataPathError(f"the device counter of internal bytes: {exc}") from exc
         try:
@@ -400,7 +422,7 @@ class KernelDataPath:
             if self._counter is not None:
                 with self._counter_lock:
                     add_device_counts(found[0], self._counter.read(), self._counted_pods,
-                                      self._counter.read_segments())
+                                      self._counter.read_segments(), self._counter.read_scopes(), self._scoped)
                     for kind, nbytes in self._counter.read_node().items():
                         found[1][kind] = found[1].get(kind, 0) + nbytes
             self.reads["counters"] += 1

@@ -132,6 +132,7 @@ class NodeInputs:
     pod_devices: tuple[str, ...] = ()  # pod-facing devices (host-side veths): downloads are shaped, internal bytes counted there
     # the node classes' measured frames per IP byte (netagent.frames); None: full-size
     wire_ratio: float | None | PerDirection[float | None] = None
+    scopes: tuple[tuple[str, int], ...] = ()  # (CIDR, scope id) for the device counter's tries (NodeFacts.scopes)
 
     @property
     def node_rates(self) -> PerDirection[int | None]:
@@ -150,6 +151,7 @@ class DeviceCounting:
     addresses: tuple[str, ...]  # every programmed pod's addresses
     devices: tuple[str, ...]  # the pod-facing devices (host-side veths)
     uplinks: tuple[str, ...] = ()  # the node's internet-facing devices
+    scopes: tuple[tuple[str, int], ...] = ()  # (CIDR, scope id): the counter's tries (NodeFacts.scopes)
 
 
 @dataclass(frozen=True)
@@ -260,7 +262,7 @@ def desired_state(inputs: NodeInputs) -> DesiredState:
         counting = DeviceCounting(tuple((family, members[family]) for family in (4, 6)),
                                   tuple(sorted(ip for p in ready for ip in p.ips)),
                                   tuple(sorted(set(inputs.pod_devices) - set(inputs.uplinks))),
-                                  tuple(inputs.uplinks))
+                                  tuple(inputs.uplinks), tuple(inputs.scopes))
     ratios = PerDirection.build(lambda d: _ratios(inputs.node_ratios[d], ((p.key, p.ratio(d)) for p in ready))
                                 if shapers[d] is not None else {})
     return DesiredState(shapers, classifier, minors, skipped, ratios, counting)

@@ -17,10 +17,14 @@ class NodeFacts:
     uplinks: tuple[str, ...]  # the node's internet-facing devices now
     internal_cidrs: tuple[str, ...]  # the configured and connected internal networks (AgentConfig's)
     service_cidrs: tuple[str, ...] = ()  # the cluster's, as its ServiceCIDR objects say now (when followed)
+    # the NetworkScopes description in force for this node's zone (issue 39): (CIDR, scope id) as the
+    # counter's tries take them (core.scopes.lpm_entries); every one of them is internal, never shaped
+    scopes: tuple[tuple[str, int], ...] = ()
 
     @property
     def internal(self) -> tuple[str, ...]:
-        """Every internal network: the configured and connected ones and the cluster's service CIDRs."""
-        if not self.service_cidrs:
+        """Every internal network: the configured and connected ones, the cluster's service CIDRs and the
+        CIDRs the NetworkScopes object describes."""
+        if not self.service_cidrs and not self.scopes:
             return self.internal_cidrs
-        return canonical_cidrs([*self.internal_cidrs, *self.service_cidrs])
+        return canonical_cidrs([*self.internal_cidrs, *self.service_cidrs, *(cidr for cidr, _ in self.scopes)])

@@ -135,13 +135,13 @@ class AgentCollector(Collector):
         # a download lane's series exist while the download shaper is programmed, for pods with a class
         shaped = PerDirection(True, v.ingress_allocation_bps is not None)
         lean = self.lean
-        scopes = LEAN_SCOPES if lean else SCOPES
+        scopes = LEAN_SCOPES if lean else None  # else: the scopes the pod's view has (cross-* while described)
         for p in v.pods:
             ids = [p.namespace, p.name]
             for d in DIRECTIONS:
                 (bytes_rows, bytes_attr, _), *families = lanes[d]
                 counts = getattr(p, bytes_attr)
-                for scope in scopes:
+                for scope in scopes or counts:
                     bytes_rows.append(([*ids, scope], counts.get(scope, 0)))
                 if not shaped[d] or (d is Direction.DOWNLOAD and p.minor is None):
                     continue

@@ -38,16 +38,18 @@ from .transport import ControllerClient, ControllerError
 __all__ = ["ControllerError", "Reporter", "advised_period", "allocations_from", "answer_allocations", "build_report"]
 
 log = logging.getLogger(__name__)
+WIRE_SCOPES = ("cross-zone", "cross-region")  # the scopes a report carries beside internet (core.wire.ScopeBytes)
 MAX_ANSWER_BYTES = 4 << 20  # a 1,024-pod answer is ~200 KiB
 
 
 def build_report(inputs: ReportInputs, seq: int, period: float, node_egress_bps: float,
                  on_omitted: Callable[[str, int], None] | None = None, node_ingress_bps: float = 0.0,
-                 counters: Mapping[str, tuple[int, int]] | None = None, epoch: str | None = None) -> NodeReport:
+                 counters: Mapping[str, tuple] | None = None, epoch: str | None = None) -> NodeReport:
     """The wire report for one period: per pod its usage, demand, throttling and annotations, bounded
     (`outbound`): over-long annotation values and pods beyond one report's limit are left out and
     counted through `on_omitted(reason, n)`. `counters`: pod key -> its cumulative internet bytes (uploads,
-    downloads) within `epoch`, for the volume quotas (docs/quotas.md)."""
+    downloads) within `epoch`, for the volume quotas (docs/quotas.md), and optionally its cumulative bytes per
+    cross-zone/cross-region scope (uploads, downloads: scope -> bytes; issue 39, for the cost per team)."""
     counters = counters or {}
     omitted = on_omitted or (lambda reason, n: None)
     kept, left_out = bounded_pods(list(inputs.pods), key=lambda p: p.key)
@@ -70,13 +72,18 @@ def build_report(inputs: ReportInputs, seq: int, period: float, node_egress_bps:
                       epoch=epoch if counters else None)
 
 
-def _byte_fields(counted: tuple[int, int] | None, uid: str) -> dict:
+def _byte_fields(counted: tuple | None, uid: str) -> dict:
     """A pod's cumulative internet byte counters for the wire (clamped to its bounds: a counter past 2^63-1
-    would take the whole report with it)."""
+    would take the whole report with it), and its per-scope ones when given (absent: none described)."""
     if counted is None:
         return {}
-    up, down = (min(max(0, int(v)), MAX_BYTES) for v in counted)
-    return {"bytes_total": up, "ingress_bytes_total": down, "uid": uid[:128] or None}
+    up, down = (min(max(0, int(v)), MAX_BYTES) for v in counted[:2])
+    out: dict[str, object] = {"bytes_total": up, "ingress_bytes_total": down, "uid": uid[:128] or None}
+    for name, scopes in zip(("scope_bytes_total", "ingress_scope_bytes_total"), counted[2:4]):
+        kept = {s: min(max(0, int(n)), MAX_BYTES) for s, n in scopes.items() if s in WIRE_SCOPES}
+        if kept:
+            out[name] = kept
+    return out
 
 
 def counter_epoch() -> str | None:
@@ -318,9 +325,10 @@ class Reporter:
         return build_report(inputs, self.seq, self.effective_period(), node.upload, self.on_omitted, node.download,
                             self._counters(), self.epoch)
 
-    def _counters(self) -> dict[str, tuple[int, int]]:
+    def _counters(self) -> dict[str, tuple]:
         """Per pod its internet bytes as the accounting metrics show them (the agent's view: uploads as they left
-        the shaper, downloads as they arrived); none when the view cannot be read (no quota spent this report)."""
+        the shaper, downloads as they arrived), then its cross-zone/cross-region bytes per direction (the same
+        counters' other scopes); none when the view cannot be read (no quota spent this report)."""
         if self.epoch is None:
             return {}
         try:
@@ -328,7 +336,9 @@ class Reporter:
         except Exception as exc:
             log.debug("pod byte counters unreadable: %s", exc)
             return {}
-        return {f"{p.namespace}/{p.name}": (p.egress_bytes.get("internet", 0), p.ingress_bytes.get("internet", 0))
+        return {f"{p.namespace}/{p.name}": (p.egress_bytes.get("internet", 0), p.ingress_bytes.get("internet", 0),
+                                            {s: n for s, n in p.egress_bytes.items() if s in WIRE_SCOPES},
+                                            {s: n for s, n in p.ingress_bytes.items() if s in WIRE_SCOPES})
                 for p in view.pods}
 
     def _token(self) -> str | None:

@@ -180,7 +180,8 @@ class NodeSync:
         devices = self.datapath.pod_devices(facts.uplinks) if on_devices else ()
         return desired_state(NodeInputs(
             facts.uplinks, facts.internal, shapes, PerDirection.build(node_rates.get), self.cfg.datapath,
-            pod_devices=devices, wire_ratio=PerDirection.build(lambda d: self.lanes[d].frames.get(NODE_RATIO_KEY))))
+            pod_devices=devices, wire_ratio=PerDirection.build(lambda d: self.lanes[d].frames.get(NODE_RATIO_KEY)),
+            scopes=facts.scopes))
 
     def _shape(self, p: ResolvedPod, effective: dict[Direction, dict[str, Allocation]]) -> PodShape:
         """Pod `p` as the desired state needs it: per direction its rate and ceil (a direction not

@@ -22,6 +22,13 @@ from .lane import Lane
 from .sync import SyncState
 
 SCOPES = ("internal", "internet")
+# every scope a pod's bytes may carry, in the metrics' order: the two between them while a NetworkScopes
+# description is in force, or once counted (issue 39; netagent.datapath.add_device_counts)
+ALL_SCOPES = ("internal", "cross-zone", "cross-region", "internet")
+
+
+def _by_scope(c: dict[str, int], direction: str) -> dict[str, int]:
+    return {s: c.get(f"{direction}_{s}", 0) for s in ALL_SCOPES if s in SCOPES or f"{direction}_{s}" in c}
 
 
 @dataclass
@@ -113,8 +120,7 @@ def node_view(cfg: AgentConfig, state: SyncState, lanes: PerDirection[Lane], dat
         c = pod_counters.get(p.key, {})
         v = PodView(namespace=p.namespace, name=p.name, team=p.team, egress_class=p.egress_class, ips=p.ips,
                     minor=minor, waiting=state.skipped.get(p.key, ""), problems=p.problems,
-                    egress_bytes={s: c.get(f"egress_{s}", 0) for s in SCOPES},
-                    ingress_bytes={s: c.get(f"ingress_{s}", 0) for s in SCOPES})
+                    egress_bytes=_by_scope(c, "egress"), ingress_bytes=_by_scope(c, "ingress"))
         for d in Direction:
             shape = shapes[d].get(minor) if minor is not None else None
             st = stats[d].get(minor) if minor is not None else None
