@@ -101,7 +101,7 @@ def view(snap: dict) -> dict:
     out = {"schema": SCHEMA, "context": snap.get("context"), "server": snap.get("server"),
            "namespace": snap.get("namespace"), "read_at": snap.get("read_at"), "installed": True,
            "budgets": [], "classes": [], "controller": None, "teams": {d: [] for d in DIRECTIONS},
-           "top_pods": [], "quotas": [], "agents": None, "events": [], "problems": problems}
+           "top_pods": [], "quotas": [], "costs": [], "agents": None, "events": [], "problems": problems}
     ns = snap.get("namespace")
     if not snap.get("crds_installed", True):
         out["installed"] = False
@@ -123,6 +123,7 @@ def view(snap: dict) -> dict:
             out["teams"] = {d: _teams(ctl_view.get(d)) for d in DIRECTIONS}
             out["top_pods"] = ctl_view.get("top_pods") or []
             out["quotas"] = ctl_view.get("quota") or []  # volume quotas (docs/quotas.md)
+            out["costs"] = ctl_view.get("cost") or []  # cost per team and scope (docs/scopes.md)
         out["agents"] = agents = _agents(snap.get("agents"), ctl_view)
         events = sorted(snap.get("events") or [], key=lambda e: e.get("last") or "", reverse=True)
         out["events"] = events[:EVENTS_SHOWN]
@@ -236,6 +237,17 @@ def render(v: dict) -> str:
                                      human_bytes(x["used"]), human_bytes(x["bytes"]),
                                      f"{100 * x['used'] / x['bytes']:.0f}%" + (" EXHAUSTED" if x["exhausted"] else ""),
                                      "-" if left is None else f"{left / 3600:.1f} h"])
+            lines.extend(_table(rows, pad))
+        if v.get("costs"):
+            lines.append(f"{'Cost:':<16}(this period, by scope: docs/scopes.md)")
+            rows = [["TEAM", "COST", "QUOTA", "INTERNET", "CROSS-ZONE", "CROSS-REGION"]]
+            for c in v["costs"]:
+                def money(x: float | None) -> str:
+                    return "-" if x is None else f"{x:,.2f} {c['currency']}"
+                scopes = c["by_scope"]
+                rows.append([c["team"], money(c["period_cost"]),
+                             money(c["quota_cost"]) + (" SPENT" if c["spent"] else ""),
+                             *(money(scopes.get(s, 0.0)) for s in ("internet", "cross-zone", "cross-region"))])
             lines.extend(_table(rows, pad))
         if v["top_pods"]:
             lines.append(f"{'Top pods:':<16}(by measured internet traffic, both directions)")

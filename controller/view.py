@@ -10,6 +10,7 @@ import heapq
 import time
 
 from core.direction import Direction
+from core.scopes import cost as cost_of
 from core.wire import POD_ALLOCATION, POD_USAGE
 
 TOP_PODS = 10
@@ -46,6 +47,27 @@ def _quota(keeper) -> list[dict]:
     return out
 
 
+def _cost(keeper, is_leader: bool) -> list[dict]:
+    """Each team's cost this period by priced scope, and its cost quota (docs/scopes.md); leader only, and only
+    while the NetworkScopes prices are known."""
+    prices = keeper.prices if keeper is not None else None
+    if prices is None or not is_leader:
+        return []
+    quotas = keeper.quotas
+    by_team: dict[str, dict[str, float]] = {}
+    for team, scope, d, in_period, _ in keeper.figures():
+        scopes = by_team.setdefault(team, {})
+        scopes[scope.value] = scopes.get(scope.value, 0.0) + float(cost_of(prices, in_period, scope, d))
+    out = []
+    for team, scopes in sorted(by_team.items()):
+        q = quotas.get(team)
+        limit = float(q.cost) if q is not None and q.cost is not None else None
+        spent = sum(scopes.values())
+        out.append({"team": team, "currency": prices.currency, "period_cost": spent, "by_scope": scopes,
+                    "quota_cost": limit, "spent": limit is not None and spent >= limit})
+    return out
+
+
 def cluster_view(state, top: int = TOP_PODS, now: float | None = None) -> dict:
     """The view from `state` (a ControllerState); reads its last round and latest reports only."""
     now = time.monotonic() if now is None else now
@@ -54,7 +76,8 @@ def cluster_view(state, top: int = TOP_PODS, now: float | None = None) -> dict:
     nodes = {node: round(now - t, 1) for node, (t, _) in sorted(latest.items())}
     out = {"leader": state.is_leader(), "ready": ready, "why": why, "lease_seconds": state.lease_seconds,
            "report_ttl_seconds": state.report_ttl, "nodes": nodes, "generation": 0, "uploads": None,
-           "downloads": None, "top_pods": [], "quota": _quota(getattr(state.allocate, "quota", None))}
+           "downloads": None, "top_pods": [], "quota": _quota(getattr(state.allocate, "quota", None)),
+           "cost": _cost(getattr(state.allocate, "cost", None), state.is_leader())}
     if result is None:
         return out
     summary = result.summary

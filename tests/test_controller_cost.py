@@ -180,3 +180,33 @@ def test_the_period_cost_is_persisted_with_the_bytes_and_a_new_leader_resumes_it
     assert keeper2.team_cost("research") == Decimal("0.54")
     alloc2({"n1": alloc2.prepare(_report(3, epoch="boot-1"))})  # its first report: baselines, nothing twice
     assert keeper2.team_cost("research") == Decimal("0.54") and quota2.exhausted(UP) == {"research"}
+
+
+def test_netagent_status_shows_cost_per_team_from_v1_status():
+    from cli import clusterview
+    from controller.quota import QuotaKeeper
+    from controller.state import ControllerState
+    from controller.view import cluster_view
+    from tests.test_status_cluster import snapshot
+    budget = {"metadata": {"name": "main"}, "spec": {"total": "100M", "ingressTotal": "100M", "teams": [
+        {"name": "research", "namespaces": ["research"], "quota": {"period": "Month", "cost": "0.5"}},
+        {"name": "web", "namespaces": ["web"]}]}}
+    policy, _ = load_policy([], [budget])
+    quota, keeper = QuotaKeeper(lambda: DAY1), CostKeeper(lambda: DAY1)
+    quota.set_policy(policy)
+    quota.resume(None)
+    keeper.set_scopes(EXAMPLE)
+    state = ControllerState(Allocator(lambda: (policy, []), quota=quota, cost=keeper))
+    for n in (0, 3):
+        state.submit(None, _report(n))
+    state.run_round()
+    research, web = cluster_view(state)["cost"]
+    assert research["team"] == "research" and research["currency"] == "USD"
+    assert abs(research["period_cost"] - 0.54) < 1e-9 and research["quota_cost"] == 0.5 and research["spent"]
+    assert abs(research["by_scope"]["cross-zone"] - 0.24) < 1e-9 and web["quota_cost"] is None
+    snap = snapshot()
+    snap["controller"]["view"]["cost"] = cluster_view(state)["cost"]
+    text = clusterview.render(clusterview.view(snap))
+    line = next(x for x in text.splitlines() if x.strip().startswith("research") and "USD" in x)
+    assert "0.54 USD" in line and "0.50 USD SPENT" in line and "0.27 USD" in line, line  # internet 0.27
+    assert "Cost:" in text and clusterview.view(snapshot())["costs"] == []

@@ -116,7 +116,7 @@ def test_healthy_is_exit_0_and_the_view_is_json_stable():
     v = clusterview.view(snap)
     assert (v["verdict"], v["exit_code"], v["problems"]) == ("ok", 0, [])
     assert set(v) == {"schema", "context", "server", "namespace", "read_at", "installed", "budgets", "classes",
-                      "controller", "teams", "top_pods", "quotas", "agents", "events", "problems", "verdict",
+                      "controller", "teams", "top_pods", "quotas", "costs", "agents", "events", "problems", "verdict",
                       "exit_code"}
     assert "OK (exit 0)" in clusterview.render(v)
 
