@@ -17,7 +17,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from core.kubeapi import GROUP, TIMEOUT, VERSION, load_api_client
-from core.objects import PodRecord, Snapshot, namespace_labels, service_cidrs_of
+from core.objects import SCOPES_NAME, PodRecord, Snapshot, namespace_labels, node_zone_of, service_cidrs_of
 from core.reflector import Reflector
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,23 @@ class KubeSource:
             absent_hint="list/watch on namespaces in the agent's ClusterRole; until then a team chosen by "
             "namespaceSelector resolves by the namespace's name alone",
         )
-        self.reflectors = (self.pods, self.classes, self.budgets, self.services, self.namespaces)
+        # destination scopes (issue 39): the one NetworkScopes object and this node's own Node (its zone label),
+        # each a watch of one object by name; without them (no CRD, no RBAC) only internal and internet are counted
+        self.scopes = Reflector(
+            "networkscopes", custom.list_cluster_custom_object, self.stop_event, self._mark,
+            lambda k: metric("networkscopes", k), optional=True, absent_statuses=(403, 404),
+            absent_hint="install netagent's CRDs (crd-revision 4) and list/watch on networkscopes in the agent's "
+            "ClusterRole", group=GROUP, version=VERSION, plural="networkscopes",
+            field_selector=f"metadata.name={SCOPES_NAME}",
+        )
+        self.nodes = Reflector(
+            "nodes", core.list_node, self.stop_event, self._mark, lambda k: metric("nodes", k),
+            optional=True, absent_statuses=(403,), absent_hint="list/watch on nodes in the agent's ClusterRole; "
+            "until then the node has no zone (every described zone is cross-zone from it)",
+            field_selector=f"metadata.name={node}",
+        )
+        self.reflectors = (self.pods, self.classes, self.budgets, self.services, self.namespaces, self.scopes,
+                           self.nodes)
 
     def _mark(self) -> None:
         self._changed.set()
@@ -85,8 +101,11 @@ class KubeSource:
         self._generation += 1
         with self.namespaces.lock:
             namespaces = None if self.namespaces.missing else dict(self.namespaces.items)
+        scopes = next(iter(self.scopes.values()), None)
+        node = next(iter(self.nodes.values()), None)
         return Snapshot(tuple(pods), tuple(self.classes.values()), tuple(self.budgets.values()), self._generation,
-                        tuple(errors), services, namespaces)
+                        tuple(errors), services, namespaces, network_scopes=scopes,
+                        node_zone=node_zone_of(node) if node is not None else None)
 
     def synced(self) -> bool:
         return all(r.synced.is_set() for r in self.reflectors)

@@ -391,7 +391,7 @@ def grants(docs, subject: str) -> set[tuple[str, str, str, str]]:
     return out
 
 
-AGENT_GRANTS = {("*", "", r, v) for r in ("pods", "namespaces") for v in ("get", "list", "watch")} | {
+AGENT_GRANTS = {("*", "", r, v) for r in ("pods", "namespaces", "nodes") for v in ("get", "list", "watch")} | {
     ("*", "networking.k8s.io", "servicecidrs", v) for v in ("get", "list", "watch")} | {
     ("*", "netagent.io", r, v) for r in ("egressclasses", "egressbudgets", "networkscopes") for v in ("get", "list", "watch")} | {
     ("*", "", "events", v) for v in ("create", "patch")} | {
@@ -774,7 +774,7 @@ def test_agent_can(installed, verb):
 @pytest.mark.parametrize("verb", [
     "get secrets -n default", "list secrets --all-namespaces", "get secrets -n netagent-system",
     "create pods -n default", "update pods -n default", "patch pods -n default", "delete pods -n default",
-    "create pods/eviction -n default", "list configmaps --all-namespaces", "get nodes",
+    "create pods/eviction -n default", "list configmaps --all-namespaces", "update nodes", "patch nodes",
     "update egressbudgets.netagent.io", "patch egressbudgets.netagent.io --subresource=status",
     "create egressclasses.netagent.io",
     "update leases.coordination.k8s.io -n netagent-system", "create serviceaccounts/token -n netagent-system",
