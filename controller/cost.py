@@ -53,7 +53,10 @@ class CostKeeper:
         self.problems: list[str] = []
         # a pod first seen is a baseline (its bytes before are not this controller's to count), as for quotas
         self.ledgers = {s: Ledger.resume({}) for s in PRICED}  # used = this period's bytes, per (team, direction)
-        self.total: dict[Key, int] = {}  # bytes since counting started
+        # bytes since counting started = rolled (earlier periods' counted bytes) + this period's - base (resumed)
+        self.rolled: dict[Key, int] = {}
+        self.base: dict[Key, int] = {}
+        self._ends: dict[str, datetime] = {}  # team -> end of its current period (the roll-over check's cache)
         self.starts: dict[str, datetime] = {}  # team -> start of its current period
         self.quotas: Mapping[str, TeamQuota] = {}
         self.zone_name = "UTC"
@@ -80,14 +83,23 @@ class CostKeeper:
     def set_quotas(self, quotas: Mapping[str, TeamQuota], zone_name: str) -> None:
         """The teams' quotas (their periods) and the quota time zone, from the current policy."""
         with self._lock:
-            self.quotas, self.zone_name = dict(quotas), zone_name
+            if quotas != self.quotas or zone_name != self.zone_name:
+                self.quotas, self.zone_name = dict(quotas), zone_name
+                self._ends.clear()  # a period may have changed: checked again at the next report
 
     def _roll(self, team: str, now: datetime) -> None:
+        end = self._ends.get(team)
+        if end is not None and now < end:
+            return
         quota = self.quotas.get(team)
-        start, _ = period_bounds(quota.period if quota is not None else Period.MONTH, now, ZoneInfo(self.zone_name))
+        start, self._ends[team] = period_bounds(quota.period if quota is not None else Period.MONTH, now,
+                                                ZoneInfo(self.zone_name))
         if self.starts.get(team) != start:
             if team in self.starts:
-                for ledger in self.ledgers.values():
+                for scope, ledger in self.ledgers.items():
+                    for d in DIRECTIONS:
+                        k = (team, scope, d)
+                        self.rolled[k] = self.rolled.get(k, 0) + ledger.team_used(team, d) - self.base.pop(k, 0)
                     ledger.roll_team(team)
             self.starts[team] = start
 
@@ -104,21 +116,18 @@ class CostKeeper:
                 self._roll(team, now)
             for scope, ledger in self.ledgers.items():
                 up, down = _COUNTERS[(scope, Direction.UPLOAD)], _COUNTERS[(scope, Direction.DOWNLOAD)]
-                before = dict(ledger.used)
                 ledger.add_report(report.epoch, ((team, key, up(pod), down(pod))
                                                  for team, key, pod in zip(teams, keys, pods)))
-                for (team, d), used in ledger.used.items():
-                    added = used - before.get((team, d), 0)
-                    if added > 0:
-                        k = (team, scope, d)
-                        self.total[k] = self.total.get(k, 0) + added
 
     def figures(self) -> list[tuple[str, Scope, Direction, int, int]]:
         """(team, scope, direction, bytes this period, bytes in total), sorted."""
         with self._lock:
-            keys = set(self.total) | {(t, s, d) for s, ledger in self.ledgers.items() for t, d in ledger.used}
-            return [(team, scope, d, self.ledgers[scope].team_used(team, d), self.total.get((team, scope, d), 0))
-                    for team, scope, d in sorted(keys, key=lambda k: (k[0], k[1].value, k[2].value))]
+            keys = set(self.rolled) | {(t, s, d) for s, ledger in self.ledgers.items() for t, d in ledger.used}
+            out = []
+            for team, scope, d in sorted(keys, key=lambda k: (k[0], k[1].value, k[2].value)):
+                k, used = (team, scope, d), self.ledgers[scope].team_used(team, d)
+                out.append((team, scope, d, used, self.rolled.get(k, 0) + used - self.base.get(k, 0)))
+            return out
 
     # -- persisted with the volume quotas' use (controller/quota.py status/resume, status.quota.teams[]) --------
     def status_of(self, team: str) -> dict[str, Any]:
@@ -152,6 +161,9 @@ class CostKeeper:
                         used[s][(str(entry["name"]), d)] = n
         with self._lock:
             self.ledgers = {s: Ledger.resume(used[s]) for s in PRICED}
+            # the resumed bytes are this period's, not counted by this replica: outside its total
+            self.base = {(t, s, d): n for s in PRICED for (t, d), n in used[s].items()}
+            self.rolled, self._ends = {}, {}
 
     def spent(self, quotas: Mapping[str, TeamQuota]) -> frozenset[str]:
         """The teams whose cost this period has reached their quota's cost (none without prices: a cost quota

@@ -210,3 +210,16 @@ def test_netagent_status_shows_cost_per_team_from_v1_status():
     line = next(x for x in text.splitlines() if x.strip().startswith("research") and "USD" in x)
     assert "0.54 USD" in line and "0.50 USD SPENT" in line and "0.27 USD" in line, line  # internet 0.27
     assert "Cost:" in text and clusterview.view(snapshot())["costs"] == []
+
+
+def test_a_new_period_starts_the_period_cost_at_zero_and_keeps_the_total():
+    policy = _policy()
+    now = [DAY1]
+    keeper = CostKeeper(lambda: now[0])
+    keeper.set_scopes(EXAMPLE)
+    alloc = Allocator(lambda: (policy, []), cost=keeper)
+    _feed(alloc, _report(0), _report(1))
+    now[0] = datetime(2026, 4, 1, 0, 0, 1, tzinfo=timezone.utc).timestamp()  # the next calendar Month
+    _feed(alloc, _report(2))
+    got = {(t, s, d): (period, total) for t, s, d, period, total in keeper.figures()}
+    assert got[("research", Scope.CROSS_ZONE, UP)] == (3 * GIB, 6 * GIB)  # only April's step in the period
