@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
+
+import yaml
 
 from controller.allocator import Allocator
 from controller.cost import CostKeeper
 from core.policy import load_policy
 from core.wire import NodeReport, PodReport
-from tests.test_scopes import EXAMPLE
+
+EXAMPLE = yaml.safe_load((Path(__file__).resolve().parent.parent / "docs/examples/networkscopes-aws.yaml").read_text())
 
 TEAMS = 20
 PODS = 110
