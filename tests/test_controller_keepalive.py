@@ -11,6 +11,7 @@ import socket
 import ssl
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -132,9 +133,11 @@ def silent_tcp(port: int, source: str) -> socket.socket:
 
 def test_handshakes_over_the_bound_are_closed_before_tls_and_counted_and_the_accepted_are_answered(tls_controller):
     """A reconnect storm's bound: at most --max-handshakes TLS handshakes in progress, at most
-    --max-connections-per-address of them from one address; a connection over either is closed on
-    accept (its client sees the connection end, no TLS), counted as TooManyHandshakes, and a
-    client within the bound is answered meanwhile. Silent TCP clients stand for the handshakes a
+    --max-connections-per-address of them (in progress or waiting) from one address; a connection
+    over the address bound is closed on accept, one over the total waits up to 1 s for a handshake
+    to end and is closed if none does (its client sees the connection end, no TLS), each counted
+    as TooManyHandshakes; a client within the bound is answered meanwhile, and a waiting one when
+    a handshake ends. Silent TCP clients stand for the handshakes a
     storm has in progress (a real storm's cannot be held open on demand)."""
     start, pki, ctx = tls_controller
     with start("--max-handshakes", "3", "--max-connections-per-address", "2") as (_proc, base):
@@ -158,6 +161,14 @@ def test_handshakes_over_the_bound_are_closed_before_tls_and_counted_and_the_acc
                 refused.post("/v1/nodes/n1/report", body, None)
             refused.close()
             assert not any(closed_by_server(s, 0.3) for s in held)  # those in progress are kept
+            # a client that waits (all 3 in progress) starts its handshake when one ends, and is answered
+            waiting = ControllerClient(f"https://localhost:{port}", str(pki.ca_file))
+            with ThreadPoolExecutor(1) as pool:
+                answer = pool.submit(waiting.post, "/v1/nodes/n1/report", body, None)
+                time.sleep(0.3)  # ordering only: its connection is accepted and waits
+                held.pop().close()
+                assert "generation" in json.loads(answer.result(timeout=10)[0])
+            waiting.close()
         finally:
             for s in held:
                 s.close()
