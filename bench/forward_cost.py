@@ -128,7 +128,11 @@ ROWS = {  # the configurations: the whole data path by counting mode, and its pi
     "ipt-device": "its rules alone, counting on the devices",
     "ebpf": "the device counter alone (programs on the pod device and the uplink, tcx links)",
     "ebpf-tc": "the same on tc filters",
+    "ebpf-scoped": "the device counter alone with destination scopes described (the peer's /24 cross-zone, "
+                   "among 256 CIDRs in the trie: issue 39)",
 }
+# the scoped row's description: the peer's /24 in another zone, 255 more /24s of zones and regions around it
+SCOPED = {ipaddress.ip_network(f"10.{i // 256}.{i % 256}.0/24"): 1 + i % 2 for i in range(256)}
 
 
 def install(chain: Chain, row: str, n: int, bpf_root: str | None, stack: contextlib.ExitStack) -> None:
@@ -137,7 +141,7 @@ def install(chain: Chain, row: str, n: int, bpf_root: str | None, stack: context
     if row == "none":
         return
     netns = chain.ns["node"]
-    by_device = row in ("device", "device-open", "device-tc", "ipt-device", "ebpf", "ebpf-tc")
+    by_device = row in ("device", "device-open", "device-tc", "ipt-device", "ebpf", "ebpf-tc", "ebpf-scoped")
     options = DataPathOptions(leaf_qdisc=probe(netns).leaf_qdisc, internal_by_device=by_device,
                               bpf_dir=os.path.join(bpf_root or "/nonexistent", netns),
                               count_attach="tc" if row.endswith("-tc") else "auto", count_gate=row != "device-open")
@@ -158,6 +162,8 @@ def install(chain: Chain, row: str, n: int, bpf_root: str | None, stack: context
         counting = desired.device_counting
         counter.set_networks(dict(counting.networks))
         counter.set_pods(counting.addresses)
+        if row == "ebpf-scoped":
+            counter.set_scopes(SCOPED)
         counter.attach(counting.devices, counting.uplinks)
 
 
