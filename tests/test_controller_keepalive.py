@@ -134,7 +134,7 @@ def silent_tcp(port: int, source: str) -> socket.socket:
 def test_handshakes_over_the_bound_are_closed_before_tls_and_counted_and_the_accepted_are_answered(tls_controller):
     """A reconnect storm's bound: at most --max-handshakes TLS handshakes in progress, at most
     --max-connections-per-address of them (in progress or waiting) from one address; a connection
-    over the address bound is closed on accept, one over the total waits up to 1 s for a handshake
+    over the address bound is closed on accept, one over the total waits up to 2 s for a handshake
     to end and is closed if none does (its client sees the connection end, no TLS), each counted
     as TooManyHandshakes; a client within the bound is answered meanwhile, and a waiting one when
     a handshake ends. Silent TCP clients stand for the handshakes a
