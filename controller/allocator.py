@@ -301,7 +301,9 @@ class Allocator:
         if self.quota is not None and report.epoch is not None:  # the pods' byte counters, by team
             self.quota.observe(report, row_ids, lambda r: tables.team_names[int(table[r][0])], tables)
         if self.cost is not None and report.epoch is not None:
-            self.cost.observe(report, row_ids, lambda r: tables.team_names[int(table[r][0])])
+            counted = self.cost.observe(report, row_ids, lambda r: tables.team_names[int(table[r][0])])
+            if counted and self.quota is not None:
+                self.quota.version += 1  # status.quota's cost figures changed: written at the next interval
 
         def column(field: PerDirection[attrgetter], d: Direction) -> np.ndarray:
             return np.fromiter(map(field[d], pods), dtype=np.float64, count=n) if shapes[d] else np.zeros(n)

@@ -103,10 +103,12 @@ class CostKeeper:
                     ledger.roll_team(team)
             self.starts[team] = start
 
-    def observe(self, report: NodeReport, rows: np.ndarray, team_of: Callable[[int], str]) -> None:
-        """One report's counters: each pod's team is `team_of(row)` of its policy row (the allocator's)."""
+    def observe(self, report: NodeReport, rows: np.ndarray, team_of: Callable[[int], str]) -> bool:
+        """One report's counters: each pod's team is `team_of(row)` of its policy row (the allocator's). True when
+        a team with a cost quota counted bytes (its persisted figures changed)."""
         if self.prices is None or report.epoch is None:
-            return
+            return False
+        changed = False
         pods = report.pods
         teams = [team_of(r) for r in rows.tolist()]
         keys = [pod.uid or f"{pod.namespace}/{pod.name}" for pod in pods]
@@ -116,8 +118,9 @@ class CostKeeper:
                 self._roll(team, now)
             for scope, ledger in self.ledgers.items():
                 up, down = _COUNTERS[(scope, Direction.UPLOAD)], _COUNTERS[(scope, Direction.DOWNLOAD)]
-                ledger.add_report(report.epoch, ((team, key, up(pod), down(pod))
-                                                 for team, key, pod in zip(teams, keys, pods)))
+                changed |= ledger.add_report(report.epoch, ((team, key, up(pod), down(pod))
+                                                            for team, key, pod in zip(teams, keys, pods)))
+        return changed and any(q.cost is not None for q in self.quotas.values())
 
     def figures(self) -> list[tuple[str, Scope, Direction, int, int]]:
         """(team, scope, direction, bytes this period, bytes in total), sorted."""

@@ -223,3 +223,27 @@ def test_a_new_period_starts_the_period_cost_at_zero_and_keeps_the_total():
     _feed(alloc, _report(2))
     got = {(t, s, d): (period, total) for t, s, d, period, total in keeper.figures()}
     assert got[("research", Scope.CROSS_ZONE, UP)] == (3 * GIB, 6 * GIB)  # only April's step in the period
+
+
+def test_cross_zone_bytes_alone_mark_the_cost_figures_for_writing():
+    """status.quota is written when the quota keeper's version moves: a cost quota team's bytes that are all
+    cross-zone (no internet bytes for the volume ledger) move it too, so costUsed is persisted."""
+    from controller.quota import QuotaKeeper
+    budget = {"metadata": {"name": "main"}, "spec": {"total": "100M", "teams": [
+        {"name": "research", "namespaces": ["research"], "quota": {"period": "Month", "cost": "100"}}]}}
+    policy, _ = load_policy([], [budget])
+    quota, keeper = QuotaKeeper(lambda: DAY1), CostKeeper(lambda: DAY1)
+    quota.set_policy(policy)
+    quota.resume(None)
+    keeper.set_scopes(EXAMPLE)
+    alloc = Allocator(lambda: (policy, []), quota=quota, cost=keeper)
+    alloc({"n1": alloc.prepare(_report(0))})
+
+    def cross_zone_only(n):
+        pod = PodReport("research", "a", 1e6, 1e6, uid="uid-a", bytes_total=0, ingress_bytes_total=0,
+                        scope_bytes_total={"cross-zone": n * GIB})
+        return NodeReport("n1", [pod], epoch="boot-1")
+    alloc({"n1": alloc.prepare(cross_zone_only(0))})
+    before = quota.version
+    alloc.prepare(cross_zone_only(1))
+    assert quota.version > before
