@@ -9,7 +9,9 @@ budget each smaller than the pods' combined demand, while one pod also downloads
 the internal peer: that download is never shaped. A live table shows each pod's class,
 fair share (what `netagent plan` computes from the same policy), allocation and measured
 rate in both directions; halfway through it moves one pod to another class and raises one
-team's weight, so allocations visibly move. At the end it writes a PNG of the rates over
+team's weight, so allocations visibly move. Team web has a small daily upload quota
+(docs/quotas.md) sized to run out at about two thirds of the run: its pod then drops to the
+quota's exhaustedRate and the others take the share. At the end it writes a PNG of the rates over
 time, uploads above, downloads below.
 Ctrl-C or the end removes everything it created.
 """
@@ -70,6 +72,11 @@ DOWNLOAD_TOTAL = "200M"  # spec.ingressTotal: what the cluster's NAT gateways ca
 INTERNAL_DOWNLOAD = (("research", "train-1"), "250M")
 CHANGE_POD = ("data", "crawl", "gold")  # halfway: this pod moves to this class...
 CHANGE_TEAM = ("data", 3)  # ...and this team's weight rises to this
+# this team's daily upload quota runs out at about QUOTA_AT of the run (quota_bytes); then it is held at
+# QUOTA_EXHAUSTED_RATE (above the least ceil, 4.19M, so its one pod's ceil holds it: docs/quotas.md)
+QUOTA_TEAM = "web"
+QUOTA_EXHAUSTED_RATE = "10M"
+QUOTA_AT = 0.6
 
 
 @dataclass
@@ -92,7 +99,10 @@ class DemoOptions:
     keep_logs: str | None = None  # copy the run's logs here before the lab goes
 
 
-def policy_objects(team_weights: dict[str, int]) -> list[dict]:
+def policy_objects(team_weights: dict[str, int], quota: int | None = None,
+                   exhausted: bool = False) -> list[dict]:
+    """The demo's classes and budget; `quota`: QUOTA_TEAM's daily upload bytes; `exhausted`: that team as the
+    controller holds it once spent (its exhaustedRate as its cap: what the fair shares are computed from)."""
     objs: list[dict] = []
     for name, (weight, lo, hi) in CLASSES.items():
         objs.append({"apiVersion": "netagent.io/v1alpha1", "kind": "EgressClass", "metadata": {"name": name},
@@ -106,6 +116,11 @@ def policy_objects(team_weights: dict[str, int]) -> list[dict]:
         {"name": "web", "namespaces": ["web"], "weight": team_weights["web"],
          "defaultClass": "silver", "allowedClasses": ["silver", "bronze"]},
     ]
+    for team in teams:
+        if team["name"] == QUOTA_TEAM and quota is not None:
+            team["quota"] = {"period": "Day", "bytes": str(quota), "exhaustedRate": QUOTA_EXHAUSTED_RATE}
+            if exhausted:
+                team["max"] = QUOTA_EXHAUSTED_RATE
     objs.append({"apiVersion": "netagent.io/v1alpha1", "kind": "EgressBudget", "metadata": {"name": "cluster"},
                  "spec": {"total": BUDGET_TOTAL, "ingressTotal": DOWNLOAD_TOTAL, "teams": teams,
                           "defaultTeam": "web"}})
@@ -149,6 +164,19 @@ def fair_shares(policy: list[dict], classes: dict[tuple[str, str], str | None],
     return {k: v.allocation_bps for k, v in res.pods.items()}
 
 
+def quota_bytes(duration: float) -> int:
+    """QUOTA_TEAM's daily upload quota for a run of `duration` s: what its pods' fair shares move until QUOTA_AT
+    of the run (the first half at the shares before the change, then after it). Pure."""
+    classes = {(ns, name): cls for _, ns, name, cls in PODS}
+    before = fair_shares(policy_objects({"research": 1, "data": 1, "web": 1}), classes)
+    changed = dict(classes)
+    changed[CHANGE_POD[:2]] = CHANGE_POD[2]
+    after = fair_shares(policy_objects({"research": 1, "data": 1, "web": 1} | dict([CHANGE_TEAM])), changed)
+    team = [f"{ns}/{name}" for _, ns, name, _ in PODS if ns == QUOTA_TEAM]
+    bps = sum(before[k] for k in team) * duration / 2 + sum(after[k] for k in team) * (QUOTA_AT - 0.5) * duration
+    return int(bps / 8)
+
+
 def mean_rate(values: list[float]) -> float:
     """The mean of a series' seconds, skipping NaN (a pod not yet visible); 0 for none. Pure."""
     vals = [v for v in values if v == v]
@@ -181,6 +209,9 @@ class Demo:
         self.moved: dict[str, float] = {}  # pod key -> seconds until its upload first moved
         self.moved_down: dict[str, float] = {}  # pod key -> seconds until its download first moved
         self.events: list[tuple[float, str]] = []
+        self.quota = quota_bytes(opts.duration)  # QUOTA_TEAM's daily upload bytes
+        self.quota_used: list[tuple[float, int]] = []  # (t, used) as the controller's /v1/status says
+        self.exhausted_at: float | None = None
 
     # -- set-up -----------------------------------------------------------------
     def start(self) -> None:
@@ -189,7 +220,7 @@ class Demo:
         self.fabric = NetnsWorker(self.lab.fabric)
         self.policy_file = self.dir / "policy.yaml"
         self.pods_file = self.dir / "pods.yaml"
-        write_yaml(self.policy_file, policy_objects(self.team_weights))
+        write_yaml(self.policy_file, policy_objects(self.team_weights, self.quota))
         write_yaml(self.pods_file, pod_objects(self.lab, self.classes))
         logs = self.dir / "logs"
         logs.mkdir()
@@ -322,10 +353,38 @@ class Demo:
         self.classes[(ns, name)] = cls
         self.team_weights[team] = weight
         write_yaml(self.pods_file, pod_objects(self.lab, self.classes))
-        write_yaml(self.policy_file, policy_objects(self.team_weights))
+        write_yaml(self.policy_file, policy_objects(self.team_weights, self.quota))
         what = f"{ns}/{name} → class {cls}; team {team} weight → {weight}"
         self.events.append((t, what))
         return what
+
+    def fair(self, download: bool = False) -> dict[str, float]:
+        """Each pod's fair share now: the policy as it stands, QUOTA_TEAM capped once its quota is spent."""
+        return fair_shares(policy_objects(self.team_weights, self.quota, exhausted=self.exhausted_at is not None),
+                           self.classes, download=download)
+
+    def watch_quota(self, t: float) -> bool:
+        """QUOTA_TEAM's use from the controller's /v1/status; True the first time it says spent."""
+        try:
+            code, body = self.fabric.call(http_get, f"http://{CONTROLLER_IP}:{CONTROLLER_PORT}/v1/status", 2)
+            quotas = json.loads(body).get("quota") or [] if code == 200 else []
+        except (OSError, ValueError):
+            return False
+        mine = next((q for q in quotas if q.get("team") == QUOTA_TEAM and q.get("uploads")), None)
+        if mine is None:
+            return False
+        self.quota_used.append((t, int(mine["uploads"]["used"])))
+        if mine["uploads"]["exhausted"] and self.exhausted_at is None:
+            self.exhausted_at = t
+            return True
+        return False
+
+    def quota_note(self) -> str:
+        used = self.quota_used[-1][1] if self.quota_used else 0
+        state = (f"EXHAUSTED at t={self.exhausted_at:.0f}s: held at {QUOTA_EXHAUSTED_RATE}bit/s, the others take "
+                 "its share" if self.exhausted_at is not None else "")
+        return (f"team {QUOTA_TEAM}'s daily upload quota: {used / 1e6:.0f} of {self.quota / 1e6:.0f} MB used"
+                + (f" — {state}" if state else ""))
 
     # -- observing ------------------------------------------------------------------
     def states(self) -> dict[str, dict]:
@@ -358,7 +417,8 @@ class Demo:
     def table(self, rows: list[dict], t: float, note: str):
 
         tab = Table(title=f"netagent demo — t={t:4.0f}s of {self.opts.duration:.0f}s — upload budget {BUDGET_TOTAL}"
-                          f"bit/s, download budget {DOWNLOAD_TOTAL}bit/s" + (f"\n{note}" if note else ""))
+                          f"bit/s, download budget {DOWNLOAD_TOTAL}bit/s" + (f"\n{note}" if note else "")
+                          + f"\n{self.quota_note()}")
         numbers = ("up fair", "up alloc", "up measured", "down fair", "down alloc", "down measured")
         for col in ("node", "pod", "team", "class", *numbers):
             tab.add_column(col, justify="right" if col in numbers else "left")
@@ -413,6 +473,11 @@ class Demo:
             for t, what in self.events:
                 ax.axvline(t, color="grey", linestyle=":")
                 ax.annotate(what, (t, ax.get_ylim()[1] * 0.95), fontsize=8, ha="left")
+        if self.exhausted_at is not None:  # uploads only: the quota counts web's uploads
+            up.axvline(self.exhausted_at, color="orange", linestyle=":")
+            up.annotate(f"team {QUOTA_TEAM}'s daily quota spent → held at {QUOTA_EXHAUSTED_RATE}",
+                        (self.exhausted_at, up.get_ylim()[1] * 0.85), fontsize=8, ha="left", color="darkorange")
+        for ax in (up, down):
             ax.legend(loc="center right", fontsize=8)
         down.set_xlabel("seconds (rates measured from kernel counters)")
         up.set_title("netagent: pods' internet uploads and downloads converging to their fair shares")
@@ -429,8 +494,8 @@ class Demo:
                       f"files and logs in {self.dir}")
         self.start()
         self.start_traffic(self.opts.duration)
-        fair = fair_before = fair_shares(policy_objects(self.team_weights), self.classes)
-        fair_down = fair_down_before = fair_shares(policy_objects(self.team_weights), self.classes, download=True)
+        fair = fair_before = self.fair()
+        fair_down = fair_down_before = self.fair(download=True)
         note = ""
         t0 = time.monotonic()
         changed = False
@@ -442,10 +507,13 @@ class Demo:
                 if not changed and t >= self.opts.duration / 2:
                     changed = True
                     note = "changed: " + self.change(t)
-                    fair = fair_shares(policy_objects(self.team_weights), self.classes)
-                    fair_down = fair_shares(policy_objects(self.team_weights), self.classes, download=True)
+                    fair, fair_down = self.fair(), self.fair(download=True)
                     if plain:
                         console.print(f"t={t:.0f}s {note}")
+                if self.watch_quota(t):
+                    fair = self.fair()  # the team held at its exhaustedRate: the others' shares grow
+                    if plain:
+                        console.print(f"t={t:.0f}s {self.quota_note()}")
                 rows = self.rows(self.states(), fair, fair_down)
                 self.record(t, rows)
                 if live:
@@ -471,6 +539,8 @@ class Demo:
                 "rate_mbps": self.series.rate, "limit_mbps": self.series.limit,
                 "fair_before_bps": fair_before, "fair_after_bps": fair,
                 "steady_total": self.steady_total(), "first_moved_s": self.first_moved(),
+                "quota": {"team": QUOTA_TEAM, "bytes": self.quota, "exhausted_rate": QUOTA_EXHAUSTED_RATE,
+                          "exhausted_at": self.exhausted_at, "used": self.quota_used},
                 "download": {
                     "budget_bps": float(DOWNLOAD_TOTAL.rstrip("M")) * 1e6, "rate_mbps": self.series.down,
                     "limit_mbps": self.series.down_limit, "fair_before_bps": fair_down_before,

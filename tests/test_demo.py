@@ -59,6 +59,16 @@ def test_demo_runs_shapes_to_the_budget_moves_allocations_and_cleans_up(tmp_path
         off = {k: round(means[k] * 1e6 / fair[k] - 1, 3) for k in rates}
         assert all(abs(e) <= 0.05 for e in off.values()), \
             f"uploads against their fair shares {'before the change' if window is late_first else 'at the end'}: {off}"
+    # team web's small daily upload quota ran out between the change and the end window (sized for about 60 %
+    # of the run); the end's fair shares (`fair_after_bps`, held above within 5 %) are with web held at its
+    # 10M exhaustedRate: its pod dropped to it and the others took the share, the total still at the budget
+    quota, (change_t, _) = s["quota"], s["events"][0]
+    assert quota["team"] == "web" and quota["exhausted_at"] is not None, quota
+    assert change_t < quota["exhausted_at"] < s["t"][late_second[0]] - 2, (quota["exhausted_at"], change_t)
+    assert s["fair_after_bps"]["web/frontend"] == 10e6
+    web = rates["web/frontend"]
+    assert mean_rate([web[i] for i in late_first]) > 3 * mean_rate([web[i] for i in late_second])
+    assert max(used for _, used in quota["used"]) >= quota["bytes"]
     # every pod's flow moved (iperf3's own 0.2 s intervals, read as they were flushed)
     assert all(v is not None for v in s["first_moved_s"].values()), s["first_moved_s"]
     assert set(s["steady_total"]) == {"before_change", "end"}  # the ±1 % figure: docs/datapath.md (40 s runs)
