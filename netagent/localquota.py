@@ -30,6 +30,8 @@ from core.direction import DIRECTIONS, Direction, PerDirection
 from core.policy import Policy, ResolvedPod
 from core.quota import Ledger, TeamQuota, apply_exhaustion, exhausted_teams, period_bounds
 
+from .view import BYTES_BY_SCOPE
+
 log = logging.getLogger(__name__)
 
 STATE_FILE = "quota.json"
@@ -270,7 +272,7 @@ def counters_of(view: Callable[[], Any], pods: Callable[[], tuple[ResolvedPod, .
     def read() -> list[tuple[str, str, int, int]]:
         team = {p.key: p.team for p in pods()}
         return [(f"{p.namespace}/{p.name}", team.get(f"{p.namespace}/{p.name}", p.team),
-                 int(p.egress_bytes.get("internet", 0)), int(p.ingress_bytes.get("internet", 0)))
+                 *(int(BYTES_BY_SCOPE[d](p).get("internet", 0)) for d in DIRECTIONS))
                 for p in view().pods]
     return read
 

@@ -64,6 +64,9 @@ class PodView:
     ingress_delivered_bytes: int = 0
 
 
+# A pod's (or node's) bytes by scope in one direction, read by the code outside this edge
+BYTES_BY_SCOPE: PerDirection = PerDirection(lambda v: v.egress_bytes, lambda v: v.ingress_bytes)
+
 @dataclass
 class NodeView:
     node: str
