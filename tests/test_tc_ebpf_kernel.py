@@ -568,13 +568,15 @@ def test_an_internet_download_is_counted_in_segments_on_the_pod_and_on_the_uplin
     payload, mss = result["end"]["sum_received"]["bytes"], result["start"]["tcp_mss_default"]
     up_bytes, up_packets = up_after[0] - up_before[0], up_after[1] - up_before[1]
     pod_bytes, pod_packets = pod_after[0] - pod_before[0], pod_after[1] - pod_before[1]
-    segments = math.ceil(payload / mss)
-    print(f"IPv{family}: {payload} B payload, {segments} segments of {mss} B in {pod_packets} packets; "
-          f"merged: {merged} segments, {merged_bytes} B of headers")
+    # a retransmitted segment crosses veth-a again but is received once (payload): on a loaded machine a few
+    retransmits = int(result["end"].get("sum_sent", {}).get("retransmits") or 0)
+    segments = math.ceil(payload / mss) + retransmits
+    print(f"IPv{family}: {payload} B payload, {segments} segments of {mss} B ({retransmits} retransmitted) in "
+          f"{pod_packets} packets; merged: {merged} segments, {merged_bytes} B of headers")
     assert merged > pod_packets, "the download was not merged: the test does not see what it is for"
     assert merged_bytes == merged * header  # each merged segment's IP and TCP headers, exactly
     # the packets that crossed veth-a, with the merged segments' headers: the download as its segments
-    in_segments = payload + (segments + 10) * header
+    in_segments = payload + retransmits * mss + (segments + 10) * header
     assert abs(pod_bytes - ETH * pod_packets + merged_bytes - in_segments) <= 0.005 * in_segments
     # at least the full-sized segments the payload makes (a TSO packet's last one may be short: a few more)
     assert segments <= pod_packets + merged <= 1.01 * segments + 20
