@@ -18,9 +18,10 @@ DEFAULT_MAX_REPORTS_PER_SECOND = 1000.0
 # agents' kept-alive connections (controller/connections.py)
 DEFAULT_MAX_CONNECTIONS = 20_000  # 10,000 agents, each with a spare during a failover
 DEFAULT_MAX_CONNECTIONS_PER_ADDRESS = 8  # one agent (a node IP) needs 1, 2 during a failover
-# TLS handshakes in progress at once (core/asynctls.HandshakeGate): few enough that those accepted
-# finish well inside the agents' 3 s timeout on a loaded core (docs/scale.md "Bad input at scale")
-DEFAULT_MAX_HANDSHAKES = 64
+# TLS handshakes in progress at once (core/asynctls.HandshakeGate; docs/scale.md "Bad input at
+# scale"): 64 made a 2,000-node storm slower (47 s until all answered: too few in flight to hide the
+# clients' round trips), 512 did not (18.7 s, as without a bound)
+DEFAULT_MAX_HANDSHAKES = 512
 DEFAULT_KEEPALIVE_TIMEOUT = 75.0  # > the longest period the pacer advises by default (lease / 4 = 30 s)
 DEFAULT_ELECTION_LEASE_SECONDS = 3.0  # docs/scale.md finding 13: failover in seconds
 MIN_ELECTION_LEASE_SECONDS = 2.0  # the Lease stores whole seconds; shorter leaves calls no time to renew

@@ -8,7 +8,7 @@ for `keepalive_timeout` seconds is closed (aiohttp's RequestHandler, set by the 
 connection over a bound is closed as soon as it is accepted, before it can send a request, and
 counted by reason; it costs the others nothing but its accept and, with TLS, its handshake. The
 handshakes in progress are bounded before that (core/asynctls.HandshakeGate, `--max-handshakes`):
-a connection over that bound is closed on accept before any TLS work (TooManyHandshakes).
+a connection beyond them waits up to 2 s, then is closed before any TLS work (TooManyHandshakes).
 
 Hooked into aiohttp's `web.Server` (the protocol factory an AppRunner serves): its public
 `connection_made`/`connection_lost` are called for every connection the server accepts.
@@ -113,8 +113,8 @@ class ConnectionBounds:
         refused = CounterMetricFamily("netagent_controller_connections_refused",
                                       "Agent API connections closed on accept: over --max-connections in total "
                                       "(TooManyConnections) or per client address (TooManyConnectionsFromAddress), "
-                                      "or before their TLS handshake over --max-handshakes in progress "
-                                      "(TooManyHandshakes).",
+                                      "or before their TLS handshake after waiting 2 s beyond --max-handshakes in "
+                                      "progress (TooManyHandshakes).",
                                       labels=["reason"])
         for reason in (TOO_MANY, TOO_MANY_FROM_ADDRESS, TOO_MANY_HANDSHAKES):
             refused.add_metric([reason], self.refused[reason])
