@@ -518,7 +518,7 @@ def operator_crds(kube_api):
 # --- the test ----------------------------------------------------------------------------------
 
 
-NETAGENT_CRDS = ("egressclasses.netagent.io", "egressbudgets.netagent.io")
+NETAGENT_CRDS = ("egressclasses.netagent.io", "egressbudgets.netagent.io", "networkscopes.netagent.io")
 
 
 def leftovers(kube_api) -> list[str]:
@@ -850,9 +850,9 @@ def test_helm_install_shapes_upgrades_and_uninstalls_on_the_real_node(
         helm(kube_api, "uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout", "5m")
         installed = False
         # the release's policy objects went with it (the CRDs stay: Helm never deletes crds/)
-        assert kube_api.kubectl("get", "egressclasses,egressbudgets", "-o", "name").stdout.split() == []
+        assert kube_api.kubectl("get", "egressclasses,egressbudgets,networkscopes", "-o", "name").stdout.split() == []
         kube_api.kubectl("-n", NAMESPACE, "delete", "secret", "netagent-controller-tls")  # the controller made it
-        kube_api.kubectl("delete", "crd", "egressclasses.netagent.io", "egressbudgets.netagent.io")
+        kube_api.kubectl("delete", "crd", *NETAGENT_CRDS)
         left = residue()
         assert not left, f"left on the node: {left}"
         wait_for(lambda: not core.list_namespaced_pod(NAMESPACE).items, 60, what="the release's pods to go")
@@ -868,7 +868,7 @@ def test_helm_install_shapes_upgrades_and_uninstalls_on_the_real_node(
         core.delete_namespace(WORKLOADS)
         kube_api.kubectl("-n", NAMESPACE, "delete", "secret", "netagent-controller-tls", "--ignore-not-found",
                          check=False)
-        for crd in ("egressclasses.netagent.io", "egressbudgets.netagent.io"):
+        for crd in NETAGENT_CRDS:
             kube_api.kubectl("delete", "crd", crd, "--ignore-not-found", check=False)
         kube_api.kubectl("delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=false", check=False)
         subprocess.run([sys_python(), "-m", "netagent", "cleanup"], capture_output=True, cwd=REPO,
