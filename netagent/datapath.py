@@ -268,8 +268,9 @@ class KernelDataPath:
         self._hooks_read: tuple[object, tuple[int, ...]] | None = None  # (rules version, the lines then)
         self._stats: dict[Direction, tuple[float, dict[int, ClassStats]]] = {}  # per direction: (read at, stats)
         self._counters: tuple[float, tuple[PodCounters, NodeCounters]] | None = None
-        # per direction: (host traffic bypassing its shaper, accumulated between reads; (pods, last count))
-        self._bypass: dict[str, tuple[int, tuple[frozenset, int] | None]] = {"egress": (0, None), "ingress": (0, None)}
+        # per direction the host traffic bypassing its shaper: (carried from earlier pod sets, the pod set now,
+        # its first count, the most counted over it since)
+        self._bypass: dict[str, tuple[int, frozenset | None, int, int]] = {d: (0, None, 0, 0) for d in ("egress", "ingress")}
         self._shaped = {"egress": Carry(), "ingress": Carry()}  # the node classes' IP bytes, read under _counters_lock
         self.reads = {"class_stats": 0, "counters": 0}  # kernel reads done (bench/agent.py, tests)
 
@@ -440,19 +441,24 @@ class KernelDataPath:
         The iptables counters cannot say it alone: they count before the shaper (bytes it then drops
         and TCP sends again count twice) and a GSO packet once with one header (bulk TCP undercounts
         by ~3.5 %). The unshaped part is the node's iptables count minus what the pod sets and the
-        unknown-pod rule counted (the same units); it is accumulated by difference between reads
-        with the same pods, so a pod that goes (its bytes leave the sum) is not mistaken for host traffic."""
+        unknown-pod rule counted (the same units); it is counted from the first read with the same pods,
+        so a pod that goes (its bytes leave the sum) is not mistaken for host traffic."""
         # the node class counts from zero when made again (the IFB replaced): carried, never backwards
         shaped = self._shaped[direction].read(
             ip_bytes(node_class.bytes, node_class.packets, self.options) if node_class else 0)
         rest = node.get(f"{direction}_internet", 0) - node.get(f"{direction}_unknown_internet", 0) - sum(
             c.get(f"{direction}_internet", 0) for c in pods.values())
+        # `rest` is a difference of counters read one after the other (never above the truth: the node's are read
+        # first) and may dip; the bypass only grows, so the most it reached is kept (summing its rises also kept
+        # each dip's way back up: +3 % in a flood, tests/test_agent_accounting_traffic.py)
         keys = frozenset(pods)
-        total, previous = self._bypass[direction]
-        if previous is not None and previous[0] == keys:
-            total += max(0, rest - previous[1])
-        self._bypass[direction] = (total, (keys, rest))
-        return shaped + total
+        carried, held, first, most = self._bypass[direction]
+        if held == keys:
+            most = max(most, rest - first)
+        else:
+            carried, first, most = carried + most, rest, 0
+        self._bypass[direction] = (carried, keys, first, most)
+        return shaped + carried + most
 
     def adopted_rates(self, direction: Direction = Direction.UPLOAD) -> dict[int, tuple[int, int]]:
         """minor -> (rate, ceil) in IP bit/s of every HTB class the direction's shaper holds now (the
