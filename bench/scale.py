@@ -1090,10 +1090,14 @@ def series_of(exposition: bytes) -> int:
     return sum(1 for line in exposition.decode().splitlines() if line and not line.startswith("#"))
 
 
-def agent_series(pods: int, lean: bool = False, downloads: bool = True) -> int:
+def agent_series(pods: int, lean: bool = False, downloads: bool = True, scopes: bool = False) -> int:
     """Series one agent's /metrics exports with `pods` pods (its own registry, every pod in a class,
-    as AgentMetrics renders them; one policy problem on no pod; downloads shaped unless not)."""
-    view = NodeView("n", [PodView(f"ns{j % 5}", f"p{j}", "team00", "bulk", minor=j + 2) for j in range(pods)],
+    as AgentMetrics renders them; one policy problem on no pod; downloads shaped unless not; with
+    `scopes`, a NetworkScopes description in force: bytes by cross-zone and cross-region too, issue 39)."""
+    def counts() -> dict[str, int]:
+        return dict.fromkeys(("internal", "cross-zone", "cross-region", "internet") if scopes else ("internal", "internet"), 0)
+    view = NodeView("n", [PodView(f"ns{j % 5}", f"p{j}", "team00", "bulk", minor=j + 2, egress_bytes=counts(),
+                                  ingress_bytes=counts()) for j in range(pods)],
                     ingress_allocation_bps=1e9 if downloads else None)
     metrics = AgentMetrics(lambda: view, lean=lean)
     return series_of(generate_latest(metrics.registry))
@@ -1367,6 +1371,10 @@ async def report_netagent(r: Run, w: Window, ctx: ssl.SSLContext) -> float:
     print(f"with the agents' --lean-metrics: one agent {lean_node} "
           f"({(lean_node - agent_series(0, lean=True, downloads=args.downloads)) / max(1, args.pods_per_node):.0f} per pod); "
           f"cluster {lean_cluster:,} series, {lean_cluster / 30:,.0f} samples/s at a 30 s scrape")
+    scoped, scoped_lean = (agent_series(args.pods_per_node, lean=lean, downloads=args.downloads, scopes=True)
+                           for lean in (False, True))
+    print(f"with NetworkScopes described (issue 39): one agent {scoped} (+{scoped - per_node}), "
+          f"--lean-metrics {scoped_lean} (+{scoped_lean - lean_node})")
     advised = Counter(round(adv, 1) for _, adv, _ in st["agents"])
     period = max(args.period, max(advised, default=0.0))
     print(f"report period advised by the leader: {dict(advised)} (agents' own {args.period:g} s)")

@@ -40,6 +40,25 @@ def test_lean_mode_exports_four_series_a_pod_instead_of_eleven():
     assert len(samples(node(30, True), True)) - len(samples(node(0, True), True)) == 5 * 30 + 1
 
 
+def scoped(view: NodeView) -> NodeView:
+    """The same node with a NetworkScopes description in force: each pod's bytes carry the two scopes between
+    internal and internet (netagent.view: described, so shown even at zero)."""
+    for p in view.pods:
+        for counts in (p.egress_bytes, p.ingress_bytes):
+            counts.update({"cross-zone": 0, "cross-region": 0})
+    return view
+
+
+def test_scopes_described_add_four_series_a_pod_in_full_mode_and_none_in_lean():
+    """Issue 39's series per node, with scopes described against without, at 110 pods (docs/scale.md
+    "Metric series"): bytes by 4 scopes instead of 2, in both directions; lean keeps internet only."""
+    for downloads in (False, True):
+        full, lean = len(samples(node(110, downloads), False)), len(samples(node(110, downloads), True))
+        assert len(samples(scoped(node(110, downloads)), False)) == full + 4 * 110
+        assert len(samples(scoped(node(110, downloads)), True)) == lean
+    assert len(samples(scoped(node(110)), False)) == len(samples(node(0), False)) + 15 * 110 + 1
+
+
 def test_lean_series_are_a_subset_of_the_full_ones_with_the_same_values():
     full, lean = samples(node(5, True), False), samples(node(5, True), True)
     assert lean.keys() < full.keys()  # no new names or label sets: dashboards keep working
