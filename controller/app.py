@@ -72,6 +72,7 @@ class Controller:
         self.files: FilePolicy | None = None
         self.cluster: ClusterCaches | None = None
         self.events: EventWriter | None = None
+        self._scopes_told: tuple[str, ...] = ()  # the NetworkScopes problems an Event told (_tell_scopes_problems)
         self.tls: ServingTLS | None = None
         auth = None
         locate_pods = None
@@ -92,7 +93,7 @@ class Controller:
             api = load_api_client(cfg.kubeconfig)
             policy = PolicyCache(lambda: self.cluster.policy_objects())
             agent_sa = tuple(cfg.agent_service_account.split(":", 1)) if cfg.agent_service_account else None
-            self.cluster = ClusterCaches(api, on_policy_change=policy.invalidate, on_scopes=self.cost.set_scopes,
+            self.cluster = ClusterCaches(api, on_policy_change=policy.invalidate, on_scopes=self._scopes_changed,
                                          on_event=lambda resource, kind: self.metrics.watch_events.labels(
                                              resource, kind).inc(),
                                          agent_service_account=agent_sa,
@@ -188,8 +189,29 @@ class Controller:
                                       f"node {node}'s report of this pod was refused ({r.reason}); "
                                       "the pod is not allocated by the controller (see docs/controller.md)")
 
+    def _scopes_changed(self, obj) -> list[str]:
+        problems = self.cost.set_scopes(obj)
+        self._tell_scopes_problems()
+        return problems
+
+    def _tell_scopes_problems(self) -> None:
+        """A Warning Event on the NetworkScopes object while its description is refused (the last valid one stays
+        in force): from the leader only, once per set of problems (again by a new leader)."""
+        problems = tuple(self.cost.problems)
+        if not problems:
+            self._scopes_told = ()
+            return
+        if problems == self._scopes_told or self.events is None or not (self.elector and self.elector.leading):
+            return
+        self._scopes_told = problems
+        self.events.cluster_event("NetworkScopes", "cluster", "Warning", "NetworkScopesInvalid",
+                                  "; ".join(problems) + " (the last valid description stays in force)")
+
     def _leadership(self, leading: bool) -> None:
         self.state.on_leadership(leading)
+        if leading:
+            self._scopes_told = ()
+            self._tell_scopes_problems()
         if not leading:
             self.quota.stop()  # the next leader counts, from the persisted use
         if self.quota_store is not None:

@@ -74,11 +74,16 @@ class EventWriter:
     def budget_event(self, budget: str, kind: str, reason: str, message: str) -> bool:
         """Queue an Event (kind Normal or Warning) on the cluster-scoped EgressBudget (in namespace default, where
         `kubectl describe egressbudget` finds it); False when dropped."""
+        return self.cluster_event("EgressBudget", budget, kind, reason, message)
+
+    def cluster_event(self, object_kind: str, name: str, kind: str, reason: str, message: str) -> bool:
+        """Queue an Event (kind Normal or Warning) on a cluster-scoped netagent.io object (EgressBudget,
+        NetworkScopes), in namespace default where `kubectl describe` finds it; False when dropped."""
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         body = {
             "apiVersion": "v1", "kind": "Event",
-            "metadata": {"generateName": f"{budget}.", "namespace": "default"},
-            "involvedObject": {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressBudget", "name": budget},
+            "metadata": {"generateName": f"{name}.", "namespace": "default"},
+            "involvedObject": {"apiVersion": "netagent.io/v1alpha1", "kind": object_kind, "name": name},
             "reason": reason, "message": message[:1024], "type": kind,
             "source": {"component": COMPONENT}, "reportingComponent": COMPONENT,
             "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
