@@ -84,6 +84,7 @@ class Controller:
             self.files = FilePolicy(list(cfg.from_file))
             policy = PolicyCache(self.files.policy_objects)
             self.files.on_change = policy.invalidate  # Namespaces' labels too: they re-resolve pods
+            self.files.on_scopes = self._scopes_changed  # the prices of a NetworkScopes document in the files
             namespace_labels = self.files.namespace_labels
             if self.files.has_pods():
                 locate_pods = self.files.locate_pods

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 from kubernetes import client
 
@@ -182,16 +182,22 @@ class FilePolicy:
         self._where = self._index(self.snapshot)
         self.thread = threading.Thread(target=self.source.run, args=(self._changed,), name="policy-files", daemon=True)
         self.on_change: Callable[[], None] = lambda: None
+        # the NetworkScopes document named `cluster` in the files (its prices: docs/scopes.md), None when gone
+        self.on_scopes: Callable[[Mapping[str, Any] | None], object] = lambda obj: None
 
     @staticmethod
     def _index(snapshot: Snapshot) -> dict[tuple[str, str], str]:
         return {(pod.namespace, pod.name): pod.node for pod in snapshot.pods if pod.node}
 
     def _changed(self, snapshot: Snapshot) -> None:
+        scopes_changed = snapshot.network_scopes != self.snapshot.network_scopes
         self.snapshot, self._where = snapshot, self._index(snapshot)
         self.on_change()
+        if scopes_changed:
+            self.on_scopes(snapshot.network_scopes)
 
     def start(self) -> None:
+        self.on_scopes(self.snapshot.network_scopes)  # what the first read found
         self.thread.start()
 
     def stop(self) -> None:
