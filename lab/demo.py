@@ -11,8 +11,10 @@ fair share (what `netagent plan` computes from the same policy), allocation and 
 rate in both directions; halfway through it moves one pod to another class and raises one
 team's weight, so allocations visibly move. Team web has a small daily upload quota
 (docs/quotas.md) sized to run out at about two thirds of the run: its pod then drops to the
-quota's exhaustedRate and the others take the share. At the end it writes a PNG of the rates over
-time, uploads above, downloads below.
+quota's exhaustedRate and the others take the share. Team research has a daily cost quota (docs/scopes.md:
+its internet bytes at the NetworkScopes prices in the policy file) sized to run out at about 65 % of the
+run: both its directions are then held at the cost quota's exhaustedRates. At the end it writes a PNG of
+the rates over time, uploads above, downloads below.
 Ctrl-C or the end removes everything it created.
 """
 from __future__ import annotations
@@ -77,6 +79,12 @@ CHANGE_TEAM = ("data", 3)  # ...and this team's weight rises to this
 QUOTA_TEAM = "web"
 QUOTA_EXHAUSTED_RATE = "10M"
 QUOTA_AT = 0.6
+# this team's daily cost quota (its internet bytes at PRICES, both directions) runs out at about COST_AT of the
+# run (cost_quota); then both its directions are held at COST_EXHAUSTED (its pods' ceils above the least ceil)
+COST_TEAM = "research"
+PRICES = {"currency": "USD", "internet": {"egress": "1", "ingress": "0.5"}}  # per GiB: a demo's round prices
+COST_EXHAUSTED = {Direction.UPLOAD: "15M", Direction.DOWNLOAD: "20M"}
+COST_AT = 0.65
 
 
 @dataclass
@@ -100,9 +108,11 @@ class DemoOptions:
 
 
 def policy_objects(team_weights: dict[str, int], quota: int | None = None,
-                   exhausted: bool = False) -> list[dict]:
+                   exhausted: bool = False, cost: str | None = None, cost_spent: bool = False) -> list[dict]:
     """The demo's classes and budget; `quota`: QUOTA_TEAM's daily upload bytes; `exhausted`: that team as the
-    controller holds it once spent (its exhaustedRate as its cap: what the fair shares are computed from)."""
+    controller holds it once spent (its exhaustedRate as its cap: what the fair shares are computed from);
+    `cost`: COST_TEAM's daily cost quota (and the NetworkScopes document with the prices); `cost_spent`: that
+    team held at its cost quota's exhaustedRates."""
     objs: list[dict] = []
     for name, (weight, lo, hi) in CLASSES.items():
         objs.append({"apiVersion": "netagent.io/v1alpha1", "kind": "EgressClass", "metadata": {"name": name},
@@ -121,9 +131,17 @@ def policy_objects(team_weights: dict[str, int], quota: int | None = None,
             team["quota"] = {"period": "Day", "bytes": str(quota), "exhaustedRate": QUOTA_EXHAUSTED_RATE}
             if exhausted:
                 team["max"] = QUOTA_EXHAUSTED_RATE
+        if team["name"] == COST_TEAM and cost is not None:
+            team["quota"] = {"period": "Day", "cost": cost, "exhaustedRate": COST_EXHAUSTED[Direction.UPLOAD],
+                             "ingress": {"exhaustedRate": COST_EXHAUSTED[Direction.DOWNLOAD]}}
+            if cost_spent:
+                team["max"], team["ingress"] = COST_EXHAUSTED[Direction.UPLOAD], {"max": COST_EXHAUSTED[Direction.DOWNLOAD]}
     objs.append({"apiVersion": "netagent.io/v1alpha1", "kind": "EgressBudget", "metadata": {"name": "cluster"},
                  "spec": {"total": BUDGET_TOTAL, "ingressTotal": DOWNLOAD_TOTAL, "teams": teams,
                           "defaultTeam": "web"}})
+    if cost is not None:
+        objs.append({"apiVersion": "netagent.io/v1alpha1", "kind": "NetworkScopes", "metadata": {"name": "cluster"},
+                     "spec": {"prices": PRICES}})
     return objs
 
 
@@ -177,6 +195,29 @@ def quota_bytes(duration: float) -> int:
     return int(bps / 8)
 
 
+def cost_quota(duration: float) -> str:
+    """COST_TEAM's daily cost quota for a run of `duration` s: what its internet bytes cost at PRICES, both
+    directions at its fair shares, until COST_AT of the run (before the change, after it, after QUOTA_TEAM is
+    held), as a decimal string. Pure."""
+    from decimal import Decimal
+
+    from core.scopes import GIB
+    classes = {(ns, name): cls for _, ns, name, cls in PODS}
+    changed = dict(classes)
+    changed[CHANGE_POD[:2]] = CHANGE_POD[2]
+    weights = {"research": 1, "data": 1, "web": 1}
+    stages = ((policy_objects(weights), classes, 0.0, 0.5),
+              (policy_objects(weights | dict([CHANGE_TEAM])), changed, 0.5, QUOTA_AT),
+              (policy_objects(weights | dict([CHANGE_TEAM]), 1, exhausted=True), changed, QUOTA_AT, COST_AT))
+    total = Decimal(0)
+    for objs, cls, start, end in stages:
+        for d, price in ((Direction.UPLOAD, PRICES["internet"]["egress"]), (Direction.DOWNLOAD, PRICES["internet"]["ingress"])):
+            shares = fair_shares(objs, cls, download=d is Direction.DOWNLOAD)
+            bps = sum(v for k, v in shares.items() if k.split("/")[0] == COST_TEAM)
+            total += Decimal(str(bps / 8 * (end - start) * duration)) / GIB * Decimal(price)
+    return str(total.quantize(Decimal("0.000001")))
+
+
 def mean_rate(values: list[float]) -> float:
     """The mean of a series' seconds, skipping NaN (a pod not yet visible); 0 for none. Pure."""
     vals = [v for v in values if v == v]
@@ -212,6 +253,9 @@ class Demo:
         self.quota = quota_bytes(opts.duration)  # QUOTA_TEAM's daily upload bytes
         self.quota_used: list[tuple[float, int]] = []  # (t, used) as the controller's /v1/status says
         self.exhausted_at: float | None = None
+        self.cost = cost_quota(opts.duration)  # COST_TEAM's daily cost quota, in PRICES' currency
+        self.cost_used: list[tuple[float, float]] = []  # (t, the period's cost) as the controller's /v1/status says
+        self.cost_spent_at: float | None = None
 
     # -- set-up -----------------------------------------------------------------
     def start(self) -> None:
@@ -220,7 +264,7 @@ class Demo:
         self.fabric = NetnsWorker(self.lab.fabric)
         self.policy_file = self.dir / "policy.yaml"
         self.pods_file = self.dir / "pods.yaml"
-        write_yaml(self.policy_file, policy_objects(self.team_weights, self.quota))
+        write_yaml(self.policy_file, policy_objects(self.team_weights, self.quota, cost=self.cost))
         write_yaml(self.pods_file, pod_objects(self.lab, self.classes))
         logs = self.dir / "logs"
         logs.mkdir()
@@ -353,38 +397,49 @@ class Demo:
         self.classes[(ns, name)] = cls
         self.team_weights[team] = weight
         write_yaml(self.pods_file, pod_objects(self.lab, self.classes))
-        write_yaml(self.policy_file, policy_objects(self.team_weights, self.quota))
+        write_yaml(self.policy_file, policy_objects(self.team_weights, self.quota, cost=self.cost))
         what = f"{ns}/{name} → class {cls}; team {team} weight → {weight}"
         self.events.append((t, what))
         return what
 
     def fair(self, download: bool = False) -> dict[str, float]:
         """Each pod's fair share now: the policy as it stands, QUOTA_TEAM capped once its quota is spent."""
-        return fair_shares(policy_objects(self.team_weights, self.quota, exhausted=self.exhausted_at is not None),
+        return fair_shares(policy_objects(self.team_weights, self.quota, exhausted=self.exhausted_at is not None,
+                                          cost=self.cost, cost_spent=self.cost_spent_at is not None),
                            self.classes, download=download)
 
     def watch_quota(self, t: float) -> bool:
-        """QUOTA_TEAM's use from the controller's /v1/status; True the first time it says spent."""
+        """QUOTA_TEAM's use and COST_TEAM's cost from the controller's /v1/status; True the first time either says
+        spent (the fair shares change)."""
         try:
             code, body = self.fabric.call(http_get, f"http://{CONTROLLER_IP}:{CONTROLLER_PORT}/v1/status", 2)
-            quotas = json.loads(body).get("quota") or [] if code == 200 else []
+            status = json.loads(body) if code == 200 else {}
         except (OSError, ValueError):
             return False
-        mine = next((q for q in quotas if q.get("team") == QUOTA_TEAM and q.get("uploads")), None)
-        if mine is None:
-            return False
-        self.quota_used.append((t, int(mine["uploads"]["used"])))
-        if mine["uploads"]["exhausted"] and self.exhausted_at is None:
-            self.exhausted_at = t
-            return True
-        return False
+        changed = False
+        mine = next((q for q in status.get("quota") or [] if q.get("team") == QUOTA_TEAM and q.get("uploads")), None)
+        if mine is not None:
+            self.quota_used.append((t, int(mine["uploads"]["used"])))
+            if mine["uploads"]["exhausted"] and self.exhausted_at is None:
+                self.exhausted_at, changed = t, True
+        cost = next((c for c in status.get("cost") or [] if c.get("team") == COST_TEAM), None)
+        if cost is not None:
+            self.cost_used.append((t, float(cost["period_cost"])))
+            if cost.get("spent") and self.cost_spent_at is None:
+                self.cost_spent_at, changed = t, True
+        return changed
 
     def quota_note(self) -> str:
         used = self.quota_used[-1][1] if self.quota_used else 0
         state = (f"EXHAUSTED at t={self.exhausted_at:.0f}s: held at {QUOTA_EXHAUSTED_RATE}bit/s, the others take "
                  "its share" if self.exhausted_at is not None else "")
+        spent = self.cost_used[-1][1] if self.cost_used else 0.0
+        cost_state = (f"SPENT at t={self.cost_spent_at:.0f}s: held at {COST_EXHAUSTED[Direction.UPLOAD]}bit/s up, "
+                      f"{COST_EXHAUSTED[Direction.DOWNLOAD]}bit/s down" if self.cost_spent_at is not None else "")
         return (f"team {QUOTA_TEAM}'s daily upload quota: {used / 1e6:.0f} of {self.quota / 1e6:.0f} MB used"
-                + (f" — {state}" if state else ""))
+                + (f" — {state}" if state else "")
+                + f"\nteam {COST_TEAM}'s daily cost quota: {spent:.3f} of {self.cost} {PRICES['currency']} spent"
+                + (f" — {cost_state}" if cost_state else ""))
 
     # -- observing ------------------------------------------------------------------
     def states(self) -> dict[str, dict]:
@@ -477,6 +532,11 @@ class Demo:
             up.axvline(self.exhausted_at, color="orange", linestyle=":")
             up.annotate(f"team {QUOTA_TEAM}'s daily quota spent → held at {QUOTA_EXHAUSTED_RATE}",
                         (self.exhausted_at, up.get_ylim()[1] * 0.85), fontsize=8, ha="left", color="darkorange")
+        if self.cost_spent_at is not None:  # both directions: the cost counts both
+            for ax, d in ((up, Direction.UPLOAD), (down, Direction.DOWNLOAD)):
+                ax.axvline(self.cost_spent_at, color="purple", linestyle=":")
+                ax.annotate(f"team {COST_TEAM}'s daily cost quota spent → held at {COST_EXHAUSTED[d]}",
+                            (self.cost_spent_at, ax.get_ylim()[1] * 0.6), fontsize=8, ha="left", color="purple")
         for ax in (up, down):
             ax.legend(loc="center right", fontsize=8)
         down.set_xlabel("seconds (rates measured from kernel counters)")
@@ -511,7 +571,8 @@ class Demo:
                     if plain:
                         console.print(f"t={t:.0f}s {note}")
                 if self.watch_quota(t):
-                    fair = self.fair()  # the team held at its exhaustedRate: the others' shares grow
+                    # a team held at its exhaustedRate(s): the others' shares grow
+                    fair, fair_down = self.fair(), self.fair(download=True)
                     if plain:
                         console.print(f"t={t:.0f}s {self.quota_note()}")
                 rows = self.rows(self.states(), fair, fair_down)
@@ -541,6 +602,9 @@ class Demo:
                 "steady_total": self.steady_total(), "first_moved_s": self.first_moved(),
                 "quota": {"team": QUOTA_TEAM, "bytes": self.quota, "exhausted_rate": QUOTA_EXHAUSTED_RATE,
                           "exhausted_at": self.exhausted_at, "used": self.quota_used},
+                "cost": {"team": COST_TEAM, "quota": self.cost, "currency": PRICES["currency"],
+                         "exhausted_rates": {d.value: r for d, r in COST_EXHAUSTED.items()},
+                         "spent_at": self.cost_spent_at, "used": self.cost_used},
                 "download": {
                     "budget_bps": float(DOWNLOAD_TOTAL.rstrip("M")) * 1e6, "rate_mbps": self.series.down,
                     "limit_mbps": self.series.down_limit, "fair_before_bps": fair_down_before,

@@ -9,11 +9,13 @@ import sys
 from lab.demo import mean_rate, settled_windows
 from lab.netns import require_root
 
-# The change lands at half the run, 18 s; the second half shows allocations moving. The window "settled
-# before the change" is its last 6 s (12-18 s): a cold start (one node's first report beating its flows)
+# The change lands at half the run, 23 s; the second half shows allocations moving. The window "settled
+# before the change" is its last 6 s (17-23 s): a cold start (one node's first report beating its flows)
 # settles in 8-10 s (docs/datapath.md), and one CI run took 10.5 s for downloads (etl-0 +5.6 % in a
 # window that began at 9.2 s, within 0.6 % from 11 s on); quiet runs settle in 2-6 s (bench/demo_runs.py).
-DURATION = 36
+# Team web's byte quota runs out at about 60 % (28 s), team research's cost quota at about 65 % (30 s) plus
+# the run's start-up lag; the end window is the last 5 s (41-46 s).
+DURATION = 46
 
 
 def _netns() -> set[str]:
@@ -69,6 +71,15 @@ def test_demo_runs_shapes_to_the_budget_moves_allocations_and_cleans_up(tmp_path
     web = rates["web/frontend"]
     assert mean_rate([web[i] for i in late_first]) > 3 * mean_rate([web[i] for i in late_second])
     assert max(used for _, used in quota["used"]) >= quota["bytes"]
+    # team research's daily cost quota (its internet bytes at the policy file's NetworkScopes prices, both
+    # directions: issue 39) ran out after the change and before the end window; the end's fair shares hold
+    # both its directions at the cost quota's exhaustedRates (15M up, 20M down, split by its pods' classes)
+    cost = s["cost"]
+    assert cost["team"] == "research" and cost["spent_at"] is not None, cost
+    assert change_t < cost["spent_at"] < s["t"][late_second[0]] - 2, (cost["spent_at"], change_t)
+    assert max(c for _, c in cost["used"]) >= float(cost["quota"])
+    for fair, held in ((s["fair_after_bps"], 15e6), (s["download"]["fair_after_bps"], 20e6)):
+        assert sum(v for k, v in fair.items() if k.startswith("research/")) == held
     # every pod's flow moved (iperf3's own 0.2 s intervals, read as they were flushed)
     assert all(v is not None for v in s["first_moved_s"].values()), s["first_moved_s"]
     assert set(s["steady_total"]) == {"before_change", "end"}  # the ±1 % figure: docs/datapath.md (40 s runs)
