@@ -24,22 +24,13 @@ import pytest
 from lab.agentproc import AgentProcess, pod_object, wait_for, write_objects
 from lab.netns import bpf_filesystem, require_root
 from lab.topology import INTERNET_V4, INTERNET_V6, PEER_V4, PEER_V6, Lab, run
+# one pod class capped at 8M (CAP) both ways; 1400-byte datagrams and their headers
+from tests.test_agent_accounting_traffic import CAP, DATAGRAM, M, POLICY, UDP_HEADERS
 
 pytestmark = [pytest.mark.root, pytest.mark.traffic]
 
-M = 1_000_000
-CAP = 8 * M
-DATAGRAM = 1400
-UDP_HEADERS = {4: 20 + 8, 6: 40 + 8}
 PORT = 5361
 RATE = "40M"  # 5x the internet cap: internal flows at this rate prove they are not shaped
-POLICY = [
-    {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressClass", "metadata": {"name": "capped"},
-     "spec": {"weight": 1, "max": "8M", "ingress": {"weight": 1, "max": "8M"}}},
-    {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressBudget", "metadata": {"name": "default"},
-     "spec": {"total": "1G", "ingressTotal": "1G",
-              "teams": [{"name": "team-a", "namespaces": ["team-a"], "defaultClass": "capped"}]}},
-]
 
 
 def scopes_object(peer_in: str) -> dict:
