@@ -3,9 +3,10 @@ bytes per priced scope) against without, same process, same reports (docs/scopes
 controller"): Allocator.prepare on 110-pod reports carrying internet and per-scope counters, from `nodes`
 nodes, each report's counters grown since the last (a node's first report, the baselines, apart).
 
-    python3 -m bench.cost_observe [--nodes 200] [--reports 4]
+    python3 -m bench.cost_observe [--nodes 200] [--reports 4] [--repeat 2]
 
-Prints microseconds of CPU per report, prices off and on. The controller's code alone in one process,
+Prints microseconds of CPU per report, prices off and on (the two alternated `repeat` times, the least of
+each: a shared machine's noise only adds), and on/off, the ratio against the no-prices baseline of the same run. The controller's code alone in one process,
 not bench/scale.py's run with real HTTP."""
 from __future__ import annotations
 
@@ -54,11 +55,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nodes", type=int, default=200)
     ap.add_argument("--reports", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
-    off, on = (measure(args.nodes, args.reports, p) for p in (False, True))
+    runs: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(args.repeat):
+        for p in (False, True):
+            runs[p].append(measure(args.nodes, args.reports, p))
+    off, on = min(runs[False]), min(runs[True])
     print(f"{'prices':<8}{'us CPU per 110-pod report (prepare)':>38}")
     print(f"{'off':<8}{off:>38.0f}")
     print(f"{'on':<8}{on:>38.0f}")
+    print(f"{'on/off':<8}{on / off:>38.2f}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from decimal import Decimal
 from typing import Any, Callable, Iterable, Mapping
@@ -41,6 +42,39 @@ def _counter(scope: Scope, d: Direction) -> Callable[[Any], int | None]:
 
 
 _COUNTERS = {(s, d): _counter(s, d) for s in PRICED for d in DIRECTIONS}
+_COLUMNS = tuple((s, d) for s in PRICED for d in DIRECTIONS)  # the node cache's columns, in this order
+_ABSENT = -1  # a counter the report does not carry (the wire refuses negative counters)
+
+
+def _matrix(pods: list[Any]) -> np.ndarray:
+    """The report's counters, one row per pod, one column per (priced scope, direction) of _COLUMNS; _ABSENT
+    where not carried. One pass per column, no object per pod."""
+    cols, scoped = [], {}
+    for scope, d in _COLUMNS:
+        if scope is Scope.INTERNET:
+            get = POD_BYTES[d]
+            cols.append([_ABSENT if v is None else v for v in map(get, pods)])
+        else:
+            if d not in scoped:  # each pod's per-scope mapping fetched once per direction
+                scoped[d] = list(map(POD_SCOPE_BYTES[d], pods))
+            name = scope.value
+            cols.append([m.get(name, _ABSENT) for m in scoped[d]])
+    return np.array(cols, dtype=np.int64).T.reshape(len(pods), len(_COLUMNS))
+
+
+@dataclass
+class _NodeCache:
+    """A node's pods as the ledgers last counted them: while the node's next report has the same epoch, pods,
+    teams and carried counters, its increases are counted on these arrays (no Python step per pod); the
+    ledgers' per-pod counters are brought up to date (`_flush`) before they count this node's pods again."""
+    epoch: str
+    keys: tuple[str, ...]
+    rows: np.ndarray  # each pod's policy row
+    heads: tuple[int, ...]  # the first pod of each distinct row: the teams are checked on these alone
+    teams: tuple[str, ...]  # the team of each of `heads`
+    unique: tuple[str, ...]  # the distinct teams, in first-seen order
+    onehot: np.ndarray  # (teams, pods) int64: 1 where the pod is the team's (per-team sums as one product)
+    last: np.ndarray  # (pods, columns) int64, _ABSENT where not carried
 
 
 class CostKeeper:
@@ -60,6 +94,7 @@ class CostKeeper:
         self.starts: dict[str, datetime] = {}  # team -> start of its current period
         self.quotas: Mapping[str, TeamQuota] = {}
         self.zone_name = "UTC"
+        self._nodes: dict[str, _NodeCache] = {}  # node -> its pods' counters as last counted (the array path)
 
     @property
     def prices(self) -> Prices | None:
@@ -108,19 +143,84 @@ class CostKeeper:
         a team with a cost quota counted bytes (its persisted figures changed)."""
         if self.prices is None or report.epoch is None:
             return False
-        changed = False
         pods = report.pods
-        teams = [team_of(r) for r in rows.tolist()]
-        keys = [pod.uid or f"{pod.namespace}/{pod.name}" for pod in pods]
+        keys = tuple(pod.uid or f"{pod.namespace}/{pod.name}" for pod in pods)
+        new = _matrix(pods)
         now = datetime.fromtimestamp(self.clock(), timezone.utc)
         with self._lock:
-            for team in set(teams):
-                self._roll(team, now)
-            for scope, ledger in self.ledgers.items():
-                up, down = _COUNTERS[(scope, Direction.UPLOAD)], _COUNTERS[(scope, Direction.DOWNLOAD)]
-                changed |= ledger.add_report(report.epoch, ((team, key, up(pod), down(pod))
-                                                            for team, key, pod in zip(teams, keys, pods)))
+            cache = self._nodes.get(report.node)
+            if (cache is not None and cache.epoch == report.epoch and cache.keys == keys
+                    and np.array_equal(cache.rows, rows) and cache.teams == tuple(map(team_of, cache.heads))
+                    and np.array_equal(cache.last == _ABSENT, new == _ABSENT)):
+                for team in cache.unique:
+                    self._roll(team, now)
+                changed = self._add_arrays(cache, new)
+            else:
+                teams = tuple(team_of(r) for r in rows.tolist())
+                if cache is not None:
+                    self._flush(report.node, cache)
+                for team in dict.fromkeys(teams):
+                    self._roll(team, now)
+                changed = False
+                for scope, ledger in self.ledgers.items():
+                    up, down = _COUNTERS[(scope, Direction.UPLOAD)], _COUNTERS[(scope, Direction.DOWNLOAD)]
+                    changed |= ledger.add_report(report.epoch, ((team, key, up(pod), down(pod))
+                                                                for team, key, pod in zip(teams, keys, pods)))
+                self._cache(report.node, report.epoch, keys, rows, teams, new)
         return changed and any(q.cost is not None for q in self.quotas.values())
+
+    def _add_arrays(self, cache: _NodeCache, new: np.ndarray) -> bool:
+        """Ledger.add_report's common case (known pods, same epoch: only an increase counts) on the arrays."""
+        delta = np.subtract(new, cache.last, where=new > cache.last, out=np.zeros_like(new))
+        if not delta.any():
+            return False
+        per_team = cache.onehot @ delta
+        np.maximum(cache.last, new, out=cache.last)
+        columns = [(self.ledgers[scope].used, d) for scope, d in _COLUMNS]
+        for team, added in zip(cache.unique, per_team.tolist()):
+            for (used, d), n in zip(columns, added):
+                if n:
+                    k = (team, d)
+                    used[k] = used.get(k, 0) + n
+        return True
+
+    def _cache(self, node: str, epoch: str, keys: tuple[str, ...], rows: np.ndarray, teams: tuple[str, ...],
+               new: np.ndarray) -> None:
+        """Keep the node's counters as arrays when the ledgers now hold every carried one in this epoch (else the
+        next report counts through the ledgers again: a stale epoch, a pod known in another one)."""
+        last = np.full_like(new, _ABSENT)
+        if len(set(keys)) != len(keys):  # a pod twice in one report: the ledgers count it in order
+            self._nodes.pop(node, None)
+            return
+        for c, (scope, d) in enumerate(_COLUMNS):
+            known = self.ledgers[scope].pods
+            for i, key in enumerate(keys):
+                if new[i, c] == _ABSENT:
+                    continue
+                entry = known.get((key, d))
+                if entry is None or entry.epoch != epoch:
+                    self._nodes.pop(node, None)
+                    return
+                last[i, c] = entry.last
+        unique = tuple(dict.fromkeys(teams))
+        where = {t: i for i, t in enumerate(unique)}
+        onehot = np.zeros((len(unique), len(keys)), dtype=np.int64)
+        onehot[[where[t] for t in teams], np.arange(len(keys))] = 1
+        heads = tuple(dict.fromkeys(rows.tolist()))
+        first = {r: i for i, r in reversed(list(enumerate(rows.tolist())))}
+        self._nodes[node] = _NodeCache(epoch, keys, rows.copy(), heads, tuple(teams[first[r]] for r in heads),
+                                       unique, onehot, last)
+
+    def _flush(self, node: str, cache: _NodeCache) -> None:
+        """The node's counters counted on the arrays back into the ledgers' per-pod counters."""
+        del self._nodes[node]
+        for c, (scope, d) in enumerate(_COLUMNS):
+            known = self.ledgers[scope].pods
+            for i, key in enumerate(cache.keys):
+                v = int(cache.last[i, c])
+                entry = known.get((key, d))
+                if v != _ABSENT and entry is not None and entry.epoch == cache.epoch and v > entry.last:
+                    entry.last = v
 
     def figures(self) -> list[tuple[str, Scope, Direction, int, int]]:
         """(team, scope, direction, bytes this period, bytes in total), sorted."""
@@ -167,6 +267,7 @@ class CostKeeper:
             # the resumed bytes are this period's, not counted by this replica: outside its total
             self.base = {(t, s, d): n for s in PRICED for (t, d), n in used[s].items()}
             self.rolled, self._ends = {}, {}
+            self._nodes = {}  # new ledgers: each pod's next counter is a baseline in them
 
     def spent(self, quotas: Mapping[str, TeamQuota]) -> frozenset[str]:
         """The teams whose cost this period has reached their quota's cost (none without prices: a cost quota

@@ -247,3 +247,28 @@ def test_cross_zone_bytes_alone_mark_the_cost_figures_for_writing():
     before = quota.version
     alloc.prepare(cross_zone_only(1))
     assert quota.version > before
+
+
+def test_the_array_path_counts_as_the_ledgers_and_never_twice():
+    """controller/cost.py counts a node's unchanged pods on arrays (no Python step per pod): a duplicated, replayed
+    or reordered report still adds nothing, and every figure equals the ledgers' own count of the same reports
+    (the same keeper with the node cache dropped before each report), through pods and epochs changing."""
+    def shrunk(n):  # pod w gone: the node's pods changed (the ledgers count, the arrays are rebuilt)
+        r = _report(n)
+        return NodeReport(r.node, r.pods[:1], epoch=r.epoch, shapes_ingress=True)
+
+    seq = [_report(1), _report(2), _report(3), _report(3), _report(2), _report(5), shrunk(6), shrunk(6),
+           _report(7), _report(1, epoch="boot-2"), _report(2, epoch="boot-2"), _report(3), _report(4, epoch="boot-2")]
+    (alloc, keeper), (ref_alloc, ref) = _setup(), _setup()
+    keeper.set_scopes(EXAMPLE)
+    ref.set_scopes(EXAMPLE)
+    for r in seq:
+        _feed(alloc, r)
+        ref._nodes.clear()  # the reference counts through the ledgers only
+        _feed(ref_alloc, r)
+        assert keeper.figures() == ref.figures()
+    totals = {(t, s, d): total for t, s, d, _, total in keeper.figures()}
+    # boot-1 up to 7 (the replays and the older report add nothing), then boot-2 from 0 up to 4 (its late
+    # boot-1 report ignored): research's cross-zone upload 3 GiB per step
+    assert totals[("research", Scope.CROSS_ZONE, UP)] == 3 * GIB * (7 - 1 + 4)
+    assert keeper._nodes  # the arrays were in use
