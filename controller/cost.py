@@ -46,20 +46,23 @@ _COLUMNS = tuple((s, d) for s in PRICED for d in DIRECTIONS)  # the node cache's
 _ABSENT = -1  # a counter the report does not carry (the wire refuses negative counters)
 
 
+_NO_SCOPES: Mapping[str, int] = {}
+# _matrix reads the fields by name, in _COLUMNS' order
+assert [(s.value, d.value) for s, d in _COLUMNS] == [
+    ("internet", "upload"), ("internet", "download"), ("cross-zone", "upload"), ("cross-zone", "download"),
+    ("cross-region", "upload"), ("cross-region", "download")], _COLUMNS
+
+
 def _matrix(pods: list[Any]) -> np.ndarray:
     """The report's counters, one row per pod, one column per (priced scope, direction) of _COLUMNS; _ABSENT
-    where not carried. One pass per column, no object per pod."""
-    cols, scoped = [], {}
-    for scope, d in _COLUMNS:
-        if scope is Scope.INTERNET:
-            get = POD_BYTES[d]
-            cols.append([_ABSENT if v is None else v for v in map(get, pods)])
-        else:
-            if d not in scoped:  # each pod's per-scope mapping fetched once per direction
-                scoped[d] = list(map(POD_SCOPE_BYTES[d], pods))
-            name = scope.value
-            cols.append([m.get(name, _ABSENT) for m in scoped[d]])
-    return np.array(cols, dtype=np.int64).T.reshape(len(pods), len(_COLUMNS))
+    where not carried. One pass over the pods, no object per pod kept."""
+    a, e = _ABSENT, _NO_SCOPES
+    return np.array([(a if p.bytes_total is None else p.bytes_total,
+                      a if p.ingress_bytes_total is None else p.ingress_bytes_total,
+                      (up := p.scope_bytes_total or e).get("cross-zone", a),
+                      (down := p.ingress_scope_bytes_total or e).get("cross-zone", a),
+                      up.get("cross-region", a), down.get("cross-region", a)) for p in pods],
+                    dtype=np.int64).reshape(len(pods), len(_COLUMNS))
 
 
 @dataclass
