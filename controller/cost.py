@@ -76,7 +76,8 @@ class _NodeCache:
     heads: tuple[int, ...]  # the first pod of each distinct row: the teams are checked on these alone
     teams: tuple[str, ...]  # the team of each of `heads`
     unique: tuple[str, ...]  # the distinct teams, in first-seen order
-    onehot: np.ndarray  # (teams, pods) int64: 1 where the pod is the team's (per-team sums as one product)
+    order: np.ndarray  # the pods sorted by team (stable), and where each team's run starts in it: the
+    starts: np.ndarray  # per-team sums as one reduceat, in a few hundred bytes per node
     last: np.ndarray  # (pods, columns) int64, _ABSENT where not carried
 
 
@@ -177,7 +178,7 @@ class CostKeeper:
         delta = np.subtract(new, cache.last, where=new > cache.last, out=np.zeros_like(new))
         if not delta.any():
             return False
-        per_team = cache.onehot @ delta
+        per_team = np.add.reduceat(delta[cache.order], cache.starts, axis=0)
         np.maximum(cache.last, new, out=cache.last)
         columns = [(self.ledgers[scope].used, d) for scope, d in _COLUMNS]
         for team, added in zip(cache.unique, per_team.tolist()):
@@ -192,7 +193,7 @@ class CostKeeper:
         """Keep the node's counters as arrays when the ledgers now hold every carried one in this epoch (else the
         next report counts through the ledgers again: a stale epoch, a pod known in another one)."""
         last = np.full_like(new, _ABSENT)
-        if len(set(keys)) != len(keys):  # a pod twice in one report: the ledgers count it in order
+        if not keys or len(set(keys)) != len(keys):  # a pod twice in one report: the ledgers count it in order
             self._nodes.pop(node, None)
             return
         for c, (scope, d) in enumerate(_COLUMNS):
@@ -207,12 +208,13 @@ class CostKeeper:
                 last[i, c] = entry.last
         unique = tuple(dict.fromkeys(teams))
         where = {t: i for i, t in enumerate(unique)}
-        onehot = np.zeros((len(unique), len(keys)), dtype=np.int64)
-        onehot[[where[t] for t in teams], np.arange(len(keys))] = 1
+        index = np.fromiter((where[t] for t in teams), dtype=np.intp, count=len(teams))
+        order = np.argsort(index, kind="stable")
+        starts = np.searchsorted(index[order], np.arange(len(unique)))
         heads = tuple(dict.fromkeys(rows.tolist()))
         first = {r: i for i, r in reversed(list(enumerate(rows.tolist())))}
         self._nodes[node] = _NodeCache(epoch, keys, rows.copy(), heads, tuple(teams[first[r]] for r in heads),
-                                       unique, onehot, last)
+                                       unique, order, starts, last)
 
     def _flush(self, node: str, cache: _NodeCache) -> None:
         """The node's counters counted on the arrays back into the ledgers' per-pod counters."""
