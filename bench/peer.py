@@ -4,7 +4,7 @@ Run as root, alone on the machine's traffic lock:
 
     flock /tmp/netagent-traffic.lock python3 bench/peer.py [--rates 20M,100M,1G]
         [--direction upload|download|both|upload,download] [--internal-runs 5] [--pings 40]
-        [--goodput-runs 3] [--plugin PATH] [--internal-counting device|rules]
+        [--goodput-runs 3] [--plugin PATH] [--internal-counting device|rules] [--scopes N]
 
 The plugin is the binary `make node-assets` builds from its Go module
 (github.com/containernetworking/plugins/plugins/meta/bandwidth), called as a container runtime
@@ -81,6 +81,7 @@ from typing import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from core.direction import PerDirection  # noqa: E402
+from core.scopes import SCOPE_IDS, Scope  # noqa: E402
 from iptables.apply import Classifier  # noqa: E402
 from lab.netns import bpf_filesystem, residue_snapshot, run  # noqa: E402
 from lab.topology import INTERNAL_CIDRS, INTERNET_V4, PEER_V4, UPLINK, Lab, Pod  # noqa: E402
@@ -130,6 +131,20 @@ DOWNLOAD = Direction("download", True, "ingressRate", "ingressBurst",
                      lambda key, pod, rate: PodShape(key, (pod.ip4, pod.ip6), PerDirection(UNSHAPED_BPS, rate),
                                                      PerDirection(UNSHAPED_BPS, rate)))
 DIRECTIONS = {d.name: d for d in (UPLOAD, DOWNLOAD)}
+
+
+def scope_entries(n: int, peer: str = PEER_V4) -> tuple[tuple[str, int], ...]:
+    """N NetworkScopes entries for the device counter's tries (issue 39), as the agent builds them (CIDR, scope
+    id): the internal peer's address cross-zone, so that every internal packet of the bench takes the lookup
+    and the scope count (the costly path), and N-1 filler /24s of other zones and regions in 10.64.0.0/10,
+    away from the lab's pod and fabric ranges. Pure."""
+    if not 0 <= n <= 4096:
+        raise ValueError(f"--scopes {n}: between 0 and 4,096 (the parser's bound)")
+    if n == 0:
+        return ()
+    zone, region = SCOPE_IDS[Scope.CROSS_ZONE], SCOPE_IDS[Scope.CROSS_REGION]
+    filler = [(f"10.{64 + i // 256}.{i % 256}.0/24", zone if i % 2 else region) for i in range(n - 1)]
+    return ((f"{peer}/32", zone), *filler)
 
 
 def parse_directions(text: str) -> list[Direction]:
@@ -205,8 +220,10 @@ class Netagent:
     the pod's device (`bpf_dir`: the bench's bpffs) or by the rules (None)."""
     label = "netagent"
 
-    def __init__(self, lab: Lab, pod: Pod, direction: Direction, leaf: str | None, bpf_dir: str | None):
+    def __init__(self, lab: Lab, pod: Pod, direction: Direction, leaf: str | None, bpf_dir: str | None,
+                 scopes: tuple[tuple[str, int], ...] = ()):
         self.node, self.pod, self.direction = lab.nodes[0], pod, direction
+        self.scopes = scopes  # NetworkScopes entries in the device counter's tries (--scopes)
         self.shaper, self.classifier = Shaper(self.node.netns), Classifier(netns=self.node.netns)
         self.options = DataPathOptions(leaf_qdisc=leaf or probe(self.node.netns).leaf_qdisc,
                                        internal_by_device=bpf_dir is not None,
@@ -219,11 +236,19 @@ class Netagent:
         devices = self.shaper.devices_of_kind(("veth",), exclude=(UPLINK,))
         if self.direction.reverse:  # both shapers, as the agent runs them; the download tree fed from the pod veths
             inputs = NodeInputs((UPLINK,), INTERNAL_CIDRS, (pod,), PerDirection(UNSHAPED_BPS, 10 * rate), self.options,
-                                pod_devices=devices)
+                                pod_devices=devices, scopes=self.scopes)
         else:
-            inputs = NodeInputs((UPLINK,), INTERNAL_CIDRS, (pod,), 10 * rate, self.options, pod_devices=devices)
+            inputs = NodeInputs((UPLINK,), INTERNAL_CIDRS, (pod,), 10 * rate, self.options, pod_devices=devices,
+                                scopes=self.scopes)
         self.state = desired_state(inputs)
         self.datapath.apply(self.state)
+
+    def cross_zone_bytes(self) -> int:
+        """The pod's bytes counted cross-zone so far, in the direction benched (the device counter's scope count,
+        as the agent reads it): proof that the lookup ran on the internal transfers."""
+        pods, _ = self.datapath.counters()
+        word = "ingress" if self.direction.reverse else "egress"
+        return pods.get("bench/pod", {}).get(f"{word}_cross-zone", 0)
 
     def remove(self, rate: int) -> None:
         if self.state:
@@ -333,6 +358,9 @@ def main() -> int:
     ap.add_argument("--internal-counting", choices=("device", "rules"), default="device",
                     help="where netagent counts the pod's internal bytes (the agent's --internal-counting; "
                          "default device: on the pod's device, in a bpf filesystem the bench mounts)")
+    ap.add_argument("--scopes", type=int, default=0,
+                    help="describe this many NetworkScopes CIDRs to netagent's device counter, the internal peer "
+                         "cross-zone (issue 39: every internal packet takes the lookup); needs --internal-counting device")
     args = ap.parse_args()
     args.pin = args.pin and (os.cpu_count() or 1) >= 2
     if os.geteuid() != 0:
@@ -342,7 +370,12 @@ def main() -> int:
         print("no CNI bandwidth plugin binary: run `make node-assets` or pass --plugin", file=sys.stderr)
         return 2
     rates = [parse_rate(r) for r in args.rates.split(",")]
+    scope_entries(args.scopes)  # refused early when out of range
     if args.internal_counting == "rules":
+        if args.scopes:
+            print("--scopes needs --internal-counting device (the scopes are looked up by the device counter)",
+                  file=sys.stderr)
+            return 2
         args.bpf_dir = None
         return run_bench(args, rates)
     with bpf_filesystem() as root:  # the device counter's map, in a bpf filesystem of the bench's own
@@ -371,13 +404,15 @@ def measure(lab: Lab, direction: Direction, args, rates: list[int], clean: dict[
     against `clean` (the snapshot before any shaper): what one leaves must not bias the other."""
     results: dict[tuple[int, str], dict] = {}
     bench = Bench(lab, direction, args)
-    agent = Netagent(lab, bench.pod, direction, args.leaf, args.bpf_dir)
+    agent = Netagent(lab, bench.pod, direction, args.leaf, args.bpf_dir, scope_entries(args.scopes))
     shapers = (CniPlugin(args.plugin, lab, bench.pod, direction), agent)
     try:
         idle = run(["ping", "-c", "20", "-i", "0.1", INTERNET_V4], bench.pod.netns)
         idle_rtt = statistics.median(pings(idle))
         print(f"{direction.name}, plugin {args.plugin}, netagent leaf {agent.options.leaf_qdisc}; "
-              f"unloaded RTT {idle_rtt:.3f} ms", flush=True)
+              f"unloaded RTT {idle_rtt:.3f} ms"
+              + (f"; NetworkScopes described: {args.scopes} CIDRs, the peer cross-zone" if args.scopes else ""),
+              flush=True)
         for rate in rates:
             for s in shapers:
                 results[rate, s.label] = {"goodput": [], "mss": [], "rtt": [], "internal": []}
@@ -392,7 +427,10 @@ def measure(lab: Lab, direction: Direction, args, rates: list[int], clean: dict[
                         continue
                     s.install(rate)
                     try:
+                        counted = agent.cross_zone_bytes() if s is agent and args.scopes else 0
                         got[s.label] = bench.internal()
+                        if s is agent and args.scopes and agent.cross_zone_bytes() - counted < got[s.label] / 8 * 2:
+                            raise RuntimeError("scopes described, but the internal transfer was not counted cross-zone")
                         if r < args.goodput_runs:
                             bps, mss = bench.goodput()
                             results[rate, s.label]["goodput"].append(bps)

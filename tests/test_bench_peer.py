@@ -58,3 +58,22 @@ def test_the_full_size_packet_is_judged_against_the_plugins(netagent_ms, plugin_
     res = results({1000 * M: row(PERFECT, [0.99] * 5, 0.05, netagent_ms)})
     res[1000 * M, CniPlugin.label]["rtt_full_p50"] = plugin_ms
     assert judge(RATES, res)[0][1000 * M]["full-size"] is ok
+
+
+def test_the_scope_entries_put_the_peer_cross_zone_and_fill_the_trie():
+    """--scopes N (issue 39): the internal peer's /32 cross-zone (every internal packet takes the lookup), N
+    entries in all, none of them over the lab's pods or fabric (the peer's own /32 aside), ids as the agent's."""
+    import ipaddress
+
+    from bench.peer import scope_entries
+    from core.scopes import SCOPE_IDS, Scope
+    from lab.topology import PEER_V4
+    assert scope_entries(0) == ()
+    entries = scope_entries(256)
+    assert len(entries) == len({c for c, _ in entries}) == 256
+    assert entries[0] == (f"{PEER_V4}/32", SCOPE_IDS[Scope.CROSS_ZONE])
+    lab = [ipaddress.ip_network(n) for n in ("10.244.0.0/16", "10.0.0.0/24")]
+    assert not any(ipaddress.ip_network(c).overlaps(n) for c, _ in entries[1:] for n in lab)
+    assert {sid for _, sid in entries} == {SCOPE_IDS[Scope.CROSS_ZONE], SCOPE_IDS[Scope.CROSS_REGION]}
+    with pytest.raises(ValueError):
+        scope_entries(4097)
