@@ -1,6 +1,6 @@
 """Where the bytes go and what they cost (issue 39, docs/scopes.md "Cost in the controller"): the leader's
-bytes per team, priced scope and direction from the counters the reports already carry (internet:
-`bytes_total`/`ingress_bytes_total`; cross-zone, cross-region: the per-scope fields), and their cost from
+bytes per team, priced scope and direction from the counters the reports already carry (internet: the
+quota counters, `wire.POD_BYTES`; cross-zone, cross-region: the per-scope fields, `wire.POD_SCOPE_BYTES`), and their cost from
 the NetworkScopes prices (the last valid description; core/scopes.py).
 
 Counted as the volume quotas count (core.quota.Ledger: per pod only an increase counts, a retried or
@@ -46,7 +46,6 @@ _COLUMNS = tuple((s, d) for s in PRICED for d in DIRECTIONS)  # the node cache's
 _ABSENT = -1  # a counter the report does not carry (the wire refuses negative counters)
 
 
-_NO_SCOPES: Mapping[str, int] = {}
 # _matrix reads the fields by name, in _COLUMNS' order
 assert [(s.value, d.value) for s, d in _COLUMNS] == [
     ("internet", "upload"), ("internet", "download"), ("cross-zone", "upload"), ("cross-zone", "download"),
@@ -56,11 +55,12 @@ assert [(s.value, d.value) for s, d in _COLUMNS] == [
 def _matrix(pods: list[Any]) -> np.ndarray:
     """The report's counters, one row per pod, one column per (priced scope, direction) of _COLUMNS; _ABSENT
     where not carried. One pass over the pods, no object per pod kept."""
-    a, e = _ABSENT, _NO_SCOPES
-    return np.array([(a if p.bytes_total is None else p.bytes_total,
-                      a if p.ingress_bytes_total is None else p.ingress_bytes_total,
-                      (up := p.scope_bytes_total or e).get("cross-zone", a),
-                      (down := p.ingress_scope_bytes_total or e).get("cross-zone", a),
+    a = _ABSENT
+    up_bytes, down_bytes = POD_BYTES[Direction.UPLOAD], POD_BYTES[Direction.DOWNLOAD]
+    up_scopes, down_scopes = POD_SCOPE_BYTES[Direction.UPLOAD], POD_SCOPE_BYTES[Direction.DOWNLOAD]
+    return np.array([(a if (iu := up_bytes(p)) is None else iu,
+                      a if (idn := down_bytes(p)) is None else idn,
+                      (up := up_scopes(p)).get("cross-zone", a), (down := down_scopes(p)).get("cross-zone", a),
                       up.get("cross-region", a), down.get("cross-region", a)) for p in pods],
                     dtype=np.int64).reshape(len(pods), len(_COLUMNS))
 
