@@ -44,6 +44,8 @@ TEAM = 'team=~"$team"'
 RATE = "$__rate_interval"
 # template variables a query may reference (fill_variables substitutes them as Grafana would)
 VARIABLES = ("datasource", "cluster", "team", "node", "namespace", "pod")
+# the dashboard's time range (increase over it: fill_variables substitutes range_)
+RANGE = "$__range"
 
 # The dashboards query the exporters' raw series, never the recording rules of dashboards/rules.yaml:
 # those ship only with monitoring.prometheusRule (a CRD and a rule evaluator the cluster may not have,
@@ -582,9 +584,103 @@ def node_pod_dashboard() -> gd.Dashboard:
     return d
 
 
+def _team_pods(metric: str) -> str:
+    """A pod byte counter's rate by team and scope: every scope, internal included (the agents' counters)."""
+    return (f"sum by (team, scope) (sum by (cluster, namespace, pod, scope) (rate({metric}{{{CLUSTER}}}[{RATE}])) "
+            f"* on (cluster, namespace, pod) group_left (team) {POD_INFO}) * 8")
+
+
+def _leader_rate(metric: str, by: str) -> str:
+    """The rate of a leader-only controller counter of the selected teams (it restarts at a leader change)."""
+    return f"sum by ({by}) (rate({metric}{{{CLUSTER}, {TEAM}}}[{RATE}]) {LEADER})"
+
+
+def _pod_cost(direction: str) -> str:
+    """The 15 pods costing most per hour in one direction, over every priced scope, with their team."""
+    cost = raw(f"pod_{direction}_cost:rate5m", CLUSTER)
+    return (f"topk(15, sum by (cluster, namespace, pod, team, currency) ({cost} "
+            f"* on (cluster, namespace, pod) group_left (team) {POD_INFO})) * 3600")
+
+
+def scopes_dashboard() -> gd.Dashboard:
+    """Where the bytes go (issue 39, docs/scopes.md): bytes by scope, their cost against the cost quotas, the
+    pods costing most, the prices in force. The cost series exist while a NetworkScopes object has prices."""
+    d = base("netagent-scopes", "netagent / where the bytes go",
+             "Bytes by destination scope (internal, cross-zone, cross-region, internet) per team and direction; "
+             "their cost at the NetworkScopes prices, per team, against the cost quotas; the pods that cost most; "
+             "the prices in force and the NetworkScopes problems (docs/scopes.md).")
+    # the period's cost is one series per scope and direction: summed, never max'ed, per team
+    period = f"sum by (cluster, team, currency) (netagent_team_cost_period{{{CLUSTER}, {TEAM}}} {LEADER})"
+    quota = _leader("netagent_team_cost_quota", "cluster, team, currency", CLUSTER, ", " + TEAM)
+    d = d.with_row(gd.Row("Bytes by scope"))
+    for direction, word, end in (("egress", "Uploads (egress)", "destination"),
+                                 ("ingress", "Downloads (ingress)", "source")):
+        d = d.with_panel(timeseries(
+            f"{word} by team and scope", f"Each team's pods' bits per second by {end} scope, from the agents' "
+            "counters (internal included: never priced, never shaped).", "bps",
+            query(_team_pods(f"netagent_pod_{direction}_bytes_total"), "{{team}} {{scope}}"),
+            width=12, stacked=True))
+    d = d.with_panel(table(
+        "Priced bytes by team, scope and direction over the range",
+        "The bytes the leader counted per team, priced scope and direction over the dashboard's time range "
+        "(the counts the cost is computed from).", "bytes",
+        query(f"sum by (team, scope, direction) (increase(netagent_team_scope_bytes_total{{{CLUSTER}, {TEAM}}}"
+              f"[{RANGE}]) {LEADER})", "", True),
+        width=24))
+
+    d = d.with_row(gd.Row("Cost"))
+    d = d.with_panel(timeseries(
+        "Cost per hour by team", "Each team's cost per hour at the prices in force, every priced scope and both "
+        "directions (the leader's count).", "short",
+        query(f"{_leader_rate('netagent_team_cost_total', 'team, currency')} * 3600", "{{team}} {{currency}}/h"),
+        width=12, stacked=True))
+    d = d.with_panel(timeseries(
+        "Cost per hour by scope and direction", "Which scope and direction the money goes to (all selected "
+        "teams).", "short",
+        query(f"{_leader_rate('netagent_team_cost_total', 'scope, direction, currency')} * 3600",
+              "{{scope}} {{direction}} {{currency}}/h"),
+        width=12, stacked=True))
+    d = d.with_panel(timeseries(
+        "Cost this period against the cost quota", "Each team's cost in its current quota period (a calendar "
+        "Month without a quota), and its quota.cost (dashed; teams with a cost quota only).", "short",
+        query(f"sum by (team, currency) ({period})", "{{team}} {{currency}}"),
+        query(f"sum by (team, currency) ({quota})", "quota {{team}} {{currency}}", ref="B"),
+        width=12)
+        .override_by_regexp("^quota ", BUDGET_LINE))
+    d = d.with_panel(table(
+        "Cost quotas", "Per team: its cost this period (A), its quota.cost (B) and the share spent (C; 1 = spent: "
+        "its internet traffic is held at its exhaustedRate, NetagentCostQuotaSpent).", "short",
+        query(period, "", True),
+        query(quota, "", True, "B"),
+        query(f"sum by (cluster, team) ({period}) / on (cluster, team) (sum by (cluster, team) ({quota}) > 0)",
+              "", True, "C"),
+        width=12)
+        .override_by_name("Value #C", [gm.DynamicConfigValue(id_val="unit", value="percentunit")]))
+
+    d = d.with_row(gd.Row("Pods and prices"))
+    d = d.with_panel(table(
+        "Top pods by upload cost", "The 15 pods whose uploads cost most per hour now (their bytes by priced scope "
+        "x the price: netagent:pod_egress_cost:rate5m).", "short", query(_pod_cost("egress"), "", True), width=8))
+    d = d.with_panel(table(
+        "Top pods by download cost", "The 15 pods whose downloads cost most per hour now "
+        "(netagent:pod_ingress_cost:rate5m).", "short", query(_pod_cost("ingress"), "", True), width=8))
+    d = d.with_panel(table(
+        "Prices in force", "The NetworkScopes price per GiB by scope and direction (the last valid description; "
+        "every controller replica exports it).", "short",
+        query(f"max by (scope, direction, currency) (netagent_controller_scope_price_per_gib{{{CLUSTER}}})", "",
+              True), width=5))
+    d = d.with_panel(stat(
+        "NetworkScopes problems", "Problems of the NetworkScopes object (a Warning Event NetworkScopesInvalid "
+        "names them); the last valid description stays in force.", "short",
+        f"max(netagent_controller_scopes_problems{{{CLUSTER}}}) or vector(0)",
+        thresholds=[(None, "green"), (1, "red")], width=3))
+    return d
+
+
 DASHBOARDS = {
     "cluster.json": cluster_dashboard,
     "node-pod.json": node_pod_dashboard,
+    "scopes.json": scopes_dashboard,
 }
 
 
@@ -620,11 +716,12 @@ def variable_queries(dashboard: dict) -> Iterator[tuple[str, str]]:
             yield v["name"], q["query"] if isinstance(q, dict) else q
 
 
-def fill_variables(expr: str, values: dict[str, str] | None = None, rate_interval: str = "1m") -> str:
+def fill_variables(expr: str, values: dict[str, str] | None = None, rate_interval: str = "1m",
+                   range_: str = "1h") -> str:
     """Substitute template variables as Grafana does; unset ones get "All" (the regex `.*`);
-    $__rate_interval gets rate_interval (Grafana: four scrape intervals at least)."""
+    $__rate_interval gets rate_interval (Grafana: four scrape intervals at least), $__range range_."""
     values = values or {}
-    expr = expr.replace(RATE, rate_interval)
+    expr = expr.replace(RATE, rate_interval).replace(RANGE, range_)
     for name in VARIABLES:
         expr = expr.replace(f"${{{name}}}", values.get(name, ".*")).replace(f"${name}", values.get(name, ".*"))
     return expr

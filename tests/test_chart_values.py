@@ -320,7 +320,7 @@ def test_default_values_are_scraped_where_the_operator_is():
     assert all(m["metadata"]["labels"]["release"] == "kube-prometheus-stack" for m in monitors)
     assert not [d for d in docs if d["kind"] in ("ServiceMonitor", "PrometheusRule")]  # the dashboards need no rule
     dashboards = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("netagent-dashboard")]
-    assert len(dashboards) == 2 and all(d["metadata"]["labels"]["grafana_dashboard"] == "1" for d in dashboards)
+    assert len(dashboards) == 3 and all(d["metadata"]["labels"]["grafana_dashboard"] == "1" for d in dashboards)
     assert not [d for d in helm_template() if d["kind"] in ("PodMonitor", "ServiceMonitor")]
     services = helm_template(*OPERATOR, "--set", "monitoring.serviceMonitor.enabled=true")
     assert {d["kind"] for d in services if "Monitor" in d["kind"]} == {"ServiceMonitor"}

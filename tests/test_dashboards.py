@@ -163,6 +163,31 @@ def test_node_and_pod_dashboard_covers_the_pods_downloads():
     assert "netagent_pod_ingress_limit_bytes_per_second" in exprs["Pods on the node"]
 
 
+def test_scopes_dashboard_shows_where_the_bytes_go():
+    """Issue 39 (docs/scopes.md): bytes by scope per team and direction, cost per team against the cost quota,
+    the top pods by cost (the recording rules' expressions), the prices in force and the NetworkScopes problems."""
+    d = dashboards()["scopes.json"]
+    assert [v["name"] for v in d["templating"]["list"]] == ["datasource", "cluster", "team"]
+    exprs = {p["title"]: " ".join(t["expr"] for t in p.get("targets", [])) for p in d["panels"]}
+    wanted = {
+        "Uploads (egress) by team and scope": ["netagent_pod_egress_bytes_total"],
+        "Downloads (ingress) by team and scope": ["netagent_pod_ingress_bytes_total"],
+        "Priced bytes by team, scope and direction over the range": ["netagent_team_scope_bytes_total"],
+        "Cost per hour by team": ["netagent_team_cost_total"],
+        "Cost this period against the cost quota": ["netagent_team_cost_period", "netagent_team_cost_quota"],
+        "Cost quotas": ["netagent_team_cost_period", "netagent_team_cost_quota"],
+        "Top pods by upload cost": [build.raw("pod_egress_cost:rate5m", build.CLUSTER)],
+        "Top pods by download cost": [build.raw("pod_ingress_cost:rate5m", build.CLUSTER)],
+        "Prices in force": ["netagent_controller_scope_price_per_gib"],
+        "NetworkScopes problems": ["netagent_controller_scopes_problems"],
+    }
+    for title, parts in wanted.items():
+        for part in parts:
+            assert part in exprs[title], (title, part)
+    # a team's period cost is the sum of its scopes' and directions' series, never their max
+    assert "sum by (cluster, team, currency) (netagent_team_cost_period" in exprs["Cost quotas"]
+
+
 # --- the metric contract ---------------------------------------------------------------------
 
 
@@ -398,8 +423,10 @@ def _node_view(node: str, started: float):
         pods.append(PodView(
             namespace=namespace, name=name, team=team, egress_class=egress_class, ips=("10.1.0.1",), minor=10,
             allocation_bps=rate, limit_bps=rate * 1.1, demand_bps=rate * 1.5, usage_bps=rate, throttled=True,
-            throttled_seconds=elapsed / 2, egress_bytes={"internal": internet * 3, "internet": internet},
-            ingress_bytes={"internal": internet, "internet": received}, dropped_packets=int(elapsed * 5),
+            throttled_seconds=elapsed / 2, egress_bytes={"internal": internet * 3, **_scoped(internet),
+                                                         "internet": internet},
+            ingress_bytes={"internal": internet, **_scoped(received), "internet": received},
+            dropped_packets=int(elapsed * 5),
             # an agent that shapes downloads: the pod's download class, demand, drops and throttled time
             ingress_allocation_bps=download, ingress_limit_bps=download * 1.1, ingress_demand_bps=download * 1.5,
             ingress_usage_bps=download, ingress_throttled=True, ingress_throttled_seconds=elapsed / 4,
@@ -412,6 +439,11 @@ def _node_view(node: str, started: float):
                     controller="http://controller", controller_reachable=True, last_reconcile_success=time.time(),
                     leaf_qdisc="pfifo", iptables_backend="nft", unknown_source_egress_bytes=int(1000 * elapsed),
                     ingress_allocation_bps=250e6, unknown_destination_ingress_bytes=int(800 * elapsed))
+
+
+def _scoped(internet: int) -> dict[str, int]:
+    """A pod's cross-zone and cross-region bytes beside its internet ones (the scopes dashboard, docs/scopes.md)."""
+    return {"cross-zone": internet // 2, "cross-region": internet // 4}
 
 
 @dataclass
@@ -461,8 +493,11 @@ def live_prometheus(tmp_path_factory):
         for o in objects:
             for team in (o or {}).get("spec", {}).get("teams", []) if (o or {}).get("kind") == "EgressBudget" else []:
                 if team["name"] == "research":
+                    # and a cost quota (the scopes dashboard's cost quota panels; docs/scopes.md)
                     team["quota"] = {"period": "Month", "bytes": "50Ti", "exhaustedRate": "100M",
-                                     "ingress": {"bytes": "200Ti"}}
+                                     "ingress": {"bytes": "200Ti"}, "cost": "5000"}
+        # the NetworkScopes prices: the controller counts the reports' bytes by scope and prices them
+        objects.append(yaml.safe_load((REPO / "docs/examples/networkscopes-aws.yaml").read_text()))
         (workdir / "policy.yaml").write_text(yaml.safe_dump_all(objects))
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "netagent", "controller", "--from-file", str(workdir / "policy.yaml"),
@@ -473,11 +508,17 @@ def live_prometheus(tmp_path_factory):
             while not stop.wait(1.0):
                 for node, pods in LIVE_PODS.items():
                     # an agent that shapes downloads: the controller exports its download view
-                    body = {"node": node, "period_seconds": 1.0, "shapes_ingress": True,
+                    # cumulative counters in one epoch (the cost's and the quotas' counting, docs/scopes.md)
+                    views = {p.name: p for p in _node_view(node, started).pods}
+                    body = {"node": node, "period_seconds": 1.0, "shapes_ingress": True, "epoch": "live",
                             "node_internet_ingress_bps": sum(pod[5] for pod in pods), "pods": [
                         {"namespace": ns, "name": name, "usage_bps": rate, "demand_bps": rate * 1.5,
                          "throttled": True, "egress_class": egress_class, "ingress_usage_bps": download,
-                         "ingress_demand_bps": download * 1.5, "ingress_throttled": True}
+                         "ingress_demand_bps": download * 1.5, "ingress_throttled": True,
+                         "bytes_total": views[name].egress_bytes["internet"],
+                         "ingress_bytes_total": views[name].ingress_bytes["internet"],
+                         "scope_bytes_total": _scoped(views[name].egress_bytes["internet"]),
+                         "ingress_scope_bytes_total": _scoped(views[name].ingress_bytes["internet"])}
                         for ns, name, _, egress_class, rate, download, _ in pods]}
                     request = urllib.request.Request(f"http://127.0.0.1:{controller_port}/v1/nodes/{node}/report",
                                                      data=json.dumps(body).encode(),

@@ -105,6 +105,7 @@ def test_base_renders_every_part(base):
                    ("NetworkPolicy", "netagent-controller"), ("NetworkPolicy", "netagent-agent"),
                    ("PodDisruptionBudget", "netagent-controller"), ("Service", "netagent-controller"),
                    ("ConfigMap", "netagent-dashboard-cluster"), ("ConfigMap", "netagent-dashboard-node-pod"),
+                   ("ConfigMap", "netagent-dashboard-scopes"),
                    ("ClusterRole", "netagent-metrics-auth"), ("ClusterRoleBinding", "netagent-metrics-auth"),
                    ("ClusterRole", "netagent-metrics-reader"), ("ClusterRoleBinding", "netagent-metrics-reader"),
                    ("ServiceAccount", "netagent-metrics-scraper"), ("Secret", "netagent-metrics-scraper")]:
