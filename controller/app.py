@@ -210,15 +210,14 @@ class Controller:
 
     def _leadership(self, leading: bool) -> None:
         self.state.on_leadership(leading)
-        if leading:
-            self._scopes_told = ()
-            self._tell_scopes_problems()
         if not leading:
             self.quota.stop()  # the next leader counts, from the persisted use
         if self.quota_store is not None:
             self.quota_store.wake()
         if leading:
             log.info("leading: serving agents at %s", self.cfg.advertise)
+            self._scopes_told = ()  # a new leader tells a refused NetworkScopes description again
+            self._tell_scopes_problems()
         else:
             log.info("following: agents are sent to the leader")
 
