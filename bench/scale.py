@@ -3,7 +3,7 @@
     python3 bench/scale.py [--nodes 1000] [--pods-per-node 110] [--period 5] [--measure 60]
                            [--baseline 20] [--replicas 2] [--concurrency 48] [--no-pod-status] [--settle 10]
                            [--agent-processes 1] [--apiservers 1] [--apiserver-memory-limit-mib MIB]
-                           [--max-reports-per-second RATE] [--lease-seconds S] [--report-ttl S]
+                           [--max-reports-per-second RATE] [--lease-seconds S] [--report-ttl S] [--quotas]
 
 What runs (all on this machine):
 - the harness's real etcd + kube-apiserver (lab/kube.py; --apiservers more on the same etcd), tuned as a large cluster's would be
@@ -147,6 +147,61 @@ def budget_object(nodes: int, pods_per_node: int, downloads: bool = True) -> dic
         spec["ingressTotal"] = f"{down / 1e6:.0f}M"
     return {"apiVersion": "netagent.io/v1alpha1", "kind": "EgressBudget", "metadata": {"name": "default"},
             "spec": spec}
+
+
+# --quotas: every team's quota is far above what it moves in a window (the overhead of counting and
+# keeping the use, not of a cap); the exhausted rate only has to be valid.
+QUOTA_BYTES = "100Pi"
+QUOTA_EXHAUSTED_RATE = "10M"
+STATUS_INTERVAL_S = 30.0  # the controller's --status-interval default: a status.quota patch at most this often
+# The verdict on --quotas, set before the first run: the leader's CPU per report with quotas on every
+# team at most this many times the same run's without, and netagent's writes to the API server at most
+# one status.quota patch per status interval more (plus one: a window can hold one interval's both ends).
+QUOTA_CPU_RATIO_MAX = 1.5
+
+
+def with_quotas(budget: dict) -> dict:
+    """`budget` (budget_object's) with a volume quota on every team, downloads too when it has a
+    download total (docs/quotas.md's fields)."""
+    spec = budget["spec"]
+    quota: dict = {"period": "Month", "bytes": QUOTA_BYTES, "exhaustedRate": QUOTA_EXHAUSTED_RATE}
+    if "ingressTotal" in spec:
+        quota["ingress"] = {"bytes": QUOTA_BYTES, "exhaustedRate": QUOTA_EXHAUSTED_RATE}
+    teams = [{**t, "quota": dict(quota)} for t in spec["teams"]]
+    return {**budget, "spec": {**spec, "teams": teams}}
+
+
+class WindowCost(NamedTuple):
+    """One window's cost of netagent: the leader's CPU seconds per report it answered, and writes per
+    minute to the API server (all clients', and netagent's own: the audit log)."""
+    cpu_per_report_s: float
+    reports_per_s: float
+    writes_per_min: float
+    netagent_writes_per_min: float
+    budget_writes_per_min: float  # of these, to the EgressBudget (its status: the quotas' use goes there)
+
+
+def window_cost(leader_cores: float, answered: int, measure_s: float, writes: float, netagent_writes: int,
+                budget_writes: int) -> WindowCost:
+    """The figures of a window of `measure_s` seconds: the busier replica's cores, the reports answered
+    200 in it, the apiservers' write requests in it (apiserver_request_total), netagent's stored writes
+    (audit log) and of those its writes to EgressBudgets."""
+    rate = answered / measure_s
+    return WindowCost(leader_cores / rate if rate > 0 else float("inf"), rate, writes * 60 / measure_s,
+                      netagent_writes * 60 / measure_s, budget_writes * 60 / measure_s)
+
+
+def quota_verdict(off: WindowCost, on: WindowCost, measure_s: float,
+                  status_interval_s: float = STATUS_INTERVAL_S) -> tuple[bool, str]:
+    """QUOTA_CPU_RATIO_MAX on the CPU per report; netagent's writes to the EgressBudget with quotas at most
+    one status.quota patch per status interval more than without (+1 for a window that holds both ends
+    of one)."""
+    ratio = on.cpu_per_report_s / off.cpu_per_report_s if off.cpu_per_report_s > 0 else float("inf")
+    extra = (measure_s / status_interval_s + 1) * 60 / measure_s
+    more = on.budget_writes_per_min - off.budget_writes_per_min
+    ok = ratio <= QUOTA_CPU_RATIO_MAX and more <= extra
+    return ok, (f"CPU per report on/off {ratio:.2f} (rule <= {QUOTA_CPU_RATIO_MAX}); netagent's EgressBudget writes "
+                f"{more:+.1f}/min (rule <= +{extra:.1f}/min): {'PASS' if ok else 'FAIL'}")
 
 
 def node_name(i: int) -> str:
@@ -518,7 +573,11 @@ class SimAgent:
             self.seq += 1
             inputs = ReportInputs(self.node, tuple(self.resolved), PerDirection(self.demand, self.down_demand),
                                   shaped=PerDirection(True, b.downloads))
-            body = encoder.encode(build_report(inputs, self.seq, self.period(), egress, node_ingress_bps=ingress))
+            # --quotas: the pods' cumulative bytes, as the real agent always sends them (in both windows:
+            # what differs between them is the teams' quotas)
+            counters = {k: (self.bytes.get(k, 0), self.down_bytes.get(k, 0)) for k in self.bytes} if b.counters else None
+            body = encoder.encode(build_report(inputs, self.seq, self.period(), egress, node_ingress_bps=ingress,
+                                               counters=counters, epoch=f"scale/{self.i}" if counters else None))
             answered, retry_after, stretches = await self.post(body, started)
             if not answered and self.leader_failed:  # as the agent: a dead leader's address, then the Service
                 answered, retry_after, stretches = await self.post(body, started)
@@ -645,6 +704,7 @@ class AgentHost:
         self.period = cfg["period"]
         self.downloads = cfg["downloads"]
         self.connection_per_report = cfg.get("connection_per_report", False)
+        self.counters = cfg.get("counters", False)
         self.controller_urls = cfg["controller_urls"]
         self.controller_ctx = ssl.create_default_context(cadata=cfg["controller_ca"])
         self.agent_api = Api(cfg["api_urls"][0], Path(cfg["api_ca_file"]), limit=0)
@@ -882,19 +942,35 @@ def kubectl(cp: ControlPlane, *args: str) -> None:
     cp.kubectl(*args, timeout=300)
 
 
-def audit_counts(paths: list[Path], since: float, reviews_by_second: Counter | None = None) -> Counter:
-    """(client kind, verb, resource) -> requests from the apiservers' audit logs after `since` (epoch s);
+def audit_counts(paths: list[Path], since: float, reviews_by_second: Counter | None = None,
+                 until: float = float("inf")) -> Counter:
+    """(client kind, verb, resource) -> requests from the apiservers' audit logs in [since, until) (epoch s);
     the TokenReviews per whole second into `reviews_by_second` when given (are they a steady rate or
     bursts?)."""
     counts: Counter = Counter()
     for path in paths:
         if path.exists():
             with path.open() as f:
-                _count_audit(f, since, counts, reviews_by_second)
+                _count_audit(f, since, counts, reviews_by_second, until)
     return counts
 
 
-def _count_audit(f, since: float, counts: Counter, reviews_by_second: Counter | None = None) -> None:
+# what netagent writes that the API server stores (a TokenReview or an access review is a POST that
+# stores nothing)
+STORED_WRITES = ("create", "update", "patch", "delete")
+UNSTORED = ("tokenreviews", "subjectaccessreviews")
+
+
+def stored_writes(counts: Counter, resource: str = "") -> int:
+    """netagent's (agent and controller) requests in `counts` that the API server stores; only those to
+    `resource` (and its subresources) when given."""
+    return sum(n for (kind, verb, res), n in counts.items()
+               if kind in ("agent", "controller") and verb in STORED_WRITES and res not in UNSTORED
+               and (not resource or res.split("/", 1)[0] == resource))
+
+
+def _count_audit(f, since: float, counts: Counter, reviews_by_second: Counter | None = None,
+                 until: float = float("inf")) -> None:
     for line in f:
         ev = json.loads(line)
         verb, stage = ev.get("verb"), ev.get("stage")
@@ -904,7 +980,7 @@ def _count_audit(f, since: float, counts: Counter, reviews_by_second: Counter | 
             continue
         ts = ev.get("requestReceivedTimestamp", "")
         at = datetime.datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp() if ts else 0.0
-        if at < since:
+        if not since <= at < until:
             continue
         user = ev.get("user", {}).get("username", "")
         kind = "agent" if user.endswith(":" + AGENT_SA) else "controller" if user.endswith(":" + CONTROLLER_SA) else user
@@ -915,23 +991,29 @@ def _count_audit(f, since: float, counts: Counter, reviews_by_second: Counter | 
             reviews_by_second[int(at)] += 1
 
 
+WRITE_VERBS = ("POST", "PUT", "PATCH", "DELETE", "APPLY")
+
+
 async def apiserver_metrics(admin: Api, urls: list[str]) -> dict[str, float]:
-    """apiserver_request_total summed (all clients), long-running watches open, over all apiservers;
+    """apiserver_request_total summed (all clients; `writes`: of WRITE_VERBS), long-running watches open, over all apiservers;
     and each one's Go heap in use, MiB (what its RSS holds live, beside what the GC has not yet
     freed or returned)."""
-    total = watches = 0.0
+    total = watches = writes = 0.0
     heaps = []
     for url in urls:
         async with admin.session.get(url + "/metrics") as r:
             out = await r.text()
         for line in out.splitlines():
             if line.startswith("apiserver_request_total{"):
-                total += float(line.rsplit(" ", 1)[1])
+                n = float(line.rsplit(" ", 1)[1])
+                total += n
+                if any(f'verb="{v}"' in line for v in WRITE_VERBS):
+                    writes += n
             elif line.startswith("apiserver_longrunning_requests{") and 'verb="WATCH"' in line:
                 watches += float(line.rsplit(" ", 1)[1])
             elif line.startswith("go_memstats_heap_inuse_bytes "):
                 heaps.append(float(line.rsplit(" ", 1)[1]) / 2**20)
-    return {"requests": total, "watches": watches, "heaps": heaps}
+    return {"requests": total, "watches": watches, "heaps": heaps, "writes": writes}
 
 
 def start_more_apiservers(cp: ControlPlane, n: int, workdir: Path) -> tuple[list[str], list[Path]]:
@@ -1179,7 +1261,7 @@ def print_header(args) -> None:
     print(f"# bench/scale.py --nodes {args.nodes} --pods-per-node {args.pods_per_node} --period {args.period} "
           f"--measure {args.measure} --replicas {args.replicas} --settle {args.settle:g} "
           f"--agent-processes {args.agent_processes} --apiservers {args.apiservers}"
-          + ("" if args.pod_status else " --no-pod-status")
+          + ("" if args.pod_status else " --no-pod-status") + (" --quotas" if args.quotas else "")
           + (f" --apiserver-memory-limit-mib {args.apiserver_memory_limit_mib}" if args.apiserver_memory_limit_mib else "")
           + "".join(f" {flag} {value:g}" for flag, _, value in controller_flags(args)))
     print(f"# machine: {platform.node()} {os.cpu_count()} CPUs, "
@@ -1244,7 +1326,7 @@ async def start_netagent(r: Run, tokens: dict, ctl_token: str) -> tuple[ssl.SSLC
         "period": args.period, "downloads": args.downloads,
         "connection_per_report": args.connection_per_report, "controller_urls": [u for _, u, _ in controllers],
         "controller_ca": controller_ca_pem, "api_urls": r.api_urls, "api_ca_file": str(r.cp.ca_file),
-        "tls_read_bytes": args.sim_tls_read_bytes})
+        "tls_read_bytes": args.sim_tls_read_bytes, "counters": args.quotas})
     r.guard.pids.update(bench.worker_pids)
     t_agents = time.time()
     t_sync0 = time.monotonic()
@@ -1383,6 +1465,70 @@ async def report_netagent(r: Run, w: Window, ctx: ssl.SSLContext) -> float:
     return period
 
 
+async def controller_samples(urls: list[str], ctx: ssl.SSLContext, name: str) -> list[list[float]]:
+    """Each controller's samples of metric `name` (none where its /metrics cannot be read; a follower
+    exports no team quotas)."""
+    out = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10),
+                                     connector=aiohttp.TCPConnector(ssl=ctx)) as s:
+        for u in urls:
+            try:
+                async with s.get(u + "/metrics", server_hostname=SERVICE_NAME) as resp:
+                    text = (await resp.read()).decode() if resp.status == 200 else ""
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                text = ""
+            out.append([float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")])
+    return out
+
+
+def window_costs(r: Run, w: Window) -> WindowCost:
+    """A steady window's WindowCost: the busier replica's CPU, the apiservers' write requests, netagent's
+    stored writes in the audit log."""
+    leader = max(c for k, (c, _) in w.busy_use.items() if k.startswith("controller"))
+    ours = audit_counts(r.audit_logs, w.t_window, until=w.t_window + r.args.measure)
+    return window_cost(leader, w.st["stats"].answers.get(200, 0), r.args.measure, w.m3["writes"] - w.m2["writes"],
+                       stored_writes(ours), stored_writes(ours, "egressbudgets"))
+
+
+async def quota_phase(r: Run, off: Window, ctx: ssl.SSLContext, period: float) -> None:
+    """--quotas: every team of the EgressBudget gets a volume quota (with_quotas), the controller takes it
+    (its netagent_team_quota_bytes), the agents report once more, then a window as long as the first: the
+    leader's CPU per report and the writes to the API server, quotas off (the first window) against on."""
+    args = r.args
+    teams = with_quotas(budget_object(args.nodes, args.pods_per_node, args.downloads))["spec"]["teams"]
+    await r.admin.call("PATCH", "/apis/netagent.io/v1alpha1/egressbudgets/default", {"spec": {"teams": teams}},
+                       content_type="application/merge-patch+json")
+    want = TEAMS * (2 if args.downloads else 1)
+    t0 = time.monotonic()
+    urls = [u for _, u, _ in r.controllers]
+    while (seen := max(map(len, await controller_samples(urls, ctx, "netagent_team_quota_bytes")))) < want:
+        if time.monotonic() - t0 > 300:
+            raise RuntimeError(f"the controllers export {seen} of {want} netagent_team_quota_bytes after 300 s")
+        await asyncio.sleep(1.0)
+    print(f"quotas on every team ({QUOTA_BYTES} a month, both directions): taken after {time.monotonic() - t0:.1f} s; "
+          f"two report periods before the window (every node's first report with quotas takes baselines)", flush=True)
+    await asyncio.sleep(2 * period)
+    on = await steady_window(r)
+    costs = {"quotas off": window_costs(r, off), "quotas on": window_costs(r, on)}
+    print()
+    print(f"| {args.nodes} nodes, {args.nodes * args.pods_per_node} pods, {args.measure:g} s each | "
+          "leader CPU per report | reports answered/s | apiserver writes/min (all clients; TokenReviews are POSTs) "
+          "| netagent's stored writes/min (audit; leases included) | of them to the EgressBudget |")
+    print("|---|---|---|---|---|---|")
+    for name, c in costs.items():
+        print(f"| {name} | {c.cpu_per_report_s * 1e3:.2f} ms | {c.reports_per_s:.1f} | {c.writes_per_min:.0f} "
+              f"| {c.netagent_writes_per_min:.1f} | {c.budget_writes_per_min:.1f} |")
+    used = max(map(sum, await controller_samples(urls, ctx, "netagent_team_quota_used_bytes")))
+    print(f"the teams' use the leader counted since the quotas came (netagent_team_quota_used_bytes summed): "
+          f"{used / 1e9:.1f} GB")
+    print(f"netagent's requests in the quotas-on window: " + ", ".join(
+        f"{kind} {verb} {res} {n}" for (kind, verb, res), n in sorted(
+            audit_counts(r.audit_logs, on.t_window, until=on.t_window + args.measure).items())
+        if kind in ("agent", "controller") and verb in STORED_WRITES))
+    ok, why = quota_verdict(costs["quotas off"], costs["quotas on"], args.measure)
+    print(f"verdict (set before the run): {why}", flush=True)
+
+
 async def demand_shift(r: Run, period: float) -> None:
     """A demand shift: even teams want 3x, odd teams 0.3x; pods within 5 % of fair per period."""
     args, bench = r.args, r.bench
@@ -1466,6 +1612,8 @@ async def run(args) -> None:
         w = await steady_window(r)
         report_requests(r, base, w, t_agents)
         period = await report_netagent(r, w, ctx)
+        if args.quotas:
+            await quota_phase(r, w, ctx, period)
         if args.shift_periods:
             await demand_shift(r, period)
         if args.failover and len(r.controllers) > 1:
@@ -1551,6 +1699,10 @@ def main() -> None:
                    help="the controller's --report-ttl (default: the controller's; at least --lease-seconds)")
     p.add_argument("--sim-tls-read-bytes", type=int, default=SIM_TLS_READ_BYTES,
                    help="the simulated agents' asyncio TLS read buffer per connection (0: Python's 256 KiB)")
+    p.add_argument("--quotas", action="store_true",
+                   help="after the steady window give every team a volume quota and measure a second window: "
+                        "the leader's CPU per report and the API server writes, on against off (the agents "
+                        "send their pods' byte counters in both)")
     p.add_argument("--no-pod-status", dest="pod_status", action="store_false",
                    help="leave pods Pending without IPs (faster loading; netagent reports them all the same)")
     asyncio.run(run(p.parse_args()))
