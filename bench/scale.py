@@ -1185,17 +1185,22 @@ def agent_series(pods: int, lean: bool = False, downloads: bool = True, scopes: 
     return series_of(generate_latest(metrics.registry))
 
 
-async def controller_series(urls: list[str], ctx: ssl.SSLContext) -> list[int]:
-    out = []
+async def controller_metrics(urls: list[str], ctx: ssl.SSLContext) -> list[bytes | None]:
+    """Each controller's /metrics exposition (None where it cannot be read)."""
+    out: list[bytes | None] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10),
                                      connector=aiohttp.TCPConnector(ssl=ctx)) as s:
         for u in urls:
             try:
                 async with s.get(u + "/metrics", server_hostname=SERVICE_NAME) as r:
-                    out.append(series_of(await r.read()) if r.status == 200 else -1)
+                    out.append(await r.read() if r.status == 200 else None)
             except (aiohttp.ClientError, asyncio.TimeoutError):
-                out.append(-1)
+                out.append(None)
     return out
+
+
+async def controller_series(urls: list[str], ctx: ssl.SSLContext) -> list[int]:
+    return [-1 if text is None else series_of(text) for text in await controller_metrics(urls, ctx)]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -1468,17 +1473,8 @@ async def report_netagent(r: Run, w: Window, ctx: ssl.SSLContext) -> float:
 async def controller_samples(urls: list[str], ctx: ssl.SSLContext, name: str) -> list[list[float]]:
     """Each controller's samples of metric `name` (none where its /metrics cannot be read; a follower
     exports no team quotas)."""
-    out = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10),
-                                     connector=aiohttp.TCPConnector(ssl=ctx)) as s:
-        for u in urls:
-            try:
-                async with s.get(u + "/metrics", server_hostname=SERVICE_NAME) as resp:
-                    text = (await resp.read()).decode() if resp.status == 200 else ""
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                text = ""
-            out.append([float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")])
-    return out
+    return [[float(line.rsplit(" ", 1)[1]) for line in (text or b"").decode().splitlines() if line.startswith(name + "{")]
+            for text in await controller_metrics(urls, ctx)]
 
 
 def window_costs(r: Run, w: Window) -> WindowCost:
