@@ -1,6 +1,8 @@
 """Issue 38's quota fields in the EgressBudget CRD (charts/netagent/crds/, the one source; deploy/crds/ is
 rendered from it): the real kube-apiserver refuses the issue's Bad-input list and accepts its example, by a
-server-side dry run against the installed CRD, and the parser (core/quota.py) refuses each too."""
+server-side dry run against the installed CRD, and the parser (core/quota.py) refuses each too; the chart
+refuses each at render (`helm template` with the quota in its policy values: values.schema.json and
+templates/validate-rates.yaml), so an upgrade never applies half a release and then fails on the budget."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +14,7 @@ from core.direction import PerDirection
 from core.quantity import RATE_PATTERN
 from core.quota import PERIODS, parse_team_quota, parse_time_zone
 from tests.kube import REPO
+from tests.test_deploy import CHART, helm
 from tests.test_agent_kube import install_crds
 
 CRD = REPO / "charts" / "netagent" / "crds" / "egressbudgets.netagent.io.yaml"
@@ -52,6 +55,11 @@ BAD = [
 ]
 
 
+# accepted by the schema, the parser and the chart (the largest byte count the schema takes is 2^63-2)
+ACCEPTED = [GOOD, {"period": "Day", "ingress": {"bytes": "1G"}}, {"period": "Week", "bytes": "9223372036854775806"},
+            {"period": "Week", "bytes": "7Ei"}]
+
+
 @pytest.fixture
 def budgets(kube_api):
     install_crds(kube_api)
@@ -73,9 +81,8 @@ def _create(objects, quota, zone=None) -> str | None:
 
 def test_schema_refuses_the_bad_input_and_accepts_the_example(budgets):
     assert _create(budgets, GOOD, zone="Europe/Berlin") is None
-    assert _create(budgets, {"period": "Day", "ingress": {"bytes": "1G"}}) is None
-    assert _create(budgets, {"period": "Week", "bytes": "9223372036854775806"}) is None
-    assert _create(budgets, {"period": "Week", "bytes": "7Ei"}) is None
+    for quota in ACCEPTED:
+        assert _create(budgets, quota) is None, quota
     wrong = []
     for quota, fragment in BAD:
         body = _create(budgets, quota)
@@ -98,3 +105,36 @@ def test_schema_carries_the_parsers_pattern_and_periods():
     assert quota["properties"]["period"]["enum"] == list(PERIODS)
     fields = {r.get("fieldPath") for r in team["x-kubernetes-validations"]}
     assert {".quota.exhaustedRate", ".quota.ingress.exhaustedRate"} <= fields
+
+
+def _render(tmp_path, quotas: list) -> str | None:
+    """`helm template` of the chart's policy with one team per quota (as _create's team): None when it renders
+    them all, else helm's message."""
+    teams = [{"name": f"t{i}", "namespaces": [f"t{i}"], "max": "1G", "ingress": {"max": "2G"}, "quota": q}
+             for i, q in enumerate(quotas)]
+    values = tmp_path / "quota-values.yaml"
+    values.write_text(yaml.safe_dump({"budget": {"spec": {"total": "10G", "teams": teams}}}))
+    result = helm("template", "netagent", str(CHART), "-f", str(values), "--show-only", "templates/policy.yaml",
+                  check=False)
+    if result.returncode:
+        return result.stderr
+    rendered, = [d for d in yaml.safe_load_all(result.stdout) if d and d["kind"] == "EgressBudget"]
+    assert [t["quota"] for t in rendered["spec"]["teams"]] == quotas
+    return None
+
+
+def test_the_chart_refuses_at_render_what_the_schema_refuses(tmp_path):
+    assert _render(tmp_path, ACCEPTED) is None
+    wrong = []
+    for quota, _ in BAD:
+        refusal = _render(tmp_path, [quota])
+        # named: the quota's path (templates) or its key (values.schema.json: period)
+        if refusal is None or not ("teams[0] (t0).quota" in refusal or "period" in refusal):
+            wrong.append(f"{quota!r}: {refusal}")
+    assert not wrong, "\n".join(wrong)
+    for quota, words in [({"period": "Month", "bytes": "1Ti", "cost": "0.00"}, "cost=\"0.00\" is refused: it is zero"),
+                         ({"period": "Month", "cost": "12,50"}, "cost=\"12,50\" is refused"),
+                         ({"period": "Month", "bytes": "0.5"}, None),  # half a byte: one byte, as the parser
+                         ({"period": "Month", "bytes": "1Ti", "exhaustedRate": "1G"}, None)]:  # at the max
+        refusal = _render(tmp_path, [quota])
+        assert (refusal is None) if words is None else (refusal is not None and words in refusal), (quota, refusal)
