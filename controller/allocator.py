@@ -62,7 +62,7 @@ from core.engine import ColumnarResult, PodColumns, TeamColumns, allocate_column
 from core.quantity import MAX_BPS
 from core.policy import Policy, resolve_pod
 from core.quantity import TRICKLE_BPS
-from core.wire import NODE_MEASURED, POD_DEMAND, POD_USAGE, NodeReport, PodAllocation, PodReport
+from core.wire import NODE_MEASURED, POD_DEMAND, POD_USAGE, NodeReport, PodAllocation, PodReport, TeamQuotaState
 
 from .cost import CostKeeper
 from .quota import QuotaKeeper
@@ -128,6 +128,9 @@ class RoundResult:
     computed_at: float = 0.0  # monotonic, set by ControllerState
     duration_s: float = 0.0  # set by ControllerState
     wall_time: float = 0.0  # Unix time the round finished, set by ControllerState
+    # each team with a byte quota, its state as the answers carry it (controller/quota.py answer_states);
+    # None: no quota keeper, or this replica does not count
+    quota: Mapping[str, TeamQuotaState] | None = None
 
 
 class NodeAllocations(Mapping):
@@ -352,7 +355,8 @@ class Allocator:
             start += len(item.keys)
         by_node = NodeAllocations(spans, team, cls, tables.team_names, tables.class_names, lanes)
         return RoundResult(by_node, lanes.upload.node_rate, lanes.upload.floor or MIN_SAFE_FLOOR_BPS, summary,
-                           node_ingress_rate=lanes.download.node_rate, safe_ingress_floor_bps=lanes.download.floor)
+                           node_ingress_rate=lanes.download.node_rate, safe_ingress_floor_bps=lanes.download.floor,
+                           quota=self.quota.answer_states() if self.quota is not None else None)
 
     def _lane(self, d: Direction, policy: Policy, tables: _Tables, nodes: list[str],
               prepared: list[PreparedReport], sizes: list[int], table: np.ndarray, team: np.ndarray,

@@ -24,7 +24,8 @@ from core.direction import DIRECTIONS, Direction, PerDirection
 from core.engine import TeamColumns
 from core.policy import Limits, Policy
 from core.quota import Ledger, TeamQuota, apply_exhaustion, exhausted_teams, period_bounds
-from core.wire import POD_BYTES, NodeReport
+from core.quantity import MAX_BYTES
+from core.wire import MAX_FORECAST_SECONDS, POD_BYTES, NodeReport, QuotaFigures, TeamQuotaState
 
 FORGET_AFTER = 3600.0  # s: a pod unreported this long leaves the ledger's counters (its counted bytes stay)
 RATE_WINDOW = 60.0  # s: the forecast's rate is the team's use over about this long
@@ -79,6 +80,17 @@ def _utc(t: float) -> datetime:
 
 def _rfc3339(at: datetime) -> str:
     return at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _figures(u: TeamUse, d: Direction) -> QuotaFigures | None:
+    """Direction d of a team's quota for an answer; None without a byte quota in d."""
+    limit = u.quota.limits[d]
+    if limit is None:
+        return None
+    left = u.forecast_seconds(d)
+    # clamped to the wire's bounds: an out-of-range figure would make the agent refuse the whole answer
+    return QuotaFigures(limit.bytes, min(u.used[d], MAX_BYTES), u.exhausted[d], limit.exhausted_bps,
+                        None if left is None else min(left, MAX_FORECAST_SECONDS))
 
 
 class QuotaKeeper:
@@ -292,6 +304,19 @@ class QuotaKeeper:
                 rates = PerDirection.build(lambda d: self._rates.get((team, d), 0.0))
                 out.append(TeamUse(team, quota, start, end, used, spent, rates))
             return out
+
+    def answer_states(self) -> dict[str, TeamQuotaState] | None:
+        """Each team with a byte quota, its state as answers carry it (core.wire.TeamQuotaState: the figures
+        QuotaCollector exports); None while this replica does not count (not leading, not resumed yet)."""
+        if not self.active:
+            return None
+        out = {}
+        for u in self.teams():
+            figures = PerDirection.build(lambda d: _figures(u, d))
+            if figures.upload is not None or figures.download is not None:  # a cost-only quota has no bytes
+                out[u.name] = TeamQuotaState(u.name, u.quota.period.value, u.period_start.timestamp(),
+                                             u.period_end.timestamp(), figures.upload, figures.download)
+        return out
 
     def status(self) -> dict[str, Any]:
         """status.quota of the EgressBudget: per team its period start, use and exhaustion, per direction."""

@@ -38,6 +38,7 @@ from .auth import Identity
 
 log = logging.getLogger(__name__)
 _KEY = attrgetter("namespace", "name")
+_TEAM = attrgetter("team")
 NO_ROUND = "no allocation round with this node yet: keep the current allocations"
 # A pod reported unthrottled with a demand over DEMAND_OVER_USE times its use (judged against at
 # least DEMAND_OVER_USE_FLOOR): a lying or broken agent, or a pod whose use just collapsed (an
@@ -226,11 +227,16 @@ class ControllerState:
                               report_period_seconds=self.report_period())
         # downloads: only for a node whose agent shapes them (its pods' answers carry them too)
         download_rate = result.node_ingress_rate.get(node)
+        pods = result.by_node[node]
+        quota = None
+        if result.quota is not None:  # the quota state of this node's pods' teams, each once (docs/quotas.md)
+            states = result.quota
+            quota = [states[t] for t in dict.fromkeys(map(_TEAM, pods)) if t in states]
         return NodeAnswer(node, result.generation, self.lease_seconds, result.safe_floor_bps,
-                          result.node_rate[node], result.by_node[node], problems, refused,
+                          result.node_rate[node], pods, problems, refused,
                           node_ingress_rate_bps=download_rate,
                           safe_ingress_floor_bps=result.safe_ingress_floor_bps if download_rate is not None else None,
-                          report_period_seconds=self.report_period())
+                          report_period_seconds=self.report_period(), quota=quota)
 
     def last(self) -> tuple[dict[str, tuple[float, object]], RoundResult | None]:
         """(latest reports by node, last round), read together (controller/view.py)."""

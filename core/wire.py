@@ -120,6 +120,37 @@ class Refused(msgspec.Struct, gc=False):
     reason: Text  # one of REFUSAL_REASONS
 
 
+MAX_FORECAST_SECONDS = 1e12  # ~31,700 years: a longer forecast is sent as this (no exhaustion in sight)
+MAX_UNIX_SECONDS = 2.0**36  # the year 4147: no calendar period starts or ends later
+UnixTime = Annotated[float, msgspec.Meta(ge=0, le=MAX_UNIX_SECONDS)]
+
+
+class QuotaFigures(msgspec.Struct, gc=False):
+    """One direction of a team's volume quota in an answer: the figures the leader's netagent_team_quota_*
+    metrics export (docs/quotas.md), as of the round the answer's allocations come from."""
+    bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_BYTES)]  # the period's quota
+    used: ByteCount  # the team's use this period, cluster-wide (above `bytes` by the overshoot once spent)
+    exhausted: bool  # the team is held at exhausted_bps in this direction until the period ends
+    exhausted_bps: Rate | None = None  # None: the pods' safe floor once spent
+    # seconds until spent at the team's rate over the last minute: 0 when spent, None with no use
+    forecast_seconds: Annotated[float, msgspec.Meta(ge=0, le=MAX_FORECAST_SECONDS)] | None = None
+
+
+class TeamQuotaState(msgspec.Struct, gc=False):
+    """A team's volume quota state in an answer; `egress`/`ingress`: its uploads/downloads quota (None: no quota
+    in that direction), read through TEAM_QUOTA[d]."""
+    team: Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
+    period: Literal["Day", "Week", "Month"]  # core.quota.PERIODS
+    period_start: UnixTime
+    period_end: UnixTime
+    egress: QuotaFigures | None = None
+    ingress: QuotaFigures | None = None
+
+    def __post_init__(self) -> None:
+        if self.period_end <= self.period_start:
+            raise ValueError(f"team {self.team[:80]!r}: period_end must be after period_start")
+
+
 class NodeAnswer(msgspec.Struct):
     """The controller's answer to a node report."""
     node: Name
@@ -140,6 +171,10 @@ class NodeAnswer(msgspec.Struct):
     # seconds between this node's reports that the leader asks for (0: the agent's own period;
     # absent in older controllers' answers). Agents never report faster than their own period.
     report_period_seconds: Annotated[float, msgspec.Meta(ge=0, le=MAX_ADVISED_PERIOD)] = 0.0
+    # volume quotas (docs/quotas.md): the quota state of the teams with pods in this answer (each once, at most
+    # one per pod), from the round its allocations come from; None: not known (an older controller, or one that
+    # does not count: not the leader, or not resumed yet); []: none of these teams has a byte quota
+    quota: Annotated[list[TeamQuotaState], msgspec.Meta(max_length=MAX_PODS_PER_REPORT)] | None = None
 
 
 class ErrorBody(msgspec.Struct, omit_defaults=True):
@@ -196,6 +231,29 @@ def long_annotation_indexes(report: NodeReport) -> list[int]:
 report_decoder = msgspec.json.Decoder(NodeReport)  # the controller's side
 answer_decoder = msgspec.json.Decoder(NodeAnswer)  # the agent's side: answers are checked as reports are
 error_decoder = msgspec.json.Decoder(ErrorBody)
+
+
+def quota_problem(answer: NodeAnswer) -> str | None:
+    """None when the answer's quota state names each team at most once and only teams of its pods, else why."""
+    if not answer.quota:
+        return None
+    teams = [q.team for q in answer.quota]
+    if len(set(teams)) != len(teams):
+        return "`$.quota` names a team twice"
+    strangers = set(teams).difference(p.team for p in answer.pods)
+    if strangers:
+        return f"`$.quota` names team(s) {sorted(strangers)[:3]} with no pod in the answer"
+    return None
+
+
+def decode_answer(raw: bytes) -> NodeAnswer:
+    """The agent's decode: answer_decoder's checks, then the quota state's bounds (quota_problem); raises
+    msgspec.ValidationError as either refuses a bad value (the whole answer is refused)."""
+    answer = answer_decoder.decode(raw)
+    problem = quota_problem(answer)
+    if problem is not None:
+        raise msgspec.ValidationError(problem)
+    return answer
 encoder = msgspec.json.Encoder()
 
 
@@ -206,6 +264,7 @@ POD_USAGE = PerDirection(attrgetter("usage_bps"), attrgetter("ingress_usage_bps"
 NODE_MEASURED = PerDirection(attrgetter("node_internet_egress_bps"), attrgetter("node_internet_ingress_bps"))
 POD_ALLOCATION = PerDirection(attrgetter("allocation_bps"), attrgetter("ingress_allocation_bps"))
 POD_BYTES = PerDirection(attrgetter("bytes_total"), attrgetter("ingress_bytes_total"))
+TEAM_QUOTA = PerDirection(attrgetter("egress"), attrgetter("ingress"))  # TEAM_QUOTA[d](team_quota_state)
 _NO_SCOPE_BYTES: Mapping[str, int] = MappingProxyType({})
 # POD_SCOPE_BYTES[d](pod_report) -> {"cross-zone": n, "cross-region": m}, {} when absent
 POD_SCOPE_BYTES = PerDirection(attrgetter("scope_bytes_total"), attrgetter("ingress_scope_bytes_total")).map(

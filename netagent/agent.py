@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -19,6 +20,7 @@ from core.direction import Direction, PerDirection
 from core.objects import Snapshot
 from core.scopes import ScopesDescription, keep_last_valid, lpm_entries, parse
 from core.policy import ResolvedPod
+from core.wire import TeamQuotaState
 
 from .accounting import Accounting
 from .allocations import Allocations, AllocationSet
@@ -31,7 +33,7 @@ from .lane import Lane, LocalAllocate
 from .runner import Runner
 from .sampler import Sampler
 from .sync import NodeSync
-from .view import NodeView, node_view
+from .view import NodeView, node_view, quota_entries
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,8 @@ class Agent:
         self.sampler = Sampler(self.node, datapath, self.runner.wake, cfg.sample_seconds, cfg.allocate_seconds,
                                self.accounting)
         self.controller_reachable = False
+        # the quota state of the controller's last answer that carried one: (monotonic, /state entries)
+        self.quota: tuple[float, list[dict]] | None = None
         self.scopes: ScopesDescription | None = None  # the NetworkScopes description in force (last valid)
         self._scopes_seen: tuple = (None, None, ())  # (object, zone, service CIDRs) last followed
 
@@ -151,6 +155,10 @@ class Agent:
     def set_controller_reachable(self, reachable: bool) -> None:
         self.controller_reachable = reachable
 
+    def set_quota(self, states: list[TeamQuotaState]) -> None:
+        """The quota state of the node's pods' teams from the controller's answer (shown in /state)."""
+        self.quota = (time.monotonic(), quota_entries(states))
+
     # -- lifecycle --------------------------------------------------------------
     def start(self) -> None:
         # what the kernel holds now seeds the allocations: a restart changes nothing
@@ -221,7 +229,7 @@ class Agent:
 
     def view(self) -> NodeView:
         return node_view(self.cfg, self.node.state, self.lanes, self.datapath, self.controller_reachable,
-                         self.accounting)
+                         self.accounting, self.quota)
 
     def health(self) -> tuple[bool, str]:
         return self.runner.health()

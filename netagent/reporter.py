@@ -28,7 +28,7 @@ import msgspec
 from core.direction import Direction, PerDirection
 from core.policy import ResolvedPod
 from core.quantity import MAX_BPS, MAX_BYTES
-from core.wire import NodeAnswer, NodeReport, PodReport, answer_decoder, encoder
+from core.wire import NodeAnswer, NodeReport, PodReport, decode_answer, encoder
 
 from .agent import Agent, ReportInputs
 from .allocations import Allocation, AllocationSet
@@ -354,7 +354,7 @@ class Reporter:
         if redirected:
             self.leader_url = redirected
         try:
-            return answer_decoder.decode(raw)
+            return decode_answer(raw)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise ControllerError(f"controller {base or self.url} sent an invalid answer ({exc}); answer refused") from None
 
@@ -393,6 +393,8 @@ class Reporter:
             self.on_refused(r.reason)
         self.agent.set_controller_reachable(True)
         self.last_error = ""
+        if answer.quota is not None:  # absent (an older controller, a new leader's first answer): the last kept
+            self.agent.set_quota(answer.quota)
         if allocs is None:
             return True  # no round yet: keep the allocations and the lease we have
         self.agent.set_allocations(allocs)

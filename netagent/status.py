@@ -59,17 +59,30 @@ def render(state: dict) -> str:
                      human_bps(p.get("ingress_usage_bps", 0)), human_bps(p.get("ingress_demand_bps", 0)),
                      str(p.get("ingress_dropped_packets", 0)), notes))
     out.append(table(rows, COLUMNS, NUMERIC))
-    if state.get("quota"):
-        out += ["", "quotas (volume per period, docs/quotas.md):", quota_table(state["quota"])]
+    out += quota_lines(state)
     out += [f"source: {err}" for err in state.get("source_errors") or []]
     return "\n".join(out)
 
 
 QUOTA_COLUMNS = ("team", "period", "direction", "used", "quota", "spent", "forecast")
+NOT_KNOWN = ("quotas: not known (no answer carrying them yet: an older controller, or a new leader not yet "
+             "resumed; `netagent status --kubeconfig` shows the leader's)")
+
+
+def quota_lines(state: dict) -> list[str]:
+    """The quotas table of /state `quota`: the agent's own count (single-machine mode) or, with a controller,
+    the leader's figures from its last answer that carried them, with that answer's age (they are as old)."""
+    quotas, age = state.get("quota"), state.get("quota_age_seconds")
+    if quotas is None and state.get("controller"):
+        return ["", NOT_KNOWN]
+    if not quotas:
+        return []
+    source = "" if age is None else f"; the controller's figures as of its answer {age:.0f} s ago"
+    return ["", f"quotas (volume per period, docs/quotas.md{source}):", quota_table(quotas)]
 
 
 def quota_table(quotas: list[dict]) -> str:
-    """The single-machine agent's teams' quotas (/state `quota`, the leader's /v1/status shape): per team and
+    """The node's teams' quotas (/state `quota`, the leader's /v1/status shape, in both modes): per team and
     direction its use, quota, share spent and the forecast time to exhaustion at the last minute's rate."""
     rows = []
     for q in quotas:

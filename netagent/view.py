@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 
 from core.direction import Direction, PerDirection
+from core.wire import TEAM_QUOTA, TeamQuotaState
 from tc.model import HtbClassSpec
 
 from .accounting import Accounting, ClassReading
@@ -92,9 +94,34 @@ class NodeView:
     ingress_allocation_bps: float | None = None  # the node's download class rate
     ingress_safe_floor_bps: float = 0.0
     unknown_destination_ingress_bytes: int = 0  # internet ingress to no known pod (the download default class)
+    # volume quotas of the node's pods' teams (docs/quotas.md), in the shape of single-machine mode's (which
+    # replaces this key: netagent.localquota): from the controller's last answer that carried them; None: not
+    # known (no such answer yet, or an older controller)
+    quota: list[dict] | None = None
+    quota_age_seconds: float | None = None  # since that answer
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def _iso(unix: float) -> str:
+    return datetime.fromtimestamp(unix, timezone.utc).isoformat()
+
+
+def quota_entries(states: list[TeamQuotaState]) -> list[dict]:
+    """The controller's quota states as /state shows them: the shape of single-machine mode's `quota`
+    (netagent.localquota LocalQuota.teams) and of the leader's /v1/status, so `netagent status` renders both."""
+    out = []
+    for q in sorted(states, key=lambda q: q.team):
+        entry: dict = {"team": q.team, "period": q.period, "period_start": _iso(q.period_start),
+                       "period_end": _iso(q.period_end)}
+        for d, word in ((Direction.UPLOAD, "uploads"), (Direction.DOWNLOAD, "downloads")):
+            f = TEAM_QUOTA[d](q)
+            entry[word] = None if f is None else {
+                "bytes": f.bytes, "used": f.used, "exhausted": f.exhausted, "exhausted_bps": f.exhausted_bps,
+                "forecast_seconds": f.forecast_seconds}
+        out.append(entry)
+    return out
 
 
 def reading(st, opts) -> ClassReading | None:
@@ -102,10 +129,12 @@ def reading(st, opts) -> ClassReading | None:
 
 
 def node_view(cfg: AgentConfig, state: SyncState, lanes: PerDirection[Lane], datapath: DataPath,
-              controller_reachable: bool, accounting: Accounting | None = None) -> NodeView:
+              controller_reachable: bool, accounting: Accounting | None = None,
+              quota: tuple[float, list[dict]] | None = None) -> NodeView:
     """The node as the agent sees it now: its last decisions plus the kernel's counters, as the
     sampler and the reporter last read them (byte counters at most a report period old in controller
-    mode, a second otherwise): a scrape costs no kernel read of its own, whatever the scrape rate."""
+    mode, a second otherwise): a scrape costs no kernel read of its own, whatever the scrape rate.
+    `quota`: (monotonic time of the controller's answer, its quota entries), None when not known."""
     pod_counters, node_counters = datapath.counters(max_age=cfg.report_period if cfg.controller else 1.0)
     desired = state.desired
     opts = cfg.datapath  # rates in the view are IP bit/s; the HTB classes hold them as frame rates
@@ -148,7 +177,9 @@ def node_view(cfg: AgentConfig, state: SyncState, lanes: PerDirection[Lane], dat
         last_reconcile_success=state.last_success, leaf_qdisc=datapath.leaf_qdisc,
         iptables_backend=datapath.iptables_backend, source_errors=state.source_errors,
         ingress_allocation_bps=node_rates.download, ingress_safe_floor_bps=down.floor_bps,
-        unknown_destination_ingress_bytes=node_counters.get("ingress_unknown_internet", 0))
+        unknown_destination_ingress_bytes=node_counters.get("ingress_unknown_internet", 0),
+        quota=quota[1] if quota is not None else None,
+        quota_age_seconds=round(time.monotonic() - quota[0], 1) if quota is not None else None)
 
 
 # The /state keys of a pod's values per direction (uploads kept their unprefixed names)

@@ -35,8 +35,9 @@ METRICS = (
 STATE_NODE = (
     "allocation_bps", "allocation_source", "controller", "controller_reachable", "egress_bytes", "fail_static",
     "ingress_allocation_bps", "ingress_bytes", "ingress_safe_floor_bps", "iptables_backend",
-    "last_reconcile_success", "leaf_qdisc", "lease_expires_in", "node", "pods", "ready", "ready_reason",
-    "safe_floor_bps", "source_errors", "unknown_destination_ingress_bytes", "unknown_source_egress_bytes",
+    "last_reconcile_success", "leaf_qdisc", "lease_expires_in", "node", "pods", "quota", "quota_age_seconds",
+    "ready", "ready_reason", "safe_floor_bps", "source_errors", "unknown_destination_ingress_bytes",
+    "unknown_source_egress_bytes",
 )
 STATE_POD = (
     "allocation_bps", "demand_bps", "dropped_bytes", "dropped_packets", "egress_bytes", "egress_class",

@@ -28,7 +28,10 @@ WIRE = {
                   "ingress_usage_bps", "ingress_demand_bps", "ingress_throttled", "ingress_bandwidth",
                   "bytes_total", "ingress_bytes_total", "scope_bytes_total", "ingress_scope_bytes_total"),
     "NodeAnswer": ("node", "generation", "lease_seconds", "safe_floor_bps", "node_rate_bps", "pods", "problems",
-                   "refused", "node_ingress_rate_bps", "safe_ingress_floor_bps", "report_period_seconds"),
+                   "refused", "node_ingress_rate_bps", "safe_ingress_floor_bps", "report_period_seconds", "quota"),
+    # volume quotas in the answer (docs/quotas.md): `egress` is the uploads' block, `ingress` the downloads'
+    "TeamQuotaState": ("team", "period", "period_start", "period_end", "egress", "ingress"),
+    "QuotaFigures": ("bytes", "used", "exhausted", "exhausted_bps", "forecast_seconds"),
     "PodAllocation": ("namespace", "name", "team", "egress_class", "allocation_bps", "limit_bps",
                       "ingress_allocation_bps", "ingress_limit_bps"),
     "Refused": ("namespace", "name", "reason"),
