@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from kubernetes import client
+from kubernetes.client.rest import ApiException
 
 from cli import clusterview
 from controller.allocator import RoundResult, Summary, TeamTotals
@@ -361,7 +362,12 @@ def test_a_token_user_with_the_reader_role_sees_everything_over_verified_tls(kub
         with controller(kube_api, tmp_path, namespace, "--metrics-auth", "true", "--lease-name", "netagent-controller",
                         "--agent-service-account", f"{namespace}:agent", tls=True) as (_, base, _):
             def leads():
-                lease = client.CoordinationV1Api(kube_api.admin).read_namespaced_lease("netagent-controller", namespace)
+                try:
+                    lease = client.CoordinationV1Api(kube_api.admin).read_namespaced_lease("netagent-controller", namespace)
+                except ApiException as exc:
+                    if exc.status == 404:  # not created yet: the controller's first election call is still to come
+                        return False
+                    raise
                 return base.split("://")[1] in (lease.spec.holder_identity or "")
 
             wait_for(leads, what="the controller to hold the Lease")
