@@ -11,6 +11,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 
+import msgspec
+
 from core.direction import Direction, PerDirection
 from core.wire import TEAM_QUOTA, TeamQuotaState
 from tc.model import HtbClassSpec
@@ -117,9 +119,8 @@ def quota_entries(states: list[TeamQuotaState]) -> list[dict]:
                        "period_end": _iso(q.period_end)}
         for d, word in ((Direction.UPLOAD, "uploads"), (Direction.DOWNLOAD, "downloads")):
             f = TEAM_QUOTA[d](q)
-            entry[word] = None if f is None else {
-                "bytes": f.bytes, "used": f.used, "exhausted": f.exhausted, "exhausted_bps": f.exhausted_bps,
-                "forecast_seconds": f.forecast_seconds}
+            # QuotaFigures' fields are the /v1/status keys (bytes, used, exhausted, exhausted_bps, forecast_seconds)
+            entry[word] = None if f is None else msgspec.structs.asdict(f)
         out.append(entry)
     return out
 
