@@ -39,11 +39,17 @@ def _canonical_member(kind: str, member: str) -> str:
     return str(ipaddress.ip_address(member))
 
 
-def _member_line(verb: str, name: str, member: str, ext: tuple[tuple[str, str], ...]) -> str:
+def _member_line(verb: str, name: str, member: str, ext: tuple[tuple[str, str], ...], fresh: bool = False) -> str:
+    """One `ipset restore` line. `fresh`: the member is new to a counted set, so its counters are set to 0
+    explicitly: the kernel's hash sets reuse a deleted member's slot without clearing its counters when an
+    add names none (ip_set_hash_gen.h mtype_add), so an address deleted and added back in one restore
+    (it passed to another pod) would otherwise keep the old pod's bytes."""
     words = [verb, name, member]
     if verb == "add":
         for option, value in ext:
             words += ["nomatch"] if option == "nomatch" else [option, f'"{value}"' if option == "comment" else value]
+        if fresh:
+            words += ["packets", "0", "bytes", "0"]
     return " ".join(words)
 
 
@@ -248,8 +254,10 @@ class Classifier:
                 gone = sorted(m for m, ext in have[0].members.items()
                               if m not in want.members or dict(ext).get("comment") != dict(want.members[m]).get("comment"))
                 lines += [_member_line("del", name, m, ()) for m in gone]
-                lines += [_member_line("add", name, m, ext) for m, ext in sorted(want.members.items())
-                          if have[0].members.get(m) != ext or m in gone]
+                # a member that stays and only changes its class (skbprio) is overwritten in place with
+                # -exist and keeps its counters; one added anew starts from 0
+                lines += [_member_line("add", name, m, ext, fresh=m in gone or m not in have[0].members)
+                          for m, ext in sorted(want.members.items()) if have[0].members.get(m) != ext or m in gone]
                 kind = R.set_kind(name, self.prefix)
                 if carry and kind:
                     for m in gone:
