@@ -1336,9 +1336,16 @@ async def start_netagent(r: Run, tokens: dict, ctl_token: str) -> tuple[ssl.SSLC
     t_agents = time.time()
     t_sync0 = time.monotonic()
     sync_deadline = t_sync0 + max(300, args.nodes * 0.2)
-    while (await bench.state())["synced"] < args.nodes:
-        if time.monotonic() > sync_deadline:
-            raise RuntimeError(f"agents not synced within {sync_deadline - t_sync0:.0f} s")
+    next_progress = t_sync0 + 30
+    while (st := await bench.state())["synced"] < args.nodes:
+        now = time.monotonic()
+        if now > sync_deadline:
+            raise RuntimeError(f"agents not synced within {sync_deadline - t_sync0:.0f} s: {st['synced']} synced, "
+                               f"errors {st['errors'].most_common(3)}")
+        if now >= next_progress:  # a slow sync says how far it got and what failed, not just nothing
+            next_progress = now + 30
+            print(f"  {now - t_sync0:.0f} s: {st['synced']} of {args.nodes} agents synced, lists "
+                  f"{sum(st['stats'].lists.values())}, errors {st['errors'].most_common(3)}", flush=True)
         await asyncio.sleep(1.0)
     print(f"{args.nodes} agents synced (3 lists each) after {time.monotonic() - t_sync0:.1f} s "
           f"({len(bench.workers)} agent processes)", flush=True)
