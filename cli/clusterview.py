@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import datetime as dt
 
-from core.quantity import format_bps, human_bytes
+from core.quantity import format_bps
+from netagent.status import QUOTA_COLUMNS, quota_rows
 
 SCHEMA = "netagent.io/status/v1"
 EXIT_OK, EXIT_DEGRADED, EXIT_NOT_INSTALLED, EXIT_FORBIDDEN = 0, 1, 2, 3
@@ -227,17 +228,7 @@ def render(v: dict) -> str:
                 lines.extend(_table(rows, pad))
         if v["quotas"]:
             lines.append(f"{'Quotas:':<16}(volume per period: docs/quotas.md)")
-            rows = [["TEAM", "PERIOD", "DIRECTION", "USED", "QUOTA", "SPENT", "FORECAST"]]
-            for q in v["quotas"]:
-                for word in ("uploads", "downloads"):
-                    x = q.get(word)
-                    if x:
-                        left = x["forecast_seconds"]
-                        rows.append([q["team"], f"{q['period']} from {q['period_start'][:16]}", word,
-                                     human_bytes(x["used"]), human_bytes(x["bytes"]),
-                                     f"{100 * x['used'] / x['bytes']:.0f}%" + (" EXHAUSTED" if x["exhausted"] else ""),
-                                     "-" if left is None else f"{left / 3600:.1f} h"])
-            lines.extend(_table(rows, pad))
+            lines.extend(_table([[c.upper() for c in QUOTA_COLUMNS], *quota_rows(v["quotas"])], pad))
         if v.get("costs"):
             lines.append(f"{'Cost:':<16}(this period, by scope: docs/scopes.md)")
             rows = [["TEAM", "COST", "QUOTA", "INTERNET", "CROSS-ZONE", "CROSS-REGION"]]

@@ -23,7 +23,7 @@ import numpy as np
 from core.direction import DIRECTIONS, Direction, PerDirection
 from core.engine import TeamColumns
 from core.policy import Limits, Policy
-from core.quota import Ledger, TeamQuota, apply_exhaustion, exhausted_teams, period_bounds
+from core.quota import Ledger, TeamQuota, apply_exhaustion, exhausted_teams, forecast_seconds, period_bounds
 from core.quantity import MAX_BYTES
 from core.wire import MAX_FORECAST_SECONDS, POD_BYTES, NodeReport, QuotaFigures, TeamQuotaState
 
@@ -44,19 +44,13 @@ class TeamUse:
     period_end: datetime
     used: PerDirection[int]
     exhausted: PerDirection[bool]
-    rate_bps: PerDirection[float]  # bytes per second over the last RATE_WINDOW (the forecast's rate)
+    byte_rate: PerDirection[float]  # bytes a second over the last RATE_WINDOW (the forecast's rate)
 
     def forecast_seconds(self, d: Direction) -> float | None:
         """Seconds until the quota of direction d is spent at the current rate: 0 when spent, None without a
         quota in d or with no use (never, at this rate)."""
         limit = self.quota.limits[d]
-        if limit is None:
-            return None
-        left = limit.bytes - self.used[d]
-        if left <= 0:
-            return 0.0
-        rate = self.rate_bps[d]
-        return left / rate if rate > 0 else None
+        return None if limit is None else forecast_seconds(limit.bytes - self.used[d], self.byte_rate[d])
 
 
 @dataclass
@@ -82,7 +76,7 @@ def _rfc3339(at: datetime) -> str:
     return at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _figures(u: TeamUse, d: Direction) -> QuotaFigures | None:
+def figures(u: TeamUse, d: Direction) -> QuotaFigures | None:
     """Direction d of a team's quota for an answer; None without a byte quota in d."""
     limit = u.quota.limits[d]
     if limit is None:
@@ -312,10 +306,10 @@ class QuotaKeeper:
             return None
         out = {}
         for u in self.teams():
-            figures = PerDirection.build(lambda d: _figures(u, d))
-            if figures.upload is not None or figures.download is not None:  # a cost-only quota has no bytes
+            both = PerDirection.build(lambda d: figures(u, d))
+            if both.upload is not None or both.download is not None:  # a cost-only quota has no bytes
                 out[u.name] = TeamQuotaState(u.name, u.quota.period.value, u.period_start.timestamp(),
-                                             u.period_end.timestamp(), figures.upload, figures.download)
+                                             u.period_end.timestamp(), both.upload, both.download)
         return out
 
     def status(self) -> dict[str, Any]:

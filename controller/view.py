@@ -9,9 +9,11 @@ from __future__ import annotations
 import heapq
 import time
 
-from core.direction import Direction
+from core.direction import PerDirection
 from core.scopes import cost as cost_of
-from core.wire import POD_ALLOCATION, POD_USAGE
+from core.wire import POD_ALLOCATION, POD_USAGE, quota_entry
+
+from .quota import figures
 
 TOP_PODS = 10
 MAX_TOP_PODS = 100
@@ -34,17 +36,9 @@ def _quota(keeper) -> list[dict]:
     """Each team's volume quota and its use this period (docs/quotas.md); only where this replica counts."""
     if keeper is None or not keeper.active:
         return []
-    out = []
-    for u in keeper.teams():
-        entry: dict = {"team": u.name, "period": u.quota.period.value, "period_start": u.period_start.isoformat(),
-                       "period_end": u.period_end.isoformat()}
-        for direction, word in ((Direction.UPLOAD, "uploads"), (Direction.DOWNLOAD, "downloads")):
-            limit = u.quota.limits[direction]
-            entry[word] = None if limit is None else {
-                "bytes": limit.bytes, "used": u.used[direction], "exhausted": u.exhausted[direction],
-                "exhausted_bps": limit.exhausted_bps, "forecast_seconds": u.forecast_seconds(direction)}
-        out.append(entry)
-    return out
+    return [quota_entry(u.name, u.quota.period.value, u.period_start, u.period_end,
+                        PerDirection.build(lambda d: figures(u, d)))
+            for u in keeper.teams()]
 
 
 def _cost(keeper, is_leader: bool) -> list[dict]:

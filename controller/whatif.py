@@ -188,7 +188,6 @@ def what_if(policy: Policy, rows: list[DemandRow], name: str,
     return Plan(PerDirection.build(plan), pods), warnings
 
 
-WORDS = PerDirection("uploads", "downloads")
 
 
 def parse_used(policy: Policy, values: list[str]) -> tuple[dict[tuple[str, Direction], int], list[str]]:
@@ -200,11 +199,11 @@ def parse_used(policy: Policy, values: list[str]) -> tuple[dict[tuple[str, Direc
     for value in values:
         team, sep, rest = value.partition("=")
         amount, _, word = rest.partition(",")
-        team, amount, word = team.strip(), amount.strip(), word.strip() or WORDS.upload
+        team, amount, word = team.strip(), amount.strip(), word.strip() or Direction.UPLOAD.view_word
         where = f"--used {value!r}"
         if not sep or not team or not amount:
             raise PlanInputError(f"{where}: expected TEAM=BYTES[,uploads|downloads], e.g. research=40Ti,downloads")
-        d = next((x for x in DIRECTIONS if WORDS[x] == word), None)
+        d = next((x for x in DIRECTIONS if x.view_word == word), None)
         if d is None:
             raise PlanInputError(f"{where}: direction {word!r} is not uploads or downloads")
         if team not in teams:
@@ -256,7 +255,7 @@ class Exhaustion:
     seconds: float | None
 
     def as_dict(self) -> dict:
-        return {"team": self.team, "direction": WORDS[self.direction], "used": self.used, "bytes": self.quota,
+        return {"team": self.team, "direction": self.direction.view_word, "used": self.used, "bytes": self.quota,
                 "rate_bps": _number(self.rate_bps), "exhausted_in_seconds": self.seconds}
 
 
@@ -313,7 +312,7 @@ def quota_table(exhaustions: list[Exhaustion]) -> str:
     if not exhaustions:
         return ""
     rows = [("QUOTAS: TEAM", "DIRECTION", "USED", "QUOTA", "RATE NOW", "EXHAUSTS")]
-    rows += [(e.team, WORDS[e.direction], human_bytes(e.used), human_bytes(e.quota), format_bps(e.rate_bps),
+    rows += [(e.team, e.direction.view_word, human_bytes(e.used), human_bytes(e.quota), format_bps(e.rate_bps),
               _duration(e.seconds)) for e in exhaustions]
     return "\n" + _columns(rows) + "\n"
 

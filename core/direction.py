@@ -27,6 +27,11 @@ class Direction(enum.Enum):
         return "egress" if self is Direction.UPLOAD else "ingress"
 
     @property
+    def view_word(self) -> str:
+        """The key /state, the leader's /v1/status and the CLI's tables use for this direction."""
+        return "uploads" if self is Direction.UPLOAD else "downloads"
+
+    @property
     def crd_block(self) -> str | None:
         """Where the CRD keeps this direction's values: None = top level, else the block's key."""
         return None if self is Direction.UPLOAD else "ingress"

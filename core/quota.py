@@ -94,6 +94,14 @@ def parse_time_zone(value: Any, what: str) -> tuple[ZoneInfo, list[str]]:
                                  f"(e.g. \"Europe/Berlin\", \"America/New_York\", \"UTC\")"]
 
 
+def forecast_seconds(left: int, rate: float) -> float | None:
+    """Seconds until `left` bytes of a quota are spent at `rate` bytes a second: 0 when already spent,
+    None with no use (never, at this rate)."""
+    if left <= 0:
+        return 0.0
+    return left / rate if rate > 0 else None
+
+
 def period_bounds(period: Period, at: datetime, zone: ZoneInfo) -> tuple[datetime, datetime]:
     """The calendar period holding the aware instant `at`, in `zone`: [start, end) as aware datetimes.
 

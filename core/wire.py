@@ -14,11 +14,12 @@ import re
 from itertools import chain
 from operator import attrgetter
 from types import MappingProxyType
-from typing import Annotated, Literal, Mapping
+from datetime import datetime
+from typing import Annotated, Any, Literal, Mapping
 
 import msgspec
 
-from .direction import PerDirection
+from .direction import DIRECTIONS, PerDirection
 from .objects import DNS_NAME_PATTERN
 from .quantity import MAX_BYTES
 
@@ -149,6 +150,19 @@ class TeamQuotaState(msgspec.Struct, gc=False):
     def __post_init__(self) -> None:
         if self.period_end <= self.period_start:
             raise ValueError(f"team {self.team[:80]!r}: period_end must be after period_start")
+
+
+def quota_entry(team: str, period: str, start: datetime, end: datetime,
+                figures: PerDirection[QuotaFigures | None]) -> dict[str, Any]:
+    """A team's volume quota as the agent's /state (both modes) and the leader's /v1/status show it, so
+    `netagent status` and `netagent cluster` render one shape: per direction (its view word) the QuotaFigures'
+    fields as keys, None without a quota in that direction."""
+    entry: dict[str, Any] = {"team": team, "period": period, "period_start": start.isoformat(),
+                             "period_end": end.isoformat()}
+    for d in DIRECTIONS:
+        f = figures[d]
+        entry[d.view_word] = None if f is None else msgspec.structs.asdict(f)
+    return entry
 
 
 class NodeAnswer(msgspec.Struct):

@@ -28,7 +28,8 @@ from zoneinfo import ZoneInfo
 
 from core.direction import DIRECTIONS, Direction, PerDirection
 from core.policy import Policy, ResolvedPod
-from core.quota import Ledger, TeamQuota, apply_exhaustion, exhausted_teams, period_bounds
+from core.quota import Ledger, TeamQuota, apply_exhaustion, exhausted_teams, forecast_seconds, period_bounds
+from core.wire import QuotaFigures, quota_entry
 
 from .view import BYTES_BY_SCOPE
 
@@ -226,20 +227,19 @@ class LocalQuota:
         with self._lock:
             for team, quota in sorted(self.quotas.items()):
                 start, end = period_bounds(quota.period, now, ZoneInfo(self.zone))
-                entry: dict[str, Any] = {"team": team, "period": quota.period.value,
-                                         "period_start": start.isoformat(), "period_end": end.isoformat()}
-                for d, word in ((Direction.UPLOAD, "uploads"), (Direction.DOWNLOAD, "downloads")):
-                    lim, used = quota.limits[d], self.ledger.team_used(team, d)
-                    rate = self._rates.get((team, d), 0.0)
-                    left = None if lim is None else lim.bytes - used
-                    entry[word] = None if lim is None else {
-                        "bytes": lim.bytes, "used": used, "exhausted": used >= lim.bytes,
-                        "exhausted_bps": lim.exhausted_bps,
-                        # seconds until spent at the rate of the last minute: 0 when spent, None with no use
-                        "forecast_seconds": 0.0 if left is not None and left <= 0 else (
-                            left / rate if left is not None and rate > 0 else None)}
-                out.append(entry)
+                out.append(quota_entry(team, quota.period.value, start, end,
+                                       PerDirection.build(lambda d: self._figures(team, quota, d))))
         return out
+
+    def _figures(self, team: str, quota: TeamQuota, d: Direction) -> QuotaFigures | None:
+        """Direction d of a team's quota as the leader's answers carry it; None without a byte quota in d."""
+        lim = quota.limits[d]
+        if lim is None:
+            return None
+        used = self.ledger.team_used(team, d)
+        # the forecast at the team's rate over the last minute
+        return QuotaFigures(lim.bytes, used, used >= lim.bytes, lim.exhausted_bps,
+                            forecast_seconds(lim.bytes - used, self._rates.get((team, d), 0.0)))
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def start(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import urllib.request
 
+from core.direction import DIRECTIONS
 from core.quantity import human_bps, human_bytes
 
 COLUMNS = ("namespace", "pod", "team", "class", "alloc", "limit", "rate", "demand", "inet out", "int out",
@@ -84,15 +85,21 @@ def quota_lines(state: dict) -> list[str]:
 def quota_table(quotas: list[dict]) -> str:
     """The node's teams' quotas (/state `quota`, the leader's /v1/status shape, in both modes): per team and
     direction its use, quota, share spent and the forecast time to exhaustion at the last minute's rate."""
+    return table(quota_rows(quotas), QUOTA_COLUMNS, {"used", "quota", "spent", "forecast"})
+
+
+def quota_rows(quotas: list[dict]) -> list[list[str]]:
+    """One row (QUOTA_COLUMNS) per team and direction with a quota, from entries in core.wire.quota_entry's
+    shape: what `netagent status` and `netagent cluster` print."""
     rows = []
     for q in quotas:
-        for word in ("uploads", "downloads"):
-            x = q.get(word)
+        for d in DIRECTIONS:
+            x = q.get(d.view_word)
             if not x:
                 continue
             left = x.get("forecast_seconds")
-            rows.append((q["team"], f"{q['period']} from {q['period_start'][:16]}", word, human_bytes(x["used"]),
+            rows.append([q["team"], f"{q['period']} from {q['period_start'][:16]}", d.view_word, human_bytes(x["used"]),
                          human_bytes(x["bytes"]),
                          f"{100 * x['used'] / x['bytes']:.0f}%" + (" EXHAUSTED" if x["exhausted"] else ""),
-                         "-" if left is None else f"{left / 3600:.1f} h"))
-    return table(rows, QUOTA_COLUMNS, {"used", "quota", "spent", "forecast"})
+                         "-" if left is None else f"{left / 3600:.1f} h"])
+    return rows

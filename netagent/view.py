@@ -11,10 +11,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 
-import msgspec
-
 from core.direction import Direction, PerDirection
-from core.wire import TEAM_QUOTA, TeamQuotaState
+from core.wire import TEAM_QUOTA, TeamQuotaState, quota_entry
 from tc.model import HtbClassSpec
 
 from .accounting import Accounting, ClassReading
@@ -106,23 +104,16 @@ class NodeView:
         return asdict(self)
 
 
-def _iso(unix: float) -> str:
-    return datetime.fromtimestamp(unix, timezone.utc).isoformat()
+def _utc(unix: float) -> datetime:
+    return datetime.fromtimestamp(unix, timezone.utc)
 
 
 def quota_entries(states: list[TeamQuotaState]) -> list[dict]:
     """The controller's quota states as /state shows them: the shape of single-machine mode's `quota`
     (netagent.localquota LocalQuota.teams) and of the leader's /v1/status, so `netagent status` renders both."""
-    out = []
-    for q in sorted(states, key=lambda q: q.team):
-        entry: dict = {"team": q.team, "period": q.period, "period_start": _iso(q.period_start),
-                       "period_end": _iso(q.period_end)}
-        for d, word in ((Direction.UPLOAD, "uploads"), (Direction.DOWNLOAD, "downloads")):
-            f = TEAM_QUOTA[d](q)
-            # QuotaFigures' fields are the /v1/status keys (bytes, used, exhausted, exhausted_bps, forecast_seconds)
-            entry[word] = None if f is None else msgspec.structs.asdict(f)
-        out.append(entry)
-    return out
+    return [quota_entry(q.team, q.period, _utc(q.period_start), _utc(q.period_end),
+                        PerDirection.build(lambda d: TEAM_QUOTA[d](q)))
+            for q in sorted(states, key=lambda q: q.team)]
 
 
 def reading(st, opts) -> ClassReading | None:
