@@ -42,6 +42,7 @@ targets=(
   "base/rbac-agent.yaml templates/rbac-agent.yaml"
   "base/rbac-controller.yaml templates/rbac-controller.yaml"
   "base/rbac-metrics.yaml templates/rbac-metrics.yaml"
+  "base/flowschema.yaml templates/flowschema.yaml"
   "base/controller.yaml templates/controller.yaml"
   "base/agent.yaml templates/agent.yaml"
   "base/admission-policy.yaml templates/admission-policy.yaml"
