@@ -662,7 +662,7 @@ class SimAgent:
     def start(self) -> list[asyncio.Task]:
         sel = f"/api/v1/pods?fieldSelector=spec.nodeName%3D{self.node}&limit=500"
         grp = "/apis/netagent.io/v1alpha1"
-        return [asyncio.create_task(c) for c in (
+        return [asyncio.create_task(self.ramped(c)) for c in (
             self.list_watch(sel, self.pods, "pods", PodRecord.from_object),
             self.list_watch(f"{grp}/egressclasses?limit=500", self.classes, "egressclasses",
                             lambda o: self.host.shared("egressclasses", o)),
@@ -670,6 +670,13 @@ class SimAgent:
                             lambda o: self.host.shared("egressbudgets", o)),
             self.report_loop(),
         )]
+
+    async def ramped(self, coro) -> None:
+        """`coro` once this agent has started: at a time drawn uniformly from --agent-ramp seconds (its
+        node's DaemonSet pod coming up), at once without a ramp."""
+        if self.host.ramp > 0:
+            await asyncio.sleep(random.Random(f"start{self.i}").uniform(0, self.host.ramp))
+        await coro
 
 
 # -- the simulated agents' processes ---------------------------------------------------------------
@@ -705,6 +712,7 @@ class AgentHost:
         self.downloads = cfg["downloads"]
         self.connection_per_report = cfg.get("connection_per_report", False)
         self.counters = cfg.get("counters", False)
+        self.ramp = cfg.get("ramp", 0.0)  # seconds over which the agents start (--agent-ramp)
         self.controller_urls = cfg["controller_urls"]
         self.controller_ctx = ssl.create_default_context(cadata=cfg["controller_ca"])
         self.agent_api = Api(cfg["api_urls"][0], Path(cfg["api_ca_file"]), limit=0)
@@ -1267,6 +1275,7 @@ def print_header(args) -> None:
           f"--measure {args.measure} --replicas {args.replicas} --settle {args.settle:g} "
           f"--agent-processes {args.agent_processes} --apiservers {args.apiservers}"
           + ("" if args.pod_status else " --no-pod-status") + (" --quotas" if args.quotas else "")
+          + (f" --agent-ramp {args.agent_ramp:g}" if args.agent_ramp else "")
           + (f" --apiserver-memory-limit-mib {args.apiserver_memory_limit_mib}" if args.apiserver_memory_limit_mib else "")
           + "".join(f" {flag} {value:g}" for flag, _, value in controller_flags(args)))
     print(f"# machine: {platform.node()} {os.cpu_count()} CPUs, "
@@ -1331,11 +1340,12 @@ async def start_netagent(r: Run, tokens: dict, ctl_token: str) -> tuple[ssl.SSLC
         "period": args.period, "downloads": args.downloads,
         "connection_per_report": args.connection_per_report, "controller_urls": [u for _, u, _ in controllers],
         "controller_ca": controller_ca_pem, "api_urls": r.api_urls, "api_ca_file": str(r.cp.ca_file),
-        "tls_read_bytes": args.sim_tls_read_bytes, "counters": args.quotas})
+        "tls_read_bytes": args.sim_tls_read_bytes, "counters": args.quotas,
+        "ramp": args.agent_ramp})
     r.guard.pids.update(bench.worker_pids)
     t_agents = time.time()
     t_sync0 = time.monotonic()
-    sync_deadline = t_sync0 + max(300, args.nodes * 0.2)
+    sync_deadline = t_sync0 + args.agent_ramp + max(300, args.nodes * 0.2)
     next_progress = t_sync0 + 30
     while (st := await bench.state())["synced"] < args.nodes:
         now = time.monotonic()
@@ -1702,6 +1712,9 @@ def main() -> None:
                    help="the controller's --report-ttl (default: the controller's; at least --lease-seconds)")
     p.add_argument("--sim-tls-read-bytes", type=int, default=SIM_TLS_READ_BYTES,
                    help="the simulated agents' asyncio TLS read buffer per connection (0: Python's 256 KiB)")
+    p.add_argument("--agent-ramp", type=float, default=0.0,
+                   help="seconds over which the simulated agents start, each at a uniformly drawn time (as a "
+                        "DaemonSet's pods come up node by node); 0: all at once")
     p.add_argument("--quotas", action="store_true",
                    help="after the steady window give every team a volume quota and measure a second window: "
                         "the leader's CPU per report and the API server writes, on against off (the agents "
