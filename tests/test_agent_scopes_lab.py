@@ -3,17 +3,23 @@
 Two lab nodes; `python3 -m netagent run` on node0 only, counting internal bytes on the pods' devices (eBPF),
 with a NetworkScopes object and node0's Node (zone-a) among its --from-file files. Pod a (node0) sends to and
 receives from a peer in its own zone (node0's address), one in zone-b (pod b on node1), one in another region
-(the lab's peer host) and the internet host, UDP of 1400-byte datagrams (so the IP bytes are exact), IPv4 and
-IPv6. Asserted:
+(the lab's peer host) and the internet host, UDP of 1400-byte datagrams (so the IP bytes are exact) and TCP,
+IPv4 and IPv6. Asserted:
 - each scope's bytes in the agent's /state (what /metrics exports and the reports carry) within 2 % of the IP
   bytes iperf3's receiver got, both ways; the internal flows never shaped (they run at many times the cap);
+- the same for 2 s TCP flows (iperf3, download with -R), against the kernel's own count of the IP bytes that
+  crossed the pod's device (counting iptables rules the test adds in the pod's namespace and removes), each
+  way: the data's direction and the ACKs' (counted in the same scope, the other direction) within 2 %,
+  nothing above 0.5 % of the data in another scope either way, the reference between iperf3's payload and
+  its payload with every segment's headers, the flow at least 5x the internet cap;
 - the internet upload shaped as before, at the pod's 8M cap (within 5 %), with the scopes described;
 - a CIDR moved between scopes (the peer's address from the region into zone-b) under a steady 20M stream:
   not a datagram lost, every byte counted once (the two scopes' sum within 2 % of what the peer got), and
   counted in its new scope within a second of the file's write (the old scope's count stops growing by then).
-The counter alone, TCP too: tests/test_tc_ebpf_scopes_traffic.py."""
+The counter alone: tests/test_tc_ebpf_scopes_traffic.py."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -25,7 +31,7 @@ from lab.agentproc import AgentProcess, pod_object, wait_for, write_objects
 from lab.netns import bpf_filesystem, require_root
 from lab.topology import INTERNET_V4, INTERNET_V6, PEER_V4, PEER_V6, Lab, run
 # one pod class capped at 8M (CAP) both ways; 1400-byte datagrams and their headers
-from tests.test_agent_accounting_traffic import CAP, DATAGRAM, M, POLICY, UDP_HEADERS
+from tests.test_agent_accounting_traffic import CAP, DATAGRAM, M, MTU, POLICY, UDP_HEADERS
 
 pytestmark = [pytest.mark.root, pytest.mark.traffic]
 
@@ -130,6 +136,85 @@ def test_each_scope_counted_within_2_percent_and_never_shaped(lab, agent, scope,
     assert abs(got[scope] - truth) <= 0.02 * truth
     # nothing of it in another scope (the control connection's few KB go to the same peer)
     assert all(n <= 0.005 * truth for s, n in got.items() if s != scope), got
+
+
+REFERENCE = "netagent-test-scopes-tcp"  # the comment of the test's counting rules in the pod's namespace
+
+
+@contextlib.contextmanager
+def reference_counter(netns: str, family: int, peer: str):
+    """Two counting rules (no target: a packet is counted and goes on) in the pod's own namespace, which the
+    lab made and the agent never touches: OUTPUT to `peer`, INPUT from it. Yields read() -> (bytes the pod
+    sent to the peer, bytes it received from it): the kernel's IP-layer count (IP header included, a GSO or
+    GRO packet once with its one header, as it crosses the pod's device), independent of the agent's eBPF
+    programs and maps. The rules are removed on the way out."""
+    tool = "iptables" if family == 4 else "ip6tables"
+    rules = (("OUTPUT", "-d"), ("INPUT", "-s"))
+    for chain, match in rules:
+        run([tool, "-w", "-A", chain, match, peer, "-m", "comment", "--comment", REFERENCE], netns)
+
+    def read() -> tuple[int, int]:
+        got = {}
+        for chain, _ in rules:
+            for line in run([tool, "-w", "-S", chain, "-v"], netns).splitlines():
+                if REFERENCE in line:  # "-A OUTPUT -d ... --comment <REFERENCE> -c <packets> <bytes>"
+                    got[chain] = int(line.split()[-1])
+        return got["OUTPUT"], got["INPUT"]
+    try:
+        yield read
+    finally:
+        for chain, match in rules:
+            run([tool, "-w", "-D", chain, match, peer, "-m", "comment", "--comment", REFERENCE], netns, check=False)
+
+
+@pytest.mark.parametrize("family", [4, 6])
+@pytest.mark.parametrize("direction", ["upload", "download"])
+@pytest.mark.parametrize("scope", ["internal", "cross-zone", "cross-region"])
+def test_tcp_each_scope_counted_within_2_percent_both_ways_and_never_shaped(lab, agent, scope, direction, family):
+    """A 2 s TCP flow (download: iperf3 -R) between pod a and the scope's peer, unshaped. The truth is the
+    reference counter in the pod's namespace (above): the IP bytes that crossed the pod's device each way.
+    The data's way (egress for an upload, ingress for a download) and the ACKs' way (the pure ACKs go the
+    other way, to or from the same peer, so the agent counts them in the same scope, the other direction;
+    the control connection's few KB go with them) are each held to 2 % of their own reference count, and
+    neither direction puts more than 0.5 % of the data's bytes in another scope.
+    A count off by 3 % fails: |1.03 x truth - truth| = 0.03 x truth > 0.02 x truth, both ways; one counted in
+    the wrong scope fails twice (short in its scope, and far above 0.5 % in the other). The reference itself
+    is held to iperf3: at least the payload its receiver read, at most what its sender wrote (with the
+    retransmitted copies) plus every segment's headers, so a rule counting another flow or each packet
+    twice fails too. Counted per packet as the device carries it (a GSO packet once, with one header), as
+    the agent's device counter counts internal bytes; the wire in segments (each MSS with its own headers)
+    is printed, not asserted (docs/scopes.md)."""
+    pod = lab.nodes[0].pods[0]
+    peer = peers(lab, family)[scope]
+    data, acks = ("egress_bytes", "ingress_bytes") if direction == "upload" else ("ingress_bytes", "egress_bytes")
+    before = counts(agent, pod.name)
+    with reference_counter(pod.netns, family, peer) as reference:
+        result = lab.iperf(pod.netns, peer, PORT, seconds=2, reverse=direction == "download")
+        after = counts(agent, pod.name)
+        sent, received = reference()
+    truth = {"egress_bytes": sent, "ingress_bytes": received}
+    got = {key: {s: after[key][s] - before[key][s] for s in after[key]} for key in (data, acks)}
+    end, mss = result["end"], result["start"]["tcp_mss_default"]
+    read, wrote = end["sum_received"]["bytes"], end["sum_sent"]["bytes"]
+    retransmitted = end["sum_sent"].get("retransmits", 0) * mss
+    seconds = end["sum_received"]["seconds"]
+    # the same payload on a wire in segments: each MSS of it with the MTU's headers (an estimate, printed)
+    in_segments = read + -(-read // mss) * (MTU - mss)
+    for key, what in ((data, "data"), (acks, "ACKs")):
+        print(f"IPv{family} TCP {direction} {scope}, {what} ({key}): counted {got[key][scope]} B against "
+              f"{truth[key]} B ({(got[key][scope] - truth[key]) / truth[key]:+.3%}); the other scopes {got[key]}")
+    print(f"  iperf3 read {read} B payload at {read * 8 / seconds / M:.0f}M (the reference +"
+          f"{(truth[data] - read) / read:.2%} above it); in segments ~{in_segments} B "
+          f"(the count {(got[data][scope] - in_segments) / in_segments:+.2%} of it)")
+    # the reference counted this flow once: its payload and headers, nothing else (the control connection
+    # and the SYNs are a few KB)
+    assert read <= truth[data] <= (wrote + retransmitted) * MTU / mss + 64_000, (read, wrote, truth[data])
+    # never shaped: at least 5x the pod's 8M internet cap (it runs at Gbit/s between namespaces)
+    assert read * 8 / seconds >= 5 * CAP, read
+    for key in (data, acks):
+        assert abs(got[key][scope] - truth[key]) <= 0.02 * truth[key], (key, got[key], truth[key])
+        # nothing of it in another scope, either way
+        assert all(n <= 0.005 * truth[data] for s, n in got[key].items() if s != scope), (key, got[key])
 
 
 @pytest.mark.parametrize("family", [4, 6])
