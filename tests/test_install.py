@@ -526,7 +526,7 @@ def leftovers(kube_api) -> list[str]:
     names = kube_api.kubectl("get", "all,sa,role,rolebinding,pdb,cm,secret", "-n", NAMESPACE, "-o", "name",
                              check=False).stdout.split()
     names += kube_api.kubectl("get", "clusterrole,clusterrolebinding,validatingadmissionpolicy,"
-                              "validatingadmissionpolicybinding", "-o", "name", check=False).stdout.split()
+                              "validatingadmissionpolicybinding,flowschema", "-o", "name", check=False).stdout.split()
     return [n for n in names if "netagent" in n and "kube-root-ca" not in n]
 
 
