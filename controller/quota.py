@@ -18,12 +18,14 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Mapping
 from zoneinfo import ZoneInfo
 
+import msgspec
 import numpy as np
 
 from core.direction import DIRECTIONS, Direction, PerDirection
 from core.engine import TeamColumns
 from core.policy import Limits, Policy
-from core.quota import Ledger, TeamQuota, apply_exhaustion, exhausted_teams, forecast_seconds, period_bounds
+from core.quota import (Ledger, TeamQuota, apply_exhaustion, exhausted_teams, forecast_seconds, period_bounds,
+                        quota_figures)
 from core.quantity import MAX_BYTES
 from core.wire import MAX_FORECAST_SECONDS, POD_BYTES, NodeReport, QuotaFigures, TeamQuotaState
 
@@ -78,13 +80,13 @@ def _rfc3339(at: datetime) -> str:
 
 def figures(u: TeamUse, d: Direction) -> QuotaFigures | None:
     """Direction d of a team's quota for an answer; None without a byte quota in d."""
-    limit = u.quota.limits[d]
-    if limit is None:
+    f = quota_figures(u.quota.limits[d], u.used[d], u.byte_rate[d])
+    if f is None:
         return None
-    left = u.forecast_seconds(d)
     # clamped to the wire's bounds: an out-of-range figure would make the agent refuse the whole answer
-    return QuotaFigures(limit.bytes, min(u.used[d], MAX_BYTES), u.exhausted[d], limit.exhausted_bps,
-                        None if left is None else min(left, MAX_FORECAST_SECONDS))
+    left = f.forecast_seconds
+    return msgspec.structs.replace(f, used=min(f.used, MAX_BYTES),
+                                   forecast_seconds=None if left is None else min(left, MAX_FORECAST_SECONDS))
 
 
 class QuotaKeeper:

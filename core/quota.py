@@ -25,6 +25,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from core.direction import DIRECTIONS, Direction, PerDirection
 from core.quantity import parse_bps, parse_bytes
+from core.wire import QuotaFigures
 
 if TYPE_CHECKING:  # core.policy imports this module (its quota hook)
     from core.policy import Limits
@@ -100,6 +101,15 @@ def forecast_seconds(left: int, rate: float) -> float | None:
     if left <= 0:
         return 0.0
     return left / rate if rate > 0 else None
+
+
+def quota_figures(limit: DirectionQuota | None, used: int, byte_rate: float) -> QuotaFigures | None:
+    """One direction of a team's quota as answers, /state and /v1/status show it; None without a byte quota
+    in that direction. `byte_rate`: the team's bytes a second over the last minute (the forecast's)."""
+    if limit is None:
+        return None
+    return QuotaFigures(limit.bytes, used, used >= limit.bytes, limit.exhausted_bps,
+                        forecast_seconds(limit.bytes - used, byte_rate))
 
 
 def period_bounds(period: Period, at: datetime, zone: ZoneInfo) -> tuple[datetime, datetime]:

@@ -28,8 +28,8 @@ from zoneinfo import ZoneInfo
 
 from core.direction import DIRECTIONS, Direction, PerDirection
 from core.policy import Policy, ResolvedPod
-from core.quota import Ledger, TeamQuota, apply_exhaustion, exhausted_teams, forecast_seconds, period_bounds
-from core.wire import QuotaFigures, quota_entry
+from core.quota import Ledger, TeamQuota, apply_exhaustion, exhausted_teams, period_bounds, quota_figures
+from core.wire import quota_entry
 
 from .view import BYTES_BY_SCOPE
 
@@ -227,19 +227,10 @@ class LocalQuota:
         with self._lock:
             for team, quota in sorted(self.quotas.items()):
                 start, end = period_bounds(quota.period, now, ZoneInfo(self.zone))
-                out.append(quota_entry(team, quota.period.value, start, end,
-                                       PerDirection.build(lambda d: self._figures(team, quota, d))))
+                out.append(quota_entry(team, quota.period.value, start, end, PerDirection.build(
+                    lambda d: quota_figures(quota.limits[d], self.ledger.team_used(team, d),
+                                            self._rates.get((team, d), 0.0)))))
         return out
-
-    def _figures(self, team: str, quota: TeamQuota, d: Direction) -> QuotaFigures | None:
-        """Direction d of a team's quota as the leader's answers carry it; None without a byte quota in d."""
-        lim = quota.limits[d]
-        if lim is None:
-            return None
-        used = self.ledger.team_used(team, d)
-        # the forecast at the team's rate over the last minute
-        return QuotaFigures(lim.bytes, used, used >= lim.bytes, lim.exhausted_bps,
-                            forecast_seconds(lim.bytes - used, self._rates.get((team, d), 0.0)))
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def start(self) -> None:
