@@ -662,7 +662,8 @@ class SimAgent:
     def start(self) -> list[asyncio.Task]:
         sel = f"/api/v1/pods?fieldSelector=spec.nodeName%3D{self.node}&limit=500"
         grp = "/apis/netagent.io/v1alpha1"
-        return [asyncio.create_task(self.ramped(c)) for c in (
+        delay = random.Random(f"start{self.i}").uniform(0, self.host.ramp) if self.host.ramp > 0 else 0.0
+        return [asyncio.create_task(self.ramped(delay, c)) for c in (
             self.list_watch(sel, self.pods, "pods", PodRecord.from_object),
             self.list_watch(f"{grp}/egressclasses?limit=500", self.classes, "egressclasses",
                             lambda o: self.host.shared("egressclasses", o)),
@@ -671,11 +672,12 @@ class SimAgent:
             self.report_loop(),
         )]
 
-    async def ramped(self, coro) -> None:
-        """`coro` once this agent has started: at a time drawn uniformly from --agent-ramp seconds (its
-        node's DaemonSet pod coming up), at once without a ramp."""
-        if self.host.ramp > 0:
-            await asyncio.sleep(random.Random(f"start{self.i}").uniform(0, self.host.ramp))
+    @staticmethod
+    async def ramped(delay: float, coro) -> None:
+        """`coro` once this agent has started, `delay` s in (drawn from --agent-ramp: its node's DaemonSet pod
+        coming up)."""
+        if delay > 0:
+            await asyncio.sleep(delay)
         await coro
 
 
