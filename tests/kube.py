@@ -80,6 +80,12 @@ def deployed_rbac(name: str, namespace: str) -> list[dict]:
     return docs
 
 
+def sa_token(core, namespace: str, name: str) -> str:
+    """A new ServiceAccount `name` in `namespace` and a token for it (an hour)."""
+    core.create_namespaced_service_account(namespace, {"metadata": {"name": name}})
+    return core.create_namespaced_service_account_token(name, namespace, {"spec": {"expirationSeconds": 3600}}).status.token
+
+
 # ---------------------------------------------------------------------------------------------
 # pytest wiring
 

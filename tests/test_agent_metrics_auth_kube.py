@@ -27,7 +27,7 @@ from lab.agentproc import AgentProcess, NetnsPortForward, wait_for
 from lab.nsexec import http_get
 from lab.netns import require_root
 from lab.topology import Lab
-from tests.kube import REPO, deployed_rbac, write_kubeconfig
+from tests.kube import REPO, deployed_rbac, sa_token, write_kubeconfig
 from tests.test_agent_kube import agent_rbac_token, delete_rbac, install_crds
 from tests.test_controller_kube import _unverified, controller
 from tests.test_dashboards import tool
@@ -65,11 +65,6 @@ def scrape(agent: AgentProcess, path: str, token: str | None = None) -> tuple[in
 def sample(body: bytes, name: str, labels: str = "") -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines()
                if line.startswith(name) and line[len(name)] in "{ " and labels in line)
-
-
-def sa_token(core, namespace: str, name: str) -> str:
-    core.create_namespaced_service_account(namespace, {"metadata": {"name": name}})
-    return core.create_namespaced_service_account_token(name, namespace, {"spec": {"expirationSeconds": 3600}}).status.token
 
 
 @contextlib.contextmanager

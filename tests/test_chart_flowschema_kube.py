@@ -18,7 +18,7 @@ import yaml
 from kubernetes import client
 
 from lab.procs import wait_for
-from tests.kube import REPO
+from tests.kube import REPO, sa_token
 
 CONTROLLER_SA = "netagent-controller"  # the chart's controller ServiceAccount for release netagent
 
@@ -54,11 +54,7 @@ def test_the_controllers_leases_go_to_leader_election_and_its_other_requests_to_
     ns = kube_namespace
     core = client.CoreV1Api(kube_api.admin)
     apf = client.FlowcontrolApiserverV1Api(kube_api.admin)
-    tokens = {}
-    for name in (CONTROLLER_SA, "netagent-agent"):
-        core.create_namespaced_service_account(ns, {"metadata": {"name": name}})
-        tokens[name] = core.create_namespaced_service_account_token(
-            name, ns, {"spec": {"expirationSeconds": 3600}}).status.token
+    tokens = {name: sa_token(core, ns, name) for name in (CONTROLLER_SA, "netagent-agent")}
     level = {name: apf.read_priority_level_configuration(name).metadata.uid
              for name in ("leader-election", "workload-high", "workload-low")}
     lease = f"/apis/coordination.k8s.io/v1/namespaces/{ns}/leases/netagent-controller"
