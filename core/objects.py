@@ -102,6 +102,15 @@ def node_zone_of(obj: Mapping[str, Any]) -> str | None:
     return zone if isinstance(zone, str) and zone else None
 
 
+def policy_fields(obj: dict[str, Any]) -> dict[str, Any]:
+    """What netagent's policy reads of an EgressClass or EgressBudget (core.policy.load_policy): its
+    name and spec, with the generation (bumped by a spec change only). Kept instead of the object, a
+    status write (the controller's, every few seconds on a budget) is no change: every node's agent
+    re-resolved and reconciled its pods on each one."""
+    meta = obj.get("metadata") or {}
+    return {"metadata": {"name": meta.get("name"), "generation": meta.get("generation")}, "spec": obj.get("spec")}
+
+
 def namespace_labels(obj: dict[str, Any]) -> dict[str, str]:
     """What netagent keeps of a Namespace: its labels (all a namespaceSelector reads), as strings."""
     labels = (obj.get("metadata") or {}).get("labels") or {}

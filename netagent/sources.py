@@ -17,7 +17,8 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from core.kubeapi import GROUP, TIMEOUT, VERSION, load_api_client
-from core.objects import SCOPES_NAME, PodRecord, Snapshot, namespace_labels, node_zone_of, service_cidrs_of
+from core.objects import (SCOPES_NAME, PodRecord, Snapshot, namespace_labels, node_zone_of, policy_fields,
+                          service_cidrs_of)
 from core.reflector import Reflector
 
 log = logging.getLogger(__name__)
@@ -44,10 +45,12 @@ class KubeSource:
         self.classes = Reflector(
             "egressclasses", custom.list_cluster_custom_object, self.stop_event, self._mark,
             lambda k: metric("egressclasses", k), optional=True, group=GROUP, version=VERSION, plural="egressclasses",
+            transform=policy_fields,
         )
         self.budgets = Reflector(
             "egressbudgets", custom.list_cluster_custom_object, self.stop_event, self._mark,
             lambda k: metric("egressbudgets", k), optional=True, group=GROUP, version=VERSION, plural="egressbudgets",
+            transform=policy_fields,  # the controller's status writes are no change for the agent
         )
         # the service ranges (networking.k8s.io/v1, Kubernetes >= 1.33): internal before kube-proxy's DNAT
         # (where the device counter sees a pod's packet); unknown where the API lacks them or RBAC
