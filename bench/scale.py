@@ -70,7 +70,7 @@ from bench.timing import process_cpu_seconds as cpu_seconds  # noqa: E402
 from core.asynctls import TLS_READ_BUFFER_BYTES, set_tls_read_buffer  # noqa: E402
 from core.direction import Direction, PerDirection  # noqa: E402
 from core.engine import PodDemandIn, allocate  # noqa: E402
-from core.objects import ANNOTATION_BANDWIDTH, ANNOTATION_CLASS, PodRecord  # noqa: E402
+from core.objects import ANNOTATION_BANDWIDTH, ANNOTATION_CLASS, PodRecord, policy_fields  # noqa: E402
 from core.policy import load_policy, resolve_pods  # noqa: E402
 from core.wire import answer_decoder, encoder  # noqa: E402
 from lab.kube import CONTROL_PLANE_BINARIES, ControlPlane, find_assets, free_port, write_kubeconfig  # noqa: E402
@@ -483,16 +483,20 @@ class SimAgent:
         if ev["type"] == "BOOKMARK":
             return rv, False
         key = self.key(kind, obj)
+        old = store.get(key)
         if ev["type"] == "DELETED":
             store.pop(key, None)
         else:
             store[key] = convert(obj)
-        self._dirty = True
+        # as the agent's reflector: an event that leaves what is kept as it was (the controller's status
+        # writes to the EgressBudget, policy_fields) is no change; each one re-resolved every agent's pods
+        if store.get(key) is not old:
+            self._dirty = True
         return rv, False
 
     def policy(self):
-        key = tuple(sorted((k, v["metadata"]["resourceVersion"]) for k, v in self.classes.items())) + \
-            tuple(sorted((k, v["metadata"]["resourceVersion"]) for k, v in self.budgets.items()))
+        key = tuple(sorted((k, v["metadata"]["generation"]) for k, v in self.classes.items())) + \
+            tuple(sorted((k, v["metadata"]["generation"]) for k, v in self.budgets.items()))
         cached = SimAgent.policy_cache.get(key)
         if cached is None:
             cached = SimAgent.policy_cache[key] = load_policy(list(self.classes.values()), list(self.budgets.values()))[0]
@@ -738,17 +742,18 @@ class AgentHost:
         return self.api_urls[agent.i % len(self.api_urls)]
 
     def shared(self, kind: str, obj: dict) -> dict:
-        """One copy of each version of a cluster-wide object (an EgressClass, the EgressBudget with
-        its status) for all of this worker's agents, which only read them: each agent decoding and
-        keeping its own was 60 % of a simulated agent's Python heap (tracemalloc, 500 agents). The
-        simulator's memory, not the agent's, which holds one copy as any node does."""
-        meta = obj.get("metadata") or {}
-        key = (kind, meta.get("name"))
+        """What the agent keeps of a cluster-wide object (an EgressClass, the EgressBudget: policy_fields),
+        one copy of each generation for all of this worker's agents, which only read them: each agent
+        decoding and keeping its own was 60 % of a simulated agent's Python heap (tracemalloc, 500
+        agents). The simulator's memory, not the agent's, which holds one copy as any node does. The
+        same copy for the same generation: a status write is no change (SimAgent.apply_event)."""
+        kept = policy_fields(obj)
+        key = (kind, kept["metadata"]["name"])
         seen = self._shared.get(key)
-        if seen is not None and seen.get("metadata", {}).get("resourceVersion") == meta.get("resourceVersion"):
+        if seen is not None and seen == kept:
             return seen
-        self._shared[key] = obj
-        return obj
+        self._shared[key] = kept
+        return kept
 
     def factor(self, team: str) -> float:
         if not self.shifted:
