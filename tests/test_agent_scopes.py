@@ -1,8 +1,8 @@
 """The agent's side of issue 39 without a kernel: the NetworkScopes object and its Node's zone read from
 files, followed into the facts (the counter's trie entries, the internal networks), the last valid
-description kept, the device counter's scope bytes into the pods' and the node's `scope` values (only internal and
-internet without a description), their metrics, and the report's per-scope wire fields. The kernel's
-side: tests/test_tc_ebpf_scopes_kernel.py."""
+description kept, the device counter's scope bytes into the pods' and the node's `scope` values (only
+internal and internet without a description), their metrics, and the report's per-scope wire fields. The
+kernel's side: tests/test_tc_ebpf_scopes_kernel.py, tests/test_tc_ebpf_node_scopes_kernel.py."""
 from __future__ import annotations
 
 import msgspec
