@@ -24,8 +24,9 @@ from lab.netns import bpf_filesystem, sh
 from tc import ebpf
 from tc.ebpf import InternalCounter, maps, syscall
 from tc.ebpf import programs as progs
-from tests.test_tc_ebpf_kernel import (A4, A6, DEVICES, FAR4, FAR6, NETS, WAN4, WAN6, WAYS, attached, both,  # noqa: F401
-                                       bpffs, far, lab, ours, ping, send_udp, settled, started)
+from tests.test_tc_ebpf_kernel import (  # noqa: F401 (bpffs, far, lab: fixtures)
+    A4, A6, DEVICES, FAR4, FAR6, NETS, WAN4, WAN6, WAYS, attached, both, bpffs, far, lab, ours, ping, send_udp, settled,
+    started)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and bpf(2) need root")
 

@@ -15,7 +15,8 @@ from collections.abc import Iterable, Iterator
 from . import clsact, programs, tcx
 from .clsact import Filters
 from .maps import (KEY_SIZE, MAP_NAME, NODE_INTERNAL, NODE_INTERNET, NODE_MAP_NAME, NODE_MAP_SHAPE, NODE_PIN_NAME,
-                   NODE_SCOPES_MAP_NAME, NODE_SCOPES_PIN_NAME, NODE_SCOPES_SHAPE, PIN_NAME, PROG_PIN, SCOPE_BYTES_MAP_NAME, SCOPE_BYTES_PIN_NAME, SCOPE_ENTRIES, SCOPE_MAP_NAMES,
+                   NODE_SCOPES_MAP_NAME, NODE_SCOPES_PIN_NAME, NODE_SCOPES_SHAPE, PIN_NAME, PROG_PIN,
+                   SCOPE_BYTES_MAP_NAME, SCOPE_BYTES_PIN_NAME, SCOPE_ENTRIES, SCOPE_MAP_NAMES,
                    SCOPE_PIN_NAMES, SEGMENTS_MAP_NAME, SEGMENTS_PIN_NAME, address_of, adopt, bpffs_problem, create_map,
                    get_pinned, key_of, map_shape, pin_object, possible_cpus, scope_apply, scope_bytes_shape,
                    scope_entries, scope_map_shape, segments_shape, unpin_dir)
