@@ -169,17 +169,24 @@ def add_device_counts(pods: PodCounters, counted: dict[str, tuple[int, int, int,
         c["ingress_internal"] = c.get("ingress_internal", 0) + ingress
     for ip, counts in (scopes or {}).items():
         key = owner.get(ip)
-        if key is None or (not described and not any(counts)):
-            continue
-        c = pods.setdefault(key, {})
-        for (direction, scope), nbytes in zip(SCOPE_KEYS, counts):
-            c[f"{direction}_internal"] = c.get(f"{direction}_internal", 0) - nbytes
-            c[f"{direction}_{scope}"] = c.get(f"{direction}_{scope}", 0) + nbytes
+        if key is not None:
+            move_scopes(pods.setdefault(key, {}), counts, described)
     for ip, (headers, _) in (segments or {}).items():
         key = owner.get(ip)
         if key is not None and headers:
             c = pods.setdefault(key, {})
             c["ingress_internet"] = c.get("ingress_internet", 0) + headers
+
+
+def move_scopes(c: dict[str, int], counts: tuple[int, int, int, int], described: bool) -> None:
+    """Move a pod's or the node's cross-zone and cross-region bytes (SCOPE_KEYS' order) out of its
+    `<direction>_internal` count into their own, while a description is in force or once they are not
+    zero (so no scope's count steps down); else leave `c` as without scopes. Pure."""
+    if not described and not any(counts):
+        return
+    for (direction, scope), nbytes in zip(SCOPE_KEYS, counts):
+        c[f"{direction}_internal"] = c.get(f"{direction}_internal", 0) - nbytes
+        c[f"{direction}_{scope}"] = c.get(f"{direction}_{scope}", 0) + nbytes
 
 
 # The accounting carries (netagent.accounting) live in the kernel beside the classes they complete, so
@@ -426,6 +433,8 @@ class KernelDataPath:
                                       self._counter.read_segments(), self._counter.read_scopes(), self._scoped)
                     for kind, nbytes in self._counter.read_node().items():
                         found[1][kind] = found[1].get(kind, 0) + nbytes
+                    # the uplinks' cross bytes, out of the node's internal totals as the pods' are
+                    move_scopes(found[1], self._counter.read_node_scopes(), self._scoped)
             self.reads["counters"] += 1
             found[1]["egress_internet_wire"] = self._wire("egress", self.sample_stats()[1].get(NODE_MINOR), *found)
             found[1]["ingress_internet_wire"] = self._wire("ingress", self.sample_stats(Direction.DOWNLOAD)[1].get(

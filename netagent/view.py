@@ -29,8 +29,14 @@ SCOPES = ("internal", "internet")
 ALL_SCOPES = ("internal", "cross-zone", "cross-region", "internet")
 
 
+def scopes_of(c: dict[str, int], direction: str) -> tuple[str, ...]:
+    """The scopes a pod's or the node's counters `c` show in `direction`: internal and internet, and the
+    cross ones the data path put in (netagent.datapath.move_scopes)."""
+    return tuple(s for s in ALL_SCOPES if s in SCOPES or f"{direction}_{s}" in c)
+
+
 def _by_scope(c: dict[str, int], direction: str) -> dict[str, int]:
-    return {s: c.get(f"{direction}_{s}", 0) for s in ALL_SCOPES if s in SCOPES or f"{direction}_{s}" in c}
+    return {s: c.get(f"{direction}_{s}", 0) for s in scopes_of(c, direction)}
 
 
 @dataclass
@@ -158,8 +164,9 @@ def node_view(cfg: AgentConfig, state: SyncState, lanes: PerDirection[Lane], dat
         node=cfg.node, pods=out,
         # internet uploads as they left (after the node's shaper, plus what bypasses it); downloads as they arrived
         egress_bytes={s: node_counters.get(f"egress_{s}_wire" if s == "internet" else f"egress_{s}",
-                                           node_counters.get(f"egress_{s}", 0)) for s in SCOPES},
-        ingress_bytes={s: node_counters.get(f"ingress_{s}", 0) for s in SCOPES},
+                                           node_counters.get(f"egress_{s}", 0))
+                      for s in scopes_of(node_counters, "egress")},
+        ingress_bytes=_by_scope(node_counters, "ingress"),
         unknown_source_egress_bytes=node_counters.get("egress_unknown_internet", 0),
         allocation_bps=node_rates.upload or 0,
         ready=state.ready, ready_reason=state.ready_reason, controller=cfg.controller or "",

@@ -1,8 +1,8 @@
 """The agent's side of issue 39 without a kernel: the NetworkScopes object and its Node's zone read from
 files, followed into the facts (the counter's trie entries, the internal networks), the last valid
-description kept, the device counter's scope bytes into the pods' `scope` values (only internal and
-internet without a description), their metrics, and the report's per-scope wire fields. The kernel's
-side: tests/test_tc_ebpf_scopes_kernel.py."""
+description kept, the device counter's scope bytes into the pods' and the node's `scope` values (only
+internal and internet without a description), their metrics, and the report's per-scope wire fields. The
+kernel's side: tests/test_tc_ebpf_scopes_kernel.py, tests/test_tc_ebpf_node_scopes_kernel.py."""
 from __future__ import annotations
 
 import msgspec
@@ -15,9 +15,11 @@ from core.files import FileSource
 from core.objects import Snapshot
 from core.wire import POD_SCOPE_BYTES, NodeReport
 from iptables.model import PodClassification
-from netagent.datapath import add_device_counts
+from netagent.datapath import add_device_counts, move_scopes
+from netagent.datapath_fake import FakeDataPath
 from netagent.metrics import AgentMetrics
 from netagent.reporter import build_report
+from netagent.status import render
 from netagent.view import NodeView, PodView
 from tests.agents import make_agent
 
@@ -82,6 +84,48 @@ def test_the_scope_bytes_move_out_of_internal_and_appear_only_while_described_or
     pods = {}
     add_device_counts(pods, device, (POD,), None, {"10.244.0.10": (300, 200, 100, 0)}, described=False)
     assert pods["ns/p"]["egress_internal"] == 500 and pods["ns/p"]["egress_cross-zone"] == 300
+
+
+def node_scrape(metrics: AgentMetrics) -> dict[tuple, float]:
+    text = generate_latest(metrics.registry).decode()
+    return {(s.name, s.labels["scope"]): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name in ("netagent_node_egress_bytes_total", "netagent_node_ingress_bytes_total")}
+
+
+def test_the_nodes_cross_bytes_move_out_of_internal_into_the_view_metrics_and_state():
+    """The uplinks' cross bytes (InternalCounter.read_node_scopes) out of the node's internal totals, as a
+    pod's: only internal and internet without a description (and none counted), all four once described,
+    the sum over the scopes the internal + internet the node counted before."""
+    counted = {"egress_internal": 1000, "ingress_internal": 800, "egress_internet": 50, "ingress_internet": 70,
+               "egress_internet_wire": 55}
+    node = dict(counted)
+    move_scopes(node, (0, 0, 0, 0), described=False)
+    assert node == counted  # as without scopes
+    dp = FakeDataPath()
+    agent, metrics = make_agent(dp)
+    dp.node_counters = node
+    egress, ingress = "netagent_node_egress_bytes_total", "netagent_node_ingress_bytes_total"
+    assert node_scrape(metrics) == {(egress, "internal"): 1000, (egress, "internet"): 55,
+                                    (ingress, "internal"): 800, (ingress, "internet"): 70}
+    node = dict(counted)
+    move_scopes(node, (300, 200, 100, 0), described=True)
+    dp.node_counters = node
+    view = agent.view()
+    assert view.egress_bytes == {"internal": 500, "cross-zone": 300, "cross-region": 200, "internet": 55}
+    assert view.ingress_bytes == {"internal": 700, "cross-zone": 100, "cross-region": 0, "internet": 70}
+    assert sum(view.ingress_bytes.values()) == counted["ingress_internal"] + counted["ingress_internet"]
+    assert sum(view.egress_bytes.values()) == counted["egress_internal"] + counted["egress_internet_wire"]
+    got = node_scrape(metrics)
+    assert {scope: v for (name, scope), v in got.items() if name == egress} == view.egress_bytes
+    assert {scope: v for (name, scope), v in got.items() if name == ingress} == view.ingress_bytes
+    # the description removed: what was counted by scope stays in its scope (no series steps down)
+    node = dict(counted)
+    move_scopes(node, (300, 200, 100, 0), described=False)
+    assert node["egress_cross-zone"] == 300 and node["ingress_internal"] == 700
+    # /state carries them, and `netagent status` still renders the node's line from it
+    state = msgspec.json.decode(msgspec.json.encode(view.as_dict()))
+    assert state["egress_bytes"]["cross-region"] == 200
+    assert "internet out 55 B" in render(state)
 
 
 def scrape(view: NodeView) -> dict[tuple, float]:

@@ -13,6 +13,7 @@ IPv4 and IPv6. Asserted:
   nothing above 0.5 % of the data in another scope either way, the reference between iperf3's payload and
   its payload with every segment's headers, the flow at least 5x the internet cap;
 - the internet upload shaped as before, at the pod's 8M cap (within 5 %), with the scopes described;
+- the node's totals (its uplink) by scope: each cross scope's UDP stream within 2 % in the node's count;
 - a CIDR moved between scopes (the peer's address from the region into zone-b) under a steady 20M stream:
   not a datagram lost, every byte counted once (the two scopes' sum within 2 % of what the peer got), and
   counted in its new scope within a second of the file's write (the old scope's count stops growing by then).
@@ -136,6 +137,44 @@ def test_each_scope_counted_within_2_percent_and_never_shaped(lab, agent, scope,
     assert abs(got[scope] - truth) <= 0.02 * truth
     # nothing of it in another scope (the control connection's few KB go to the same peer)
     assert all(n <= 0.005 * truth for s, n in got.items() if s != scope), got
+
+
+def node_counts(agent: AgentProcess) -> dict[str, dict[str, int]]:
+    """The node's totals through its uplink by direction and scope (/state), once they stopped moving."""
+    last: list = [None]
+
+    def still():
+        st = agent.state()
+        now = {d: dict(st[d]) for d in ("egress_bytes", "ingress_bytes")} if st else None
+        same, last[0] = now == last[0], now
+        return now if same else None
+    return wait_for(still, 20, 1.5, "node counters settled")
+
+
+@pytest.mark.parametrize("family", [4, 6])
+@pytest.mark.parametrize("direction", ["upload", "download"])
+@pytest.mark.parametrize("scope", ["cross-zone", "cross-region"])
+def test_the_nodes_uplink_totals_count_each_cross_scope_within_2_percent(lab, agent, scope, direction, family):
+    """The node's totals by scope (the uplink's programs look the far end up): pod a's 40M UDP stream to or
+    from the scope's peer crosses node0's uplink, so the node's count in that scope and direction grows by
+    what crossed the uplink: at least the IP bytes the receiver got, at most those the sender sent (a datagram
+    lost beyond the uplink was counted there; 2 % either side for the control connection's few KB), its
+    other scopes by less than 0.5 % of it; /metrics carries the node's four scopes."""
+    pod = lab.nodes[0].pods[0]
+    key = "egress_bytes" if direction == "upload" else "ingress_bytes"
+    before = node_counts(agent)
+    result = lab.iperf(pod.netns, peers(lab, family)[scope], PORT, seconds=2, udp_bitrate=RATE,
+                       reverse=direction == "download")
+    after = node_counts(agent)
+    truth = received_ip_bytes(result, family)
+    sent = result["end"]["sum_received"]["packets"] * (DATAGRAM + UDP_HEADERS[family])  # lost ones included
+    got = {s: after[key][s] - before[key][s] for s in after[key]}
+    print(f"node, IPv{family} {direction} {scope}: counted {got[scope]} B, the receiver got {truth} B, the sender "
+          f"sent {sent} B ({(got[scope] - truth) / truth:+.2%}, {(got[scope] - sent) / sent:+.2%}); the scopes {got}")
+    assert 0.98 * truth <= got[scope] <= 1.02 * sent
+    assert all(n <= 0.005 * truth for s, n in got.items() if s != scope), got
+    for name in ("netagent_node_egress_bytes_total", "netagent_node_ingress_bytes_total"):
+        assert agent.metric(name, f'scope="{scope}"') > 0
 
 
 REFERENCE = "netagent-test-scopes-tcp"  # the comment of the test's counting rules in the pod's namespace

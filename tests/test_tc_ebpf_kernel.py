@@ -608,7 +608,8 @@ def test_cleanup_without_a_counter_removes_what_a_gone_agent_left(bpffs, lab, tm
         name for (_, _, gated), name in progs.PROGRAMS.items() if way == "tcx" or not gated)]
     assert ebpf.unpin_dir(pin_dir) == [*links, *programs, f"pinned map {pin_dir}/internal",
                                        f"pinned map {pin_dir}/node", f"pinned map {pin_dir}/segments",
-                                       f"pinned map {pin_dir}/scopebytes", f"pinned map {pin_dir}/scopes4",
+                                       f"pinned map {pin_dir}/scopebytes", f"pinned map {pin_dir}/nodescopes",
+                                       f"pinned map {pin_dir}/scopes4",
                                        f"pinned map {pin_dir}/scopes6", f"directory {pin_dir}"]
     assert len(links) == (4 if way == "tcx" else 0)
     assert ours_soon(lab.node, "veth-a", []) == ours_soon(lab.node, "veth-b", []) == []

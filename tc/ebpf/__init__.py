@@ -29,9 +29,12 @@ is skb->len less the 14-byte Ethernet header on either hook.
 
 One map for all pods, keyed by the pod's address (an IPv4 address as ::ffff:a.b.c.d), so no
 pod-to-device mapping is needed and routed and bridged pods are alike; the node's totals in a
-second, two-entry map. Maps, programs and tcx links are pinned in a bpffs: a restarted agent adopts
-the maps with their counts, finds the programs it would load (same tag, same map) already running,
-and the links keep the programs attached while no agent runs.
+second, two-entry map. With the scopes' tries (issue 39) an internal packet's far end is looked up, and
+cross-zone and cross-region bytes also go to a map of their own, one for the pods and one for the node,
+so the first two keep their shapes (an upgrade adopts them with their counts). Maps, programs and
+tcx links are pinned in a bpffs: a restarted agent adopts the maps with their counts, finds the
+programs it would load (same tag, same map) already running, and the links keep the programs
+attached while no agent runs.
 
 Loaded with raw bpf(2) calls through ctypes: the programs are tens of instructions (a few
 hundred with 40 CIDRs) and need no compiler, no libbpf and no BTF.

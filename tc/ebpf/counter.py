@@ -15,7 +15,8 @@ from collections.abc import Iterable, Iterator
 from . import clsact, programs, tcx
 from .clsact import Filters
 from .maps import (KEY_SIZE, MAP_NAME, NODE_INTERNAL, NODE_INTERNET, NODE_MAP_NAME, NODE_MAP_SHAPE, NODE_PIN_NAME,
-                   PIN_NAME, PROG_PIN, SCOPE_BYTES_MAP_NAME, SCOPE_BYTES_PIN_NAME, SCOPE_ENTRIES, SCOPE_MAP_NAMES,
+                   NODE_SCOPES_MAP_NAME, NODE_SCOPES_PIN_NAME, NODE_SCOPES_SHAPE, PIN_NAME, PROG_PIN,
+                   SCOPE_BYTES_MAP_NAME, SCOPE_BYTES_PIN_NAME, SCOPE_ENTRIES, SCOPE_MAP_NAMES,
                    SCOPE_PIN_NAMES, SEGMENTS_MAP_NAME, SEGMENTS_PIN_NAME, address_of, adopt, bpffs_problem, create_map,
                    get_pinned, key_of, map_shape, pin_object, possible_cpus, scope_apply, scope_bytes_shape,
                    scope_entries, scope_map_shape, segments_shape, unpin_dir)
@@ -54,7 +55,7 @@ def unavailable(pin_dir: str) -> str | None:
 
 
 class InternalCounter:
-    """The pods' internal counters and the node's totals through its uplinks: two pinned maps and the
+    """The pods' internal counters and the node's totals through its uplinks: pinned maps and the
     four programs that fill them, attached to the pod devices and the uplinks of one network
     namespace (None: this one).
 
@@ -76,6 +77,7 @@ class InternalCounter:
         self.node_pin = os.path.join(pin_dir, NODE_PIN_NAME)
         self.segments_pin = os.path.join(pin_dir, SEGMENTS_PIN_NAME)
         self.scope_bytes_pin = os.path.join(pin_dir, SCOPE_BYTES_PIN_NAME)
+        self.node_scopes_pin = os.path.join(pin_dir, NODE_SCOPES_PIN_NAME)
         self.netns = netns
         self.pref = pref
         self.max_entries = max_entries
@@ -84,7 +86,7 @@ class InternalCounter:
         self.progs: dict[tuple[bool, bool, bool], tuple[int, int, bytes]] = {}  # PROGRAMS' keys -> (fd, id, tag)
         self._tc = Filters(netns, pref)
         self._batch: dict[int, tuple[ctypes.Array, ctypes.Array]] = {}  # u64s a value -> read buffers
-        self.map_fd = self.node_map_fd = self.segments_fd = self.scope_bytes_fd = -1
+        self.map_fd = self.node_map_fd = self.segments_fd = self.scope_bytes_fd = self.node_scopes_fd = -1
         self.scope_fds: dict[int, int] = {}  # family -> the scopes' LPM trie
         self._scope_entries: dict | None = None  # what the tries hold, once read
         problem = bpffs_problem(pin_dir)
@@ -96,6 +98,7 @@ class InternalCounter:
             self.node_map_fd = adopt(self.node_pin, NODE_MAP_SHAPE, NODE_MAP_NAME)
             self.segments_fd = adopt(self.segments_pin, segments_shape(max_entries), SEGMENTS_MAP_NAME)
             self.scope_bytes_fd = adopt(self.scope_bytes_pin, scope_bytes_shape(max_entries), SCOPE_BYTES_MAP_NAME)
+            self.node_scopes_fd = adopt(self.node_scopes_pin, NODE_SCOPES_SHAPE, NODE_SCOPES_MAP_NAME)
             for family, name in SCOPE_PIN_NAMES.items():
                 self.scope_fds[family] = adopt(os.path.join(pin_dir, name), scope_map_shape(family, SCOPE_ENTRIES),
                                                SCOPE_MAP_NAMES[family])
@@ -103,7 +106,8 @@ class InternalCounter:
             self.close()
             raise
         self.map_ids = {fd: map_info(fd)[1] for fd in (self.map_fd, self.node_map_fd, self.segments_fd,
-                                                       self.scope_bytes_fd, *self.scope_fds.values())}
+                                                       self.scope_bytes_fd, self.node_scopes_fd,
+                                                       *self.scope_fds.values())}
         self.attach_by = attach_by if attach_by != "auto" else "tcx" if tcx.tcx_available(netns) else "tc"
         # the egress links end the hook for an unmarked packet, sparing it the clsact filters after them (the
         # shaper's redirect at gate_pref), where nothing else would be skipped (attach() checks each device)
@@ -117,10 +121,11 @@ class InternalCounter:
         for fd, _, _ in self.progs.values():
             os.close(fd)
         self.progs = {}
-        for fd in (self.map_fd, self.node_map_fd, self.segments_fd, self.scope_bytes_fd, *self.scope_fds.values()):
+        for fd in (self.map_fd, self.node_map_fd, self.segments_fd, self.scope_bytes_fd, self.node_scopes_fd,
+                   *self.scope_fds.values()):
             if fd >= 0:
                 os.close(fd)
-        self.map_fd = self.node_map_fd = self.segments_fd = self.scope_bytes_fd = -1
+        self.map_fd = self.node_map_fd = self.segments_fd = self.scope_bytes_fd = self.node_scopes_fd = -1
         self.scope_fds = {}
         self._tc.close()
 
@@ -151,16 +156,17 @@ class InternalCounter:
                     continue
                 # a pod device's egress (what the pod receives) also counts the internet's merged segments
                 segments = self.segments_fd if egress and not uplink else programs.NO_MAP
-                # a pod device's programs also count its bytes by the far end's scope (the tries)
-                scopes = {} if uplink else {f: self.scope_fds[f] for f in nets}
+                # every program also counts its internal bytes by the far end's scope (the tries)
+                scopes = {f: self.scope_fds[f] for f in nets}
+                scope_bytes = self.node_scopes_fd if uplink else self.scope_bytes_fd
                 code = programs.program(texts, egress, self.node_map_fd if uplink else self.map_fd, node=uplink,
                                         gate=self.gate_mark if gated else 0, segments_fd=segments,
                                         scopes_fds=scopes or None,
-                                        scope_bytes_fd=self.scope_bytes_fd if scopes else programs.NO_MAP)
+                                        scope_bytes_fd=scope_bytes if scopes else programs.NO_MAP)
                 fd = programs.load(code, name)
                 prog_id, tag, _ = prog_info(fd)
                 uses = (self.node_map_fd if uplink else self.map_fd, *((segments,) if segments >= 0 else ()),
-                        *((self.scope_bytes_fd, *scopes.values()) if scopes else ()))
+                        *((scope_bytes, *scopes.values()) if scopes else ()))
                 pinned = self._pinned_program(name, tag, {self.map_ids[m] for m in uses})
                 if pinned is not None:  # the same program, already running: keep it (its id is the filters')
                     os.close(fd)
@@ -274,6 +280,18 @@ class InternalCounter:
         return {"egress_internal": found[NODE_INTERNAL][0], "ingress_internal": found[NODE_INTERNAL][1],
                 "ingress_internet": found[NODE_INTERNET][1]}
 
+    def read_node_scopes(self) -> tuple[int, int, int, int]:
+        """The node's (bytes sent cross-zone, sent cross-region, received cross-zone, received cross-region)
+        through its uplinks, summed over the CPUs: the part of read_node()'s internal bytes whose far end the
+        tries place in another zone or region (read_scopes' order)."""
+        key = ctypes.c_uint32(0)
+        values = (ctypes.c_uint64 * (4 * self.cpus))()
+        try:
+            bpf(BPF_MAP_LOOKUP_ELEM, bpf_attr("=IIQQ", self.node_scopes_fd, 0, addr(key), addr(values)))
+        except OSError as exc:
+            raise EbpfError(f"reading the node's scope bytes failed: {exc.strerror}") from None
+        return sum(values[0::4]), sum(values[1::4]), sum(values[2::4]), sum(values[3::4])
+
     def set_pods(self, addresses: Iterable[str]) -> int:
         """Make the maps' keys exactly these pods' addresses: a new pod starts at zero, a pod that
         stays keeps its counts. -> how many addresses were added or deleted (in either map)."""
@@ -354,7 +372,7 @@ class InternalCounter:
         agent finds them, and the links have a directory to be pinned in."""
         os.makedirs(self.pin_dir, exist_ok=True)
         for fd, pin in ((self.map_fd, self.pin), (self.node_map_fd, self.node_pin), (self.segments_fd, self.segments_pin),
-                        (self.scope_bytes_fd, self.scope_bytes_pin),
+                        (self.scope_bytes_fd, self.scope_bytes_pin), (self.node_scopes_fd, self.node_scopes_pin),
                         *((fd, os.path.join(self.pin_dir, SCOPE_PIN_NAMES[f])) for f, fd in self.scope_fds.items()),
                         *((fd, os.path.join(self.pin_dir, PROG_PIN + programs.PROGRAMS[which])) for which, (fd, _, _)
                           in self.progs.items())):

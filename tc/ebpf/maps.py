@@ -36,6 +36,10 @@ SEGMENTS_PIN_NAME = "segments"
 SCOPE_BYTES = struct.Struct("=4Q")
 SCOPE_BYTES_MAP_NAME = b"na_scopebytes"
 SCOPE_BYTES_PIN_NAME = "scopebytes"
+# the node's bytes by its far end's scope, the same layout in one entry (key 0); beside the node map, which
+# keeps its shape so that an upgraded agent adopts it with its counts
+NODE_SCOPES_MAP_NAME = b"na_nodescopes"
+NODE_SCOPES_PIN_NAME = "nodescopes"
 SCOPE_PIN_NAMES = {4: "scopes4", 6: "scopes6"}  # the LPM tries (below), pinned beside the pods' map
 SCOPE_ENTRIES = 8192  # a trie's bound: core.scopes.MAX_CIDRS described CIDRs and the cluster's own
 PROG_PIN = "prog-"  # + the program's name
@@ -73,6 +77,7 @@ def scope_bytes_shape(max_entries: int) -> tuple[int, int, int, int, int]:
 
 
 NODE_MAP_SHAPE = (BPF_MAP_TYPE_PERCPU_ARRAY, 4, VALUE.size, 2, 0)  # the node's map: NODE_INTERNAL, NODE_INTERNET
+NODE_SCOPES_SHAPE = (BPF_MAP_TYPE_PERCPU_ARRAY, 4, SCOPE_BYTES.size, 1, 0)  # the node's scope bytes
 
 
 def create_map(shape: tuple[int, int, int, int, int], name: bytes = MAP_NAME) -> int:
@@ -177,7 +182,8 @@ def unpin_dir(pin_dir: str) -> list[str]:
         elif name.startswith(PROG_PIN):
             os.unlink(pin)
             removed.append(f"pinned program {pin}")
-    for name in (PIN_NAME, NODE_PIN_NAME, SEGMENTS_PIN_NAME, SCOPE_BYTES_PIN_NAME, *SCOPE_PIN_NAMES.values()):
+    for name in (PIN_NAME, NODE_PIN_NAME, SEGMENTS_PIN_NAME, SCOPE_BYTES_PIN_NAME, NODE_SCOPES_PIN_NAME,
+                 *SCOPE_PIN_NAMES.values()):
         pin = os.path.join(pin_dir, name)
         if os.path.lexists(pin):
             os.unlink(pin)

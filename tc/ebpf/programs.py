@@ -83,10 +83,10 @@ def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, nod
     the uplink, or TSO built it) adds the headers of its segments beyond the first, and their count, to
     its destination's entry in that map: the rules count such a packet once with one header, the
     uplink's wire carried each segment with its own (`_merged`). With `scopes_fds` (family -> the
-    scopes' LPM trie) and `scope_bytes_fd` (pod devices only), an internal packet's far address (the
-    destination of what the pod sends, the source of what it receives) is looked up once in its family's
-    trie, and a cross-zone or cross-region one is added to the pod's entry in that map too (its bytes in
-    the direction's half, SCOPE_SLOTS): the pods' map keeps its shape, and a changed trie changes the
+    scopes' LPM trie) and `scope_bytes_fd`, an internal packet's far address (the destination of what
+    the pod sends, the source of what it receives) is looked up once in its family's trie, and a
+    cross-zone or cross-region one is added to the pod's entry in that map too (its bytes in the
+    direction's half, SCOPE_SLOTS): the pods' map keeps its shape, and a changed trie changes the
     counting without reloading or re-attaching anything.
 
     Uplink (the node's totals, in the node map): on its egress hook a packet with an internal
@@ -94,7 +94,10 @@ def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, nod
     internet, which they classify anyway); on its ingress hook every IP packet for this host is added
     to NODE_INTERNAL's or NODE_INTERNET's received slots by its source's scope, as the rules'
     PREROUTING hook counted it, an internet packet with the headers of each of its segments (in bytes;
-    packets stay packets).
+    packets stay packets). With `scopes_fds` and `scope_bytes_fd` (maps.NODE_SCOPES_SHAPE: one entry, key 0),
+    an internal packet's far address (destination on egress, source on ingress) is looked up as the pods'
+    is, and a cross-zone or cross-region one's bytes (the figure added to NODE_INTERNAL) go to that entry too;
+    an internet packet is not looked up.
 
     Returns TC_ACT_UNSPEC: the next program or filter decides. With `gate` (a mark bit, egress hooks
     only), a packet without that bit gets TC_ACT_OK instead: on a tcx link that ends the hook, so the
@@ -112,8 +115,6 @@ def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, nod
         raise EbpfError("the segments map only on a pod device's egress hook: what the pod receives")
     segments = segments_fd != NO_MAP
     scoped = scopes_fds is not None and scope_bytes_fd != NO_MAP
-    if scoped and node:
-        raise EbpfError("the scopes are counted per pod: on a pod device's hooks only")
     if scoped:
         assert scopes_fds is not None
         missing = set(nets) - set(scopes_fds)
@@ -162,10 +163,15 @@ def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, nod
                 if mask[i:i + 4] != b"\xff\xff\xff\xff":
                     body.append(insn(0x54, R4, 0, 0, le(mask[i:i + 4])))  # w4 &= mask (32-bit ALU)
                 jump(0x56, R4, le(raw[i:i + 4]), f"NEXT{family}.{n}")  # if w4 != word (JMP32): the next network
-            jump(0x05, 0, 0, "INTERNAL" if node else f"KEY{family}")
+            jump(0x05, 0, 0, "INTERNAL" if node and not scoped else f"KEY{family}")
             body.append(("label", f"NEXT{family}.{n}"))
         jump(0x05, 0, 0, miss(family))
         if node:
+            if scoped and family_nets:  # r8 = the far address's scope, then counted as any internal packet
+                assert scopes_fds is not None
+                body.append(("label", f"KEY{family}"))
+                body += _scope_lookup(family, base + scope * width, scopes_fds[family])
+                jump(0x05, 0, 0, "INTERNAL")
             continue
         if family_nets:
             body.append(("label", f"KEY{family}"))
@@ -193,12 +199,14 @@ def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, nod
                 body += _merged(family, "INET")
             body.append(("label", "INET"))
             body.append(insn(0x62, R10, 0, -40, NODE_INTERNET))
+            if scoped:  # not looked up: no scope (the verifier also wants r8 set on every path to its test)
+                body.append(insn(0xB7, R8, 0, 0, 0))
         if nets or other:
             body.append(("label", "INDEX"))
             body += [insn(0xBF, R2, R10), insn(0x07, R2, 0, 0, -40)]
     if nets or other:
         body.append(("label", "LOOKUP"))
-        if scoped:
+        if scoped and not node:
             body.append(insn(0xBF, R7, R2))  # the pod's key, for the scopes' map after this lookup
         body += [insn(0x18, R1, BPF_PSEUDO_MAP_FD, 0, map_fd), insn(0, 0, 0, 0, 0),  # r1 = the map (ld_imm64)
                  insn(0x85, 0, 0, 0, BPF_FUNC_MAP_LOOKUP_ELEM)]
@@ -211,9 +219,12 @@ def program(networks: dict[int, tuple[str, ...]], egress: bool, map_fd: int, nod
         if scoped:  # r8 = the far address's scope id; only cross-zone and cross-region have slots
             jump(0x15, R8, 0, "OUT")
             jump(0x25, R8, max(SCOPE_SLOTS), "OUT")
-            body += [insn(0x7B, R10, R1, SCOPE_LEN), insn(0x18, R1, BPF_PSEUDO_MAP_FD, 0, scope_bytes_fd),
+            body.append(insn(0x7B, R10, R1, SCOPE_LEN))
+            if node:  # the node's scope entry: key 0 (the u32 at fp-40 is free once the node map is read)
+                body += [insn(0x62, R10, 0, -40, 0), insn(0xBF, R7, R10), insn(0x07, R7, 0, 0, -40)]
+            body += [insn(0x18, R1, BPF_PSEUDO_MAP_FD, 0, scope_bytes_fd),
                      insn(0, 0, 0, 0, 0), insn(0xBF, R2, R7), insn(0x85, 0, 0, 0, BPF_FUNC_MAP_LOOKUP_ELEM)]
-            jump(0x15, R0, 0, "OUT")  # no such pod
+            jump(0x15, R0, 0, "OUT")  # no such pod (the node's entry always exists)
             body.append(insn(0x79, R1, R10, SCOPE_LEN))
             for sid, at in SCOPE_SLOTS.items():
                 jump(0x55, R8, sid, f"NOTSCOPE{sid}")
