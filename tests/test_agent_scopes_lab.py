@@ -118,6 +118,11 @@ def received_ip_bytes(result: dict, family: int) -> int:
     return (rx["packets"] - rx["lost_packets"]) * (DATAGRAM + UDP_HEADERS[family])
 
 
+def sent_ip_bytes(result: dict, family: int) -> int:
+    """The IP bytes of every datagram the sender sent, those lost on the way included."""
+    return result["end"]["sum_received"]["packets"] * (DATAGRAM + UDP_HEADERS[family])
+
+
 @pytest.mark.parametrize("family", [4, 6])
 @pytest.mark.parametrize("direction", ["upload", "download"])
 @pytest.mark.parametrize("scope", ["internal", "cross-zone", "cross-region"])
@@ -129,12 +134,16 @@ def test_each_scope_counted_within_2_percent_and_never_shaped(lab, agent, scope,
                        reverse=direction == "download")
     after = counts(agent, pod.name)
     truth = received_ip_bytes(result, family)
+    sent = sent_ip_bytes(result, family)
     got = {s: after[key][s] - before[key][s] for s in after[key]}
-    print(f"IPv{family} {direction} {scope}: counted {got[scope]} B against {truth} B "
-          f"({(got[scope] - truth) / truth:+.2%}); the other scopes {got}")
-    # a 40M stream for 2 s: 5x the internet cap, delivered whole (internal traffic is never shaped)
+    print(f"IPv{family} {direction} {scope}: counted {got[scope]} B, the receiver got {truth} B, the sender sent "
+          f"{sent} B ({(got[scope] - truth) / truth:+.2%}, {(got[scope] - sent) / sent:+.2%}); the scopes {got}")
+    # a 40M stream for 2 s: 5x the internet cap, delivered whole (internal traffic is never shaped): at most
+    # 5 % lost, so the range below is at most that wide
     assert truth >= 0.95 * 40 * M / 8 * 2
-    assert abs(got[scope] - truth) <= 0.02 * truth
+    # the pod's device counts what passed it: a datagram lost beyond it (the receiver's socket on a loaded
+    # box) was counted, one lost before it was not; 2 % either side
+    assert 0.98 * truth <= got[scope] <= 1.02 * sent
     # nothing of it in another scope (the control connection's few KB go to the same peer)
     assert all(n <= 0.005 * truth for s, n in got.items() if s != scope), got
 
@@ -167,7 +176,7 @@ def test_the_nodes_uplink_totals_count_each_cross_scope_within_2_percent(lab, ag
                        reverse=direction == "download")
     after = node_counts(agent)
     truth = received_ip_bytes(result, family)
-    sent = result["end"]["sum_received"]["packets"] * (DATAGRAM + UDP_HEADERS[family])  # lost ones included
+    sent = sent_ip_bytes(result, family)
     got = {s: after[key][s] - before[key][s] for s in after[key]}
     print(f"node, IPv{family} {direction} {scope}: counted {got[scope]} B, the receiver got {truth} B, the sender "
           f"sent {sent} B ({(got[scope] - truth) / truth:+.2%}, {(got[scope] - sent) / sent:+.2%}); the scopes {got}")
