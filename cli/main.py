@@ -383,7 +383,7 @@ def _controller_flags(p: argparse.ArgumentParser) -> None:
     auth.add_argument("--metrics-auth", choices=controller_config.METRICS_AUTH, default="auto",
                       help="/metrics only for a bearer token allowed to get the nonResourceURL /metrics (TokenReview + "
                            "SubjectAccessReview); auto: in cluster mode with agent authentication and TLS (default auto)")
-    auth.add_argument("--token-cache-seconds", type=float, default=60.0, help="how long a TokenReview verdict is reused at most (each for a random 75-100%% of it)")
+    auth.add_argument("--token-cache-seconds", type=float, default=controller_config.DEFAULT_TOKEN_CACHE_SECONDS, help="how long a TokenReview verdict is reused at most (each for a random 75-100%% of it)")
     tls = p.add_argument_group("TLS (HTTPS by default; docs/controller.md)")
     tls.add_argument("--tls-secret", default="netagent-controller-tls",
                      help="Secret (in --namespace) with ca.crt, ca.key, tls.crt, tls.key (cluster mode)")

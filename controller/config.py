@@ -22,6 +22,7 @@ DEFAULT_MAX_CONNECTIONS_PER_ADDRESS = 8  # one agent (a node IP) needs 1, 2 duri
 # scale"): 64 made a 2,000-node storm slower (47 s until all answered: too few in flight to hide the
 # clients' round trips), 512 did not (18.7 s, as without a bound)
 DEFAULT_MAX_HANDSHAKES = 512
+DEFAULT_TOKEN_CACHE_SECONDS = 60.0  # how long a TokenReview's verdict is reused at most
 DEFAULT_KEEPALIVE_TIMEOUT = 75.0  # > the longest period the pacer advises by default (lease / 4 = 30 s)
 DEFAULT_ELECTION_LEASE_SECONDS = 3.0  # docs/scale.md finding 13: failover in seconds
 MIN_ELECTION_LEASE_SECONDS = 2.0  # the Lease stores whole seconds; shorter leaves calls no time to renew
@@ -56,7 +57,7 @@ class ControllerConfig:
     election_lease_seconds: float = DEFAULT_ELECTION_LEASE_SECONDS
     no_auth: bool = False
     agent_service_account: str | None = None  # NAMESPACE:NAME
-    token_cache_seconds: float = 60.0
+    token_cache_seconds: float = DEFAULT_TOKEN_CACHE_SECONDS
     # TLS (docs/controller.md "TLS"): a Secret in `namespace` (cluster mode), files, or plain HTTP
     insecure_http: bool = False
     tls_cert_file: str | None = None
