@@ -267,29 +267,24 @@ class InternalCounter:
     def read_node(self) -> dict[str, int]:
         """The node's totals through its uplinks, summed over the CPUs, in bytes, by the rules' node
         kinds: egress_internal, ingress_internal, ingress_internet (its internet egress is the rules')."""
-        key = ctypes.c_uint32(0)
-        values = (ctypes.c_uint64 * (4 * self.cpus))()
-        found = {}
-        for index in (NODE_INTERNAL, NODE_INTERNET):
-            key.value = index
-            try:
-                bpf(BPF_MAP_LOOKUP_ELEM, bpf_attr("=IIQQ", self.node_map_fd, 0, addr(key), addr(values)))
-            except OSError as exc:
-                raise EbpfError(f"reading the node counter's map failed: {exc.strerror}") from None
-            found[index] = (sum(values[0::4]), sum(values[2::4]))
-        return {"egress_internal": found[NODE_INTERNAL][0], "ingress_internal": found[NODE_INTERNAL][1],
-                "ingress_internet": found[NODE_INTERNET][1]}
+        internal = self._array_entry(self.node_map_fd, NODE_INTERNAL, "the node counter's map")
+        internet = self._array_entry(self.node_map_fd, NODE_INTERNET, "the node counter's map")
+        return {"egress_internal": internal[0], "ingress_internal": internal[2], "ingress_internet": internet[2]}
 
     def read_node_scopes(self) -> tuple[int, int, int, int]:
         """The node's (bytes sent cross-zone, sent cross-region, received cross-zone, received cross-region)
         through its uplinks, summed over the CPUs: the part of read_node()'s internal bytes whose far end the
         tries place in another zone or region (read_scopes' order)."""
-        key = ctypes.c_uint32(0)
+        return self._array_entry(self.node_scopes_fd, 0, "the node's scope bytes")
+
+    def _array_entry(self, fd: int, index: int, what: str) -> tuple[int, int, int, int]:
+        """Entry `index` of a per-CPU array of four u64s (the node's maps), each word summed over the CPUs."""
+        key = ctypes.c_uint32(index)
         values = (ctypes.c_uint64 * (4 * self.cpus))()
         try:
-            bpf(BPF_MAP_LOOKUP_ELEM, bpf_attr("=IIQQ", self.node_scopes_fd, 0, addr(key), addr(values)))
+            bpf(BPF_MAP_LOOKUP_ELEM, bpf_attr("=IIQQ", fd, 0, addr(key), addr(values)))
         except OSError as exc:
-            raise EbpfError(f"reading the node's scope bytes failed: {exc.strerror}") from None
+            raise EbpfError(f"reading {what} failed: {exc.strerror}") from None
         return sum(values[0::4]), sum(values[1::4]), sum(values[2::4]), sum(values[3::4])
 
     def set_pods(self, addresses: Iterable[str]) -> int:
