@@ -24,8 +24,7 @@ import numpy as np
 from core.direction import DIRECTIONS, Direction, PerDirection
 from core.engine import TeamColumns
 from core.policy import Limits, Policy
-from core.quota import (Ledger, TeamQuota, apply_exhaustion, exhausted_teams, forecast_seconds, period_bounds,
-                        quota_figures)
+from core.quota import Ledger, TeamQuota, apply_exhaustion, exhausted_teams, period_bounds, quota_figures
 from core.quantity import MAX_BYTES
 from core.wire import MAX_FORECAST_SECONDS, POD_BYTES, NodeReport, QuotaFigures, TeamQuotaState
 
@@ -47,12 +46,6 @@ class TeamUse:
     used: PerDirection[int]
     exhausted: PerDirection[bool]
     byte_rate: PerDirection[float]  # bytes a second over the last RATE_WINDOW (the forecast's rate)
-
-    def forecast_seconds(self, d: Direction) -> float | None:
-        """Seconds until the quota of direction d is spent at the current rate: 0 when spent, None without a
-        quota in d or with no use (never, at this rate)."""
-        limit = self.quota.limits[d]
-        return None if limit is None else forecast_seconds(limit.bytes - self.used[d], self.byte_rate[d])
 
 
 @dataclass

@@ -26,6 +26,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from core.direction import DIRECTIONS, Direction
 from core.kubeapi import GROUP, TIMEOUT, VERSION
 from core.policy import Policy
+from core.quota import quota_figures
 
 from .quota import QuotaKeeper
 
@@ -206,17 +207,16 @@ class QuotaCollector:
         if self.is_leader() and self.keeper.active:
             for u in self.keeper.teams():
                 for d in DIRECTIONS:
-                    limit = u.quota.limits[d]
-                    if limit is None:
+                    f = quota_figures(u.quota.limits[d], u.used[d], u.byte_rate[d])
+                    if f is None:
                         continue
                     lv = [u.name, d.metric_word]
-                    quota.add_metric(lv, limit.bytes)
-                    used.add_metric(lv, u.used[d])
+                    quota.add_metric(lv, f.bytes)
+                    used.add_metric(lv, f.used)
                     start.add_metric(lv, u.period_start.timestamp())
-                    spent.add_metric(lv, 1.0 if u.exhausted[d] else 0.0)
-                    left = u.forecast_seconds(d)
-                    if left is not None:
-                        forecast.add_metric(lv, left)
+                    spent.add_metric(lv, 1.0 if f.exhausted else 0.0)
+                    if f.forecast_seconds is not None:
+                        forecast.add_metric(lv, f.forecast_seconds)
         yield from (quota, used, start, spent, forecast)
         if self.store is not None and self.store.last_write:
             yield GaugeMetricFamily("netagent_controller_quota_status_last_write_timestamp_seconds",
