@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 from core.direction import DIRECTIONS, Direction, PerDirection
 
 from . import __version__
-from .view import ALL_SCOPES, SCOPES, NodeView
+from .view import NodeView
 
 BYTES_PER_BIT = 1 / 8
 
@@ -166,12 +166,10 @@ def _node_families(v: NodeView, rows: Callable[[Metric], list[tuple[list[str], f
     node_ingress = rows(CounterMetricFamily("netagent_node_ingress_bytes",
                                             "Bytes entering the node's uplinks, host traffic included.",
                                             labels=["scope"]))
-    # internal and internet always; cross-zone and cross-region where the view has them (while described or
-    # once counted: netagent.datapath.move_scopes)
+    # the scopes the view has: internal and internet always, cross-zone and cross-region while described or
+    # once counted (netagent.view.scopes_of)
     for family, counts in ((node_egress, v.egress_bytes), (node_ingress, v.ingress_bytes)):
-        for scope in ALL_SCOPES:
-            if scope in SCOPES or scope in counts:
-                family.append(([scope], counts.get(scope, 0)))
+        family.extend(([scope], n) for scope, n in counts.items())
     # one sample without labels each (what `value=` would add)
     rows(CounterMetricFamily("netagent_node_unknown_source_egress_bytes",
                              "Internet egress the node forwarded from sources that are no known pod "
