@@ -64,6 +64,8 @@ class QuotaStore:
         self.written_version = -1  # the keeper's version last written
         self.last_write = 0.0  # wall time of the last successful write
         self.resource_version: str | None = None  # the EgressBudget's, as this writer last saw it
+        # (budget, its status.quota) as resumed or last written: an equal one is not written again
+        self.persisted: tuple[str, dict | None] = ("", None)
         self.write_failures = Counter("netagent_controller_quota_status_write_failures",
                                       "status.quota writes (or the resume's read) the API server refused or never "
                                       "answered, by reason; counting goes on in memory", ["reason"],
@@ -132,6 +134,7 @@ class QuotaStore:
             return self._failed(name, exc, "read")
         teams = self.keeper.resume(persisted)
         self.written_version = -1
+        self.persisted = (name, persisted if isinstance(persisted, dict) else None)
         self._recovered(name)
         log.info("volume quotas: counting as leader, resumed %d team(s) from EgressBudget %s status.quota",
                  teams, name or "-")
@@ -141,7 +144,13 @@ class QuotaStore:
         name, version = self.keeper.budget_name, self.keeper.version
         if not name:
             return False
-        body = {"status": {"quota": self.keeper.status()}}
+        quota = self.keeper.status()
+        if self.persisted[0] == name and quota == (self.persisted[1] or {"teams": []}):
+            # nothing new since the resume or the last write (a new leader, a budget without quotas): a write
+            # would only wake every watcher of EgressBudgets
+            self.written_version = version
+            return False
+        body = {"status": {"quota": quota}}
         for attempt in range(2):
             try:
                 if self.resource_version is None or attempt:
@@ -157,7 +166,7 @@ class QuotaStore:
             except Exception as exc:
                 return self._failed(name, exc, "write")
             self.resource_version = obj.get("metadata", {}).get("resourceVersion")
-            self.written_version, self.last_write = version, time.time()
+            self.written_version, self.last_write, self.persisted = version, time.time(), (name, quota)
             self.writes.inc()
             self._recovered(name)
             return True
