@@ -113,7 +113,7 @@ def fair_allocation(pods: list[SimPod], capacity_bps: float) -> dict[str, float]
     policy = replace(policy, totals=policy.totals.replace(Direction.UPLOAD, int(capacity_bps)))
     rows = []
     for p in pods:
-        pp = resolve_pod(policy, p.namespace, p.egress_class, None)
+        pp = resolve_pod(policy, p.namespace, p.egress_class)
         up = pp.limits.upload
         rows.append(PodDemandIn(p.key, pp.team, pp.egress_class, up.weight, up.min_bps, up.max_bps, p.demand))
     return {k: r.allocation_bps for k, r in allocate(policy, rows).pods.items()}

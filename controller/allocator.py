@@ -289,8 +289,8 @@ class Allocator:
                         row = cache.get(key)
                     if row is None:
                         namespace, egress_class, up_bandwidth, down_bandwidth = key
-                        pp = resolve_pod(policy, namespace, egress_class, up_bandwidth,
-                                         self.namespace_labels(namespace), down_bandwidth)
+                        pp = resolve_pod(policy, namespace, egress_class, PerDirection(up_bandwidth, down_bandwidth),
+                                         self.namespace_labels(namespace))
                         table.append((team_index[pp.team], class_index[pp.egress_class],
                                       *(float(v) for d in DIRECTIONS for v in (pp.limits[d].weight,
                                                                                pp.limits[d].min_bps,

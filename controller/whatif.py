@@ -173,8 +173,7 @@ def what_if(policy: Policy, rows: list[DemandRow], name: str,
     warnings: list[str] = []
     pods: PerDirection[list[PodDemandIn]] = PerDirection([], [])
     for row in rows:
-        resolved = resolve_pod(policy, row.namespace, row.egress_class, row.bandwidth.upload,
-                               labels_of(row.namespace), row.bandwidth.download)
+        resolved = resolve_pod(policy, row.namespace, row.egress_class, row.bandwidth, labels_of(row.namespace))
         warnings.extend(f"{name}:{row.line}: {reason}: {message}" for reason, message in resolved.problems)
         for d in DIRECTIONS:
             limits = resolved.limits[d]

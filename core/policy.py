@@ -189,11 +189,14 @@ def pod_limits(spec: EgressClassSpec, d: Direction, annotation: str | None,
     return Limits(float(c.weight), min(c.min_bps, cap), cap)
 
 
-def resolve_pod(policy: Policy, namespace: str, class_annotation: str | None, bandwidth_annotation: str | None,
-                namespace_labels: Mapping[str, str] | None = None,
-                ingress_bandwidth_annotation: str | None = None) -> PodPolicy:
+NO_BANDWIDTH: PerDirection[str | None] = PerDirection(None, None)
+
+
+def resolve_pod(policy: Policy, namespace: str, class_annotation: str | None,
+                bandwidth: PerDirection[str | None] = NO_BANDWIDTH,
+                namespace_labels: Mapping[str, str] | None = None) -> PodPolicy:
     """The pod's team, class, weight, guarantee and cap (both directions) from its namespace and
-    three annotations.
+    three annotations (`bandwidth`: the bandwidth annotation of each direction, None where absent).
 
     netagent.io/egress-class picks the class (unset: the team's default class); an unknown class
     or one the team may not use falls back to the team's default, with a problem. The
@@ -218,7 +221,6 @@ def resolve_pod(policy: Policy, namespace: str, class_annotation: str | None, ba
         else:
             chosen = requested
     spec = policy.classes[chosen]
-    bandwidth = PerDirection(bandwidth_annotation, ingress_bandwidth_annotation)
     limits = PerDirection.build(lambda d: pod_limits(spec, d, bandwidth[d], problems))
     return PodPolicy(team.name, chosen, limits, tuple(problems), bandwidth)
 
@@ -289,11 +291,11 @@ def resolve_pods(policy: Policy, pods: Iterable[PodRecord],
     out = []
     for p in shaped_pods(pods):
         cls_ann, bw_ann = p.annotation(ANNOTATION_CLASS), p.annotation(ANNOTATION_BANDWIDTH)
-        in_ann = p.annotation(ANNOTATION_INGRESS_BANDWIDTH)
-        pp = resolve_pod(policy, p.namespace, cls_ann, bw_ann, labels_of(p.namespace), in_ann)
+        bandwidth = PerDirection(bw_ann, p.annotation(ANNOTATION_INGRESS_BANDWIDTH))
+        pp = resolve_pod(policy, p.namespace, cls_ann, bandwidth, labels_of(p.namespace))
         limits = pp.limits.map(lambda lim: Limits(float(lim.weight), int(lim.min_bps), int(lim.max_bps)))
         out.append(ResolvedPod(p.key, p.namespace, p.name, p.uid, p.ips, pp.team, pp.egress_class, limits,
-                               tuple(pp.problems), cls_ann, PerDirection(bw_ann, in_ann)))
+                               tuple(pp.problems), cls_ann, bandwidth))
     return out
 
 

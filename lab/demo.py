@@ -175,7 +175,7 @@ def fair_shares(policy: list[dict], classes: dict[tuple[str, str], str | None],
     d = Direction.DOWNLOAD if download else Direction.UPLOAD
     pods = []
     for _, ns, name, _ in PODS:
-        pp = resolve_pod(pol, ns, classes[(ns, name)], None)
+        pp = resolve_pod(pol, ns, classes[(ns, name)])
         lim = pp.limits[d]
         pods.append(PodDemandIn(f"{ns}/{name}", pp.team, pp.egress_class, lim.weight, lim.min_bps, lim.max_bps, 1e9))
     res = allocate(pol, pods, direction=d)

@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestServer
 from controller.allocator import Allocator
 from controller.api import MAX_BODY, make_app
 from controller.state import ControllerState
+from core.direction import PerDirection
 from core.wire import MAX_ANNOTATION_VALUE, MAX_PODS_PER_REPORT, MAX_REFUSED
 
 CLASSES = [
@@ -212,7 +213,7 @@ async def test_two_nodes_get_the_engine_allocation_split_per_node():
     policy, _ = policy_source()()
     engine_in = []
     for p in b_pods + a_pods:
-        pp = resolve_pod(policy, p["namespace"], p["egress_class"], p["egress_bandwidth"])
+        pp = resolve_pod(policy, p["namespace"], p["egress_class"], PerDirection(p["egress_bandwidth"], None))
         up = pp.limits.upload
         engine_in.append(PodDemandIn(f"{p['namespace']}/{p['name']}", pp.team, pp.egress_class, up.weight,
                                      up.min_bps, up.max_bps, p["demand_bps"]))

@@ -7,6 +7,7 @@ import pytest
 
 from controller.allocator import Allocator
 from controller.state import ControllerState
+from core.direction import PerDirection
 from core.wire import MAX_ANNOTATION_VALUE
 from tests.test_controller_api import new_state, pod, policy_source, post, report, serve
 
@@ -115,8 +116,8 @@ async def test_bad_ingress_bandwidth_annotation_keeps_the_class_download_values(
     assert got["bad"]["ingress_limit_bps"] <= 30e6 * (1 + 1e-9)  # the class's cap, not unshaped
     assert got["fine"]["ingress_allocation_bps"] == pytest.approx(30e6)
     policy, _ = policy_source(IN_CLASSES, (IN_BUDGET,))()
-    (reason, message), = resolve_pod(policy, "research", "interactive", None,
-                                     ingress_bandwidth_annotation="-5M").problems
+    (reason, message), = resolve_pod(policy, "research", "interactive",
+                                     PerDirection(None, "-5M")).problems
     assert reason == REASON_INVALID_INGRESS_BANDWIDTH and "kubernetes.io/ingress-bandwidth" in message
 
 

@@ -14,6 +14,11 @@ from core.policy import (DEFAULT_CLASS, REASON_CLASS_NOT_ALLOWED, REASON_INVALID
                          parse_class, resolve_pod, resolve_pods)
 from core.quantity import MAX_BPS, parse_bps
 
+
+def up(annotation: str | None) -> PerDirection[str | None]:
+    """The upload's bandwidth annotation alone."""
+    return PerDirection(annotation, None)
+
 POLICY = list(yaml.safe_load_all("""
 apiVersion: netagent.io/v1alpha1
 kind: EgressClass
@@ -65,20 +70,20 @@ def test_no_budget_gives_the_builtin_policy():
     policy, problems = load_policy([], [])
     assert problems == [] and policy.totals.upload == MAX_BPS and policy.budget_name == ""
     assert [t.name for t in policy.teams] == ["default"]
-    pod = resolve_pod(policy, "anything", None, "5M")
+    pod = resolve_pod(policy, "anything", None, up("5M"))
     assert (pod.team, pod.egress_class, pod.limits.upload.max_bps, pod.limits.upload.min_bps) == ("default", DEFAULT_CLASS, 5_000_000, 0)
 
 
 def test_resolve_default_class_and_annotation_cap():
     policy, _ = load()
-    pod = resolve_pod(policy, "team-a", None, None)
+    pod = resolve_pod(policy, "team-a", None)
     assert (pod.team, pod.egress_class, pod.limits.upload, pod.problems) == \
         ("research", "gold", Limits(4.0, 10_000_000, 10**9), ())
     # the bandwidth annotation tightens the cap and pulls the guarantee down with it
-    pod = resolve_pod(policy, "team-a", "gold", "5M")
+    pod = resolve_pod(policy, "team-a", "gold", up("5M"))
     assert (pod.limits.upload.min_bps, pod.limits.upload.max_bps) == (5_000_000, 5_000_000)
     # ... but never loosens it
-    assert resolve_pod(policy, "team-a", "bronze", "10G").limits.upload.max_bps == 100_000_000
+    assert resolve_pod(policy, "team-a", "bronze", up("10G")).limits.upload.max_bps == 100_000_000
 
 
 @pytest.mark.parametrize("ns, cls, bw, reason, expect_class", [
@@ -89,7 +94,7 @@ def test_resolve_default_class_and_annotation_cap():
 ])
 def test_resolve_problems_fall_back_to_the_team_default(ns, cls, bw, reason, expect_class):
     policy, _ = load()
-    pod = resolve_pod(policy, ns, cls, bw)
+    pod = resolve_pod(policy, ns, cls, up(bw))
     assert pod.egress_class == expect_class
     assert [r for r, _ in pod.problems] == [reason]
     message = pod.problems[0][1]
@@ -100,7 +105,7 @@ def test_resolve_problems_fall_back_to_the_team_default(ns, cls, bw, reason, exp
 
 def test_blank_annotations_mean_unset():
     policy, _ = load()
-    pod = resolve_pod(policy, "jobs", "  ", " ")
+    pod = resolve_pod(policy, "jobs", "  ", up(" "))
     assert pod.egress_class == "bronze" and pod.problems == ()
 
 
@@ -331,8 +336,7 @@ BUDGET_SHAPED = st.fixed_dictionaries({
 def test_any_input_loads_or_is_described_never_crashes(classes, budgets, namespace, annotation):
     policy, problems = load_policy(classes, budgets)
     assert all(isinstance(p, str) and p for p in problems)
-    pod = resolve_pod(policy, namespace, annotation, annotation, namespace_labels=None,
-                      ingress_bandwidth_annotation=annotation)
+    pod = resolve_pod(policy, namespace, annotation, PerDirection(annotation, annotation), namespace_labels=None)
     assert pod.egress_class in policy.classes
     for d, limits in pod.limits.items():
         assert 0 <= limits.min_bps <= limits.max_bps and limits.weight >= 1, d
@@ -423,7 +427,7 @@ def test_the_engine_allocates_downloads_on_the_ingress_policy():
     policy, _ = load(DOWNLOADS)
     pods = []
     for ns, name in (("ra", "a"), ("jobs", "b"), ("jobs", "c")):
-        pp = resolve_pod(policy, ns, None, None)
+        pp = resolve_pod(policy, ns, None)
         d = pp.limits.download
         pods.append(PodDemandIn(f"{ns}/{name}", pp.team, pp.egress_class, d.weight, d.min_bps, d.max_bps, 10**10))
     down = allocate(policy, pods, direction=Direction.DOWNLOAD)
@@ -438,18 +442,18 @@ def test_the_engine_allocates_downloads_on_the_ingress_policy():
 
 def test_ingress_annotation_lowers_the_download_cap_only():
     policy, _ = load(DOWNLOADS)
-    pod = resolve_pod(policy, "ra", "gold", "200M", ingress_bandwidth_annotation="20M")
+    pod = resolve_pod(policy, "ra", "gold", PerDirection("200M", "20M"))
     assert pod.limits == PerDirection(Limits(4.0, 10**7, 2 * 10**8), Limits(2.0, 2 * 10**7, 2 * 10**7))
     assert pod.bandwidth == PerDirection("200M", "20M") and pod.problems == ()
-    raised = resolve_pod(policy, "ra", "gold", None, ingress_bandwidth_annotation="100G")
+    raised = resolve_pod(policy, "ra", "gold", PerDirection(None, "100G"))
     assert raised.limits.download.max_bps == 5 * 10**9  # never raised above the class's
-    assert resolve_pod(policy, "ra", "gold", None, ingress_bandwidth_annotation="  ").problems == ()
+    assert resolve_pod(policy, "ra", "gold", PerDirection(None, "  ")).problems == ()
 
 
 @pytest.mark.parametrize("value", ["-5M", "0", "fast", "10Mbit", "1e400", "500m", "99999999999999999999G"])
 def test_bad_ingress_annotation_keeps_the_class_values_with_a_problem(value):
     policy, _ = load(DOWNLOADS)
-    pod = resolve_pod(policy, "ra", "gold", "200M", ingress_bandwidth_annotation=value)
+    pod = resolve_pod(policy, "ra", "gold", PerDirection("200M", value))
     ((reason, message),) = pod.problems
     assert reason == REASON_INVALID_INGRESS_BANDWIDTH and "kubernetes.io/ingress-bandwidth" in message
     assert "ignored" in message

@@ -136,9 +136,6 @@ PREFIXED = re.compile(r"^(ingress|egress)_[a-z_]+$")
 NOT_A_DIRECTION = {"egress_class", "egress_bandwidth"}
 # Edge names used outside the edge files, each for its reason
 COMPAT = {
-    # still to contract (issue 35): resolve_pod's keyword for the download annotation (its callers in
-    # controller/, lab/ and tests name it)
-    "core/policy.py": {"ingress_bandwidth_annotation"},
     # the agent's flags: from_flags' keywords are the flags' argparse names (--ingress-*), users type them
     "cli/main.py": {"ingress_ifb"},
     "netagent/config.py": {"ingress_rate", "ingress_default_rate", "ingress_ifb"},
