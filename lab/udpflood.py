@@ -4,7 +4,9 @@ iperf3 3.12 is single-threaded and sends one datagram per syscall: on a 2-core m
 tops out near 0.7 Gbit/s of 1400-byte datagrams, too little to flood a 1 Gbit/s class at
 twice its rate. With UDP_SEGMENT the kernel cuts each 61 KB send into 1400-byte datagrams
 (real, separate UDP packets on the wire), so one process offers several Gbit/s.
-Prints one JSON line: bytes (UDP payload), datagrams, seconds, bits_per_second (payload).
+Prints one JSON line: bytes (UDP payload), datagrams, seconds, bits_per_second (payload). SIGTERM
+ends a flood before its SECONDS, and it still prints that line (a test that has measured what it needs
+need not wait for the rest).
 
 `--burst DST PORT` sends one GSO send of 44 datagrams (61,600 bytes): a single packet of the
 largest size a socket hands the stack, for tests of what one such packet costs a shaper.
@@ -15,6 +17,7 @@ host floods whoever sends it a datagram; `--sink DST PORT SECONDS` in the pod se
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import sys
 import time
@@ -22,6 +25,12 @@ import time
 UDP_SEGMENT = 103  # linux/udp.h
 DATAGRAM = 1400
 PER_SEND = 44  # datagrams per sendto (61,600 bytes: under the 64 KB GSO limit)
+_stopping = False  # set by SIGTERM: the flood ends at its next send and reports
+
+
+def _stop(signum, frame) -> None:
+    global _stopping
+    _stopping = True
 
 
 def flood(dst: str, port: int, bitrate: float, seconds: float, sock: socket.socket | None = None) -> dict:
@@ -33,7 +42,7 @@ def flood(dst: str, port: int, bitrate: float, seconds: float, sock: socket.sock
     sent = 0
     start = time.monotonic()
     end = start + seconds
-    while (now := time.monotonic()) < end:
+    while (now := time.monotonic()) < end and not _stopping:
         if sent * 8 > bitrate * (now - start):
             time.sleep(0.0002)  # ahead of the pace: wait
             continue
@@ -99,6 +108,7 @@ def main(argv: list[str]) -> int:
         print(__doc__.splitlines()[0], file=sys.stderr)
         return 2
     dst, port, bitrate, seconds = argv[0], int(argv[1]), float(argv[2]), float(argv[3])
+    signal.signal(signal.SIGTERM, _stop)
     print(json.dumps(flood(dst, port, bitrate, seconds)), flush=True)
     return 0
 

@@ -129,8 +129,11 @@ class Flood:
         self.sample()
         received = udp_received(self.lab) - self.received0
         running = self.flood.poll() is None
+        # counted: end the flood now (it still reports its pace) and the sink, rather than wait out FLOOD_S
+        self.flood.terminate()
         out, _ = self.flood.communicate(timeout=FLOOD_S + 30)
-        self.sink.communicate(timeout=FLOOD_S + 30)
+        self.sink.kill()
+        self.sink.communicate(timeout=30)
         assert running, "the flood ended before the repair was counted: raise FLOOD_S"
         report = json.loads(out)
         rate = report["datagrams"] / report["seconds"]  # the flood's own datagrams a second
