@@ -20,7 +20,8 @@ rule in the receiver's INPUT, checked against iperf3's receiver):
   flow runs read the same counters. The at-cap download is also the segments test's run: one TCP run
   per (direction, family, flows) and agent, shared by the tests that read it (`tcp_run`).
 - A kill -9 of the agent in the middle of a flood: the counter after the restart goes on from
-  the kernel's class counter; the whole flood counted once (within 2 %).
+  the kernel's class counter; the whole flood counted once (within 2 %). The restart and upgrade tests run
+  on the routed topology only, under both counters (`restarts_on_one_topology`, CI time).
 Transfers are a few seconds each; run under `flock /tmp/netagent-traffic.lock`.
 """
 from __future__ import annotations
@@ -310,7 +311,18 @@ def test_tcp_download_arrived_equals_the_uplink_in_segments(request, lab, agent,
         assert abs(counted - segments) <= SEGMENT_TOLERANCE * segments, (what, counted, segments)
 
 
+def restarts_on_one_topology(lab: Lab) -> None:
+    """The restart and upgrade tests below run on the routed topology only, under both counters: what they
+    test (the carry kept in the kernel, the counters adopted, the pinned segments map) is the same classes, sets
+    and maps on either topology. The counting tests above run on both, and a restart on the bridge is held by
+    tests/test_agent_device_counting_kernel.py and tests/test_agent_downloads_kernel.py."""
+    if lab.pod_network != "routed":
+        pytest.skip("CI time: a restart's carry and adoption are the same on the bridge (the counting tests run "
+                    "on both topologies)")
+
+
 def test_a_restart_in_the_middle_of_a_flood_counts_every_byte_once(lab, agent):
+    restarts_on_one_topology(lab)
     pod = lab.nodes[0].pods[0]
     with far_end(lab.internet, 4, f"--dport {PORT}") as far:
         before = snapshot(lab, agent)
@@ -329,6 +341,7 @@ def test_a_restart_in_the_middle_of_a_download_counts_its_segments_once(lab, age
     what the kernel kept counting meanwhile (the ipsets; with the device counter also its pinned segments
     map, which the programs kept filling), so the whole download is counted once, against the wire in
     segments (device counter) or the uplink's merged packets (the rules)."""
+    restarts_on_one_topology(lab)
     pod = lab.nodes[0].pods[0]
     before = snapshot(lab, agent)
     download = lab.iperf_async(pod.netns, INTERNET_V4, PORT, seconds=2 * RUN_S, extra=["-R"])
@@ -381,6 +394,7 @@ def restart(agent: AgentProcess) -> None:
 def test_a_restart_after_a_class_was_made_again_goes_on_from_the_kept_carry(lab, agent):
     """The IFB deleted under the agent: it makes every class again (counters from zero); the pod's
     counter carries on, and a restart afterwards goes on from the carry kept in the kernel."""
+    restarts_on_one_topology(lab)
     node, pod = lab.nodes[0], lab.nodes[0].pods[0]
     lab.iperf(pod.netns, INTERNET_V4, PORT, seconds=1, udp_bitrate="20M")
     shown = settled(agent, pod.name)["egress_bytes"]["internet"]
@@ -397,6 +411,7 @@ def test_an_upgrade_goes_on_from_the_offered_count_the_agent_before_showed(lab, 
     """The agent before counted offered bytes and kept no carries: the first agent that counts sent
     bytes starts each pod from the offered count, then grows by what is sent; its next restart does
     not seed again."""
+    restarts_on_one_topology(lab)
     from iptables.apply import Classifier
     node, pod = lab.nodes[0], lab.nodes[0].pods[0]
     lab.iperf(pod.netns, INTERNET_V4, PORT, seconds=1, udp_bitrate=FLOOD)  # throttled: offered >> sent
