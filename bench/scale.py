@@ -561,7 +561,7 @@ class SimAgent:
                 connector=aiohttp.TCPConnector(limit=2, ssl=self.host.controller_ctx, local_addr=local,
                                                **({"force_close": True} if self.host.connection_per_report
                                                   else {"keepalive_timeout": 3600})),
-                timeout=aiohttp.ClientTimeout(total=3))  # the agent's 3 s
+                timeout=aiohttp.ClientTimeout(total=self.host.report_timeout))  # the agent's 3 s by default
         return self._session
 
     def period(self) -> float:
@@ -718,6 +718,7 @@ class AgentHost:
         self.period = cfg["period"]
         self.downloads = cfg["downloads"]
         self.connection_per_report = cfg.get("connection_per_report", False)
+        self.report_timeout = cfg.get("report_timeout", AGENT_REPORT_TIMEOUT_S)  # --sim-report-timeout
         self.counters = cfg.get("counters", False)
         self.ramp = cfg.get("ramp", 0.0)  # seconds over which the agents start (--agent-ramp)
         self.controller_urls = cfg["controller_urls"]
@@ -837,6 +838,7 @@ def raise_open_files(need: int) -> None:
 # asyncio's TLS (core/asynctls.py) keeps a 256 KiB read buffer for every connection, 768 KiB an
 # agent for its three watches: half of what a simulated agent cost (1.6 MiB at 5,000 nodes). The
 # simulator's cost, not the agent's: the real agent's client (urllib3) reads into per-call buffers.
+AGENT_REPORT_TIMEOUT_S = 3.0  # the agent's own (netagent/transport.py)
 SIM_TLS_READ_BYTES = TLS_READ_BUFFER_BYTES
 
 
@@ -1285,6 +1287,8 @@ def print_header(args) -> None:
           f"--agent-processes {args.agent_processes} --apiservers {args.apiservers}"
           + ("" if args.pod_status else " --no-pod-status") + (" --quotas" if args.quotas else "")
           + (f" --agent-ramp {args.agent_ramp:g}" if args.agent_ramp else "")
+          + (f" --sim-report-timeout {args.sim_report_timeout:g}"
+             if args.sim_report_timeout != AGENT_REPORT_TIMEOUT_S else "")
           + (f" --apiserver-memory-limit-mib {args.apiserver_memory_limit_mib}" if args.apiserver_memory_limit_mib else "")
           + "".join(f" {flag} {value:g}" for flag, _, value in controller_flags(args)))
     print(f"# machine: {platform.node()} {os.cpu_count()} CPUs, "
@@ -1347,7 +1351,8 @@ async def start_netagent(r: Run, tokens: dict, ctl_token: str) -> tuple[ssl.SSLC
 
     bench.start_agents(tokens, {
         "period": args.period, "downloads": args.downloads,
-        "connection_per_report": args.connection_per_report, "controller_urls": [u for _, u, _ in controllers],
+        "connection_per_report": args.connection_per_report, "report_timeout": args.sim_report_timeout,
+        "controller_urls": [u for _, u, _ in controllers],
         "controller_ca": controller_ca_pem, "api_urls": r.api_urls, "api_ca_file": str(r.cp.ca_file),
         "tls_read_bytes": args.sim_tls_read_bytes, "counters": args.quotas,
         "ramp": args.agent_ramp})
@@ -1725,6 +1730,12 @@ def main() -> None:
                         "TokenReview's verdict is reused; N nodes need N/that reviews a second")
     p.add_argument("--sim-tls-read-bytes", type=int, default=SIM_TLS_READ_BYTES,
                    help="the simulated agents' asyncio TLS read buffer per connection (0: Python's 256 KiB)")
+    p.add_argument("--sim-report-timeout", type=float, default=AGENT_REPORT_TIMEOUT_S,
+                   help="the simulated agents' report timeout, seconds (default: the agent's 3 s). A simulator "
+                        "process holds thousands of agents, and its own loop's lag counts against their timeout: "
+                        "a longer one keeps a busy simulator from closing kept connections the controller answers "
+                        "(each timed-out report costs the next one a TLS handshake); the answer latency printed is "
+                        "the same measure either way")
     p.add_argument("--agent-ramp", type=float, default=0.0,
                    help="seconds over which the simulated agents start, each at a uniformly drawn time (as a "
                         "DaemonSet's pods come up node by node); 0: all at once")
