@@ -33,6 +33,7 @@ REASON_UNKNOWN_CLASS = "UnknownEgressClass"
 REASON_CLASS_NOT_ALLOWED = "EgressClassNotAllowed"
 REASON_INVALID_BANDWIDTH = "InvalidEgressBandwidth"
 REASON_INVALID_INGRESS_BANDWIDTH = "InvalidIngressBandwidth"
+NO_BANDWIDTH: PerDirection[str | None] = PerDirection(None, None)  # a pod without bandwidth annotations
 
 
 class PolicyError(ValueError):
@@ -172,7 +173,7 @@ class PodPolicy:
     egress_class: str
     limits: PerDirection[Limits]
     problems: tuple[tuple[str, str], ...]  # (Kubernetes Event reason, human message)
-    bandwidth: PerDirection[str | None] = PerDirection(None, None)  # the annotations resolved from
+    bandwidth: PerDirection[str | None] = NO_BANDWIDTH  # the annotations resolved from
 
 
 # A direction's bandwidth annotation and the Event reason when it is malformed.
@@ -187,9 +188,6 @@ def pod_limits(spec: EgressClassSpec, d: Direction, annotation: str | None,
     c = spec.limits[d]
     cap = _capped(c.max_bps, annotation, BANDWIDTH_ANNOTATION[d], INVALID_BANDWIDTH_REASON[d], problems)
     return Limits(float(c.weight), min(c.min_bps, cap), cap)
-
-
-NO_BANDWIDTH: PerDirection[str | None] = PerDirection(None, None)
 
 
 def resolve_pod(policy: Policy, namespace: str, class_annotation: str | None,
@@ -252,7 +250,7 @@ class ResolvedPod:
     limits: PerDirection[Limits]
     problems: tuple[tuple[str, str], ...] = ()
     class_annotation: str | None = None
-    bandwidth: PerDirection[str | None] = PerDirection(None, None)  # its bandwidth annotation per direction
+    bandwidth: PerDirection[str | None] = NO_BANDWIDTH  # its bandwidth annotation per direction
 
 
 def shaped_pods(pods: Iterable[PodRecord]) -> list[PodRecord]:
