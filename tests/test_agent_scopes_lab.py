@@ -81,6 +81,7 @@ def agent(lab, tmp_path_factory):
                          extra=["--internal-counting", "device", "--bpf-dir", bpf_dir, "--service-cidr", "10.96.0.0/16"])
         a.start()
         a.dir = d
+        a.udp_runs = {}  # (scope, direction, family) -> one measured UDP run, shared by the tests that read it
         try:
             a.wait_ready()
             wait_for(lambda: (a.pod(node.pods[0].name) or {}).get("limit_bps") == CAP, what="pod capped")
@@ -129,15 +130,14 @@ def udp_run(lab: Lab, agent: AgentProcess, scope: str, direction: str, family: i
     around it: measured once per agent and shared by the pod's test and the node's (the same packets cross the
     pod's device and, for the cross scopes, the uplink), so no test moves the same traffic twice. A run that
     failed is not kept: the next test measures again."""
-    runs = agent.__dict__.setdefault("udp_runs", {})
     key = (scope, direction, family)
-    if key not in runs:
+    if key not in agent.udp_runs:
         pod = lab.nodes[0].pods[0]
         before = pod_and_node_counts(agent, pod.name)
         result = lab.iperf(pod.netns, peers(lab, family)[scope], PORT, seconds=2, udp_bitrate=RATE,
                            reverse=direction == "download")
-        runs[key] = {"before": before, "after": pod_and_node_counts(agent, pod.name), "result": result}
-    return runs[key]
+        agent.udp_runs[key] = {"before": before, "after": pod_and_node_counts(agent, pod.name), "result": result}
+    return agent.udp_runs[key]
 
 
 def received_ip_bytes(result: dict, family: int) -> int:
