@@ -158,6 +158,7 @@ class Controller:
                                           event=lambda *e: events.budget_event(*e) if events else None,
                                           registry=self.metrics.registry, policy=lambda: policy()[0],
                                           ready=lambda: readiness()[0])
+            self.status_writer.on_version = self.quota_store.observed  # one object, two writers: no false 409
         else:  # --from-file: one replica, no API server: the use is kept in memory only
             self.quota.set_policy(policy()[0])
             self.quota.resume(None)

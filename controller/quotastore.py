@@ -116,6 +116,12 @@ class QuotaStore:
                            f"{'uploads' if d is Direction.UPLOAD else 'downloads'} this period ({100 * used // limit} %)"
                            + ("; it is capped at its exhaustedRate until the period ends" if used >= limit else ""))
 
+    def observed(self, name: str, resource_version: str) -> None:
+        """This process wrote the budget (the status writer's round figures): write on top of that version.
+        A 409 is then only another writer's (a user, a replica that lost the lease)."""
+        if name == self.keeper.budget_name:
+            self.resource_version = resource_version
+
     def _read(self, name: str) -> dict:
         obj: dict = self.custom.get_cluster_custom_object(GROUP, VERSION, PLURAL, name,  # type: ignore[assignment]
                                                           _request_timeout=TIMEOUT)

@@ -96,8 +96,12 @@ class StatusWriter:
     def __init__(self, api: client.ApiClient, min_interval: float = 30.0,
                  on_write: Callable[[str], None] = lambda result: None,
                  generation_of: Callable[[str], int | None] = lambda name: None,
-                 leading: Callable[[], bool] = lambda: True):
+                 leading: Callable[[], bool] = lambda: True,
+                 on_version: Callable[[str, str], None] = lambda name, resource_version: None):
         self.custom = client.CustomObjectsApi(api)
+        # the budget's resourceVersion after each write of ours, for the quota store's writes to the same
+        # object (controller/quotastore.py): without it each of them met this write as a conflict
+        self.on_version = on_version
         self.leading = leading  # a replica that lost the Lease since the round writes nothing
         self.generation_of = generation_of  # the budget's metadata.generation the round used
         self.min_interval = min_interval
@@ -135,8 +139,8 @@ class StatusWriter:
         if _comparable(status) == _comparable(self.written.get(name)):
             return False
         try:
-            self.custom.patch_cluster_custom_object_status(GROUP, VERSION, "egressbudgets", name, {"status": status},
-                                                           _request_timeout=TIMEOUT)
+            obj = self.custom.patch_cluster_custom_object_status(GROUP, VERSION, "egressbudgets", name,
+                                                                 {"status": status}, _request_timeout=TIMEOUT)
         except ApiException as exc:
             self.on_write("error")
             log.warning("EgressBudget %s: status write failed (%s %s); next round retries", name, exc.status,
@@ -148,4 +152,7 @@ class StatusWriter:
             return False
         self.written[name] = status
         self.on_write("ok")
+        version = (obj.get("metadata") or {}).get("resourceVersion") if isinstance(obj, dict) else None
+        if version:
+            self.on_version(name, version)
         return True

@@ -6,6 +6,7 @@ on, told by a metric and a Warning Event, then a Normal one on recovery; and the
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from datetime import datetime, timezone
 
@@ -15,8 +16,10 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from prometheus_client import CollectorRegistry
 
+from controller.allocator import Summary
 from controller.quota import QuotaKeeper
 from controller.quotastore import QuotaCollector, QuotaStore
+from controller.status import StatusWriter
 from core.direction import Direction
 from core.kubeapi import GROUP, VERSION
 from core.policy import load_policy
@@ -144,6 +147,30 @@ def test_written_with_conflicts_resumed_by_a_new_leader_and_retried_through_an_o
     follower = CollectorRegistry()
     follower.register(QuotaCollector(new_keeper, new_store, lambda: False))
     assert follower.get_sample_value("netagent_team_quota_used_bytes", labels) is None
+
+
+def test_the_round_figures_written_by_the_same_process_are_no_conflict(kube_api, budget):
+    """The controller writes one EgressBudget's status from two threads: the round's figures (StatusWriter) and
+    the quotas' use. The status writer hands its new resourceVersion to the quota store (as controller/app.py
+    wires them), so the store's next write is one PATCH; before, each met the other's write as a 409 and wrote
+    again after a GET (a conflict counted at every write, three requests for one)."""
+    name = budget["metadata"]["name"]
+    keeper = _keeper(budget)
+    store = _store(kube_api.admin, keeper, [])
+    writer = StatusWriter(kube_api.admin, on_version=store.observed)
+    store.step()  # resume
+    _observe(keeper, _report(1000))
+    _observe(keeper, _report(4000))
+    store.step()
+    assert store.writes._value.get() == 1
+    for used in (1_000_000, 2_000_000):
+        assert writer.write(Summary(name, 1e9, used, used, used, 1, 1, False), time.time())
+        _observe(keeper, _report(4000 + used))
+        store.step()
+    assert store.writes._value.get() == 3
+    assert store.write_failures.labels("conflict")._value.get() == 0 and store.failures == 0
+    status = _status(kube_api, name)
+    assert status["quota"]["teams"][0]["used"] == str(3000 + 2_000_000) and status["pods"] == 1  # both writers' fields
 
 
 def test_a_follower_counts_nothing_and_a_missing_budget_resumes_from_nothing(kube_api, budget):
