@@ -56,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -668,14 +669,13 @@ class SimAgent:
         sel = f"/api/v1/pods?fieldSelector=spec.nodeName%3D{self.node}&limit=500"
         grp = "/apis/netagent.io/v1alpha1"
         delay = random.Random(f"start{self.i}").uniform(0, self.host.ramp) if self.host.ramp > 0 else 0.0
-        return [asyncio.create_task(self.ramped(delay, c)) for c in (
+        watches = () if self.host.shared_watches else (  # --sim-shared-watches: the worker's (AgentHost)
             self.list_watch(sel, self.pods, "pods", PodRecord.from_object),
             self.list_watch(f"{grp}/egressclasses?limit=500", self.classes, "egressclasses",
                             lambda o: self.host.shared("egressclasses", o)),
             self.list_watch(f"{grp}/egressbudgets?limit=500", self.budgets, "egressbudgets",
-                            lambda o: self.host.shared("egressbudgets", o)),
-            self.report_loop(),
-        )]
+                            lambda o: self.host.shared("egressbudgets", o)))
+        return [asyncio.create_task(self.ramped(delay, c)) for c in (*watches, self.report_loop())]
 
     @staticmethod
     async def ramped(delay: float, coro) -> None:
@@ -721,6 +721,7 @@ class AgentHost:
         self.report_timeout = cfg.get("report_timeout", AGENT_REPORT_TIMEOUT_S)  # --sim-report-timeout
         self.counters = cfg.get("counters", False)
         self.ramp = cfg.get("ramp", 0.0)  # seconds over which the agents start (--agent-ramp)
+        self.shared_watches = cfg.get("shared_watches", False)  # --sim-shared-watches
         self.controller_urls = cfg["controller_urls"]
         self.controller_ctx = ssl.create_default_context(cadata=cfg["controller_ca"])
         self.agent_api = Api(cfg["api_urls"][0], Path(cfg["api_ca_file"]), limit=0)
@@ -738,6 +739,11 @@ class AgentHost:
         self._synced_kinds: dict[int, set] = {}
         self._shared: dict[tuple, dict] = {}
         self.agents = [SimAgent(self, i, tok) for i, tok in cfg["agents"]]
+        if self.shared_watches:  # one store of each policy kind, read by every agent of this worker
+            classes: dict[str, dict] = {}
+            budgets: dict[str, dict] = {}
+            for a in self.agents:
+                a.classes, a.budgets = classes, budgets
 
     def api_url(self, agent: "SimAgent") -> str:
         """The agent's API server (a real cluster's Service spreads agents over its apiservers)."""
@@ -767,6 +773,91 @@ class AgentHost:
         kinds.add(kind)
         if len(kinds) == 3:
             agent.synced.set()
+
+    # --sim-shared-watches: one list (paged) and watch of each kind for all of this worker's agents
+    # instead of three an agent. The controller's side is unchanged (its informer, TokenReviews and
+    # writes); what is left out is the API server's load of N agents' lists and watches, which a
+    # 2-core machine cannot serve beside N simulated agents and the controllers (docs/scale.md)
+    async def shared_list_watch(self, path: str, kind: str) -> None:
+        agent0 = self.agents[0]
+        url, headers = self.api_url(agent0) + path, {"Authorization": f"Bearer {agent0.token}"}
+        by_node = {a.node: a for a in self.agents}
+        rv: str | None = None
+        backoff = 0.5
+        while not self.stopping:
+            try:
+                if rv is None:
+                    rv = await self._shared_list(url, headers, kind, by_node)
+                watch = (f"{url}&watch=1&allowWatchBookmarks=true&timeoutSeconds={WATCH_TIMEOUT_S}"
+                         f"&resourceVersion={rv}")
+                async with self.agent_api.session.get(watch, headers=headers, timeout=aiohttp.ClientTimeout(
+                        sock_connect=10, sock_read=WATCH_TIMEOUT_S + 30)) as r:
+                    if r.status == 410:
+                        self.stats.relists_410 += 1
+                        rv = None
+                        continue
+                    if r.status != 200:
+                        raise RuntimeError(f"watch {kind}: {r.status}")
+                    backoff = 0.5
+                    async for line in r.content:
+                        ev = json.loads(line)
+                        obj = ev["object"]
+                        if ev["type"] == "ERROR":
+                            rv = None if obj.get("code") == 410 else rv
+                            break
+                        rv = obj["metadata"]["resourceVersion"]
+                        if ev["type"] != "BOOKMARK":
+                            self._route(kind, obj, by_node, deleted=ev["type"] == "DELETED")
+            except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as e:
+                if self.stopping:
+                    return
+                self.errors[f"{kind}: {type(e).__name__}: {str(e)[:80]}"] += 1
+                await asyncio.sleep(random.uniform(0, backoff))
+                backoff = min(backoff * 2, 30)
+
+    async def _shared_list(self, url: str, headers: dict, kind: str, by_node: dict) -> str:
+        """A paged LIST of `kind` into the agents' stores (cleared first); its resourceVersion."""
+        for a in self.agents:
+            (a.pods if kind == "pods" else a.classes if kind == "egressclasses" else a.budgets).clear()
+        cont = ""
+        while True:
+            self.stats.lists[(kind, "window" if self.stats.window else "start")] += 1
+            page = url + (f"&continue={urllib.parse.quote(cont, safe='')}" if cont else "")
+            async with self.agent_api.session.get(page, headers=headers) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"list {kind}: {r.status}")
+                body = await r.json()
+            for obj in body.get("items") or []:
+                self._route(kind, obj, by_node)
+            meta = body["metadata"]
+            cont = meta.get("continue") or ""
+            if not cont:
+                break
+        for a in self.agents:
+            a._dirty = True
+            self.mark_synced(a, kind)
+        return meta["resourceVersion"]
+
+    def _route(self, kind: str, obj: dict, by_node: dict, deleted: bool = False) -> None:
+        """One object into the store of the agent it concerns: a pod to its node's agent (if this
+        worker's), an EgressClass or EgressBudget to the worker's one store, every agent re-resolving
+        only when what the agent keeps of it changed (as SimAgent.apply_event)."""
+        key = SimAgent.key(kind, obj)
+        if kind == "pods":
+            agent = by_node.get((obj.get("spec") or {}).get("nodeName"))
+            if agent is None:
+                return
+            agents, store, value = [agent], agent.pods, None if deleted else PodRecord.from_object(obj)
+        else:
+            agents = self.agents
+            store = agents[0].classes if kind == "egressclasses" else agents[0].budgets
+            value = None if deleted else self.shared(kind, obj)
+        old = store.pop(key, None) if deleted else store.get(key)
+        if not deleted:
+            store[key] = value
+        if value is not old:
+            for a in agents:
+                a._dirty = True
 
     def state(self, pods: bool) -> dict:
         rows = []
@@ -806,6 +897,11 @@ class AgentHost:
 
     async def serve(self, conn) -> None:
         tasks = [t for a in self.agents for t in a.start()]
+        if self.shared_watches and self.agents:
+            grp = "/apis/netagent.io/v1alpha1"
+            tasks += [asyncio.create_task(self.shared_list_watch(path, kind)) for path, kind in (
+                ("/api/v1/pods?limit=500", "pods"), (f"{grp}/egressclasses?limit=500", "egressclasses"),
+                (f"{grp}/egressbudgets?limit=500", "egressbudgets"))]
         try:
             while True:
                 cmd, arg = await asyncio.to_thread(conn.recv)
@@ -1287,6 +1383,7 @@ def print_header(args) -> None:
           f"--agent-processes {args.agent_processes} --apiservers {args.apiservers}"
           + ("" if args.pod_status else " --no-pod-status") + (" --quotas" if args.quotas else "")
           + (f" --agent-ramp {args.agent_ramp:g}" if args.agent_ramp else "")
+          + (" --sim-shared-watches" if args.sim_shared_watches else "")
           + (f" --sim-report-timeout {args.sim_report_timeout:g}"
              if args.sim_report_timeout != AGENT_REPORT_TIMEOUT_S else "")
           + (f" --apiserver-memory-limit-mib {args.apiserver_memory_limit_mib}" if args.apiserver_memory_limit_mib else "")
@@ -1355,7 +1452,7 @@ async def start_netagent(r: Run, tokens: dict, ctl_token: str) -> tuple[ssl.SSLC
         "controller_urls": [u for _, u, _ in controllers],
         "controller_ca": controller_ca_pem, "api_urls": r.api_urls, "api_ca_file": str(r.cp.ca_file),
         "tls_read_bytes": args.sim_tls_read_bytes, "counters": args.quotas,
-        "ramp": args.agent_ramp})
+        "ramp": args.agent_ramp, "shared_watches": args.sim_shared_watches})
     r.guard.pids.update(bench.worker_pids)
     t_agents = time.time()
     t_sync0 = time.monotonic()
@@ -1736,6 +1833,11 @@ def main() -> None:
                         "a longer one keeps a busy simulator from closing kept connections the controller answers "
                         "(each timed-out report costs the next one a TLS handshake); the answer latency printed is "
                         "the same measure either way")
+    p.add_argument("--sim-shared-watches", action="store_true",
+                   help="each simulator process lists and watches the pods, EgressClasses and EgressBudgets once "
+                        "for all its agents (three an agent without it): the controller's side is unchanged, the "
+                        "API server's load of N agents' watches is left out of the run (docs/scale.md says where "
+                        "it is measured)")
     p.add_argument("--agent-ramp", type=float, default=0.0,
                    help="seconds over which the simulated agents start, each at a uniformly drawn time (as a "
                         "DaemonSet's pods come up node by node); 0: all at once")
