@@ -14,6 +14,13 @@ from .errors import NetagentError
 GROUP, VERSION = "netagent.io", "v1alpha1"
 # (connect, read) seconds for single requests (reads, writes, reviews); watches set their own
 TIMEOUT = (5.0, 10.0)
+# connections kept to the API server per client. The kubernetes client's default is 5 per CPU of the
+# host (10 on a 2-CPU node), and a request beyond the pool opens a new TLS connection and closes it after
+# ("Connection pool is full, discarding connection"): at 10,000 nodes the controller's TokenReviews (up
+# to 16 at once in each of its two lanes, controller/api.py) beside its informers' watches, each holding
+# one, did a handshake a review. 64 covers both lanes, the watches, leases, status and quota writes,
+# Events and /metrics reviews.
+POOL_CONNECTIONS = 64
 
 
 class KubeError(NetagentError):
@@ -23,10 +30,12 @@ class KubeError(NetagentError):
 def load_api_client(kubeconfig: str | None) -> client.ApiClient:
     """A client from a kubeconfig file, or from the pod's in-cluster config when `kubeconfig` is None."""
     try:
-        if kubeconfig:
-            return config.new_client_from_config(config_file=kubeconfig)
         cfg = client.Configuration()
-        config.load_incluster_config(client_configuration=cfg)
+        if kubeconfig:
+            config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        else:
+            config.load_incluster_config(client_configuration=cfg)
+        cfg.connection_pool_maxsize = POOL_CONNECTIONS
         return client.ApiClient(cfg)
     except Exception as exc:
         where = f"kubeconfig {kubeconfig}" if kubeconfig else "in-cluster config (no --kubeconfig given)"
