@@ -60,7 +60,7 @@ import urllib.parse
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Awaitable, Iterable, NamedTuple
+from typing import Awaitable, Callable, Iterable, NamedTuple
 
 import aiohttp
 
@@ -419,41 +419,20 @@ class SimAgent:
     # API server side: list once, then resumable watches, relist only on 410
     async def list_watch(self, path: str, store: dict, kind: str, convert) -> None:
         api, stats = self.host.agent_api, self.host.stats
-        headers = {"Authorization": f"Bearer {self.token}"}
-        sep = "&" if "?" in path else "?"
-        rv = None
-        backoff = 0.5
-        while not self.host.stopping:
-            try:
-                if rv is None:
-                    stats.lists[(kind, "window" if stats.window else "start")] += 1
-                    async with api.session.get(self.host.api_url(self) + path, headers=headers) as r:
-                        if r.status != 200:
-                            raise RuntimeError(f"list {kind}: {r.status}")
-                        rv = self.fill(store, kind, convert, await r.json())
-                    self._dirty = True
-                    self.host.mark_synced(self, kind)
-                url = (f"{self.host.api_url(self)}{path}{sep}watch=1&allowWatchBookmarks=true&timeoutSeconds={WATCH_TIMEOUT_S}"
-                       f"&resourceVersion={rv}")
-                async with api.session.get(url, headers=headers,
-                                           timeout=aiohttp.ClientTimeout(sock_connect=10, sock_read=WATCH_TIMEOUT_S + 30)) as r:
-                    if r.status == 410:
-                        stats.relists_410 += 1
-                        rv = None
-                        continue
-                    if r.status != 200:
-                        raise RuntimeError(f"watch {kind}: {r.status}")
-                    backoff = 0.5
-                    async for line in r.content:
-                        rv, gone = self.apply_event(store, kind, convert, line, rv)
-                        if gone:
-                            break
-            except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as e:
-                if self.host.stopping:
-                    return
-                self.host.errors[f"{kind}: {type(e).__name__}: {str(e)[:80]}"] += 1
-                await asyncio.sleep(self.rng.uniform(0, backoff))
-                backoff = min(backoff * 2, 30)
+        url, headers = self.host.api_url(self) + path, {"Authorization": f"Bearer {self.token}"}
+
+        async def relist() -> str:
+            stats.lists[(kind, "window" if stats.window else "start")] += 1
+            async with api.session.get(url, headers=headers) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"list {kind}: {r.status}")
+                rv = self.fill(store, kind, convert, await r.json())
+            self._dirty = True
+            self.host.mark_synced(self, kind)
+            return rv
+
+        await watch_loop(self.host, url, headers, kind, relist,
+                         lambda line, rv: self.apply_event(store, kind, convert, line, rv), self.rng)
 
     @staticmethod
     def fill(store: dict, kind: str, convert, body: dict) -> str:
@@ -686,6 +665,42 @@ class SimAgent:
         await coro
 
 
+async def watch_loop(host: "AgentHost", url: str, headers: dict, kind: str, relist: Callable[[], Awaitable[str]],
+                     apply: Callable[[bytes, str], tuple[str | None, bool]], rng: random.Random) -> None:
+    """List (`relist`: its resourceVersion), then resumable watches, each event through `apply` (the
+    resourceVersion to resume from, whether the watch ended); relist only on 410. A failure is counted in
+    the host's errors and retried with jittered backoff. One loop for a simulated agent's own watch and a
+    worker's shared one (--sim-shared-watches)."""
+    sep = "&" if "?" in url else "?"
+    rv: str | None = None
+    backoff = 0.5
+    while not host.stopping:
+        try:
+            if rv is None:
+                rv = await relist()
+            watch = (f"{url}{sep}watch=1&allowWatchBookmarks=true&timeoutSeconds={WATCH_TIMEOUT_S}"
+                     f"&resourceVersion={rv}")
+            async with host.agent_api.session.get(watch, headers=headers, timeout=aiohttp.ClientTimeout(
+                    sock_connect=10, sock_read=WATCH_TIMEOUT_S + 30)) as r:
+                if r.status == 410:
+                    host.stats.relists_410 += 1
+                    rv = None
+                    continue
+                if r.status != 200:
+                    raise RuntimeError(f"watch {kind}: {r.status}")
+                backoff = 0.5
+                async for line in r.content:
+                    rv, gone = apply(line, rv)
+                    if gone:
+                        break
+        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as e:
+            if host.stopping:
+                return
+            host.errors[f"{kind}: {type(e).__name__}: {str(e)[:80]}"] += 1
+            await asyncio.sleep(rng.uniform(0, backoff))
+            backoff = min(backoff * 2, 30)
+
+
 # -- the simulated agents' processes ---------------------------------------------------------------
 # The agents run in --agent-processes worker processes, each owning a slice of the nodes (one
 # process cannot hold 10,000 agents' watches under this VM's 20,000 open files). A worker only
@@ -782,38 +797,21 @@ class AgentHost:
         agent0 = self.agents[0]
         url, headers = self.api_url(agent0) + path, {"Authorization": f"Bearer {agent0.token}"}
         by_node = {a.node: a for a in self.agents}
-        rv: str | None = None
-        backoff = 0.5
-        while not self.stopping:
-            try:
-                if rv is None:
-                    rv = await self._shared_list(url, headers, kind, by_node)
-                watch = (f"{url}&watch=1&allowWatchBookmarks=true&timeoutSeconds={WATCH_TIMEOUT_S}"
-                         f"&resourceVersion={rv}")
-                async with self.agent_api.session.get(watch, headers=headers, timeout=aiohttp.ClientTimeout(
-                        sock_connect=10, sock_read=WATCH_TIMEOUT_S + 30)) as r:
-                    if r.status == 410:
-                        self.stats.relists_410 += 1
-                        rv = None
-                        continue
-                    if r.status != 200:
-                        raise RuntimeError(f"watch {kind}: {r.status}")
-                    backoff = 0.5
-                    async for line in r.content:
-                        ev = json.loads(line)
-                        obj = ev["object"]
-                        if ev["type"] == "ERROR":
-                            rv = None if obj.get("code") == 410 else rv
-                            break
-                        rv = obj["metadata"]["resourceVersion"]
-                        if ev["type"] != "BOOKMARK":
-                            self._route(kind, obj, by_node, deleted=ev["type"] == "DELETED")
-            except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as e:
-                if self.stopping:
-                    return
-                self.errors[f"{kind}: {type(e).__name__}: {str(e)[:80]}"] += 1
-                await asyncio.sleep(random.uniform(0, backoff))
-                backoff = min(backoff * 2, 30)
+        await watch_loop(self, url, headers, kind, lambda: self._shared_list(url, headers, kind, by_node),
+                         lambda line, rv: self._shared_event(kind, by_node, line, rv), random.Random(kind))
+
+    def _shared_event(self, kind: str, by_node: dict, line: bytes, rv: str) -> tuple[str | None, bool]:
+        """One watch event to the agents it concerns, as SimAgent.apply_event does for one agent's store."""
+        ev = json.loads(line)
+        obj = ev["object"]
+        if ev["type"] == "ERROR":
+            if obj.get("code") == 410:
+                self.stats.relists_410 += 1
+                return None, True
+            return rv, True
+        if ev["type"] != "BOOKMARK":
+            self._route(kind, obj, by_node, deleted=ev["type"] == "DELETED")
+        return obj["metadata"]["resourceVersion"], False
 
     async def _shared_list(self, url: str, headers: dict, kind: str, by_node: dict) -> str:
         """A paged LIST of `kind` into the agents' stores (cleared first); its resourceVersion."""
@@ -1468,7 +1466,7 @@ async def start_netagent(r: Run, tokens: dict, ctl_token: str) -> tuple[ssl.SSLC
             print(f"  {now - t_sync0:.0f} s: {st['synced']} of {args.nodes} agents synced, lists "
                   f"{sum(st['stats'].lists.values())}, errors {st['errors'].most_common(3)}", flush=True)
         await asyncio.sleep(1.0)
-    print(f"{args.nodes} agents synced (3 lists each) after {time.monotonic() - t_sync0:.1f} s "
+    print(f"{args.nodes} agents synced ({'3 lists a simulator process, pods paged' if args.sim_shared_watches else '3 lists each'}) after {time.monotonic() - t_sync0:.1f} s "
           f"({len(bench.workers)} agent processes)", flush=True)
     await asyncio.sleep(3 * args.period)  # the first reports, TokenReviews, first rounds
     # the cold start: every pod begins at the floor and climbs by probing (~2 periods a doubling),
@@ -1537,7 +1535,7 @@ def report_requests(r: Run, base: Baseline, w: Window, t_agents: float) -> None:
         print(f"  {kind:10s} {verb:8s} {res:28s} {n / args.measure:8.2f}/s")
     agent_lists_after = sum(n for (k, v, _), n in counts_window.items() if k == "agent" and v == "list")
     print(f"agent LISTs at start: {sum(n for (k, v, _), n in counts_start.items() if k == 'agent' and v == 'list')}"
-          f" (expected {3 * args.nodes}); after start (window): {agent_lists_after}; relists after 410: {stats.relists_410}")
+          f" (expected {'3 a simulator process, pods paged' if args.sim_shared_watches else 3 * args.nodes}); after start (window): {agent_lists_after}; relists after 410: {stats.relists_410}")
     tr = sum(n for (k, v, r_), n in counts_start.items() if k == "controller" and r_ == "tokenreviews")
     status_w = sum(n for (k, v, r_), n in counts_window.items() if k == "controller" and r_.endswith("/status"))
     tr_w = sum(n for (k, v, r_), n in counts_window.items() if k == "controller" and r_ == "tokenreviews")
