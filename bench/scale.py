@@ -754,11 +754,12 @@ class AgentHost:
         self._synced_kinds: dict[int, set] = {}
         self._shared: dict[tuple, dict] = {}
         self.agents = [SimAgent(self, i, tok) for i, tok in cfg["agents"]]
-        if self.shared_watches:  # one store of each policy kind, read by every agent of this worker
-            classes: dict[str, dict] = {}
-            budgets: dict[str, dict] = {}
+        # --sim-shared-watches: one store of each policy kind, read by every agent of this worker
+        self.classes: dict[str, dict] = {}
+        self.budgets: dict[str, dict] = {}
+        if self.shared_watches:
             for a in self.agents:
-                a.classes, a.budgets = classes, budgets
+                a.classes, a.budgets = self.classes, self.budgets
 
     def api_url(self, agent: "SimAgent") -> str:
         """The agent's API server (a real cluster's Service spreads agents over its apiservers)."""
@@ -815,8 +816,11 @@ class AgentHost:
 
     async def _shared_list(self, url: str, headers: dict, kind: str, by_node: dict) -> str:
         """A paged LIST of `kind` into the agents' stores (cleared first); its resourceVersion."""
-        for a in self.agents:
-            (a.pods if kind == "pods" else a.classes if kind == "egressclasses" else a.budgets).clear()
+        if kind == "pods":
+            for a in self.agents:
+                a.pods.clear()
+        else:
+            self._policy_store(kind).clear()
         cont = ""
         while True:
             self.stats.lists[(kind, "window" if self.stats.window else "start")] += 1
@@ -836,6 +840,9 @@ class AgentHost:
             self.mark_synced(a, kind)
         return meta["resourceVersion"]
 
+    def _policy_store(self, kind: str) -> dict[str, dict]:
+        return self.classes if kind == "egressclasses" else self.budgets
+
     def _route(self, kind: str, obj: dict, by_node: dict, deleted: bool = False) -> None:
         """One object into the store of the agent it concerns: a pod to its node's agent (if this
         worker's), an EgressClass or EgressBudget to the worker's one store, every agent re-resolving
@@ -847,8 +854,7 @@ class AgentHost:
                 return
             agents, store, value = [agent], agent.pods, None if deleted else PodRecord.from_object(obj)
         else:
-            agents = self.agents
-            store = agents[0].classes if kind == "egressclasses" else agents[0].budgets
+            agents, store = self.agents, self._policy_store(kind)
             value = None if deleted else self.shared(kind, obj)
         old = store.pop(key, None) if deleted else store.get(key)
         if not deleted:
