@@ -136,13 +136,17 @@ def advance(pods: list[SimPod], t: float, dt: float, jitter: float, rng: random.
     return total
 
 
-async def post_reports(session, base: str, pods: list[SimPod], period: float, egress: dict[str, float]) -> int:
+async def post_reports(session, base: str, pods: list[SimPod], period: float, egress: dict[str, float],
+                       shaped: dict[str, float] | None) -> int:
+    """`shaped`: what each node's classes sent over the same seconds as its egress (an agent that reads
+    both together); None: reports as older agents sent them, the pods' last samples only."""
     by_node: dict[str, list[SimPod]] = {}
     for p in pods:
         by_node.setdefault(p.node, []).append(p)
 
     async def one(node: str, members: list[SimPod]) -> int:
         body = {"node": node, "seq": 1, "period_seconds": period, "node_internet_egress_bps": egress.get(node, 0.0),
+                **({"node_shaped_egress_bps": shaped[node]} if shaped is not None else {}),
                 "pods": [{"namespace": p.namespace, "name": p.name, "usage_bps": p.estimator.usage_bps,
                           "demand_bps": p.estimator.demand_bps, "throttled": p.estimator.throttled,
                           "egress_class": p.egress_class} for p in members]}
@@ -211,12 +215,14 @@ async def simulate(base: str, args, pods: list[SimPod], rng: random.Random) -> l
                         p.demand = base_demand[p.key] * (3.0 if (step // 2) % 2 == 0 else 0.1)
             t = step * args.period
             egress: dict[str, float] = {}
+            shaped: dict[str, float] = {}
             cluster = 0.0
             for node in {p.node for p in pods}:
-                sent = advance([p for p in pods if p.node == node], t, args.period, args.jitter, rng)
-                egress[node] = sent * args.l3_per_l2 + args.host
+                shaped[node] = advance([p for p in pods if p.node == node], t, args.period, args.jitter, rng)
+                egress[node] = shaped[node] * args.l3_per_l2 + args.host
                 cluster += egress[node]
-            generation = await post_reports(session, base, pods, args.period, egress)
+            generation = await post_reports(session, base, pods, args.period, egress,
+                                            None if args.older_agents else shaped)
             fair = fair_allocation(pods, (BUDGET_BPS - args.host * args.nodes) / args.l3_per_l2)
             bursting = [p for p in pods if p.bursty and p.demand > base_demand[p.key]]
             rows.append({"step": step, "generation": generation, "error": worst_error(pods, fair, rate=True),
@@ -249,6 +255,9 @@ def main() -> int:
                     help="the node's measured egress per byte the pod classes sent (1.0: both in IP bytes, as the "
                          "agent reports them; 0.955: the iptables node counter against HTB frames)")
     ap.add_argument("--host", type=float, default=1.5e6, help="unshaped host traffic per node (bit/s)")
+    ap.add_argument("--older-agents", action="store_true",
+                    help="report as agents before issue 37's same-window read did: no node_shaped_egress_bps, so "
+                         "the controller's gain waits for a steady plant")
     ap.add_argument("--jitter", type=float, default=0.0,
                     help="each period a pod wants its demand x U(1-j, 1+j); the fair share is judged on the demand")
     ap.add_argument("--keep", action="store_true", help="keep the controller's log (its path is printed)")

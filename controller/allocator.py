@@ -62,7 +62,7 @@ from core.engine import ColumnarResult, PodColumns, TeamColumns, allocate_column
 from core.quantity import MAX_BPS
 from core.policy import Policy, resolve_pod
 from core.quantity import TRICKLE_BPS
-from core.wire import NODE_MEASURED, POD_DEMAND, POD_USAGE, NodeReport, PodAllocation, PodReport, TeamQuotaState
+from core.wire import NODE_MEASURED, NODE_SHAPED, POD_DEMAND, POD_USAGE, NodeReport, PodAllocation, PodReport, TeamQuotaState
 
 from .cost import CostKeeper
 from .quota import QuotaKeeper
@@ -383,7 +383,8 @@ class Allocator:
             teams = self.quota.capped(teams, d, team[mask], MIN_SAFE_FLOOR_BPS)
         run = self._run(self._lanes[d], teams, total, lane_nodes, lane_prepared, team[mask],
                         table[mask, _COLUMNS[d]], demand, usage,
-                        [NODE_MEASURED[d](item.report) for item in lane_prepared], now)
+                        [NODE_MEASURED[d](item.report) for item in lane_prepared],
+                        [NODE_SHAPED[d](item.report) for item in lane_prepared], now)
         alloc, limit = np.full(n, np.nan), np.full(n, np.nan)
         alloc[mask], limit[mask] = run.result.allocation, run.result.limit
         # the floor is every pod's share of the whole budget (all agents on it at once stay within it)
@@ -395,9 +396,10 @@ class Allocator:
 
     def _run(self, state: _Direction, teams: TeamColumns, total: float, nodes: list[str],
              prepared: list[PreparedReport], team: np.ndarray, policy_columns: np.ndarray, demand: np.ndarray,
-             usage: np.ndarray, node_measured: list[float], now: float) -> _Run:
+             usage: np.ndarray, node_measured: list[float], node_shaped: list[float | None], now: float) -> _Run:
         """One direction's engine run over `nodes` (their pods in order): weight, min, max in
-        `policy_columns`; `node_measured` the nodes' measured internet totals in that direction."""
+        `policy_columns`; `node_measured` the nodes' measured internet totals in that direction, and
+        `node_shaped` what their classes carried over the same seconds (None: an older agent)."""
         pods = PodColumns(team=team, weight=policy_columns[:, 0].copy(), min_bps=policy_columns[:, 1].copy(),
                           max_bps=policy_columns[:, 2].copy(), demand_bps=demand)
         # each node's word on the measured total is bounded by what it may use (see the module doc)
@@ -414,17 +416,21 @@ class Allocator:
             feedback, state.last_feedback = measured, now
         # the gain is the ratio of what the pods' classes carried to the measured total (other byte
         # counts, unshaped host traffic), both from the nodes that measure it; a node's pods never
-        # carried more than the node did
-        shaped = None
+        # carried more than the node did. A node that read both over the same seconds says what its
+        # classes carried then; an older agent's pods' last samples cover other seconds, and one such
+        # node makes the engine wait for a steady plant (core.engine: same_window)
+        shaped, same_window = None, False
         if feedback is not None:
-            shaped, start = 0.0, 0
-            for item, m in zip(prepared, measured_by_node):
+            shaped, start, same_window = 0.0, 0, True
+            for item, m, carried in zip(prepared, measured_by_node, node_shaped):
                 end = start + len(item.keys)
                 if m > 0:
-                    shaped += min(float(usage[start:end].sum()), m)
+                    if carried is None:
+                        carried, same_window = float(usage[start:end].sum()), False
+                    shaped += min(carried, m)
                 start = end
         result = allocate_columns(teams, pods, total, feedback, self._aligned_previous(state, nodes, prepared),
-                                  shaped_usage_bps=shaped)
+                                  shaped_usage_bps=shaped, same_window=same_window)
         node_rate: dict[str, float] = {}
         previous: dict[str, tuple[tuple, np.ndarray, np.ndarray]] = {}
         start = 0

@@ -48,10 +48,11 @@ class EngineConfig:
     gain_smoothing: float = 1.0
     gain_deadband: float = 0.005  # the gain stays when the measured ratio is this close to it
     gain_min_usage: float = 0.05  # the pods' usage must be this share of the budget for a ratio to mean anything
-    # the gain moves only when the pods' usage and the measured total, each as a share of the
-    # capacity they ran under, both moved less than this since the last feedback: in a transient
-    # (a node's pods starting) the two cover different windows (the agent's last 1 s sample
-    # against its node's counter since the last report) and their ratio says nothing of the plant
+    # unless both cover the same seconds (`same_window`), the gain moves only when the pods' usage
+    # and the measured total, each as a share of the capacity they ran under, both moved less than
+    # this since the last feedback: in a transient (a node's pods starting) an older agent's two
+    # numbers cover different windows (its last 1 s sample against its node's counter since the last
+    # report) and their ratio says nothing of the plant
     gain_steady: float = 0.03
 
 
@@ -209,10 +210,17 @@ def _check(pods: PodColumns, n_teams: int) -> None:
 
 def feedback_gain(previous_gain: float, total_bps: float, measured_total_bps: float | None,
                   shaped_usage_bps: float | None, config: EngineConfig = EngineConfig()) -> float:
-    """The next gain on the budget: the ratio of what the pods' classes sent (`shaped_usage_bps`,
-    what allocations govern) to the measured internet egress (`measured_total_bps`: other
-    byte counts, unshaped host traffic), smoothed and bounded. Sharing budget x that ratio
-    makes the measured total land on the budget when the pods use their shares.
+    """The next gain on the budget, from the ratio of what the pods' classes sent (`shaped_usage_bps`,
+    what allocations govern) to the measured internet egress (`measured_total_bps`: other byte
+    counts, unshaped host traffic), bounded. Sharing budget x that ratio makes the measured total
+    land on the budget when the pods use their shares.
+
+    The ratio holds for the part of the budget the measured total covers; the rest keeps the gain
+    it has: capacity = shaped + gain x (budget - measured), i.e. a step to the ratio of
+    measured/budget of the way (all of it once the measured total reaches the budget). So a feedback
+    taken while the pods ramp (usage a quarter of the budget, with unshaped host traffic U) does not
+    read usage / (usage + U) as the plant's ratio: with the gain at 1 and both counts in IP bytes it
+    lands on (budget - U) / budget, the right gain, in one feedback (issue 37's cold start).
 
     It is a property of the plant, not of demand: pods that use less than they were given
     lower both numbers alike, so the gain never pushes more share out while pods catch up
@@ -222,20 +230,23 @@ def feedback_gain(previous_gain: float, total_bps: float, measured_total_bps: fl
             or measured_total_bps <= 0 or shaped_usage_bps < config.gain_min_usage * total_bps):
         return previous_gain
     ratio = min(max(shaped_usage_bps / measured_total_bps, config.gain_min), config.gain_max)
-    if abs(ratio / previous_gain - 1.0) <= config.gain_deadband:
+    covered = min(1.0, measured_total_bps / total_bps)
+    target = previous_gain + covered * (ratio - previous_gain)
+    if abs(target / previous_gain - 1.0) <= config.gain_deadband:
         return previous_gain
-    return float(previous_gain + config.gain_smoothing * (ratio - previous_gain))
+    return float(previous_gain + config.gain_smoothing * (target - previous_gain))
 
 
 def allocate_columns(teams: TeamColumns, pods: PodColumns, total_bps: float,
                      measured_total_bps: float | None = None,
                      previous: ColumnarResult | None = None,
                      config: EngineConfig = EngineConfig(),
-                     shaped_usage_bps: float | None = None) -> ColumnarResult:
+                     shaped_usage_bps: float | None = None, same_window: bool = False) -> ColumnarResult:
     """Allocate `total_bps` across teams and pods. `previous`, if given, must be aligned with
     `pods` (same pod at the same index; NaN for a pod it did not have) for hysteresis, and
     carries the feedback gain, which moves only when both the measured total and the pods'
-    usage behind it are given (see `feedback_gain`)."""
+    usage behind it are given (see `feedback_gain`); `same_window`: the two cover the same
+    seconds, so no steady plant is needed for the gain to move (see `_gain`)."""
     n_teams = len(teams.names)
     _check(pods, n_teams)
     team = pods.team.astype(np.intp, copy=False)
@@ -247,7 +258,7 @@ def allocate_columns(teams: TeamColumns, pods: PodColumns, total_bps: float,
     configured = np.minimum(teams.max_bps, np.maximum(teams.min_bps, np.bincount(team, pods.min_bps, n_teams)))
     guaranteed = float(configured.sum())
 
-    gain, point = _gain(previous, total_bps, measured_total_bps, shaped_usage_bps, config)
+    gain, point = _gain(previous, total_bps, measured_total_bps, shaped_usage_bps, config, same_window)
     capacity = min(total_bps * gain, float(MAX_BPS))
 
     one = np.zeros(n_teams, dtype=np.intp)
@@ -277,10 +288,12 @@ def allocate_columns(teams: TeamColumns, pods: PodColumns, total_bps: float,
 
 
 def _gain(previous: ColumnarResult | None, total_bps: float, measured_total_bps: float | None,
-          shaped_usage_bps: float | None, config: EngineConfig) -> tuple[float, tuple[float, float] | None]:
-    """This round's gain and feedback point: `feedback_gain` when this feedback is steady against the
-    last one (both numbers within `gain_steady` of the capacity they ran under); else the gain held.
-    The first feedback only sets the point: a start is a transient too."""
+          shaped_usage_bps: float | None, config: EngineConfig,
+          same_window: bool = False) -> tuple[float, tuple[float, float] | None]:
+    """This round's gain and feedback point: `feedback_gain` when the two numbers cover the same
+    seconds (`same_window`) or this feedback is steady against the last one (both numbers within
+    `gain_steady` of the capacity they ran under); else the gain held. Without `same_window` the
+    first feedback only sets the point: a start is a transient too."""
     gain = previous.gain if previous is not None else 1.0
     last = previous.feedback_point if previous is not None else None
     if measured_total_bps is None or shaped_usage_bps is None:
@@ -290,7 +303,8 @@ def _gain(previous: ColumnarResult | None, total_bps: float, measured_total_bps:
             and math.isfinite(shaped_usage_bps)):
         return gain, last
     point = (shaped_usage_bps / ran_under, measured_total_bps / ran_under)
-    if last is None or max(abs(point[0] - last[0]), abs(point[1] - last[1])) > config.gain_steady:
+    if not same_window and (last is None or max(abs(point[0] - last[0]), abs(point[1] - last[1]))
+                            > config.gain_steady):
         return gain, point
     return feedback_gain(gain, total_bps, measured_total_bps, shaped_usage_bps, config), point
 
@@ -419,7 +433,8 @@ class AllocationResult:
 
 def allocate(policy: Policy, pods: Sequence[PodDemandIn], measured_total_bps: float | None = None,
              previous: AllocationResult | None = None, config: EngineConfig = EngineConfig(),
-             shaped_usage_bps: float | None = None, direction: Direction = Direction.UPLOAD) -> AllocationResult:
+             shaped_usage_bps: float | None = None, direction: Direction = Direction.UPLOAD,
+             same_window: bool = False) -> AllocationResult:
     """Allocate the policy's budget in `direction` to `pods` (their values for that direction).
     A pod naming a team the policy does not have is counted in the default team (the policy
     changed since it was resolved)."""
@@ -440,7 +455,7 @@ def allocate(policy: Policy, pods: Sequence[PodDemandIn], measured_total_bps: fl
     if previous is not None:
         prev_columns = _realign(previous, keys)
     result = allocate_columns(teams, columns, float(policy.totals[direction]), measured_total_bps, prev_columns, config,
-                              shaped_usage_bps)
+                              shaped_usage_bps, same_window)
 
     pod_results = {k: PodResult(float(a), float(l)) for k, a, l in zip(keys, result.allocation, result.limit)}
     team_totals = {

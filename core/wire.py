@@ -85,6 +85,11 @@ class NodeReport(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     node_internet_egress_bps: Rate = 0.0  # everything leaving to the internet, host traffic included
     node_internet_ingress_bps: Rate = 0.0  # everything arriving from the internet, host traffic included
     shapes_ingress: bool = False  # the agent shapes downloads (an older agent does not: no download share)
+    # the node's pods' classes' IP bytes (what their usage counts) over the same seconds as the node's
+    # internet bytes above, read together (issue 37): their ratio needs no steady plant to mean the
+    # plant's; None (an older agent): the controller sums the pods' last samples and waits for one
+    node_shaped_egress_bps: Rate | None = None
+    node_shaped_ingress_bps: Rate | None = None
     # what the pods' byte counters count from (docs/quotas.md): a new epoch means they may have restarted
     # from 0; None (an older agent): its pods' counters are not counted
     epoch: Annotated[str, msgspec.Meta(min_length=1, max_length=128)] | None = None
@@ -276,6 +281,7 @@ encoder = msgspec.json.Encoder()
 POD_DEMAND = PerDirection(attrgetter("demand_bps"), attrgetter("ingress_demand_bps"))
 POD_USAGE = PerDirection(attrgetter("usage_bps"), attrgetter("ingress_usage_bps"))
 NODE_MEASURED = PerDirection(attrgetter("node_internet_egress_bps"), attrgetter("node_internet_ingress_bps"))
+NODE_SHAPED = PerDirection(attrgetter("node_shaped_egress_bps"), attrgetter("node_shaped_ingress_bps"))
 POD_ALLOCATION = PerDirection(attrgetter("allocation_bps"), attrgetter("ingress_allocation_bps"))
 POD_BYTES = PerDirection(attrgetter("bytes_total"), attrgetter("ingress_bytes_total"))
 TEAM_QUOTA = PerDirection(attrgetter("egress"), attrgetter("ingress"))  # TEAM_QUOTA[d](team_quota_state)

@@ -27,6 +27,7 @@ from .allocations import Allocations, AllocationSet
 from .config import AgentConfig
 from .datapath import DataPath
 from .demand import PodDemand
+from .desired import ip_bytes
 from .facts import NodeFacts
 from .frames import FrameRatios
 from .lane import Lane, LocalAllocate
@@ -36,6 +37,9 @@ from .sync import NodeSync
 from .view import NodeView, node_view, quota_entries
 
 log = logging.getLogger(__name__)
+# the node's counters and its classes' counters read within this many seconds count as one read: their
+# rates since the last report cover the same seconds (a 5 s period: within 4 %)
+SAME_READ_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,10 @@ class ReportInputs:
     node_internet_bytes: PerDirection[int | None] = PerDirection(None, None)  # None: the data path could not read it
     # the direction's shaper is programmed (the last good sync applied it): only then is its demand measured
     shaped: PerDirection[bool] = PerDirection(True, False)
+    # per direction, each class's IP bytes (by pod key, as the sampler counts them) read together with
+    # node_internet_bytes, so the two give rates over the same seconds (issue 37); None: not read with it
+    class_bytes: PerDirection[Mapping[str, int] | None] = PerDirection(None, None)
+    read_at: float | None = None  # monotonic time of those reads; None: the reporter's clock when it builds
 
 
 def _int(value: float | None) -> int | None:
@@ -213,7 +221,11 @@ class Agent:
         return self.node.state.pods_known
 
     def report_inputs(self) -> ReportInputs:
+        state = self.node.state
+        desired = state.desired if state.ready else None
+        shaped = PerDirection.build(lambda d: desired is not None and desired.shapers[d] is not None)
         node_bytes: PerDirection[int | None] = PerDirection(None, None)
+        read_at = time.monotonic()
         try:
             _, node_counters = self.datapath.counters()  # a fresh read, once per report period
             # IP bytes on the wire (docs/datapath.md): the unit of the pods' usage and of the budget
@@ -221,11 +233,23 @@ class Agent:
                 f"{d.metric_word}_internet_wire", node_counters.get(f"{d.metric_word}_internet"))))
         except Exception as exc:
             log.debug("node counters unreadable: %s", exc)
-        state = self.node.state
-        desired = state.desired if state.ready else None
-        shaped = PerDirection.build(lambda d: desired is not None and desired.shapers[d] is not None)
+        classes = PerDirection.build(lambda d: self._class_bytes(d, read_at) if shaped[d] else None)
         return ReportInputs(self.cfg.node, state.pods, self.lanes.map(lambda lane: dict(lane.demand)), node_bytes,
-                            shaped.replace(Direction.UPLOAD, True))
+                            shaped.replace(Direction.UPLOAD, True), classes, read_at)
+
+    def _class_bytes(self, direction: Direction, since: float) -> dict[str, int] | None:
+        """Each class's IP bytes read now, right after the node's counters (`since`); None when that read
+        took longer than SAME_READ_S (an apply held the counters' lock): not the same seconds then."""
+        try:
+            at, stats = self.datapath.sample_stats(direction)
+        except Exception as exc:
+            log.debug("class counters unreadable: %s", exc)
+            return None
+        if at - since > SAME_READ_S:
+            return None
+        opts = self.cfg.datapath
+        return {key: ip_bytes(st.bytes, st.packets, opts) for key, minor in self.node.state.minors.items()
+                if (st := stats.get(minor)) is not None}
 
     def view(self) -> NodeView:
         return node_view(self.cfg, self.node.state, self.lanes, self.datapath, self.controller_reachable,

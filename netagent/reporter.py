@@ -28,7 +28,7 @@ import msgspec
 from core.direction import Direction, PerDirection
 from core.policy import ResolvedPod
 from core.quantity import MAX_BPS, MAX_BYTES
-from core.wire import NodeAnswer, NodeReport, PodReport, decode_answer, encoder
+from core.wire import MAX_RATE, NodeAnswer, NodeReport, PodReport, decode_answer, encoder
 
 from .agent import Agent, ReportInputs
 from .allocations import Allocation, AllocationSet
@@ -44,12 +44,14 @@ MAX_ANSWER_BYTES = 4 << 20  # a 1,024-pod answer is ~200 KiB
 
 def build_report(inputs: ReportInputs, seq: int, period: float, node_egress_bps: float,
                  on_omitted: Callable[[str, int], None] | None = None, node_ingress_bps: float = 0.0,
-                 counters: Mapping[str, tuple] | None = None, epoch: str | None = None) -> NodeReport:
+                 counters: Mapping[str, tuple] | None = None, epoch: str | None = None,
+                 node_shaped: PerDirection[float | None] = PerDirection(None, None)) -> NodeReport:
     """The wire report for one period: per pod its usage, demand, throttling and annotations, bounded
     (`outbound`): over-long annotation values and pods beyond one report's limit are left out and
     counted through `on_omitted(reason, n)`. `counters`: pod key -> its cumulative internet bytes (uploads,
     downloads) within `epoch`, for the volume quotas (docs/quotas.md), and optionally its cumulative bytes per
-    cross-zone/cross-region scope (uploads, downloads: scope -> bytes; issue 39, for the cost per team)."""
+    cross-zone/cross-region scope (uploads, downloads: scope -> bytes; issue 39, for the cost per team).
+    `node_shaped`: per direction what the node's classes carried over the same seconds as the node's rate."""
     counters = counters or {}
     omitted = on_omitted or (lambda reason, n: None)
     kept, left_out = bounded_pods(list(inputs.pods), key=lambda p: p.key)
@@ -69,7 +71,18 @@ def build_report(inputs: ReportInputs, seq: int, period: float, node_egress_bps:
         ))
     return NodeReport(inputs.node, pods, seq, period, max(0.0, node_egress_bps),
                       node_internet_ingress_bps=max(0.0, node_ingress_bps), shapes_ingress=inputs.shaped.download,
-                      epoch=epoch if counters else None)
+                      epoch=epoch if counters else None,
+                      node_shaped_egress_bps=_carried(node_shaped.upload),
+                      node_shaped_ingress_bps=_carried(node_shaped.download) if inputs.shaped.download else None)
+
+
+def _mine(counted: Mapping[str, int] | None, mine: Callable[[str], bool]) -> dict[str, int] | None:
+    return None if counted is None else {k: n for k, n in counted.items() if mine(k)}
+
+
+def _carried(bps: float | None) -> float | None:
+    """A node's classes' rate for the wire: within the Rate bounds, None kept (not read with the node's)."""
+    return None if bps is None else min(max(0.0, bps), MAX_RATE)
 
 
 def _byte_fields(counted: tuple | None, uid: str) -> dict:
@@ -248,7 +261,8 @@ class Reporter:
         self.seq = 0
         self.last_error = ""
         # per direction: (monotonic, the node's internet bytes) at the last report
-        self._node_bytes: dict[Direction, tuple[float, int]] = {}
+        # per direction, the last report's read: (when, the node's internet bytes, its classes' IP bytes or None)
+        self._node_bytes: dict[Direction, tuple[float, int, Mapping[str, int] | None]] = {}
         self.epoch = counter_epoch()  # the pods' byte counters' epoch (volume quotas)
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self.run, name="reporter", daemon=True)
@@ -303,27 +317,41 @@ class Reporter:
         our own, and (the wire bounds it) never longer than MAX_ADVISED_PERIOD."""
         return max(self.period, self.advised_period)
 
-    def _node_bps(self, direction: Direction, total: int | None, pods_usage: float) -> float:
-        """The node's measured internet traffic in `direction` (host traffic included) as a rate since
-        the last report; the pods' usage when the counter is missing or went backwards."""
+    def _window_bps(self, direction: Direction, total: int | None, classes: Mapping[str, int] | None, at: float,
+                    pods_usage: float) -> tuple[float, float | None]:
+        """The node's measured internet traffic in `direction` (host traffic included) and what its classes
+        carried, as rates over the same seconds: since the last report's read to this one's (`at`). The pods'
+        usage and None when the node's counter is missing or went backwards; None for the classes when they
+        were not read with it (this time or the last). A class made since the last read counts from 0; the
+        bytes of one removed in between are missing from that one window."""
         if total is None:
-            return pods_usage
-        now, prev = time.monotonic(), self._node_bytes.get(direction)
-        self._node_bytes[direction] = (now, total)
-        if prev is None or now <= prev[0] or total < prev[1]:
-            return pods_usage
-        return (total - prev[1]) * 8 / (now - prev[0])
+            return pods_usage, None
+        prev = self._node_bytes.get(direction)
+        self._node_bytes[direction] = (at, total, classes)
+        if prev is None or at <= prev[0] or total < prev[1]:
+            return pods_usage, None
+        seconds = at - prev[0]
+        node = (total - prev[1]) * 8 / seconds
+        if classes is None or prev[2] is None:
+            return node, None
+        before = prev[2]
+        sent = sum(n - before.get(k, 0) if n >= before.get(k, 0) else n for k, n in classes.items())
+        return node, sent * 8 / seconds
 
     def build_report(self) -> NodeReport:
         inputs = self.agent.report_inputs()
         keys = {p.key for p in inputs.pods}
         # uploads: the pods' own; downloads: every measured class (as reported before)
-        usage = PerDirection.build(lambda d: sum(float(v.usage_bps) for k, v in inputs.demand[d].items()
-                                                 if d is Direction.DOWNLOAD or k in keys))
-        node = PerDirection.build(lambda d: self._node_bps(d, inputs.node_internet_bytes[d], usage[d]))
+        mine = PerDirection.build(lambda d: (lambda k: d is Direction.DOWNLOAD or k in keys))
+        usage = PerDirection.build(lambda d: sum(float(v.usage_bps) for k, v in inputs.demand[d].items() if mine[d](k)))
+        classes = PerDirection.build(lambda d: _mine(inputs.class_bytes[d], mine[d]))
+        at = inputs.read_at if inputs.read_at is not None else time.monotonic()
+        window = PerDirection.build(lambda d: self._window_bps(d, inputs.node_internet_bytes[d], classes[d], at,
+                                                               usage[d]))
         self.seq += 1
-        return build_report(inputs, self.seq, self.effective_period(), node.upload, self.on_omitted, node.download,
-                            self._counters(), self.epoch)
+        return build_report(inputs, self.seq, self.effective_period(), window.upload[0], self.on_omitted,
+                            window.download[0], self._counters(), self.epoch,
+                            node_shaped=window.map(lambda w: w[1]))
 
     def _counters(self) -> dict[str, tuple]:
         """Per pod its internet bytes as the accounting metrics show them (the agent's view: uploads as they left

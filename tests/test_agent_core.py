@@ -376,3 +376,42 @@ def test_service_cidrs_of_serviceCIDR_objects_are_checked_and_bounded():
     many = [{"metadata": {"name": f"s{i}"}, "spec": {"cidrs": [f"10.{i}.0.0/16"]}} for i in range(100)]
     cidrs, problems = service_cidrs_of(many)
     assert len(cidrs) == MAX_SERVICE_CIDRS and "only the first 64" in problems[0]
+
+
+def test_the_report_gives_the_node_and_its_classes_rates_over_the_same_seconds():
+    """Issue 37: the node's internet bytes and its classes' IP bytes are read together, so the report's
+    node_internet_egress_bps and node_shaped_egress_bps cover the same seconds (the controller's gain
+    then needs no steady plant). A class made since the last read counts from 0; classes not read with
+    the node's counter (a slow read) give no node_shaped rate, that time and the next."""
+    from netagent.reporter import Reporter
+    dp = FakeDataPath()
+    agent, _ = make_agent(dp, controller="http://controller")
+    agent.on_snapshot(Snapshot((pod("a", "10.244.0.10"), pod("b", "10.244.0.11")), CLASSES, BUDGETS))
+    assert agent.sync()
+    base = agent.report_inputs()
+    a, b = (p.key for p in base.pods)
+    assert base.read_at is not None and base.class_bytes.upload is not None  # read (the fake has no counters)
+    reads = [(100.0, 1_000, {a: 5_000}), (105.0, 4_001_000, {a: 2_505_000, b: 1_000_000, "node-class": 9}),
+             (110.0, 5_001_000, None), (115.0, 6_001_000, {a: 100, b: 1_500_000}),
+             (120.0, 7_251_000, {a: 50, b: 2_000_000})]
+
+    class Inputs:
+        def report_inputs(self):
+            at, node, classes = reads.pop(0)
+            return dataclasses.replace(base, node_internet_bytes=PerDirection(node, None),
+                                       class_bytes=PerDirection(classes, None), read_at=at)
+
+        def view(self):
+            raise RuntimeError("no view in this test")
+
+    reporter = Reporter(Inputs(), "http://controller", None, insecure_http=True)  # type: ignore[arg-type]
+    got = [reporter.build_report() for _ in range(5)]
+    assert got[0].node_shaped_egress_bps is None  # nothing to count from yet
+    assert got[1].node_internet_egress_bps == pytest.approx(4e6 * 8 / 5)
+    assert got[1].node_shaped_egress_bps == pytest.approx(3.5e6 * 8 / 5)  # b is new: from 0; not the node's class
+    assert got[2].node_internet_egress_bps == pytest.approx(1e6 * 8 / 5) and got[2].node_shaped_egress_bps is None
+    assert got[3].node_shaped_egress_bps is None  # the read before it had no classes
+    # a's class was made again (its counter went back): from 0
+    assert got[4].node_shaped_egress_bps == pytest.approx((50 + 500_000) * 8 / 5)
+    assert got[4].node_internet_egress_bps == pytest.approx(1.25e6 * 8 / 5)
+    assert all(r.node_shaped_ingress_bps is None for r in got)  # no download shaper programmed

@@ -227,15 +227,30 @@ def test_hysteresis_keeps_limits_within_the_budget():
 
 def test_gain_moves_towards_the_ratio_of_shaped_usage_to_measured_egress_within_bounds():
     cfg = EngineConfig()
-    # the pods' classes sent 100M, 120M left the nodes (unshaped host traffic): share less
-    g = feedback_gain(1.0, 1e9, 120e6, 100e6)
-    assert g == pytest.approx(1 + cfg.gain_smoothing * (100 / 120 - 1))
+    # the budget is used in full: 1.2G left the nodes for 1G the pods' classes sent: the whole step
+    assert feedback_gain(1.0, 1e9, 1.2e9, 1e9) == pytest.approx(1 / 1.2)
     for _ in range(50):
-        g = feedback_gain(g, 1e9, 1e12, 100e6)
+        g = feedback_gain(g if _ else 1.0, 1e9, 1e12, 1e9)
     assert g == pytest.approx(cfg.gain_min, rel=cfg.gain_deadband)
     for _ in range(50):
-        g = feedback_gain(g, 1e9, 100e6, 1e12)
+        g = feedback_gain(g, 1e9, 1e9, 1e12)
     assert g == pytest.approx(cfg.gain_max, rel=cfg.gain_deadband)
+
+
+def test_a_feedback_below_the_budget_moves_the_gain_only_for_the_part_it_measured():
+    """Issue 37's cold start: the pods ramp, their classes sent 100M of a 1G budget and 120M left the
+    nodes (20M of unshaped host traffic). Their ratio, 0.83, is not the plant's at the budget: the
+    20M stays 20M when the pods send 980M. The measured 120M moves the gain (capacity = shaped +
+    gain x the unmeasured rest), landing on the budget less the host traffic in one feedback."""
+    g = feedback_gain(1.0, 1e9, 120e6, 100e6)
+    assert g == pytest.approx(0.98)
+    assert feedback_gain(1.0, 1e9, 120e6 + 0.98e9 - 100e6, 0.98e9) == pytest.approx(0.98, rel=0.005)  # and stays
+    # with the pods' bytes 0.9 of the node counter's as well (k = 1/0.9): the rest of the way at the budget
+    g = feedback_gain(1.0, 1e9, 100e6 / 0.9 + 20e6, 100e6)
+    assert 0.95 < g < 0.98
+    for _ in range(3):
+        g = feedback_gain(g, 1e9, g * 1e9 / 0.9 + 20e6, g * 1e9)
+    assert g == pytest.approx((1e9 - 20e6) / 1e9 * 0.9, rel=0.005)
 
 
 def test_gain_ignores_pods_that_use_less_than_their_share():
@@ -282,6 +297,21 @@ def test_gain_holds_through_a_transient_and_moves_once_the_plant_is_steady():
         result = allocate(policy, pods, measured_total_bps=1.1 * used, previous=result, shaped_usage_bps=used)
         gains.append(result.gain)
     assert gains[0] == 1.0 and gains[1] < 0.96 and gains[-1] == pytest.approx(1 / 1.1, rel=0.01), gains
+
+
+def test_counts_of_the_same_seconds_move_the_gain_at_the_first_feedback():
+    """Agents that report their pods' bytes over the same seconds as their node's counter
+    (`node_shaped_egress_bps`) give a ratio no transient skews, so the steady-plant rule above is not
+    needed: the cold start's first feedback, the pods at a quarter of the budget beside 3M of host
+    traffic, sets the gain the budget needs (issue 37). An older agent's feedback still waits."""
+    policy = budget()
+    pods = [pod("a/1", "a", 1e9), pod("b/1", "b", 1e9)]
+    first = allocate(policy, pods)
+    result = allocate(policy, pods, measured_total_bps=28 * M, previous=first, shaped_usage_bps=25 * M,
+                      same_window=True)
+    assert result.gain == pytest.approx(0.97) and result.capacity_bps == pytest.approx(97 * M)
+    older = allocate(policy, pods, measured_total_bps=28 * M, previous=first, shaped_usage_bps=25 * M)
+    assert older.gain == 1.0
 
 
 def test_a_steady_plant_sets_the_gain_in_one_feedback_and_the_total_never_swings_past_the_budget():
