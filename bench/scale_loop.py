@@ -101,7 +101,8 @@ def run(nodes, ppn, nominal_dt, period=5.0, round_s=5.0, steps=880, shift_at=640
                                  a['report'][2][rp.key] if true_demand else e.demand_bps)
                     for a in agents for rp, e in a['report'][1]]
             meas = sum(a['report'][0] for a in agents); usage = sum(e.usage_bps for a in agents for _, e in a['report'][1])
-            result = allocate(policy, rows, measured_total_bps=meas, shaped_usage_bps=usage, previous=result)
+            result = allocate(policy, rows, measured_total_bps=meas, shaped_usage_bps=usage, previous=result,
+                              same_window=True)  # the egress is its pods' usage of the same seconds
             for a in agents:  # --answer-wait: the held answers go out from this round
                 if wait and a.get('waiting'):
                     a['answers'] += 1

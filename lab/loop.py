@@ -93,7 +93,7 @@ class Loop:
         first = self.period == 0
         self.result = allocate(self.policy, self.inputs(lambda p: p.estimator.demand_bps),
                                measured_total_bps=None if first else self.total, previous=self.result,
-                               shaped_usage_bps=None if first else usage)
+                               shaped_usage_bps=None if first else usage, same_window=True)  # as agents read them
         for p in self.pods:
             p.limit = max(self.result.pods[p.key].limit_bps, 1.0)
         self.period += 1
