@@ -561,8 +561,11 @@ class SimAgent:
             # --quotas: the pods' cumulative bytes, as the real agent always sends them (in both windows:
             # what differs between them is the teams' quotas)
             counters = {k: (self.bytes.get(k, 0), self.down_bytes.get(k, 0)) for k in self.bytes} if b.counters else None
+            # the node's egress is its classes' bytes of the same seconds (no host traffic here): as the real
+            # agent reads both counters together, node_shaped is the same figure (issue 37)
             body = encoder.encode(build_report(inputs, self.seq, self.period(), egress, node_ingress_bps=ingress,
-                                               counters=counters, epoch=f"scale/{self.i}" if counters else None))
+                                               counters=counters, epoch=f"scale/{self.i}" if counters else None,
+                                               node_shaped=PerDirection(egress, ingress if b.downloads else None)))
             answered, retry_after, stretches = await self.post(body, started)
             if not answered and self.leader_failed:  # as the agent: a dead leader's address, then the Service
                 answered, retry_after, stretches = await self.post(body, started)

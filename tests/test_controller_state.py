@@ -41,6 +41,37 @@ def test_one_nodes_absurd_egress_does_not_move_the_cluster():
     assert lied > 0.9
 
 
+def test_the_gain_moves_at_the_first_feedback_only_when_every_node_read_both_counts_together():
+    """Issue 37: ten nodes' pods send a quarter of the 100M budget beside 0.3M of host traffic each, then
+    their shares of 97M. When every report carries what its classes carried over the same seconds as its
+    node's counter (node_shaped_egress_bps), the first feedback sets the gain the budget needs, 0.97, and
+    it stays there; one older agent's report (its pods' last samples only) brings back the wait for a
+    steady plant. A node's classes count at most its measured egress: one that says 1e18 moves nothing more."""
+    from core.wire import NodeReport, PodReport
+
+    now = [0.0]
+
+    def gains(older: set[int], liar: bool = False) -> list[float]:
+        alloc = Allocator(policy_source(), clock=lambda: now[0])
+        out = []
+        for sent in (2.5e6, 9.7e6, 9.7e6, 9.7e6):
+            now[0] += 5.0
+            reports = {}
+            for n in range(10):
+                pods = [PodReport("web", f"p{n}", usage_bps=sent, demand_bps=50e6)]
+                shaped = None if n in older else (1e18 if liar and n == 0 else sent)
+                reports[f"node-{n}"] = alloc.prepare(NodeReport(f"node-{n}", pods, 1, 5.0, sent + 0.3e6,
+                                                                node_shaped_egress_bps=shaped))
+            out.append(alloc(reports).summary.gain)
+        return out
+
+    same = gains(set())
+    assert all(g == pytest.approx(0.97, abs=0.001) for g in same), same
+    mixed = gains({3})  # the ramp's feedback is no steady plant, the next sets the point: the third moves
+    assert mixed[:2] == [1.0, 1.0] and mixed[2] == pytest.approx(0.97, abs=0.001), mixed
+    assert gains(set(), liar=True)[0] == pytest.approx(1.0 - 0.3e6 * 9 / 100e6, abs=0.001)
+
+
 def test_resolution_cache_is_bounded(monkeypatch):
     """Agent-supplied annotation strings key the resolution cache: it starts afresh when full, and
     reports prepared against the old one are resolved again, correctly."""
