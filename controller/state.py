@@ -30,8 +30,8 @@ import msgspec
 import numpy as np
 
 from core.direction import PerDirection
-from core.wire import (MAX_PODS_PER_REPORT, MAX_REFUSED, NodeAnswer, NodeReport, Refused, invalid_name_indexes,
-                       long_annotation_indexes)
+from core.wire import (MAX_PODS_PER_REPORT, MAX_REFUSED, REPORT_VERSION, NodeAnswer, NodeReport, Refused,
+                       invalid_name_indexes, long_annotation_indexes)
 
 from .allocator import RoundResult
 from .auth import Identity
@@ -224,7 +224,7 @@ class ControllerState:
                 refused: list[Refused]) -> NodeAnswer:
         if result is None or node not in result.node_rate:  # a node the round has not seen: the agent keeps what it has
             return NodeAnswer(node, 0, self.lease_seconds, 0.0, 0.0, [], problems + [NO_ROUND], refused,
-                              report_period_seconds=self.report_period())
+                              report_period_seconds=self.report_period(), report_version=REPORT_VERSION)
         # downloads: only for a node whose agent shapes them (its pods' answers carry them too)
         download_rate = result.node_ingress_rate.get(node)
         pods = result.by_node[node]
@@ -236,7 +236,7 @@ class ControllerState:
                           result.node_rate[node], pods, problems, refused,
                           node_ingress_rate_bps=download_rate,
                           safe_ingress_floor_bps=result.safe_ingress_floor_bps if download_rate is not None else None,
-                          report_period_seconds=self.report_period(), quota=quota)
+                          report_period_seconds=self.report_period(), quota=quota, report_version=REPORT_VERSION)
 
     def last(self) -> tuple[dict[str, tuple[float, object]], RoundResult | None]:
         """(latest reports by node, last round), read together (controller/view.py)."""

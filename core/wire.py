@@ -194,6 +194,14 @@ class NodeAnswer(msgspec.Struct):
     # one per pod), from the round its allocations come from; None: not known (an older controller, or one that
     # does not count: not the leader, or not resumed yet); []: none of these teams has a byte quota
     quota: Annotated[list[TeamQuotaState], msgspec.Meta(max_length=MAX_PODS_PER_REPORT)] | None = None
+    # the newest report fields this controller decodes (REPORT_VERSION); 0: an older controller, whose
+    # NodeReport refuses a field it does not know (422): the agent then sends none newer than that
+    report_version: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+# What a report may carry beyond the fields every controller decodes, by version (NodeAnswer.report_version):
+# 1: NodeReport.node_shaped_egress_bps / node_shaped_ingress_bps (issue 37)
+REPORT_VERSION = 1
 
 
 class ErrorBody(msgspec.Struct, omit_defaults=True):

@@ -260,10 +260,12 @@ class Reporter:
         self.rng = rng or random.Random()
         self.seq = 0
         self.last_error = ""
-        # per direction: (monotonic, the node's internet bytes) at the last report
         # per direction, the last report's read: (when, the node's internet bytes, its classes' IP bytes or None)
         self._node_bytes: dict[Direction, tuple[float, int, Mapping[str, int] | None]] = {}
         self.epoch = counter_epoch()  # the pods' byte counters' epoch (volume quotas)
+        # the newest report fields the controller said it decodes (NodeAnswer.report_version); 0 until an answer
+        # says more, and again after a failure: an older controller refuses a report with a field it does not know
+        self.controller_report_version = 0
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self.run, name="reporter", daemon=True)
 
@@ -297,6 +299,7 @@ class Reporter:
         return self.next_wait(time.monotonic() - started)
 
     def _failed(self, exc: Exception, stretches: bool) -> None:
+        self.controller_report_version = 0  # perhaps another controller now (a rollout): only fields all decode
         if stretches:
             self.failures += 1
         self.agent.set_controller_reachable(False)
@@ -349,9 +352,10 @@ class Reporter:
         window = PerDirection.build(lambda d: self._window_bps(d, inputs.node_internet_bytes[d], classes[d], at,
                                                                usage[d]))
         self.seq += 1
+        newer = self.controller_report_version >= 1  # the controller reads node_shaped_* (core.wire.REPORT_VERSION)
+        shaped: PerDirection[float | None] = window.map(lambda w: w[1] if newer else None)
         return build_report(inputs, self.seq, self.effective_period(), window.upload[0], self.on_omitted,
-                            window.download[0], self._counters(), self.epoch,
-                            node_shaped=window.map(lambda w: w[1]))
+                            window.download[0], self._counters(), self.epoch, node_shaped=shaped)
 
     def _counters(self) -> dict[str, tuple]:
         """Per pod its internet bytes as the accounting metrics show them (the agent's view: uploads as they left
@@ -410,6 +414,7 @@ class Reporter:
         else:
             answer = self._exchange(None, path, body)
         self.advised_period = advised_period(answer)
+        self.controller_report_version = answer.report_version
         fresh_leader = answer.generation == 0
         now = time.monotonic()
         allocs = None if fresh_leader else answer_allocations(answer, now, self.agent.cfg.node, self.agent.cfg.node_rate_bps)

@@ -404,7 +404,11 @@ def test_the_report_gives_the_node_and_its_classes_rates_over_the_same_seconds()
         def view(self):
             raise RuntimeError("no view in this test")
 
+        def set_controller_reachable(self, reachable: bool) -> None:
+            pass
+
     reporter = Reporter(Inputs(), "http://controller", None, insecure_http=True)  # type: ignore[arg-type]
+    reporter.controller_report_version = 1  # as a controller's answer says (NodeAnswer.report_version)
     got = [reporter.build_report() for _ in range(5)]
     assert got[0].node_shaped_egress_bps is None  # nothing to count from yet
     assert got[1].node_internet_egress_bps == pytest.approx(4e6 * 8 / 5)
@@ -415,3 +419,13 @@ def test_the_report_gives_the_node_and_its_classes_rates_over_the_same_seconds()
     assert got[4].node_shaped_egress_bps == pytest.approx((50 + 500_000) * 8 / 5)
     assert got[4].node_internet_egress_bps == pytest.approx(1.25e6 * 8 / 5)
     assert all(r.node_shaped_ingress_bps is None for r in got)  # no download shaper programmed
+    # an older controller (its answers carry no report_version; its NodeReport refuses a field it does not
+    # know) gets none, and neither does the next controller until it answers: after a failure the agent
+    # cannot tell which one it reaches (a rollout)
+    reads.extend([(125.0, 8_000_000, {a: 100_050, b: 2_500_000}), (130.0, 9_000_000, {a: 200_050, b: 3_000_000})])
+    reporter.controller_report_version = 0
+    assert reporter.build_report().node_shaped_egress_bps is None
+    reporter.controller_report_version = 1
+    assert reporter.build_report().node_shaped_egress_bps == pytest.approx(600_000 * 8 / 5)
+    reporter._failed(RuntimeError("refused"), True)
+    assert reporter.controller_report_version == 0

@@ -317,6 +317,30 @@ def test_reporter_counts_refused_pods_and_reads_answers_without_the_field(tmp_pa
     assert "controller refused pod web/w2 (PodNotOnNode)" in caplog.text
 
 
+def test_the_controller_says_it_reads_the_same_window_fields_and_the_agent_sends_them_from_then(tmp_path):
+    """Issue 37's node_shaped_egress_bps is newer than the controllers' NodeReport before it, which refuses a
+    field it does not know: the agent sends it only once an answer's report_version says the controller reads
+    it. A real controller says so, and a report with it is answered."""
+    from core.direction import PerDirection
+    from core.wire import REPORT_VERSION, decode_answer, encoder
+    from netagent.reporter import Reporter, build_report
+
+    policy = tmp_path / "policy.yaml"
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "w1", "namespace": "web"},
+           "spec": {"nodeName": "node-a", "containers": [{"name": "c", "image": "x"}]}}
+    policy.write_text(yaml.safe_dump_all([*CLASSES, budget("100M"), pod]))
+    agent = reporting_agent("node-a", [("web", "w1")])
+    with controller_process(tmp_path, "--from-file", str(policy), "--no-auth") as (_, base):
+        reporter = Reporter(agent, base, token_path=None, insecure_http=True)
+        assert reporter.controller_report_version == 0
+        reporter.report_once()
+        assert reporter.controller_report_version == REPORT_VERSION >= 1
+        report = build_report(agent.report_inputs(), 7, 5.0, 6e6, node_shaped=PerDirection(5e6, None))
+        assert report.node_shaped_egress_bps == 5e6
+        raw, _ = reporter.client.post("/v1/nodes/node-a/report", encoder.encode(report), None)
+        assert decode_answer(raw).node == "node-a"
+
+
 def test_a_large_cluster_asks_reporters_for_a_longer_period(tmp_path):
     """10 nodes' pods in the files, a leader that takes 2 reports/s: it asks for 10 / 2 = 5 s, but a
     lease of 5 s caps the advice at 1.25 s; the reporter adopts it (jittered around it, and named in
