@@ -22,8 +22,8 @@ period the share of pods within 5% of their fair share and the worst pod's error
 rate, min(demand, limit), and by allocation), the measured total against the budget, the
 jumping pod's allocation against its fair share; then the settling times (periods until
 the condition holds and keeps holding until the next event) against the aims: within 5%
-of fair within 2 periods of a shift; the 10x pod at its fair share within 4 periods;
-measured total within 5% of the budget.
+of fair within 2 periods of any change, the cold start and the 10x pod included (issue 37;
+the 10x pod's aim was 4 periods, the cold start's 4); measured total within 5% of the budget.
 """
 from __future__ import annotations
 
@@ -330,11 +330,12 @@ def main() -> int:
     def verdict(value, aim) -> str:
         return "not settled" if value is None else f"{value} periods (aim <= {aim}: {'met' if value <= aim else 'MISSED'})"
 
-    print(f"from a cold start, every pod within {TOLERANCE:.0%} of fair:  {verdict(initial, 4)}")
+    # issue 37's aim for every change, a cold start included: two periods (the 10x pod's was 4 before it)
+    print(f"from a cold start, every pod within {TOLERANCE:.0%} of fair:  {verdict(initial, 2)}")
     print(f"after the demand shift, every pod within {TOLERANCE:.0%} of fair:  {verdict(shift, 2)}")
-    print(f"from a cold start, 95% of pods within {TOLERANCE:.0%} of fair:  {verdict(initial95, 4)}")
+    print(f"from a cold start, 95% of pods within {TOLERANCE:.0%} of fair:  {verdict(initial95, 2)}")
     print(f"after the demand shift, 95% of pods within {TOLERANCE:.0%} of fair: {verdict(shift95, 2)}")
-    print(f"the 10x pod at {1 - TOLERANCE:.0%} of its fair share:            {verdict(jump, 4)}")
+    print(f"the 10x pod at {1 - TOLERANCE:.0%} of its fair share:            {verdict(jump, 2)}")
     print(f"measured total in steady periods: worst {worst_total:.1%} from the budget "
           f"(aim <= 5%: {'met' if worst_total <= 0.05 else 'MISSED'}); during bursts "
           f"{min(burst_totals):.3f}..{max(burst_totals):.3f} of the budget")
