@@ -15,8 +15,9 @@ allocation engine once over all of them, and splits the result back per node:
   its budget (each agent also caps the floor at the pod's own max). Never sized from one
   round alone: right after a failover a round holds only the few nodes that reported yet;
 - feedback (the engine's gain): the sum of the reports' node_internet_egress_bps (the
-  measured total) and of their pods' usage_bps (what the pod classes sent), when agents
-  report them, fed to the engine at most once per report period (the longest
+  measured total) and of what their classes sent over the same seconds (node_shaped_egress_bps;
+  an older agent's report has only its pods' usage_bps, and the engine then waits for a steady
+  plant), when agents report them, fed to the engine at most once per report period (the longest
   period_seconds among the reports). Robust to one node's lies: each node's egress counts
   at most EGRESS_MARGIN times what it may send (its node rate of the previous round, or a
   fair share of the budget per node when it has none), and its pods' usage at most its
@@ -62,7 +63,8 @@ from core.engine import ColumnarResult, PodColumns, TeamColumns, allocate_column
 from core.quantity import MAX_BPS
 from core.policy import Policy, resolve_pod
 from core.quantity import TRICKLE_BPS
-from core.wire import NODE_MEASURED, NODE_SHAPED, POD_DEMAND, POD_USAGE, NodeReport, PodAllocation, PodReport, TeamQuotaState
+from core.wire import (NODE_MEASURED, NODE_SHAPED, POD_DEMAND, POD_USAGE, NodeReport, PodAllocation, PodReport,
+                       TeamQuotaState)
 
 from .cost import CostKeeper
 from .quota import QuotaKeeper
@@ -414,9 +416,9 @@ class Allocator:
         feedback = None
         if any_measured and now - state.last_feedback >= report_period * 0.9:
             feedback, state.last_feedback = measured, now
-        # the gain is the ratio of what the pods' classes carried to the measured total (other byte
-        # counts, unshaped host traffic), both from the nodes that measure it; a node's pods never
-        # carried more than the node did. A node that read both over the same seconds says what its
+        # the gain weighs what the pods' classes carried against the measured total (unshaped host
+        # traffic, other byte counts: core.engine.feedback_gain), both from the nodes that measure it; a
+        # node's pods never carried more than the node did. A node that read both over the same seconds says what its
         # classes carried then; an older agent's pods' last samples cover other seconds, and one such
         # node makes the engine wait for a steady plant (core.engine: same_window)
         shaped, same_window = None, False
