@@ -87,8 +87,8 @@ BUDGET_FAMILIES: PerDirection[Callable[[Summary], tuple[GaugeMetricFamily, ...]]
         GaugeMetricFamily(P + "budget_bytes_per_second", "the EgressBudget's spec.total", value=s.budget_bps / 8),
         GaugeMetricFamily(P + "oversubscribed", "1 when the teams' guarantees add up to more than the budget",
                           value=1.0 if s.oversubscribed else 0.0),
-        GaugeMetricFamily(P + "feedback_gain", "the engine's gain on the budget: pods' shaped usage / measured "
-                          "egress, so the measured total settles at the budget", value=s.gain),
+        GaugeMetricFamily(P + "feedback_gain", "the engine's gain on the budget: 1 - (measured egress - pods' "
+                          "shaped usage) / budget, so the measured total settles at the budget", value=s.gain),
         GaugeMetricFamily(P + "allocated_bytes_per_second", "sum of the pods' fair shares", labels=TC),
         GaugeMetricFamily(P + "demand_bytes_per_second", "sum of the pods' estimated demand", labels=TC),
         GaugeMetricFamily(P + "used_bytes_per_second", "sum of the pods' measured internet egress", labels=TC),
@@ -101,8 +101,8 @@ BUDGET_FAMILIES: PerDirection[Callable[[Summary], tuple[GaugeMetricFamily, ...]]
                           "(downloads; 2^53/8 when unset)", value=s.budget_bps / 8),
         GaugeMetricFamily(P + "ingress_oversubscribed", "1 when the teams' download guarantees add up to more "
                           "than spec.ingressTotal", value=1.0 if s.oversubscribed else 0.0),
-        GaugeMetricFamily(P + "ingress_feedback_gain", "the engine's gain on spec.ingressTotal: pods' shaped "
-                          "downloads / measured internet ingress", value=s.gain),
+        GaugeMetricFamily(P + "ingress_feedback_gain", "the engine's gain on spec.ingressTotal: 1 - (measured "
+                          "internet ingress - pods' shaped downloads) / spec.ingressTotal", value=s.gain),
         GaugeMetricFamily(P + "ingress_allocated_bytes_per_second", "sum of the pods' download fair shares",
                           labels=TC),
         GaugeMetricFamily(P + "ingress_demand_bytes_per_second", "sum of the pods' estimated download demand",
