@@ -51,7 +51,7 @@ class EngineConfig:
     # and the measured total, each as a share of the capacity they ran under, both moved less than
     # this since the last feedback: in a transient (a node's pods starting) an older agent's two
     # numbers cover different windows (its last 1 s sample against its node's counter since the last
-    # report) and their ratio says nothing of the plant
+    # report) and together they say nothing of the plant
     gain_steady: float = 0.03
 
 
